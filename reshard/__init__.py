@@ -1,0 +1,19 @@
+"""reshard: distributed resharding of DeepSpeed ZeRO checkpoints to a new data-parallel size.
+
+    import reshard
+    reshard.reshard_checkpoint("/ckpt/run1", "/ckpt/run1-dp16", target_dp=16)
+
+or from the shell, one process per worker:
+
+    torchrun --nproc_per_node=8 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
+"""
+from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
+
+__version__ = "0.1.0"
+__all__ = ["reshard_checkpoint", "ReshardError", "CheckpointError", "UnsupportedCheckpoint", "__version__"]
+
+
+def reshard_checkpoint(source, destination, target_dp, **options):
+    """Reshard `source` for `target_dp` data-parallel ranks into `destination`; see reshard.job."""
+    from reshard.job import reshard_checkpoint as run
+    return run(source, destination, target_dp, **options)

@@ -1,0 +1,66 @@
+"""Command line: `python -m reshard SRC DST --target-dp M` (or under torchrun, one per worker).
+
+    torchrun --standalone --nproc_per_node=4 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
+    python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
+    python -m reshard --config configs/example.yaml
+
+Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
+2 for bad input or options (the message names the file and the problem); 1 for anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reshard.errors import ReshardError
+from reshard.options import ReshardOptions, parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reshard", description="Reshard a DeepSpeed ZeRO checkpoint for a new data-parallel world size, "
+                                    "written natively so that engine.load_checkpoint(DST) works at that size.")
+    parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("destination", nargs="?", help="save directory to create")
+    parser.add_argument("--target-dp", type=int, help="data-parallel world size to reshard for")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--memory-budget", type=parse_size,
+                        help="bytes of slices a worker holds at once, e.g. 512M, 4G (default 1G)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="allow a non-empty DST; replaces the tag directory and `latest` there")
+    parser.add_argument("--dry-run", action="store_true", default=None,
+                        help="print the plan (files and bytes per worker); read no tensors, write nothing")
+    parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    parser.add_argument("--trust-pickle", action="store_true", default=None,
+                        help="unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
+    parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
+    parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ReshardOptions:
+    overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
+                 "tag": args.tag, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
+                 "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle,
+                 "backend": args.backend, "timeout": args.timeout}
+    if args.config:
+        return ReshardOptions.from_yaml(args.config, **overrides).validate()
+    return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        options = options_from_args(args)
+        from reshard.job import run_job
+        result = run_job(options)
+    except ReshardError as error:
+        print(f"reshard: error: {error}", file=sys.stderr)
+        return 2
+    if result.reports and result.reports[0].worker == 0 or result.dry_run:
+        from reshard.transport import launched_with_workers
+        import os
+        if not launched_with_workers() or os.environ.get("RANK", "0") == "0":
+            print(result.summary())
+    return 0

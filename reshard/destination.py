@@ -1,0 +1,128 @@
+"""The destination save directory: refuse unsafe targets, write into staging, publish atomically.
+
+    from reshard.destination import check_paths, Staging
+    check_paths(src, dst, overwrite=False)          # DST inside SRC, non-empty DST, ... refused
+    staging = Staging(dst, tag); staging.create()   # DST/.reshard-staging/TAG/
+    ...workers write files into staging.tag_dir...
+    staging.publish(other_files_from=src_tag_dir)   # move into DST/TAG, then write DST/latest
+
+Until `publish` renames the staging directory into place and writes `latest` (last, by
+atomic rename), DeepSpeed finds no loadable checkpoint in DST: `load_checkpoint` reads the
+tag from `latest`, and a tag directory only appears complete.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from reshard.errors import OptionError
+from reshard.formats import deepspeed_schema as schema
+
+STAGING = ".reshard-staging"
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_paths(src: str, dst: str, overwrite: bool) -> None:
+    """Refuse destinations that could touch the source or clobber existing data."""
+    src_real, dst_real = os.path.realpath(src), os.path.realpath(dst)
+    if _inside(dst_real, src_real):
+        raise OptionError(f"{dst}: the destination is {'the source' if dst_real == src_real else 'inside the source'} "
+                          f"{src}; choose a directory outside it (the source is never modified)")
+    if _inside(src_real, dst_real):
+        raise OptionError(f"{dst}: the destination contains the source {src}; choose a directory outside it")
+    if os.path.exists(dst_real):
+        if not os.path.isdir(dst_real):
+            raise OptionError(f"{dst}: exists and is not a directory")
+        leftovers = [n for n in os.listdir(dst_real) if n != STAGING]
+        if leftovers and not overwrite:
+            raise OptionError(f"{dst}: is not empty ({', '.join(sorted(leftovers)[:5])}"
+                              f"{' ...' if len(leftovers) > 5 else ''}); pass --overwrite to replace the tag there")
+        if not os.access(dst_real, os.W_OK | os.X_OK):
+            raise OptionError(f"{dst}: is not writable")
+    else:
+        parent = os.path.dirname(dst_real.rstrip(os.sep)) or "."
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OptionError(f"{dst}: cannot be created, {parent} is not writable")
+
+
+@dataclass
+class Staging:
+    """DST/.reshard-staging/TAG: where workers write before the result is published."""
+
+    destination: str
+    tag: str
+
+    @property
+    def root(self) -> str:
+        return os.path.join(self.destination, STAGING)
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.root, self.tag)
+
+    def create(self) -> None:
+        os.makedirs(self.destination, exist_ok=True)
+        if os.path.exists(self.tag_dir):
+            shutil.rmtree(self.tag_dir)
+        os.makedirs(self.tag_dir)
+
+    def publish(self, other_files_from: str | None = None, other_files: tuple[str, ...] = ()) -> None:
+        """Copy extra files, move the tag directory into place, then write `latest` and helpers."""
+        for name in other_files:
+            shutil.copy2(os.path.join(other_files_from, name), os.path.join(self.tag_dir, name))
+        _fsync_dir(self.tag_dir)
+        final = os.path.join(self.destination, self.tag)
+        old = None
+        if os.path.exists(final):
+            old = os.path.join(self.root, f"replaced-{self.tag}")
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(self.tag_dir, final)
+        for script in schema.RECOVERY_SCRIPTS:
+            _copy_recovery_script(script, self.destination)
+        latest = os.path.join(self.destination, schema.LATEST)
+        temporary = latest + ".reshard-tmp"
+        with open(temporary, "w") as fd:
+            fd.write(self.tag)  # DeepSpeed writes the tag without a newline
+            fd.flush()
+            os.fsync(fd.fileno())
+        os.replace(temporary, latest)
+        _fsync_dir(self.destination)
+        if old is not None:
+            shutil.rmtree(old)
+        self.discard()
+
+    def discard(self) -> None:
+        """Remove staging (after publish, or after a failure: nothing of it looks like a checkpoint)."""
+        if os.path.exists(self.tag_dir):
+            shutil.rmtree(self.tag_dir)
+        if os.path.isdir(self.root) and not os.listdir(self.root):
+            os.rmdir(self.root)
+
+
+def _copy_recovery_script(name: str, save_dir: str) -> None:
+    """As engine.py `_copy_recovery_script`: DeepSpeed's helper next to the tags, executable."""
+    import importlib.util
+    package = importlib.util.find_spec("deepspeed")
+    if package is None or not package.submodule_search_locations:
+        return
+    source = os.path.join(package.submodule_search_locations[0], "utils", name)
+    if os.path.isfile(source):
+        target = os.path.join(save_dir, name)
+        shutil.copyfile(source, target)
+        os.chmod(target, os.stat(target).st_mode | 0o111)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

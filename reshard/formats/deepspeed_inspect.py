@@ -1,0 +1,510 @@
+"""Read a DeepSpeed save directory into a `SourceCheckpoint`: what it is, where its tensors are.
+
+    from reshard.formats.deepspeed_inspect import inspect_checkpoint
+    source = inspect_checkpoint("/ckpt/run1")            # tag from /ckpt/run1/latest
+    print(source.spec.describe())                        # ZeRO-2 fp32, 4 dp ranks, ...
+    refs = source_rank_tensors(source, rank=3)           # where rank 3's partitions sit
+
+Only pickles are read here (map_location="meta"); tensor bytes stay on disk. The spec is
+derived from the rank-0 files and checked against DeepSpeed's own metadata (paddings,
+partition counts, slice mappings), so a layout reshard does not understand is refused
+instead of silently misread. Every other rank's files are checked the same way by the
+worker that reads them (`source_rank_tensors`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.torch_archive import TensorRef, load_structure, portable, pread_exact, refs_in
+from reshard.layout import (DEFAULT_SUB_GROUP_SIZE, ParamSpec, PieceTable, Zero3Layout, Zero12Layout,
+                            frozen_pieces, param_alignment_elements, undo_round_robin, zero3_chunk,
+                            zero3_layout, zero12_layout)
+from reshard.plan import Stream
+
+OPT = schema.OPTIM
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """What a ZeRO checkpoint holds, independent of world size and of where its bytes are."""
+
+    stage: int
+    """ZeRO stage: 1, 2 or 3."""
+    optimizer: str
+    """"zero" (DeepSpeedZeroOptimizer or stage 3) or "bf16_optimizer" (BF16_Optimizer)."""
+    bf16_prefix: bool
+    """Optim files are named bf16_zero_pp_rank_*: the engine had bf16.enabled."""
+    dp_world_size: int
+    params: tuple[ParamSpec, ...]
+    """Trainable parameters; their order defines the logical space."""
+    groups: tuple[tuple[int, ...], ...]
+    """Parameter ids of each optimizer param group, in the model's order."""
+    round_robin: bool
+    param_alignment: int
+    """Per-parameter alignment in elements (1: none)."""
+    sub_group_size: int
+    lp_dtype: str
+    """dtype of the model (low-precision) parameters."""
+    streams: tuple[Stream, ...]
+    """Per-partition tensors: "fp32" master weights, then each optimizer state tensor."""
+    frozen: tuple[ParamSpec, ...] = ()
+    """ZeRO-3 frozen parameters, partitioned in the model-states files."""
+    frozen_dtype: str | None = None
+
+    def layout(self, world_size: int) -> Zero12Layout | Zero3Layout:
+        if self.stage == 3:
+            return zero3_layout(self.params, self.groups, world_size, self.sub_group_size)
+        return zero12_layout(self.params, self.groups, world_size, round_robin=self.round_robin,
+                             param_alignment=self.param_alignment)
+
+    def frozen_layout(self, world_size: int) -> tuple[PieceTable, tuple[int, ...]]:
+        """Pieces of the ZeRO-3 frozen space and the size of each frozen chunk at `world_size`."""
+        return frozen_pieces(self.frozen, world_size), tuple(zero3_chunk(p.numel, world_size) for p in self.frozen)
+
+    @property
+    def frozen_streams(self) -> tuple[Stream, ...]:
+        if not self.frozen:
+            return ()
+        return (Stream("frozen", self.frozen_dtype, _itemsize(self.frozen_dtype)),)
+
+    @property
+    def total_elements(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def describe(self) -> str:
+        kind = "BF16_Optimizer" if self.optimizer == "bf16_optimizer" else f"ZeRO-{self.stage}"
+        extras = [name for name, on in (("round-robin", self.round_robin),
+                                         ("parameter alignment", self.param_alignment > 1)) if on]
+        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks, {len(self.groups)} param groups, "
+                f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
+                f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
+                f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
+
+
+def buffer_numels(layout: Zero12Layout | Zero3Layout) -> tuple[int, ...]:
+    """Padded size of each flat buffer; the same on every rank."""
+    if isinstance(layout, Zero3Layout):
+        return tuple(sg.partition_numel for sg in layout.sub_groups)
+    return tuple(g.partition_numel for g in layout.groups)
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """A source checkpoint: its spec, the rank-0 file trees the targets are built from, and
+    the bytes of their small unpartitioned tensors (step counters, buffers, client state)."""
+
+    save_dir: str
+    tag: str
+    spec: CheckpointSpec
+    optim_template: Any
+    """Portable tree of rank 0's optim file (tensors as TensorRef)."""
+    model_template: Any
+    """Portable tree of rank 0's model-states file."""
+    carried: dict = field(default_factory=dict)
+    """file name -> storage key -> bytes, for templates small enough to ship to every worker."""
+    other_files: tuple[str, ...] = ()
+    """Files in the tag directory that are not DeepSpeed's (copied unchanged)."""
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+    def optim_name(self, rank: int) -> str:
+        return schema.optim_file_name(rank, self.spec.bf16_prefix)
+
+    def model_name(self, rank: int = 0) -> str:
+        return schema.model_file_name(self.spec.stage, rank)
+
+    def optim_path(self, rank: int) -> str:
+        return os.path.join(self.tag_dir, self.optim_name(rank))
+
+    def model_path(self, rank: int = 0) -> str:
+        return os.path.join(self.tag_dir, self.model_name(rank))
+
+    def source_files(self, rank: int) -> list[str]:
+        """The files of one source rank (the model-states file belongs to rank 0 under ZeRO-1/2)."""
+        files = [self.optim_path(rank)]
+        if self.spec.stage == 3 or rank == 0:
+            files.append(self.model_path(rank))
+        return files
+
+
+def _itemsize(dtype: str) -> int:
+    from reshard.formats.torch_archive import dtype_of
+    return dtype_of(dtype).itemsize
+
+
+def resolve_tag(save_dir: str, tag: str | None) -> str:
+    if not os.path.isdir(save_dir):
+        raise CheckpointError(save_dir, "is not a directory (expected a DeepSpeed save_dir)")
+    if tag is None:
+        latest = os.path.join(save_dir, schema.LATEST)
+        if not os.path.isfile(latest):
+            tags = sorted(d for d in os.listdir(save_dir) if os.path.isdir(os.path.join(save_dir, d)))
+            hint = f"; tag directories here: {', '.join(tags)}" if tags else ""
+            raise CheckpointError(latest, f"does not exist, so the tag is unknown: pass --tag TAG{hint}")
+        with open(latest) as fd:
+            tag = fd.read().strip()
+        if not tag:
+            raise CheckpointError(latest, "is empty: it should hold the tag of the checkpoint")
+        if not os.path.isdir(os.path.join(save_dir, tag)):
+            raise CheckpointError(os.path.join(save_dir, tag), f"does not exist, but {latest} names tag {tag!r}")
+    elif not os.path.isdir(os.path.join(save_dir, tag)):
+        raise CheckpointError(os.path.join(save_dir, tag), f"does not exist: no tag {tag!r} in {save_dir}")
+    return tag
+
+
+def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
+                       carry_model_bytes: bool | None = None) -> SourceCheckpoint:
+    """Read the rank-0 pickles of a save directory into a SourceCheckpoint.
+
+    `carry_model_bytes`: read the unpartitioned tensors of the model-states template into
+    memory (default: only under ZeRO-3, where every target rank needs them; the ZeRO-1/2
+    model file is copied file to file by one worker instead).
+    """
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    tag = resolve_tag(save_dir, tag)
+    tag_dir = os.path.join(save_dir, tag)
+    roles = {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
+             if os.path.isfile(os.path.join(tag_dir, name))}
+    _refuse_unsupported_files(tag_dir, roles)
+    optim = {n: r for n, r in roles.items() if r.kind == "optim"}
+    if not optim:
+        raise UnsupportedCheckpoint(tag_dir, "holds no *_optim_states.pt files, so it is not a ZeRO checkpoint "
+                                              "(a ZeRO-0/DDP checkpoint loads at any data-parallel size as it is)")
+    mp_ranks = {r.mp_rank for r in roles.values() if r.mp_rank is not None}
+    if mp_ranks != {0}:
+        raise UnsupportedCheckpoint(tag_dir, f"has tensor/model-parallel ranks {sorted(mp_ranks)}; resharding "
+                                              "with tensor parallelism is not supported yet (only mp_rank_00)")
+    prefixes = {r.bf16 for r in optim.values()}
+    if len(prefixes) > 1:
+        raise CheckpointError(tag_dir, "mixes bf16_zero_pp_rank_* and zero_pp_rank_* optim files: "
+                                       "two different saves in one tag directory")
+    bf16_prefix = prefixes.pop()
+    stage3 = any(r.kind == "zero3_model" for r in roles.values())
+
+    model_name = schema.model_file_name(3 if stage3 else 1)
+    model_path = os.path.join(tag_dir, model_name)
+    if not os.path.isfile(model_path):
+        raise CheckpointError(model_path, "is missing: every ZeRO checkpoint has this model-states file")
+    model_meta = load_structure(model_path, schema.safe_globals(), trust_pickle)
+    if not isinstance(model_meta, dict) or "dp_world_size" not in model_meta:
+        raise CheckpointError(model_path, "is not a DeepSpeed model-states file (no dp_world_size)")
+    n = model_meta["dp_world_size"]
+    if not isinstance(n, int) or n < 1:
+        raise CheckpointError(model_path, f"has dp_world_size {n!r}, expected a positive integer")
+    if model_meta.get("mp_world_size", 1) != 1:
+        raise UnsupportedCheckpoint(model_path, f"has mp_world_size {model_meta['mp_world_size']}: tensor "
+                                                f"parallelism is not supported yet")
+    _check_rank_files(tag_dir, n, optim, "optim", lambda r: schema.optim_file_name(r, bf16_prefix))
+    if stage3:
+        _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
+                          lambda r: schema.model_file_name(3, r))
+
+    optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
+    optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
+    optim_tree, model_tree = portable(optim_meta), portable(model_meta)
+    spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n)
+    streams = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
+    if spec.stage == 3:
+        streams.update(validate_model_tree(model_tree, model_path, spec, 0))
+
+    carried = {schema.optim_file_name(0, bf16_prefix): read_carried(optim_path, optim_tree, streams.values())}
+    if carry_model_bytes if carry_model_bytes is not None else stage3:
+        carried[model_name] = read_carried(model_path, model_tree, streams.values())
+    others = tuple(name for name, role in roles.items() if role.kind == "other")
+    return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others)
+
+
+def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
+    for name, role in roles.items():
+        if role.kind == "expert":
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file; expert-parallel "
+                                                                     "resharding is not supported yet")
+        if role.kind == "pipeline":
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; pipeline "
+                                                                     "checkpoints are not supported yet")
+
+
+def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of) -> None:
+    ranks = {role.dp_rank for role in present.values()}
+    missing = [r for r in range(n) if r not in ranks]
+    if missing:
+        raise CheckpointError(os.path.join(tag_dir, name_of(missing[0])),
+                              f"is missing: dp_world_size is {n}, so {n} {what} files are expected "
+                              f"(missing ranks {_ranks_text(missing)})")
+    extra = sorted(r for r in ranks if r >= n)
+    if extra:
+        raise CheckpointError(os.path.join(tag_dir, name_of(extra[0])),
+                              f"should not exist: dp_world_size is {n}, but {what} files for ranks "
+                              f"{_ranks_text(extra)} are present (left over from another save?)")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _zero_config(model_tree: dict) -> dict:
+    config = model_tree.get("ds_config") or {}
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+    return zero if isinstance(zero, dict) else {}
+
+
+def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n) -> CheckpointSpec:
+    osd = optim_tree.get(OPT) if isinstance(optim_tree, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(optim_path, f"is not a DeepSpeed optim-states file (no {OPT!r})")
+    if "zero_stage" in osd:
+        stage, optimizer = int(osd["zero_stage"]), "zero"
+    elif "single_partition_of_fp32_groups" in osd:
+        stage, optimizer = 1, "bf16_optimizer"
+    else:
+        raise CheckpointError(optim_path, "has neither zero_stage nor single_partition_of_fp32_groups: "
+                                          "not a ZeRO optimizer state")
+    if (stage == 3) != stage3:
+        raise CheckpointError(optim_path, f"says ZeRO stage {stage}, but the model-states files are "
+                                          f"{'per rank (stage 3)' if stage3 else 'for stage 1/2'}")
+    zero = _zero_config(model_tree)
+    shapes = model_tree.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(s, dict) for s in shapes):
+        raise CheckpointError(model_path, "has no param_shapes list: cannot tell the flat parameter order")
+    module = model_tree.get("module") or {}
+
+    round_robin = bool(zero.get("round_robin_gradients", False)) and optimizer == "zero" and stage < 3
+    if stage == 3:
+        groups_of_sub_groups = [list(g["params"]) for g in osd[OPT]["param_groups"]]
+        names_per_group = [[item for sg in ids for item in shapes[sg].items()] for ids in groups_of_sub_groups]
+        if sorted(sg for ids in groups_of_sub_groups for sg in ids) != list(range(len(shapes))):
+            raise CheckpointError(optim_path, "param_groups do not list every sub-group exactly once")
+    else:
+        names_per_group = [list(s.items()) for s in shapes]
+        if round_robin:
+            names_per_group = [undo_round_robin(items, n) for items in names_per_group]
+    params, groups = [], []
+    for items in names_per_group:
+        groups.append(tuple(range(len(params), len(params) + len(items))))
+        params.extend(ParamSpec(name, tuple(int(d) for d in size)) for name, size in items)
+    if not params:
+        raise CheckpointError(model_path, "lists no trainable parameters in param_shapes")
+    lp_ref = module.get(params[0].name)
+    if not isinstance(lp_ref, TensorRef):
+        raise CheckpointError(model_path, f"module has no tensor for trainable parameter {params[0].name!r}")
+    lp_dtype = lp_ref.dtype
+    param_alignment = param_alignment_elements(_itemsize(lp_dtype), bool(zero.get("parameter_alignment", False))
+                                               and optimizer == "zero" and stage < 3)
+    sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+
+    frozen, frozen_dtype = (), None
+    if stage == 3 and model_tree.get("frozen_param_fragments") is not None:
+        fragments = model_tree["frozen_param_fragments"]
+        frozen_shapes = model_tree.get("frozen_param_shapes") or {}
+        frozen = tuple(ParamSpec(name, tuple(int(d) for d in frozen_shapes[name])) for name in fragments)
+        dtypes = {ref.dtype for ref in fragments.values()}
+        frozen_dtype = dtypes.pop() if len(dtypes) == 1 else _refuse(model_path, "frozen fragments of mixed dtypes")
+
+    spec = CheckpointSpec(stage, optimizer, bf16_prefix, n, tuple(params), tuple(groups), round_robin,
+                          param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype)
+    layout = spec.layout(n)
+    if stage == 3:
+        expected = [[params[p].name for p in sg.params] for sg in layout.sub_groups]
+        found = [list(s.keys()) for s in shapes]
+        if expected != found:
+            raise CheckpointError(model_path, f"sub-groups in param_shapes ({len(found)}) do not follow from "
+                                              f"sub_group_size={sub_group_size} at {n} ranks ({len(expected)}); "
+                                              "was ds_config edited after the save?")
+    streams = _discover_streams(osd, optim_path, spec, layout)
+    return CheckpointSpec(**{**spec.__dict__, "streams": streams})
+
+
+def _refuse(path, problem):
+    raise UnsupportedCheckpoint(path, problem)
+
+
+def _optimizer_states(osd: dict, stage: int, path: str) -> dict:
+    base = osd[OPT] if stage == 3 else osd.get("base_optimizer_state")
+    if not isinstance(base, dict) or "state" not in base:
+        raise UnsupportedCheckpoint(path, "base optimizer state is not a torch optimizer state_dict "
+                                          "(elastic_checkpoint format?): not supported")
+    return base["state"]
+
+
+def _fp32_partitions(osd: dict, stage: int) -> list:
+    return osd["fp32_flat_groups"] if stage == 3 else osd["single_partition_of_fp32_groups"]
+
+
+def _discover_streams(osd, path, spec: CheckpointSpec, layout) -> tuple[Stream, ...]:
+    """fp32 plus every optimizer-state tensor shaped like its partition, whatever its name."""
+    sizes = buffer_numels(layout)
+    fp32 = _fp32_partitions(osd, spec.stage)
+    if len(fp32) != len(sizes) or not all(isinstance(t, TensorRef) for t in fp32):
+        raise CheckpointError(path, f"holds {len(fp32)} fp32 partitions, the layout has {len(sizes)} flat buffers")
+    dtypes = {t.dtype for t in fp32}
+    if len(dtypes) != 1:
+        raise UnsupportedCheckpoint(path, f"fp32 partitions of mixed dtypes {sorted(dtypes)}")
+    streams = [Stream("fp32", dtypes.pop(), fp32[0].itemsize)]
+    states = _optimizer_states(osd, spec.stage, path)
+    keys_per_buffer = []
+    for buffer, size in enumerate(sizes):
+        entry = states.get(buffer, {})
+        keys_per_buffer.append([(k, v.dtype) for k, v in entry.items()
+                                if isinstance(v, TensorRef) and v.shape == (size,)])
+    if any(keys != keys_per_buffer[0] for keys in keys_per_buffer):
+        raise UnsupportedCheckpoint(path, f"optimizer state keys differ between flat buffers: {keys_per_buffer}")
+    streams += [Stream(k, dtype, _itemsize(dtype)) for k, dtype in keys_per_buffer[0] if k != "fp32"]
+    return tuple(streams)
+
+
+def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int) -> dict:
+    """Check one rank's optim file against the layout; return {slot: TensorRef} of its partitions.
+
+    Slots are ("optim", buffer, stream name). Everything DeepSpeed derives from the layout is
+    compared with what the rules give, so a file from another checkpoint, another world
+    size or an unknown DeepSpeed layout is refused with the first difference.
+    """
+    osd = tree.get(OPT) if isinstance(tree, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(path, f"is not a DeepSpeed optim-states file (no {OPT!r})")
+    if spec.optimizer == "zero" and int(osd.get("zero_stage", -1)) != spec.stage:
+        raise CheckpointError(path, f"says ZeRO stage {osd.get('zero_stage')}, rank 0 says {spec.stage}")
+    n = layout.world_size
+    if spec.stage == 3:
+        _expect(path, "partition_count", osd.get("partition_count"), n)
+    else:
+        _expect(path, "partition_count", list(osd.get("partition_count", [])), [n] * len(layout.groups))
+        if spec.optimizer == "zero":
+            _expect(path, "group_paddings", list(osd.get("group_paddings", [])),
+                    [g.tail_padding(rank) for g in layout.groups])
+            if "param_alignment_paddings" in osd:
+                _expect(path, "param_alignment_paddings", [list(p) for p in osd["param_alignment_paddings"]],
+                        [list(g.alignment_paddings) for g in layout.groups])
+        else:
+            _expect(path, "group_paddings", list(osd.get("group_paddings", [])),
+                    [g.bf16_optimizer_padding(rank) for g in layout.groups])
+        if "param_slice_mappings" in osd:
+            found = [[(name, int(a.numel), int(a.start)) for name, a in m.items()] for m in osd["param_slice_mappings"]]
+            wanted = [[(spec.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, [q.numel for q in spec.params])]
+                      for g in layout.groups]
+            _expect(path, "param_slice_mappings", found, wanted)
+
+    sizes = buffer_numels(layout)
+    refs = {}
+    fp32 = _fp32_partitions(osd, spec.stage)
+    states = _optimizer_states(osd, spec.stage, path)
+    if len(fp32) != len(sizes):
+        raise CheckpointError(path, f"holds {len(fp32)} fp32 partitions, expected {len(sizes)}")
+    for buffer, size in enumerate(sizes):
+        if spec.stage < 3 and spec.optimizer == "zero":
+            fp32_size = layout.groups[buffer].lean_numel(rank)
+        else:
+            fp32_size = size
+        entry = states.get(buffer, {})
+        for stream in spec.streams:
+            ref = fp32[buffer] if stream.name == "fp32" else entry.get(stream.name)
+            expected = fp32_size if stream.name == "fp32" else size
+            where = f"{stream.name} of flat buffer {buffer}"
+            if not isinstance(ref, TensorRef):
+                raise CheckpointError(path, f"has no {where} (rank 0 has one)")
+            if ref.numel != expected or len(ref.shape) != 1:
+                raise CheckpointError(path, f"{where} has shape {list(ref.shape)}, but {spec.dp_world_size} ranks with "
+                                            f"these parameter shapes give a partition of {expected} elements "
+                                            "(shard from another checkpoint or world size?)")
+            if ref.dtype != stream.dtype:
+                raise CheckpointError(path, f"{where} is {ref.dtype}, rank 0 has {stream.dtype}")
+            if not ref.is_contiguous:
+                raise UnsupportedCheckpoint(path, f"{where} is not stored contiguously")
+            refs[("optim", buffer, stream.name)] = ref
+    return refs
+
+
+def validate_model_tree(tree, path: str, spec: CheckpointSpec, rank: int) -> dict:
+    """Check a ZeRO-3 model-states file; return {slot: TensorRef} of its frozen fragments."""
+    if not isinstance(tree, dict) or tree.get("dp_world_size") != spec.dp_world_size:
+        raise CheckpointError(path, f"has dp_world_size {tree.get('dp_world_size') if isinstance(tree, dict) else None}, "
+                                    f"rank 0 says {spec.dp_world_size}")
+    refs = {}
+    fragments = tree.get("frozen_param_fragments") or {}
+    for index, param in enumerate(spec.frozen):
+        ref = fragments.get(param.name)
+        chunk = zero3_chunk(param.numel, spec.dp_world_size)
+        if not isinstance(ref, TensorRef) or ref.numel != chunk or ref.dtype != spec.frozen_dtype:
+            found = f"{list(ref.shape)} {ref.dtype}" if isinstance(ref, TensorRef) else "nothing"
+            raise CheckpointError(path, f"frozen fragment of {param.name} is {found}, expected [{chunk}] "
+                                        f"{spec.frozen_dtype} at {spec.dp_world_size} ranks")
+        refs[("frozen", index, "frozen")] = ref
+    return refs
+
+
+def _expect(path: str, key: str, found, wanted) -> None:
+    if found != wanted:
+        raise CheckpointError(path, f"{key} is {_short(found)}, but the ZeRO layout rules give {_short(wanted)} "
+                                    "(file from another world size or checkpoint, or a DeepSpeed layout reshard does not know)")
+
+
+def _short(value, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
+    """Bytes of every storage in `tree` that is not a partition (step counters, buffers, ...)."""
+    skip = {ref.storage_key for ref in partitioned_refs}
+    wanted = {}
+    for ref in refs_in(tree):
+        if isinstance(ref, TensorRef) and ref.storage_key not in skip:
+            wanted[ref.storage_key] = ref.storage_nbytes
+    data = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for key, nbytes in wanted.items():
+            buf = bytearray(nbytes)
+            pread_exact(fd, memoryview(buf), key, path)
+            data[key] = bytes(buf)
+    finally:
+        os.close(fd)
+    return data
+
+
+def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bool = False) -> dict:
+    """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
+    spec = source.spec
+    layout = spec.layout(spec.dp_world_size)
+    path = source.optim_path(rank)
+    tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+    found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, rank).items()}
+    _check_same_counters(tree, source, path)
+    if spec.stage == 3:
+        mpath = source.model_path(rank)
+        mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
+    return found
+
+
+def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:
+    """Every rank steps together: a different optimizer `step` means a shard of another checkpoint."""
+    spec = source.spec
+    template_bytes = source.carried.get(source.optim_name(0), {})
+
+    def step_refs(t):
+        states = _optimizer_states(t[OPT], spec.stage, path)
+        return {b: v.get("step") for b, v in states.items()}
+
+    mine, rank0 = step_refs(tree), step_refs(source.optim_template)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for buffer, ref0 in rank0.items():
+            ref = mine.get(buffer)
+            if isinstance(ref0, TensorRef) and isinstance(ref, TensorRef) and ref0.storage_key in template_bytes:
+                buf = bytearray(ref.storage_nbytes)
+                pread_exact(fd, memoryview(buf), ref.storage_key, path)
+                same = bytes(buf) == template_bytes[ref0.storage_key]
+            else:
+                same = ref == ref0
+            if not same:
+                raise CheckpointError(path, f"optimizer step counter of flat buffer {buffer} differs from rank 0's: "
+                                            "shards of different checkpoints (or saves) mixed in one tag directory")
+    finally:
+        os.close(fd)

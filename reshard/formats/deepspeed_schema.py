@@ -1,0 +1,102 @@
+"""DeepSpeed 0.19.8 checkpoint schema in one place: file names, where partitioned tensors sit.
+
+    from reshard.formats.deepspeed_schema import optim_file_name, classify
+    optim_file_name(dp_rank=3, bf16=True)    # "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"
+    classify("mp_rank_00_model_states.pt")   # FileRole("model", dp_rank=None, mp_rank=0, bf16=False)
+
+A save directory holds `latest` (the tag, no newline) and one directory per tag. Inside a tag
+(runtime/engine.py: `_get_ckpt_name`, `_get_rank_zero_ckpt_name`):
+
+    mp_rank_{mp:02d}_model_states.pt                       ZeRO-1/2, written by dp rank 0
+    zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt     ZeRO-3, one per dp rank
+    [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   one per dp rank;
+                                                           "bf16_" iff bf16.enabled
+
+Model-states file (`_save_checkpoint`, `_common_checkpoint_state`; client_state merged at
+the top level):
+    module, buffer_names, optimizer (None), param_shapes, frozen_param_shapes,
+    shared_params, frozen_param_fragments, lr_scheduler, data_sampler, random_ltd,
+    skipped_steps, global_steps, global_samples, dp_world_size, mp_world_size,
+    checkpoint_parallel_dimensions, ds_config, ds_version, <client_state keys...>
+
+Optim-states file: {"optimizer_state_dict": OSD, "ds_config", "ds_version"} where OSD is
+    ZeRO-1/2 (stage_1_and_2.py `state_dict`): loss_scaler, dynamic_loss_scale, overflow,
+        clip_grad, base_optimizer_state {state: {g: {step, <partitioned>...}}, param_groups},
+        single_partition_of_fp32_groups [g], zero_stage, group_paddings,
+        param_alignment_paddings, partition_count [g], ds_version, param_slice_mappings [g]
+    BF16_Optimizer (bf16_optimizer.py `state_dict`): clip_grad, base_optimizer_state,
+        single_partition_of_fp32_groups [g] (padded), group_paddings, partition_count,
+        ds_version, param_slice_mappings
+    ZeRO-3 (stage3.py `_rigid_state_dict`): zero_stage, loss_scaler, dynamic_loss_scale,
+        overflow, partition_count (int), optimizer_state_dict {state: {sub-group: {...}},
+        param_groups[g].params = sub-group ids}, fp32_flat_groups [sub-group]
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+OPTIM = "optimizer_state_dict"
+LATEST = "latest"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # engine.py: _copy_recovery_script
+
+_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_EXPERT_RE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
+_PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class FileRole:
+    """What a file in a tag directory is, by its name."""
+
+    kind: str
+    """"optim", "model" (ZeRO-1/2), "zero3_model", "expert", "pipeline" or "other"."""
+    dp_rank: int | None = None
+    mp_rank: int | None = None
+    bf16: bool = False
+
+
+def classify(name: str) -> FileRole:
+    if m := _OPTIM_RE.match(name):
+        return FileRole("optim", int(m[2]), int(m[3]), bool(m[1]))
+    if m := _ZERO3_MODEL_RE.match(name):
+        return FileRole("zero3_model", int(m[1]), int(m[2]))
+    if m := _MODEL_RE.match(name):
+        return FileRole("model", None, int(m[1]))
+    if _EXPERT_RE.match(name):
+        return FileRole("expert")
+    if _PIPELINE_RE.match(name):
+        return FileRole("pipeline")
+    return FileRole("other")
+
+
+def optim_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def model_file_name(stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
+    if stage == 3:
+        return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+@cache
+def safe_globals() -> tuple:
+    """The classes DeepSpeed pickles into its checkpoints; nothing else is unpickled by default."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+
+
+def safe_global_names() -> set[str]:
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in safe_globals()}
+
+
+def fragment_address(numel: int, start: int):
+    """DeepSpeed's own record type for `param_slice_mappings` values."""
+    from deepspeed.utils.tensor_fragment import fragment_address as cls
+    return cls(numel=numel, start=start)

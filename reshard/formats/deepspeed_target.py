@@ -1,0 +1,148 @@
+"""The files DeepSpeed expects at the target world size, as trees to write.
+
+    from reshard.formats.deepspeed_target import target_files
+    for f in target_files(source, world_size=3, rank=1):
+        f.name   # "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        f.tree   # rank 0's file with partitions replaced by NewTensor slots, metadata for 3 ranks
+
+Each target file starts from the source rank-0 file of its kind (same keys, same order, every
+unknown key and all client_state carried through). What depends on the world size is
+recomputed from the layout rules rather than copied: partitions (new buffers, filled by the
+exchange), `partition_count`, `group_paddings`, `param_alignment_paddings`,
+`param_slice_mappings`, `param_shapes` (flat order / sub-groups), ZeRO-3 sub-group ids,
+`frozen_param_fragments` and `dp_world_size`.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import OPT, SourceCheckpoint
+from reshard.formats.torch_archive import NewTensor, TensorRef
+
+
+@dataclass(frozen=True)
+class TargetFile:
+    """One file to write: its name in the tag directory and its tree."""
+
+    name: str
+    tree: Any
+    template: str
+    """Source file (name in the tag directory) whose storages the tree's TensorRefs point into."""
+
+    @property
+    def slots(self) -> list[tuple]:
+        from reshard.formats.torch_archive import refs_in
+        return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
+
+
+def target_files(source: SourceCheckpoint, world_size: int, rank: int) -> list[TargetFile]:
+    """The files target rank `rank` of `world_size` owns (rank 0 also owns the ZeRO-1/2 model file)."""
+    spec = source.spec
+    layout = spec.layout(world_size)
+    files = [TargetFile(schema.optim_file_name(rank, spec.bf16_prefix),
+                        _optim_tree(source, layout, rank), source.optim_name(0))]
+    if spec.stage == 3:
+        files.append(TargetFile(schema.model_file_name(3, rank), _zero3_model_tree(source, layout, rank),
+                                source.model_name(0)))
+    elif rank == 0:
+        files.append(TargetFile(schema.model_file_name(spec.stage), _zero12_model_tree(source, layout),
+                                source.model_name(0)))
+    return files
+
+
+def _new(slot: tuple, numel: int, like: Any, dtype: str) -> NewTensor:
+    requires_grad = like.requires_grad if isinstance(like, TensorRef) else False
+    return NewTensor(slot, numel, dtype, requires_grad)
+
+
+def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
+    spec = source.spec
+    tree = copy.deepcopy(source.optim_template)
+    osd = tree[OPT]
+    if spec.stage == 3:
+        _fill_zero3_optim(osd, source, layout)
+        return tree
+    states = osd["base_optimizer_state"]["state"]
+    fp32 = osd["single_partition_of_fp32_groups"]
+    numels = [p.numel for p in spec.params]
+    for g, group in enumerate(layout.groups):
+        lean = group.lean_numel(rank) if spec.optimizer == "zero" else group.partition_numel
+        for stream in spec.streams:
+            slot = ("optim", g, stream.name)
+            if stream.name == "fp32":
+                fp32[g] = _new(slot, lean, fp32[g], stream.dtype)
+            else:
+                states[g][stream.name] = _new(slot, group.partition_numel, states[g][stream.name], stream.dtype)
+    osd["partition_count"] = [layout.world_size] * len(layout.groups)
+    if spec.optimizer == "zero":
+        osd["group_paddings"] = [g.tail_padding(rank) for g in layout.groups]
+        if "param_alignment_paddings" in osd:
+            osd["param_alignment_paddings"] = [list(g.alignment_paddings) for g in layout.groups]
+    else:
+        osd["group_paddings"] = [g.bf16_optimizer_padding(rank) for g in layout.groups]
+    if "param_slice_mappings" in osd:
+        osd["param_slice_mappings"] = [
+            OrderedDict((spec.params[p].name, schema.fragment_address(numel, start))
+                        for p, numel, start in g.slice_mappings(rank, numels))
+            for g in layout.groups]
+    return tree
+
+
+def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
+    spec = source.spec
+    stream_names = {s.name for s in spec.streams}
+    source_layout = spec.layout(spec.dp_world_size)
+    first_source_sub_group = {}
+    for sg_id, sg in enumerate(source_layout.sub_groups):
+        first_source_sub_group.setdefault(sg.group, sg_id)
+    inner = osd[OPT]
+    old_states, old_fp32 = inner["state"], osd["fp32_flat_groups"]
+    like_fp32 = old_fp32[0] if old_fp32 else None
+    states = {}
+    for sg_id, sg in enumerate(layout.sub_groups):
+        template = old_states.get(first_source_sub_group[sg.group])
+        if template is None:
+            continue
+        states[sg_id] = {key: (_new(("optim", sg_id, key), sg.partition_numel, value, value.dtype)
+                               if key in stream_names and isinstance(value, TensorRef) else copy.deepcopy(value))
+                         for key, value in template.items()}
+    inner["state"] = states
+    for g, param_group in enumerate(inner["param_groups"]):
+        param_group["params"] = [i for i, sg in enumerate(layout.sub_groups) if sg.group == g]
+    fp32 = next(s for s in spec.streams if s.name == "fp32")
+    osd["fp32_flat_groups"] = [_new(("optim", i, "fp32"), sg.partition_numel, like_fp32, fp32.dtype)
+                               for i, sg in enumerate(layout.sub_groups)]
+    osd["partition_count"] = layout.world_size
+
+
+def _shapes(spec, param_ids) -> OrderedDict:
+    return OrderedDict((spec.params[p].name, torch.Size(spec.params[p].shape)) for p in param_ids)
+
+
+def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
+    tree = copy.deepcopy(source.model_template)
+    tree["param_shapes"] = [_shapes(source.spec, g.flat_order) for g in layout.groups]
+    tree["dp_world_size"] = layout.world_size
+    return tree
+
+
+def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
+    spec = source.spec
+    tree = copy.deepcopy(source.model_template)
+    tree["param_shapes"] = [_shapes(spec, sg.params) for sg in layout.sub_groups]
+    tree["dp_world_size"] = layout.world_size
+    if spec.frozen:
+        old = tree["frozen_param_fragments"]
+        tree["frozen_param_fragments"] = OrderedDict(
+            (p.name, _new(("frozen", j, "frozen"), -(-p.numel // layout.world_size), old[p.name], spec.frozen_dtype))
+            for j, p in enumerate(spec.frozen))
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only.
+    if rank != 0 and isinstance(tree.get("shared_params"), dict):
+        tree["shared_params"] = {}
+    return tree

@@ -1,0 +1,284 @@
+"""torch.save files without reading or holding their tensors: structure, byte offsets, skeletons.
+
+    from reshard.formats.torch_archive import load_structure, portable, write_skeleton
+    meta = load_structure("zero_pp_rank_0_mp_rank_00_optim_states.pt")   # pickle only
+    tree = portable(meta)          # every tensor replaced by a TensorRef (where its bytes are)
+    offsets = write_skeleton("out.pt", materialize(tree, ...)[0])   # structure, no data
+
+How reshard reads: `torch.load(map_location="meta")` reads only the pickle; every storage
+then carries `_checkpoint_offset`, the byte offset of its data in the file, and slices are
+read with `os.pread` at offsets the plan names. Unlike an mmap, pread leaves nothing mapped
+in the process, so resident memory stays at what the plan holds.
+
+How reshard writes (torch >= 2.6): the target object is built with `torch.empty` storages
+(never touched, so never resident) and saved under `torch.serialization.skip_data()`, which
+writes the whole structure and reserves each storage's bytes (they read back as zeros).
+Reloading that skeleton with `map_location="meta"` gives each storage's offset; the data
+then goes there with `os.pwrite` / `os.copy_file_range` as it arrives. The result is a
+normal torch file.
+
+Tensors are found the way torch.save finds them: by pickling the object with a
+`persistent_id` hook. That reaches tensors anywhere, inside custom classes included, and
+visits them in the same order for any two objects of the same shape.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.serialization import skip_data
+
+from reshard.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a source file, by where its bytes are: storage key = byte offset in the file."""
+
+    storage_key: int
+    storage_nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_of(self.dtype).itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected, stride = [], 1
+        for size in reversed(self.shape):
+            expected.append(stride)
+            stride *= size
+        return all(s == e for s, e, size in zip(self.stride, reversed(expected), self.shape) if size > 1)
+
+    @property
+    def byte_offset(self) -> int:
+        """Offset of element 0 of this (contiguous) tensor in the file."""
+        return self.storage_key + self.storage_offset * self.itemsize
+
+
+@dataclass(frozen=True)
+class NewTensor:
+    """A tensor the writer creates: a 1-D buffer of `numel` elements, filled by the exchange."""
+
+    slot: tuple
+    """What fills it, e.g. ("optim", buffer, stream); the writer maps slots to file offsets."""
+    numel: int
+    dtype: str
+    requires_grad: bool = False
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
+    """Unpickle a torch file onto the meta device: structure and offsets, no tensor data.
+
+    Loads with weights_only=True and the given allowlist unless `trust_pickle`; anything else
+    is refused with a message naming the class and the file.
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as error:
+        raise CheckpointError(path, f"cannot be read: {error.strerror}") from None
+    if size == 0:
+        raise CheckpointError(path, "is empty (0 bytes): the save did not finish or the file was truncated")
+    try:
+        if trust_pickle:
+            return torch.load(path, map_location="meta", weights_only=False)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as error:
+        message = str(error)
+        if "Unsupported global" in message or "weights_only" in message:
+            unsafe = _unsafe_globals(path)
+            raise CheckpointError(path, f"holds pickled classes outside reshard's allowlist ({', '.join(unsafe) or message.splitlines()[0]}); "
+                                        "loading it would run code from the checkpoint. If you trust this file, pass --trust-pickle") from None
+        raise CheckpointError(path, f"is not a readable torch checkpoint ({message.splitlines()[0]})") from None
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
+
+
+def _unsafe_globals(path: str) -> list[str]:
+    try:
+        from reshard.formats.deepspeed_schema import safe_global_names
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in safe_global_names()]
+    except Exception:  # the message is best effort; the refusal stands regardless
+        return []
+
+
+class _LeafFinder(pickle.Pickler):
+    """Pickles `obj` into `file`, noting every object `is_leaf` accepts, in torch.save's order."""
+
+    def __init__(self, file, is_leaf: Callable[[Any], bool]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.is_leaf = is_leaf
+        self.found: list = []
+
+    def persistent_id(self, obj):
+        if self.is_leaf(obj):
+            self.found.append(obj)
+            return len(self.found) - 1
+        return None
+
+
+class _Replacer(pickle.Unpickler):
+    def __init__(self, data: bytes, replacements: list):
+        super().__init__(io.BytesIO(data))
+        self.replacements = replacements
+
+    def persistent_load(self, pid):
+        return self.replacements[pid]
+
+
+def _is_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+def leaves_in_order(obj: Any, is_leaf: Callable[[Any], bool] = _is_tensor) -> list:
+    """Every leaf (by default every tensor) of `obj`, in the order torch.save meets them."""
+    finder = _LeafFinder(io.BytesIO(), is_leaf)
+    finder.dump(obj)
+    return finder.found
+
+
+def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_tensor) -> Any:
+    """A copy of `obj` with every leaf replaced by fn(leaf); a leaf met twice maps to one object.
+
+    Only for objects reshard itself holds (already safely loaded): the copy is made by
+    pickling and unpickling them in memory.
+    """
+    out = io.BytesIO()
+    pickler = _LeafFinder(out, is_leaf)
+    pickler.dump(obj)
+    memo: dict[int, Any] = {}
+    replacements = []
+    for leaf in pickler.found:
+        if id(leaf) not in memo:
+            memo[id(leaf)] = fn(leaf)
+        replacements.append(memo[id(leaf)])
+    return _Replacer(out.getvalue(), replacements).load()
+
+
+def tensor_ref(tensor: torch.Tensor) -> TensorRef:
+    """Where a meta-loaded tensor's bytes are in its file."""
+    storage = tensor.untyped_storage()
+    key = getattr(storage, "_checkpoint_offset", None)
+    if key is None:
+        raise ValueError("tensor was not loaded with map_location='meta' from a file")
+    return TensorRef(int(key), storage.nbytes(), dtype_name(tensor.dtype), tuple(tensor.shape),
+                     tuple(tensor.stride()), tensor.storage_offset(), bool(tensor.requires_grad))
+
+
+def portable(meta_obj: Any) -> Any:
+    """`meta_obj` with every tensor replaced by its TensorRef: plain data, picklable, comparable."""
+    return map_leaves(meta_obj, tensor_ref)
+
+
+def is_ref(obj) -> bool:
+    return isinstance(obj, (TensorRef, NewTensor))
+
+
+def refs_in(tree: Any) -> list:
+    return leaves_in_order(tree, is_ref)
+
+
+def materialize(tree: Any) -> tuple[Any, dict]:
+    """Turn a tree of TensorRef/NewTensor into real CPU tensors with untouched storages.
+
+    Tensors that shared a storage in the source share one here. Returns the object and
+    {storage identity: TensorRef storage key (int) or NewTensor slot (tuple)}.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    roles: dict[int, Any] = {}
+
+    def build(ref):
+        if isinstance(ref, NewTensor):
+            tensor = torch.empty(ref.numel, dtype=dtype_of(ref.dtype))
+            roles[_identity(tensor)] = ref.slot
+        else:
+            storage = storages.get(ref.storage_key)
+            if storage is None:
+                storage = storages[ref.storage_key] = torch.UntypedStorage(ref.storage_nbytes)
+            tensor = torch.empty(0, dtype=dtype_of(ref.dtype)).set_(storage, ref.storage_offset, ref.shape, ref.stride)
+            roles[_identity(tensor)] = ref.storage_key
+        if ref.requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
+    return map_leaves(tree, build, is_ref), roles
+
+
+def _identity(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def write_skeleton(path: str, obj: Any, roles: dict) -> dict:
+    """torch.save `obj` without tensor data; return {role: byte offset of its storage in `path`}."""
+    with skip_data():
+        torch.save(obj, path)
+    reloaded = torch.load(path, map_location="meta", weights_only=False)  # our own file
+    mine, theirs = leaves_in_order(obj), leaves_in_order(reloaded)
+    if len(mine) != len(theirs):
+        raise AssertionError(f"{path}: skeleton has {len(theirs)} tensors, expected {len(mine)}")
+    offsets = {}
+    for a, b in zip(mine, theirs):
+        role = roles.get(_identity(a))
+        if role is None or a.untyped_storage().nbytes() == 0:
+            continue
+        offset = int(b.untyped_storage()._checkpoint_offset)
+        if offsets.setdefault(role, offset) != offset:
+            raise AssertionError(f"{path}: one source storage was saved twice")
+    return offsets
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, path: str = "") -> None:
+    """Fill `view` from `fd` at `offset`; a short read means the file is shorter than its index says."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(path, f"ends at byte {offset + done}, but its index says data continues to "
+                                        f"byte {offset + len(view)} (truncated)")
+        done += n
+
+
+def pwrite_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+def copy_bytes(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, path: str = "") -> None:
+    """Kernel-side copy of a byte range between files (no user-space buffer)."""
+    done = 0
+    while done < count:
+        n = os.copy_file_range(src_fd, dst_fd, count - done, src_offset + done, dst_offset + done)
+        if n == 0:
+            raise CheckpointError(path, f"ends before byte {src_offset + count} (truncated)")
+        done += n

@@ -1,0 +1,245 @@
+"""A reshard job from start to finish, run by every worker.
+
+    from reshard import reshard_checkpoint
+    result = reshard_checkpoint("/ckpt/run1", "/ckpt/run1-dp16", target_dp=16)
+    print(result.summary())
+
+Under torchrun every worker calls the same function; alone it runs as one worker. Steps,
+and which workers run them:
+
+1. worker 0 inspects the source (pickles only) and checks the destination; every worker
+   receives the result, or the error;
+2. every worker derives the same plan from it (pure);
+3. worker 0 creates DST/.reshard-staging/TAG; each worker checks and opens the source files
+   it reads and writes the skeletons of the target files it owns;
+4. all workers run the rounds together (`reshard.exchange`);
+5. each worker fsyncs its files; worker 0 publishes: tag directory into place, `latest` last.
+
+After every step all workers agree on success before the next one; on any failure every
+worker raises, staging is removed, and the destination holds no new checkpoint.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+from reshard.destination import Staging, check_paths
+from reshard.errors import ReshardError
+from reshard.exchange import check_peers, run_rounds
+from reshard.formats.deepspeed_inspect import SourceCheckpoint, buffer_numels, inspect_checkpoint
+from reshard.options import ReshardOptions
+from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.source_reader import SourceReader
+from reshard.target_writer import TargetWriter
+from reshard.transport import Transport, transport_from_environment
+
+
+def plan_reshard(source: SourceCheckpoint, target_dp: int, workers: int, budget_bytes: int) -> ReshardPlan:
+    """The plan for moving `source` to `target_dp` ranks with `workers` workers (pure)."""
+    spec = source.spec
+    ownership = Ownership(spec.dp_world_size, target_dp, workers)
+    old, new = spec.layout(spec.dp_world_size), spec.layout(target_dp)
+    spaces = [plan_space("optim", old.pieces, new.pieces, spec.streams, buffer_numels(new), ownership, budget_bytes)]
+    if spec.frozen:
+        old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
+        new_frozen, chunks = spec.frozen_layout(target_dp)
+        spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
+                                 budget_bytes, round_offset=spaces[0].rounds))
+    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did, measured."""
+
+    worker: int
+    source_ranks: tuple[int, ...]
+    target_ranks: tuple[int, ...]
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_carried: int = 0
+    peak_rss_bytes: int = 0
+
+
+@dataclass
+class ReshardResult:
+    """What a job did; `summary()` is what the CLI prints."""
+
+    source: str
+    destination: str
+    tag: str
+    description: str
+    source_dp: int
+    target_dp: int
+    workers: int
+    transport: str
+    rounds: int
+    seconds: float
+    dry_run: bool
+    plan: ReshardPlan | None = field(default=None, repr=False)
+    reports: list[WorkerReport] = field(default_factory=list)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.reports)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(r.bytes_written + r.bytes_carried for r in self.reports)
+
+    def summary(self) -> str:
+        lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
+                 f"  source : {self.description}",
+                 f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
+                 f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
+        if self.dry_run:
+            lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
+                         f"{'receive':>10} {'write':>10}")
+            for t in self.plan.traffic():
+                lines.append(f"  {t.worker:>6} {_ranks(t.source_ranks):>14} {_ranks(t.target_ranks):>14} "
+                             f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
+                             f"{_human(t.bytes_written):>10}")
+            lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
+            return "\n".join(lines)
+        rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+        lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
+                     f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
+        lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} {'peak RSS':>10}")
+        for r in self.reports:
+            lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
+                         f"{_human(r.bytes_read):>10} {_human(r.bytes_written + r.bytes_carried):>10} "
+                         f"{_human(r.peak_rss_bytes):>10}")
+        return "\n".join(lines)
+
+
+def _ranks(ranks) -> str:
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
+                       **options) -> ReshardResult:
+    """Reshard the DeepSpeed checkpoint in `source` for `target_dp` ranks into `destination`.
+
+    Keyword options are the fields of `ReshardOptions` (tag, memory_budget, overwrite,
+    dry_run, quiet, trust_pickle, backend, timeout). Uses the given transport, else the
+    initialised torch.distributed group, else one worker. Raises ReshardError on bad input.
+    """
+    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, **options)
+    return run_job(opts.validate(), transport)
+
+
+def run_job(opts: ReshardOptions, transport: Transport | None = None) -> ReshardResult:
+    own_transport = transport is None
+    transport = transport or transport_from_environment(opts.backend, opts.timeout)
+    try:
+        return _run(opts, transport)
+    finally:
+        if own_transport:
+            transport.close()
+
+
+def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
+    started = time.perf_counter()
+    outcome = None
+    if transport.rank == 0:
+        try:
+            check_paths(opts.source, opts.destination, opts.overwrite or opts.dry_run)
+            outcome = ("ok", inspect_checkpoint(opts.source, opts.tag, trust_pickle=opts.trust_pickle))
+        except ReshardError as error:
+            outcome = ("error", error)
+    outcome = transport.broadcast_object(outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    source: SourceCheckpoint = outcome[1]
+    plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
+    result = ReshardResult(source.save_dir, opts.destination, source.tag, source.spec.describe(),
+                           source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
+                           plan.rounds, 0.0, opts.dry_run, plan)
+    if opts.dry_run:
+        result.seconds = time.perf_counter() - started
+        return result
+
+    own = plan.ownership
+    report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
+                          tuple(own.target_ranks_of(transport.rank)))
+    staging = Staging(opts.destination, source.tag)
+    reader = writer = None
+    try:
+        failure = None
+        if transport.rank == 0:
+            try:
+                staging.create()
+            except OSError as error:
+                failure = ReshardError(f"{staging.tag_dir}: cannot create the staging directory: {error.strerror}")
+        check_peers(transport, failure, "creating the staging directory")
+        try:
+            reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle)
+            writer = TargetWriter.create(source, staging.tag_dir, opts.target_dp, report.target_ranks)
+        except Exception as error:
+            failure = error
+        check_peers(transport, failure, "opening source files and creating target files")
+        with _progress(plan, transport.rank == 0 and not opts.quiet) as on_round:
+            run_rounds(plan, transport, reader, writer, on_round)
+        try:
+            writer.finish()
+        except OSError as error:
+            failure = ReshardError(f"{staging.tag_dir}: flushing target files failed: {error.strerror}")
+        check_peers(transport, failure, "flushing target files")
+        if transport.rank == 0:
+            try:
+                staging.publish(source.tag_dir, source.other_files)
+            except OSError as error:
+                failure = ReshardError(f"{opts.destination}: publishing the result failed: {error}")
+        check_peers(transport, failure, "publishing the result")
+    except BaseException:
+        for endpoint in (reader, writer):
+            if endpoint is not None:
+                endpoint.close()
+        if transport.rank == 0:
+            try:
+                staging.discard()
+            except OSError:
+                pass
+        raise
+    reader.close()
+    report.bytes_read, report.bytes_written = reader.bytes_read, writer.bytes_written
+    report.bytes_carried = writer.bytes_carried
+    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result.reports = transport.all_gather_object(report)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+class _progress:
+    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet."""
+
+    def __init__(self, plan: ReshardPlan, enabled: bool):
+        self.bar = None
+        if enabled and plan.rounds:
+            from tqdm import tqdm
+            total = sum(int(s.segments.length.sum()) * s.bytes_per_element for s in plan.spaces)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard",
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def __enter__(self):
+        return self.update
+
+    def update(self, round_index: int, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()

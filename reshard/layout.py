@@ -1,0 +1,367 @@
+"""DeepSpeed's ZeRO partition arithmetic, pure: which element of which parameter sits where.
+
+    from reshard.layout import ParamSpec, zero12_layout
+    params = (ParamSpec("w", (11, 7)), ParamSpec("b", (7,)))
+    layout = zero12_layout(params, groups=[(0,), (1,)], world_size=4)
+    layout.groups[0].partition_numel        # 20: 77 elements padded to 80 over 4 ranks
+    layout.pieces.rank                      # the rank that holds each piece
+
+A *logical space* is every element of a list of parameters laid end to end in a fixed order
+(optimizer groups in order, parameters in the order the model gave them). That order does
+not depend on the world size, so a source and a target layout of the same model describe
+the same space and can be intersected (see `reshard.plan`). A layout says, for one world
+size, which rank holds each element of the space, in which of its flat buffers, at which
+offset: a `PieceTable`. It also carries the per-rank metadata DeepSpeed writes beside the
+buffers (paddings, slice mappings, sub-groups), recomputed from the same rules.
+
+Pieces here are 1-D ranges of a flattened parameter, which is all data parallelism needs.
+Tensor- and expert-parallel layouts cut a parameter into n-D blocks first; they will become
+a block coordinate on top of this space, not a different planner.
+
+Rules mirrored, by DeepSpeed 0.19.8 file and function:
+- ZeRO-1/2: runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__ (round-robin
+  reorder `_round_robin_reorder`, per-parameter alignment padding, tail padding to a multiple
+  of 2 * world size via runtime/utils.py `align_dense_tensors`, equal partitions), the
+  `groups_padding` rule, and `_create_param_mapping` through
+  utils/mixed_precision_linkage.py `_init_lp_to_hp_mapping`.
+- BF16_Optimizer: runtime/bf16_optimizer.py, `_setup_for_real_optimizer` (no reorder, no
+  per-parameter padding, the whole tail padding recorded on the last rank only).
+- ZeRO-3: runtime/zero/partition_parameters.py `_partition_param` (each parameter alone,
+  ceil(n / W) elements per rank) and runtime/zero/stage3.py `_create_fp16_sub_groups`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: nccl_start_alignment_factor
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # runtime/zero/config.py: sub_group_size default
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter by name and full (unpartitioned) shape."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """Where every element of a logical space of `total` elements lives at one world size.
+
+    Piece i covers logical elements [start[i], start[i+1]) (the last one ends at `total`);
+    pieces are sorted and tile the space exactly, because a ZeRO data-parallel group keeps
+    each element on exactly one rank. The piece sits in flat buffer `buffer[i]` of rank
+    `rank[i]`, beginning at element `offset[i]` of that buffer.
+    """
+
+    start: np.ndarray
+    rank: np.ndarray
+    buffer: np.ndarray
+    offset: np.ndarray
+    total: int
+
+    @property
+    def length(self) -> np.ndarray:
+        return np.diff(np.append(self.start, self.total))
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @classmethod
+    def from_unsorted(cls, start, rank, buffer, offset, total: int) -> "PieceTable":
+        order = np.argsort(start, kind="stable")
+        table = cls(np.asarray(start, np.int64)[order], np.asarray(rank, np.int64)[order],
+                    np.asarray(buffer, np.int64)[order], np.asarray(offset, np.int64)[order], int(total))
+        table.check_tiling()
+        return table
+
+    def check_tiling(self) -> None:
+        """Raise if the pieces do not tile [0, total) (a layout bug, never bad input)."""
+        if self.total == 0:
+            assert len(self.start) == 0, "pieces in an empty space"
+            return
+        assert len(self.start) and self.start[0] == 0, "space does not start at 0"
+        assert np.all(np.diff(self.start) > 0), "overlapping or empty pieces"
+
+    def pieces_of_rank(self, rank: int) -> "PieceTable":
+        """This rank's pieces only (they no longer tile the space)."""
+        mask = self.rank == rank
+        return PieceTable(self.start[mask], self.rank[mask], self.buffer[mask], self.offset[mask], self.total)
+
+
+def logical_bases(numels: Sequence[int]) -> np.ndarray:
+    """Offset of each parameter in the logical space (parameters laid end to end)."""
+    return np.concatenate(([0], np.cumsum(np.asarray(numels, dtype=np.int64))))[:-1].astype(np.int64)
+
+
+def round_robin_order(count: int, world_size: int) -> list[int]:
+    """Positions in the original list, in the order `_round_robin_reorder` flattens them."""
+    return [i for j in range(world_size) for i in range(j, count, world_size)]
+
+
+def undo_round_robin(flat_order: Sequence, world_size: int) -> list:
+    """Original order of a list that `_round_robin_reorder` put in `flat_order` for `world_size`."""
+    original = [None] * len(flat_order)
+    for position, index in enumerate(round_robin_order(len(flat_order), world_size)):
+        original[index] = flat_order[position]
+    return original
+
+
+def param_alignment_elements(element_size: int, enabled: bool) -> int:
+    """Per-parameter alignment in elements (stage_1_and_2.py: 16 // gcd(16, element_size))."""
+    return 16 // math.gcd(16, element_size) if enabled else 1
+
+
+@dataclass(frozen=True)
+class Zero12Group:
+    """One optimizer param group as ZeRO-1/2 (or BF16_Optimizer) flattens and splits it."""
+
+    params: tuple[int, ...]
+    """Global parameter ids in the model's order (the optimizer group's order)."""
+    flat_order: tuple[int, ...]
+    """The same ids in the order they are flattened (round-robin reordered if enabled)."""
+    flat_offsets: tuple[int, ...]
+    """Offset of each `flat_order` parameter in the flat group."""
+    alignment_paddings: tuple[int, ...]
+    """Zeros after each `flat_order` parameter (`param_alignment_paddings` in the file)."""
+    padded_numel: int
+    """Parameters plus alignment paddings: where the tail padding starts."""
+    world_size: int
+    partition_numel: int
+    """Elements per rank, `ps`; the flat group is `world_size * ps` long."""
+
+    @property
+    def flat_numel(self) -> int:
+        return self.partition_numel * self.world_size
+
+    def tail_padding(self, rank: int) -> int:
+        """`groups_padding[g]` of DeepSpeedZeroOptimizer on `rank`: tail padding inside its partition."""
+        left, size = rank * self.partition_numel, self.partition_numel
+        if self.padded_numel <= left:
+            return size
+        if self.padded_numel < left + size:
+            return left + size - self.padded_numel
+        return 0
+
+    def bf16_optimizer_padding(self, rank: int) -> int:
+        """`group_paddings[g]` of BF16_Optimizer: the whole tail padding, on the last rank only."""
+        return self.flat_numel - self.padded_numel if rank == self.world_size - 1 else 0
+
+    def lean_numel(self, rank: int) -> int:
+        """Elements of the saved fp32 partition of DeepSpeedZeroOptimizer (tail padding cut off)."""
+        return self.partition_numel - self.tail_padding(rank)
+
+    def slice_mappings(self, rank: int, numels: Sequence[int]) -> list[tuple[int, int, int]]:
+        """`param_slice_mappings[g]` for `rank`: (param id, numel, start) in DeepSpeed's order.
+
+        Mirrors `_create_param_mapping` -> `_init_lp_to_hp_mapping`: parameters are visited in
+        the model's order; offsets are the true flat offsets only when some alignment padding
+        is present, otherwise running sums in the model's order. Under round_robin_gradients
+        without padding that makes DeepSpeed's own mapping disagree with its flat layout; we
+        write what DeepSpeed writes, so the output matches a native save at this world size.
+        """
+        start_of_partition = rank * self.partition_numel
+        end_of_partition = start_of_partition + self.partition_numel
+        true_offset = dict(zip(self.flat_order, self.flat_offsets))
+        use_true_offsets = any(self.alignment_paddings)
+        mappings, running = [], 0
+        for pid in self.params:
+            offset = true_offset[pid] if use_true_offsets else running
+            numel = numels[pid]
+            end = offset + numel
+            if start_of_partition <= offset < end_of_partition or offset < start_of_partition < end:
+                lo, hi = max(offset, start_of_partition), min(end, end_of_partition)
+                mappings.append((pid, hi - lo, lo - start_of_partition))
+            running += numel
+        return mappings
+
+
+def zero12_group(params: Sequence[int], numels: Sequence[int], world_size: int, *,
+                 round_robin: bool = False, param_alignment: int = 1) -> Zero12Group:
+    """Lay out one param group of global ids `params` (model order) over `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    params = tuple(params)
+    flat_order = tuple(params[i] for i in round_robin_order(len(params), world_size)) if round_robin else params
+    offsets, paddings, cursor = [], [], 0
+    for position, pid in enumerate(flat_order):
+        offsets.append(cursor)
+        cursor += numels[pid]
+        padding = 0 if position == len(flat_order) - 1 else (-cursor) % param_alignment
+        paddings.append(padding)
+        cursor += padding
+    alignment = NCCL_START_ALIGNMENT_FACTOR * world_size
+    flat_numel = -(-cursor // alignment) * alignment
+    return Zero12Group(params, flat_order, tuple(offsets), tuple(paddings), cursor, world_size,
+                       flat_numel // world_size)
+
+
+@dataclass(frozen=True)
+class Zero3SubGroup:
+    """A ZeRO-3 optimizer sub-group: consecutive parameters of one param group."""
+
+    group: int
+    params: tuple[int, ...]
+    chunk_numels: tuple[int, ...]
+    """ceil(numel / world_size) per parameter: what each rank holds of it, padding included."""
+
+    @property
+    def partition_numel(self) -> int:
+        return sum(self.chunk_numels)
+
+    @property
+    def chunk_offsets(self) -> tuple[int, ...]:
+        return tuple(np.concatenate(([0], np.cumsum(self.chunk_numels)))[:-1].tolist())
+
+
+def zero3_chunk(numel: int, world_size: int) -> int:
+    """Elements of one parameter on each rank under ZeRO-3 (`_partition_param`)."""
+    return -(-numel // world_size)
+
+
+def zero3_sub_groups(groups: Sequence[Sequence[int]], numels: Sequence[int], world_size: int,
+                     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> tuple[Zero3SubGroup, ...]:
+    """Split each param group into sub-groups as `_create_fp16_sub_groups` does at `world_size`."""
+    result = []
+    for group_id, params in enumerate(groups):
+        chunks = [zero3_chunk(numels[p], world_size) for p in params]
+        if sub_group_size >= sum(chunks):
+            result.append(Zero3SubGroup(group_id, tuple(params), tuple(chunks)))
+            continue
+        members, member_chunks, accumulated = [], [], 0
+        for index, (pid, chunk) in enumerate(zip(params, chunks)):
+            members.append(pid)
+            member_chunks.append(chunk)
+            accumulated += chunk
+            if accumulated >= sub_group_size or index == len(params) - 1:
+                result.append(Zero3SubGroup(group_id, tuple(members), tuple(member_chunks)))
+                members, member_chunks, accumulated = [], [], 0
+    return tuple(result)
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For items with `counts`, the item index and the index within the item of every piece."""
+    item = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return item, within
+
+
+@dataclass(frozen=True)
+class Zero12Layout:
+    """All param groups of a ZeRO-1/2 or BF16_Optimizer checkpoint at one world size."""
+
+    params: tuple[ParamSpec, ...]
+    groups: tuple[Zero12Group, ...]
+    world_size: int
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self.params)
+
+    @property
+    def pieces(self) -> PieceTable:
+        return _zero12_pieces(self)
+
+
+def zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], world_size: int, *,
+                  round_robin: bool = False, param_alignment: int = 1) -> Zero12Layout:
+    numels = [p.numel for p in params]
+    laid = tuple(zero12_group(g, numels, world_size, round_robin=round_robin, param_alignment=param_alignment)
+                 for g in groups)
+    return Zero12Layout(tuple(params), laid, world_size)
+
+
+def _zero12_pieces(layout: Zero12Layout) -> PieceTable:
+    bases = logical_bases(layout.numels)
+    numels = np.asarray(layout.numels, dtype=np.int64)
+    columns = []
+    for group_id, group in enumerate(layout.groups):
+        if not group.flat_order:
+            continue
+        ids = np.asarray(group.flat_order, dtype=np.int64)
+        offsets = np.asarray(group.flat_offsets, dtype=np.int64)
+        sizes = numels[ids]
+        keep = sizes > 0
+        ids, offsets, sizes = ids[keep], offsets[keep], sizes[keep]
+        ps = group.partition_numel
+        first = offsets // ps
+        counts = (offsets + sizes - 1) // ps - first + 1
+        item, within = _expand(counts)
+        rank = first[item] + within
+        flat_start = np.maximum(offsets[item], rank * ps)
+        columns.append((bases[ids[item]] + flat_start - offsets[item], rank,
+                        np.full(len(item), group_id), flat_start - rank * ps))
+    return _table_from_columns(columns, int(numels.sum()))
+
+
+def _table_from_columns(columns, total: int) -> PieceTable:
+    if not columns:
+        empty = np.zeros(0, dtype=np.int64)
+        return PieceTable(empty, empty, empty, empty, total)
+    start, rank, buffer, offset = (np.concatenate(c) for c in zip(*columns))
+    return PieceTable.from_unsorted(start, rank, buffer, offset, total)
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """A ZeRO-3 checkpoint at one world size: sub-groups of trainable parameters."""
+
+    params: tuple[ParamSpec, ...]
+    groups: tuple[tuple[int, ...], ...]
+    sub_groups: tuple[Zero3SubGroup, ...]
+    world_size: int
+
+    @property
+    def pieces(self) -> PieceTable:
+        numels = [p.numel for p in self.params]
+        bases = logical_bases(numels)
+        buffer_of, offset_of = {}, {}
+        for sg_id, sg in enumerate(self.sub_groups):
+            for pid, offset in zip(sg.params, sg.chunk_offsets):
+                buffer_of[pid], offset_of[pid] = sg_id, offset
+        ids = [pid for g in self.groups for pid in g]
+        return chunked_pieces(ids, numels, bases, self.world_size,
+                              [buffer_of[p] for p in ids], [offset_of[p] for p in ids])
+
+
+def zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], world_size: int,
+                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> Zero3Layout:
+    numels = [p.numel for p in params]
+    return Zero3Layout(tuple(params), tuple(tuple(g) for g in groups),
+                       zero3_sub_groups(groups, numels, world_size, sub_group_size), world_size)
+
+
+def chunked_pieces(ids: Sequence[int], numels: Sequence[int], bases: np.ndarray, world_size: int,
+                   buffers: Sequence[int], offsets: Sequence[int]) -> PieceTable:
+    """Pieces of parameters each cut into ceil(n / W) chunks, chunk r on rank r.
+
+    Parameter `ids[i]` sits in buffer `buffers[i]` at `offsets[i]` on every rank, the layout
+    of ZeRO-3 flat sub-groups and of its partitioned frozen parameters alike.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    sizes = np.asarray(numels, dtype=np.int64)[ids] if len(ids) else np.zeros(0, np.int64)
+    keep = sizes > 0
+    ids, sizes = ids[keep], sizes[keep]
+    buffers = np.asarray(buffers, dtype=np.int64)[keep]
+    offsets = np.asarray(offsets, dtype=np.int64)[keep]
+    chunks = -(-sizes // world_size)
+    counts = -(-sizes // np.maximum(chunks, 1))
+    item, rank = _expand(counts)
+    start = bases[ids[item]] + rank * chunks[item]
+    return PieceTable.from_unsorted(start, rank, buffers[item], offsets[item], int(np.sum(numels)))
+
+
+def frozen_pieces(frozen: Sequence[ParamSpec], world_size: int) -> PieceTable:
+    """ZeRO-3 `frozen_param_fragments`: frozen parameter j is buffer j, chunk r on rank r."""
+    numels = [p.numel for p in frozen]
+    ids = list(range(len(frozen)))
+    return chunked_pieces(ids, numels, logical_bases(numels), world_size, ids, [0] * len(ids))

@@ -1,0 +1,82 @@
+"""Job options: one dataclass, filled from the command line, a YAML file, or keyword arguments.
+
+    from reshard.options import ReshardOptions, parse_size
+    options = ReshardOptions(source="/ckpt/a", destination="/ckpt/b", target_dp=16,
+                             memory_budget=parse_size("4G"))
+
+A YAML job file (see configs/) uses the field names as keys; command-line flags override it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from reshard.errors import OptionError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'512M', '4G', '1.5G', '65536' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise OptionError(f"cannot read size {text!r}: use bytes or a number with K, M, G or T (e.g. 512M, 4G)")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+@dataclass
+class ReshardOptions:
+    """Everything a reshard job needs to know."""
+
+    source: str = ""
+    """DeepSpeed save directory to read (the save_dir given to engine.save_checkpoint)."""
+    destination: str = ""
+    """Save directory to create, loadable with engine.load_checkpoint at the target size."""
+    target_dp: int = 0
+    """Data-parallel world size the checkpoint is resharded for."""
+    tag: str | None = None
+    """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
+    memory_budget: int = 1 << 30
+    """Bytes of slices one worker holds at once (send plus receive buffers of a round)."""
+    overwrite: bool = False
+    """Allow a non-empty destination; the tag directory and `latest` there are replaced."""
+    dry_run: bool = False
+    """Print the plan (files and bytes per worker) without reading tensors or writing."""
+    quiet: bool = False
+    """No progress bar; the final summary is still printed."""
+    trust_pickle: bool = False
+    """Unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)."""
+    backend: str = "auto"
+    """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
+    timeout: float = 600.0
+    """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
+
+    def validate(self) -> "ReshardOptions":
+        if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
+            raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        if self.memory_budget < 1024:
+            raise OptionError(f"--memory-budget must be at least 1K, got {self.memory_budget} bytes")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise OptionError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if not self.source or not self.destination:
+            raise OptionError("both SRC and DST are required")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":
+        import yaml
+        with open(path) as fd:
+            data = yaml.safe_load(fd) or {}
+        if not isinstance(data, dict):
+            raise OptionError(f"{path}: a job file is a mapping of option names to values")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise OptionError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "memory_budget" in data:
+            data["memory_budget"] = parse_size(data["memory_budget"])
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)

@@ -1,0 +1,86 @@
+"""Writes the target files one worker owns: skeleton first, then slices at their offsets.
+
+    writer = TargetWriter.create(source, staging_tag_dir, world_size=3, ranks=[1, 2])
+    writer.write(rank=2, slot=("optim", 0, "fp32"), element=0, itemsize=4, data=view)
+    writer.finish()          # fsync and close; the files are complete torch archives
+
+Each file is saved with `skip_data` (structure written, storage space reserved, nothing
+resident), its storages located by reloading the skeleton on the meta device, and the
+unpartitioned tensors it carries over from the source (step counters, buffers, client
+state, the ZeRO-1/2 module weights) written at once: from bytes the job shipped, or copied
+file to file in the kernel when this worker owns the source file. Partition slices arrive
+later from the exchange. Padding is never written and reads back as zeros.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from reshard.formats.deepspeed_inspect import SourceCheckpoint
+from reshard.formats.deepspeed_target import target_files
+from reshard.formats.torch_archive import TensorRef, copy_bytes, materialize, pwrite_exact, refs_in, write_skeleton
+
+
+@dataclass
+class TargetWriter:
+    locations: dict = field(default_factory=dict)
+    """(rank, slot) -> (fd, byte offset of element 0)"""
+    fds: dict = field(default_factory=dict)
+    """path -> fd of every file this worker writes"""
+    bytes_written: int = 0
+    bytes_carried: int = 0
+
+    @classmethod
+    def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks) -> "TargetWriter":
+        writer = cls()
+        try:
+            for rank in ranks:
+                for target in target_files(source, world_size, rank):
+                    writer._create_file(source, os.path.join(tag_dir, target.name), target, rank)
+        except BaseException:
+            writer.close()
+            raise
+        return writer
+
+    def _create_file(self, source: SourceCheckpoint, path: str, target, rank: int) -> None:
+        obj, roles = materialize(target.tree)
+        nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
+        offsets = write_skeleton(path, obj, roles)
+        del obj
+        fd = self.fds[path] = os.open(path, os.O_RDWR)
+        carried = source.carried.get(target.template)
+        template_fd = None
+        try:
+            for role, offset in offsets.items():
+                if isinstance(role, tuple):
+                    self.locations[(rank, role)] = (fd, offset)
+                    continue
+                if carried is not None:
+                    data = carried[role]
+                    pwrite_exact(fd, memoryview(data), offset)
+                    self.bytes_carried += len(data)
+                else:
+                    if template_fd is None:
+                        template_fd = os.open(os.path.join(source.tag_dir, target.template), os.O_RDONLY)
+                    nbytes = nbytes_of[role]
+                    copy_bytes(template_fd, role, fd, offset, nbytes, os.path.join(source.tag_dir, target.template))
+                    self.bytes_carried += nbytes
+        finally:
+            if template_fd is not None:
+                os.close(template_fd)
+
+    def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
+        fd, base = self.locations[(rank, slot)]
+        pwrite_exact(fd, data, base + element * itemsize)
+        self.bytes_written += len(data)
+
+    def finish(self) -> None:
+        """Make every byte durable, then close."""
+        for fd in self.fds.values():
+            os.fsync(fd)
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
