@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=4 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
+    python -m reshard verify DST [--against SRC]       # see reshard.verify
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -10,6 +11,7 @@ Exit status: 0 only when DST holds the complete checkpoint (or the dry run print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from reshard.errors import ReshardError
@@ -49,7 +51,39 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
 
 
+def build_verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reshard verify", description="Check a reshard output: re-hash every file against its manifest, "
+                                           "or (with --against) compare every element with the source.")
+    parser.add_argument("destination", help="save directory written by reshard")
+    parser.add_argument("--tag", help="tag to check (default: DST/latest)")
+    parser.add_argument("--against", metavar="SRC", help="source save directory to compare element by element")
+    parser.add_argument("--memory-budget", type=parse_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    return parser
+
+
+def verify_main(argv: list[str]) -> int:
+    args = build_verify_parser().parse_args(argv)
+    from reshard.verify import verify_against, verify_hashes
+    try:
+        if args.against:
+            result = verify_against(args.destination, args.against, tag=args.tag, memory_budget=args.memory_budget,
+                                    trust_pickle=args.trust_pickle)
+        else:
+            result = verify_hashes(args.destination, args.tag)
+    except ReshardError as error:
+        print(f"reshard verify: error: {error}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(result.summary())
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "verify":
+        return verify_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)
@@ -58,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     except ReshardError as error:
         print(f"reshard: error: {error}", file=sys.stderr)
         return 2
-    if result.reports and result.reports[0].worker == 0 or result.dry_run:
-        from reshard.transport import launched_with_workers
-        import os
-        if not launched_with_workers() or os.environ.get("RANK", "0") == "0":
-            print(result.summary())
+    if os.environ.get("RANK", "0") == "0":
+        print(result.summary())
     return 0

@@ -1,10 +1,10 @@
 """The destination save directory: refuse unsafe targets, write into staging, publish atomically.
 
     from reshard.destination import check_paths, Staging
-    check_paths(src, dst, overwrite=False)          # DST inside SRC, non-empty DST, ... refused
-    staging = Staging(dst, tag); staging.create()   # DST/.reshard-staging/TAG/
+    check_paths(src, dst)                            # DST inside SRC, unwritable DST, ... refused
+    staging = Staging(dst, tag); staging.create()    # DST/.reshard-staging/TAG/
     ...workers write files into staging.tag_dir...
-    staging.publish(other_files_from=src_tag_dir)   # move into DST/TAG, then write DST/latest
+    staging.publish()                                # move into DST/TAG, then write DST/latest
 
 Until `publish` renames the staging directory into place and writes `latest` (last, by
 atomic rename), DeepSpeed finds no loadable checkpoint in DST: `load_checkpoint` reads the
@@ -26,8 +26,8 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def check_paths(src: str, dst: str, overwrite: bool) -> None:
-    """Refuse destinations that could touch the source or clobber existing data."""
+def check_paths(src: str, dst: str) -> None:
+    """Refuse destinations that could touch the source, or that cannot be written."""
     src_real, dst_real = os.path.realpath(src), os.path.realpath(dst)
     if _inside(dst_real, src_real):
         raise OptionError(f"{dst}: the destination is {'the source' if dst_real == src_real else 'inside the source'} "
@@ -37,10 +37,6 @@ def check_paths(src: str, dst: str, overwrite: bool) -> None:
     if os.path.exists(dst_real):
         if not os.path.isdir(dst_real):
             raise OptionError(f"{dst}: exists and is not a directory")
-        leftovers = [n for n in os.listdir(dst_real) if n != STAGING]
-        if leftovers and not overwrite:
-            raise OptionError(f"{dst}: is not empty ({', '.join(sorted(leftovers)[:5])}"
-                              f"{' ...' if len(leftovers) > 5 else ''}); pass --overwrite to replace the tag there")
         if not os.access(dst_real, os.W_OK | os.X_OK):
             raise OptionError(f"{dst}: is not writable")
     else:
@@ -49,6 +45,16 @@ def check_paths(src: str, dst: str, overwrite: bool) -> None:
             parent = os.path.dirname(parent)
         if not os.access(parent, os.W_OK | os.X_OK):
             raise OptionError(f"{dst}: cannot be created, {parent} is not writable")
+
+
+def check_empty(dst: str, ours: set[str], overwrite: bool) -> None:
+    """Refuse a destination holding anything but reshard's own files for this output."""
+    if not os.path.isdir(dst) or overwrite:
+        return
+    leftovers = sorted(n for n in os.listdir(dst) if n not in ours)
+    if leftovers:
+        raise OptionError(f"{dst}: is not empty ({', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}); "
+                          "pass --overwrite to replace the tag there")
 
 
 @dataclass
@@ -67,15 +73,19 @@ class Staging:
         return os.path.join(self.root, self.tag)
 
     def create(self) -> None:
+        """A fresh, empty staging directory (whatever an earlier run left there is removed)."""
         os.makedirs(self.destination, exist_ok=True)
         if os.path.exists(self.tag_dir):
             shutil.rmtree(self.tag_dir)
         os.makedirs(self.tag_dir)
 
-    def publish(self, other_files_from: str | None = None, other_files: tuple[str, ...] = ()) -> None:
-        """Copy extra files, move the tag directory into place, then write `latest` and helpers."""
-        for name in other_files:
-            shutil.copy2(os.path.join(other_files_from, name), os.path.join(self.tag_dir, name))
+    def copy_in(self, directory: str, names) -> None:
+        """Copy files the source tag directory holds besides DeepSpeed's (metric.json, ...)."""
+        for name in names:
+            shutil.copy2(os.path.join(directory, name), os.path.join(self.tag_dir, name))
+
+    def publish(self) -> None:
+        """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last)."""
         _fsync_dir(self.tag_dir)
         final = os.path.join(self.destination, self.tag)
         old = None
@@ -86,28 +96,33 @@ class Staging:
             os.rename(final, old)
         os.rename(self.tag_dir, final)
         for script in schema.RECOVERY_SCRIPTS:
-            _copy_recovery_script(script, self.destination)
-        latest = os.path.join(self.destination, schema.LATEST)
-        temporary = latest + ".reshard-tmp"
-        with open(temporary, "w") as fd:
-            fd.write(self.tag)  # DeepSpeed writes the tag without a newline
-            fd.flush()
-            os.fsync(fd.fileno())
-        os.replace(temporary, latest)
-        _fsync_dir(self.destination)
+            copy_recovery_script(script, self.destination)
+        write_latest(self.destination, self.tag)
         if old is not None:
             shutil.rmtree(old)
         self.discard()
 
     def discard(self) -> None:
-        """Remove staging (after publish, or after a failure: nothing of it looks like a checkpoint)."""
+        """Remove staging (nothing of it looks like a checkpoint to DeepSpeed in any case)."""
         if os.path.exists(self.tag_dir):
             shutil.rmtree(self.tag_dir)
         if os.path.isdir(self.root) and not os.listdir(self.root):
             os.rmdir(self.root)
 
 
-def _copy_recovery_script(name: str, save_dir: str) -> None:
+def write_latest(destination: str, tag: str) -> None:
+    """`latest` names the tag (no newline, as DeepSpeed writes it); replaced atomically."""
+    latest = os.path.join(destination, schema.LATEST)
+    temporary = latest + ".reshard-tmp"
+    with open(temporary, "w") as fd:
+        fd.write(tag)
+        fd.flush()
+        os.fsync(fd.fileno())
+    os.replace(temporary, latest)
+    _fsync_dir(destination)
+
+
+def copy_recovery_script(name: str, save_dir: str) -> None:
     """As engine.py `_copy_recovery_script`: DeepSpeed's helper next to the tags, executable."""
     import importlib.util
     package = importlib.util.find_spec("deepspeed")

@@ -24,6 +24,9 @@ class CheckpointError(ReshardError):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
+    def __reduce__(self):  # errors travel between workers pickled
+        return (type(self), (self.path, self.problem))
+
 
 class UnsupportedCheckpoint(CheckpointError):
     """A valid DeepSpeed checkpoint that reshard cannot transform (yet)."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from reshard.errors import PeerFailure
+from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock, SpacePlan
 
 
@@ -57,13 +58,20 @@ def _counts(blocks: list[RoundBlock], workers: int, bytes_per_element: int) -> l
     return counts
 
 
-def run_rounds(plan: ReshardPlan, transport, reader, writer,
+def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int = 0, durable_every: int = 0,
+               on_durable: Callable[[int], None] | None = None,
                on_round: Callable[[int, int], None] | None = None) -> None:
-    """Move every segment of `plan`; `on_round(round, bytes moved by all workers)` after each round."""
+    """Move every segment of `plan` from round `start_round` on.
+
+    Every `durable_every` rounds (and after the last) each worker fsyncs what it wrote
+    before the round's agreement, then `on_durable(rounds done)` runs: a resume can start
+    there. `on_round(round, bytes moved by all workers)` runs after every round.
+    """
     view = plan.worker_view(transport.rank)
     round_space = [i for i, space in enumerate(plan.spaces) for _ in range(space.rounds)]
-    round_bytes = _global_round_bytes(plan)
-    for r, space_index in enumerate(round_space):
+    moved_per_round = round_bytes(plan)
+    for r in range(start_round, len(round_space)):
+        space_index = round_space[r]
         space = plan.spaces[space_index]
         bpe = space.bytes_per_element
         sends = view.sends.get(r, (space_index, []))[1]
@@ -78,18 +86,24 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer,
                 reader.read_into(rank, slot, element, itemsize, memory[position:position + count * itemsize])
         except Exception as error:  # reported after the collective, so peers do not hang
             failure, packed[:] = error, 0
+        failpoint("kill", round=r, worker=transport.rank)
         received = transport.all_to_all(torch.from_numpy(packed), send_counts, recv_counts)
+        durable = durable_every > 0 and ((r + 1) % durable_every == 0 or r == len(round_space) - 1)
         if failure is None:
             try:
                 incoming = memoryview(received.numpy())
                 for position, rank, slot, element, count, itemsize in _walk(receives, space, "dst"):
                     writer.write(rank, slot, element, itemsize, incoming[position:position + count * itemsize])
+                if durable:
+                    writer.sync()
             except Exception as error:
                 failure = error
         del packed, received
         check_peers(transport, failure, f"round {r + 1} of {plan.rounds}")
+        if durable and on_durable is not None:
+            on_durable(r + 1)
         if on_round is not None:
-            on_round(r, round_bytes[r])
+            on_round(r, moved_per_round[r])
 
 
 def check_peers(transport, failure: BaseException | None, stage: str) -> None:
@@ -103,7 +117,7 @@ def check_peers(transport, failure: BaseException | None, stage: str) -> None:
         raise PeerFailure(f"worker {worker} failed during {stage}: {report}")
 
 
-def _global_round_bytes(plan: ReshardPlan) -> list[int]:
+def round_bytes(plan: ReshardPlan) -> list[int]:
     totals = []
     for space in plan.spaces:
         seg = space.segments

@@ -20,14 +20,21 @@ worker raises, staging is removed, and the destination holds no new checkpoint.
 """
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 from dataclasses import dataclass, field
 
-from reshard.destination import Staging, check_paths
+from reshard import __version__
+from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import ReshardError
+from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import check_peers, run_rounds
+from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
+from reshard.lock import LOCK_NAME, DestinationLock
+from reshard.manifest import (JOURNAL_NAME, Manifest, hash_file, output_fingerprint, plan_fingerprint, read_journal,
+                              source_identity, write_journal)
 from reshard.formats.deepspeed_inspect import SourceCheckpoint, buffer_numels, inspect_checkpoint
 from reshard.options import ReshardOptions
 from reshard.plan import Ownership, ReshardPlan, plan_space
@@ -80,6 +87,7 @@ class ReshardResult:
     dry_run: bool
     plan: ReshardPlan | None = field(default=None, repr=False)
     reports: list[WorkerReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def bytes_read(self) -> int:
@@ -102,6 +110,9 @@ class ReshardResult:
                              f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
                              f"{_human(t.bytes_written):>10}")
             lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
+            return "\n".join(lines)
+        lines += [f"  note   : {note}" for note in self.notes]
+        if not self.reports:
             return "\n".join(lines)
         rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
         lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
@@ -150,19 +161,80 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
             transport.close()
 
 
-def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
-    started = time.perf_counter()
+def _on_rank0(transport: Transport, work):
+    """Run `work()` on worker 0; every worker gets its result or raises its ReshardError."""
     outcome = None
     if transport.rank == 0:
         try:
-            check_paths(opts.source, opts.destination, opts.overwrite or opts.dry_run)
-            outcome = ("ok", inspect_checkpoint(opts.source, opts.tag, trust_pickle=opts.trust_pickle))
+            outcome = ("ok", work())
         except ReshardError as error:
             outcome = ("error", error)
     outcome = transport.broadcast_object(outcome)
     if outcome[0] == "error":
         raise outcome[1]
-    source: SourceCheckpoint = outcome[1]
+    return outcome[1]
+
+
+@dataclass
+class _Start:
+    """Where this run starts, decided by worker 0 from what the destination holds."""
+
+    mode: str
+    """"fresh", "resume" (staging of an interrupted run with the same plan) or "complete"."""
+    output_fingerprint: str
+    plan_fingerprint: str
+    identity: dict
+    rounds_done: int = 0
+    skeletons: bool = False
+    notes: list = field(default_factory=list)
+
+
+def _decide_start(opts: ReshardOptions, source: SourceCheckpoint, plan: ReshardPlan, lock: DestinationLock) -> _Start:
+    names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+    identity = source_identity(source.tag_dir, set(names) | set(source.other_files))
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+    plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
+    start = _Start("fresh", out_fp, plan_fp, identity)
+    final = os.path.join(opts.destination, source.tag)
+    ours = {STAGING, LOCK_NAME}
+    try:
+        previous = Manifest.read(final)
+    except ReshardError:
+        previous = None
+    if previous is not None and previous.fingerprint == out_fp:
+        ours |= {source.tag, LATEST, *RECOVERY_SCRIPTS}
+        if not previous.check_files(final):
+            write_latest(opts.destination, source.tag)
+            start.mode = "complete"
+            start.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
+            return start
+    check_empty(opts.destination, ours, opts.overwrite)
+    lock.acquire()
+    if lock.stale_note:
+        start.notes.append(lock.stale_note)
+    staging = Staging(opts.destination, source.tag)
+    journal = read_journal(staging.tag_dir)
+    if journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"):
+        start.mode, start.skeletons = "resume", True
+        start.rounds_done = int(journal.get("rounds_done", 0))
+        start.notes.append(f"resuming an interrupted run: {start.rounds_done} of {plan.rounds} rounds were done")
+    else:
+        if journal:
+            start.notes.append("discarded the staging of an earlier run with a different plan "
+                               "(source, target size, worker count or budget changed)")
+        staging.create()
+        write_journal(staging.tag_dir, plan_fp, False, 0)
+    return start
+
+
+def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
+    started = time.perf_counter()
+
+    def inspect():
+        check_paths(opts.source, opts.destination)
+        return inspect_checkpoint(opts.source, opts.tag, trust_pickle=opts.trust_pickle)
+
+    source: SourceCheckpoint = _on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
     result = ReshardResult(source.save_dir, opts.destination, source.tag, source.spec.describe(),
                            source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
@@ -171,35 +243,49 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
         result.seconds = time.perf_counter() - started
         return result
 
+    lock = DestinationLock(opts.destination)
+    start: _Start = _on_rank0(transport, lambda: _decide_start(opts, source, plan, lock))
+    result.notes = list(start.notes)
+    if start.mode == "complete":
+        result.seconds = time.perf_counter() - started
+        return result
     own = plan.ownership
     report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
                           tuple(own.target_ranks_of(transport.rank)))
     staging = Staging(opts.destination, source.tag)
     reader = writer = None
+    rounds_started = False
     try:
         failure = None
-        if transport.rank == 0:
-            try:
-                staging.create()
-            except OSError as error:
-                failure = ReshardError(f"{staging.tag_dir}: cannot create the staging directory: {error.strerror}")
-        check_peers(transport, failure, "creating the staging directory")
         try:
             reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle)
-            writer = TargetWriter.create(source, staging.tag_dir, opts.target_dp, report.target_ranks)
+            writer = TargetWriter.create(source, staging.tag_dir, opts.target_dp, report.target_ranks,
+                                         reuse_existing=start.skeletons)
         except Exception as error:
             failure = error
         check_peers(transport, failure, "opening source files and creating target files")
-        with _progress(plan, transport.rank == 0 and not opts.quiet) as on_round:
-            run_rounds(plan, transport, reader, writer, on_round)
+        if transport.rank == 0 and not start.skeletons:
+            write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
+        rounds_started = True
+
+        def journal(rounds_done: int) -> None:
+            if transport.rank == 0:
+                write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
+
+        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as on_round:
+            run_rounds(plan, transport, reader, writer, start_round=start.rounds_done,
+                       durable_every=max(1, plan.rounds // 32), on_durable=journal, on_round=on_round)
+        hashes = {}
         try:
             writer.finish()
+            hashes = writer.hashes()
         except OSError as error:
             failure = ReshardError(f"{staging.tag_dir}: flushing target files failed: {error.strerror}")
         check_peers(transport, failure, "flushing target files")
+        all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:
-                staging.publish(source.tag_dir, source.other_files)
+                _publish(opts, source, start, staging, all_hashes)
             except OSError as error:
                 failure = ReshardError(f"{opts.destination}: publishing the result failed: {error}")
         check_peers(transport, failure, "publishing the result")
@@ -208,11 +294,10 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
             if endpoint is not None:
                 endpoint.close()
         if transport.rank == 0:
-            try:
-                staging.discard()
-            except OSError:
-                pass
+            _clean_up_after_failure(staging, lock, keep_staging=rounds_started)
         raise
+    if transport.rank == 0:
+        lock.release()
     reader.close()
     report.bytes_read, report.bytes_written = reader.bytes_read, writer.bytes_written
     report.bytes_carried = writer.bytes_carried
@@ -222,16 +307,46 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
     return result
 
 
+def _publish(opts, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list) -> None:
+    staging.copy_in(source.tag_dir, source.other_files)
+    files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
+                    "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in source.other_files}
+    for hashes in worker_hashes:
+        files.update(hashes)
+    spec = source.spec
+    Manifest(start.output_fingerprint,
+             source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
+                     "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
+                     "files": start.identity},
+             target={"dp_world_size": opts.target_dp, "stage": spec.stage},
+             files=files, reshard_version=__version__).write(staging.tag_dir)
+    os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
+    staging.publish()
+
+
+def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool) -> None:
+    """Release the lock; keep staging for a resume once rounds began, else remove it."""
+    try:
+        if not keep_staging:
+            staging.discard()
+            if os.path.isdir(staging.destination) and os.listdir(staging.destination) == [LOCK_NAME]:
+                lock.release()
+                os.rmdir(staging.destination)
+    except OSError:
+        pass
+    lock.release()
+
+
 class _progress:
     """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet."""
 
-    def __init__(self, plan: ReshardPlan, enabled: bool):
+    def __init__(self, plan: ReshardPlan, enabled: bool, rounds_done: int = 0):
         self.bar = None
         if enabled and plan.rounds:
             from tqdm import tqdm
-            total = sum(int(s.segments.length.sum()) * s.bytes_per_element for s in plan.spaces)
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard",
-                            file=sys.stderr, dynamic_ncols=True)
+            per_round = _round_bytes(plan)
+            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:rounds_done]), unit="B", unit_scale=True,
+                            unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
 
     def __enter__(self):
         return self.update

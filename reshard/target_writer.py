@@ -3,13 +3,15 @@
     writer = TargetWriter.create(source, staging_tag_dir, world_size=3, ranks=[1, 2])
     writer.write(rank=2, slot=("optim", 0, "fp32"), element=0, itemsize=4, data=view)
     writer.finish()          # fsync and close; the files are complete torch archives
+    writer.hashes()          # {name: {"bytes", "blake3"}} for the manifest
 
 Each file is saved with `skip_data` (structure written, storage space reserved, nothing
 resident), its storages located by reloading the skeleton on the meta device, and the
 unpartitioned tensors it carries over from the source (step counters, buffers, client
 state, the ZeRO-1/2 module weights) written at once: from bytes the job shipped, or copied
 file to file in the kernel when this worker owns the source file. Partition slices arrive
-later from the exchange. Padding is never written and reads back as zeros.
+later from the exchange. Padding is never written and reads back as zeros. When resuming,
+existing skeletons are reopened and located instead of rewritten.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from dataclasses import dataclass, field
 
 from reshard.formats.deepspeed_inspect import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
-from reshard.formats.torch_archive import TensorRef, copy_bytes, materialize, pwrite_exact, refs_in, write_skeleton
+from reshard.formats.torch_archive import (TensorRef, copy_bytes, locate_storages, materialize, pwrite_exact,
+                                           refs_in, write_skeleton)
+from reshard.manifest import hash_file
 
 
 @dataclass
@@ -27,33 +31,44 @@ class TargetWriter:
     """(rank, slot) -> (fd, byte offset of element 0)"""
     fds: dict = field(default_factory=dict)
     """path -> fd of every file this worker writes"""
+    paths: list = field(default_factory=list)
     bytes_written: int = 0
     bytes_carried: int = 0
 
     @classmethod
-    def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks) -> "TargetWriter":
+    def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks, *,
+               reuse_existing: bool = False) -> "TargetWriter":
         writer = cls()
         try:
             for rank in ranks:
                 for target in target_files(source, world_size, rank):
-                    writer._create_file(source, os.path.join(tag_dir, target.name), target, rank)
+                    writer._open_file(source, os.path.join(tag_dir, target.name), target, rank, reuse_existing)
+            writer.sync()
         except BaseException:
             writer.close()
             raise
         return writer
 
-    def _create_file(self, source: SourceCheckpoint, path: str, target, rank: int) -> None:
+    def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         obj, roles = materialize(target.tree)
-        nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
-        offsets = write_skeleton(path, obj, roles)
+        offsets = locate_storages(path, obj, roles) if reuse_existing else write_skeleton(path, obj, roles)
         del obj
+        self.paths.append(path)
         fd = self.fds[path] = os.open(path, os.O_RDWR)
+        for role, offset in offsets.items():
+            if isinstance(role, tuple):
+                self.locations[(rank, role)] = (fd, offset)
+        if not reuse_existing:
+            self._write_carried(source, target, fd, offsets)
+
+    def _write_carried(self, source: SourceCheckpoint, target, fd: int, offsets: dict) -> None:
         carried = source.carried.get(target.template)
+        template_path = os.path.join(source.tag_dir, target.template)
+        nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
         template_fd = None
         try:
             for role, offset in offsets.items():
                 if isinstance(role, tuple):
-                    self.locations[(rank, role)] = (fd, offset)
                     continue
                 if carried is not None:
                     data = carried[role]
@@ -61,10 +76,9 @@ class TargetWriter:
                     self.bytes_carried += len(data)
                 else:
                     if template_fd is None:
-                        template_fd = os.open(os.path.join(source.tag_dir, target.template), os.O_RDONLY)
-                    nbytes = nbytes_of[role]
-                    copy_bytes(template_fd, role, fd, offset, nbytes, os.path.join(source.tag_dir, target.template))
-                    self.bytes_carried += nbytes
+                        template_fd = os.open(template_path, os.O_RDONLY)
+                    copy_bytes(template_fd, role, fd, offset, nbytes_of[role], template_path)
+                    self.bytes_carried += nbytes_of[role]
         finally:
             if template_fd is not None:
                 os.close(template_fd)
@@ -74,11 +88,17 @@ class TargetWriter:
         pwrite_exact(fd, data, base + element * itemsize)
         self.bytes_written += len(data)
 
-    def finish(self) -> None:
-        """Make every byte durable, then close."""
+    def sync(self) -> None:
         for fd in self.fds.values():
             os.fsync(fd)
+
+    def finish(self) -> None:
+        """Make every byte durable, then close."""
+        self.sync()
         self.close()
+
+    def hashes(self) -> dict:
+        return {os.path.basename(p): {"bytes": os.path.getsize(p), "blake3": hash_file(p)} for p in self.paths}
 
     def close(self) -> None:
         for fd in self.fds.values():

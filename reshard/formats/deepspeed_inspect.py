@@ -209,13 +209,13 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n)
-    streams = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
-    if spec.stage == 3:
-        streams.update(validate_model_tree(model_tree, model_path, spec, 0))
+    optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
+    model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
-    carried = {schema.optim_file_name(0, bf16_prefix): read_carried(optim_path, optim_tree, streams.values())}
+    # Storage keys are byte offsets, so they only mean something within their own file.
+    carried = {schema.optim_file_name(0, bf16_prefix): read_carried(optim_path, optim_tree, optim_parts.values())}
     if carry_model_bytes if carry_model_bytes is not None else stage3:
-        carried[model_name] = read_carried(model_path, model_tree, streams.values())
+        carried[model_name] = read_carried(model_path, model_tree, model_parts.values())
     others = tuple(name for name, role in roles.items() if role.kind == "other")
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others)
 

@@ -242,10 +242,18 @@ def write_skeleton(path: str, obj: Any, roles: dict) -> dict:
     """torch.save `obj` without tensor data; return {role: byte offset of its storage in `path`}."""
     with skip_data():
         torch.save(obj, path)
-    reloaded = torch.load(path, map_location="meta", weights_only=False)  # our own file
+    return locate_storages(path, obj, roles)
+
+
+def locate_storages(path: str, obj: Any, roles: dict) -> dict:
+    """{role: byte offset} of `obj`'s storages in `path`, a file saved from an object of the same shape.
+
+    Raises CheckpointError when the file does not have that shape (e.g. a damaged skeleton).
+    """
+    reloaded = load_structure(path, trust_pickle=True)  # reshard's own file
     mine, theirs = leaves_in_order(obj), leaves_in_order(reloaded)
-    if len(mine) != len(theirs):
-        raise AssertionError(f"{path}: skeleton has {len(theirs)} tensors, expected {len(mine)}")
+    if len(mine) != len(theirs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(mine, theirs)):
+        raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)")
     offsets = {}
     for a, b in zip(mine, theirs):
         role = roles.get(_identity(a))

@@ -1,0 +1,130 @@
+"""Load a checkpoint at M ranks with plain engine.load_checkpoint() and judge it against the truth.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.check_load \
+        --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
+        [--seed 1] [--tag TAG] [--extra-steps 1]
+
+The target engine is built from another seed, so nothing matches by accident. Every rank compares
+its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
+buffers, counters, hyperparameters, scheduler, loss scaler, client_state, eval loss), the
+mismatches are merged on rank 0, then `--extra-steps` more steps must give finite losses.
+Exit code 0 whenever the run completes, whatever the verdict; see verdict_file.py for its schema.
+"""
+
+import argparse
+import math
+import time
+import traceback
+
+from reshard.proof.bitwise import Comparison, compare_trees
+from reshard.proof.engine_setup import all_finite, build_engine, init_distributed, train_steps
+from reshard.proof.engine_state import capture_engine_state, master_route
+from reshard.proof.train import eval_loss
+from reshard.proof.truth_file import read_truth
+from reshard.proof.variants import get_variant
+from reshard.proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
+
+_MISSING = "<missing from the loaded client_state>"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--truth", required=True)
+    parser.add_argument("--verdict", required=True, help="path of the JSON verdict rank 0 writes")
+    parser.add_argument("--seed", type=int, default=1, help="model seed of the target engine; differ from train's")
+    parser.add_argument("--tag", default=None, help="checkpoint tag; default: the one in LOAD_DIR/latest")
+    parser.add_argument("--extra-steps", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def compare_with_truth(truth: dict, engine_state: dict, client_state: dict | None, loss) -> Comparison:
+    comparison = compare_trees(truth["engine"], engine_state, "engine")
+    loaded_client_state = {key: (client_state or {}).get(key, _MISSING) for key in truth["client_state"]}
+    comparison.absorb(compare_trees(truth["client_state"], loaded_client_state, "client_state"))
+    comparison.absorb(compare_trees(truth["eval_loss"], loss, "eval_loss"))
+    return comparison
+
+
+def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
+    """One line per distinct message, naming the ranks that reported it, in first-seen order."""
+    ranks_by_message: dict[str, list[int]] = {}
+    for rank, messages in enumerate(per_rank):
+        for message in messages:
+            ranks_by_message.setdefault(message, []).append(rank)
+    return [f"{message} [ranks {','.join(map(str, ranks))}]" for message, ranks in ranks_by_message.items()]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    variant = get_variant(args.variant)
+    init_distributed()
+    import deepspeed.comm as dist
+
+    truth = read_truth(args.truth)
+    if truth["meta"]["variant"] != variant.name:
+        raise SystemExit(f"truth is for variant {truth['meta']['variant']!r}, not {variant.name!r}")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    engine = build_engine(variant, args.seed)
+
+    load_error = None
+    started = time.perf_counter()
+    try:
+        load_path, client_state = engine.load_checkpoint(
+            args.load_dir, tag=args.tag,
+            # frozen params are absent from such checkpoints; the target built them from their own seed
+            load_module_strict=not variant.exclude_frozen_parameters)
+        if load_path is None:
+            load_error = f"load_checkpoint returned no path for {args.load_dir} (tag {args.tag})"
+    except Exception:  # the verdict carries the failure; the run itself completed
+        load_error = traceback.format_exc(limit=6)
+    load_seconds = time.perf_counter() - started
+    errors = [None] * world_size
+    dist.all_gather_object(errors, load_error)
+    load_errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+
+    comparison, loss, extra_losses = Comparison(), float("nan"), []
+    if not load_errors:
+        engine_state = capture_engine_state(engine, master_from=master_route(variant))
+        loss_tensor = eval_loss(engine)
+        comparison = compare_with_truth(truth, engine_state, client_state, loss_tensor)
+        loss = float(loss_tensor)
+        extra_losses = train_steps(engine, seed=args.seed, first_step=truth["meta"]["steps"], count=args.extra_steps)
+
+    per_rank_mismatches = [None] * world_size
+    dist.all_gather_object(per_rank_mismatches, comparison.mismatches)
+    all_extra_losses = [None] * world_size
+    dist.all_gather_object(all_extra_losses, extra_losses)
+
+    if rank == 0:
+        mismatches = merge_rank_mismatches(per_rank_mismatches)
+        finite = all(all_finite(losses) for losses in all_extra_losses)
+        if not finite:
+            mismatches.append(f"extra steps gave non-finite losses: {all_extra_losses}")
+        verdict = {
+            "ok": not load_errors and not mismatches,
+            "variant": variant.name,
+            "world_size": world_size,
+            "source_world_size": truth["meta"]["world_size"],
+            "tag": args.tag or truth["meta"]["tag"],
+            "checked_tensors": comparison.checked_tensors,
+            "checked_elements": comparison.checked_elements,
+            "mismatch_count": len(mismatches),
+            "mismatches": mismatches[:MAX_REPORTED_MISMATCHES],
+            "load_error": "\n".join(load_errors) or None,
+            "eval_loss": loss if math.isfinite(loss) else None,
+            "truth_eval_loss": float(truth["eval_loss"]),
+            "extra_step_losses": all_extra_losses,
+            "load_seconds": round(load_seconds, 3),
+        }
+        write_verdict(args.verdict, verdict)
+        print(f"[proof.check_load] {variant.name} N={verdict['source_world_size']} -> M={world_size}: "
+              f"ok={verdict['ok']} tensors={verdict['checked_tensors']} mismatches={len(mismatches)} "
+              f"-> {args.verdict}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Build the proof model's DeepSpeed engine on the current torchrun ranks, and train it.
+
+Used by the torchrun entry points (train, check_load); not runnable by itself:
+
+    torchrun --standalone --nproc_per_node=2 -m reshard.proof.train --variant z2_fp32 ...
+
+Requires DS_ACCELERATOR=cpu in the environment (launch.py sets it).
+"""
+
+import math
+
+import torch
+
+from reshard.proof.batches import train_batch
+from reshard.proof.model import ProofModel, build_param_groups
+from reshard.proof.variants import Variant
+
+
+def init_distributed() -> None:
+    """Join the torchrun process group over gloo, which is what CPU runs use."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def build_engine(variant: Variant, seed: int):
+    """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if variant.precision == "fp16":
+        # DeepSpeed's CPU accelerator refuses fp16, but torch computes in fp16 on CPU; lying
+        # here is the only way to make real fp16 ZeRO checkpoints on a CPU machine.
+        get_accelerator().is_fp16_supported = lambda: True
+
+    torch.manual_seed(seed)
+    model = ProofModel()
+    optimizer = variant.build_optimizer(build_param_groups(model))
+    lr_scheduler = variant.build_lr_scheduler(optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                           config=variant.ds_config())
+    actual = type(engine.optimizer).__name__
+    if actual != variant.expected_optimizer:
+        raise RuntimeError(f"variant {variant.name}: DeepSpeed chose {actual}, expected {variant.expected_optimizer}")
+    return engine
+
+
+def train_steps(engine, *, seed: int, first_step: int, count: int) -> list[float]:
+    """Run `count` optimizer steps on this rank's own micro-batches; returns this rank's losses."""
+    import deepspeed.comm as dist
+
+    rank = dist.get_rank()
+    engine.train()
+    losses = []
+    for step in range(first_step, first_step + count):
+        tokens, targets = train_batch(seed=seed, step=step, rank=rank, batch_size=engine.train_micro_batch_size_per_gpu())
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def all_finite(values: list[float]) -> bool:
+    return all(math.isfinite(value) for value in values)

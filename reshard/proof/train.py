@@ -1,0 +1,123 @@
+"""Train the proof model with real DeepSpeed on N ranks, save a checkpoint, record its truth.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.train \
+        --variant z2_fp32 --save-dir /tmp/ck --truth /tmp/ck.truth.pt [--steps 3] [--seed 0] [--tag TAG]
+
+Order matters: train, save, then capture the engine (so nothing the capture touches can leak into
+the checkpoint), then the eval loss (eval mode, no_grad: changes nothing), then rank 0 writes the
+truth file atomically. See truth_file.py for its schema.
+"""
+
+import argparse
+
+import torch
+
+from reshard.proof.batches import eval_batch
+from reshard.proof.bitwise import compare_trees
+from reshard.proof.client_state import make_client_state
+from reshard.proof.engine_setup import build_engine, init_distributed, train_steps
+from reshard.proof.engine_state import (MASTER_FROM_GETTERS, MASTER_FROM_INTERNALS, capture_engine_state,
+                                        capture_master_state, master_route)
+from reshard.proof.truth_file import write_truth
+from reshard.proof.variants import get_variant
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--truth", required=True, help="path of the truth file rank 0 writes")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default=None, help="checkpoint tag; default global_step{steps}")
+    return parser.parse_args(argv)
+
+
+def eval_loss(engine) -> torch.Tensor:
+    """Loss on the fixed eval batch; collective under ZeRO-3 (the forward gathers params)."""
+    tokens, targets = eval_batch()
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(tokens, targets).detach().float().cpu().clone()
+    engine.train()
+    return loss
+
+
+def cross_check_master_routes(engine) -> list[str]:
+    """Getter route vs internals route, on ZeRO-1/2 and BF16_Optimizer. Collective."""
+    if engine.zero_optimization_partition_weights():
+        return []
+    by_getters = capture_master_state(engine, MASTER_FROM_GETTERS)
+    by_internals = capture_master_state(engine, MASTER_FROM_INTERNALS)
+    return compare_trees(by_internals, by_getters, "getters vs internals").mismatches
+
+
+def require_same_on_every_rank(what: str, value) -> None:
+    """The truth is rank 0's view; it must be every rank's view, or it is no truth. Collective."""
+    import deepspeed.comm as dist
+
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, value)
+    for rank, view in enumerate(views[1:], start=1):
+        mismatches = compare_trees(views[0], view, f"{what} rank0 vs rank{rank}").mismatches
+        if mismatches:
+            raise RuntimeError(f"{what} differs across ranks:\n" + "\n".join(mismatches[:20]))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    variant = get_variant(args.variant)
+    init_distributed()
+    import deepspeed
+    import deepspeed.comm as dist
+
+    engine = build_engine(variant, args.seed)
+    losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
+    tag = args.tag or f"global_step{engine.global_steps}"
+    client_state = make_client_state()
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state,
+                           exclude_frozen_parameters=variant.exclude_frozen_parameters)
+    dist.barrier()  # every rank's files are on disk before anyone records the truth
+
+    route = master_route(variant)
+    engine_state = capture_engine_state(engine, master_from=route)
+    route_disagreements = cross_check_master_routes(engine)
+    if route_disagreements and not variant.round_robin_gradients:
+        raise RuntimeError("DeepSpeed's getters and the internals route disagree:\n" + "\n".join(route_disagreements[:20]))
+    loss = eval_loss(engine)
+    require_same_on_every_rank("engine state", engine_state)
+    require_same_on_every_rank("eval loss", loss)
+    all_losses = [None] * dist.get_world_size()
+    dist.all_gather_object(all_losses, losses)
+
+    if dist.get_rank() == 0:
+        truth = {
+            "meta": {
+                "variant": variant.name,
+                "world_size": dist.get_world_size(),
+                "seed": args.seed,
+                "steps": args.steps,
+                "tag": tag,
+                "master_from": route,
+                "optimizer_class": type(engine.optimizer).__name__,
+                "zero_stage": variant.zero_stage,
+                "precision": variant.precision,
+                "exclude_frozen_parameters": variant.exclude_frozen_parameters,
+                "deepspeed_version": deepspeed.__version__,
+                "torch_version": str(torch.__version__),
+                "master_route_cross_check": route_disagreements,
+            },
+            "engine": engine_state,
+            "client_state": client_state,
+            "eval_loss": loss,
+            "train_losses": all_losses,
+        }
+        write_truth(args.truth, truth)
+        print(f"[proof.train] {variant.name} N={dist.get_world_size()} tag={tag} eval_loss={loss.item():.6f} "
+              f"route={route} route_disagreements={len(route_disagreements)} -> {args.truth}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

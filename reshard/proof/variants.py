@@ -1,0 +1,169 @@
+"""DeepSpeed configurations the harness trains, saves and judges, one `Variant` per name.
+
+    python -m reshard.proof.variants            # list the variants
+    python -m reshard.proof.variants z2_fp32    # print one variant's ds_config as JSON
+
+Every variant trains the same model with a client optimizer built here (two param groups with
+different hyperparameters), gradient clipping and an LR scheduler, so that a checkpoint carries
+per-group hyperparameters and non-trivial scheduler state.
+"""
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reshard.proof.model import DECAY_GROUP, NO_DECAY_GROUP
+
+MICRO_BATCH_SIZE = 2
+GRADIENT_CLIPPING = 1.0
+# Small so the fp16 loss scale stays far from overflow in a tiny model yet starts off the default.
+FP16_INITIAL_SCALE_POWER = 8
+# Short, so a few steps without overflow already grow the scale and move the scaler's counters.
+FP16_LOSS_SCALE_WINDOW = 2
+SGD_MOMENTUM = 0.9
+Z3_SUBGROUP_SIZE = 8
+
+
+def decaying_lr_factor(step: int) -> float:
+    """LambdaLR factor: a module-level function, because a lambda would not survive pickling."""
+    return 0.9 ** step / (1 + 0.5 * step)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One DeepSpeed setup: ZeRO stage, precision, optimizer and the layout options under test."""
+
+    name: str
+    """Registry key, also written into truth and verdict files."""
+    zero_stage: Literal[1, 2, 3]
+    """zero_optimization.stage."""
+    precision: Literal["fp32", "fp16", "bf16"]
+    """Module dtype; fp16 uses dynamic loss scaling."""
+    expected_optimizer: str
+    """Class name of engine.optimizer that DeepSpeed must pick; train asserts it."""
+    optimizer: Literal["adamw", "sgd_momentum"] = "adamw"
+    """Client optimizer; sgd_momentum keeps `momentum_buffer` instead of exp_avg/exp_avg_sq."""
+    scheduler: Literal["lambda", "warmup_decay"] = "lambda"
+    """torch LambdaLR passed to initialize, or DeepSpeed's WarmupDecayLR from the config."""
+    fp32_grad_accum: bool = False
+    """data_types.grad_accum_dtype=fp32; with bf16 + ZeRO-1 this selects BF16_Optimizer."""
+    sub_group_size: int | None = None
+    """zero_optimization.sub_group_size (stage 3); None keeps DeepSpeed's default (1e9)."""
+    round_robin_gradients: bool = False
+    """zero_optimization.round_robin_gradients: the flat order of params depends on world size."""
+    parameter_alignment: bool = False
+    """zero_optimization.parameter_alignment: padding between params in the flat groups."""
+    exclude_frozen_parameters: bool = False
+    """save_checkpoint(exclude_frozen_parameters=True); load then needs load_module_strict=False."""
+
+    def ds_config(self) -> dict:
+        """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
+        zero: dict = {"stage": self.zero_stage}
+        if self.zero_stage == 3:
+            # Partition every parameter, however small; the default threshold (1e5) would keep
+            # this whole model resident and leave the stage-3 partitioning of params untested.
+            zero["stage3_param_persistence_threshold"] = 0
+        if self.sub_group_size is not None:
+            zero["sub_group_size"] = self.sub_group_size
+        if self.round_robin_gradients:
+            zero["round_robin_gradients"] = True
+        if self.parameter_alignment:
+            zero["parameter_alignment"] = True
+
+        config: dict = {
+            "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": GRADIENT_CLIPPING,
+            "zero_optimization": zero,
+            "steps_per_print": 1_000_000,
+            "wall_clock_breakdown": False,
+        }
+        if self.precision == "fp16":
+            config["fp16"] = {
+                "enabled": True,
+                "loss_scale": 0,  # 0 means dynamic
+                "initial_scale_power": FP16_INITIAL_SCALE_POWER,
+                "loss_scale_window": FP16_LOSS_SCALE_WINDOW,
+                "hysteresis": 2,
+                "min_loss_scale": 1,
+            }
+        elif self.precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        if self.fp32_grad_accum:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if self.optimizer != "adamw":
+            config["zero_allow_untested_optimizer"] = True
+        if self.scheduler == "warmup_decay":
+            # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
+            # groups the same lr and hide a lost per-group hyperparameter.
+            config["scheduler"] = {
+                "type": "WarmupDecayLR",
+                "params": {"total_num_steps": 50, "warmup_num_steps": 3, "warmup_type": "linear",
+                           "warmup_min_lr": [1e-5, 3e-5],
+                           "warmup_max_lr": [DECAY_GROUP["lr"], NO_DECAY_GROUP["lr"]]},
+            }
+        return config
+
+    def build_optimizer(self, param_groups: list[dict]) -> torch.optim.Optimizer:
+        """The client optimizer, over groups that already carry their own lr and weight_decay."""
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
+        return torch.optim.SGD(param_groups, momentum=SGD_MOMENTUM, dampening=0.1, nesterov=False)
+
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer):
+        """A torch scheduler to hand to deepspeed.initialize, or None when the config has one."""
+        if self.scheduler == "lambda":
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, decaying_lr_factor)
+        return None
+
+
+def _plain(stage: int, precision: str, **overrides) -> Variant:
+    if stage == 3:
+        expected = "DeepSpeedZeroOptimizer_Stage3"
+    else:
+        expected = "DeepSpeedZeroOptimizer"
+    fields = dict(name=f"z{stage}_{precision}", zero_stage=stage, precision=precision, expected_optimizer=expected,
+                  scheduler="warmup_decay" if stage == 1 else "lambda")
+    fields.update(overrides)
+    return Variant(**fields)
+
+
+def _registry() -> dict[str, Variant]:
+    variants = [_plain(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "fp16", "bf16")]
+    variants += [
+        Variant("bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, scheduler="warmup_decay"),
+        _plain(3, "fp32", name="z3_subgroups", sub_group_size=Z3_SUBGROUP_SIZE),
+        _plain(2, "fp32", name="z2_round_robin", round_robin_gradients=True),
+        _plain(2, "fp32", name="z2_param_alignment", parameter_alignment=True),
+        _plain(1, "bf16", name="z1_bf16_param_alignment", parameter_alignment=True),
+        _plain(2, "fp32", name="z2_exclude_frozen", exclude_frozen_parameters=True),
+        _plain(3, "fp32", name="z3_exclude_frozen", exclude_frozen_parameters=True),
+        _plain(2, "fp32", name="z2_sgd_momentum", optimizer="sgd_momentum"),
+        _plain(3, "fp32", name="z3_sgd_momentum", optimizer="sgd_momentum"),
+    ]
+    return {variant.name: variant for variant in variants}
+
+
+VARIANTS: dict[str, Variant] = _registry()
+
+
+def get_variant(name: str) -> Variant:
+    """The registered variant called `name`; the error lists the known names."""
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        chosen = get_variant(sys.argv[1])
+        print(json.dumps({"variant": dataclasses.asdict(chosen), "ds_config": chosen.ds_config()}, indent=2))
+    else:
+        for variant in VARIANTS.values():
+            print(f"{variant.name:26s} stage={variant.zero_stage} {variant.precision:4s} "
+                  f"{variant.optimizer:12s} {variant.expected_optimizer}")

@@ -1,0 +1,250 @@
+"""Check a reshard output: by its manifest hashes, or element by element against the source.
+
+    python -m reshard verify DST                    # re-hash every file listed in the manifest
+    torchrun --nproc_per_node=4 -m reshard verify DST --against SRC   # logical check, distributed
+
+`--against` replays the reshard plan, but where the job would write a slice it reads the
+slice back from DST and compares bytes; every element of every target partition is checked
+against its source element, with the same workers and memory budget as a reshard. It also
+re-derives each DST file's unpartitioned content and metadata from SRC (counters, client
+state, paddings, slice mappings, shapes) and compares those, so a DST that loads but holds
+anything else is reported. Nothing is written.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from reshard.errors import CheckpointError, ReshardError
+from reshard.exchange import check_peers, run_rounds
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import (SourceCheckpoint, inspect_checkpoint, resolve_tag,
+                                               source_rank_tensors)
+from reshard.formats.deepspeed_target import target_files
+from reshard.formats.torch_archive import (NewTensor, TensorRef, leaves_in_order, load_structure, map_leaves,
+                                           portable, pread_exact, is_ref)
+from reshard.manifest import Manifest
+from reshard.source_reader import SourceReader
+from reshard.transport import Transport, transport_from_environment
+
+MAX_REPORTED = 50
+
+
+@dataclass
+class VerifyResult:
+    destination: str
+    tag: str
+    mode: str
+    checked_files: int = 0
+    checked_elements: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        head = (f"verify {self.mode}: {self.destination} (tag {self.tag}): "
+                f"{'OK' if self.ok else 'FAILED'} - {self.checked_files} files"
+                + (f", {self.checked_elements:,} partition elements compared" if self.mode == "against source" else ""))
+        return "\n".join([head] + [f"  {p}" for p in self.problems[:MAX_REPORTED]]
+                         + ([f"  ... and {len(self.problems) - MAX_REPORTED} more"] if len(self.problems) > MAX_REPORTED else []))
+
+
+def verify_hashes(destination: str, tag: str | None = None) -> VerifyResult:
+    """Re-hash every file the manifest lists; report missing, resized or changed files."""
+    tag = resolve_tag(destination, tag)
+    tag_dir = os.path.join(destination, tag)
+    manifest = Manifest.read(tag_dir)
+    result = VerifyResult(destination, tag, "by manifest hashes", checked_files=len(manifest.files))
+    result.problems = manifest.check_files(tag_dir)
+    return result
+
+
+class _Comparer:
+    """Stands where the job's TargetWriter would: compares each arriving slice with DST's bytes."""
+
+    def __init__(self, locations: dict):
+        self.locations = locations
+        self.fds: dict = {}
+        self.elements = 0
+        self.problems: list[str] = []
+
+    def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
+        path, ref = self.locations[(rank, slot)]
+        fd = self.fds.get(path) or self.fds.setdefault(path, os.open(path, os.O_RDONLY))
+        actual = bytearray(len(data))
+        pread_exact(fd, memoryview(actual), ref.byte_offset + element * itemsize, path)
+        count = len(data) // itemsize
+        self.elements += count
+        if actual != data:
+            a = np.frombuffer(actual, dtype=np.uint8).reshape(count, itemsize)
+            b = np.frombuffer(data, dtype=np.uint8).reshape(count, itemsize)
+            first = int(np.flatnonzero((a != b).any(axis=1))[0])
+            differing = int((a != b).any(axis=1).sum())
+            self.problems.append(f"{path}: {slot[2]} of flat buffer {slot[1]}: {differing} of {count} elements from "
+                                 f"element {element} differ from the source (first at element {element + first})")
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _normalise(tree, expected_kinds: list, digest) -> object:
+    """Replace leaves by comparable descriptions: partitions by dtype/size, other tensors by content."""
+    position = iter(range(len(expected_kinds)))
+
+    def describe(ref):
+        i = next(position)
+        if isinstance(expected_kinds[i], NewTensor):
+            return ("partition", ref.dtype, ref.numel)
+        return ("tensor", ref.dtype, ref.shape, ref.stride, ref.storage_offset, digest(ref))
+    return map_leaves(tree, describe, is_ref)
+
+
+def _same(a, b) -> bool:
+    """Structural equality of normalised trees (NaN equals NaN, dict order matters)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    if hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_"):
+        return _same(vars(a), vars(b))
+    return a == b
+
+
+def _first_difference(a, b, path="") -> str:
+    """Where two normalised trees differ, as a key path ("" when they are the same)."""
+    if _same(a, b):
+        return ""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                return f"{path}[{key!r}] present on one side only"
+            found = _first_difference(a[key], b[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return f"{path}: keys in a different order"
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and not _is_leaf(a):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_"):
+        found = _first_difference(vars(a), vars(b), path)
+        if found:
+            return found
+    return f"{path or 'top level'}: expected {_clip(a)}, found {_clip(b)}"
+
+
+def _is_leaf(value) -> bool:
+    return isinstance(value, tuple) and bool(value) and value[0] in ("tensor", "partition")
+
+
+def _clip(value) -> str:
+    if isinstance(value, tuple) and value and value[0] == "tensor":
+        return f"a {value[1]} tensor of shape {list(value[2])} with other contents"
+    text = repr(value)
+    return text if len(text) < 120 else text[:120] + "..."
+
+
+def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, target_dp: int, rank: int,
+                           trust_pickle: bool) -> list[str]:
+    problems = []
+    for target in target_files(source, target_dp, rank):
+        path = os.path.join(destination_tag_dir, target.name)
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+            continue
+        actual = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+        expected_leaves = leaves_in_order(target.tree, is_ref)
+        if len(leaves_in_order(actual, is_ref)) != len(expected_leaves):
+            problems.append(f"{path}: holds a different number of tensors than the source implies")
+            continue
+        carried = source.carried.get(target.template)
+        template_path = os.path.join(source.tag_dir, target.template)
+        expected = _normalise(target.tree, expected_leaves, lambda ref: _digest(template_path, ref, carried))
+        found = _normalise(actual, expected_leaves, lambda ref: _digest(path, ref, None))
+        difference = _first_difference(expected, found)
+        if difference:
+            problems.append(f"{path}: {difference}")
+    return problems
+
+
+def _digest(path: str, ref: TensorRef, carried: dict | None) -> str:
+    """BLAKE3 of a storage's bytes, read in chunks (module weights can be large)."""
+    from blake3 import blake3
+    digest = blake3()
+    if carried is not None and ref.storage_key in carried:
+        digest.update(carried[ref.storage_key])
+        return digest.hexdigest()
+    chunk = bytearray(16 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start in range(0, ref.storage_nbytes, len(chunk)):
+            view = memoryview(chunk)[:min(len(chunk), ref.storage_nbytes - start)]
+            pread_exact(fd, view, ref.storage_key + start, path)
+            digest.update(view)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def verify_against(destination: str, source_dir: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
+                   trust_pickle: bool = False, transport: Transport | None = None) -> VerifyResult:
+    """Every element and every unpartitioned value of DST, derived again from SRC and compared."""
+    from reshard.job import _on_rank0, plan_reshard
+    own_transport = transport is None
+    transport = transport or transport_from_environment()
+    try:
+        def inspect_both():
+            src = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
+            dst = inspect_checkpoint(destination, src.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+            _check_same_model(src, dst)
+            return src, dst
+        source, target = _on_rank0(transport, inspect_both)
+        target_dp = target.spec.dp_world_size
+        plan = plan_reshard(source, target_dp, transport.size, memory_budget)
+        own = plan.ownership
+        result = VerifyResult(destination, source.tag, "against source")
+        reader = comparer = None
+        failure = None
+        try:
+            reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
+            locations = {}
+            for rank in own.target_ranks_of(transport.rank):
+                for slot, found in source_rank_tensors(target, rank, trust_pickle=trust_pickle).items():
+                    locations[(rank, slot)] = found
+                result.problems += _compare_unpartitioned(source, target.tag_dir, target_dp, rank, trust_pickle)
+                result.checked_files += len(target_files(source, target_dp, rank))
+            comparer = _Comparer(locations)
+        except ReshardError as error:
+            failure = error
+        check_peers(transport, failure, "opening files")
+        run_rounds(plan, transport, reader, comparer)
+        reports = transport.all_gather_object((result.problems + comparer.problems, comparer.elements,
+                                               result.checked_files))
+        result.problems = [p for problems, _, _ in reports for p in problems]
+        result.checked_elements = sum(n for _, n, _ in reports)
+        result.checked_files = sum(f for _, _, f in reports)
+        for endpoint in (reader, comparer):
+            endpoint.close()
+        return result
+    finally:
+        if own_transport:
+            transport.close()
+
+
+def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> None:
+    a, b = source.spec, target.spec
+    for name in ("stage", "optimizer", "bf16_prefix", "params", "groups", "round_robin", "param_alignment",
+                 "lp_dtype", "streams", "frozen"):
+        if getattr(a, name) != getattr(b, name):
+            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
+                                                  f"({_clip(getattr(a, name))} vs {_clip(getattr(b, name))})")
