@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("destination", nargs="?", help="save directory to create")
     parser.add_argument("--target-dp", type=int, help="data-parallel world size to reshard for")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--all-tags", action="store_true", default=None,
+                        help="reshard every tag directory of each save directory (best_* included)")
     parser.add_argument("--memory-budget", type=parse_size,
                         help="bytes of slices a worker holds at once, e.g. 512M, 4G (default 1G)")
     parser.add_argument("--overwrite", action="store_true", default=None,
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
-                 "tag": args.tag, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
+                 "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle,
                  "backend": args.backend, "timeout": args.timeout}
     if args.config:

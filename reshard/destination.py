@@ -84,8 +84,12 @@ class Staging:
         for name in names:
             shutil.copy2(os.path.join(directory, name), os.path.join(self.tag_dir, name))
 
-    def publish(self) -> None:
-        """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last)."""
+    def publish(self, latest: str | None) -> None:
+        """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).
+
+        `latest`: the tag to name in DST/latest, or None to leave it (a tag that is not the
+        source's latest, resharded with --all-tags).
+        """
         _fsync_dir(self.tag_dir)
         final = os.path.join(self.destination, self.tag)
         old = None
@@ -97,7 +101,8 @@ class Staging:
         os.rename(self.tag_dir, final)
         for script in schema.RECOVERY_SCRIPTS:
             copy_recovery_script(script, self.destination)
-        write_latest(self.destination, self.tag)
+        if latest is not None:
+            write_latest(self.destination, latest)
         if old is not None:
             shutil.rmtree(old)
         self.discard()

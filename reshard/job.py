@@ -38,6 +38,7 @@ from reshard.manifest import (JOURNAL_NAME, Manifest, hash_file, output_fingerpr
 from reshard.formats.deepspeed_inspect import SourceCheckpoint, buffer_numels, inspect_checkpoint
 from reshard.options import ReshardOptions
 from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter
 from reshard.transport import Transport, transport_from_environment
@@ -71,8 +72,8 @@ class WorkerReport:
 
 
 @dataclass
-class ReshardResult:
-    """What a job did; `summary()` is what the CLI prints."""
+class CheckpointResult:
+    """What a job did to one checkpoint (save directory + tag)."""
 
     source: str
     destination: str
@@ -125,6 +126,46 @@ class ReshardResult:
         return "\n".join(lines)
 
 
+@dataclass
+class ReshardResult:
+    """What a job did, checkpoint by checkpoint; `summary()` is what the CLI prints."""
+
+    checkpoints: list[CheckpointResult] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dry_run(self) -> bool:
+        return any(c.dry_run for c in self.checkpoints)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(c.bytes_read for c in self.checkpoints)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(c.bytes_written for c in self.checkpoints)
+
+    @property
+    def reports(self) -> list[WorkerReport]:
+        """Per worker, summed over checkpoints (peak RSS: the maximum)."""
+        merged: dict[int, WorkerReport] = {}
+        for checkpoint in self.checkpoints:
+            for r in checkpoint.reports:
+                m = merged.setdefault(r.worker, WorkerReport(r.worker, r.source_ranks, r.target_ranks))
+                m.bytes_read += r.bytes_read
+                m.bytes_written += r.bytes_written
+                m.bytes_carried += r.bytes_carried
+                m.peak_rss_bytes = max(m.peak_rss_bytes, r.peak_rss_bytes)
+        return [merged[w] for w in sorted(merged)]
+
+    def summary(self) -> str:
+        parts = [c.summary() for c in self.checkpoints] + [f"note: {n}" for n in self.notes]
+        if len(self.checkpoints) > 1:
+            parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
+        return "\n".join(parts)
+
+
 def _ranks(ranks) -> str:
     if not ranks:
         return "-"
@@ -141,11 +182,13 @@ def _human(n: float) -> str:
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
                        **options) -> ReshardResult:
-    """Reshard the DeepSpeed checkpoint in `source` for `target_dp` ranks into `destination`.
+    """Reshard the DeepSpeed checkpoint(s) in `source` for `target_dp` ranks into `destination`.
 
-    Keyword options are the fields of `ReshardOptions` (tag, memory_budget, overwrite,
-    dry_run, quiet, trust_pickle, backend, timeout). Uses the given transport, else the
-    initialised torch.distributed group, else one worker. Raises ReshardError on bad input.
+    `source` is a save directory, or a run directory whose sub-directories are save
+    directories (see reshard.runs). Keyword options are the fields of `ReshardOptions` (tag,
+    all_tags, memory_budget, overwrite, dry_run, quiet, trust_pickle, backend, timeout). Uses
+    the given transport, else the initialised torch.distributed group, else one worker.
+    Raises ReshardError on bad input.
     """
     opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, **options)
     return run_job(opts.validate(), transport)
@@ -155,7 +198,17 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout)
     try:
-        return _run(opts, transport)
+        started = time.perf_counter()
+        def discover():
+            check_paths(opts.source, opts.destination)
+            return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
+
+        units, notes = _on_rank0(transport, discover)
+        result = ReshardResult(notes=notes)
+        for unit in units:
+            result.checkpoints.append(_run_unit(opts, unit, transport))
+        result.seconds = time.perf_counter() - started
+        return result
     finally:
         if own_transport:
             transport.close()
@@ -189,30 +242,28 @@ class _Start:
     notes: list = field(default_factory=list)
 
 
-def _decide_start(opts: ReshardOptions, source: SourceCheckpoint, plan: ReshardPlan, lock: DestinationLock) -> _Start:
+def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
+                  lock: DestinationLock) -> _Start:
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files))
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
-    final = os.path.join(opts.destination, source.tag)
-    ours = {STAGING, LOCK_NAME}
-    try:
-        previous = Manifest.read(final)
-    except ReshardError:
-        previous = None
-    if previous is not None and previous.fingerprint == out_fp:
-        ours |= {source.tag, LATEST, *RECOVERY_SCRIPTS}
-        if not previous.check_files(final):
-            write_latest(opts.destination, source.tag)
-            start.mode = "complete"
-            start.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
-            return start
-    check_empty(opts.destination, ours, opts.overwrite)
+    final = os.path.join(unit.destination, source.tag)
+    outputs = _outputs_of(unit.destination, source.save_dir)
+    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} if outputs else set())
+    previous = outputs.get(source.tag)
+    if previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
+        if unit.latest:
+            write_latest(unit.destination, unit.latest)
+        start.mode = "complete"
+        start.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
+        return start
+    check_empty(unit.destination, ours, opts.overwrite)
     lock.acquire()
     if lock.stale_note:
         start.notes.append(lock.stale_note)
-    staging = Staging(opts.destination, source.tag)
+    staging = Staging(unit.destination, source.tag)
     journal = read_journal(staging.tag_dir)
     if journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"):
         start.mode, start.skeletons = "resume", True
@@ -227,24 +278,40 @@ def _decide_start(opts: ReshardOptions, source: SourceCheckpoint, plan: ReshardP
     return start
 
 
-def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
+def _outputs_of(destination: str, source_save_dir: str) -> dict:
+    """Tag directories under `destination` that reshard wrote from `source_save_dir`: tag -> Manifest."""
+    found = {}
+    if os.path.isdir(destination):
+        for name in os.listdir(destination):
+            if not os.path.isdir(os.path.join(destination, name)):
+                continue
+            try:
+                manifest = Manifest.read(os.path.join(destination, name))
+            except ReshardError:
+                continue
+            if manifest.source.get("save_dir") == source_save_dir:
+                found[name] = manifest
+    return found
+
+
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> CheckpointResult:
     started = time.perf_counter()
 
     def inspect():
-        check_paths(opts.source, opts.destination)
-        return inspect_checkpoint(opts.source, opts.tag, trust_pickle=opts.trust_pickle)
+        check_paths(unit.source, unit.destination)
+        return inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
 
     source: SourceCheckpoint = _on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
-    result = ReshardResult(source.save_dir, opts.destination, source.tag, source.spec.describe(),
-                           source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
-                           plan.rounds, 0.0, opts.dry_run, plan)
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
+                              source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
+                              plan.rounds, 0.0, opts.dry_run, plan)
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
 
-    lock = DestinationLock(opts.destination)
-    start: _Start = _on_rank0(transport, lambda: _decide_start(opts, source, plan, lock))
+    lock = DestinationLock(unit.destination)
+    start: _Start = _on_rank0(transport, lambda: _decide_start(opts, unit, source, plan, lock))
     result.notes = list(start.notes)
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started
@@ -252,7 +319,7 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
     own = plan.ownership
     report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
                           tuple(own.target_ranks_of(transport.rank)))
-    staging = Staging(opts.destination, source.tag)
+    staging = Staging(unit.destination, source.tag)
     reader = writer = None
     rounds_started = False
     try:
@@ -285,9 +352,9 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:
-                _publish(opts, source, start, staging, all_hashes)
+                _publish(opts, unit, source, start, staging, all_hashes)
             except OSError as error:
-                failure = ReshardError(f"{opts.destination}: publishing the result failed: {error}")
+                failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
         check_peers(transport, failure, "publishing the result")
     except BaseException:
         for endpoint in (reader, writer):
@@ -307,7 +374,7 @@ def _run(opts: ReshardOptions, transport: Transport) -> ReshardResult:
     return result
 
 
-def _publish(opts, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list) -> None:
+def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list) -> None:
     staging.copy_in(source.tag_dir, source.other_files)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
                     "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in source.other_files}
@@ -321,7 +388,7 @@ def _publish(opts, source: SourceCheckpoint, start: _Start, staging: Staging, wo
              target={"dp_world_size": opts.target_dp, "stage": spec.stage},
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-    staging.publish()
+    staging.publish(unit.latest)
 
 
 def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool) -> None:

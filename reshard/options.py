@@ -39,6 +39,8 @@ class ReshardOptions:
     """Data-parallel world size the checkpoint is resharded for."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
+    all_tags: bool = False
+    """Reshard every tag directory (best_* included), not only the one `latest` names."""
     memory_budget: int = 1 << 30
     """Bytes of slices one worker holds at once (send plus receive buffers of a round)."""
     overwrite: bool = False

@@ -11,8 +11,11 @@ The harness never imports DeepSpeed at package import time; the torchrun entry p
     # every variant, N -> M, with a summary table
     python -m reshard.proof.run_all_variants --n 2 --m 2 --workdir /tmp/proof
 
-Modules: model (the tiny model), batches (deterministic data), variants (DeepSpeed configs),
-engine_setup (build an engine on the torchrun ranks), engine_state (capture everything a checkpoint
-should carry, from a live engine), bitwise (exact comparison), train / check_load (entry points),
-zero_to_fp32_check (DeepSpeed's own consolidation against the truth), launch (subprocess wrappers).
+Modules: model (the tiny model), batches (deterministic data), client_state (what train saves as
+client_state), variants (DeepSpeed configs), engine_setup (build and train an engine on the torchrun
+ranks), engine_state (capture everything a checkpoint should carry, from a live engine), bitwise
+(exact comparison), truth_file / verdict_file (the two schemas), train / check_load (torchrun entry
+points), zero_to_fp32_check (DeepSpeed's own consolidation against the truth), launch (subprocess
+wrappers with the teardown-abort retry), negative_controls (tampered copies that must fail),
+run_all_variants (the whole matrix).
 """

@@ -15,11 +15,11 @@ import argparse
 import math
 import time
 import traceback
+from pathlib import Path
 
 from reshard.proof.bitwise import Comparison, compare_trees
-from reshard.proof.engine_setup import all_finite, build_engine, init_distributed, train_steps
+from reshard.proof.engine_setup import all_finite, build_engine, eval_loss, init_distributed, train_steps
 from reshard.proof.engine_state import capture_engine_state, master_route
-from reshard.proof.train import eval_loss
 from reshard.proof.truth_file import read_truth
 from reshard.proof.variants import get_variant
 from reshard.proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
@@ -45,6 +45,11 @@ def compare_with_truth(truth: dict, engine_state: dict, client_state: dict | Non
     comparison.absorb(compare_trees(truth["client_state"], loaded_client_state, "client_state"))
     comparison.absorb(compare_trees(truth["eval_loss"], loss, "eval_loss"))
     return comparison
+
+
+def _latest_tag(load_dir: str) -> str | None:
+    latest = Path(load_dir) / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
 
 
 def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
@@ -107,7 +112,7 @@ def main(argv=None) -> None:
             "variant": variant.name,
             "world_size": world_size,
             "source_world_size": truth["meta"]["world_size"],
-            "tag": args.tag or truth["meta"]["tag"],
+            "tag": args.tag or _latest_tag(args.load_dir),
             "checked_tensors": comparison.checked_tensors,
             "checked_elements": comparison.checked_elements,
             "mismatch_count": len(mismatches),

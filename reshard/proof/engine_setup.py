@@ -8,19 +8,25 @@ Requires DS_ACCELERATOR=cpu in the environment (launch.py sets it).
 """
 
 import math
+from datetime import timedelta
 
 import torch
 
-from reshard.proof.batches import train_batch
+from reshard.proof.batches import eval_batch, train_batch
 from reshard.proof.model import ProofModel, build_param_groups
 from reshard.proof.variants import Variant
+
+
+# A tiny model needs seconds per collective; when one rank fails inside a collective (say a load
+# that raises on one rank only), the others should die soon rather than wait out gloo's 30 minutes.
+COLLECTIVE_TIMEOUT = timedelta(minutes=3)
 
 
 def init_distributed() -> None:
     """Join the torchrun process group over gloo, which is what CPU runs use."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def build_engine(variant: Variant, seed: int):
@@ -59,6 +65,17 @@ def train_steps(engine, *, seed: int, first_step: int, count: int) -> list[float
         engine.step()
         losses.append(float(loss.detach().float()))
     return losses
+
+
+def eval_loss(engine) -> torch.Tensor:
+    """Loss on the fixed eval batch, eval mode, no_grad: it changes no state (running stats
+    update only in training). Collective under ZeRO-3, where the forward gathers params."""
+    tokens, targets = eval_batch()
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(tokens, targets).detach().float().cpu().clone()
+    engine.train()
+    return loss
 
 
 def all_finite(values: list[float]) -> bool:

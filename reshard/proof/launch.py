@@ -69,8 +69,8 @@ def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | No
         output = result.stdout + result.stderr
         died_at_exit = all(_looks_complete(path) for path in expected) and expected
         if died_at_exit and attempt == 1:
-            print(f"[proof.launch] {module} exited {result.returncode} after writing its files; retrying once",
-                  file=sys.stderr, flush=True)
+            print(f"[proof.launch] {module} exited {result.returncode} after writing its files; retrying once. "
+                  f"Output tail:\n{output[-1500:]}", file=sys.stderr, flush=True)
             continue
         missing = [str(path) for path in expected if not _looks_complete(path)]
         raise TorchrunError(f"exit code {result.returncode} (attempt {attempt}); missing or incomplete: {missing}\n"

@@ -62,7 +62,8 @@ def _first_param_in_partition(optim: dict, model_states: dict, group: int) -> st
 
 def flip_fp32_partition_bit(ckpt_dir, rank: int = 1, group: int = 0, index: int = 0) -> str:
     """Flip the lowest bit of element `index` of `rank`'s fp32 master partition of `group`;
-    returns the name of the parameter that element belongs to (index 0 is always real data)."""
+    returns the name of the parameter that element belongs to. Index 0 holds real data unless the
+    rank's whole partition is padding, which the defaults (rank 1, group 0, N=2) never hit."""
     ckpt_dir = Path(ckpt_dir)
     model_files = _model_files(ckpt_dir)
     model_states = torch.load(model_files[min(rank, len(model_files) - 1)], map_location="cpu", weights_only=False)
@@ -82,11 +83,15 @@ def _torch_optimizer_state(optim: dict) -> dict:
     return optim["base_optimizer_state"] if "base_optimizer_state" in optim else optim["optimizer_state_dict"]
 
 
-def flip_optimizer_state_bit(ckpt_dir, rank: int = 1, state_key: str = "exp_avg", group: int = 0) -> str:
-    """Flip one bit of element 0 of an optimizer state tensor (exp_avg, momentum_buffer...)."""
+def flip_optimizer_state_bit(ckpt_dir, rank: int = 1, state_key: str | None = None, group: int = 0) -> str:
+    """Flip one bit of element 0 of an optimizer state tensor; by default the first partition-sized
+    one, whatever the optimizer calls it (exp_avg, momentum_buffer...). Returns the key."""
     def edit(state: dict) -> str:
-        _flip_lowest_bit(_torch_optimizer_state(state["optimizer_state_dict"])["state"][group][state_key], 0)
-        return state_key
+        group_state = _torch_optimizer_state(state["optimizer_state_dict"])["state"][group]
+        key = state_key or next(name for name, value in group_state.items()
+                                if torch.is_tensor(value) and value.ndim == 1 and value.numel() > 1)
+        _flip_lowest_bit(group_state[key], 0)
+        return key
     return _edit(_optim_file(Path(ckpt_dir), rank), edit)
 
 

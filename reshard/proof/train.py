@@ -12,10 +12,9 @@ import argparse
 
 import torch
 
-from reshard.proof.batches import eval_batch
 from reshard.proof.bitwise import compare_trees
 from reshard.proof.client_state import make_client_state
-from reshard.proof.engine_setup import build_engine, init_distributed, train_steps
+from reshard.proof.engine_setup import build_engine, eval_loss, init_distributed, train_steps
 from reshard.proof.engine_state import (MASTER_FROM_GETTERS, MASTER_FROM_INTERNALS, capture_engine_state,
                                         capture_master_state, master_route)
 from reshard.proof.truth_file import write_truth
@@ -31,16 +30,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default=None, help="checkpoint tag; default global_step{steps}")
     return parser.parse_args(argv)
-
-
-def eval_loss(engine) -> torch.Tensor:
-    """Loss on the fixed eval batch; collective under ZeRO-3 (the forward gathers params)."""
-    tokens, targets = eval_batch()
-    engine.eval()
-    with torch.no_grad():
-        loss = engine(tokens, targets).detach().float().cpu().clone()
-    engine.train()
-    return loss
 
 
 def cross_check_master_routes(engine) -> list[str]:

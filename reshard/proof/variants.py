@@ -24,6 +24,9 @@ GRADIENT_CLIPPING = 1.0
 FP16_INITIAL_SCALE_POWER = 8
 # Short, so a few steps without overflow already grow the scale and move the scaler's counters.
 FP16_LOSS_SCALE_WINDOW = 2
+# Large enough that one of the first three scaled backwards overflows fp16 (step 1 of 0..2 on the
+# reference machine, with hysteresis 1): one skipped step, a cut scale, a lagging scheduler.
+FP16_OVERFLOW_SCALE_POWER = 15
 SGD_MOMENTUM = 0.9
 Z3_SUBGROUP_SIZE = 8
 
@@ -59,6 +62,10 @@ class Variant:
     """zero_optimization.parameter_alignment: padding between params in the flat groups."""
     exclude_frozen_parameters: bool = False
     """save_checkpoint(exclude_frozen_parameters=True); load then needs load_module_strict=False."""
+    fp16_initial_scale_power: int = FP16_INITIAL_SCALE_POWER
+    """fp16.initial_scale_power: the dynamic loss scale starts at 2**power."""
+    fp16_hysteresis: int = 2
+    """fp16.hysteresis: overflows tolerated before the scale is cut."""
 
     def ds_config(self) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
@@ -86,9 +93,9 @@ class Variant:
             config["fp16"] = {
                 "enabled": True,
                 "loss_scale": 0,  # 0 means dynamic
-                "initial_scale_power": FP16_INITIAL_SCALE_POWER,
+                "initial_scale_power": self.fp16_initial_scale_power,
                 "loss_scale_window": FP16_LOSS_SCALE_WINDOW,
-                "hysteresis": 2,
+                "hysteresis": self.fp16_hysteresis,
                 "min_loss_scale": 1,
             }
         elif self.precision == "bf16":
@@ -144,6 +151,11 @@ def _registry() -> dict[str, Variant]:
         _plain(3, "fp32", name="z3_exclude_frozen", exclude_frozen_parameters=True),
         _plain(2, "fp32", name="z2_sgd_momentum", optimizer="sgd_momentum"),
         _plain(3, "fp32", name="z3_sgd_momentum", optimizer="sgd_momentum"),
+        # Beyond the required set: a scale so large that an early step overflows and is skipped,
+        # so skipped_steps, last_overflow_iter, Adam's step < global_steps and a scheduler that
+        # lags global_steps are all exercised.
+        _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
+               fp16_hysteresis=1),
     ]
     return {variant.name: variant for variant in variants}
 
