@@ -156,29 +156,51 @@ def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
     position = bases[seg.dst_buffer] + seg.dst_offset
     cut, window_index = _split_at_windows(seg, position, window)
-    # Equal windows bound what each worker receives; a sender may still be over budget when
-    # the windows of many targets come from its ranks. Pack such a sender's segments into
-    # sub-rounds, in logical order, first fit.
-    sender = np.asarray([ownership.reader(r) for r in range(ownership.source_ranks)])[cut.src_rank]
+    readers = np.asarray([ownership.reader(r) for r in range(ownership.source_ranks)])
+    writers = np.asarray([ownership.writer(r) for r in range(ownership.target_ranks)])
+    sender, receiver = readers[cut.src_rank], writers[cut.dst_rank]
     nbytes = cut.length * bytes_per_element
-    key = window_index * ownership.workers + sender
-    order = np.lexsort((cut.logical, key))
-    sub = np.zeros(len(cut), dtype=np.int64)
-    per_key = np.bincount(key, weights=nbytes) if len(key) else np.zeros(0)
-    if per_key.max(initial=0) > half:
-        current_key, used, bin_index = None, 0, 0
-        for idx in order:
-            if key[idx] != current_key:
-                current_key, used, bin_index = key[idx], 0, 0
-            if used + nbytes[idx] > half:
-                bin_index, used = bin_index + 1, 0
-            sub[idx] = bin_index
-            used += nbytes[idx]
+    sub = _pack_overfull_windows(window_index, sender, receiver, nbytes, cut.logical, ownership.workers, half)
     pair = window_index * (int(sub.max()) + 1) + sub
     _, rounds = np.unique(pair, return_inverse=True)
     order = np.argsort(cut.logical, kind="stable")
     result = cut.select(order)
     return Segments(*(getattr(result, c) for c in SEGMENT_COLUMNS[:-1]), rounds[order].astype(np.int64))
+
+
+def _pack_overfull_windows(window, sender, receiver, nbytes, logical, workers: int, half: int) -> np.ndarray:
+    """Sub-round of each segment, so that in every (window, sub-round) no worker sends or
+    receives more than `half` bytes.
+
+    Equal windows already bound what each worker receives, unless a worker owns so many
+    target ranks that one element each exceeds the budget; a sender may be over budget when
+    the windows of many targets come from its ranks. Only windows where either happens are
+    packed, segment by segment in logical order, into the first sub-round with room.
+    """
+    sub = np.zeros(len(window), dtype=np.int64)
+    if len(window) == 0:
+        return sub
+    size = int(window.max()) + 1
+    sent = np.bincount(window * workers + sender, weights=nbytes, minlength=size * workers)
+    got = np.bincount(window * workers + receiver, weights=nbytes, minlength=size * workers)
+    overfull = np.flatnonzero((sent.reshape(size, workers).max(axis=1) > half)
+                              | (got.reshape(size, workers).max(axis=1) > half))
+    for w in overfull:
+        members = np.flatnonzero(window == w)
+        members = members[np.argsort(logical[members], kind="stable")]
+        bins: list[tuple[np.ndarray, np.ndarray]] = []
+        for idx in members:
+            s, r, n = sender[idx], receiver[idx], nbytes[idx]
+            for b, (out, inn) in enumerate(bins):
+                if out[s] + n <= half and inn[r] + n <= half:
+                    break
+            else:
+                bins.append((np.zeros(workers, np.int64), np.zeros(workers, np.int64)))
+                b = len(bins) - 1
+            bins[b][0][s] += n
+            bins[b][1][r] += n
+            sub[idx] = b
+    return sub
 
 
 @dataclass(frozen=True, eq=False)
