@@ -1,0 +1,202 @@
+"""In-job resharding: resume a DeepSpeed engine from a checkpoint saved at another world size.
+
+    import reshard.deepspeed
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    load_path, client_state = reshard.deepspeed.load_checkpoint(engine, "/ckpt/run1")
+
+A drop-in for `engine.load_checkpoint(load_dir, tag, **kwargs)`, with the same return value.
+If the checkpoint was saved at the engine's data-parallel size it simply delegates.
+Otherwise the job's own ranks reshard it over the job's process group: each rank reads a
+disjoint subset of the source rank files, slices move with all-to-all within the memory
+budget, and each rank builds its new partition in memory; DeepSpeed's own
+`load_checkpoint` then loads those objects, so the engine ends in exactly the state a
+native load of the offline-resharded checkpoint gives. No resharded copy is written.
+
+What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
+creates empty placeholder files with the target names in a private temporary directory
+(removed afterwards) and DeepSpeed's checkpoint engine is pointed, for the duration of the
+call, at the in-memory objects. One case cannot be served from memory: ZeRO-3 with
+`load_optimizer_states=False` makes DeepSpeed run zero_to_fp32 on the directory itself;
+there the checkpoint is resharded into a temporary staging directory, loaded, and removed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from reshard.errors import ReshardError
+from reshard.exchange import check_peers, run_rounds
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import SourceCheckpoint, inspect_checkpoint
+from reshard.formats.deepspeed_target import target_files
+from reshard.formats.torch_archive import leaves_in_order, materialize
+from reshard.source_reader import SourceReader
+from reshard.transport import TorchDistributedTransport
+
+DEFAULT_BUDGET = 1 << 30
+
+
+class MemoryTargetWriter:
+    """Builds the target files of some ranks as in-memory objects (what torch.load would return)."""
+
+    def __init__(self, source: SourceCheckpoint, world_size: int, ranks):
+        self.objects: dict[tuple[int, str], object] = {}
+        self.locations: dict[tuple, np.ndarray] = {}
+        self.bytes_written = 0
+        for rank in ranks:
+            for target in target_files(source, world_size, rank):
+                if source.spec.stage < 3 and target.name == schema.model_file_name(source.spec.stage):
+                    continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
+                obj, roles = materialize(target.tree)
+                carried = source.carried[target.template]
+                for tensor in leaves_in_order(obj):
+                    role = roles.get(tensor.untyped_storage()._cdata)
+                    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+                    if isinstance(role, tuple):
+                        raw.zero_()  # padding reads as zeros, as in a written file
+                        self.locations[(rank, role)] = raw.numpy()
+                    elif role is not None and len(raw):
+                        raw.copy_(torch.frombuffer(bytearray(carried[role]), dtype=torch.uint8))
+                self.objects[(rank, target.name)] = obj
+
+    def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
+        start = element * itemsize
+        self.locations[(rank, slot)][start:start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.bytes_written += len(data)
+
+    def sync(self) -> None:
+        pass
+
+
+class _ServedCheckpointEngine:
+    """Wraps DeepSpeed's checkpoint engine: named paths come from memory, the rest from disk."""
+
+    def __init__(self, inner, served: dict):
+        self.inner, self.served = inner, served
+
+    def load(self, path, map_location=None):
+        key = os.path.abspath(path)
+        if key in self.served:
+            return self.served[key]
+        return self.inner.load(path, map_location=map_location)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _data_parallel_size(engine) -> int:
+    return int(getattr(engine, "seq_dp_world_size", None) or engine.dp_world_size)
+
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_budget: int = DEFAULT_BUDGET,
+                    trust_pickle: bool = False, **load_checkpoint_kwargs):
+    """`engine.load_checkpoint(load_dir, tag, **kwargs)`, resharding in the job when the sizes differ.
+
+    Collective: every rank of the job calls it, as with DeepSpeed's own method.
+    """
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise ReshardError("reshard.deepspeed.load_checkpoint needs the job's torch.distributed process group "
+                           "(call it after deepspeed.initialize)")
+    transport = TorchDistributedTransport()
+    from reshard.job import _on_rank0
+    source: SourceCheckpoint = _on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
+    target_dp = _data_parallel_size(engine)
+    if source.spec.dp_world_size == target_dp:
+        return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
+    if transport.size != target_dp:
+        raise ReshardError(f"in-job resharding needs data parallelism only: the job has {transport.size} ranks "
+                           f"but a data-parallel size of {target_dp}")
+    started = time.perf_counter()
+    if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
+        return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
+    objects = _reshard_in_memory(source, target_dp, transport, memory_budget, trust_pickle)
+    result = _load_served(engine, source, objects, transport.rank, load_checkpoint_kwargs)
+    if transport.rank == 0:
+        print(f"reshard: resharded {source.tag_dir} from {source.spec.dp_world_size} to {target_dp} "
+              f"data-parallel ranks in-job in {time.perf_counter() - started:.2f} s", flush=True)
+    return result
+
+
+def _reshard_in_memory(source: SourceCheckpoint, target_dp: int, transport, budget: int, trust_pickle: bool) -> dict:
+    from reshard.job import plan_reshard
+    plan = plan_reshard(source, target_dp, transport.size, budget)
+    own = plan.ownership
+    reader = writer = None
+    failure = None
+    try:
+        reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
+        writer = MemoryTargetWriter(source, target_dp, own.target_ranks_of(transport.rank))
+    except Exception as error:
+        failure = error
+    try:
+        check_peers(transport, failure, "opening source files")
+        run_rounds(plan, transport, reader, writer)
+    finally:
+        if reader is not None:
+            reader.close()
+    return writer.objects
+
+
+def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwargs: dict):
+    spec = source.spec
+    placeholder_root = tempfile.mkdtemp(prefix="reshard-injob-")
+    try:
+        tag_dir = os.path.join(placeholder_root, source.tag)
+        os.makedirs(tag_dir)
+        served = {}
+        for (_, name), obj in objects.items():
+            served[os.path.join(tag_dir, name)] = obj
+        if spec.stage < 3:
+            name = schema.model_file_name(spec.stage)
+            served[os.path.join(tag_dir, name)] = _zero12_model_states(source, _data_parallel_size(engine))
+        for path in served:
+            open(path, "wb").close()  # DeepSpeed checks the files exist before loading them
+        inner = engine.checkpoint_engine
+        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served)
+        try:
+            load_path, client_state = engine.load_checkpoint(placeholder_root, source.tag, **kwargs)
+        finally:
+            engine.checkpoint_engine = inner
+        if load_path is not None:
+            load_path = os.path.join(source.tag_dir, os.path.basename(load_path))
+        return load_path, client_state
+    finally:
+        shutil.rmtree(placeholder_root, ignore_errors=True)
+
+
+def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
+    """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
+    from reshard.formats.deepspeed_target import _zero12_model_tree
+    with torch.serialization.safe_globals(list(schema.safe_globals())):
+        states = torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True)
+    recomputed = _zero12_model_tree(source, source.spec.layout(target_dp))
+    states["param_shapes"] = recomputed["param_shapes"]
+    states["dp_world_size"] = recomputed["dp_world_size"]
+    return states
+
+
+def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: int, trust_pickle: bool, kwargs: dict):
+    """Reshard to a temporary directory next to nothing of the source, load, remove it."""
+    from reshard.job import reshard_checkpoint
+    root = None
+    if transport.rank == 0:
+        root = tempfile.mkdtemp(prefix="reshard-injob-staging-")
+    root = transport.broadcast_object(root)
+    try:
+        destination = os.path.join(root, "checkpoint")
+        reshard_checkpoint(source.save_dir, destination, _data_parallel_size(engine), tag=source.tag,
+                           memory_budget=budget, quiet=True, trust_pickle=trust_pickle, transport=transport)
+        load_path, client_state = engine.load_checkpoint(destination, source.tag, **kwargs)
+        transport.barrier()
+        if load_path is not None:
+            load_path = os.path.join(source.tag_dir, os.path.basename(load_path))
+        return load_path, client_state
+    finally:
+        if transport.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
