@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     parser.add_argument("--trust-pickle", action="store_true", default=None,
                         help="unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)")
+    parser.add_argument("--ignore-batch-config", action="store_true", default=None,
+                        help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
-                 "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle,
+                 "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config,
                  "backend": args.backend, "timeout": args.timeout}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()

@@ -173,8 +173,8 @@ def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwa
 def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
     from reshard.formats.deepspeed_target import _zero12_model_tree
-    with torch.serialization.safe_globals(list(schema.safe_globals())):
-        states = torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True)
+    torch.serialization.add_safe_globals(list(schema.safe_globals()))
+    states = torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True)
     recomputed = _zero12_model_tree(source, source.spec.layout(target_dp))
     states["param_shapes"] = recomputed["param_shapes"]
     states["dp_world_size"] = recomputed["dp_world_size"]

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from reshard import __version__
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
-from reshard.errors import ReshardError
+from reshard.batch_config import batch_config_problem
+from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import check_peers, run_rounds
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
@@ -299,7 +300,11 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
 
     def inspect():
         check_paths(unit.source, unit.destination)
-        return inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        problem = batch_config_problem(source.model_template.get("ds_config"), opts.target_dp)
+        if problem and not opts.ignore_batch_config:
+            raise OptionError(f"{source.model_path(0)}: {problem}")
+        return source
 
     source: SourceCheckpoint = _on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
@@ -311,7 +316,14 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         return result
 
     lock = DestinationLock(unit.destination)
-    start: _Start = _on_rank0(transport, lambda: _decide_start(opts, unit, source, plan, lock))
+    def decide():
+        try:
+            return _decide_start(opts, unit, source, plan, lock)
+        except OSError as error:
+            detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+            raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
+
+    start: _Start = _on_rank0(transport, decide)
     result.notes = list(start.notes)
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started
@@ -346,8 +358,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         try:
             writer.finish()
             hashes = writer.hashes()
-        except OSError as error:
-            failure = ReshardError(f"{staging.tag_dir}: flushing target files failed: {error.strerror}")
+        except Exception as error:
+            failure = error
         check_peers(transport, failure, "flushing target files")
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
@@ -355,6 +367,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
                 _publish(opts, unit, source, start, staging, all_hashes)
             except OSError as error:
                 failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
+            except Exception as error:
+                failure = error
         check_peers(transport, failure, "publishing the result")
     except BaseException:
         for endpoint in (reader, writer):

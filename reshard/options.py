@@ -51,6 +51,8 @@ class ReshardOptions:
     """No progress bar; the final summary is still printed."""
     trust_pickle: bool = False
     """Unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)."""
+    ignore_batch_config: bool = False
+    """Proceed although the checkpoint's ds_config batch settings cannot run at the target size."""
     backend: str = "auto"
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
     timeout: float = 600.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from reshard.errors import ReshardError
 from reshard.formats.deepspeed_inspect import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (TensorRef, copy_bytes, locate_storages, materialize, pwrite_exact,
@@ -25,10 +26,23 @@ from reshard.formats.torch_archive import (TensorRef, copy_bytes, locate_storage
 from reshard.manifest import hash_file
 
 
+class WriteFailed(ReshardError):
+    """A target file could not be written (disk full, I/O error); what was written is kept for a resume."""
+
+    def __init__(self, path: str, error: OSError):
+        self.path, self.error = path, error
+        super().__init__(f"{path}: writing failed: {error.strerror or error}. The partial output stays in "
+                         f"{os.path.dirname(path)} (no checkpoint is published); fix the cause and re-run the "
+                         f"same command to resume")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.error))
+
+
 @dataclass
 class TargetWriter:
     locations: dict = field(default_factory=dict)
-    """(rank, slot) -> (fd, byte offset of element 0)"""
+    """(rank, slot) -> (fd, byte offset of element 0, path)"""
     fds: dict = field(default_factory=dict)
     """path -> fd of every file this worker writes"""
     paths: list = field(default_factory=list)
@@ -51,15 +65,23 @@ class TargetWriter:
 
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         obj, roles = materialize(target.tree)
-        offsets = locate_storages(path, obj, roles) if reuse_existing else write_skeleton(path, obj, roles)
+        try:
+            offsets = locate_storages(path, obj, roles) if reuse_existing else write_skeleton(path, obj, roles)
+        except OSError as error:
+            raise WriteFailed(path, error) from None
+        except RuntimeError as error:  # torch.save reports a failed write this way
+            raise WriteFailed(path, OSError(0, str(error).splitlines()[0])) from None
         del obj
         self.paths.append(path)
         fd = self.fds[path] = os.open(path, os.O_RDWR)
         for role, offset in offsets.items():
             if isinstance(role, tuple):
-                self.locations[(rank, role)] = (fd, offset)
+                self.locations[(rank, role)] = (fd, offset, path)
         if not reuse_existing:
-            self._write_carried(source, target, fd, offsets)
+            try:
+                self._write_carried(source, target, fd, offsets)
+            except OSError as error:
+                raise WriteFailed(path, error) from None
 
     def _write_carried(self, source: SourceCheckpoint, target, fd: int, offsets: dict) -> None:
         carried = source.carried.get(target.template)
@@ -84,13 +106,19 @@ class TargetWriter:
                 os.close(template_fd)
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
-        fd, base = self.locations[(rank, slot)]
-        pwrite_exact(fd, data, base + element * itemsize)
+        fd, base, path = self.locations[(rank, slot)]
+        try:
+            pwrite_exact(fd, data, base + element * itemsize)
+        except OSError as error:
+            raise WriteFailed(path, error) from None
         self.bytes_written += len(data)
 
     def sync(self) -> None:
-        for fd in self.fds.values():
-            os.fsync(fd)
+        for path, fd in self.fds.items():
+            try:
+                os.fsync(fd)
+            except OSError as error:
+                raise WriteFailed(path, error) from None
 
     def finish(self) -> None:
         """Make every byte durable, then close."""

@@ -110,8 +110,10 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     try:
         if trust_pickle:
             return torch.load(path, map_location="meta", weights_only=False)
-        with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(path, map_location="meta", weights_only=True)
+        # Registered process-wide: the `safe_globals` context manager restores a global list on
+        # exit, which races when several threads load at once.
+        torch.serialization.add_safe_globals(list(safe_globals))
+        return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
         message = str(error)
         if "Unsupported global" in message or "weights_only" in message:

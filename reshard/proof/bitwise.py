@@ -64,10 +64,10 @@ def describe_tensor_difference(expected: torch.Tensor, actual: torch.Tensor) -> 
     if not bool(differs.any()):
         return None
     flat_index = int(differs.flatten().nonzero()[0])
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), expected.shape)) if expected.ndim else ()
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat_index), expected.shape)] if expected.ndim else []
     expected_value = expected.detach().cpu().flatten()[flat_index].item()
     actual_value = actual.detach().cpu().flatten()[flat_index].item()
-    return (f"first difference at index {list(index)} (flat {flat_index}): expected {expected_value!r}, "
+    return (f"first difference at index {index} (flat {flat_index}): expected {expected_value!r}, "
             f"got {actual_value!r}; {int(differs.sum())} of {expected.numel()} elements differ")
 
 

@@ -2,12 +2,14 @@
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.check_load \
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
-        [--seed 1] [--tag TAG] [--extra-steps 1]
+        [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job]
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
 buffers, counters, hyperparameters, scheduler, loss scaler, client_state, eval loss), the
 mismatches are merged on rank 0, then `--extra-steps` more steps must give finite losses.
+With --in-job the checkpoint is loaded by reshard.deepspeed.load_checkpoint (the drop-in that
+reshards over the job's process group when the world size differs) instead of the plain call.
 Exit code 0 whenever the run completes, whatever the verdict; see verdict_file.py for its schema.
 """
 
@@ -18,7 +20,8 @@ import traceback
 from pathlib import Path
 
 from reshard.proof.bitwise import Comparison, compare_trees
-from reshard.proof.engine_setup import all_finite, build_engine, eval_loss, init_distributed, train_steps
+from reshard.proof.engine_setup import (all_finite, build_engine, eval_loss, finish_and_exit,
+                                         init_distributed, train_steps)
 from reshard.proof.engine_state import capture_engine_state, master_route
 from reshard.proof.truth_file import read_truth
 from reshard.proof.variants import get_variant
@@ -36,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="model seed of the target engine; differ from train's")
     parser.add_argument("--tag", default=None, help="checkpoint tag; default: the one in LOAD_DIR/latest")
     parser.add_argument("--extra-steps", type=int, default=1)
+    parser.add_argument("--in-job", action="store_true",
+                        help="load with reshard.deepspeed.load_checkpoint instead of engine.load_checkpoint")
     return parser.parse_args(argv)
 
 
@@ -76,10 +81,14 @@ def main(argv=None) -> None:
     load_error = None
     started = time.perf_counter()
     try:
-        load_path, client_state = engine.load_checkpoint(
-            args.load_dir, tag=args.tag,
-            # frozen params are absent from such checkpoints; the target built them from their own seed
-            load_module_strict=not variant.exclude_frozen_parameters)
+        # frozen params are absent from such checkpoints; the target built them from their own seed
+        strict = not variant.exclude_frozen_parameters
+        if args.in_job:
+            from reshard.deepspeed import load_checkpoint as load_in_job
+
+            load_path, client_state = load_in_job(engine, args.load_dir, tag=args.tag, load_module_strict=strict)
+        else:
+            load_path, client_state = engine.load_checkpoint(args.load_dir, tag=args.tag, load_module_strict=strict)
         if load_path is None:
             load_error = f"load_checkpoint returned no path for {args.load_dir} (tag {args.tag})"
     except Exception:  # the verdict carries the failure; the run itself completed
@@ -110,6 +119,7 @@ def main(argv=None) -> None:
         verdict = {
             "ok": not load_errors and not mismatches,
             "variant": variant.name,
+            "in_job": args.in_job,
             "world_size": world_size,
             "source_world_size": truth["meta"]["world_size"],
             "tag": args.tag or _latest_tag(args.load_dir),
@@ -128,8 +138,8 @@ def main(argv=None) -> None:
               f"ok={verdict['ok']} tensors={verdict['checked_tensors']} mismatches={len(mismatches)} "
               f"-> {args.verdict}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_and_exit()

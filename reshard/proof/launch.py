@@ -88,12 +88,16 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
 
 
 def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *, seed: int = 1,
-                     tag: str | None = None, extra_steps: int = 1, timeout: float = 600) -> dict:
-    """Load load_dir on m ranks, judge it against truth_path; returns the parsed verdict."""
+                     tag: str | None = None, extra_steps: int = 1, in_job: bool = False,
+                     timeout: float = 600) -> dict:
+    """Load load_dir on m ranks, judge it against truth_path; returns the parsed verdict.
+    in_job: load with reshard.deepspeed.load_checkpoint rather than engine.load_checkpoint."""
     args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth_path, "--verdict", verdict_path,
             "--seed", seed, "--extra-steps", extra_steps]
     if tag is not None:
         args += ["--tag", tag]
+    if in_job:
+        args.append("--in-job")
     run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
     with open(verdict_path) as handle:
         return json.load(handle)

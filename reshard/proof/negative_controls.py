@@ -52,18 +52,44 @@ def _flip_lowest_bit(tensor: torch.Tensor, index: int) -> None:
     bits.view(-1)[index] ^= 1
 
 
-def _first_param_in_partition(optim: dict, model_states: dict, group: int) -> str:
-    """Name of the parameter whose data starts a rank's partition of `group`."""
-    if "param_slice_mappings" in optim:  # ZeRO-1/2: name -> fragment_address(numel, start)
-        mappings = optim["param_slice_mappings"][group]
-        return min(mappings, key=lambda name: mappings[name].start)
-    return next(iter(model_states["param_shapes"][group]))  # ZeRO-3: per sub-group, in flat order
+def _param_at(optim: dict, model_states: dict, group: int, rank: int, index: int) -> str:
+    """Name of the parameter owning element `index` of `rank`'s fp32 partition of `group`.
+
+    Computed from `param_shapes` (flat order, round-robin reordering included) and the partition
+    arithmetic, never from `param_slice_mappings`: with round_robin_gradients DeepSpeed writes
+    those in the un-reordered order, i.e. wrong (stage_1_and_2.py _link_all_hp_params only passes
+    real offsets when there is alignment padding).
+    """
+    shapes = model_states["param_shapes"][group]
+    if "fp32_flat_groups" in optim:  # ZeRO-3: the rank's ceil(n/W) chunk of each param, concatenated
+        world_size, position = optim["partition_count"], 0
+        for name, shape in shapes.items():
+            chunk = -(-shape.numel() // world_size)
+            if index < position + chunk:
+                if rank * chunk + index - position >= shape.numel():
+                    raise ValueError(f"element {index} of rank {rank}'s sub-group {group} is padding")
+                return name
+            position += chunk
+        raise ValueError(f"element {index} is beyond rank {rank}'s sub-group {group}")
+    # ZeRO-1/2 and BF16_Optimizer (stage_1_and_2.py / bf16_optimizer.py __init__)
+    counts = optim["partition_count"]
+    world_size = counts[group] if isinstance(counts, list) else counts
+    paddings = optim.get("param_alignment_paddings", [[0] * len(shapes)] * (group + 1))[group]
+    total = sum(shape.numel() for shape in shapes.values()) + sum(paddings)
+    alignment = 2 * world_size  # nccl_start_alignment_factor * W
+    partition_size = -(-total // alignment) * alignment // world_size
+    flat_index, offset = rank * partition_size + index, 0
+    for (name, shape), padding in zip(shapes.items(), paddings):
+        if offset <= flat_index < offset + shape.numel():
+            return name
+        offset += shape.numel() + padding
+    raise ValueError(f"element {index} of rank {rank}'s partition of group {group} is padding")
 
 
 def flip_fp32_partition_bit(ckpt_dir, rank: int = 1, group: int = 0, index: int = 0) -> str:
     """Flip the lowest bit of element `index` of `rank`'s fp32 master partition of `group`;
-    returns the name of the parameter that element belongs to. Index 0 holds real data unless the
-    rank's whole partition is padding, which the defaults (rank 1, group 0, N=2) never hit."""
+    returns the name of the parameter that element belongs to (ValueError if it is padding; the
+    defaults, rank 1, group 0, index 0, hit real data at N=2)."""
     ckpt_dir = Path(ckpt_dir)
     model_files = _model_files(ckpt_dir)
     model_states = torch.load(model_files[min(rank, len(model_files) - 1)], map_location="cpu", weights_only=False)
@@ -72,7 +98,7 @@ def flip_fp32_partition_bit(ckpt_dir, rank: int = 1, group: int = 0, index: int 
         optim = state["optimizer_state_dict"]
         key = "fp32_flat_groups" if "fp32_flat_groups" in optim else "single_partition_of_fp32_groups"
         _flip_lowest_bit(optim[key][group], index)
-        return _first_param_in_partition(optim, model_states, group)
+        return _param_at(optim, model_states, group, rank, index)
 
     return _edit(_optim_file(ckpt_dir, rank), edit)
 

@@ -14,7 +14,7 @@ import torch
 
 from reshard.proof.bitwise import compare_trees
 from reshard.proof.client_state import make_client_state
-from reshard.proof.engine_setup import build_engine, eval_loss, init_distributed, train_steps
+from reshard.proof.engine_setup import build_engine, eval_loss, finish_and_exit, init_distributed, train_steps
 from reshard.proof.engine_state import (MASTER_FROM_GETTERS, MASTER_FROM_INTERNALS, capture_engine_state,
                                         capture_master_state, master_route)
 from reshard.proof.truth_file import write_truth
@@ -72,7 +72,8 @@ def main(argv=None) -> None:
     engine_state = capture_engine_state(engine, master_from=route)
     route_disagreements = cross_check_master_routes(engine)
     if route_disagreements and not variant.round_robin_gradients:
-        raise RuntimeError("DeepSpeed's getters and the internals route disagree:\n" + "\n".join(route_disagreements[:20]))
+        raise RuntimeError("DeepSpeed's getters and the internals route disagree:\n"
+                           + "\n".join(route_disagreements[:20]))
     loss = eval_loss(engine)
     require_same_on_every_rank("engine state", engine_state)
     require_same_on_every_rank("eval loss", loss)
@@ -105,8 +106,8 @@ def main(argv=None) -> None:
         print(f"[proof.train] {variant.name} N={dist.get_world_size()} tag={tag} eval_loss={loss.item():.6f} "
               f"route={route} route_disagreements={len(route_disagreements)} -> {args.truth}", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_and_exit()

@@ -6,6 +6,7 @@ Schema (JSON):
     ok:                bool, true iff the load succeeded, nothing mismatched and every extra step's
                        loss is finite
     variant:           variant name
+    in_job:            true when loaded by reshard.deepspeed.load_checkpoint, not the plain call
     world_size:        M, the ranks that loaded
     source_world_size: N, from the truth
     tag:               the checkpoint tag that was loaded

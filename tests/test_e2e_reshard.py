@@ -1,0 +1,117 @@
+"""End to end with real DeepSpeed: train at N ranks, reshard to M, load at M, compare bit for bit.
+
+    python -m pytest tests/test_e2e_reshard.py -q            # ~10 min on 2 cores
+
+Each case trains a small model with real DeepSpeed on N CPU ranks (odd-sized parameters, two
+param groups, a frozen layer, a tied weight, buffers, an LR scheduler, nested client_state),
+records the truth from the source engine, reshards with W workers, then loads the result in a
+DeepSpeed engine on M ranks (different seed) with plain `engine.load_checkpoint` and compares
+every fp32 master weight and optimizer state element, counters, per-group hyperparameters,
+scheduler, loss scaler, frozen parameters, buffers, client_state and the eval loss, then trains
+one more step. DeepSpeed's own zero_to_fp32 and `reshard verify --against` must agree too.
+"""
+from __future__ import annotations
+
+import filecmp
+import os
+
+import pytest
+
+from reshard.proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
+from trained import judge, reshard_in_threads, reshard_with_torchrun
+
+pytestmark = pytest.mark.e2e
+
+# variant, N (source ranks), M (target ranks), W (workers)
+MATRIX = [
+    ("z1_fp32", 2, 3, 2),
+    ("z2_fp32", 2, 3, 1),
+    ("z3_fp32", 2, 3, 2),
+    ("z1_fp16", 2, 3, 3),
+    ("z2_fp16", 3, 2, 2),
+    ("z3_fp16", 2, 3, 1),
+    ("z1_bf16", 2, 3, 2),
+    ("z2_bf16", 2, 3, 4),
+    ("z3_bf16", 3, 2, 4),
+    ("bf16_optimizer", 2, 3, 2),
+    ("bf16_optimizer", 3, 2, 1),
+    ("z3_subgroups", 2, 3, 2),
+    ("z2_round_robin", 2, 3, 2),
+    ("z2_param_alignment", 2, 3, 2),
+    ("z1_bf16_param_alignment", 3, 2, 2),
+    ("z2_exclude_frozen", 2, 3, 2),
+    ("z3_exclude_frozen", 2, 3, 2),
+    ("z2_sgd_momentum", 2, 3, 2),
+    ("z3_sgd_momentum", 2, 3, 3),
+    ("z2_fp32", 4, 3, 2),
+]
+
+
+def _assert_loads_exactly(variant, m, destination, truth, verdict_path):
+    verdict = judge(variant, m, destination, truth, verdict_path)
+    assert verdict["ok"], "\n".join([verdict.get("load_error") or ""] + verdict["mismatches"][:20])
+    assert verdict["checked_tensors"] > 0 and verdict["world_size"] == m
+
+
+@pytest.mark.parametrize("variant,n,m,workers", MATRIX, ids=[f"{v}-{n}to{m}-w{w}" for v, n, m, w in MATRIX])
+def test_reshard_loads_bit_exactly(trained, tmp_path, variant, n, m, workers):
+    source, truth = trained(variant, n)
+    destination = tmp_path / "dst"
+    result = reshard_in_threads(source, destination, m, workers, memory_budget=64 << 10)
+    assert result.checkpoints[0].target_dp == m and (destination / "latest").is_file()
+
+    _assert_loads_exactly(variant, m, destination, truth, tmp_path / "verdict.json")
+
+    problems = check_zero_to_fp32(str(destination), str(truth))
+    if variant != "bf16_optimizer":  # zero_to_fp32 refuses BF16_Optimizer checkpoints, native ones too
+        assert problems == [], problems
+    else:
+        assert len(problems) == 1 and problems[0].startswith(UNSUPPORTED)
+
+    from threaded_transport import run_workers
+    from reshard.verify import verify_against, verify_hashes
+    assert verify_hashes(str(destination)).ok
+    checked = run_workers(2, lambda t: verify_against(str(destination), str(source), transport=t))[0]
+    assert checked.ok, checked.summary()
+    assert checked.checked_elements > 0
+
+
+def test_torchrun_workers_more_than_source_and_target(trained, tmp_path):
+    """W=3 processes over gloo for N=2 -> M=1: workers that read nothing, workers that write nothing."""
+    source, truth = trained("z3_bf16", 2)
+    destination = tmp_path / "dst"
+    reshard_with_torchrun(source, destination, 1, 3, "--memory-budget", "16K")
+    _assert_loads_exactly("z3_bf16", 1, destination, truth, tmp_path / "verdict.json")
+
+
+def test_torchrun_shrink_and_grow_zero2(trained, tmp_path):
+    """Separate processes over gloo, N=2 -> M=4 with W=2, tiny budget: tensors split across many rounds."""
+    source, truth = trained("z2_bf16", 2)
+    destination = tmp_path / "dst"
+    reshard_with_torchrun(source, destination, 4, 2, "--memory-budget", "4K")
+    _assert_loads_exactly("z2_bf16", 4, destination, truth, tmp_path / "verdict.json")
+
+
+@pytest.mark.parametrize("variant,n,m", [("z3_bf16", 3, 2), ("z2_round_robin", 2, 3), ("bf16_optimizer", 2, 3)])
+def test_output_is_byte_identical_whatever_the_workers_and_budget(trained, tmp_path, variant, n, m):
+    source, _ = trained(variant, n)
+    outputs = []
+    for workers, budget in ((1, 1 << 30), (2, 4096), (4, 1024), (3, 64 << 10)):
+        destination = tmp_path / f"w{workers}-b{budget}"
+        reshard_in_threads(source, destination, m, workers, memory_budget=budget)
+        outputs.append(destination)
+    tag = (outputs[0] / "latest").read_text()
+    names = sorted(n for n in os.listdir(outputs[0] / tag) if n.endswith(".pt"))
+    assert names
+    for other in outputs[1:]:
+        match, mismatch, errors = filecmp.cmpfiles(outputs[0] / tag, other / tag, names, shallow=False)
+        assert mismatch == [] and errors == [], (other, mismatch, errors)
+
+
+def test_source_checkpoint_is_untouched(trained, tmp_path):
+    from reshard.manifest import hash_file
+    source, _ = trained("z2_fp16", 3)
+    before = {p: (p.stat().st_mtime_ns, hash_file(str(p))) for p in source.rglob("*") if p.is_file()}
+    reshard_in_threads(source, tmp_path / "dst", 2, 2)
+    after = {p: (p.stat().st_mtime_ns, hash_file(str(p))) for p in source.rglob("*") if p.is_file()}
+    assert before == after

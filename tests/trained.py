@@ -1,0 +1,67 @@
+"""Real DeepSpeed checkpoints for the end-to-end tests, trained once per test session.
+
+    def test_something(trained):
+        save_dir, truth = trained("z2_fp32", 2)      # trains on 2 CPU ranks the first time only
+
+The `trained` fixture lives in conftest.py; this module holds the cache and the helpers the
+end-to-end tests share: resharding with W workers (as threads of this process, or as a real
+multi-process torchrun job over gloo) and judging a checkpoint at M ranks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from reshard.proof.launch import check_checkpoint, run_torchrun, train_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TrainedCheckpoints:
+    """variant, N -> (save_dir, truth path), trained on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple[str, int], tuple[Path, Path]] = {}
+
+    def __call__(self, variant: str, n: int) -> tuple[Path, Path]:
+        key = (variant, n)
+        if key not in self.cache:
+            base = self.root / f"{variant}-n{n}"
+            base.mkdir(parents=True, exist_ok=True)
+            save_dir, truth = base / "ckpt", base / "truth.pt"
+            train_checkpoint(variant, n, save_dir, truth)
+            self.cache[key] = (save_dir, truth)
+        return self.cache[key]
+
+
+def reshard_in_threads(source, destination, target_dp: int, workers: int, **options):
+    """The whole job with `workers` workers as threads of this process (no torchrun)."""
+    from threaded_transport import run_workers
+    from reshard.job import reshard_checkpoint
+    options.setdefault("quiet", True)
+    return run_workers(workers, lambda t: reshard_checkpoint(str(source), str(destination), target_dp,
+                                                             transport=t, **options))[0]
+
+
+def reshard_with_torchrun(source, destination, target_dp: int, workers: int, *extra: str,
+                          env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=workers -m reshard SRC DST --target-dp M`: separate processes, gloo."""
+    return run_torchrun("reshard", workers, [str(source), str(destination), "--target-dp", str(target_dp),
+                                             "--quiet", *extra], env=env, timeout=timeout,
+                        expect_files=[Path(destination) / "latest"])
+
+
+def reshard_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m reshard ...` as a user runs it (one worker), output captured."""
+    child = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    child.update(env or {})
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
+                          env=child, cwd=REPO, timeout=300)
+
+
+def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool = False) -> dict:
+    """Load at M ranks with plain load_checkpoint (or reshard.deepspeed.load_checkpoint) and compare."""
+    return check_checkpoint(variant, m, load_dir, truth, verdict_path, in_job=in_job)
