@@ -299,7 +299,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
     sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
 
     frozen, frozen_dtype = (), None
-    if stage == 3 and model_tree.get("frozen_param_fragments") is not None:
+    if stage == 3 and model_tree.get("frozen_param_fragments"):
         fragments = model_tree["frozen_param_fragments"]
         frozen_shapes = model_tree.get("frozen_param_shapes") or {}
         frozen = tuple(ParamSpec(name, tuple(int(d) for d in frozen_shapes[name])) for name in fragments)
