@@ -343,6 +343,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         except Exception as error:
             failure = error
         check_peers(transport, failure, "opening source files and creating target files")
+        writer.copy_in_background()
         if transport.rank == 0 and not start.skeletons:
             write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
         rounds_started = True
@@ -353,7 +354,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
 
         with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as on_round:
             run_rounds(plan, transport, reader, writer, start_round=start.rounds_done,
-                       durable_every=max(1, plan.rounds // 32), on_durable=journal, on_round=on_round)
+                       durable_every_bytes=opts.durable_every, on_durable=journal, on_round=on_round)
         hashes = {}
         try:
             writer.finish()

@@ -53,6 +53,8 @@ class ReshardOptions:
     """Unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)."""
     ignore_batch_config: bool = False
     """Proceed although the checkpoint's ds_config batch settings cannot run at the target size."""
+    durable_every: int = 1 << 30
+    """Bytes moved (all workers) between fsync points a re-run can resume from."""
     backend: str = "auto"
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
     timeout: float = 600.0

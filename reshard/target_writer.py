@@ -10,12 +10,14 @@ resident), its storages located by reloading the skeleton on the meta device, an
 unpartitioned tensors it carries over from the source (step counters, buffers, client
 state, the ZeRO-1/2 module weights) written at once: from bytes the job shipped, or copied
 file to file in the kernel when this worker owns the source file. Partition slices arrive
-later from the exchange. Padding is never written and reads back as zeros. When resuming,
-existing skeletons are reopened and located instead of rewritten.
+later from the exchange, while large carried storages are copied in a background thread.
+Padding is never written and reads back as zeros. When resuming, existing skeletons are
+reopened and located instead of rewritten.
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
@@ -48,6 +50,10 @@ class TargetWriter:
     paths: list = field(default_factory=list)
     bytes_written: int = 0
     bytes_carried: int = 0
+    deferred: list = field(default_factory=list)
+    """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
+    _copier: threading.Thread | None = None
+    _copy_error: BaseException | None = None
 
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks, *,
@@ -77,33 +83,60 @@ class TargetWriter:
         for role, offset in offsets.items():
             if isinstance(role, tuple):
                 self.locations[(rank, role)] = (fd, offset, path)
-        if not reuse_existing:
-            try:
-                self._write_carried(source, target, fd, offsets)
-            except OSError as error:
-                raise WriteFailed(path, error) from None
+        try:
+            self._write_carried(source, target, fd, path, offsets)
+        except OSError as error:
+            raise WriteFailed(path, error) from None
 
-    def _write_carried(self, source: SourceCheckpoint, target, fd: int, offsets: dict) -> None:
+    def _write_carried(self, source: SourceCheckpoint, target, fd: int, path: str, offsets: dict) -> None:
+        """Unpartitioned storages: shipped bytes now; storages copied from a source file later,
+        in the background (`copy_in_background`), since they can be large (ZeRO-1/2 module
+        weights). Rewritten on a resume too: the same bytes, so harmless, and always complete."""
         carried = source.carried.get(target.template)
         template_path = os.path.join(source.tag_dir, target.template)
         nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
-        template_fd = None
+        for role, offset in offsets.items():
+            if isinstance(role, tuple):
+                continue
+            if carried is not None:
+                data = carried[role]
+                pwrite_exact(fd, memoryview(data), offset)
+                self.bytes_carried += len(data)
+            else:
+                self.deferred.append((template_path, role, fd, offset, nbytes_of[role], path))
+
+    def copy_in_background(self) -> None:
+        """Start the deferred file-to-file copies; they run while the rounds do."""
+        if self.deferred and self._copier is None:
+            self._copier = threading.Thread(target=self._copy_deferred, name="reshard-copier", daemon=True)
+            self._copier.start()
+
+    def _copy_deferred(self) -> None:
         try:
-            for role, offset in offsets.items():
-                if isinstance(role, tuple):
-                    continue
-                if carried is not None:
-                    data = carried[role]
-                    pwrite_exact(fd, memoryview(data), offset)
-                    self.bytes_carried += len(data)
-                else:
-                    if template_fd is None:
-                        template_fd = os.open(template_path, os.O_RDONLY)
-                    copy_bytes(template_fd, role, fd, offset, nbytes_of[role], template_path)
-                    self.bytes_carried += nbytes_of[role]
-        finally:
-            if template_fd is not None:
-                os.close(template_fd)
+            opened: dict[str, int] = {}
+            try:
+                for template_path, src_offset, fd, dst_offset, nbytes, path in self.deferred:
+                    if template_path not in opened:
+                        opened[template_path] = os.open(template_path, os.O_RDONLY)
+                    try:
+                        copy_bytes(opened[template_path], src_offset, fd, dst_offset, nbytes, template_path)
+                    except OSError as error:
+                        raise WriteFailed(path, error) from None
+                    self.bytes_carried += nbytes
+            finally:
+                for handle in opened.values():
+                    os.close(handle)
+        except BaseException as error:  # handed to the main thread by wait_for_copies
+            self._copy_error = error
+
+    def wait_for_copies(self) -> None:
+        if self.deferred and self._copier is None:
+            self._copy_deferred()
+        elif self._copier is not None:
+            self._copier.join()
+        self.deferred, self._copier = [], None
+        if self._copy_error is not None:
+            raise self._copy_error
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
         fd, base, path = self.locations[(rank, slot)]
@@ -121,7 +154,8 @@ class TargetWriter:
                 raise WriteFailed(path, error) from None
 
     def finish(self) -> None:
-        """Make every byte durable, then close."""
+        """Finish the background copies, make every byte durable, then close."""
+        self.wait_for_copies()
         self.sync()
         self.close()
 
@@ -129,6 +163,9 @@ class TargetWriter:
         return {os.path.basename(p): {"bytes": os.path.getsize(p), "blake3": hash_file(p)} for p in self.paths}
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

@@ -22,8 +22,12 @@ class Transport(Protocol):
     size: int
     name: str
 
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
-        """Send `send[sum(send_counts[:p]):...]` to peer p; return what each peer sent, in peer order."""
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Send `send[sum(send_counts[:p]):...]` to peer p; return what each peer sent, in peer order.
+
+        The result is `out` when given (a CPU tensor of sum(recv_counts) bytes); `send` may be
+        reused as soon as this returns."""
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
@@ -39,9 +43,11 @@ class LocalTransport:
 
     rank, size, name = 0, 1, "local"
 
-    def all_to_all(self, send, send_counts, recv_counts):
+    def all_to_all(self, send, send_counts, recv_counts, out=None):
         assert send_counts == recv_counts, (send_counts, recv_counts)
-        return send
+        if out is None:
+            return send.clone()
+        return out.copy_(send)
 
     def broadcast_object(self, obj, src=0):
         return obj
@@ -70,11 +76,14 @@ class TorchDistributedTransport:
         if "nccl" in backend:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def all_to_all(self, send, send_counts, recv_counts):
-        out = torch.empty(sum(recv_counts), dtype=send.dtype, device=self.device)
-        self.dist.all_to_all_single(out, send.to(self.device, non_blocking=True), recv_counts, send_counts,
-                                    group=self.group)
-        return out.cpu() if out.device.type != "cpu" else out
+    def all_to_all(self, send, send_counts, recv_counts, out=None):
+        on_device = self.device.type != "cpu"
+        result = out if out is not None and not on_device else \
+            torch.empty(sum(recv_counts), dtype=send.dtype, device=self.device)
+        self.dist.all_to_all_single(result, send.to(self.device), recv_counts, send_counts, group=self.group)
+        if on_device:
+            return out.copy_(result) if out is not None else result.cpu()
+        return result
 
     def broadcast_object(self, obj, src=0):
         box = [obj]

@@ -87,6 +87,9 @@ class _Comparer:
             self.problems.append(f"{path}: {slot[2]} of flat buffer {slot[1]}: {differing} of {count} elements from "
                                  f"element {element} differ from the source (first at element {element + first})")
 
+    def sync(self) -> None:
+        pass
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from reshard.exchange import _counts, _walk
 from reshard.formats.deepspeed_inspect import buffer_numels
 from reshard.layout import ParamSpec, frozen_pieces, zero3_chunk, zero3_layout, zero12_layout
-from reshard.plan import Ownership, ReshardPlan, Stream, intersect, plan_space
+from reshard.plan import Ownership, ReshardPlan, Stream, intersect, plan_space, round_cap
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("frozen_like", "bfloat16", 2))
 
@@ -64,7 +64,7 @@ def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, tar
         for w, view in enumerate(views):
             blocks = view.sends.get(r, (s, []))[1]
             counts = _counts(blocks, own.workers, 1)
-            assert sum(counts) * space.bytes_per_element <= max(plan.budget_bytes // 2, space.bytes_per_element)
+            assert sum(counts) * space.bytes_per_element <= max(round_cap(plan.budget_bytes), space.bytes_per_element)
             # Pack element values (one int per element; positions in elements, not bytes).
             packed = []
             for _, rank, slot, element, count, itemsize in _walk(blocks, space, "src"):
@@ -77,7 +77,7 @@ def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, tar
                 at += size
         for v, view in enumerate(views):
             blocks = view.receives.get(r, (s, []))[1]
-            assert sum(_counts(blocks, own.workers, 1)) * space.bytes_per_element <= max(plan.budget_bytes // 2, space.bytes_per_element)
+            assert sum(_counts(blocks, own.workers, 1)) * space.bytes_per_element <= max(round_cap(plan.budget_bytes), space.bytes_per_element)
             incoming = np.concatenate([mailbox.pop((b.peer, v)) for b in blocks]) if blocks else np.zeros(0, np.int64)
             at = 0
             for _, rank, slot, element, count, itemsize in _walk(blocks, space, "dst"):
@@ -168,7 +168,7 @@ def test_a_tensor_larger_than_the_budget_is_split_across_rounds():
     src, dst = zero12_layout(params, [(0,)], 2), zero12_layout(params, [(0,)], 3)
     own = Ownership(2, 3, 2)
     space = plan_space("optim", src.pieces, dst.pieces, STREAMS[:2], buffer_numels(dst), own, budget_bytes=4096)
-    assert space.rounds >= 10_000 * 8 // (own.workers * 4096 // 2)  # no worker moves more than half the budget a round
+    assert space.rounds >= 10_000 * 8 // (own.workers * round_cap(4096))  # nobody moves more than a third of the budget a round
     plan = ReshardPlan(own, (space,), 4096)
     got = simulate(plan, [src.pieces], [dst.pieces], [buffer_numels(src)], [buffer_numels(dst)])
     want = expected_targets([dst.pieces], plan.spaces, [buffer_numels(dst)], 3)

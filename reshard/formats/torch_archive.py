@@ -107,6 +107,10 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
         raise CheckpointError(path, f"cannot be read: {error.strerror}") from None
     if size == 0:
         raise CheckpointError(path, "is empty (0 bytes): the save did not finish or the file was truncated")
+    with open(path, "rb") as fd:
+        if fd.read(4) != b"PK\x03\x04":
+            raise CheckpointError(path, "is not a torch.save archive (no zip header): not a checkpoint file, "
+                                        "or saved with the legacy _use_new_zipfile_serialization=False format")
     try:
         if trust_pickle:
             return torch.load(path, map_location="meta", weights_only=False)
@@ -121,7 +125,7 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
             raise CheckpointError(path, f"holds pickled classes outside reshard's allowlist ({', '.join(unsafe) or message.splitlines()[0]}); "
                                         "loading it would run code from the checkpoint. If you trust this file, pass --trust-pickle") from None
         raise CheckpointError(path, f"is not a readable torch checkpoint ({message.splitlines()[0]})") from None
-    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as error:
+    except Exception as error:  # torch raises many kinds for damaged archives
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
 
