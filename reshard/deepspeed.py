@@ -94,10 +94,12 @@ def _data_parallel_size(engine) -> int:
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_budget: int = DEFAULT_BUDGET,
-                    trust_pickle: bool = False, **load_checkpoint_kwargs):
+                    trust_pickle: bool = False, staging_dir: str | None = None, **load_checkpoint_kwargs):
     """`engine.load_checkpoint(load_dir, tag, **kwargs)`, resharding in the job when the sizes differ.
 
     Collective: every rank of the job calls it, as with DeepSpeed's own method.
+    `staging_dir`: a directory every rank can see, needed only for the one case that goes
+    through disk (ZeRO-3 with load_optimizer_states=False) on more than one host.
     """
     import torch.distributed as dist
     if not dist.is_initialized():
@@ -114,7 +116,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
                            f"but a data-parallel size of {target_dp}")
     started = time.perf_counter()
     if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
-        return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
+        return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, staging_dir,
+                                     load_checkpoint_kwargs)
     objects = _reshard_in_memory(source, target_dp, transport, memory_budget, trust_pickle)
     result = _load_served(engine, source, objects, transport.rank, load_checkpoint_kwargs)
     if transport.rank == 0:
@@ -181,12 +184,18 @@ def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
     return states
 
 
-def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: int, trust_pickle: bool, kwargs: dict):
-    """Reshard to a temporary directory next to nothing of the source, load, remove it."""
+def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: int, trust_pickle: bool,
+                          staging_dir: str | None, kwargs: dict):
+    """Reshard into a temporary directory (never inside the source), load it, remove it."""
+    import socket
     from reshard.job import reshard_checkpoint
+    hosts = set(transport.all_gather_object(socket.gethostname()))
+    if staging_dir is None and len(hosts) > 1:
+        raise ReshardError("ZeRO-3 with load_optimizer_states=False reshards through disk: pass staging_dir=, a "
+                           f"directory all {len(hosts)} hosts can see")
     root = None
     if transport.rank == 0:
-        root = tempfile.mkdtemp(prefix="reshard-injob-staging-")
+        root = tempfile.mkdtemp(prefix="reshard-injob-staging-", dir=staging_dir)
     root = transport.broadcast_object(root)
     try:
         destination = os.path.join(root, "checkpoint")

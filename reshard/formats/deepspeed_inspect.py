@@ -169,6 +169,10 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
     tag_dir = os.path.join(save_dir, tag)
+    if os.path.isdir(os.path.join(tag_dir, "offloaded_tensors")):
+        raise UnsupportedCheckpoint(os.path.join(tag_dir, "offloaded_tensors"),
+                                    "holds NVMe-offloaded optimizer state (zero_optimization.offload_optimizer "
+                                    "to nvme); resharding it is not supported yet")
     roles = {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
              if os.path.isfile(os.path.join(tag_dir, name))}
     _refuse_unsupported_files(tag_dir, roles)
