@@ -6,7 +6,9 @@
 Each rank builds the benchmark model's engine (storage allocated, not initialised: the load
 overwrites it), waits for all ranks, then times `engine.load_checkpoint(load_dir)`. With
 --universal the DeepSpeed config carries "checkpoint": {"load_universal": true}, and
-load_checkpoint reads the tag from LOAD_DIR/latest_universal.
+load_checkpoint reads the tag from LOAD_DIR/latest_universal. With --in-job LOAD_DIR is the
+source checkpoint (another world size) and reshard.deepspeed.load_checkpoint reshards it in
+the job, from memory, before DeepSpeed loads it.
 
 Per rank: load seconds, RSS just before the load, the peak RSS sampled every 20 ms during the
 load, ru_maxrss of the whole process, engine build seconds, and checksums (float64 sums of the
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--json", required=True)
     parser.add_argument("--universal", action="store_true")
+    parser.add_argument("--in-job", action="store_true",
+                        help="load LOAD_DIR (saved at another size) through reshard.deepspeed.load_checkpoint")
+    parser.add_argument("--memory-budget", type=int, default=1 << 30)
     args = parser.parse_args()
 
     import deepspeed
@@ -106,7 +111,11 @@ def main() -> None:
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with PeakRssSampler() as sampler:
         t0 = time.perf_counter()
-        load_path, _ = engine.load_checkpoint(args.load_dir)
+        if args.in_job:
+            import reshard.deepspeed
+            load_path, _ = reshard.deepspeed.load_checkpoint(engine, args.load_dir, memory_budget=args.memory_budget)
+        else:
+            load_path, _ = engine.load_checkpoint(args.load_dir)
         load_seconds = time.perf_counter() - t0
     dist.barrier()
     all_done = time.perf_counter() - t0
@@ -120,7 +129,8 @@ def main() -> None:
     dist.all_gather_object(records, record)
     if rank == 0:
         with open(args.json + ".tmp", "w") as fd:
-            json.dump({"world_size": len(records), "universal": args.universal, "ranks": records}, fd, indent=1)
+            json.dump({"world_size": len(records), "universal": args.universal, "in_job": args.in_job,
+                       "ranks": records}, fd, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
 

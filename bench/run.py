@@ -129,12 +129,14 @@ def run_universal_conversion(tag_dir: str, out_root: str, tag: str, workers: int
     return result
 
 
-def run_load(cfg, stage: int, world: int, load_dir: str, universal: bool, scratch: str) -> dict:
-    kind = "universal" if universal else "native"
+def run_load(cfg, stage: int, world: int, load_dir: str, universal: bool, scratch: str, in_job_budget: int = 0) -> dict:
+    kind = "universal" if universal else "in-job" if in_job_budget else "native"
     out = os.path.join(scratch, f"load-{kind}-z{stage}-m{world}.json")
     if os.path.exists(out):
         os.unlink(out)
     args = ["--config-json", config_to_json(cfg), "--stage", stage, "--load-dir", load_dir, "--json", out]
+    if in_job_budget:
+        args += ["--in-job", "--memory-budget", in_job_budget]
     command = torchrun_command(world, "load_timing.py", *args, *(["--universal"] if universal else []))
     run = run_watched(command, env=child_env(), cwd=REPO, log_path=out + ".log", disk_path=scratch)
     require_success(run, f"{kind} load at {world} ranks", out)
@@ -222,6 +224,9 @@ def run_stage(cfg, stage: int, source_ranks: int, targets: list[int], args, cold
         cold()
         case["native_load"] = run_load(cfg, stage, target, dst, False, scratch)
         log(f"  native load at {target} ranks: {case['native_load']['load_seconds']:.1f} s")
+        cold()
+        case["in_job_load"] = run_load(cfg, stage, target, src, False, scratch, in_job_budget=budget)
+        log(f"  in-job reshard + load at {target} ranks: {case['in_job_load']['load_seconds']:.1f} s")
         if conversion is not None:
             cold()
             case["universal_load"] = run_load(cfg, stage, target, universal_root, True, scratch)
@@ -317,9 +322,11 @@ def print_tables(results: dict) -> None:
           "RSS = ru_maxrss per worker; tree = peak summed RSS incl. torchrun")
 
     print("\n== reshard + native load vs ds_to_universal + universal load ==")
+    print("  (last two columns: reshard.deepspeed.load_checkpoint at M straight from the source, resharding in the "
+          "job, and the speed-up of that path)")
     print(f"  {'case':<12}{'reshard s':>10}{'load s':>8}{'load RSS MB':>12}{'sum s':>8}  |{'convert s':>10}"
           f"{'conv RSS MB':>12}{'conv disk GB':>13}{'uload s':>8}{'uload RSS MB':>13}{'sum s':>8}{'speedup':>8}"
-          f"{'state==':>8}{'frozen==':>9}")
+          f"{'state==':>8}{'frozen==':>9}{'in-job s':>9}{'speedup':>8}")
     for c in results["cases"]:
         n = c["native_load"]
         ours = c["reshard"]["command_wall_seconds"] + n["load_seconds"]
@@ -332,6 +339,9 @@ def print_tables(results: dict) -> None:
                      f"{conv['peak_disk_bytes'] / GB:>13.2f}{u['load_seconds']:>8.1f}"
                      f"{u['max_load_peak_rss_bytes'] / 1e6:>13.0f}{theirs:>8.1f}{theirs / ours:>8.2f}"
                      f"{'yes' if c['checksums_agree'] else 'NO':>8}{'yes' if c['frozen_agree'] else 'NO':>9}")
+            if "in_job_load" in c:
+                in_job = c["in_job_load"]["load_seconds"]
+                line += f"{in_job:>9.1f}{theirs / in_job:>8.2f}"
         print(line)
     for c in results["cases"]:
         if "universal_load" in c and c["hparams_native"] != c["hparams_universal"]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from reshard.manifest import hash_file
-from trained import REPO, reshard_cli, reshard_in_threads, reshard_with_torchrun
+from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun
 
 pytestmark = pytest.mark.e2e
 
