@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from reshard.errors import ReshardError
-from reshard.exchange import check_peers, run_rounds
+from reshard.collective import check_peers, on_rank0
+from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import SourceCheckpoint, inspect_checkpoint
 from reshard.formats.deepspeed_target import target_files
@@ -106,8 +107,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         raise ReshardError("reshard.deepspeed.load_checkpoint needs the job's torch.distributed process group "
                            "(call it after deepspeed.initialize)")
     transport = TorchDistributedTransport()
-    from reshard.job import _on_rank0
-    source: SourceCheckpoint = _on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
+    source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
     target_dp = _data_parallel_size(engine)
     if source.spec.dp_world_size == target_dp:
         return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)

@@ -118,6 +118,10 @@ class Staging:
 def write_latest(destination: str, tag: str) -> None:
     """`latest` names the tag (no newline, as DeepSpeed writes it); replaced atomically."""
     latest = os.path.join(destination, schema.LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as fd:
+            if fd.read() == tag:
+                return
     temporary = latest + ".reshard-tmp"
     with open(temporary, "w") as fd:
         fd.write(tag)

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from reshard.errors import PeerFailure
+from reshard.collective import check_peers
 from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock, SpacePlan
 
@@ -167,17 +167,6 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
                 on_round(r, moved_per_round[r])
     finally:
         ahead.close()
-
-
-def check_peers(transport, failure: BaseException | None, stage: str) -> None:
-    """Every worker learns whether any worker failed at `stage`; the failing one re-raises its own error."""
-    reports = transport.all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    failed = [(worker, report) for worker, report in enumerate(reports) if report is not None]
-    if failed:
-        worker, report = failed[0]
-        raise PeerFailure(f"worker {worker} failed during {stage}: {report}")
 
 
 def round_bytes(plan: ReshardPlan) -> list[int]:

@@ -16,7 +16,9 @@ and which workers run them:
 5. each worker fsyncs its files; worker 0 publishes: tag directory into place, `latest` last.
 
 After every step all workers agree on success before the next one; on any failure every
-worker raises, staging is removed, and the destination holds no new checkpoint.
+worker raises and the destination holds no new checkpoint. Staging is removed when the
+failure came before the rounds, and kept (with its journal) after: re-running the same
+command resumes from the last durable round.
 """
 from __future__ import annotations
 
@@ -31,13 +33,15 @@ from reshard.destination import STAGING, Staging, check_empty, check_paths, writ
 from reshard.batch_config import batch_config_problem
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
-from reshard.exchange import check_peers, run_rounds
+from reshard.collective import check_peers, on_rank0
+from reshard.exchange import run_rounds
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (JOURNAL_NAME, Manifest, hash_file, output_fingerprint, plan_fingerprint, read_journal,
                               source_identity, write_journal)
 from reshard.formats.deepspeed_inspect import SourceCheckpoint, buffer_numels, inspect_checkpoint
 from reshard.options import ReshardOptions
+from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
@@ -57,128 +61,6 @@ def plan_reshard(source: SourceCheckpoint, target_dp: int, workers: int, budget_
         spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
                                  budget_bytes, round_offset=spaces[0].rounds))
     return ReshardPlan(ownership, tuple(spaces), budget_bytes)
-
-
-@dataclass
-class WorkerReport:
-    """What one worker did, measured."""
-
-    worker: int
-    source_ranks: tuple[int, ...]
-    target_ranks: tuple[int, ...]
-    bytes_read: int = 0
-    bytes_written: int = 0
-    bytes_carried: int = 0
-    peak_rss_bytes: int = 0
-
-
-@dataclass
-class CheckpointResult:
-    """What a job did to one checkpoint (save directory + tag)."""
-
-    source: str
-    destination: str
-    tag: str
-    description: str
-    source_dp: int
-    target_dp: int
-    workers: int
-    transport: str
-    rounds: int
-    seconds: float
-    dry_run: bool
-    plan: ReshardPlan | None = field(default=None, repr=False)
-    reports: list[WorkerReport] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(r.bytes_read for r in self.reports)
-
-    @property
-    def bytes_written(self) -> int:
-        return sum(r.bytes_written + r.bytes_carried for r in self.reports)
-
-    def summary(self) -> str:
-        lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
-                 f"  source : {self.description}",
-                 f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
-                 f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
-        if self.dry_run:
-            lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
-                         f"{'receive':>10} {'write':>10}")
-            for t in self.plan.traffic():
-                lines.append(f"  {t.worker:>6} {_ranks(t.source_ranks):>14} {_ranks(t.target_ranks):>14} "
-                             f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
-                             f"{_human(t.bytes_written):>10}")
-            lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
-            return "\n".join(lines)
-        lines += [f"  note   : {note}" for note in self.notes]
-        if not self.reports:
-            return "\n".join(lines)
-        rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
-        lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
-                     f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
-        lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} {'peak RSS':>10}")
-        for r in self.reports:
-            lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
-                         f"{_human(r.bytes_read):>10} {_human(r.bytes_written + r.bytes_carried):>10} "
-                         f"{_human(r.peak_rss_bytes):>10}")
-        return "\n".join(lines)
-
-
-@dataclass
-class ReshardResult:
-    """What a job did, checkpoint by checkpoint; `summary()` is what the CLI prints."""
-
-    checkpoints: list[CheckpointResult] = field(default_factory=list)
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def dry_run(self) -> bool:
-        return any(c.dry_run for c in self.checkpoints)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(c.bytes_read for c in self.checkpoints)
-
-    @property
-    def bytes_written(self) -> int:
-        return sum(c.bytes_written for c in self.checkpoints)
-
-    @property
-    def reports(self) -> list[WorkerReport]:
-        """Per worker, summed over checkpoints (peak RSS: the maximum)."""
-        merged: dict[int, WorkerReport] = {}
-        for checkpoint in self.checkpoints:
-            for r in checkpoint.reports:
-                m = merged.setdefault(r.worker, WorkerReport(r.worker, r.source_ranks, r.target_ranks))
-                m.bytes_read += r.bytes_read
-                m.bytes_written += r.bytes_written
-                m.bytes_carried += r.bytes_carried
-                m.peak_rss_bytes = max(m.peak_rss_bytes, r.peak_rss_bytes)
-        return [merged[w] for w in sorted(merged)]
-
-    def summary(self) -> str:
-        parts = [c.summary() for c in self.checkpoints] + [f"note: {n}" for n in self.notes]
-        if len(self.checkpoints) > 1:
-            parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
-        return "\n".join(parts)
-
-
-def _ranks(ranks) -> str:
-    if not ranks:
-        return "-"
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
@@ -204,7 +86,7 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
             check_paths(opts.source, opts.destination)
             return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
 
-        units, notes = _on_rank0(transport, discover)
+        units, notes = on_rank0(transport, discover)
         result = ReshardResult(notes=notes)
         for unit in units:
             result.checkpoints.append(_run_unit(opts, unit, transport))
@@ -213,20 +95,6 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
     finally:
         if own_transport:
             transport.close()
-
-
-def _on_rank0(transport: Transport, work):
-    """Run `work()` on worker 0; every worker gets its result or raises its ReshardError."""
-    outcome = None
-    if transport.rank == 0:
-        try:
-            outcome = ("ok", work())
-        except ReshardError as error:
-            outcome = ("error", error)
-    outcome = transport.broadcast_object(outcome)
-    if outcome[0] == "error":
-        raise outcome[1]
-    return outcome[1]
 
 
 @dataclass
@@ -251,7 +119,7 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} if outputs else set())
     previous = outputs.get(source.tag)
     if previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
@@ -279,8 +147,9 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     return start
 
 
-def _outputs_of(destination: str, source_save_dir: str) -> dict:
-    """Tag directories under `destination` that reshard wrote from `source_save_dir`: tag -> Manifest."""
+def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
+    """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
+    ranks (other tags of this same job, or this tag from an earlier run): tag -> Manifest."""
     found = {}
     if os.path.isdir(destination):
         for name in os.listdir(destination):
@@ -290,7 +159,7 @@ def _outputs_of(destination: str, source_save_dir: str) -> dict:
                 manifest = Manifest.read(os.path.join(destination, name))
             except ReshardError:
                 continue
-            if manifest.source.get("save_dir") == source_save_dir:
+            if manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp:
                 found[name] = manifest
     return found
 
@@ -306,7 +175,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
             raise OptionError(f"{source.model_path(0)}: {problem}")
         return source
 
-    source: SourceCheckpoint = _on_rank0(transport, inspect)
+    source: SourceCheckpoint = on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
@@ -323,7 +192,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
             detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
 
-    start: _Start = _on_rank0(transport, decide)
+    start: _Start = on_rank0(transport, decide)
     result.notes = list(start.notes)
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started

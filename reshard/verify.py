@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reshard.errors import CheckpointError, ReshardError
-from reshard.exchange import check_peers, run_rounds
+from reshard.collective import check_peers, on_rank0
+from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import (SourceCheckpoint, inspect_checkpoint, resolve_tag,
                                                source_rank_tensors)
@@ -202,7 +203,7 @@ def _digest(path: str, ref: TensorRef, carried: dict | None) -> str:
 def verify_against(destination: str, source_dir: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
                    trust_pickle: bool = False, transport: Transport | None = None) -> VerifyResult:
     """Every element and every unpartitioned value of DST, derived again from SRC and compared."""
-    from reshard.job import _on_rank0, plan_reshard
+    from reshard.job import plan_reshard
     own_transport = transport is None
     transport = transport or transport_from_environment()
     try:
@@ -211,7 +212,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             dst = inspect_checkpoint(destination, src.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
             _check_same_model(src, dst)
             return src, dst
-        source, target = _on_rank0(transport, inspect_both)
+        source, target = on_rank0(transport, inspect_both)
         target_dp = target.spec.dp_world_size
         plan = plan_reshard(source, target_dp, transport.size, memory_budget)
         own = plan.ownership

@@ -67,7 +67,7 @@ def _edit(path: Path, change) -> None:
 
 @pytest.mark.parametrize("case", ["no-latest", "missing-tag", "latest-names-missing-tag", "missing-rank",
                                   "extra-rank", "truncated", "empty", "not-torch", "state-size",
-                                  "other-world-size", "other-step", "unsafe-class", "model-missing"])
+                                  "other-world-size", "other-save", "unsafe-class", "model-missing"])
 def test_bad_source_is_refused_clearly(source, trained, tmp_path, case):
     save_dir, tag_dir = source
     optim1 = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -108,11 +108,9 @@ def test_bad_source_is_refused_clearly(source, trained, tmp_path, case):
         other_tag = other / (other / "latest").read_text().strip()
         shutil.copy(other_tag / optim1.name, optim1)
         expected = [str(optim1), "partition_count"]
-    elif case == "other-step":
-        def restep(state):
-            for group in state["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
-                group["step"] = group["step"] + 1
-        _edit(optim1, restep)
+    elif case == "other-save":  # same shapes, another save of the same run (2 steps instead of 3)
+        other, _ = trained(VARIANT, N, steps=2)
+        shutil.copy(other / (other / "latest").read_text().strip() / optim1.name, optim1)
         expected = [str(optim1), "step", "different checkpoints"]
     elif case == "unsafe-class":
         model = tag_dir / "mp_rank_00_model_states.pt"
@@ -286,3 +284,16 @@ def test_verify_finds_a_changed_element(source, tmp_path):
     logical = reshard_cli("verify", dst, "--against", save_dir)
     assert logical.returncode == 1, logical.stdout + logical.stderr
     assert "exp_avg of flat buffer 0: 1 of" in logical.stdout and target.name in logical.stdout
+
+
+def test_rerunning_a_finished_job_changes_nothing(source, tmp_path):
+    save_dir, tag_dir = source
+    dst = tmp_path / "dst"
+    first = reshard_cli(save_dir, dst, "--target-dp", "3", "--quiet")
+    assert first.returncode == 0, first.stderr
+    before = {p: p.stat().st_mtime_ns for p in dst.rglob("*") if p.is_file()}
+    again = reshard_cli(save_dir, dst, "--target-dp", "3", "--quiet")
+    assert again.returncode == 0 and "already holds this output" in again.stdout, again.stdout + again.stderr
+    assert {p: p.stat().st_mtime_ns for p in dst.rglob("*") if p.is_file()} == before
+    other = reshard_cli(save_dir, dst, "--target-dp", "2")  # another output into the same place: refused
+    _refused(other, str(dst), "not empty")

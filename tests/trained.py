@@ -20,19 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class TrainedCheckpoints:
-    """variant, N -> (save_dir, truth path), trained on first use."""
+    """variant, N, steps -> (save_dir, truth path), trained on first use."""
 
     def __init__(self, root: Path):
         self.root = root
         self.cache: dict[tuple[str, int], tuple[Path, Path]] = {}
 
-    def __call__(self, variant: str, n: int) -> tuple[Path, Path]:
-        key = (variant, n)
+    def __call__(self, variant: str, n: int, steps: int = 3) -> tuple[Path, Path]:
+        key = (variant, n, steps)
         if key not in self.cache:
-            base = self.root / f"{variant}-n{n}"
+            base = self.root / f"{variant}-n{n}-s{steps}"
             base.mkdir(parents=True, exist_ok=True)
             save_dir, truth = base / "ckpt", base / "truth.pt"
-            train_checkpoint(variant, n, save_dir, truth)
+            train_checkpoint(variant, n, save_dir, truth, steps=steps)
             self.cache[key] = (save_dir, truth)
         return self.cache[key]
 

@@ -1,0 +1,133 @@
+"""What a job reports: per worker, per checkpoint, per job; `summary()` is what the CLI prints.
+
+    result = reshard.reshard_checkpoint(src, dst, target_dp=16)
+    result.seconds, result.bytes_written, result.reports[0].peak_rss_bytes
+    print(result.summary())
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reshard.plan import ReshardPlan
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did, measured."""
+
+    worker: int
+    source_ranks: tuple[int, ...]
+    target_ranks: tuple[int, ...]
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_carried: int = 0
+    peak_rss_bytes: int = 0
+
+
+@dataclass
+class CheckpointResult:
+    """What a job did to one checkpoint (save directory + tag)."""
+
+    source: str
+    destination: str
+    tag: str
+    description: str
+    source_dp: int
+    target_dp: int
+    workers: int
+    transport: str
+    rounds: int
+    seconds: float
+    dry_run: bool
+    plan: ReshardPlan | None = field(default=None, repr=False)
+    reports: list[WorkerReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.reports)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(r.bytes_written + r.bytes_carried for r in self.reports)
+
+    def summary(self) -> str:
+        lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
+                 f"  source : {self.description}",
+                 f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
+                 f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
+        if self.dry_run:
+            lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
+                         f"{'receive':>10} {'write':>10}")
+            for t in self.plan.traffic():
+                lines.append(f"  {t.worker:>6} {_ranks(t.source_ranks):>14} {_ranks(t.target_ranks):>14} "
+                             f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
+                             f"{_human(t.bytes_written):>10}")
+            lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
+            return "\n".join(lines)
+        lines += [f"  note   : {note}" for note in self.notes]
+        if not self.reports:
+            return "\n".join(lines)
+        rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+        lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
+                     f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
+        lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} {'peak RSS':>10}")
+        for r in self.reports:
+            lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
+                         f"{_human(r.bytes_read):>10} {_human(r.bytes_written + r.bytes_carried):>10} "
+                         f"{_human(r.peak_rss_bytes):>10}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ReshardResult:
+    """What a job did, checkpoint by checkpoint; `summary()` is what the CLI prints."""
+
+    checkpoints: list[CheckpointResult] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dry_run(self) -> bool:
+        return any(c.dry_run for c in self.checkpoints)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(c.bytes_read for c in self.checkpoints)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(c.bytes_written for c in self.checkpoints)
+
+    @property
+    def reports(self) -> list[WorkerReport]:
+        """Per worker, summed over checkpoints (peak RSS: the maximum)."""
+        merged: dict[int, WorkerReport] = {}
+        for checkpoint in self.checkpoints:
+            for r in checkpoint.reports:
+                m = merged.setdefault(r.worker, WorkerReport(r.worker, r.source_ranks, r.target_ranks))
+                m.bytes_read += r.bytes_read
+                m.bytes_written += r.bytes_written
+                m.bytes_carried += r.bytes_carried
+                m.peak_rss_bytes = max(m.peak_rss_bytes, r.peak_rss_bytes)
+        return [merged[w] for w in sorted(merged)]
+
+    def summary(self) -> str:
+        parts = [c.summary() for c in self.checkpoints] + [f"note: {n}" for n in self.notes]
+        if len(self.checkpoints) > 1:
+            parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
+        return "\n".join(parts)
+
+
+def _ranks(ranks) -> str:
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
