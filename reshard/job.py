@@ -169,7 +169,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
 
     def inspect():
         check_paths(unit.source, unit.destination)
-        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
         problem = batch_config_problem(source.model_template.get("ds_config"), opts.target_dp)
         if problem and not opts.ignore_batch_config:
             raise OptionError(f"{source.model_path(0)}: {problem}")

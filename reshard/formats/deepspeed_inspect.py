@@ -159,12 +159,13 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
 
 
 def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
-                       carry_model_bytes: bool | None = None) -> SourceCheckpoint:
+                       carry_model_bytes: bool | None = None, read_tensors: bool = True) -> SourceCheckpoint:
     """Read the rank-0 pickles of a save directory into a SourceCheckpoint.
 
     `carry_model_bytes`: read the unpartitioned tensors of the model-states template into
     memory (default: only under ZeRO-3, where every target rank needs them; the ZeRO-1/2
-    model file is copied file to file by one worker instead).
+    model file is copied file to file by one worker instead). `read_tensors=False` reads
+    no tensor bytes at all (a dry run): `carried` stays empty.
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
@@ -217,8 +218,10 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
     # Storage keys are byte offsets, so they only mean something within their own file.
-    carried = {schema.optim_file_name(0, bf16_prefix): read_carried(optim_path, optim_tree, optim_parts.values())}
-    if carry_model_bytes if carry_model_bytes is not None else stage3:
+    carried = {}
+    if read_tensors:
+        carried[schema.optim_file_name(0, bf16_prefix)] = read_carried(optim_path, optim_tree, optim_parts.values())
+    if read_tensors and (carry_model_bytes if carry_model_bytes is not None else stage3):
         carried[model_name] = read_carried(model_path, model_tree, model_parts.values())
     others = tuple(name for name, role in roles.items() if role.kind == "other")
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others)

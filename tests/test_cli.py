@@ -1,0 +1,68 @@
+"""The command line as users run it: dry run, job files, sizes, exit codes.
+
+    python -m pytest tests/test_cli.py -q
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from reshard.errors import OptionError
+from reshard.options import ReshardOptions, parse_size
+from trained import reshard_cli, reshard_in_threads
+
+
+@pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("4G", 4 << 30), ("1.5G", int(1.5 * (1 << 30))),
+                                           ("65536", 65536), ("8KiB", 8 << 10), ("2t", 2 << 40)])
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4X", "-1G"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(OptionError, match="size"):
+        parse_size(text)
+
+
+def test_yaml_job_file_with_unknown_key_is_refused(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("source: /a\ndestination: /b\ntarget_dp: 4\nbudget: 1G\n")
+    with pytest.raises(OptionError, match="unknown option.*budget"):
+        ReshardOptions.from_yaml(str(job))
+
+
+@pytest.mark.e2e
+def test_dry_run_prints_the_plan_and_touches_nothing(trained, tmp_path, monkeypatch):
+    source, _ = trained("z3_bf16", 2)
+    destination = tmp_path / "dst"
+    result = reshard_cli(source, destination, "--target-dp", "3", "--dry-run", "--memory-budget", "4K")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("reshard plan:") and "ZeRO-3 bfloat16, 2 dp ranks" in out and "3 dp ranks" in out
+    assert "reads ranks" in out and "send" in out and "receive" in out
+    assert not destination.exists()
+    # and in-process, with every tensor read made to fail: a dry run reads no tensor
+    import reshard.formats.torch_archive as archive
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a dry run read tensor bytes")
+    monkeypatch.setattr(archive.os, "preadv", no_reads)
+    monkeypatch.setattr(archive.os, "pwritev", no_reads)
+    plan = reshard_in_threads(source, destination, 3, 2, dry_run=True).checkpoints[0]
+    traffic = plan.plan.traffic()
+    assert sum(t.bytes_read for t in traffic) == sum(t.bytes_written for t in traffic) > 0
+    assert not destination.exists()
+
+
+@pytest.mark.e2e
+def test_job_file_runs_and_flags_override_it(trained, tmp_path):
+    source, _ = trained("z2_fp32", 2)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"source: {source}\ndestination: {tmp_path / 'from-yaml'}\ntarget_dp: 4\n"
+                   f"memory_budget: 8K\nquiet: true\n")
+    result = reshard_cli("--config", job, "--target-dp", "3")
+    assert result.returncode == 0, result.stderr
+    assert "3 dp ranks" in result.stdout and "8.0 KiB budget" in result.stdout
+    tag = (tmp_path / "from-yaml" / "latest").read_text()
+    assert sorted(os.listdir(tmp_path / "from-yaml" / tag))[-1] == "zero_pp_rank_2_mp_rank_00_optim_states.pt"
