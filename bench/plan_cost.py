@@ -71,7 +71,7 @@ def build_layout(stage: int, params, groups, world: int):
 
 def run_case(stage: int, count: int, source: int, target: int, workers: int, budget: int) -> dict:
     """Time and measure one planning case in this process."""
-    from reshard.formats.deepspeed_inspect import buffer_numels
+    from reshard.formats.deepspeed_spec import buffer_numels
     from reshard.plan import Ownership, ReshardPlan, Stream, plan_space
     params, groups = synthetic_params(count)
     streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("exp_avg_sq", "float32", 4))

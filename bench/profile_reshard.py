@@ -23,7 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_model import FULL, QUICK  # noqa: E402
-from make_checkpoint import DEFAULT_CACHE, child_env, ensure_checkpoint, torchrun_command  # noqa: E402
+from make_checkpoint import (  # noqa: E402
+    DEFAULT_CACHE,
+    child_env,
+    ensure_checkpoint,
+    torchrun_command,
+)
 from page_cache import drop_page_cache  # noqa: E402
 from process_tree import run_watched  # noqa: E402
 

@@ -53,6 +53,7 @@ class IoTrace:
 
     def install(self) -> None:
         import threading
+
         from reshard import transport
         self.wrap(os, "preadv", lambda args, out: out)
         self.wrap(os, "pwritev", lambda args, out: out)

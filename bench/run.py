@@ -44,7 +44,13 @@ sys.path.insert(0, HERE)
 
 from bench_model import FULL, QUICK, config_to_json  # noqa: E402
 from io_floor import measure_io_floor  # noqa: E402
-from make_checkpoint import DEFAULT_CACHE, child_env, ensure_checkpoint, torchrun_command, tree_bytes  # noqa: E402
+from make_checkpoint import (  # noqa: E402
+    DEFAULT_CACHE,
+    child_env,
+    ensure_checkpoint,
+    torchrun_command,
+    tree_bytes,
+)
 from page_cache import drop_page_cache  # noqa: E402
 from process_tree import run_watched  # noqa: E402
 

@@ -29,11 +29,12 @@ import time
 import numpy as np
 import torch
 
-from reshard.errors import ReshardError
 from reshard.collective import check_peers, on_rank0
+from reshard.errors import ReshardError
 from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import SourceCheckpoint, inspect_checkpoint
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import leaves_in_order, materialize
 from reshard.source_reader import SourceReader
@@ -188,6 +189,7 @@ def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: i
                           staging_dir: str | None, kwargs: dict):
     """Reshard into a temporary directory (never inside the source), load it, remove it."""
     import socket
+
     from reshard.job import reshard_checkpoint
     hosts = set(transport.all_gather_object(socket.gethostname()))
     if staging_dir is None and len(hosts) > 1:

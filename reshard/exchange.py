@@ -31,6 +31,7 @@ from reshard.collective import check_peers
 from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock, SpacePlan
 
+
 def _runs(rank: np.ndarray, buffer: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
     """[start, stop) index ranges of consecutive segments that continue each other in one buffer."""
     if len(rank) == 0:

@@ -29,20 +29,29 @@ import time
 from dataclasses import dataclass, field
 
 from reshard import __version__
-from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.batch_config import batch_config_problem
+from reshard.collective import check_peers, on_rank0
+from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
-from reshard.collective import check_peers, on_rank0
 from reshard.exchange import run_rounds
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
+from reshard.formats.deepspeed_spec import SourceCheckpoint, buffer_numels
 from reshard.lock import LOCK_NAME, DestinationLock
-from reshard.manifest import (JOURNAL_NAME, Manifest, hash_file, output_fingerprint, plan_fingerprint, read_journal,
-                              source_identity, write_journal)
-from reshard.formats.deepspeed_inspect import SourceCheckpoint, buffer_numels, inspect_checkpoint
+from reshard.manifest import (
+    JOURNAL_NAME,
+    Manifest,
+    hash_file,
+    output_fingerprint,
+    plan_fingerprint,
+    read_journal,
+    source_identity,
+    write_journal,
+)
 from reshard.options import ReshardOptions
-from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter

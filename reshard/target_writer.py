@@ -21,10 +21,17 @@ import threading
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed_inspect import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
-from reshard.formats.torch_archive import (TensorRef, copy_bytes, locate_storages, materialize, pwrite_exact,
-                                           refs_in, write_skeleton)
+from reshard.formats.torch_archive import (
+    TensorRef,
+    copy_bytes,
+    locate_storages,
+    materialize,
+    pwrite_exact,
+    refs_in,
+    write_skeleton,
+)
 from reshard.manifest import hash_file
 
 

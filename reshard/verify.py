@@ -17,15 +17,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reshard.errors import CheckpointError, ReshardError
 from reshard.collective import check_peers, on_rank0
+from reshard.errors import CheckpointError, ReshardError
 from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import (SourceCheckpoint, inspect_checkpoint, resolve_tag,
-                                               source_rank_tensors)
+from reshard.formats.deepspeed_inspect import (
+    inspect_checkpoint,
+    resolve_tag,
+    source_rank_tensors,
+)
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
-from reshard.formats.torch_archive import (NewTensor, TensorRef, leaves_in_order, load_structure, map_leaves,
-                                           portable, pread_exact, is_ref)
+from reshard.formats.torch_archive import (
+    NewTensor,
+    TensorRef,
+    is_ref,
+    leaves_in_order,
+    load_structure,
+    map_leaves,
+    portable,
+    pread_exact,
+)
 from reshard.manifest import Manifest
 from reshard.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun
 
 from reshard.manifest import hash_file
-from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun
 
 pytestmark = pytest.mark.e2e
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from trained import reshard_cli, reshard_in_threads
 
 from reshard.errors import OptionError
 from reshard.options import ReshardOptions, parse_size
-from trained import reshard_cli, reshard_in_threads
 
 
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("4G", 4 << 30), ("1.5G", int(1.5 * (1 << 30))),

@@ -16,9 +16,9 @@ import filecmp
 import os
 
 import pytest
+from trained import judge, reshard_in_threads, reshard_with_torchrun
 
 from reshard.proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
-from trained import judge, reshard_in_threads, reshard_with_torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +69,7 @@ def test_reshard_loads_bit_exactly(trained, tmp_path, variant, n, m, workers):
         assert len(problems) == 1 and problems[0].startswith(UNSUPPORTED)
 
     from threaded_transport import run_workers
+
     from reshard.verify import verify_against, verify_hashes
     assert verify_hashes(str(destination)).ok
     checked = run_workers(2, lambda t: verify_against(str(destination), str(source), transport=t))[0]

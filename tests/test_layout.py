@@ -12,8 +12,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.layout import (ParamSpec, frozen_pieces, logical_bases, param_alignment_elements,
-                            round_robin_order, undo_round_robin, zero3_chunk, zero3_layout, zero12_layout)
+from reshard.layout import (
+    ParamSpec,
+    frozen_pieces,
+    logical_bases,
+    param_alignment_elements,
+    round_robin_order,
+    undo_round_robin,
+    zero3_chunk,
+    zero3_layout,
+    zero12_layout,
+)
 
 numels = st.lists(st.integers(1, 97), min_size=1, max_size=12)
 worlds = st.integers(1, 9)

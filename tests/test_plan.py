@@ -14,9 +14,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.exchange import _counts, _walk
-from reshard.formats.deepspeed_inspect import buffer_numels
-from reshard.layout import ParamSpec, frozen_pieces, zero3_chunk, zero3_layout, zero12_layout
-from reshard.plan import Ownership, ReshardPlan, Stream, intersect, plan_space, round_cap
+from reshard.formats.deepspeed_spec import buffer_numels
+from reshard.layout import (
+    ParamSpec,
+    frozen_pieces,
+    zero3_chunk,
+    zero3_layout,
+    zero12_layout,
+)
+from reshard.plan import (
+    Ownership,
+    ReshardPlan,
+    Stream,
+    intersect,
+    plan_space,
+    round_cap,
+)
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("frozen_like", "bfloat16", 2))
 

@@ -18,7 +18,12 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed in this process
 
 from reshard.proof.bitwise import compare_trees  # noqa: E402
-from reshard.proof.launch import TorchrunError, check_checkpoint, run_torchrun, train_checkpoint  # noqa: E402
+from reshard.proof.launch import (  # noqa: E402
+    TorchrunError,
+    check_checkpoint,
+    run_torchrun,
+    train_checkpoint,
+)
 from reshard.proof.model import ProofModel, build_param_groups  # noqa: E402
 from reshard.proof.negative_controls import copy_checkpoint, flip_fp32_partition_bit  # noqa: E402
 from reshard.proof.variants import VARIANTS, get_variant  # noqa: E402

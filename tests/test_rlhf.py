@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from trained import REPO, reshard_with_torchrun
 
 pytestmark = pytest.mark.e2e

@@ -40,6 +40,7 @@ class TrainedCheckpoints:
 def reshard_in_threads(source, destination, target_dp: int, workers: int, **options):
     """The whole job with `workers` workers as threads of this process (no torchrun)."""
     from threaded_transport import run_workers
+
     from reshard.job import reshard_checkpoint
     options.setdefault("quiet", True)
     return run_workers(workers, lambda t: reshard_checkpoint(str(source), str(destination), target_dp,

@@ -14,128 +14,32 @@ worker that reads them (`source_rank_tensors`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.torch_archive import TensorRef, load_structure, portable, pread_exact, refs_in
-from reshard.layout import (DEFAULT_SUB_GROUP_SIZE, ParamSpec, PieceTable, Zero3Layout, Zero12Layout,
-                            frozen_pieces, param_alignment_elements, undo_round_robin, zero3_chunk,
-                            zero3_layout, zero12_layout)
+from reshard.formats.deepspeed_spec import (
+    CheckpointSpec,
+    SourceCheckpoint,
+    buffer_numels,
+    itemsize,
+)
+from reshard.formats.torch_archive import (
+    TensorRef,
+    load_structure,
+    portable,
+    pread_exact,
+    refs_in,
+)
+from reshard.layout import (
+    DEFAULT_SUB_GROUP_SIZE,
+    ParamSpec,
+    param_alignment_elements,
+    undo_round_robin,
+    zero3_chunk,
+)
 from reshard.plan import Stream
 
 OPT = schema.OPTIM
-
-
-@dataclass(frozen=True)
-class CheckpointSpec:
-    """What a ZeRO checkpoint holds, independent of world size and of where its bytes are."""
-
-    stage: int
-    """ZeRO stage: 1, 2 or 3."""
-    optimizer: str
-    """"zero" (DeepSpeedZeroOptimizer or stage 3) or "bf16_optimizer" (BF16_Optimizer)."""
-    bf16_prefix: bool
-    """Optim files are named bf16_zero_pp_rank_*: the engine had bf16.enabled."""
-    dp_world_size: int
-    params: tuple[ParamSpec, ...]
-    """Trainable parameters; their order defines the logical space."""
-    groups: tuple[tuple[int, ...], ...]
-    """Parameter ids of each optimizer param group, in the model's order."""
-    round_robin: bool
-    param_alignment: int
-    """Per-parameter alignment in elements (1: none)."""
-    sub_group_size: int
-    lp_dtype: str
-    """dtype of the model (low-precision) parameters."""
-    streams: tuple[Stream, ...]
-    """Per-partition tensors: "fp32" master weights, then each optimizer state tensor."""
-    frozen: tuple[ParamSpec, ...] = ()
-    """ZeRO-3 frozen parameters, partitioned in the model-states files."""
-    frozen_dtype: str | None = None
-
-    def layout(self, world_size: int) -> Zero12Layout | Zero3Layout:
-        if self.stage == 3:
-            return zero3_layout(self.params, self.groups, world_size, self.sub_group_size)
-        return zero12_layout(self.params, self.groups, world_size, round_robin=self.round_robin,
-                             param_alignment=self.param_alignment)
-
-    def frozen_layout(self, world_size: int) -> tuple[PieceTable, tuple[int, ...]]:
-        """Pieces of the ZeRO-3 frozen space and the size of each frozen chunk at `world_size`."""
-        return frozen_pieces(self.frozen, world_size), tuple(zero3_chunk(p.numel, world_size) for p in self.frozen)
-
-    @property
-    def frozen_streams(self) -> tuple[Stream, ...]:
-        if not self.frozen:
-            return ()
-        return (Stream("frozen", self.frozen_dtype, _itemsize(self.frozen_dtype)),)
-
-    @property
-    def total_elements(self) -> int:
-        return sum(p.numel for p in self.params)
-
-    def describe(self) -> str:
-        kind = "BF16_Optimizer" if self.optimizer == "bf16_optimizer" else f"ZeRO-{self.stage}"
-        extras = [name for name, on in (("round-robin", self.round_robin),
-                                         ("parameter alignment", self.param_alignment > 1)) if on]
-        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks, {len(self.groups)} param groups, "
-                f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
-                f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
-                f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
-
-
-def buffer_numels(layout: Zero12Layout | Zero3Layout) -> tuple[int, ...]:
-    """Padded size of each flat buffer; the same on every rank."""
-    if isinstance(layout, Zero3Layout):
-        return tuple(sg.partition_numel for sg in layout.sub_groups)
-    return tuple(g.partition_numel for g in layout.groups)
-
-
-@dataclass(frozen=True)
-class SourceCheckpoint:
-    """A source checkpoint: its spec, the rank-0 file trees the targets are built from, and
-    the bytes of their small unpartitioned tensors (step counters, buffers, client state)."""
-
-    save_dir: str
-    tag: str
-    spec: CheckpointSpec
-    optim_template: Any
-    """Portable tree of rank 0's optim file (tensors as TensorRef)."""
-    model_template: Any
-    """Portable tree of rank 0's model-states file."""
-    carried: dict = field(default_factory=dict)
-    """file name -> storage key -> bytes, for templates small enough to ship to every worker."""
-    other_files: tuple[str, ...] = ()
-    """Files in the tag directory that are not DeepSpeed's (copied unchanged)."""
-
-    @property
-    def tag_dir(self) -> str:
-        return os.path.join(self.save_dir, self.tag)
-
-    def optim_name(self, rank: int) -> str:
-        return schema.optim_file_name(rank, self.spec.bf16_prefix)
-
-    def model_name(self, rank: int = 0) -> str:
-        return schema.model_file_name(self.spec.stage, rank)
-
-    def optim_path(self, rank: int) -> str:
-        return os.path.join(self.tag_dir, self.optim_name(rank))
-
-    def model_path(self, rank: int = 0) -> str:
-        return os.path.join(self.tag_dir, self.model_name(rank))
-
-    def source_files(self, rank: int) -> list[str]:
-        """The files of one source rank (the model-states file belongs to rank 0 under ZeRO-1/2)."""
-        files = [self.optim_path(rank)]
-        if self.spec.stage == 3 or rank == 0:
-            files.append(self.model_path(rank))
-        return files
-
-
-def _itemsize(dtype: str) -> int:
-    from reshard.formats.torch_archive import dtype_of
-    return dtype_of(dtype).itemsize
 
 
 def resolve_tag(save_dir: str, tag: str | None) -> str:
@@ -301,7 +205,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
     if not isinstance(lp_ref, TensorRef):
         raise CheckpointError(model_path, f"module has no tensor for trainable parameter {params[0].name!r}")
     lp_dtype = lp_ref.dtype
-    param_alignment = param_alignment_elements(_itemsize(lp_dtype), bool(zero.get("parameter_alignment", False))
+    param_alignment = param_alignment_elements(itemsize(lp_dtype), bool(zero.get("parameter_alignment", False))
                                                and optimizer == "zero" and stage < 3)
     sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
 
@@ -361,7 +265,7 @@ def _discover_streams(osd, path, spec: CheckpointSpec, layout) -> tuple[Stream, 
                                 if isinstance(v, TensorRef) and v.shape == (size,)])
     if any(keys != keys_per_buffer[0] for keys in keys_per_buffer):
         raise UnsupportedCheckpoint(path, f"optimizer state keys differ between flat buffers: {keys_per_buffer}")
-    streams += [Stream(k, dtype, _itemsize(dtype)) for k, dtype in keys_per_buffer[0] if k != "fp32"]
+    streams += [Stream(k, dtype, itemsize(dtype)) for k, dtype in keys_per_buffer[0] if k != "fp32"]
     return tuple(streams)
 
 

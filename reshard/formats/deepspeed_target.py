@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import OPT, SourceCheckpoint
+from reshard.formats.deepspeed_schema import OPTIM as OPT
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import NewTensor, TensorRef
 
 

@@ -20,8 +20,14 @@ import traceback
 from pathlib import Path
 
 from reshard.proof.bitwise import Comparison, compare_trees
-from reshard.proof.engine_setup import (all_finite, build_engine, eval_loss, finish_and_exit,
-                                         init_distributed, train_steps)
+from reshard.proof.engine_setup import (
+    all_finite,
+    build_engine,
+    eval_loss,
+    finish_and_exit,
+    init_distributed,
+    train_steps,
+)
 from reshard.proof.engine_state import capture_engine_state, master_route
 from reshard.proof.truth_file import read_truth
 from reshard.proof.variants import get_variant

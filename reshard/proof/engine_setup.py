@@ -18,7 +18,6 @@ from reshard.proof.batches import eval_batch, train_batch
 from reshard.proof.model import ProofModel, build_param_groups
 from reshard.proof.variants import Variant
 
-
 # A tiny model needs seconds per collective; when one rank fails inside a collective (say a load
 # that raises on one rank only), the others should die soon rather than wait out gloo's 30 minutes.
 COLLECTIVE_TIMEOUT = timedelta(minutes=3)

@@ -14,9 +14,20 @@ import torch
 
 from reshard.proof.bitwise import compare_trees
 from reshard.proof.client_state import make_client_state
-from reshard.proof.engine_setup import build_engine, eval_loss, finish_and_exit, init_distributed, train_steps
-from reshard.proof.engine_state import (MASTER_FROM_GETTERS, MASTER_FROM_INTERNALS, capture_engine_state,
-                                        capture_master_state, master_route)
+from reshard.proof.engine_setup import (
+    build_engine,
+    eval_loss,
+    finish_and_exit,
+    init_distributed,
+    train_steps,
+)
+from reshard.proof.engine_state import (
+    MASTER_FROM_GETTERS,
+    MASTER_FROM_INTERNALS,
+    capture_engine_state,
+    capture_master_state,
+    master_route,
+)
 from reshard.proof.truth_file import write_truth
 from reshard.proof.variants import get_variant
 
