@@ -180,6 +180,9 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         raise CheckpointError(optim_path, f"says ZeRO stage {stage}, but the model-states files are "
                                           f"{'per rank (stage 3)' if stage3 else 'for stage 1/2'}")
     zero = _zero_config(model_tree)
+    if int(zero.get("mics_shard_size", -1) or -1) > 0:
+        raise UnsupportedCheckpoint(model_path, f"was saved with MiCS (mics_shard_size {zero['mics_shard_size']}): "
+                                                "parameters are partitioned within shard groups; not supported yet")
     shapes = model_tree.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(s, dict) for s in shapes):
         raise CheckpointError(model_path, "has no param_shapes list: cannot tell the flat parameter order")
