@@ -160,3 +160,22 @@ def test_deepspeeds_universal_converter_reads_the_output(trained, tmp_path, vari
             saved = saved["param"] if isinstance(saved, dict) else saved
             comparison = compare_trees(value, saved.flatten(), f"{name}/{key}")
             assert comparison.ok, comparison.mismatches
+
+
+def test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up(trained, tmp_path):
+    """load_optimizer_states=False under ZeRO-3: DeepSpeed reads the directory with zero_to_fp32, so the
+    in-job path reshards into a temporary directory; the module comes back exact and nothing is left."""
+    import json
+    import subprocess
+    import sys
+
+    from reshard.proof.launch import REPO_ROOT, _child_env
+    source, truth = trained("z3_fp32", 2)
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+               str(REPO_ROOT / "tests" / "entry" / "module_only_load.py"), "z3_fp32", str(source), str(truth), str(out)]
+    done = subprocess.run(command, env=_child_env(None), capture_output=True, text=True, timeout=300)
+    assert out.is_file(), (done.stdout + done.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mismatches"] == [] and result["checked_tensors"] > 0
+    assert result["through_staging"] == 1 and result["staging_left"] == []
