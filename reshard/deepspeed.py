@@ -167,11 +167,14 @@ def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwa
             load_path, client_state = engine.load_checkpoint(placeholder_root, source.tag, **kwargs)
         finally:
             engine.checkpoint_engine = inner
-        if load_path is not None:
-            load_path = os.path.join(source.tag_dir, os.path.basename(load_path))
-        return load_path, client_state
+        return _as_source_path(source, load_path), client_state
     finally:
         shutil.rmtree(placeholder_root, ignore_errors=True)
+
+
+def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | None:
+    """The path DeepSpeed reports, named in the source directory the caller asked to load."""
+    return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path))
 
 
 def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
@@ -205,9 +208,7 @@ def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: i
                            memory_budget=budget, quiet=True, trust_pickle=trust_pickle, transport=transport)
         load_path, client_state = engine.load_checkpoint(destination, source.tag, **kwargs)
         transport.barrier()
-        if load_path is not None:
-            load_path = os.path.join(source.tag_dir, os.path.basename(load_path))
-        return load_path, client_state
+        return _as_source_path(source, load_path), client_state
     finally:
         if transport.rank == 0:
             shutil.rmtree(root, ignore_errors=True)

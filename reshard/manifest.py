@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from reshard.errors import CheckpointError
+from reshard.formats.torch_archive import pread_exact
 
 MANIFEST_NAME = "reshard_manifest.json"
 JOURNAL_NAME = ".reshard-journal.json"
@@ -31,13 +32,22 @@ _CHUNK = 16 << 20
 
 def hash_file(path: str) -> str:
     """BLAKE3 of a file's bytes (about 4x faster than hashlib's blake2b on one core here)."""
+    return hash_range(path, 0, os.path.getsize(path))
+
+
+def hash_range(path: str, offset: int, nbytes: int) -> str:
+    """BLAKE3 of `nbytes` of a file from `offset`, read in chunks (module weights can be large)."""
     from blake3 import blake3
     digest = blake3(max_threads=blake3.AUTO)
-    with open(path, "rb", buffering=0) as fd:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while n := fd.readinto(buffer):
-            digest.update(view[:n])
+    buffer = bytearray(min(_CHUNK, nbytes))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start in range(0, nbytes, _CHUNK):
+            view = memoryview(buffer)[:min(_CHUNK, nbytes - start)]
+            pread_exact(fd, view, offset + start, path)
+            digest.update(view)
+    finally:
+        os.close(fd)
     return digest.hexdigest()
 
 

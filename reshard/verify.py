@@ -38,7 +38,7 @@ from reshard.formats.torch_archive import (
     portable,
     pread_exact,
 )
-from reshard.manifest import Manifest
+from reshard.manifest import Manifest, hash_range
 from reshard.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
@@ -171,9 +171,11 @@ def _clip(value) -> str:
 
 
 def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, target_dp: int, rank: int,
-                           trust_pickle: bool) -> list[str]:
-    problems = []
-    for target in target_files(source, target_dp, rank):
+                           trust_pickle: bool) -> tuple[list[str], int]:
+    """Problems in the unpartitioned content of one target rank's files, and how many files were checked."""
+    problems, memo = [], {}
+    targets = target_files(source, target_dp, rank)
+    for target in targets:
         path = os.path.join(destination_tag_dir, target.name)
         if not os.path.isfile(path):
             problems.append(f"{path}: missing")
@@ -185,31 +187,24 @@ def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, t
             continue
         carried = source.carried.get(target.template)
         template_path = os.path.join(source.tag_dir, target.template)
-        expected = _normalise(target.tree, expected_leaves, lambda ref: _digest(template_path, ref, carried))
-        found = _normalise(actual, expected_leaves, lambda ref: _digest(path, ref, None))
+        expected = _normalise(target.tree, expected_leaves, lambda ref: _digest(template_path, ref, carried, memo))
+        found = _normalise(actual, expected_leaves, lambda ref: _digest(path, ref, None, memo))
         difference = _first_difference(expected, found)
         if difference:
             problems.append(f"{path}: {difference}")
-    return problems
+    return problems, len(targets)
 
 
-def _digest(path: str, ref: TensorRef, carried: dict | None) -> str:
-    """BLAKE3 of a storage's bytes, read in chunks (module weights can be large)."""
-    from blake3 import blake3
-    digest = blake3()
-    if carried is not None and ref.storage_key in carried:
-        digest.update(carried[ref.storage_key])
-        return digest.hexdigest()
-    chunk = bytearray(16 << 20)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for start in range(0, ref.storage_nbytes, len(chunk)):
-            view = memoryview(chunk)[:min(len(chunk), ref.storage_nbytes - start)]
-            pread_exact(fd, view, ref.storage_key + start, path)
-            digest.update(view)
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
+def _digest(path: str, ref: TensorRef, carried: dict | None, memo: dict) -> str:
+    """BLAKE3 of a storage's bytes; once per storage, though many views (module weights) share one."""
+    key = (path, ref.storage_key)
+    if key not in memo:
+        if carried is not None and ref.storage_key in carried:
+            from blake3 import blake3
+            memo[key] = blake3(carried[ref.storage_key]).hexdigest()
+        else:
+            memo[key] = hash_range(path, ref.storage_key, ref.storage_nbytes)
+    return memo[key]
 
 
 def verify_against(destination: str, source_dir: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
@@ -237,8 +232,9 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             for rank in own.target_ranks_of(transport.rank):
                 for slot, found in source_rank_tensors(target, rank, trust_pickle=trust_pickle).items():
                     locations[(rank, slot)] = found
-                result.problems += _compare_unpartitioned(source, target.tag_dir, target_dp, rank, trust_pickle)
-                result.checked_files += len(target_files(source, target_dp, rank))
+                problems, files = _compare_unpartitioned(source, target.tag_dir, target_dp, rank, trust_pickle)
+                result.problems += problems
+                result.checked_files += files
             comparer = _Comparer(locations)
         except ReshardError as error:
             failure = error

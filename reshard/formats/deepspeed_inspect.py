@@ -363,13 +363,9 @@ def _short(value, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
-    """Bytes of every storage in `tree` that is not a partition (step counters, buffers, ...)."""
-    skip = {ref.storage_key for ref in partitioned_refs}
-    wanted = {}
-    for ref in refs_in(tree):
-        if isinstance(ref, TensorRef) and ref.storage_key not in skip:
-            wanted[ref.storage_key] = ref.storage_nbytes
+def read_storages(path: str, refs) -> dict[int, bytes]:
+    """The bytes of each distinct storage behind `refs` (TensorRefs of the file at `path`)."""
+    wanted = {ref.storage_key: ref.storage_nbytes for ref in refs}
     data = {}
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -380,6 +376,12 @@ def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
     finally:
         os.close(fd)
     return data
+
+
+def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
+    """Bytes of every storage in `tree` that is not a partition (step counters, buffers, ...)."""
+    skip = {ref.storage_key for ref in partitioned_refs}
+    return read_storages(path, [ref for ref in refs_in(tree) if isinstance(ref, TensorRef) and ref.storage_key not in skip])
 
 
 def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bool = False) -> dict:
@@ -407,18 +409,13 @@ def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:
         return {b: v.get("step") for b, v in states.items()}
 
     mine, rank0 = step_refs(tree), step_refs(source.optim_template)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for buffer, ref0 in rank0.items():
-            ref = mine.get(buffer)
-            if isinstance(ref0, TensorRef) and isinstance(ref, TensorRef) and ref0.storage_key in template_bytes:
-                buf = bytearray(ref.storage_nbytes)
-                pread_exact(fd, memoryview(buf), ref.storage_key, path)
-                same = bytes(buf) == template_bytes[ref0.storage_key]
-            else:
-                same = ref == ref0
-            if not same:
-                raise CheckpointError(path, f"optimizer step counter of flat buffer {buffer} differs from rank 0's: "
-                                            "shards of different checkpoints (or saves) mixed in one tag directory")
-    finally:
-        os.close(fd)
+    stored = read_storages(path, [ref for ref in mine.values() if isinstance(ref, TensorRef)])
+    for buffer, ref0 in rank0.items():
+        ref = mine.get(buffer)
+        if isinstance(ref0, TensorRef) and isinstance(ref, TensorRef) and ref0.storage_key in template_bytes:
+            same = stored[ref.storage_key] == template_bytes[ref0.storage_key]
+        else:
+            same = ref == ref0
+        if not same:
+            raise CheckpointError(path, f"optimizer step counter of flat buffer {buffer} differs from rank 0's: "
+                                        "shards of different checkpoints (or saves) mixed in one tag directory")
