@@ -1,19 +1,21 @@
 """Plan cost alone: reshard's pure layout + plan for a synthetic model at large world sizes.
 
     python bench/plan_cost.py                      # the standard suite, each case in its own process
-    python bench/plan_cost.py --case --stage 2 --params 100000 --source 4096 --target 8192 \
-        --workers 512 --budget 1073741824          # one case, JSON on stdout
+    python bench/plan_cost.py --case --stage 3 --params 100000 --source 4096 --target 8192 \
+        --workers 8 --budget 1073741824            # one case, JSON on stdout
 
 The synthetic model: `--params` parameters in model order, one matrix (rows and columns in
 128..1024, multiples of 128) then three vectors (128..4096), repeated; matrices form param
 group 0 (decay), vectors group 1. 100k parameters hold about 7.4e9 elements. Streams are fp32,
 exp_avg and exp_avg_sq (12 bytes per element).
 
-Timed separately, in one process: building both layouts and their piece tables; `plan_space`
-(intersection and rounds); `ReshardPlan(...).worker_view(0)` (worker 0's sends and receives).
-Every worker of a real job computes all three. Memory: peak RSS (ru_maxrss) minus the RSS before
-the layouts were built. ZeRO-3 has one piece per parameter per rank, so the suite climbs a
-ladder of sizes and skips a case whose estimated memory exceeds --max-gb.
+Timed separately, in one process, for one worker (`--worker`, default 0): `plan_reshard` (the
+plan every worker derives: layouts, and for ZeRO-1/2 the segment table; for ZeRO-3 only O(params)
+arithmetic), the worker's setup (buffer sizes), then that worker's blocks round by round as the
+exchange asks for them (`WorkerPlan.round`). A worker's ZeRO-3 share is O(its segments): at W = 8
+that is ~10^8 segments, computed a round at a time while the exchange runs; the bench times
+`--round-seconds` of rounds and projects the rest from their mean. Memory: peak RSS (ru_maxrss)
+minus the RSS before planning.
 """
 from __future__ import annotations
 
@@ -29,10 +31,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-BYTES_PER_PIECE_ESTIMATE = 250
-"""Peak bytes per ZeRO-3 piece (source + target), ~225 measured on the smaller cases; used to skip."""
-
 
 def current_rss() -> int:
     with open("/proc/self/statm") as fd:
@@ -55,72 +53,85 @@ def synthetic_params(count: int, seed: int = 0):
     return tuple(params), [tuple(matrices), tuple(vectors)]
 
 
-def zero3_piece_estimate(params, world_sizes) -> int:
-    sizes = np.asarray([p.numel for p in params], dtype=np.int64)
-    total = 0
-    for world in world_sizes:
-        chunks = -(-sizes // world)
-        total += int((-(-sizes // chunks)).sum())
-    return total
+class SyntheticSpec:
+    """The parts of a CheckpointSpec the planner reads (topology, layout rules, streams)."""
+
+    def __init__(self, stage: int, params, groups, source: int):
+        from reshard.plan import Stream
+        from reshard.topology import Topology
+        self.stage, self.params, self.groups, self.topology = stage, params, groups, Topology(source)
+        self.streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4),
+                        Stream("exp_avg_sq", "float32", 4))
+        self.frozen = ()
+
+    def layout(self, world: int):
+        from reshard.layout import zero3_layout, zero12_layout
+        return zero3_layout(self.params, self.groups, world) if self.stage == 3 else \
+            zero12_layout(self.params, self.groups, world)
 
 
-def build_layout(stage: int, params, groups, world: int):
-    from reshard.layout import zero3_layout, zero12_layout
-    return zero3_layout(params, groups, world) if stage == 3 else zero12_layout(params, groups, world)
-
-
-def run_case(stage: int, count: int, source: int, target: int, workers: int, budget: int) -> dict:
-    """Time and measure one planning case in this process."""
-    from reshard.formats.deepspeed_spec import buffer_numels
-    from reshard.plan import Ownership, ReshardPlan, Stream, plan_space
+def run_case(stage: int, count: int, source: int, target: int, workers: int, budget: int, worker: int = 0,
+             round_seconds: float = 60.0) -> dict:
+    """Time and measure one worker's planning in this process: the plan every worker derives
+    (`plan_reshard`), then that worker's blocks round by round, as the exchange asks for them.
+    Rounds stop after `round_seconds`; the rest is projected from the mean round."""
+    from reshard.checkpoint_plan import plan_reshard
+    from reshard.topology import Topology
     params, groups = synthetic_params(count)
-    streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("exp_avg_sq", "float32", 4))
+    spec = SyntheticSpec(stage, params, groups, source)
     rss_start = current_rss()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
-    src, dst = build_layout(stage, params, groups, source), build_layout(stage, params, groups, target)
-    src_pieces, dst_pieces = src.pieces, dst.pieces
+    plan = plan_reshard(spec, Topology(target), workers, budget)
     t1 = time.perf_counter()
-    ownership = Ownership(source, target, workers)
-    space = plan_space("optim", src_pieces, dst_pieces, streams, buffer_numels(dst), ownership, budget)
+    view = plan.worker_view(worker)
+    send_buffer, receive_buffer = view.buffer_bytes()
     t2 = time.perf_counter()
-    view = ReshardPlan(ownership, (space,), budget).worker_view(0)
+    segments = elements = rounds_done = 0
+    first_round = None
+    while rounds_done < plan.rounds and time.perf_counter() - t2 < round_seconds:
+        _, sends, receives = view.round(rounds_done)
+        segments += sum(len(b.segments) for b in sends) + sum(len(b.segments) for b in receives)
+        elements += sum(b.elements for b in sends) + sum(b.elements for b in receives)
+        rounds_done += 1
+        if first_round is None:
+            first_round = time.perf_counter() - t2
     t3 = time.perf_counter()
+    cpu = time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rounds_seconds = t3 - t2
+    projected = rounds_seconds * plan.rounds / rounds_done if rounds_done else 0.0
     return {"stage": stage, "params": count, "elements": int(sum(p.numel for p in params)), "source_ranks": source,
-            "target_ranks": target, "workers": workers, "budget_bytes": budget,
-            "pieces": len(src_pieces) + len(dst_pieces), "segments": len(space.segments), "rounds": space.rounds,
-            "worker0_send_rounds": len(view.sends), "worker0_receive_rounds": len(view.receives),
-            "layout_seconds": t1 - t0, "plan_space_seconds": t2 - t1, "worker_view_seconds": t3 - t2,
-            "plan_seconds": t3 - t1, "total_seconds": t3 - t0, "rss_before_bytes": rss_start, "peak_rss_bytes": peak,
+            "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
+            "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
+            "worker_segments_timed": segments, "worker_elements_timed": elements,
+            "send_buffer_bytes": send_buffer, "receive_buffer_bytes": receive_buffer,
+            "plan_seconds": t1 - t0, "worker_setup_seconds": t2 - t1, "first_round_seconds": first_round or 0.0,
+            "rounds_seconds": rounds_seconds, "all_rounds_projected_seconds": projected,
+            "worker_share_seconds": (t2 - t0) + projected, "cpu_seconds_timed": cpu,
+            "cpu_share_projected_seconds": cpu * ((t2 - t0) + projected) / max(t3 - t0, 1e-9), "rss_before_bytes": rss_start, "peak_rss_bytes": peak,
             "peak_rss_delta_bytes": peak - rss_start}
 
 
 SUITE = [
-    # (stage, params, source N, target M, workers W): the goal case first
-    (2, 100_000, 4096, 8192, 512),
-    (3, 100_000, 16, 32, 8),
+    # (stage, params, source N, target M, workers W); stage 1 lays out as stage 2 (one flat group per param group)
+    (2, 100_000, 4096, 8192, 1024),
+    (2, 100_000, 4096, 8192, 8),
+    (3, 100_000, 4096, 8192, 1024),
+    (3, 100_000, 4096, 8192, 8),
     (3, 100_000, 64, 128, 32),
-    (3, 100_000, 256, 512, 64),
-    (3, 100_000, 4096, 8192, 512),
     (3, 1_000, 4096, 8192, 512),
 ]
 
 
-def run_suite(budget: int, max_gb: float) -> list[dict]:
+def run_suite(budget: int, round_seconds: float) -> list[dict]:
     """Each case in a fresh process, so every peak RSS is that case's own."""
     results = []
     for stage, count, source, target, workers in SUITE:
         case = {"stage": stage, "params": count, "source_ranks": source, "target_ranks": target, "workers": workers}
-        if stage == 3:
-            params, _ = synthetic_params(count)
-            pieces = zero3_piece_estimate(params, (source, target))
-            estimate = pieces * BYTES_PER_PIECE_ESTIMATE / 1e9
-            if estimate > max_gb:
-                results.append({**case, "skipped": f"{pieces:,} pieces, about {estimate:.0f} GB estimated "
-                                                   f"(> {max_gb:g} GB)", "pieces": pieces})
-                continue
         command = [sys.executable, os.path.abspath(__file__), "--case", "--stage", str(stage), "--params", str(count),
-                   "--source", str(source), "--target", str(target), "--workers", str(workers), "--budget", str(budget)]
+                   "--source", str(source), "--target", str(target), "--workers", str(workers), "--budget", str(budget),
+                   "--round-seconds", str(round_seconds)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             results.append({**case, "failed": done.stderr[-2000:]})
@@ -136,9 +147,13 @@ def describe(result: dict) -> str:
         return f"{head}: skipped, {result['skipped']}"
     if "failed" in result:
         return f"{head}: FAILED {result['failed'].splitlines()[-1]}"
-    return (f"{head}: {result['pieces']:>11,} pieces {result['segments']:>11,} segments {result['rounds']:>4} rounds; "
-            f"layout {result['layout_seconds']:7.2f} s, plan_space {result['plan_space_seconds']:7.2f} s, "
-            f"worker_view {result['worker_view_seconds']:6.2f} s; peak RSS +{result['peak_rss_delta_bytes'] / 1e9:.2f} GB")
+    projected = "" if result["rounds_timed"] == result["rounds"] else \
+        f" ({result['rounds_timed']} timed, the rest projected)"
+    return (f"{head}: {result['rounds']:>5} rounds; plan {result['plan_seconds']:6.2f} s, worker setup "
+            f"{result['worker_setup_seconds']:5.2f} s, first round {result['first_round_seconds']:5.2f} s, "
+            f"worker share {result['worker_share_seconds']:7.2f} s{projected} "
+            f"(CPU {result['cpu_share_projected_seconds']:.2f} s), "
+            f"{result['worker_segments_timed']:,} segments; peak RSS +{result['peak_rss_delta_bytes'] / 1e6:.0f} MB")
 
 
 def main() -> None:
@@ -148,15 +163,18 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=100_000)
     parser.add_argument("--source", type=int, default=4096)
     parser.add_argument("--target", type=int, default=8192)
-    parser.add_argument("--workers", type=int, default=512)
+    parser.add_argument("--workers", type=int, default=1024)
+    parser.add_argument("--worker", type=int, default=0, help="the worker whose share is timed")
+    parser.add_argument("--round-seconds", type=float, default=60.0,
+                        help="time this long of round-by-round planning, project the rest")
     parser.add_argument("--budget", type=int, default=1 << 30)
-    parser.add_argument("--max-gb", type=float, default=8.0, help="skip ZeRO-3 cases estimated above this")
     parser.add_argument("--json", help="write the suite's results here")
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.stage, args.params, args.source, args.target, args.workers, args.budget)))
+        print(json.dumps(run_case(args.stage, args.params, args.source, args.target, args.workers, args.budget,
+                                  args.worker, args.round_seconds)))
         return
-    results = run_suite(args.budget, args.max_gb)
+    results = run_suite(args.budget, args.round_seconds)
     for result in results:
         print(describe(result))
     if args.json:

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.errors import ReshardError
 from reshard.exchange import run_rounds
@@ -38,6 +39,7 @@ from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import leaves_in_order, materialize
 from reshard.source_reader import SourceReader
+from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
 
 DEFAULT_BUDGET = 1 << 30
@@ -46,12 +48,12 @@ DEFAULT_BUDGET = 1 << 30
 class MemoryTargetWriter:
     """Builds the target files of some ranks as in-memory objects (what torch.load would return)."""
 
-    def __init__(self, source: SourceCheckpoint, world_size: int, ranks):
+    def __init__(self, source: SourceCheckpoint, target_topology: Topology, ranks):
         self.objects: dict[tuple[int, str], object] = {}
         self.locations: dict[tuple, np.ndarray] = {}
         self.bytes_written = 0
         for rank in ranks:
-            for target in target_files(source, world_size, rank):
+            for target in target_files(source, target_topology, rank):
                 if source.spec.stage < 3 and target.name == schema.model_file_name(source.spec.stage):
                     continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
                 obj, roles = materialize(target.tree)
@@ -128,14 +130,13 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
 
 
 def _reshard_in_memory(source: SourceCheckpoint, target_dp: int, transport, budget: int, trust_pickle: bool) -> dict:
-    from reshard.job import plan_reshard
-    plan = plan_reshard(source, target_dp, transport.size, budget)
+    plan = plan_reshard(source.spec, Topology(dp=target_dp), transport.size, budget)
     own = plan.ownership
     reader = writer = None
     failure = None
     try:
         reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
-        writer = MemoryTargetWriter(source, target_dp, own.target_ranks_of(transport.rank))
+        writer = MemoryTargetWriter(source, plan.ownership.target, own.target_ranks_of(transport.rank))
     except Exception as error:
         failure = error
     try:

@@ -38,3 +38,7 @@ class OptionError(ReshardError):
 
 class PeerFailure(ReshardError):
     """Another worker failed; this one stops without having written anything final."""
+
+
+class TopologyError(OptionError):
+    """A topology that cannot exist: a size below 1, or ep not dividing dp (see reshard.topology)."""

@@ -29,7 +29,7 @@ import torch
 
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
-from reshard.plan import ReshardPlan, RoundBlock, SpacePlan
+from reshard.plan import ReshardPlan, RoundBlock
 
 
 def _runs(rank: np.ndarray, buffer: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
@@ -42,7 +42,7 @@ def _runs(rank: np.ndarray, buffer: np.ndarray, offset: np.ndarray, length: np.n
     return list(zip(starts.tolist(), np.append(starts[1:], len(rank)).tolist()))
 
 
-def _walk(blocks: list[RoundBlock], space: SpacePlan, side: str):
+def _walk(blocks: list[RoundBlock], space, side: str):
     """Yield (byte position in the packed buffer, rank, slot, first element, elements, itemsize) per run."""
     position = 0
     for block in blocks:
@@ -66,10 +66,10 @@ def _counts(blocks: list[RoundBlock], workers: int, bytes_per_element: int) -> l
 
 
 class _RoundReader:
-    """Fills send buffers ahead of the collective, one round ahead, in a thread."""
+    """Makes each round's blocks and fills its send buffer ahead of the collective, in a thread."""
 
-    def __init__(self, rounds: list, reader, size: int):
-        self.rounds, self.reader = rounds, reader
+    def __init__(self, plan: ReshardPlan, view, rounds: range, reader, size: int):
+        self.plan, self.view, self.rounds, self.reader = plan, view, rounds, reader
         self.free: queue.Queue = queue.Queue()
         for _ in range(2):
             self.free.put(np.empty(size, dtype=np.uint8))
@@ -79,7 +79,8 @@ class _RoundReader:
         self.thread.start()
 
     def _fill(self) -> None:
-        for r, space, sends, nbytes in self.rounds:
+        workers = self.plan.ownership.workers
+        for r in self.rounds:
             buffer = None
             while buffer is None:
                 if self.stop.is_set():
@@ -88,16 +89,23 @@ class _RoundReader:
                     buffer = self.free.get(timeout=0.5)
                 except queue.Empty:
                     continue
-            failure = None
+            failure, space, sends, receives = None, None, [], []
+            send_counts = recv_counts = [0] * workers
             try:
+                index, sends, receives = self.view.round(r)
+                space = self.plan.spaces[index]
+                send_counts = _counts(sends, workers, space.bytes_per_element)
+                recv_counts = _counts(receives, workers, space.bytes_per_element)
+                if sum(send_counts) > len(buffer):
+                    raise AssertionError(f"round {r} sends {sum(send_counts)} bytes, buffers hold {len(buffer)}")
                 memory = memoryview(buffer)
                 for position, rank, slot, element, count, itemsize in _walk(sends, space, "src"):
                     self.reader.read_into(rank, slot, element, itemsize, memory[position:position + count * itemsize])
                 del memory
             except Exception as error:  # reported after the collective, so peers do not hang
                 failure = error
-                buffer[:nbytes] = 0
-            self.ready.put((r, buffer, failure))
+                buffer[:sum(send_counts)] = 0
+            self.ready.put((r, buffer, failure, space, receives, send_counts, recv_counts))
 
     def next(self):
         return self.ready.get()
@@ -121,25 +129,16 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
     all workers)` runs after every round.
     """
     view = plan.worker_view(transport.rank)
-    round_space = [i for i, space in enumerate(plan.spaces) for _ in range(space.rounds)]
-    moved_per_round = round_bytes(plan)
-    todo = []
-    for r in range(start_round, len(round_space)):
-        space = plan.spaces[round_space[r]]
-        sends = view.sends.get(r, (None, []))[1]
-        receives = view.receives.get(r, (None, []))[1]
-        send_counts = _counts(sends, transport.size, space.bytes_per_element)
-        recv_counts = _counts(receives, transport.size, space.bytes_per_element)
-        todo.append((r, space, sends, receives, send_counts, recv_counts))
-    if not todo:
+    moved_per_round = plan.round_bytes()
+    if start_round >= plan.rounds:
         return
-    largest_send = max(sum(t[4]) for t in todo)
-    incoming_buffer = np.empty(max(sum(t[5]) for t in todo), dtype=np.uint8)
-    ahead = _RoundReader([(r, space, sends, sum(sc)) for r, space, sends, _, sc, _ in todo], reader, largest_send)
+    largest_send, largest_receive = view.buffer_bytes()
+    incoming_buffer = np.empty(largest_receive, dtype=np.uint8)
+    ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send)
     since_durable = 0
     try:
-        for r, space, sends, receives, send_counts, recv_counts in todo:
-            ready_round, packed, failure = ahead.next()
+        for r in range(start_round, plan.rounds):
+            ready_round, packed, failure, space, receives, send_counts, recv_counts = ahead.next()
             assert ready_round == r
             failpoint("kill", round=r, worker=transport.rank)
             out = torch.from_numpy(incoming_buffer[:sum(recv_counts)])
@@ -147,7 +146,7 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
                                             out=out)
             ahead.recycle(packed)
             since_durable += moved_per_round[r]
-            durable = durable_every_bytes > 0 and (since_durable >= durable_every_bytes or r == len(round_space) - 1)
+            durable = durable_every_bytes > 0 and (since_durable >= durable_every_bytes or r == plan.rounds - 1)
             if failure is None:
                 try:
                     incoming = memoryview(received.numpy())
@@ -172,9 +171,4 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
 
 def round_bytes(plan: ReshardPlan) -> list[int]:
     """Bytes moved in each global round, by all workers together."""
-    totals = []
-    for space in plan.spaces:
-        seg = space.segments
-        per_round = np.bincount(seg.round, weights=seg.length, minlength=space.rounds) if len(seg) else []
-        totals.extend(int(x) * space.bytes_per_element for x in per_round)
-    return totals
+    return plan.round_bytes()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from reshard import __version__
 from reshard.batch_config import batch_config_problem
+from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
@@ -37,7 +38,7 @@ from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import run_rounds
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.formats.deepspeed_spec import SourceCheckpoint, buffer_numels
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -50,26 +51,12 @@ from reshard.manifest import (
     write_journal,
 )
 from reshard.options import ReshardOptions
-from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.plan import ReshardPlan
 from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter
 from reshard.transport import Transport, transport_from_environment
-
-
-def plan_reshard(source: SourceCheckpoint, target_dp: int, workers: int, budget_bytes: int) -> ReshardPlan:
-    """The plan for moving `source` to `target_dp` ranks with `workers` workers (pure)."""
-    spec = source.spec
-    ownership = Ownership(spec.dp_world_size, target_dp, workers)
-    old, new = spec.layout(spec.dp_world_size), spec.layout(target_dp)
-    spaces = [plan_space("optim", old.pieces, new.pieces, spec.streams, buffer_numels(new), ownership, budget_bytes)]
-    if spec.frozen:
-        old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
-        new_frozen, chunks = spec.frozen_layout(target_dp)
-        spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
-                                 budget_bytes, round_offset=spaces[0].rounds))
-    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
@@ -185,9 +172,10 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         return source
 
     source: SourceCheckpoint = on_rank0(transport, inspect)
-    plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
+    target = opts.target_topology
+    plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
-                              source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
+                              source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan)
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
@@ -216,7 +204,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         failure = None
         try:
             reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle)
-            writer = TargetWriter.create(source, staging.tag_dir, opts.target_dp, report.target_ranks,
+            writer = TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
                                          reuse_existing=start.skeletons)
         except Exception as error:
             failure = error

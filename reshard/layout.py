@@ -31,6 +31,7 @@ Rules mirrored, by DeepSpeed 0.19.8 file and function:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -48,7 +49,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -233,7 +234,8 @@ def zero3_sub_groups(groups: Sequence[Sequence[int]], numels: Sequence[int], wor
     """Split each param group into sub-groups as `_create_fp16_sub_groups` does at `world_size`."""
     result = []
     for group_id, params in enumerate(groups):
-        chunks = [zero3_chunk(numels[p], world_size) for p in params]
+        sizes = np.asarray([numels[p] for p in params], dtype=np.int64)
+        chunks = (-(-sizes // world_size)).tolist()
         if sub_group_size >= sum(chunks):
             result.append(Zero3SubGroup(group_id, tuple(params), tuple(chunks)))
             continue
@@ -365,3 +367,10 @@ def frozen_pieces(frozen: Sequence[ParamSpec], world_size: int) -> PieceTable:
     numels = [p.numel for p in frozen]
     ids = list(range(len(frozen)))
     return chunked_pieces(ids, numels, logical_bases(numels), world_size, ids, [0] * len(ids))
+
+
+def buffer_numels(layout: Zero12Layout | Zero3Layout) -> tuple[int, ...]:
+    """Padded size of each flat buffer (param group or sub-group); the same on every rank."""
+    if isinstance(layout, Zero3Layout):
+        return tuple(sg.partition_numel for sg in layout.sub_groups)
+    return tuple(g.partition_numel for g in layout.groups)

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from reshard.errors import OptionError
+from reshard.topology import Topology
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -63,6 +64,7 @@ class ReshardOptions:
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        self.target_topology  # noqa: B018  (validates the sizes together)
         if self.memory_budget < 1024:
             raise OptionError(f"--memory-budget must be at least 1K, got {self.memory_budget} bytes")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -70,6 +72,11 @@ class ReshardOptions:
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
         return self
+
+    @property
+    def target_topology(self) -> Topology:
+        """The topology to write for (data parallelism only until TP/EP options exist)."""
+        return Topology(dp=self.target_dp)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":

@@ -1,7 +1,7 @@
 """The reshard plan, pure and deterministic: who reads, who writes, what moves, in which round.
 
     from reshard.plan import Stream, plan_space, Ownership
-    own = Ownership(source_ranks=2, target_ranks=3, workers=2)
+    own = Ownership(Topology(dp=2), Topology(dp=3), workers=2)
     space = plan_space("optimizer", src_layout.pieces, dst_layout.pieces,
                        streams=(Stream("fp32", "float32", 4),), target_buffer_numels=(80,),
                        ownership=own, budget_bytes=1 << 20)
@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from reshard.layout import PieceTable
+from reshard.topology import Topology
 
 SEGMENT_COLUMNS = ("logical", "src_rank", "src_buffer", "src_offset", "dst_rank", "dst_buffer",
                    "dst_offset", "length", "round")
@@ -52,9 +53,17 @@ class Ownership:
     model-states file).
     """
 
-    source_ranks: int
-    target_ranks: int
+    source: Topology
+    target: Topology
     workers: int
+
+    @property
+    def source_ranks(self) -> int:
+        return self.source.world_size
+
+    @property
+    def target_ranks(self) -> int:
+        return self.target.world_size
 
     def reader(self, source_rank):
         return source_rank * self.workers // self.source_ranks
@@ -62,11 +71,20 @@ class Ownership:
     def writer(self, target_rank):
         return target_rank * self.workers // self.target_ranks
 
+    def readers(self, source_ranks: np.ndarray) -> np.ndarray:
+        return np.asarray(source_ranks, dtype=np.int64) * self.workers // self.source_ranks
+
+    def writers(self, target_ranks: np.ndarray) -> np.ndarray:
+        return np.asarray(target_ranks, dtype=np.int64) * self.workers // self.target_ranks
+
     def source_ranks_of(self, worker: int) -> list[int]:
-        return [r for r in range(self.source_ranks) if self.reader(r) == worker]
+        """Source ranks `worker` reads: a contiguous range (the first rank r with r*W//N == worker on)."""
+        return list(range(-(-worker * self.source_ranks // self.workers),
+                          -(-(worker + 1) * self.source_ranks // self.workers)))
 
     def target_ranks_of(self, worker: int) -> list[int]:
-        return [r for r in range(self.target_ranks) if self.writer(r) == worker]
+        return list(range(-(-worker * self.target_ranks // self.workers),
+                          -(-(worker + 1) * self.target_ranks // self.workers)))
 
     @property
     def max_target_ranks_per_worker(self) -> int:
@@ -180,9 +198,7 @@ def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
     position = bases[seg.dst_buffer] + seg.dst_offset
     cut, window_index = _split_at_windows(seg, position, window)
-    readers = np.asarray([ownership.reader(r) for r in range(ownership.source_ranks)])
-    writers = np.asarray([ownership.writer(r) for r in range(ownership.target_ranks)])
-    sender, receiver = readers[cut.src_rank], writers[cut.dst_rank]
+    sender, receiver = ownership.readers(cut.src_rank), ownership.writers(cut.dst_rank)
     nbytes = cut.length * bytes_per_element
     sub = _pack_overfull_windows(window_index, sender, receiver, nbytes, cut.logical, ownership.workers, cap)
     rounds = _dense_ranks(window_index * (int(sub.max()) + 1) + sub)
@@ -226,9 +242,44 @@ def _pack_overfull_windows(window, sender, receiver, nbytes, logical, workers: i
     return sub
 
 
+def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = None) -> list["RoundBlock"]:
+    """One round's segments of one worker as blocks per peer worker, in the order both ends walk:
+    peer, then source rank, buffer and offset (reads sequential in each file); neighbours that
+    continue each other in both buffers are joined. Sender and receiver hold the same segments
+    of a (sender, receiver) pair, so both arrive at the same blocks. `order`: that sort, when
+    the caller has a cheaper way to it."""
+    if len(seg) == 0:
+        return []
+    if order is None:
+        order = np.lexsort((seg.src_offset, seg.src_buffer, seg.src_rank, peer))
+    seg, peer = seg.select(order), peer[order]
+    joins = np.zeros(len(seg), dtype=bool)
+    joins[1:] = ((peer[1:] == peer[:-1]) & (seg.src_rank[1:] == seg.src_rank[:-1])
+                 & (seg.src_buffer[1:] == seg.src_buffer[:-1])
+                 & (seg.src_offset[1:] == seg.src_offset[:-1] + seg.length[:-1])
+                 & (seg.dst_rank[1:] == seg.dst_rank[:-1]) & (seg.dst_buffer[1:] == seg.dst_buffer[:-1])
+                 & (seg.dst_offset[1:] == seg.dst_offset[:-1] + seg.length[:-1]))
+    if joins.any():
+        starts = np.flatnonzero(~joins)
+        length = np.add.reduceat(seg.length, starts)
+        seg = seg.select(starts)
+        seg = Segments(*(getattr(seg, c) for c in SEGMENT_COLUMNS[:-2]), length, seg.round)
+        peer = peer[starts]
+    boundaries = np.flatnonzero(np.diff(peer)) + 1
+    return [RoundBlock(int(peer[b[0]]), seg.select(b)) for b in np.split(np.arange(len(seg)), boundaries)]
+
+
 @dataclass(frozen=True, eq=False)
 class SpacePlan:
-    """The transfers of one logical space (optimizer state, or ZeRO-3 frozen parameters)."""
+    """The transfers of one logical space (optimizer state, or ZeRO-3 frozen parameters), from
+    one table of every segment. Used where that table is small: ZeRO-1/2 have O(params + ranks)
+    pieces. Evenly chunked layouts (ZeRO-3) use `reshard.chunked_plan.ChunkedSpacePlan`, which
+    answers the same questions per worker without the table.
+
+    Both kinds answer: `rounds`, `worker_rounds(ownership, worker)` (that worker's blocks per
+    round), `round_bytes()` (bytes all workers move per round, for progress and durable
+    points), `traffic(ownership)` and `round_buffer_bytes(ownership, worker)`.
+    """
 
     name: str
     streams: tuple[Stream, ...]
@@ -240,6 +291,58 @@ class SpacePlan:
     @property
     def bytes_per_element(self) -> int:
         return sum(s.itemsize for s in self.streams)
+
+    def worker_rounds(self, ownership: Ownership, worker: int) -> "TableWorkerRounds":
+        return TableWorkerRounds.build(self, ownership, worker)
+
+    def round_bytes(self) -> list[int]:
+        seg = self.segments
+        per_round = np.bincount(seg.round, weights=seg.length, minlength=self.rounds) if len(seg) else []
+        return [int(x) * self.bytes_per_element for x in per_round]
+
+    def traffic(self, ownership: Ownership) -> np.ndarray:
+        """(workers, 4) bytes: read, sent to other workers, received from them, written."""
+        totals = np.zeros((ownership.workers, 4), dtype=np.int64)
+        seg = self.segments
+        nbytes = seg.length * self.bytes_per_element
+        src, dst = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
+        remote = src != dst
+        totals[:, 0] = np.bincount(src, weights=nbytes, minlength=ownership.workers)
+        totals[:, 1] = np.bincount(src[remote], weights=nbytes[remote], minlength=ownership.workers)
+        totals[:, 2] = np.bincount(dst[remote], weights=nbytes[remote], minlength=ownership.workers)
+        totals[:, 3] = np.bincount(dst, weights=nbytes, minlength=ownership.workers)
+        return totals
+
+
+@dataclass(frozen=True, eq=False)
+class TableWorkerRounds:
+    """One worker's blocks of a table space, per local round, computed once."""
+
+    sends: dict
+    receives: dict
+
+    @classmethod
+    def build(cls, space: SpacePlan, ownership: Ownership, worker: int) -> "TableWorkerRounds":
+        seg = space.segments
+        src, dst = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
+        tables = []
+        for mine, peer_of in ((src == worker, dst), (dst == worker, src)):
+            chosen = np.flatnonzero(mine)
+            chosen = chosen[np.argsort(seg.round[chosen], kind="stable")]
+            rounds = seg.round[chosen]
+            table = {}
+            for part in np.split(chosen, np.flatnonzero(np.diff(rounds)) + 1) if len(chosen) else []:
+                table[int(seg.round[part[0]])] = blocks_by_peer(seg.select(part), peer_of[part])
+            tables.append(table)
+        return cls(*tables)
+
+    def blocks(self, local_round: int) -> tuple[list, list]:
+        return self.sends.get(local_round, []), self.receives.get(local_round, [])
+
+    def largest_round_bytes(self, bytes_per_element: int) -> tuple[int, int]:
+        def largest(table):
+            return max((sum(b.elements for b in blocks) for blocks in table.values()), default=0) * bytes_per_element
+        return largest(self.sends), largest(self.receives)
 
 
 def plan_space(name: str, source: PieceTable, target: PieceTable, streams: Sequence[Stream],
@@ -271,7 +374,8 @@ class ReshardPlan:
     """All spaces of a job, run one after another, over one set of workers."""
 
     ownership: Ownership
-    spaces: tuple[SpacePlan, ...]
+    spaces: tuple
+    """SpacePlan or ChunkedSpacePlan, in the order they run."""
     budget_bytes: int
     _worker_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -279,26 +383,19 @@ class ReshardPlan:
     def rounds(self) -> int:
         return sum(s.rounds for s in self.spaces)
 
+    def round_bytes(self) -> list[int]:
+        """Bytes moved in each global round, by all workers together (the same on every worker)."""
+        return [n for space in self.spaces for n in space.round_bytes()]
+
     def traffic(self) -> list[WorkerTraffic]:
         own = self.ownership
-        totals = np.zeros((own.workers, 4), dtype=np.int64)
-        readers = np.asarray([own.reader(r) for r in range(own.source_ranks)])
-        writers = np.asarray([own.writer(r) for r in range(own.target_ranks)])
-        for space in self.spaces:
-            seg = space.segments
-            nbytes = seg.length * space.bytes_per_element
-            src, dst = readers[seg.src_rank], writers[seg.dst_rank]
-            remote = src != dst
-            totals[:, 0] += np.bincount(src, weights=nbytes, minlength=own.workers).astype(np.int64)
-            totals[:, 1] += np.bincount(src[remote], weights=nbytes[remote], minlength=own.workers).astype(np.int64)
-            totals[:, 2] += np.bincount(dst[remote], weights=nbytes[remote], minlength=own.workers).astype(np.int64)
-            totals[:, 3] += np.bincount(dst, weights=nbytes, minlength=own.workers).astype(np.int64)
+        totals = sum((space.traffic(own) for space in self.spaces), np.zeros((own.workers, 4), dtype=np.int64))
         return [WorkerTraffic(w, tuple(own.source_ranks_of(w)), tuple(own.target_ranks_of(w)), *map(int, totals[w]))
                 for w in range(own.workers)]
 
     def worker_view(self, worker: int) -> "WorkerPlan":
         if worker not in self._worker_cache:
-            self._worker_cache[worker] = WorkerPlan.build(self, worker)
+            self._worker_cache[worker] = WorkerPlan(self, worker)
         return self._worker_cache[worker]
 
 
@@ -314,38 +411,39 @@ class RoundBlock:
         return int(self.segments.length.sum())
 
 
-@dataclass(frozen=True, eq=False)
 class WorkerPlan:
     """One worker's sends and receives, per global round, in the order both ends agree on.
 
     Within a round, a worker's send buffer holds one block per destination worker in worker
     order; within a block, each stream in order; within a stream, segments in source order
     (rank, buffer, offset), so reads are sequential in each file. The receiver walks its
-    blocks the same way, so no offsets are exchanged.
+    blocks the same way, so no offsets are exchanged. Blocks are made when a round is asked
+    for (`round(r)`), so a worker never holds more than a round or two of them.
     """
 
-    worker: int
-    sends: dict
-    """global round -> (space index, [RoundBlock per destination worker with data])"""
-    receives: dict
+    def __init__(self, plan: ReshardPlan, worker: int):
+        self.plan, self.worker = plan, worker
+        self._spaces = []
+        for index, space in enumerate(plan.spaces):
+            self._spaces += [(index, space, local) for local in range(space.rounds)]
+        self._rounds: dict = {}
 
-    @classmethod
-    def build(cls, plan: ReshardPlan, worker: int) -> "WorkerPlan":
-        own = plan.ownership
-        readers = np.asarray([own.reader(r) for r in range(own.source_ranks)])
-        writers = np.asarray([own.writer(r) for r in range(own.target_ranks)])
-        sends, receives = {}, {}
-        for space_index, space in enumerate(plan.spaces):
-            seg = space.segments
-            src, dst = readers[seg.src_rank], writers[seg.dst_rank]
-            for mine, peer_of, table in ((src == worker, dst, sends), (dst == worker, src, receives)):
-                chosen = np.flatnonzero(mine)
-                order = chosen[np.lexsort((seg.src_offset[chosen], seg.src_buffer[chosen], seg.src_rank[chosen],
-                                           peer_of[chosen], seg.round[chosen]))]
-                rounds, peers = seg.round[order], peer_of[order]
-                boundaries = np.flatnonzero(np.diff(rounds * own.workers + peers)) + 1
-                for block in np.split(order, boundaries) if len(order) else []:
-                    r = int(seg.round[block[0]]) + space.round_offset
-                    table.setdefault(r, (space_index, []))[1].append(
-                        RoundBlock(int(peer_of[block[0]]), seg.select(block)))
-        return cls(worker, sends, receives)
+    def _space_rounds(self, index: int):
+        if index not in self._rounds:
+            self._rounds[index] = self.plan.spaces[index].worker_rounds(self.plan.ownership, self.worker)
+        return self._rounds[index]
+
+    def round(self, global_round: int) -> tuple[int, list[RoundBlock], list[RoundBlock]]:
+        """(space index, blocks sent, blocks received) in `global_round`."""
+        index, _, local = self._spaces[global_round]
+        sends, receives = self._space_rounds(index).blocks(local)
+        return index, sends, receives
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """Bytes of the largest round this worker sends and receives (what its buffers must hold)."""
+        send = receive = 0
+        for index, space in enumerate(self.plan.spaces):
+            if space.rounds:
+                s, r = self._space_rounds(index).largest_round_bytes(space.bytes_per_element)
+                send, receive = max(send, s), max(receive, r)
+        return send, receive

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reshard.plan import ReshardPlan
+from reshard.topology import Topology
 
 
 @dataclass
@@ -32,8 +33,8 @@ class CheckpointResult:
     destination: str
     tag: str
     description: str
-    source_dp: int
-    target_dp: int
+    source_topology: Topology
+    target_topology: Topology
     workers: int
     transport: str
     rounds: int
@@ -42,6 +43,14 @@ class CheckpointResult:
     plan: ReshardPlan | None = field(default=None, repr=False)
     reports: list[WorkerReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def source_dp(self) -> int:
+        return self.source_topology.dp
+
+    @property
+    def target_dp(self) -> int:
+        return self.target_topology.dp
 
     @property
     def bytes_read(self) -> int:
@@ -54,6 +63,7 @@ class CheckpointResult:
     def summary(self) -> str:
         lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
                  f"  source : {self.description}",
+                 f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
                  f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
                  f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
         if self.dry_run:

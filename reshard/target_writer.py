@@ -1,6 +1,6 @@
 """Writes the target files one worker owns: skeleton first, then slices at their offsets.
 
-    writer = TargetWriter.create(source, staging_tag_dir, world_size=3, ranks=[1, 2])
+    writer = TargetWriter.create(source, staging_tag_dir, Topology(dp=3), ranks=[1, 2])
     writer.write(rank=2, slot=("optim", 0, "fp32"), element=0, itemsize=4, data=view)
     writer.finish()          # fsync and close; the files are complete torch archives
     writer.hashes()          # {name: {"bytes", "blake3"}} for the manifest
@@ -33,6 +33,7 @@ from reshard.formats.torch_archive import (
     write_skeleton,
 )
 from reshard.manifest import hash_file
+from reshard.topology import Topology
 
 
 class WriteFailed(ReshardError):
@@ -63,13 +64,13 @@ class TargetWriter:
     _copy_error: BaseException | None = None
 
     @classmethod
-    def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks, *,
+    def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
                reuse_existing: bool = False) -> "TargetWriter":
         writer = cls()
         try:
             for rank in ranks:
-                for target in target_files(source, world_size, rank):
-                    writer._open_file(source, os.path.join(tag_dir, target.name), target, rank, reuse_existing)
+                for file in target_files(source, target, rank):
+                    writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)
             writer.sync()
         except BaseException:
             writer.close()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.errors import CheckpointError, ReshardError
 from reshard.exchange import run_rounds
@@ -170,11 +171,11 @@ def _clip(value) -> str:
     return text if len(text) < 120 else text[:120] + "..."
 
 
-def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, target_dp: int, rank: int,
+def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, target_topology, rank: int,
                            trust_pickle: bool) -> tuple[list[str], int]:
     """Problems in the unpartitioned content of one target rank's files, and how many files were checked."""
     problems, memo = [], {}
-    targets = target_files(source, target_dp, rank)
+    targets = target_files(source, target_topology, rank)
     for target in targets:
         path = os.path.join(destination_tag_dir, target.name)
         if not os.path.isfile(path):
@@ -210,7 +211,6 @@ def _digest(path: str, ref: TensorRef, carried: dict | None, memo: dict) -> str:
 def verify_against(destination: str, source_dir: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
                    trust_pickle: bool = False, transport: Transport | None = None) -> VerifyResult:
     """Every element and every unpartitioned value of DST, derived again from SRC and compared."""
-    from reshard.job import plan_reshard
     own_transport = transport is None
     transport = transport or transport_from_environment()
     try:
@@ -220,8 +220,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             _check_same_model(src, dst)
             return src, dst
         source, target = on_rank0(transport, inspect_both)
-        target_dp = target.spec.dp_world_size
-        plan = plan_reshard(source, target_dp, transport.size, memory_budget)
+        plan = plan_reshard(source.spec, target.spec.topology, transport.size, memory_budget)
         own = plan.ownership
         result = VerifyResult(destination, source.tag, "against source")
         reader = comparer = None
@@ -232,7 +231,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             for rank in own.target_ranks_of(transport.rank):
                 for slot, found in source_rank_tensors(target, rank, trust_pickle=trust_pickle).items():
                     locations[(rank, slot)] = found
-                problems, files = _compare_unpartitioned(source, target.tag_dir, target_dp, rank, trust_pickle)
+                problems, files = _compare_unpartitioned(source, target.tag_dir, target.spec.topology, rank,
+                                                         trust_pickle)
                 result.problems += problems
                 result.checked_files += files
             comparer = _Comparer(locations)

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.exchange import _counts, _walk
-from reshard.formats.deepspeed_spec import buffer_numels
 from reshard.layout import (
     ParamSpec,
+    buffer_numels,
     frozen_pieces,
     zero3_chunk,
     zero3_layout,
@@ -30,6 +30,7 @@ from reshard.plan import (
     plan_space,
     round_cap,
 )
+from reshard.topology import Topology
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("frozen_like", "bfloat16", 2))
 
@@ -48,11 +49,15 @@ def cases(draw):
 
     def layout(world):
         return zero3_layout(params, groups, world, sub) if stage == 3 else zero12_layout(params, groups, world, **opts)
-    return params, layout(n), layout(m), Ownership(n, m, w), budget
+    return params, layout(n), layout(m), Ownership(Topology(n), Topology(m), w), budget
 
 
-def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, target_numels) -> dict:
-    """Run every worker's rounds in memory; return {(target rank, space, buffer, stream): array}."""
+def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, target_numels, round_limit=None) -> dict:
+    """Run every worker's rounds in memory; return {(target rank, space, buffer, stream): array}.
+
+    `round_limit(space)`: bytes a worker may send and receive in one round of the space
+    (default: the round cap, or one element when the budget is below one element)."""
+    round_limit = round_limit or (lambda space: max(round_cap(plan.budget_bytes), space.bytes_per_element))
     own = plan.ownership
     src_buf, dst_buf = {}, {}
     for s, space in enumerate(plan.spaces):
@@ -74,10 +79,12 @@ def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, tar
     for r, s in enumerate(round_space):
         space = plan.spaces[s]
         mailbox = {}
+        rounds = [view.round(r) for view in views]
+        assert all(index == s for index, _, _ in rounds)
         for w, view in enumerate(views):
-            blocks = view.sends.get(r, (s, []))[1]
+            blocks = rounds[w][1]
             counts = _counts(blocks, own.workers, 1)
-            assert sum(counts) * space.bytes_per_element <= max(round_cap(plan.budget_bytes), space.bytes_per_element)
+            assert sum(counts) * space.bytes_per_element <= round_limit(space)
             # Pack element values (one int per element; positions in elements, not bytes).
             packed = []
             for _, rank, slot, element, count, itemsize in _walk(blocks, space, "src"):
@@ -89,8 +96,8 @@ def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, tar
                 mailbox[(w, block.peer)] = flat[at:at + size]
                 at += size
         for v, view in enumerate(views):
-            blocks = view.receives.get(r, (s, []))[1]
-            assert sum(_counts(blocks, own.workers, 1)) * space.bytes_per_element <= max(round_cap(plan.budget_bytes), space.bytes_per_element)
+            blocks = rounds[v][2]
+            assert sum(_counts(blocks, own.workers, 1)) * space.bytes_per_element <= round_limit(space)
             incoming = np.concatenate([mailbox.pop((b.peer, v)) for b in blocks]) if blocks else np.zeros(0, np.int64)
             at = 0
             for _, rank, slot, element, count, itemsize in _walk(blocks, space, "dst"):
@@ -139,7 +146,7 @@ def test_two_spaces_run_one_after_another(frozen_sizes, n, m, w, budget):
     params = (ParamSpec("a", (37,)), ParamSpec("b", (5,)))
     frozen = tuple(ParamSpec(f"f{i}", (k,)) for i, k in enumerate(frozen_sizes))
     src, dst = zero3_layout(params, [(0, 1)], n), zero3_layout(params, [(0, 1)], m)
-    own = Ownership(n, m, w)
+    own = Ownership(Topology(n), Topology(m), w)
     optim = plan_space("optim", src.pieces, dst.pieces, STREAMS[:1], buffer_numels(dst), own, budget)
     chunks = lambda world: [zero3_chunk(p.numel, world) for p in frozen]
     frozen_space = plan_space("frozen", frozen_pieces(frozen, n), frozen_pieces(frozen, m), STREAMS[2:],
@@ -179,7 +186,7 @@ def test_contiguous_neighbours_merge_into_one_segment():
 def test_a_tensor_larger_than_the_budget_is_split_across_rounds():
     params = (ParamSpec("big", (10_000,)),)
     src, dst = zero12_layout(params, [(0,)], 2), zero12_layout(params, [(0,)], 3)
-    own = Ownership(2, 3, 2)
+    own = Ownership(Topology(2), Topology(3), 2)
     space = plan_space("optim", src.pieces, dst.pieces, STREAMS[:2], buffer_numels(dst), own, budget_bytes=4096)
     assert space.rounds >= 10_000 * 8 // (own.workers * round_cap(4096))  # nobody moves more than a third of the budget a round
     plan = ReshardPlan(own, (space,), 4096)

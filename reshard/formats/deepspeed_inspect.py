@@ -17,10 +17,10 @@ import os
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_spec import (
     CheckpointSpec,
     SourceCheckpoint,
-    buffer_numels,
     itemsize,
 )
 from reshard.formats.torch_archive import (
@@ -33,11 +33,13 @@ from reshard.formats.torch_archive import (
 from reshard.layout import (
     DEFAULT_SUB_GROUP_SIZE,
     ParamSpec,
+    buffer_numels,
     param_alignment_elements,
     undo_round_robin,
     zero3_chunk,
 )
 from reshard.plan import Stream
+from reshard.topology import Topology
 
 OPT = schema.OPTIM
 
@@ -220,7 +222,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         dtypes = {ref.dtype for ref in fragments.values()}
         frozen_dtype = dtypes.pop() if len(dtypes) == 1 else _refuse(model_path, "frozen fragments of mixed dtypes")
 
-    spec = CheckpointSpec(stage, optimizer, bf16_prefix, n, tuple(params), tuple(groups), round_robin,
+    spec = CheckpointSpec(stage, optimizer, bf16_prefix, Topology(dp=n), tuple(params), tuple(groups), round_robin,
                           param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype)
     layout = spec.layout(n)
     if stage == 3:
@@ -284,37 +286,27 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
         raise CheckpointError(path, f"is not a DeepSpeed optim-states file (no {OPT!r})")
     if spec.optimizer == "zero" and int(osd.get("zero_stage", -1)) != spec.stage:
         raise CheckpointError(path, f"says ZeRO stage {osd.get('zero_stage')}, rank 0 says {spec.stage}")
-    n = layout.world_size
+    meta = rank_metadata(spec, layout, rank)
     if spec.stage == 3:
-        _expect(path, "partition_count", osd.get("partition_count"), n)
+        _expect(path, "partition_count", osd.get("partition_count"), meta.partition_count)
     else:
-        _expect(path, "partition_count", list(osd.get("partition_count", [])), [n] * len(layout.groups))
-        if spec.optimizer == "zero":
-            _expect(path, "group_paddings", list(osd.get("group_paddings", [])),
-                    [g.tail_padding(rank) for g in layout.groups])
-            if "param_alignment_paddings" in osd:
-                _expect(path, "param_alignment_paddings", [list(p) for p in osd["param_alignment_paddings"]],
-                        [list(g.alignment_paddings) for g in layout.groups])
-        else:
-            _expect(path, "group_paddings", list(osd.get("group_paddings", [])),
-                    [g.bf16_optimizer_padding(rank) for g in layout.groups])
+        _expect(path, "partition_count", list(osd.get("partition_count", [])), meta.partition_count)
+        _expect(path, "group_paddings", list(osd.get("group_paddings", [])), meta.group_paddings)
+        if "param_alignment_paddings" in osd and meta.param_alignment_paddings is not None:
+            _expect(path, "param_alignment_paddings", [list(p) for p in osd["param_alignment_paddings"]],
+                    meta.param_alignment_paddings)
         if "param_slice_mappings" in osd:
             found = [[(name, int(a.numel), int(a.start)) for name, a in m.items()] for m in osd["param_slice_mappings"]]
-            wanted = [[(spec.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, [q.numel for q in spec.params])]
-                      for g in layout.groups]
-            _expect(path, "param_slice_mappings", found, wanted)
+            _expect(path, "param_slice_mappings", found, meta.slice_mappings)
 
-    sizes = buffer_numels(layout)
+    sizes = meta.buffer_numels
     refs = {}
     fp32 = _fp32_partitions(osd, spec.stage)
     states = _optimizer_states(osd, spec.stage, path)
     if len(fp32) != len(sizes):
         raise CheckpointError(path, f"holds {len(fp32)} fp32 partitions, expected {len(sizes)}")
     for buffer, size in enumerate(sizes):
-        if spec.stage < 3 and spec.optimizer == "zero":
-            fp32_size = layout.groups[buffer].lean_numel(rank)
-        else:
-            fp32_size = size
+        fp32_size = meta.fp32_numels[buffer]
         entry = states.get(buffer, {})
         for stream in spec.streams:
             ref = fp32[buffer] if stream.name == "fp32" else entry.get(stream.name)

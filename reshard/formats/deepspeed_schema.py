@@ -37,6 +37,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
+from reshard.topology import Topology
+
 OPTIM = "optimizer_state_dict"
 LATEST = "latest"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # engine.py: _copy_recovery_script
@@ -81,6 +83,18 @@ def model_file_name(stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
     if stage == 3:
         return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_file_name_of(topology: Topology, rank: int, bf16: bool) -> str:
+    """The optim-states file of global rank `rank` of `topology` (the mp index is the tp rank)."""
+    at = topology.coordinates(rank)
+    return optim_file_name(at.dp, bf16, at.tp)
+
+
+def model_file_name_of(topology: Topology, rank: int, stage: int) -> str:
+    """The model-states file global rank `rank` of `topology` reads (ZeRO-1/2: its tp rank's file)."""
+    at = topology.coordinates(rank)
+    return model_file_name(stage, at.dp, at.tp)
 
 
 @cache

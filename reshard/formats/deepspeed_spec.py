@@ -28,6 +28,7 @@ from reshard.layout import (
     zero12_layout,
 )
 from reshard.plan import Stream
+from reshard.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class CheckpointSpec:
     """"zero" (DeepSpeedZeroOptimizer or stage 3) or "bf16_optimizer" (BF16_Optimizer)."""
     bf16_prefix: bool
     """Optim files are named bf16_zero_pp_rank_*: the engine had bf16.enabled."""
-    dp_world_size: int
+    topology: Topology
+    """Parallel sizes the checkpoint was saved at (today data parallelism only: tp = ep = pp = 1)."""
     params: tuple[ParamSpec, ...]
     """Trainable parameters; their order defines the logical space."""
     groups: tuple[tuple[int, ...], ...]
@@ -56,6 +58,10 @@ class CheckpointSpec:
     frozen: tuple[ParamSpec, ...] = ()
     """ZeRO-3 frozen parameters, partitioned in the model-states files."""
     frozen_dtype: str | None = None
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp
 
     def layout(self, world_size: int) -> Zero12Layout | Zero3Layout:
         if self.stage == 3:
@@ -87,13 +93,6 @@ class CheckpointSpec:
                 f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
 
 
-def buffer_numels(layout: Zero12Layout | Zero3Layout) -> tuple[int, ...]:
-    """Padded size of each flat buffer; the same on every rank."""
-    if isinstance(layout, Zero3Layout):
-        return tuple(sg.partition_numel for sg in layout.sub_groups)
-    return tuple(g.partition_numel for g in layout.groups)
-
-
 @dataclass(frozen=True)
 class SourceCheckpoint:
     """A source checkpoint: its spec, the rank-0 file trees the targets are built from, and
@@ -116,10 +115,10 @@ class SourceCheckpoint:
         return os.path.join(self.save_dir, self.tag)
 
     def optim_name(self, rank: int) -> str:
-        return schema.optim_file_name(rank, self.spec.bf16_prefix)
+        return schema.optim_file_name_of(self.spec.topology, rank, self.spec.bf16_prefix)
 
     def model_name(self, rank: int = 0) -> str:
-        return schema.model_file_name(self.spec.stage, rank)
+        return schema.model_file_name_of(self.spec.topology, rank, self.spec.stage)
 
     def optim_path(self, rank: int) -> str:
         return os.path.join(self.tag_dir, self.optim_name(rank))

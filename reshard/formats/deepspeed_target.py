@@ -1,7 +1,7 @@
 """The files DeepSpeed expects at the target world size, as trees to write.
 
     from reshard.formats.deepspeed_target import target_files
-    for f in target_files(source, world_size=3, rank=1):
+    for f in target_files(source, Topology(dp=3), rank=1):
         f.name   # "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         f.tree   # rank 0's file with partitions replaced by NewTensor slots, metadata for 3 ranks
 
@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import NewTensor, TensorRef
+from reshard.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -42,17 +44,18 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, world_size: int, rank: int) -> list[TargetFile]:
-    """The files target rank `rank` of `world_size` owns (rank 0 also owns the ZeRO-1/2 model file)."""
+def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file)."""
     spec = source.spec
-    layout = spec.layout(world_size)
-    files = [TargetFile(schema.optim_file_name(rank, spec.bf16_prefix),
-                        _optim_tree(source, layout, rank), source.optim_name(0))]
+    at = target.coordinates(rank)
+    layout = spec.layout(target.dp)
+    files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
+                        _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
-        files.append(TargetFile(schema.model_file_name(3, rank), _zero3_model_tree(source, layout, rank),
+        files.append(TargetFile(schema.model_file_name_of(target, rank, 3), _zero3_model_tree(source, layout, at.dp),
                                 source.model_name(0)))
-    elif rank == 0:
-        files.append(TargetFile(schema.model_file_name(spec.stage), _zero12_model_tree(source, layout),
+    elif at.dp == 0:
+        files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), _zero12_model_tree(source, layout),
                                 source.model_name(0)))
     return files
 
@@ -71,27 +74,22 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
         return tree
     states = osd["base_optimizer_state"]["state"]
     fp32 = osd["single_partition_of_fp32_groups"]
-    numels = [p.numel for p in spec.params]
-    for g, group in enumerate(layout.groups):
-        lean = group.lean_numel(rank) if spec.optimizer == "zero" else group.partition_numel
+    meta = rank_metadata(spec, layout, rank)
+    for g in range(len(layout.groups)):
         for stream in spec.streams:
             slot = ("optim", g, stream.name)
             if stream.name == "fp32":
-                fp32[g] = _new(slot, lean, fp32[g], stream.dtype)
+                fp32[g] = _new(slot, meta.fp32_numels[g], fp32[g], stream.dtype)
             else:
-                states[g][stream.name] = _new(slot, group.partition_numel, states[g][stream.name], stream.dtype)
-    osd["partition_count"] = [layout.world_size] * len(layout.groups)
-    if spec.optimizer == "zero":
-        osd["group_paddings"] = [g.tail_padding(rank) for g in layout.groups]
-        if "param_alignment_paddings" in osd:
-            osd["param_alignment_paddings"] = [list(g.alignment_paddings) for g in layout.groups]
-    else:
-        osd["group_paddings"] = [g.bf16_optimizer_padding(rank) for g in layout.groups]
+                states[g][stream.name] = _new(slot, meta.buffer_numels[g], states[g][stream.name], stream.dtype)
+    osd["partition_count"] = meta.partition_count
+    osd["group_paddings"] = meta.group_paddings
+    if "param_alignment_paddings" in osd and meta.param_alignment_paddings is not None:
+        osd["param_alignment_paddings"] = meta.param_alignment_paddings
     if "param_slice_mappings" in osd:
-        osd["param_slice_mappings"] = [
-            OrderedDict((spec.params[p].name, schema.fragment_address(numel, start))
-                        for p, numel, start in g.slice_mappings(rank, numels))
-            for g in layout.groups]
+        osd["param_slice_mappings"] = [OrderedDict((name, schema.fragment_address(numel, start))
+                                                   for name, numel, start in group)
+                                       for group in meta.slice_mappings]
     return tree
 
 
@@ -114,12 +112,13 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
                                if key in stream_names and isinstance(value, TensorRef) else copy.deepcopy(value))
                          for key, value in template.items()}
     inner["state"] = states
-    for g, param_group in enumerate(inner["param_groups"]):
-        param_group["params"] = [i for i, sg in enumerate(layout.sub_groups) if sg.group == g]
+    meta = rank_metadata(spec, layout, 0)  # ZeRO-3 metadata is the same on every rank
+    for param_group, ids in zip(inner["param_groups"], meta.sub_group_ids):
+        param_group["params"] = ids
     fp32 = next(s for s in spec.streams if s.name == "fp32")
-    osd["fp32_flat_groups"] = [_new(("optim", i, "fp32"), sg.partition_numel, like_fp32, fp32.dtype)
-                               for i, sg in enumerate(layout.sub_groups)]
-    osd["partition_count"] = layout.world_size
+    osd["fp32_flat_groups"] = [_new(("optim", i, "fp32"), size, like_fp32, fp32.dtype)
+                               for i, size in enumerate(meta.fp32_numels)]
+    osd["partition_count"] = meta.partition_count
 
 
 def _shapes(spec, param_ids) -> OrderedDict:

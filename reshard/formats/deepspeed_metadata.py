@@ -1,0 +1,61 @@
+"""The per-rank metadata DeepSpeed writes beside the partitions, derived from a layout. Pure, no torch.
+
+    from reshard.formats.deepspeed_metadata import rank_metadata
+    meta = rank_metadata(spec, spec.layout(4), rank=1)
+    meta.partition_count, meta.group_paddings, meta.slice_mappings, meta.fp32_numels
+
+One function serves both directions: `deepspeed_inspect` checks a source rank's file against
+it (a file from another world size or an unknown layout is refused), and `deepspeed_target`
+writes a target rank's file from it. Rules, by DeepSpeed 0.19.8 file and function:
+- ZeRO-1/2 (runtime/zero/stage_1_and_2.py `state_dict`): `partition_count` per group,
+  `group_paddings` (`groups_padding`: tail padding inside this rank's partition),
+  `param_alignment_paddings`, `param_slice_mappings` (`_create_param_mapping`), and the saved
+  fp32 partition without its tail padding.
+- BF16_Optimizer (runtime/bf16_optimizer.py `state_dict`): the whole tail padding as
+  `group_paddings` of the last rank, the padded fp32 partition.
+- ZeRO-3 (runtime/zero/stage3.py `_rigid_state_dict`): `partition_count` is an int; the
+  sub-groups (`_create_fp16_sub_groups`) name the flat buffers and each param group lists its
+  sub-group ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reshard.layout import Zero3Layout, buffer_numels
+
+
+@dataclass(frozen=True)
+class RankMetadata:
+    """What one rank's optim-states file says about its partitions at one world size."""
+
+    partition_count: int | list[int]
+    """ZeRO-3: the world size; ZeRO-1/2 and BF16_Optimizer: the world size per param group."""
+    buffer_numels: tuple[int, ...]
+    """Padded size of each flat buffer (optimizer states have this size)."""
+    fp32_numels: tuple[int, ...]
+    """Saved size of each fp32 partition (ZeRO-1/2 cut the tail padding off)."""
+    group_paddings: list[int] | None = None
+    param_alignment_paddings: list[list[int]] | None = None
+    slice_mappings: list[list[tuple[str, int, int]]] | None = None
+    """Per param group: (parameter name, numel, start in this rank's partition), DeepSpeed's order."""
+    sub_group_ids: list[list[int]] | None = None
+    """ZeRO-3: the sub-group ids of each param group (its torch param_group's `params`)."""
+
+
+def rank_metadata(spec, layout, rank: int) -> RankMetadata:
+    """The metadata of rank `rank` of `layout` (a ZeRO layout of `spec` at some world size)."""
+    sizes = buffer_numels(layout)
+    if isinstance(layout, Zero3Layout):
+        ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
+        return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids)
+    groups = layout.groups
+    numels = [p.numel for p in spec.params]
+    mappings = [[(spec.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, numels)]
+                for g in groups]
+    if spec.optimizer == "zero":
+        return RankMetadata([layout.world_size] * len(groups), sizes, tuple(g.lean_numel(rank) for g in groups),
+                            group_paddings=[g.tail_padding(rank) for g in groups],
+                            param_alignment_paddings=[list(g.alignment_paddings) for g in groups],
+                            slice_mappings=mappings)
+    return RankMetadata([layout.world_size] * len(groups), sizes, sizes,
+                        group_paddings=[g.bf16_optimizer_padding(rank) for g in groups], slice_mappings=mappings)
