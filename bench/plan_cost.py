@@ -6,8 +6,10 @@
 
 The synthetic model: `--params` parameters in model order, one matrix (rows and columns in
 128..1024, multiples of 128) then three vectors (128..4096), repeated; matrices form param
-group 0 (decay), vectors group 1. 100k parameters hold about 7.4e9 elements. Streams are fp32,
-exp_avg and exp_avg_sq (12 bytes per element).
+group 0 (decay), vectors group 1. 100k parameters hold about 7.4e9 elements. `--model moe`:
+DeepSeek-V3-like layers (attention, norms, router, 256 experts of three matrices), 100k
+parameters hold about 1.4e12 elements. Streams are fp32, exp_avg and exp_avg_sq (12 bytes per
+element).
 
 Timed separately, in one process, for one worker (`--worker`, default 0): `plan_reshard` (the
 plan every worker derives: layouts, and for ZeRO-1/2 the segment table; for ZeRO-3 only O(params)
@@ -53,6 +55,28 @@ def synthetic_params(count: int, seed: int = 0):
     return tuple(params), [tuple(matrices), tuple(vectors)]
 
 
+def moe_params(count: int, hidden: int = 7168, expert_hidden: int = 2048, experts: int = 256):
+    """(ParamSpec tuple, groups) shaped like a DeepSeek-V3-class MoE, truncated to `count`
+    parameters: per layer q, k, v, o [hidden, hidden], two norms [hidden], a router
+    [experts, hidden], then per expert w1, w3 [expert_hidden, hidden] and w2 [hidden, expert_hidden].
+    Group 0: matrices (decay), group 1: norms. 100k parameters are ~130 layers, ~1.4e12 elements."""
+    from reshard.layout import ParamSpec
+    params, matrices, vectors = [], [], []
+    layer = 0
+    while len(params) < count:
+        names = [(f"l{layer}.attn.{k}", (hidden, hidden)) for k in "qkvo"]
+        names += [(f"l{layer}.norm{k}", (hidden,)) for k in (1, 2)]
+        names += [(f"l{layer}.router", (experts, hidden))]
+        for e in range(experts):
+            names += [(f"l{layer}.e{e}.w1", (expert_hidden, hidden)), (f"l{layer}.e{e}.w2", (hidden, expert_hidden)),
+                      (f"l{layer}.e{e}.w3", (expert_hidden, hidden))]
+        for name, shape in names[:count - len(params)]:
+            (vectors if len(shape) == 1 else matrices).append(len(params))
+            params.append(ParamSpec(name, shape))
+        layer += 1
+    return tuple(params), [tuple(matrices), tuple(vectors)]
+
+
 class SyntheticSpec:
     """The parts of a CheckpointSpec the planner reads (topology, layout rules, streams)."""
 
@@ -71,13 +95,13 @@ class SyntheticSpec:
 
 
 def run_case(stage: int, count: int, source: int, target: int, workers: int, budget: int, worker: int = 0,
-             round_seconds: float = 60.0) -> dict:
+             round_seconds: float = 60.0, model: str = "mixed") -> dict:
     """Time and measure one worker's planning in this process: the plan every worker derives
     (`plan_reshard`), then that worker's blocks round by round, as the exchange asks for them.
     Rounds stop after `round_seconds`; the rest is projected from the mean round."""
     from reshard.checkpoint_plan import plan_reshard
     from reshard.topology import Topology
-    params, groups = synthetic_params(count)
+    params, groups = moe_params(count) if model == "moe" else synthetic_params(count)
     spec = SyntheticSpec(stage, params, groups, source)
     rss_start = current_rss()
     cpu0 = time.process_time()
@@ -101,7 +125,7 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rounds_seconds = t3 - t2
     projected = rounds_seconds * plan.rounds / rounds_done if rounds_done else 0.0
-    return {"stage": stage, "params": count, "elements": int(sum(p.numel for p in params)), "source_ranks": source,
+    return {"model": model, "stage": stage, "params": count, "elements": int(sum(p.numel for p in params)), "source_ranks": source,
             "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
             "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
             "worker_segments_timed": segments, "worker_elements_timed": elements,
@@ -114,24 +138,27 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
 
 
 SUITE = [
-    # (stage, params, source N, target M, workers W); stage 1 lays out as stage 2 (one flat group per param group)
-    (2, 100_000, 4096, 8192, 1024),
-    (2, 100_000, 4096, 8192, 8),
-    (3, 100_000, 4096, 8192, 1024),
-    (3, 100_000, 4096, 8192, 8),
-    (3, 100_000, 64, 128, 32),
-    (3, 1_000, 4096, 8192, 512),
+    # (model, stage, params, source N, target M, workers W); stage 1 lays out as stage 2
+    ("mixed", 2, 100_000, 4096, 8192, 1024),
+    ("mixed", 2, 100_000, 4096, 8192, 8),
+    ("mixed", 3, 100_000, 4096, 8192, 1024),
+    ("mixed", 3, 100_000, 4096, 8192, 8),
+    ("moe", 2, 100_000, 4096, 8192, 1024),
+    ("moe", 3, 100_000, 4096, 8192, 1024),
+    ("moe", 3, 100_000, 4096, 8192, 8),
+    ("mixed", 3, 100_000, 64, 128, 32),
+    ("mixed", 3, 1_000, 4096, 8192, 512),
 ]
 
 
 def run_suite(budget: int, round_seconds: float) -> list[dict]:
     """Each case in a fresh process, so every peak RSS is that case's own."""
     results = []
-    for stage, count, source, target, workers in SUITE:
-        case = {"stage": stage, "params": count, "source_ranks": source, "target_ranks": target, "workers": workers}
+    for model, stage, count, source, target, workers in SUITE:
+        case = {"model": model, "stage": stage, "params": count, "source_ranks": source, "target_ranks": target, "workers": workers}
         command = [sys.executable, os.path.abspath(__file__), "--case", "--stage", str(stage), "--params", str(count),
                    "--source", str(source), "--target", str(target), "--workers", str(workers), "--budget", str(budget),
-                   "--round-seconds", str(round_seconds)]
+                   "--round-seconds", str(round_seconds), "--model", model]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             results.append({**case, "failed": done.stderr[-2000:]})
@@ -141,7 +168,7 @@ def run_suite(budget: int, round_seconds: float) -> list[dict]:
 
 
 def describe(result: dict) -> str:
-    head = (f"ZeRO-{result['stage']} {result['params']:>7,} params N={result['source_ranks']:>5} "
+    head = (f"{result.get('model', 'mixed'):>5} ZeRO-{result['stage']} {result['params']:>7,} params N={result['source_ranks']:>5} "
             f"M={result['target_ranks']:>5} W={result['workers']:>4}")
     if "skipped" in result:
         return f"{head}: skipped, {result['skipped']}"
@@ -164,6 +191,8 @@ def main() -> None:
     parser.add_argument("--source", type=int, default=4096)
     parser.add_argument("--target", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=1024)
+    parser.add_argument("--model", choices=("mixed", "moe"), default="mixed",
+                        help="mixed: matrices and vectors of random sizes; moe: DeepSeek-V3-like layers and experts")
     parser.add_argument("--worker", type=int, default=0, help="the worker whose share is timed")
     parser.add_argument("--round-seconds", type=float, default=60.0,
                         help="time this long of round-by-round planning, project the rest")
@@ -172,7 +201,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(args.stage, args.params, args.source, args.target, args.workers, args.budget,
-                                  args.worker, args.round_seconds)))
+                                  args.worker, args.round_seconds, args.model)))
         return
     results = run_suite(args.budget, args.round_seconds)
     for result in results:
