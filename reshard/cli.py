@@ -4,6 +4,7 @@
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
+    python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -86,10 +87,31 @@ def verify_main(argv: list[str]) -> int:
     return 0 if result.ok else 1
 
 
+def inspect_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
+                                            "check every rank file; exit 2 when a check fails.")
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.inspect_report import inspect_report
+    report = inspect_report(args.source, args.tag, trust_pickle=args.trust_pickle)
+    if args.json:
+        import json
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.text())
+    return 0 if report.ok else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "inspect":
+        return inspect_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)
