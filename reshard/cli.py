@@ -5,6 +5,7 @@
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
     python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
+    python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -106,12 +107,56 @@ def inspect_main(argv: list[str]) -> int:
     return 0 if report.ok else 2
 
 
+EXPORT_HELP = """What is exported (--format safetensors): every tensor of the model's state_dict() as the
+checkpoint saved it, named as in state_dict(): trainable parameters from the fp32 master weights
+(cast to --dtype), frozen parameters and persistent buffers (floating ones cast to --dtype, integer
+ones as they are). A tied weight (shared_params, e.g. head.weight -> embed.weight) is stored once,
+under the owner's name, as save_pretrained does. Not exported: optimizer state, LR scheduler,
+counters, client_state, non-persistent buffers, frozen parameters excluded at save, and the HF
+config.json / tokenizer (copy those from your model). Files: model-0000k-of-0000n.safetensors and
+model.safetensors.index.json, written last."""
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
+                                           "with W workers under torchrun.",
+        epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
+    parser.add_argument("--format", choices=("safetensors",), required=True, help="output format")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--memory-budget", type=parse_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
+    parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.export import export_safetensors
+    try:
+        result = export_safetensors(args.source, args.destination, dtype=args.dtype,
+                                    max_shard_size=args.max_shard_size, tag=args.tag,
+                                    memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                    overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+    except ReshardError as error:
+        print(f"reshard export: error: {error}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(result.summary())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
     if argv and argv[0] == "inspect":
         return inspect_main(argv[1:])
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)
