@@ -6,6 +6,7 @@
     python -m reshard verify DST [--against SRC]       # see reshard.verify
     python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
     python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
+    python -m reshard export SRC OUT --format universal                 # DeepSpeed universal checkpoint
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -114,7 +115,12 @@ ones as they are). A tied weight (shared_params, e.g. head.weight -> embed.weigh
 under the owner's name, as save_pretrained does. Not exported: optimizer state, LR scheduler,
 counters, client_state, non-persistent buffers, frozen parameters excluded at save, and the HF
 config.json / tokenizer (copy those from your model). Files: model-0000k-of-0000n.safetensors and
-model.safetensors.index.json, written last."""
+model.safetensors.index.json, written last.
+
+--format universal writes what DeepSpeed's ds_to_universal.py writes (OUT/TAG/zero/<param>/
+{fp32,exp_avg,exp_avg_sq,step}.pt, zero/optimizer_state.pt, the model-states files,
+OUT/latest_universal): load it at any size with "checkpoint": {"load_universal": true}.
+--dtype and --max-shard-size apply to safetensors only."""
 
 
 def export_main(argv: list[str]) -> int:
@@ -124,7 +130,7 @@ def export_main(argv: list[str]) -> int:
         epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
     parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
-    parser.add_argument("--format", choices=("safetensors",), required=True, help="output format")
+    parser.add_argument("--format", choices=("safetensors", "universal"), required=True, help="output format")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
@@ -135,12 +141,17 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
     parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
     args = parser.parse_args(argv)
-    from reshard.export import export_safetensors
+    from reshard.export import export_safetensors, export_universal
     try:
-        result = export_safetensors(args.source, args.destination, dtype=args.dtype,
-                                    max_shard_size=args.max_shard_size, tag=args.tag,
-                                    memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
-                                    overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+        if args.format == "universal":
+            result = export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
+                                      trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                                      timeout=args.timeout)
+        else:
+            result = export_safetensors(args.source, args.destination, dtype=args.dtype,
+                                        max_shard_size=args.max_shard_size, tag=args.tag,
+                                        memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                        overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
     except ReshardError as error:
         print(f"reshard export: error: {error}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ from reshard.formats.torch_archive import TensorRef
 SCHEMA = "reshard.inspect/1"
 
 # Formats `python -m reshard export` writes; every ZeRO checkpoint reshard reads can be exported.
-EXPORT_FORMATS: tuple[str, ...] = ("safetensors",)
+EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "universal")
 
 # Keys DeepSpeed itself writes at the top of a model-states file (runtime/engine.py
 # `_common_checkpoint_state`, `_save_checkpoint`, `_save_zero_checkpoint`); the rest is client_state.

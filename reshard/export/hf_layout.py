@@ -81,8 +81,10 @@ class ExportFile:
 
 
 @dataclass(frozen=True)
-class HFLayout:
-    """Every output file and tensor; the same on every worker."""
+class ExportLayout:
+    """Output files, each holding whole tensors; the same on every worker. Its `pieces` make the
+    files the target "ranks" of a plan (also used by the universal export, one "file" per bundle
+    of parameters)."""
 
     files: tuple[ExportFile, ...]
     kept_for_tied: dict
@@ -122,7 +124,7 @@ def out_dtype_for(source_dtype: str, out_dtype: str) -> str:
     return out_dtype if dtype_of(source_dtype).is_floating_point else source_dtype
 
 
-def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_bytes: int = 5 * 10**9) -> HFLayout:
+def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_bytes: int = 5 * 10**9) -> ExportLayout:
     spec, model = source.spec, source.model_template
     module = model.get("module") or {}
     shared = dict(model.get("shared_params") or {})
@@ -172,7 +174,7 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
             offset += tensor.nbytes
         files.append(ExportFile(f"model-{number:05d}-of-{len(shards):05d}.safetensors", tuple(placed)))
     kept = {alias: owner for alias, owner in shared.items()}
-    return HFLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+    return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
 
 
 def safetensors_header(file: ExportFile) -> bytes:

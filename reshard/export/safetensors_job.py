@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 
-from reshard.collective import check_peers, on_rank0
+from reshard.collective import on_rank0
 from reshard.destination import check_empty, check_paths
 from reshard.errors import OptionError
-from reshard.export.hf_layout import INDEX_NAME, HFLayout, hf_layout
+from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
+from reshard.export.runner import run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -77,7 +76,7 @@ class ExportResult:
                 + (f"\n  tied: {tied}" if tied else ""))
 
 
-def plan_export(source: SourceCheckpoint, layout: HFLayout, workers: int, budget_bytes: int) -> ReshardPlan:
+def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
     """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure)."""
     spec = source.spec
     ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
@@ -127,45 +126,22 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     source: SourceCheckpoint = on_rank0(transport, inspect)
     layout = hf_layout(source, out_dtype, max_shard_bytes)
     plan = plan_export(source, layout, transport.size, budget)
-    own = plan.ownership
-    stream_dtypes = {"optim": "float32", "frozen": source.spec.frozen_dtype}
-    stream_dtypes["optim"] = next(s.dtype for s in source.spec.streams if s.name == "fp32")
-    reader = writer = None
-    failure = None
-    try:
-        try:
-            reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
-            writer = SafetensorsWriter.create(layout, destination, own.target_ranks_of(transport.rank), stream_dtypes)
-        except Exception as error:
-            failure = error
-        check_peers(transport, failure, "opening source files and creating output files")
-        from reshard.exchange import run_rounds
-        run_rounds(plan, transport, reader, writer)
-        try:
-            writer.copy_whole(source.model_path(0), budget)
-            writer.finish()
-        except Exception as error:
-            failure = error
-        check_peers(transport, failure, "writing output files")
-        if transport.rank == 0:
-            try:
-                _write_index(destination, layout)
-            except Exception as error:
-                failure = error
-        check_peers(transport, failure, "writing the index")
-    finally:
-        for endpoint in (reader, writer):
-            if endpoint is not None:
-                endpoint.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
+                     "frozen": source.spec.frozen_dtype}
+    model_path = source.model_path(0)
+
+    def open_writer(files):
+        return SafetensorsWriter.create(layout, destination, files, stream_dtypes, model_path, budget)
+
+    rss = run_export(transport, source, plan, open_writer, lambda: _write_index(destination, layout),
+                     trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
-                          transport.size, plan.rounds, kept_for_tied=layout.kept_for_tied)
-    result.peak_rss_bytes = transport.all_gather_object(rss)
+                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _write_index(destination: str, layout: HFLayout) -> None:
+def _write_index(destination: str, layout: ExportLayout) -> None:
     """`model.safetensors.index.json` as transformers' save_pretrained writes it, atomically."""
     index = {"metadata": {"total_size": layout.total_size}, "weight_map": layout.weight_map()}
     path = os.path.join(destination, INDEX_NAME)

@@ -1,12 +1,11 @@
 """Writes the safetensors files one worker owns: header and reserved space first, then values at offsets.
 
-    writer = SafetensorsWriter.create(layout, out_dir, files=[0, 2])
+    writer = SafetensorsWriter.create(layout, out_dir, [0, 2], {"optim": "float32"}, model_path, budget)
     writer.write(rank=2, slot=("optim", 5, "fp32"), element=0, itemsize=4, data=view)  # from the exchange
-    writer.copy_whole(source_model_path, budget)    # buffers / ZeRO-1/2 frozen params, in chunks
-    writer.finish()
+    writer.finish()   # copies the buffers / ZeRO-1/2 frozen params from model_path in chunks, fsyncs
 
 `rank` is the output file's index and the slot's buffer the tensor's index in that file (see
-`hf_layout.HFLayout.pieces`). Incoming values are cast to the file's dtype here, chunk by chunk,
+`hf_layout.ExportLayout.pieces`). Incoming values are cast to the file's dtype here, chunk by chunk,
 so no worker ever holds more than a round's slices. The file is reserved with ftruncate: bytes
 not yet written read back as zeros, and every byte of the data section is written exactly once.
 """
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.export.hf_layout import ExportFile, HFLayout, safetensors_header
+from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
 from reshard.formats.torch_archive import dtype_of, pread_exact, pwrite_exact
 
 
@@ -31,7 +30,7 @@ def _cast(data: memoryview, source_dtype: str, target_dtype: str) -> memoryview:
 
 @dataclass
 class SafetensorsWriter:
-    layout: HFLayout
+    layout: ExportLayout
     out_dir: str
     files: list[int]
     fds: dict = field(default_factory=dict)
@@ -40,11 +39,16 @@ class SafetensorsWriter:
     """file index -> byte offset of the data section"""
     stream_dtypes: dict = field(default_factory=dict)
     """space name -> dtype of the values the exchange delivers ("optim": float32 masters)"""
+    model_path: str = ""
+    """Rank-0 model-states file, source of the tensors stored whole"""
+    budget_bytes: int = 1 << 30
     bytes_written: int = 0
 
     @classmethod
-    def create(cls, layout: HFLayout, out_dir: str, files, stream_dtypes: dict) -> "SafetensorsWriter":
-        writer = cls(layout, out_dir, list(files), stream_dtypes=dict(stream_dtypes))
+    def create(cls, layout: ExportLayout, out_dir: str, files, stream_dtypes: dict, model_path: str,
+               budget_bytes: int) -> "SafetensorsWriter":
+        writer = cls(layout, out_dir, list(files), stream_dtypes=dict(stream_dtypes), model_path=model_path,
+                     budget_bytes=budget_bytes)
         try:
             for f in writer.files:
                 export = layout.files[f]
@@ -96,6 +100,7 @@ class SafetensorsWriter:
             os.fsync(fd)
 
     def finish(self) -> None:
+        self.copy_whole(self.model_path, self.budget_bytes)
         self.sync()
         self.close()
 
