@@ -157,6 +157,9 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
         if name not in seen:
             tensors.append(ExportTensor(name, spec.frozen[i].shape, out_dtype_for(spec.frozen_dtype, out_dtype), "frozen", i))
 
+    for tensor in tensors:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise UnsupportedCheckpoint(path, f"{tensor.name} is {tensor.dtype}, which safetensors cannot store")
     shards, current, size = [], [], 0
     for tensor in tensors:
         if current and size + tensor.nbytes > max_shard_bytes:

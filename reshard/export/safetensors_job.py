@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +46,6 @@ def parse_shard_size(text: str | int) -> int:
     """'5GB' -> 5 * 10**9, as huggingface_hub reads max_shard_size; '4GiB' -> 4 * 2**30."""
     if isinstance(text, int):
         return text
-    import re
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text), re.IGNORECASE)
     unit = match[2].upper() if match else None
     if unit is not None and unit and not unit.endswith("B"):
