@@ -105,7 +105,7 @@ def verify_main(argv: list[str]) -> int:
 
 
 def inspect_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
                                             "check every rank file; exit 2 when a check fails.")
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
@@ -139,7 +139,7 @@ OUT/latest_universal): load it at any size with "checkpoint": {"load_universal":
 
 
 def export_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
                                            "with W workers under torchrun.",
         epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,7 +150,7 @@ def export_main(argv: list[str]) -> int:
                         help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
-    parser.add_argument("--memory-budget", type=parse_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")

@@ -19,6 +19,7 @@ import torch
 
 from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
 from reshard.formats.torch_archive import dtype_of, pread_exact, pwrite_exact
+from reshard.paths import open_new_file
 
 
 def _cast(data: memoryview, source_dtype: str, target_dtype: str) -> memoryview:
@@ -53,7 +54,7 @@ class SafetensorsWriter:
             for f in writer.files:
                 export = layout.files[f]
                 header = safetensors_header(export)
-                fd = os.open(os.path.join(out_dir, export.name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = open_new_file(out_dir, os.path.join(out_dir, export.name), os.O_RDWR)
                 writer.fds[f] = fd
                 pwrite_exact(fd, memoryview(header), 0)
                 os.ftruncate(fd, len(header) + export.data_bytes)

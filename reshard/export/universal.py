@@ -38,12 +38,14 @@ import torch
 
 from reshard.collective import on_rank0
 from reshard.destination import check_empty, check_paths
+from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor
 from reshard.export.runner import run_export
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import materialize, NewTensor, pwrite_exact, write_skeleton
+from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -54,9 +56,21 @@ BUNDLES_PER_WORKER = 4
 _OPEN_FILES = 256
 
 
+def check_directory_name(name: str, source: SourceCheckpoint) -> str:
+    """A parameter or buffer name becomes a directory under zero/ (as in ds_to_universal): it must be
+    one plain path component, so a crafted checkpoint cannot make reshard write outside OUT."""
+    problem = tag_problem(name)
+    if problem is not None:
+        raise UnsupportedCheckpoint(source.model_path(0), f"parameter name {name!r} {problem}: it cannot be a "
+                                                          "directory of a universal checkpoint")
+    return name
+
+
 def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
     """Trainable parameters in order, cut into about `BUNDLES_PER_WORKER * workers` bundles of equal bytes."""
     spec = source.spec
+    for p in spec.params:
+        check_directory_name(p.name, source)
     tensors = [ExportTensor(p.name, p.shape, "float32", "optim", i) for i, p in enumerate(spec.params)]
     target = max(1, sum(t.nbytes for t in tensors) // (BUNDLES_PER_WORKER * workers))
     bundles, current, size = [], [], 0
@@ -96,9 +110,12 @@ class UniversalWriter:
         spec = source.spec
         for b in owned:
             for k, tensor in enumerate(bundles.files[b].tensors):
-                os.makedirs(os.path.join(zero_dir, tensor.name), exist_ok=True)
+                os.makedirs(confined(zero_dir, os.path.join(zero_dir, tensor.name)), exist_ok=True)
                 for stream in spec.streams:
-                    path = os.path.join(zero_dir, tensor.name, f"{stream.name}.pt")
+                    check_directory_name(stream.name, source)
+                    path = confined(zero_dir, os.path.join(zero_dir, tensor.name, f"{stream.name}.pt"))
+                    if os.path.islink(path):
+                        os.unlink(path)
                     slot = (b, k, stream.name)
                     flat = NewTensor(slot, tensor.numel, stream.dtype)
                     tree = flat if spec.stage == 3 else {"cat_dim": 0, "param": flat}
@@ -180,6 +197,7 @@ def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickl
         for name, value in module.items():
             if name in trainable or not torch.is_tensor(value):
                 continue
+            check_directory_name(name, source)
             os.makedirs(os.path.join(zero_dir, name), exist_ok=True)
             torch.save({"param": value.float()}, os.path.join(zero_dir, name, "fp32.pt"))
     torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"))
