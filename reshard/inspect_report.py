@@ -222,7 +222,7 @@ def _frozen(source: SourceCheckpoint) -> dict:
     trainable = {p.name for p in spec.params}
     if spec.stage == 3:
         shapes = model.get("frozen_param_shapes")
-        stored = "partitioned in frozen_param_fragments" if shapes is not None else "not saved (exclude_frozen_parameters)"
+        stored = "partitioned in frozen_param_fragments" if shapes is not None else "not saved (excluded at save: exclude_frozen_parameters)"
         params = [{"name": n, "shape": list(s)} for n, s in (shapes or {}).items()]
     else:
         module = model.get("module") or {}

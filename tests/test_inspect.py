@@ -72,8 +72,8 @@ def test_inspect_describes_every_kind(trained, variant, n, capsys):
         assert group["hyperparameters"]["weight_decay"] == expected["weight_decay"]
     assert sum(g["elements"] for g in doc["groups"]) == sum(e["fp32"].numel() for e in engine["master"].values())
     frozen = {p["name"]: tuple(p["shape"]) for p in doc["frozen"]["params"]}
-    stage1_or_excluded = meta["exclude_frozen_parameters"]
-    if not stage1_or_excluded:
+    excluded = meta["exclude_frozen_parameters"]
+    if not excluded:
         assert frozen == {name: tuple(t.shape) for name, t in engine["frozen"].items()}
     else:
         assert frozen == {} and "excluded" in doc["frozen"]["stored"]
