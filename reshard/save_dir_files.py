@@ -1,0 +1,127 @@
+"""Files a save directory holds beside DeepSpeed's own, carried over unchanged into DST.
+
+    from reshard.save_dir_files import list_save_dir_files
+    list_save_dir_files("/out/checkpoint-3")
+    # ["config.json", "rng_state_0.pth", "rng_state_1.pth", "tokenizer/vocab.json", "trainer_state.json", ...]
+
+The Hugging Face Trainer keeps its own state in the save directory next to DeepSpeed's tag
+directory (`checkpoint-N/trainer_state.json`, `rng_state_{rank}.pth`, `training_args.bin`,
+`config.json`, `model.safetensors`, tokenizer files), Accelerate its `random_states_{rank}.pkl`,
+users anything else. A resume needs them all, so every file of the save directory is carried,
+sub-directories included, except what DeepSpeed itself writes there (`latest`, the recovery
+scripts, which reshard writes anew) and the tag directories (the ZeRO files: resharded, or not
+selected), and reshard's own staging and lock.
+
+They go through the same guarantees as the tag's files: copied into staging
+(DST/.reshard-staging/TAG.save-dir/), hashed into the tag's manifest under names relative to
+the tag directory ("../trainer_state.json", so `reshard verify` re-hashes them as they are), moved
+into place before `latest` is written. Their sizes and mtimes join the source identity, so a
+changed trainer_state.json is a different output.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from reshard.destination import STAGING
+from reshard.formats import deepspeed_schema as schema
+from reshard.lock import LOCK_NAME
+from reshard.manifest import hash_file
+
+PREFIX = "../"
+"""Manifest and source-identity names of save-directory files are relative to the tag directory."""
+
+_DEEPSPEED_NAMES = {schema.LATEST, *schema.RECOVERY_SCRIPTS, STAGING, LOCK_NAME}
+
+
+def list_save_dir_files(save_dir: str) -> list[str]:
+    """Paths (relative to `save_dir`, '/'-separated, sorted) of every file to carry."""
+    from reshard.runs import is_tag_dir
+    found = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if name in _DEEPSPEED_NAMES or is_tag_dir(path):
+            continue
+        if os.path.isfile(path):
+            found.append(name)
+        elif os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                relative = os.path.relpath(root, save_dir).replace(os.sep, "/")
+                found += [f"{relative}/{f}" for f in sorted(files) if os.path.isfile(os.path.join(root, f))]
+    return found
+
+
+_PER_RANK_RNG = re.compile(r"^(rng_state_|random_states_)(\d+)(\.pth|\.pkl)$")
+"""transformers trainer.py `_save_rng_state` / accelerate checkpointing.py `save_accelerator_state`."""
+
+
+def per_rank_rng_notes(files, target_dp: int) -> list[str]:
+    """What happens to per-rank RNG files at `target_dp` ranks. No RNG stream is invented: ranks
+    without a file keep the fresh one their job seeded (both frameworks log that and go on)."""
+    ranks_of: dict[tuple[str, str], list[int]] = {}
+    for name in files:
+        match = _PER_RANK_RNG.match(name)
+        if match:
+            ranks_of.setdefault((match[1], match[3]), []).append(int(match[2]))
+    notes = []
+    for (prefix, suffix), ranks in sorted(ranks_of.items()):
+        present = set(ranks)
+        missing = [r for r in range(target_dp) if r not in present]
+        unread = sorted(r for r in present if r >= target_dp)
+        if prefix == "rng_state_" and target_dp == 1 and "rng_state.pth" not in files:
+            # trainer.py `_load_rng_state`: a one-process job reads rng_state.pth, never rng_state_{rank}.pth
+            notes.append("at 1 rank the Trainer reads rng_state.pth, not rng_state_{rank}.pth, and this checkpoint has "
+                         "none: it resumes with the fresh RNG the job seeds; reshard invents no RNG state")
+            continue
+        if missing:
+            notes.append(f"rank(s) {_span(missing)} of {target_dp} have no {prefix}{{rank}}{suffix}: they resume with "
+                         f"the fresh RNG their job seeds (the framework skips restoring it); reshard invents no RNG state")
+        if unread:
+            notes.append(f"{prefix}{{rank}}{suffix} of rank(s) {_span(unread)} are carried unchanged, but no rank "
+                         f"reads them at {target_dp} ranks")
+    return notes
+
+
+def _span(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}-{ranks[-1]}" if ranks[-1] - ranks[0] == len(ranks) - 1
+                                                   else ", ".join(map(str, ranks)))
+
+
+def manifest_names(files) -> list[str]:
+    return [PREFIX + name for name in files]
+
+
+def top_level_names(files) -> set[str]:
+    """What the carried files occupy directly under DST (for the not-empty check on a re-run)."""
+    return {name.split("/")[0] for name in files}
+
+
+def staging_dir(staging_root: str, tag: str) -> str:
+    return os.path.join(staging_root, f"{tag}.save-dir")
+
+
+def stage(save_dir: str, files, staged: str) -> dict:
+    """Copy `files` into `staged` (emptied first); {manifest name: {"bytes", "blake3"}} of the copies."""
+    if os.path.exists(staged):
+        shutil.rmtree(staged)
+    os.makedirs(staged)
+    entries = {}
+    for name in files:
+        target = os.path.join(staged, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(save_dir, name), target)
+        with open(target, "rb") as fd:
+            os.fsync(fd.fileno())
+        entries[PREFIX + name] = {"bytes": os.path.getsize(target), "blake3": hash_file(target)}
+    return entries
+
+
+def publish(staged: str, files, destination: str) -> None:
+    """Move the staged copies into `destination`, each by an atomic rename; remove `staged`."""
+    for name in files:
+        target = os.path.join(destination, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(staged, name), target)
+    shutil.rmtree(staged, ignore_errors=True)
