@@ -35,6 +35,7 @@ from reshard.destination import STAGING, Staging, check_empty, check_paths, writ
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import run_rounds
+from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint, buffer_numels
@@ -188,6 +189,11 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         if problem and not warning and not opts.ignore_batch_config:
             raise OptionError(f"{source.model_path(0)}: {problem}")
         notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
+        differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+        if differing:
+            notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+                         f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
+                         + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
         return source, carried, notes
 
     source, carried, source_notes = on_rank0(transport, inspect)

@@ -50,7 +50,7 @@ def list_save_dir_files(save_dir: str) -> list[str]:
                 dirs.sort()
                 relative = os.path.relpath(root, save_dir).replace(os.sep, "/")
                 found += [f"{relative}/{f}" for f in sorted(files) if os.path.isfile(os.path.join(root, f))]
-    return found
+    return sorted(found)
 
 
 _PER_RANK_RNG = re.compile(r"^(rng_state_|random_states_)(\d+)(\.pth|\.pkl)$")
