@@ -121,6 +121,23 @@ class _Start:
     notes: list = field(default_factory=list)
 
 
+def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]) -> list[str]:
+    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
+    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    ds_config = source.model_template.get("ds_config")
+    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
+    problem = batch_config_problem(ds_config, opts.target_dp)
+    if problem and not warning and not opts.ignore_batch_config:
+        raise OptionError(f"{source.model_path(0)}: {problem}")
+    notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
+    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    if differing:
+        notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+                     f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
+                     + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
+    return notes
+
+
 def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
                   lock: DestinationLock, carried: list[str]) -> _Start:
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
@@ -183,18 +200,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         check_paths(unit.source, unit.destination)
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
         carried = save_dir_files.list_save_dir_files(source.save_dir)
-        ds_config = source.model_template.get("ds_config")
-        warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
-        problem = batch_config_problem(ds_config, opts.target_dp)
-        if problem and not warning and not opts.ignore_batch_config:
-            raise OptionError(f"{source.model_path(0)}: {problem}")
-        notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
-        differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-        if differing:
-            notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
-                         f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
-                         + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
-        return source, carried, notes
+        return source, carried, _preflight(opts, source, carried)
 
     source, carried, source_notes = on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)

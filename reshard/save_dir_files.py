@@ -118,6 +118,18 @@ def stage(save_dir: str, files, staged: str) -> dict:
     return entries
 
 
+def differences(source_save_dir: str, destination_save_dir: str) -> tuple[list[str], int]:
+    """(problems, files compared): each carried file of the source must be in DST with the same bytes."""
+    problems, names = [], list_save_dir_files(source_save_dir)
+    for name in names:
+        path = os.path.join(destination_save_dir, name)
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing (carried from {os.path.join(source_save_dir, name)})")
+        elif hash_file(path) != hash_file(os.path.join(source_save_dir, name)):
+            problems.append(f"{path}: content differs from {os.path.join(source_save_dir, name)}")
+    return problems, len(names)
+
+
 def publish(staged: str, files, destination: str) -> None:
     """Move the staged copies into `destination`, each by an atomic rename; remove `staged`."""
     for name in files:

@@ -80,6 +80,9 @@ def test_whole_output_dir_offline_then_trainer_resumes_at_3(hf_trained, tmp_path
     (destination / "checkpoint-3" / "tokenizer" / "vocab.json").write_text('{"<s>": 1}')
     failed = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
     assert failed.returncode == 1 and "tokenizer/vocab.json" in failed.stdout
+    against = subprocess.run(verify + ["--against", str(output_dir / "checkpoint-3")], cwd=REPO, capture_output=True,
+                             text=True)
+    assert against.returncode == 1 and "vocab.json: content differs" in against.stdout, against.stdout + against.stderr
     shutil.copy2(output_dir / "checkpoint-3" / "tokenizer" / "vocab.json",
                  destination / "checkpoint-3" / "tokenizer" / "vocab.json")
 

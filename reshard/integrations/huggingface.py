@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from reshard.errors import ReshardError
 
@@ -63,15 +64,20 @@ def enable_resharding(framework, **options):
     `options` go to reshard.deepspeed.load_checkpoint (memory_budget, trust_pickle, staging_dir).
     Returns `framework`.
     """
-    kind = type(framework).__module__.split(".")[0]
-    if kind == "transformers" or hasattr(framework, "model_wrapped"):
+    if _is_a(framework, "transformers", "Trainer"):  # subclasses too (trl's SFTTrainer, ...)
         _enable_for_trainer(options)
-    elif kind == "accelerate" or hasattr(framework, "load_state"):
+    elif _is_a(framework, "accelerate", "Accelerator"):
         _enable_for_accelerator(framework, options)
     else:
         raise ReshardError(f"enable_resharding takes a transformers Trainer or an accelerate Accelerator, "
                            f"not {type(framework).__name__}")
     return framework
+
+
+def _is_a(obj, package: str, name: str) -> bool:
+    """isinstance(obj, package.name), without importing a package the caller has not imported."""
+    module = sys.modules.get(package)
+    return module is not None and isinstance(obj, getattr(module, name))
 
 
 def _enable_for_trainer(options: dict) -> None:

@@ -23,10 +23,13 @@ STEPS = 3
 
 def build(stage: int, seed: int):
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
     plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                                            "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0})
-    accelerator = Accelerator(deepspeed_plugin=plugin)
+    # On CPU, Accelerate finds no backend of its own (state.py `_prepare_backend`) and would run
+    # every rank as a single process: name gloo, as a CPU cluster launch would.
+    accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     model = tiny_llama(seed)
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]
@@ -76,6 +79,7 @@ def main() -> None:
         accelerator.load_state(args.state_dir)
         truth = torch.load(args.truth, weights_only=True)
         mismatches, checked = compare_with_truth(full_state(model), truth["state"])
+        assert accelerator.num_processes == torch.distributed.get_world_size(), accelerator.num_processes
         report = {"mismatches": mismatches, "checked_tensors": checked, "lr_at_resume": scheduler.get_last_lr(),
                   "truth_lr": truth["lr"], "world_size": torch.distributed.get_world_size(),
                   "accelerate_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
