@@ -13,9 +13,11 @@ scripts, which reshard writes anew) and the tag directories (the ZeRO files: res
 selected), and reshard's own staging and lock.
 
 They go through the same guarantees as the tag's files: copied into staging
-(DST/.reshard-staging/TAG.save-dir/), hashed into the tag's manifest under names relative to
+(DST/.reshard-staging/TAG/.reshard-save-dir/, inside the tag's staging so that a failed run's
+clean-up and a resume treat them alike), hashed into the tag's manifest under names relative to
 the tag directory ("../trainer_state.json", so `reshard verify` re-hashes them as they are), moved
-into place before `latest` is written. Their sizes and mtimes join the source identity, so a
+into place before the tag directory and `latest`; every path written is confined to DST
+(`reshard.paths`), as for the tag's own files. Their sizes and mtimes join the source identity, so a
 changed trainer_state.json is a different output.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from reshard.destination import STAGING
 from reshard.formats import deepspeed_schema as schema
 from reshard.lock import LOCK_NAME
 from reshard.manifest import hash_file
+from reshard.paths import confined, open_new_file
 
 PREFIX = "../"
 """Manifest and source-identity names of save-directory files are relative to the tag directory."""
@@ -98,24 +101,46 @@ def top_level_names(files) -> set[str]:
     return {name.split("/")[0] for name in files}
 
 
-def staging_dir(staging_root: str, tag: str) -> str:
-    return os.path.join(staging_root, f"{tag}.save-dir")
+STAGED = ".reshard-save-dir"
 
 
-def stage(save_dir: str, files, staged: str) -> dict:
+def staging_dir(staging_tag_dir: str) -> str:
+    return os.path.join(staging_tag_dir, STAGED)
+
+
+def _make_parents(destination: str, path: str) -> None:
+    parent = os.path.dirname(path)
+    confined(destination, parent)
+    os.makedirs(parent, exist_ok=True)
+
+
+def stage(save_dir: str, files, staged: str, destination: str) -> dict:
     """Copy `files` into `staged` (emptied first); {manifest name: {"bytes", "blake3"}} of the copies."""
-    if os.path.exists(staged):
+    confined(destination, staged)
+    if os.path.lexists(staged):
         shutil.rmtree(staged)
-    os.makedirs(staged)
     entries = {}
     for name in files:
         target = os.path.join(staged, name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.join(save_dir, name), target)
-        with open(target, "rb") as fd:
-            os.fsync(fd.fileno())
+        _make_parents(destination, target)
+        source = os.path.join(save_dir, name)
+        with open(source, "rb") as src, os.fdopen(open_new_file(destination, target), "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        shutil.copystat(source, target)
         entries[PREFIX + name] = {"bytes": os.path.getsize(target), "blake3": hash_file(target)}
     return entries
+
+
+def publish(staged: str, files, destination: str) -> None:
+    """Move the staged copies into `destination`, each by an atomic rename (a link of that name is
+    replaced, never followed); then remove the emptied `staged`."""
+    for name in files:
+        target = confined(destination, os.path.join(destination, name))
+        _make_parents(destination, target)
+        os.replace(os.path.join(staged, name), target)
+    shutil.rmtree(confined(destination, staged), ignore_errors=True)
 
 
 def differences(source_save_dir: str, destination_save_dir: str) -> tuple[list[str], int]:
@@ -128,12 +153,3 @@ def differences(source_save_dir: str, destination_save_dir: str) -> tuple[list[s
         elif hash_file(path) != hash_file(os.path.join(source_save_dir, name)):
             problems.append(f"{path}: content differs from {os.path.join(source_save_dir, name)}")
     return problems, len(names)
-
-
-def publish(staged: str, files, destination: str) -> None:
-    """Move the staged copies into `destination`, each by an atomic rename; remove `staged`."""
-    for name in files:
-        target = os.path.join(destination, name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(os.path.join(staged, name), target)
-    shutil.rmtree(staged, ignore_errors=True)
