@@ -109,9 +109,10 @@ def staging_dir(staging_tag_dir: str) -> str:
 
 
 def _make_parents(destination: str, path: str) -> None:
-    parent = os.path.dirname(path)
-    confined(destination, parent)
-    os.makedirs(parent, exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(path))
+    if parent != os.path.abspath(destination):  # DST itself exists already
+        confined(destination, parent)
+        os.makedirs(parent, exist_ok=True)
 
 
 def stage(save_dir: str, files, staged: str, destination: str) -> dict:

@@ -114,3 +114,28 @@ def test_per_rank_client_state_is_reported(trained, tmp_path):
     for path in targets:
         received = torch.load(path, map_location="cpu", weights_only=False)
         assert received["dataloader"]["index"] == 42 and received["ppo"]["reward_stats"]["mean"][0] == 0.5
+
+
+def test_staged_files_are_published_inside_dst_only(tmp_path):
+    from reshard.errors import OptionError
+    from reshard.save_dir_files import publish, stage, staging_dir
+    source, destination = tmp_path / "src", tmp_path / "dst"
+    (source / "tokenizer").mkdir(parents=True)
+    (source / "trainer_state.json").write_text("{}")
+    (source / "tokenizer" / "vocab.json").write_text('{"a": 1}')
+    files = list_save_dir_files(str(source))
+    staged = staging_dir(str(destination / ".reshard-staging" / "global_step3"))
+    entries = stage(str(source), files, staged, str(destination))
+    assert sorted(entries) == ["../tokenizer/vocab.json", "../trainer_state.json"]
+    publish(staged, files, str(destination))
+    assert (destination / "tokenizer" / "vocab.json").read_text() == '{"a": 1}' and not os.path.exists(staged)
+    # a link in DST leading outside it is never written through
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (destination / "tokenizer" / "vocab.json").unlink()
+    (destination / "tokenizer").rmdir()
+    (destination / "tokenizer").symlink_to(outside)
+    stage(str(source), files, staged, str(destination))
+    with pytest.raises(OptionError, match="refusing to write outside the destination"):
+        publish(staged, files, str(destination))
+    assert not list(outside.iterdir())
