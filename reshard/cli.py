@@ -10,6 +10,9 @@
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
+Under torchrun every worker exits with that status, but a refusal is printed once, by worker 0:
+the workers agree on every failure (reshard.collective), so worker 0's message names it, also
+when another worker is the one that failed.
 """
 from __future__ import annotations
 
@@ -97,11 +100,21 @@ def verify_main(argv: list[str]) -> int:
         else:
             result = verify_hashes(args.destination, args.tag)
     except ReshardError as error:
-        print(f"reshard verify: error: {error}", file=sys.stderr)
+        _print_once(f"reshard verify: error: {error}")
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if _is_worker0():
         print(result.summary())
     return 0 if result.ok else 1
+
+
+def _is_worker0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_once(message: str) -> None:
+    """A refusal on stderr from worker 0 only (every worker raised the same error or learnt of it)."""
+    if _is_worker0():
+        print(message, file=sys.stderr)
 
 
 def inspect_main(argv: list[str]) -> int:
@@ -168,9 +181,9 @@ def export_main(argv: list[str]) -> int:
                                         memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
                                         overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
     except ReshardError as error:
-        print(f"reshard export: error: {error}", file=sys.stderr)
+        _print_once(f"reshard export: error: {error}")
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if _is_worker0():
         print(result.summary())
     return 0
 
@@ -189,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.job import run_job
         result = run_job(options)
     except ReshardError as error:
-        print(f"reshard: error: {error}", file=sys.stderr)
+        _print_once(f"reshard: error: {error}")
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if _is_worker0():
         print(result.summary())
     return 0
