@@ -37,6 +37,7 @@ from typing import Any
 from reshard.batch_config import batch_config_problem
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_client_state import client_state_keys
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag, source_rank_tensors
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import TensorRef
@@ -45,16 +46,6 @@ SCHEMA = "reshard.inspect/1"
 
 # Formats `python -m reshard export` writes; every ZeRO checkpoint reshard reads can be exported.
 EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "universal")
-
-# Keys DeepSpeed itself writes at the top of a model-states file (runtime/engine.py
-# `_common_checkpoint_state`, `_save_checkpoint`, `_save_zero_checkpoint`); the rest is client_state.
-DEEPSPEED_MODEL_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info",
-    "ds_autoep_layers",
-})
 
 # Largest data-parallel size listed when a fixed train_batch_size restricts the choice.
 _LISTED_DP_LIMIT = 4096
@@ -203,7 +194,7 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     report.tied = dict(model.get("shared_params") or {})
     report.buffers = list(model.get("buffer_names") or [])
     report.counters = {k: model.get(k) for k in ("global_steps", "global_samples", "skipped_steps")}
-    report.client_state_keys = [k for k in model if k not in DEEPSPEED_MODEL_KEYS]
+    report.client_state_keys = client_state_keys(model)
     report.targets = _targets(source, config)
 
 
