@@ -22,7 +22,7 @@ from reshard.topology import Topology
 def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int) -> ReshardPlan:
     """The plan for moving a checkpoint of `spec` (a CheckpointSpec: topology, layout rules,
     streams with item sizes) to the `target` topology with `workers` workers."""
-    ownership = Ownership(spec.topology, target, workers)
+    ownership = Ownership.between(spec.topology, target, workers)
     old, new = spec.layout(spec.topology.dp), spec.layout(target.dp)
     if spec.stage == 3:
         bases = logical_bases([p.numel for p in spec.params])

@@ -1,7 +1,7 @@
 """The reshard plan, pure and deterministic: who reads, who writes, what moves, in which round.
 
     from reshard.plan import Stream, plan_space, Ownership
-    own = Ownership(Topology(dp=2), Topology(dp=3), workers=2)
+    own = Ownership.between(Topology(dp=2), Topology(dp=3), workers=2)
     space = plan_space("optimizer", src_layout.pieces, dst_layout.pieces,
                        streams=(Stream("fp32", "float32", 4),), target_buffer_numels=(80,),
                        ownership=own, budget_bytes=1 << 20)
@@ -53,17 +53,15 @@ class Ownership:
     model-states file).
     """
 
-    source: Topology
-    target: Topology
+    source_ranks: int
+    target_ranks: int
+    """Target ranks, or whatever the writers own (output files of an export)."""
     workers: int
 
-    @property
-    def source_ranks(self) -> int:
-        return self.source.world_size
-
-    @property
-    def target_ranks(self) -> int:
-        return self.target.world_size
+    @classmethod
+    def between(cls, source: Topology, target: Topology, workers: int) -> "Ownership":
+        """Ownership of every rank of the `source` topology and of the `target` topology."""
+        return cls(source.world_size, target.world_size, workers)
 
     def reader(self, source_rank):
         return source_rank * self.workers // self.source_ranks

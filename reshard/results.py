@@ -66,6 +66,7 @@ class CheckpointResult:
                  f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
                  f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
                  f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
+        lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:
             lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
                          f"{'receive':>10} {'write':>10}")
@@ -76,7 +77,6 @@ class CheckpointResult:
             lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
             lines += [f"  note   : {note}" for note in self.notes]
             return "\n".join(lines)
-        lines += [f"  note   : {note}" for note in self.notes]
         if not self.reports:
             return "\n".join(lines)
         rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0

@@ -42,7 +42,7 @@ def zero3_cases(draw):
     budget = draw(st.sampled_from([24, 200, 1000, 1 << 20]))
     segments = draw(st.sampled_from([1, 7, 40, 1 << 20]))
     return params, zero3_layout(params, groups, n, sub), zero3_layout(params, groups, m, sub), \
-        Ownership(Topology(n), Topology(m), w), (budget, segments)
+        Ownership(n, m, w), (budget, segments)
 
 
 def chunked_optim(src, dst, own, budget, streams):
@@ -93,7 +93,7 @@ def test_frozen_space_follows_the_optimizer_space(frozen_sizes, n, m, w, budget)
     params = (ParamSpec("a", (37,)), ParamSpec("b", (5,)))
     frozen = tuple(ParamSpec(f"f{i}", (k,)) for i, k in enumerate(frozen_sizes))
     src, dst = zero3_layout(params, [(0, 1)], n), zero3_layout(params, [(0, 1)], m)
-    own = Ownership(Topology(n), Topology(m), w)
+    own = Ownership(n, m, w)
     optim = chunked_optim(src, dst, own, budget, STREAMS[:1])
     numels = [p.numel for p in frozen]
     frozen_space = plan_chunked_space("frozen", ChunkedSide.of_frozen(numels, n), ChunkedSide.of_frozen(numels, m),

@@ -30,7 +30,6 @@ from reshard.plan import (
     plan_space,
     round_cap,
 )
-from reshard.topology import Topology
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("frozen_like", "bfloat16", 2))
 
@@ -49,7 +48,7 @@ def cases(draw):
 
     def layout(world):
         return zero3_layout(params, groups, world, sub) if stage == 3 else zero12_layout(params, groups, world, **opts)
-    return params, layout(n), layout(m), Ownership(Topology(n), Topology(m), w), budget
+    return params, layout(n), layout(m), Ownership(n, m, w), budget
 
 
 def simulate(plan: ReshardPlan, source_tables, target_tables, source_numels, target_numels, round_limit=None) -> dict:
@@ -146,7 +145,7 @@ def test_two_spaces_run_one_after_another(frozen_sizes, n, m, w, budget):
     params = (ParamSpec("a", (37,)), ParamSpec("b", (5,)))
     frozen = tuple(ParamSpec(f"f{i}", (k,)) for i, k in enumerate(frozen_sizes))
     src, dst = zero3_layout(params, [(0, 1)], n), zero3_layout(params, [(0, 1)], m)
-    own = Ownership(Topology(n), Topology(m), w)
+    own = Ownership(n, m, w)
     optim = plan_space("optim", src.pieces, dst.pieces, STREAMS[:1], buffer_numels(dst), own, budget)
     chunks = lambda world: [zero3_chunk(p.numel, world) for p in frozen]
     frozen_space = plan_space("frozen", frozen_pieces(frozen, n), frozen_pieces(frozen, m), STREAMS[2:],
@@ -186,7 +185,7 @@ def test_contiguous_neighbours_merge_into_one_segment():
 def test_a_tensor_larger_than_the_budget_is_split_across_rounds():
     params = (ParamSpec("big", (10_000,)),)
     src, dst = zero12_layout(params, [(0,)], 2), zero12_layout(params, [(0,)], 3)
-    own = Ownership(Topology(2), Topology(3), 2)
+    own = Ownership(2, 3, 2)
     space = plan_space("optim", src.pieces, dst.pieces, STREAMS[:2], buffer_numels(dst), own, budget_bytes=4096)
     assert space.rounds >= 10_000 * 8 // (own.workers * round_cap(4096))  # nobody moves more than a third of the budget a round
     plan = ReshardPlan(own, (space,), 4096)
