@@ -11,11 +11,11 @@ Exit status: 0 only when DST holds the complete checkpoint (or the dry run print
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from reshard.errors import ReshardError
 from reshard.options import ReshardOptions, parse_size
+from reshard.transport import is_first_worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-batch-config", action="store_true", default=None,
                         help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
+    parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
+                        help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
@@ -51,7 +53,8 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
-                 "backend": args.backend, "timeout": args.timeout}
+                 "backend": args.backend, "timeout": args.timeout,
+                 "transport": args.transport}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
@@ -81,7 +84,7 @@ def verify_main(argv: list[str]) -> int:
     except ReshardError as error:
         print(f"reshard verify: error: {error}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if is_first_worker():
         print(result.summary())
     return 0 if result.ok else 1
 
@@ -98,6 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     except ReshardError as error:
         print(f"reshard: error: {error}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if is_first_worker():
         print(result.summary())
     return 0

@@ -88,7 +88,7 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
 
 def run_job(opts: ReshardOptions, transport: Transport | None = None) -> ReshardResult:
     own_transport = transport is None
-    transport = transport or transport_from_environment(opts.backend, opts.timeout)
+    transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
     try:
         started = time.perf_counter()
         def discover():

@@ -19,3 +19,10 @@ def trained(tmp_path_factory):
     """trained(variant, n) -> (save_dir, truth_path): a real checkpoint, trained once per session."""
     from trained import TrainedCheckpoints
     return TrainedCheckpoints(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def torchrun_output(trained, tmp_path_factory):
+    """torchrun_output(variant, n, m) -> DST of a 2-worker torchrun reshard, made once per session."""
+    from trained import TorchrunOutputs
+    return TorchrunOutputs(tmp_path_factory.mktemp("torchrun-outputs"), trained)
