@@ -4,6 +4,8 @@
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
+    python -m reshard SRC DST --target-dp M --array-task I --array-tasks K   # see reshard.array_job
+    python -m reshard publish DST                      # publish a finished array job
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -42,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-batch-config", action="store_true", default=None,
                         help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
+    parser.add_argument("--array-task", type=int, metavar="I",
+                        help="SLURM array mode, no collectives: this task's index, 0..K-1 (with --array-tasks)")
+    parser.add_argument("--array-tasks", type=int, metavar="K", help="SLURM array mode: number of tasks")
     parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
                         help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
@@ -54,7 +59,7 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout,
-                 "transport": args.transport}
+                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "publish":
+        from reshard.array_job import publish_main
+        return publish_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)

@@ -176,6 +176,7 @@ def round_bytes(plan: ReshardPlan) -> list[int]:
     totals = []
     for space in plan.spaces:
         seg = space.segments
-        per_round = np.bincount(seg.round, weights=seg.length, minlength=space.rounds) if len(seg) else []
+        per_round = np.bincount(seg.round, weights=seg.length, minlength=space.rounds) if len(seg) else \
+            np.zeros(space.rounds)  # a space restricted to some files (array task) may keep its rounds, empty
         totals.extend(int(x) * space.bytes_per_element for x in per_round)
     return totals

@@ -87,6 +87,9 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
 
 
 def run_job(opts: ReshardOptions, transport: Transport | None = None) -> ReshardResult:
+    if opts.array_tasks is not None:  # one SLURM array task: no transport, no peers
+        from reshard.array_job import run_array_task
+        return run_array_task(opts)
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
     try:

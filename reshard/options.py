@@ -59,6 +59,10 @@ class ReshardOptions:
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
     timeout: float = 600.0
     """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
+    array_task: int | None = None
+    """This process's index (0..array_tasks-1) in a SLURM array job without collectives (reshard.array_job)."""
+    array_tasks: int | None = None
+    """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
     transport: str = "auto"
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
     started the process and torchrun did not)."""
@@ -72,6 +76,13 @@ class ReshardOptions:
             raise OptionError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if self.transport not in ("auto", "torch", "mpi"):
             raise OptionError(f"--transport must be auto, torch or mpi, got {self.transport!r}")
+        if (self.array_task is None) != (self.array_tasks is None):
+            raise OptionError("--array-task and --array-tasks go together (task index and number of tasks)")
+        if self.array_tasks is not None and not (isinstance(self.array_tasks, int) and self.array_tasks >= 1
+                                                 and isinstance(self.array_task, int)
+                                                 and 0 <= self.array_task < self.array_tasks):
+            raise OptionError(f"--array-task must be in 0..--array-tasks-1 and --array-tasks >= 1, got task "
+                              f"{self.array_task!r} of {self.array_tasks!r}")
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
         return self

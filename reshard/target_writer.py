@@ -64,11 +64,14 @@ class TargetWriter:
 
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, world_size: int, ranks, *,
-               reuse_existing: bool = False) -> "TargetWriter":
+               reuse_existing: bool = False, only: set[str] | None = None) -> "TargetWriter":
+        """The files of target `ranks` (only those named in `only`, when given: an array task's share)."""
         writer = cls()
         try:
             for rank in ranks:
                 for target in target_files(source, world_size, rank):
+                    if only is not None and target.name not in only:
+                        continue
                     writer._open_file(source, os.path.join(tag_dir, target.name), target, rank, reuse_existing)
             writer.sync()
         except BaseException:

@@ -1,0 +1,141 @@
+"""SLURM array mode: K tasks without collectives, run at once, one after another, or killed and
+re-run, each time producing the torchrun job's output byte for byte, published exactly once.
+
+    python -m pytest tests/test_array_job.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trained import REPO, reshard_cli, tree_files
+
+from reshard.array_job import ArrayFile, deal_files
+from reshard.errors import OptionError
+from reshard.options import ReshardOptions
+
+VARIANT, N, M, K = "z3_bf16", 2, 4, 3
+ENTRY = REPO / "tests" / "entry" / "array_task.py"
+
+
+def test_files_are_dealt_by_bytes_deterministically():
+    files = [ArrayFile(u, f"f{u}-{i}", size, i) for u in range(2) for i, size in enumerate([90, 10, 40, 40, 35, 5, 1])]
+    owners = deal_files(files, 3)
+    assert owners == deal_files(list(files), 3)
+    loads = [sum(f.nbytes for f, o in zip(files, owners) if o == t) for t in range(3)]
+    assert sum(loads) == sum(f.nbytes for f in files)
+    assert max(loads) - min(loads) <= max(f.nbytes for f in files)
+    assert sorted(set(owners)) == [0, 1, 2]
+    assert deal_files(files, 1) == [0] * len(files)
+
+
+@pytest.mark.parametrize("task,tasks", [(3, 3), (-1, 2), (0, 0), (None, 2), (1, None)])
+def test_bad_array_options_are_refused(task, tasks):
+    with pytest.raises(OptionError, match="--array-task"):
+        ReshardOptions(source="/a", destination="/b", target_dp=2, array_task=task, array_tasks=tasks).validate()
+
+
+def _start(task: int, source, destination, report: Path, env: dict | None = None) -> subprocess.Popen:
+    child = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    child.update(env or {})
+    return subprocess.Popen([sys.executable, str(ENTRY), str(report), str(source), str(destination),
+                             "--target-dp", str(M), "--array-task", str(task), "--array-tasks", str(K),
+                             "--memory-budget", "1K", "--quiet"],
+                            env=child, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process: subprocess.Popen, expect_ok: bool = True) -> str:
+    output, _ = process.communicate(timeout=300)
+    if expect_ok:
+        assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def _storage_bytes(tag_dir: Path) -> int:
+    """Bytes of tensor storage the target files hold (each storage once), read back with torch."""
+    total = 0
+    for path in tag_dir.glob("*.pt"):
+        seen = {}
+        def visit(obj):
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif isinstance(obj, dict):
+                for value in obj.values():
+                    visit(value)
+            elif isinstance(obj, (list, tuple)):
+                for value in obj:
+                    visit(value)
+        visit(torch.load(path, map_location="cpu", mmap=True, weights_only=False))
+        total += sum(seen.values())
+    return total
+
+
+def _check_output(destination: Path, reference: Path, reports: list[Path]) -> None:
+    assert tree_files(destination) == tree_files(reference)
+    read = sum(json.loads(r.read_text())["bytes_read"] + json.loads(r.read_text())["bytes_carried"] for r in reports)
+    needed = _storage_bytes(destination / (destination / "latest").read_text())
+    assert 0 < read <= 1.05 * needed, (read, needed)
+
+
+def _not_published(destination: Path) -> None:
+    assert not (destination / "latest").exists()
+    assert not any(p.is_dir() and p.name.startswith("global_step") for p in destination.iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(trained, torchrun_output):
+    return trained(VARIANT, N)[0], torchrun_output(VARIANT, N, M)
+
+
+@pytest.mark.e2e
+def test_array_tasks_at_once(reference, tmp_path):
+    source, expected = reference
+    destination = tmp_path / "dst"
+    reports = [tmp_path / f"task{i}.json" for i in range(K)]
+    outputs = [_finish(p) for p in [_start(i, source, destination, reports[i]) for i in range(K)]]
+    _check_output(destination, expected, reports)
+    published = [o for o in outputs if "this task completed the set" in o]
+    assert len(published) == 1, outputs   # exactly one task moved the tag into place
+
+
+@pytest.mark.e2e
+def test_array_tasks_one_after_another_in_any_order(reference, tmp_path):
+    source, expected = reference
+    destination = tmp_path / "dst"
+    reports = {i: tmp_path / f"task{i}.json" for i in range(K)}
+    for position, task in enumerate((2, 0, 1)):
+        output = _finish(_start(task, source, destination, reports[task]))
+        if position < K - 1:
+            _not_published(destination)
+            assert "still to write" in output
+    _check_output(destination, expected, list(reports.values()))
+    again = _finish(_start(0, source, destination, tmp_path / "again.json"))  # a retry after the end: no-op
+    assert "nothing to do" in again and tree_files(destination) == tree_files(expected)
+    from reshard.verify import verify_hashes
+    assert verify_hashes(str(destination)).ok
+
+
+@pytest.mark.e2e
+def test_array_task_killed_mid_write_then_rerun(reference, tmp_path):
+    source, expected = reference
+    destination = tmp_path / "dst"
+    reports = {i: tmp_path / f"task{i}.json" for i in range(K)}
+    killed = _start(1, source, destination, tmp_path / "killed.json", env={"RESHARD_FAILPOINTS": "kill@round=3"})
+    _finish(killed, expect_ok=False)
+    assert killed.returncode == -9
+    for task in (0, 2):
+        _finish(_start(task, source, destination, reports[task]))
+    _not_published(destination)
+    pending = reshard_cli("publish", destination)
+    assert pending.returncode == 1 and "array task(s) 1" in pending.stdout, pending.stdout + pending.stderr
+    _not_published(destination)
+    output = _finish(_start(1, source, destination, reports[1]))
+    assert "stale lock" in output and "this task completed the set" in output
+    _check_output(destination, expected, list(reports.values()))
+    assert not (destination / ".reshard-staging").exists() and not (destination / ".reshard.lock").exists()
