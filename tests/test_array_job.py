@@ -139,3 +139,36 @@ def test_array_task_killed_mid_write_then_rerun(reference, tmp_path):
     assert "stale lock" in output and "this task completed the set" in output
     _check_output(destination, expected, list(reports.values()))
     assert not (destination / ".reshard-staging").exists() and not (destination / ".reshard.lock").exists()
+
+
+@pytest.mark.e2e
+def test_tasks_finishing_together_publish_exactly_once(trained, tmp_path, monkeypatch):
+    """Every file done, then three publishers at the same instant: one moves the tag and writes `latest`."""
+    import threading
+
+    import reshard.array_job as array_job
+    from reshard.job import run_job
+    source, _ = trained(VARIANT, N)
+    destination = tmp_path / "dst"
+    monkeypatch.setattr(array_job, "publish_ready", lambda *args, **kwargs: [])
+    for task in range(K):
+        run_job(ReshardOptions(source=str(source), destination=str(destination), target_dp=M, array_task=task,
+                               array_tasks=K, quiet=True).validate())
+    monkeypatch.undo()
+    _not_published(destination)
+    tag = (source / "latest").read_text()
+    start, notes = threading.Barrier(3), [None] * 3
+
+    def publisher(i):
+        start.wait()
+        notes[i] = " ".join(array_job.publish_ready(str(destination), tags=[tag], latest=tag))
+    threads = [threading.Thread(target=publisher, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum("this task completed the set" in n for n in notes) == 1, notes
+    assert sum("wrote" in n for n in notes) == 1, notes
+    assert (destination / "latest").read_text() == tag
+    from reshard.verify import verify_hashes
+    assert verify_hashes(str(destination)).ok
