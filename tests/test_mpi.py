@@ -84,3 +84,28 @@ def test_a_worker_that_dies_or_hangs_ends_the_mpi_job(trained, tmp_path, failure
     if failure == "stall":
         assert "aborting the MPI job" in run.stderr, run.stderr[-3000:]
     assert elapsed < 200, elapsed
+
+
+@needs_mpi
+@pytest.mark.e2e
+def test_in_job_resharding_under_mpiexec_launched_deepspeed(trained, tmp_path):
+    """DeepSpeed started by mpiexec (deepspeed.init_distributed finds rank and size through mpi4py,
+    then joins a gloo group): reshard.deepspeed.load_checkpoint reshards 2 -> 3 in the job and
+    every element matches the truth."""
+    import json
+    import socket
+    source, truth = trained("z3_bf16", 2)
+    with socket.socket() as probe:  # DeepSpeed's default port 29500 may be taken by a parallel run
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    child = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_PORT=str(port))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+        child.pop(name, None)
+    verdict = tmp_path / "verdict.json"
+    run = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "reshard.proof.check_load", "--variant", "z3_bf16",
+                          "--load-dir", str(source), "--truth", str(truth), "--verdict", str(verdict), "--seed", "1",
+                          "--extra-steps", "1", "--in-job"], capture_output=True, text=True, env=child, cwd=REPO,
+                         timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads(verdict.read_text())
+    assert result["ok"] and result["world_size"] == 3 and result["checked_tensors"] > 0, result["mismatches"][:10]
