@@ -279,7 +279,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
                 _mark_done(array_dir, f.name, path)
         targets = [f for f in todo if f.rank is not None]
         if targets:
-            _write_targets(opts, source, plan, staging.tag_dir, array_dir, targets, report)
+            _write_targets(opts, source, staging.tag_dir, array_dir, targets, report)
     finally:
         lock.release()
         shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
@@ -288,14 +288,25 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
     return result
 
 
-def _write_targets(opts, source: SourceCheckpoint, plan: ReshardPlan, tag_dir: str, array_dir: str,
-                   targets: list, report: WorkerReport) -> None:
+def _plan_for_share(source: SourceCheckpoint, opts: ReshardOptions, locations) -> ReshardPlan:
+    """The one-worker plan, its rounds sized for the target ranks this share writes.
+
+    A round of the one-worker plan takes an equal window of every target rank's buffers; a
+    share keeps only its own ranks' parts, so the plan is made with the budget scaled by
+    M / (ranks in the share): once restricted, a round holds at most a third of the real budget."""
+    ranks = {rank for rank, _ in locations}
+    scale = opts.target_dp / max(1, len(ranks))
+    return plan_reshard(source, opts.target_dp, 1, int(opts.memory_budget * scale))
+
+
+def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str, targets: list,
+                   report: WorkerReport) -> None:
     """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source."""
     ranks = sorted({f.rank for f in targets})
     writer = TargetWriter.create(source, tag_dir, opts.target_dp, ranks, only={f.name for f in targets})
     reader = None
     try:
-        share = restrict_to_files(plan, writer.locations)
+        share = restrict_to_files(_plan_for_share(source, opts, writer.locations), writer.locations)
         source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
         report.source_ranks = tuple(source_ranks)
         reader = SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle)
