@@ -35,6 +35,7 @@ import resource
 import shutil
 import sys
 import time
+import urllib.parse
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
-from reshard.job import _outputs_of, plan_reshard
+from reshard.job import ZERO3_RANK_IDENTITY_NOTE, _outputs_of, plan_reshard
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -61,11 +62,13 @@ from reshard.manifest import (
     write_json_atomically,
 )
 from reshard.options import ReshardOptions
+from reshard.paths import confined
 from reshard.plan import ReshardPlan, SpacePlan
+from reshard.resources import check_free_space, ensure_open_files
 from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
-from reshard.target_writer import TargetWriter
+from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.transport.local import LocalTransport
 
 ARRAY_SUFFIX = ".array"
@@ -147,7 +150,8 @@ def _array_dir(destination: str, tag: str) -> str:
 
 
 def _done_path(array_dir: str, name: str) -> str:
-    return os.path.join(array_dir, DONE_DIR, name + ".json")
+    """The marker of file `name` (a relative path for files in sub-directories of the tag directory)."""
+    return os.path.join(array_dir, DONE_DIR, urllib.parse.quote(name, safe="") + ".json")
 
 
 def _read_json(path: str):
@@ -229,6 +233,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
                               plan.rounds, 0.0, opts.dry_run, plan)
     report = WorkerReport(opts.array_task, (), ranks)
     result.reports = [report]
+    if spec.stage == 3:
+        result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     if opts.dry_run:
         result.notes.append(f"task {opts.array_task} writes {len(mine)} file(s), "
                             f"{sum(f.nbytes for f in mine)} bytes: {', '.join(f.name for f in mine) or '-'}")
@@ -249,8 +255,11 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
     staging = Staging(unit.destination, source.tag)
     array_dir = _array_dir(unit.destination, source.tag)
     try:
-        os.makedirs(os.path.join(array_dir, DONE_DIR), exist_ok=True)
-        os.makedirs(staging.tag_dir, exist_ok=True)
+        for directory in (staging.root, staging.tag_dir, array_dir, os.path.join(array_dir, DONE_DIR)):
+            if os.path.islink(directory):
+                raise OptionError(f"{directory}: is a symbolic link; reshard does not write through links inside "
+                                  "the destination (remove it)")
+            os.makedirs(confined(unit.destination, directory), exist_ok=True)
     except OSError as error:
         raise OptionError(f"{unit.destination}: cannot be created or written ({error.strerror})") from None
     if os.path.exists(os.path.join(staging.tag_dir, JOURNAL_NAME)):
@@ -261,7 +270,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
         "source": {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
                    "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
                    "files": identity},
-        "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, **place})
+        "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
+        **place})
 
     lock = DestinationLock(os.path.join(array_dir, f"task-{opts.array_task}"))
     lock.acquire()
@@ -271,15 +281,23 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
         todo = [f for f in mine if not os.path.isfile(_done_path(array_dir, f.name))]
         if len(todo) < len(mine):
             result.notes.append(f"{len(mine) - len(todo)} of this task's {len(mine)} file(s) were already done")
-        for f in todo:
-            if f.rank is None:
-                path = os.path.join(staging.tag_dir, f.name)
-                shutil.copy2(os.path.join(source.tag_dir, f.name), path)
-                report.bytes_carried += os.path.getsize(path)
-                _mark_done(array_dir, f.name, path)
-        targets = [f for f in todo if f.rank is not None]
-        if targets:
-            _write_targets(opts, source, staging.tag_dir, array_dir, targets, report)
+        check_free_space(unit.destination, sum(f.nbytes for f in todo))
+        try:
+            for f in todo:
+                if f.rank is None:
+                    staging.copy_in(source.tag_dir, [f.name])
+                    path = os.path.join(staging.tag_dir, f.name)
+                    report.bytes_carried += os.path.getsize(path)
+                    _mark_done(array_dir, f.name, path)
+            targets = [f for f in todo if f.rank is not None]
+            if targets:
+                _write_targets(opts, source, staging.tag_dir, array_dir, targets, report)
+        except OSError as error:
+            raise WriteFailed(error.filename or staging.tag_dir, error) from None
+        except WriteFailed as error:
+            error.args = (f"{error}. The files this task finished stay marked done in {array_dir}; fix the cause "
+                          f"and re-run array task {opts.array_task} to write the rest",)
+            raise
     finally:
         lock.release()
         shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
@@ -309,6 +327,7 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
         share = restrict_to_files(_plan_for_share(source, opts, writer.locations), writer.locations)
         source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
         report.source_ranks = tuple(source_ranks)
+        ensure_open_files((2 if source.spec.stage == 3 else 1) * len(source_ranks) + len(targets) + 1)
         reader = SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle)
         writer.copy_in_background()
         run_rounds(share, LocalTransport(), reader, writer)
@@ -388,7 +407,7 @@ def publish_ready(destination: str, *, tags: list[str] | None = None, latest: st
             if os.path.isdir(array_dir) and not _published(destination, record["tag"], record["fingerprint"]):
                 _publish_record(destination, record, array_dir)
                 notes.append(f"published {os.path.join(destination, record['tag'])} (this task completed the set)")
-            shutil.rmtree(array_dir, ignore_errors=True)
+            shutil.rmtree(confined(destination, array_dir), ignore_errors=True)
         root = os.path.join(destination, STAGING)
         if os.path.isdir(root) and not os.listdir(root):
             os.rmdir(root)
@@ -421,6 +440,7 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
                                f"{'missing' if not os.path.isfile(path) else f'{os.path.getsize(path)} bytes'}; "
                                f"remove {_done_path(array_dir, name)} and re-run array task {record['owners'][name]}")
         files[name] = entry
+    staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
     Manifest(record["fingerprint"], source=record["source"], target=record["target"], files=files,
              reshard_version=__version__).write(staging.tag_dir)
     staging.publish(None)

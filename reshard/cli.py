@@ -15,13 +15,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reshard.errors import ReshardError
+from reshard.errors import OptionError, ReshardError
 from reshard.options import ReshardOptions, parse_size
 from reshard.transport import is_first_worker
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad value is one line on stderr and exit status 2 (never a usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(text: str) -> int:
+    """argparse type for sizes: its errors become argparse errors (exit 2, one line)."""
+    try:
+        return parse_size(text)
+    except OptionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard", description="Reshard a DeepSpeed ZeRO checkpoint for a new data-parallel world size, "
                                     "written natively so that engine.load_checkpoint(DST) works at that size.")
     parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
@@ -30,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
-    parser.add_argument("--memory-budget", type=parse_size,
+    parser.add_argument("--memory-budget", type=_size,
                         help="bytes of slices a worker holds at once, e.g. 512M, 4G (default 1G)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="allow a non-empty DST; replaces the tag directory and `latest` there")
@@ -39,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     parser.add_argument("--trust-pickle", action="store_true", default=None,
                         help="unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)")
-    parser.add_argument("--durable-every", type=parse_size,
+    parser.add_argument("--durable-every", type=_size,
                         help="fsync and record progress each time this much has moved, for resuming (default 1G)")
     parser.add_argument("--ignore-batch-config", action="store_true", default=None,
                         help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
@@ -66,13 +81,13 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard verify", description="Check a reshard output: re-hash every file against its manifest, "
                                            "or (with --against) compare every element with the source.")
     parser.add_argument("destination", help="save directory written by reshard")
     parser.add_argument("--tag", help="tag to check (default: DST/latest)")
     parser.add_argument("--against", metavar="SRC", help="source save directory to compare element by element")
-    parser.add_argument("--memory-budget", type=parse_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     return parser
 

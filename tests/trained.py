@@ -92,3 +92,22 @@ def tree_files(root) -> dict[str, bytes]:
     """Every file under `root` (relative path -> content): what byte-identical outputs must share."""
     root = Path(root)
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def tree_state(root, skip=None) -> dict:
+    """Relative path -> BLAKE3 (files), "dir" or "link -> target" below `root`, leaving out `skip`:
+    what a test compares before and after to prove that nothing outside DST changed or appeared."""
+    from reshard.manifest import hash_file
+    root = Path(root)
+    skip = None if skip is None else Path(skip)
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if skip is not None and (path == skip or skip in path.parents):
+            continue
+        if path.is_symlink():
+            found[path.relative_to(root)] = f"link -> {os.readlink(path)}"
+        elif path.is_file():
+            found[path.relative_to(root)] = hash_file(str(path))
+        else:
+            found[path.relative_to(root)] = "dir"
+    return found
