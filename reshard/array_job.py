@@ -283,17 +283,18 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
             result.notes.append(f"{len(mine) - len(todo)} of this task's {len(mine)} file(s) were already done")
         check_free_space(unit.destination, sum(f.nbytes for f in todo))
         try:
-            for f in todo:
-                if f.rank is None:
-                    staging.copy_in(source.tag_dir, [f.name])
-                    path = os.path.join(staging.tag_dir, f.name)
-                    report.bytes_carried += os.path.getsize(path)
-                    _mark_done(array_dir, f.name, path)
-            targets = [f for f in todo if f.rank is not None]
-            if targets:
-                _write_targets(opts, source, staging.tag_dir, array_dir, targets, report)
-        except OSError as error:
-            raise WriteFailed(error.filename or staging.tag_dir, error) from None
+            try:
+                for f in todo:
+                    if f.rank is None:
+                        staging.copy_in(source.tag_dir, [f.name])
+                        path = os.path.join(staging.tag_dir, f.name)
+                        report.bytes_carried += os.path.getsize(path)
+                        _mark_done(array_dir, f.name, path)
+                targets = [f for f in todo if f.rank is not None]
+                result.rounds = _write_targets(opts, source, staging.tag_dir, array_dir, targets, report) \
+                    if targets else 0
+            except OSError as error:
+                raise WriteFailed(error.filename or staging.tag_dir, error) from None
         except WriteFailed as error:
             error.args = (f"{error}. The files this task finished stay marked done in {array_dir}; fix the cause "
                           f"and re-run array task {opts.array_task} to write the rest",)
@@ -318,18 +319,21 @@ def _plan_for_share(source: SourceCheckpoint, opts: ReshardOptions, locations) -
 
 
 def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str, targets: list,
-                   report: WorkerReport) -> None:
-    """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source."""
+                   report: WorkerReport) -> int:
+    """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source.
+    Returns the number of rounds that moved data."""
     ranks = sorted({f.rank for f in targets})
+    per_rank = 2 if source.spec.stage == 3 else 1
+    ensure_open_files(per_rank * source.spec.dp_world_size + len(targets) + 1)
     writer = TargetWriter.create(source, tag_dir, opts.target_dp, ranks, only={f.name for f in targets})
     reader = None
     try:
         share = restrict_to_files(_plan_for_share(source, opts, writer.locations), writer.locations)
         source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
         report.source_ranks = tuple(source_ranks)
-        ensure_open_files((2 if source.spec.stage == 3 else 1) * len(source_ranks) + len(targets) + 1)
         reader = SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle)
         writer.copy_in_background()
+        rounds = len(share.worker_view(0).receives)
         run_rounds(share, LocalTransport(), reader, writer)
         writer.finish()
         hashes = writer.hashes()
@@ -342,6 +346,7 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
     report.bytes_carried += writer.bytes_carried
     for name, entry in hashes.items():
         write_json_atomically(_done_path(array_dir, name), entry)
+    return rounds
 
 
 def _mark_done(array_dir: str, name: str, path: str) -> None:

@@ -11,13 +11,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_plan import STREAMS, cases
 from trained import REPO, reshard_cli, tree_files
 
-from reshard.array_job import ArrayFile, deal_files
+from reshard.array_job import ArrayFile, deal_files, restrict_to_files
 from reshard.errors import OptionError
+from reshard.formats.deepspeed_spec import buffer_numels
 from reshard.options import ReshardOptions
+from reshard.plan import Ownership, ReshardPlan, plan_space
 
 VARIANT, N, M, K = "z3_bf16", 2, 4, 3
 ENTRY = REPO / "tests" / "entry" / "array_task.py"
@@ -32,6 +38,41 @@ def test_files_are_dealt_by_bytes_deterministically():
     assert max(loads) - min(loads) <= max(f.nbytes for f in files)
     assert sorted(set(owners)) == [0, 1, 2]
     assert deal_files(files, 1) == [0] * len(files)
+
+
+@given(cases(), st.integers(1, 4), st.randoms(use_true_random=False))
+@settings(max_examples=100, deadline=None)
+def test_shares_restrict_the_plan_to_disjoint_parts_that_cover_it(case, tasks, rng):
+    """Slots dealt to tasks at random: each restricted plan keeps exactly its own target buffers'
+    segments, with the rounds and order of the one-worker plan; together they cover it once."""
+    _, source_layout, target_layout, own, budget = case
+    one = Ownership(own.source_ranks, own.target_ranks, 1)
+    space = plan_space("optim", source_layout.pieces, target_layout.pieces, STREAMS[:2],
+                       buffer_numels(target_layout), one, budget)
+    plan = ReshardPlan(one, (space,), budget)
+    slots = sorted({(int(r), int(b)) for r, b in zip(space.segments.dst_rank, space.segments.dst_buffer)})
+    owner = {slot: rng.randrange(tasks) for slot in slots}
+    seen = np.zeros(len(space.segments), dtype=int)
+    for task in range(tasks):
+        locations = [(r, ("optim", b, s.name)) for (r, b), t in owner.items() if t == task for s in STREAMS[:2]]
+        share = restrict_to_files(plan, locations).spaces[0]
+        assert share.rounds == space.rounds
+        mine = np.asarray([owner[(int(r), int(b))] == task
+                           for r, b in zip(space.segments.dst_rank, space.segments.dst_buffer)], dtype=bool)
+        assert np.array_equal(share.segments.logical, space.segments.logical[mine])
+        assert np.array_equal(share.segments.round, space.segments.round[mine])
+        seen += mine
+    assert (seen == 1).all()
+
+
+def test_a_share_missing_some_states_of_a_buffer_is_refused():
+    from reshard.errors import ReshardError
+    from reshard.layout import ParamSpec, zero12_layout
+    layout = zero12_layout((ParamSpec("w", (10,)),), [(0,)], 2)
+    one = Ownership(2, 2, 1)
+    space = plan_space("optim", layout.pieces, layout.pieces, STREAMS[:2], buffer_numels(layout), one, 1 << 20)
+    with pytest.raises(ReshardError, match="exp_avg"):
+        restrict_to_files(ReshardPlan(one, (space,), 1 << 20), [(0, ("optim", 0, "fp32"))])
 
 
 @pytest.mark.parametrize("task,tasks", [(3, 3), (-1, 2), (0, 0), (None, 2), (1, None)])
