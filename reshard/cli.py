@@ -9,6 +9,9 @@
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
+Under torchrun every worker exits with that status, but a refusal is printed once, by worker 0:
+the workers agree on every failure (reshard.collective), so worker 0's message names it, also
+when another worker is the one that failed.
 """
 from __future__ import annotations
 
@@ -102,11 +105,21 @@ def verify_main(argv: list[str]) -> int:
         else:
             result = verify_hashes(args.destination, args.tag)
     except ReshardError as error:
-        print(f"reshard verify: error: {error}", file=sys.stderr)
+        _print_once(f"reshard verify: error: {error}")
         return 2
-    if is_first_worker():
+    if _is_worker0():
         print(result.summary())
     return 0 if result.ok else 1
+
+
+def _is_worker0() -> bool:
+    return is_first_worker()  # torchrun's RANK or the MPI launcher's rank
+
+
+def _print_once(message: str) -> None:
+    """A refusal on stderr from worker 0 only (every worker raised the same error or learnt of it)."""
+    if _is_worker0():
+        print(message, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.job import run_job
         result = run_job(options)
     except ReshardError as error:
-        print(f"reshard: error: {error}", file=sys.stderr)
+        _print_once(f"reshard: error: {error}")
         return 2
-    if is_first_worker():
+    if _is_worker0():
         print(result.summary())
     return 0

@@ -28,13 +28,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from reshard import __version__
-from reshard.batch_config import batch_config_problem
+from reshard import __version__, save_dir_files
+from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import run_rounds
+from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint, buffer_numels
@@ -141,16 +142,35 @@ class _Start:
     """DST did not exist before this run: a failure before the rounds removes it again."""
 
 
+def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]) -> list[str]:
+    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
+    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    ds_config = source.model_template.get("ds_config")
+    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
+    problem = batch_config_problem(ds_config, opts.target_dp)
+    if problem and not warning and not opts.ignore_batch_config:
+        raise OptionError(f"{source.model_path(0)}: {problem}")
+    notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
+    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    if differing:
+        notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+                     f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
+                     + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
+    return notes
+
+
 def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
-                  lock: DestinationLock) -> _Start:
+                  lock: DestinationLock, carried: list[str]) -> _Start:
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-    identity = source_identity(source.tag_dir, set(names) | set(source.other_files))
+    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                               | set(save_dir_files.manifest_names(carried)))
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
     outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
-    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} if outputs else set())
+    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
+                                   if outputs else set())
     previous = outputs.get(source.tag)
     if previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
         if unit.latest:
@@ -220,16 +240,14 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
     def inspect():
         check_paths(unit.source, unit.destination)
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-        problem = batch_config_problem(source.model_template.get("ds_config"), opts.target_dp)
-        if problem and not opts.ignore_batch_config:
-            raise OptionError(f"{source.model_path(0)}: {problem}")
-        return source
+        carried = save_dir_files.list_save_dir_files(source.save_dir)
+        return source, carried, _preflight(opts, source, carried)
 
-    source: SourceCheckpoint = on_rank0(transport, inspect)
+    source, carried, source_notes = on_rank0(transport, inspect)
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
-                              plan.rounds, 0.0, opts.dry_run, plan)
+                              plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     if opts.dry_run:
@@ -246,7 +264,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
     lock = DestinationLock(unit.destination)
     def decide():
         try:
-            return _decide_start(opts, unit, source, plan, lock)
+            return _decide_start(opts, unit, source, plan, lock, carried)
         except OSError as error:
             detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
@@ -293,7 +311,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:
-                _publish(opts, unit, source, start, staging, all_hashes)
+                _publish(opts, unit, source, start, staging, all_hashes, carried)
             except OSError as error:
                 failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
             except Exception as error:
@@ -324,12 +342,15 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list) -> None:
+def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
+             carried: list[str]) -> None:
     staging.copy_in(source.tag_dir, source.other_files, source.other_dirs)
+    staged = save_dir_files.staging_dir(staging.tag_dir)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
                     "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in source.other_files}
     for hashes in worker_hashes:
         files.update(hashes)
+    files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
     Manifest(start.output_fingerprint,
              source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
@@ -338,6 +359,8 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
              target={"dp_world_size": opts.target_dp, "stage": spec.stage},
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
+    if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
+        save_dir_files.publish(staged, carried, unit.destination)
     staging.publish(unit.latest)
 
 
