@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard import __version__
-from reshard.batch_config import batch_config_problem
+from reshard import __version__, save_dir_files
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import run_rounds
@@ -51,7 +50,7 @@ from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
-from reshard.job import ZERO3_RANK_IDENTITY_NOTE, _outputs_of, plan_reshard
+from reshard.job import ZERO3_RANK_IDENTITY_NOTE, _outputs_of, _preflight, plan_reshard
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -72,6 +71,8 @@ from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.transport.local import LocalTransport
 
 ARRAY_SUFFIX = ".array"
+SAVE_DIR_FILES = save_dir_files.STAGED
+"""The item standing for every file of the save directory beside DeepSpeed's (reshard.save_dir_files)."""
 RECORD_NAME = "record.json"
 DONE_DIR = "done"
 
@@ -112,12 +113,15 @@ def _tensor_bytes(tree) -> int:
     return total
 
 
-def files_of(unit_index: int, source: SourceCheckpoint, target_dp: int) -> list[ArrayFile]:
-    """Every file of one checkpoint's output, weighed."""
+def files_of(unit_index: int, source: SourceCheckpoint, target_dp: int, carried=()) -> list[ArrayFile]:
+    """Every file of one checkpoint's output, weighed; `carried` (save-directory files) count as one item."""
     files = [ArrayFile(unit_index, target.name, _tensor_bytes(target.tree), rank)
              for rank in range(target_dp) for target in target_files(source, target_dp, rank)]
     files += [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
               for name in sorted(source.other_files)]
+    if carried:
+        files.append(ArrayFile(unit_index, SAVE_DIR_FILES,
+                               sum(os.path.getsize(os.path.join(source.save_dir, name)) for name in carried), None))
     return files
 
 
@@ -186,13 +190,12 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def _inspect(opts: ReshardOptions, unit: Unit) -> SourceCheckpoint:
+def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, list, list]:
+    """The source, its save-directory files, and the notes (or refusal) of the collective job's preflight."""
     check_paths(unit.source, unit.destination)
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-    problem = batch_config_problem(source.model_template.get("ds_config"), opts.target_dp)
-    if problem and not opts.ignore_batch_config:
-        raise OptionError(f"{source.model_path(0)}: {problem}")
-    return source
+    carried = save_dir_files.list_save_dir_files(source.save_dir)
+    return source, carried, _preflight(opts, source, carried)
 
 
 def run_array_task(opts: ReshardOptions) -> ReshardResult:
@@ -202,15 +205,17 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     check_paths(opts.source, opts.destination)
     units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
     result = ReshardResult(notes=notes)
-    sources = [_inspect(opts, unit) for unit in units]
-    files = [f for index, source in enumerate(sources) for f in files_of(index, source, opts.target_dp)]
+    inspected = [_inspect(opts, unit) for unit in units]
+    files = [f for index, (source, carried, _) in enumerate(inspected)
+             for f in files_of(index, source, opts.target_dp, carried)]
     owners = deal_files(files, tasks)
-    for index, (unit, source) in enumerate(zip(units, sources)):
+    for index, (unit, (source, carried, source_notes)) in enumerate(zip(units, inspected)):
         mine = [f for f, owner in zip(files, owners) if f.unit == index and owner == task]
         unit_owners = {f.name: owner for f, owner in zip(files, owners) if f.unit == index}
         same = [u for u in units if u.destination == unit.destination]
         place = {"destination_tags": [u.tag for u in same], "latest": next((u.latest for u in same if u.latest), None)}
-        result.checkpoints.append(_run_share(opts, unit, source, unit_owners, mine, place))
+        result.checkpoints.append(_run_share(opts, unit, source, carried, unit_owners, mine, place))
+        result.checkpoints[-1].notes[:0] = source_notes
     if not opts.dry_run:
         for destination in dict.fromkeys(unit.destination for unit in units):
             same = [unit for unit in units if unit.destination == destination]
@@ -220,8 +225,8 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     return result
 
 
-def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owners: dict, mine: list,
-               place: dict) -> CheckpointResult:
+def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carried: list, owners: dict,
+               mine: list, place: dict) -> CheckpointResult:
     """This task's files of one checkpoint. `place`: every tag going to the unit's destination, and `latest`."""
     started = time.perf_counter()
     spec = source.spec
@@ -241,7 +246,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
         return result
 
     names = [n for r in range(spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-    identity = source_identity(source.tag_dir, set(names) | set(source.other_files))
+    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                               | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
     previous = outputs.get(source.tag)
@@ -249,7 +255,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
     if previous is not None and previous.fingerprint == fingerprint and not previous.check_files(final):
         result.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
         return result
-    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} if outputs else set())
+    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
+                                   if outputs else set())
     check_empty(unit.destination, ours, opts.overwrite)
 
     staging = Staging(unit.destination, source.tag)
@@ -271,6 +278,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
                    "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
                    "files": identity},
         "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
+        "save_dir_files": carried,
         **place})
 
     lock = DestinationLock(os.path.join(array_dir, f"task-{opts.array_task}"))
@@ -285,7 +293,12 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, owner
         try:
             try:
                 for f in todo:
-                    if f.rank is None:
+                    if f.name == SAVE_DIR_FILES:
+                        entries = save_dir_files.stage(source.save_dir, carried,
+                                                       save_dir_files.staging_dir(staging.tag_dir), unit.destination)
+                        report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
+                        write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
+                    elif f.rank is None:
                         staging.copy_in(source.tag_dir, [f.name])
                         path = os.path.join(staging.tag_dir, f.name)
                         report.bytes_carried += os.path.getsize(path)
@@ -439,6 +452,9 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
     files = {}
     for name in record["owners"]:
         entry = _read_json(_done_path(array_dir, name))
+        if name == SAVE_DIR_FILES:
+            files.update(entry["save_dir_files"])
+            continue
         path = os.path.join(staging.tag_dir, name)
         if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
             raise ReshardError(f"{path}: marked done with {entry['bytes']} bytes but "
@@ -448,6 +464,8 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
     staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
     Manifest(record["fingerprint"], source=record["source"], target=record["target"], files=files,
              reshard_version=__version__).write(staging.tag_dir)
+    if record.get("save_dir_files"):  # before the tag directory and `latest`, as job._publish does
+        save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), record["save_dir_files"], destination)
     staging.publish(None)
 
 

@@ -213,3 +213,32 @@ def test_tasks_finishing_together_publish_exactly_once(trained, tmp_path, monkey
     assert (destination / "latest").read_text() == tag
     from reshard.verify import verify_hashes
     assert verify_hashes(str(destination)).ok
+
+
+@pytest.mark.e2e
+def test_array_tasks_carry_save_directory_and_tag_files_like_the_collective_job(trained, tmp_path):
+    """Trainer-style files beside the tag directory and extra files inside it: the array output (tasks
+    in-process, out of order) equals the collective job's byte for byte, manifest included."""
+    import shutil
+
+    from trained import reshard_in_threads
+
+    from reshard.job import run_job
+    original, _ = trained(VARIANT, N)
+    source = tmp_path / "src"
+    shutil.copytree(original, source)
+    tag = (source / "latest").read_text()
+    (source / "trainer_state.json").write_text('{"global_step": 3}')
+    (source / "tokenizer").mkdir()
+    (source / "tokenizer" / "vocab.json").write_text('{"a": 0}')
+    (source / tag / "metric.json").write_text('{"loss": 1.5}')
+    expected = tmp_path / "collective"
+    reshard_in_threads(source, expected, M, 2)
+    destination = tmp_path / "array"
+    for task in (1, 0):
+        run_job(ReshardOptions(source=str(source), destination=str(destination), target_dp=M, array_task=task,
+                               array_tasks=2, quiet=True).validate())
+    assert (destination / "tokenizer" / "vocab.json").read_text() == '{"a": 0}'
+    manifest = json.loads((destination / tag / "reshard_manifest.json").read_text())
+    assert {"../trainer_state.json", "../tokenizer/vocab.json", "metric.json"} <= set(manifest["files"])
+    assert tree_files(destination) == tree_files(expected)
