@@ -6,6 +6,9 @@
     python -m reshard verify DST [--against SRC]       # see reshard.verify
     python -m reshard SRC DST --target-dp M --array-task I --array-tasks K   # see reshard.array_job
     python -m reshard publish DST                      # publish a finished array job
+    python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
+    python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
+    python -m reshard export SRC OUT --format universal                 # DeepSpeed universal checkpoint
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -122,6 +125,77 @@ def _print_once(message: str) -> None:
         print(message, file=sys.stderr)
 
 
+def inspect_main(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
+                                            "check every rank file; exit 2 when a check fails.")
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.inspect_report import inspect_report
+    report = inspect_report(args.source, args.tag, trust_pickle=args.trust_pickle)
+    if args.json:
+        import json
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.text())
+    return 0 if report.ok else 2
+
+
+EXPORT_HELP = """What is exported (--format safetensors): every tensor of the model's state_dict() as the
+checkpoint saved it, named as in state_dict(): trainable parameters from the fp32 master weights
+(cast to --dtype), frozen parameters and persistent buffers (floating ones cast to --dtype, integer
+ones as they are). A tied weight (shared_params, e.g. head.weight -> embed.weight) is stored once,
+under the owner's name, as save_pretrained does. Not exported: optimizer state, LR scheduler,
+counters, client_state, non-persistent buffers, frozen parameters excluded at save, and the HF
+config.json / tokenizer (copy those from your model). Files: model-0000k-of-0000n.safetensors and
+model.safetensors.index.json, written last.
+
+--format universal writes what DeepSpeed's ds_to_universal.py writes (OUT/TAG/zero/<param>/
+{fp32,exp_avg,exp_avg_sq,step}.pt, zero/optimizer_state.pt, the model-states files,
+OUT/latest_universal): load it at any size with "checkpoint": {"load_universal": true}.
+--dtype and --max-shard-size apply to safetensors only."""
+
+
+def export_main(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
+                                           "with W workers under torchrun.",
+        epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
+    parser.add_argument("--format", choices=("safetensors", "universal"), required=True, help="output format")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
+    parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.export import export_safetensors, export_universal
+    try:
+        if args.format == "universal":
+            result = export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
+                                      trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                                      timeout=args.timeout)
+        else:
+            result = export_safetensors(args.source, args.destination, dtype=args.dtype,
+                                        max_shard_size=args.max_shard_size, tag=args.tag,
+                                        memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                        overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+    except ReshardError as error:
+        _print_once(f"reshard export: error: {error}")
+        return 2
+    if _is_worker0():
+        print(result.summary())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
@@ -129,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "publish":
         from reshard.array_job import publish_main
         return publish_main(argv[1:])
+    if argv and argv[0] == "inspect":
+        return inspect_main(argv[1:])
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)

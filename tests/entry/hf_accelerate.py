@@ -11,12 +11,10 @@ seed, `accelerator.load_state(STATE_DIR)` (with --in-job after
 element by element, then one more step.
 """
 import argparse
-import json
 import os
-import sys
 
 import torch
-from hf_common import TokenRows, compare_with_truth, full_state, tiny_llama
+from hf_common import TokenRows, compare_with_truth, full_state, leave_and_exit, tiny_llama, write_report
 
 STEPS = 3
 
@@ -85,16 +83,8 @@ def main() -> None:
                   "accelerate_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
         report["loss_after_resume"] = train_steps(accelerator, model, optimizer, loader, scheduler, 1)
         if rank == 0:
-            with open(args.report + ".tmp", "w") as fd:
-                json.dump(report, fd)
-            os.replace(args.report + ".tmp", args.report)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            write_report(args.report, report)
+    leave_and_exit()
 
 
 if __name__ == "__main__":

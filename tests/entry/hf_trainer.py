@@ -13,12 +13,10 @@ element; training then goes on to step 6 and its save. With --in-job the Trainer
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
 """
 import argparse
-import json
 import os
-import sys
 
 import torch
-from hf_common import TokenRows, compare_with_truth, full_state, tiny_llama
+from hf_common import TokenRows, compare_with_truth, full_state, leave_and_exit, tiny_llama, write_report
 
 STEPS, SAVE_EVERY = 6, 3
 
@@ -97,17 +95,8 @@ def main() -> None:
         report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
         report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
         if rank == 0:
-            temporary = args.report + ".tmp"
-            with open(temporary, "w") as fd:
-                json.dump(report, fd)
-            os.replace(temporary, args.report)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            write_report(args.report, report)
+    leave_and_exit()
 
 
 if __name__ == "__main__":
