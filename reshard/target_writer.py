@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
+from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (
@@ -79,7 +80,8 @@ class TargetWriter:
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         obj, roles = materialize(target.tree)
         try:
-            offsets = locate_storages(path, obj, roles) if reuse_existing else write_skeleton(path, obj, roles)
+            offsets = locate_storages(path, obj, roles, classes.safe_globals()) if reuse_existing else \
+                write_skeleton(path, obj, roles, classes, classes.safe_globals())
         except OSError as error:
             raise WriteFailed(path, error) from None
         except RuntimeError as error:  # torch.save reports a failed write this way
