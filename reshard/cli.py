@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(args)
         from reshard.job import run_job
-        result = run_job(options)
+        result = run_job(options, count_process_start=True)
     except ReshardError as error:
         print(f"reshard: error: {error}", file=sys.stderr)
         return 2

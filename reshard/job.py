@@ -51,7 +51,7 @@ from reshard.manifest import (
 )
 from reshard.options import ReshardOptions
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.results import CheckpointResult, ReshardResult, WorkerReport
+from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport, process_age
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter
@@ -86,9 +86,17 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     return run_job(opts.validate(), transport)
 
 
-def run_job(opts: ReshardOptions, transport: Transport | None = None) -> ReshardResult:
+def run_job(opts: ReshardOptions, transport: Transport | None = None, *, count_process_start: bool = False
+            ) -> ReshardResult:
+    """Run the job `opts` describes. `count_process_start`: the start-up phase counts from this
+    process's start (the command line), not from this call."""
+    clock = PhaseClock()
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout)
+    clock.lap("start-up")
+    age = process_age() if count_process_start else None
+    if age is not None:
+        clock.seconds["start-up"] = age
     try:
         started = time.perf_counter()
         def discover():
@@ -97,8 +105,10 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
 
         units, notes = on_rank0(transport, discover)
         result = ReshardResult(notes=notes)
+        clock.lap("inspect")
         for unit in units:
-            result.checkpoints.append(_run_unit(opts, unit, transport))
+            result.checkpoints.append(_run_unit(opts, unit, transport, clock))
+            clock = PhaseClock()
         result.seconds = time.perf_counter() - started
         return result
     finally:
@@ -173,7 +183,7 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
     return found
 
 
-def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> CheckpointResult:
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
     def inspect():
@@ -185,6 +195,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
         return source
 
     source: SourceCheckpoint = on_rank0(transport, inspect)
+    clock.lap("inspect")
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
@@ -202,6 +213,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
 
     start: _Start = on_rank0(transport, decide)
+    clock.lap("plan")
     result.notes = list(start.notes)
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started
@@ -235,8 +247,13 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
                        durable_every_bytes=opts.durable_every, on_durable=journal, on_round=on_round)
         hashes = {}
         try:
+            writer.wait_for_copies()
+            clock.lap("exchange+write")
+            clock.move(writer.sync_seconds, "exchange+write", "fsync")
             writer.finish()
+            clock.lap("fsync")
             hashes = writer.hashes()
+            clock.lap("hash")
         except Exception as error:
             failure = error
         check_peers(transport, failure, "flushing target files")
@@ -262,6 +279,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
     report.bytes_read, report.bytes_written = reader.bytes_read, writer.bytes_written
     report.bytes_carried = writer.bytes_carried
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    clock.lap("publish")
+    report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)
     result.seconds = time.perf_counter() - started
     return result

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
@@ -58,6 +59,8 @@ class TargetWriter:
     paths: list = field(default_factory=list)
     bytes_written: int = 0
     bytes_carried: int = 0
+    sync_seconds: float = 0.0
+    """Wall seconds spent in fsync so far (a phase of its own in the job's summary)."""
     deferred: list = field(default_factory=list)
     """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
     _copier: threading.Thread | None = None
@@ -156,6 +159,13 @@ class TargetWriter:
         self.bytes_written += len(data)
 
     def sync(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._sync()
+        finally:
+            self.sync_seconds += time.perf_counter() - started
+
+    def _sync(self) -> None:
         for path, fd in self.fds.items():
             try:
                 os.fsync(fd)
