@@ -51,7 +51,7 @@ from reshard.manifest import (
 )
 from reshard.options import ReshardOptions
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport, process_age
+from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter
@@ -86,17 +86,14 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     return run_job(opts.validate(), transport)
 
 
-def run_job(opts: ReshardOptions, transport: Transport | None = None, *, count_process_start: bool = False
+def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started: float | None = None
             ) -> ReshardResult:
-    """Run the job `opts` describes. `count_process_start`: the start-up phase counts from this
-    process's start (the command line), not from this call."""
-    clock = PhaseClock()
+    """Run the job `opts` describes. `started`: the time.perf_counter() at which the start-up
+    phase began (the command line passes its process's start), else this call."""
+    clock = PhaseClock(started)
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout)
     clock.lap("start-up")
-    age = process_age() if count_process_start else None
-    if age is not None:
-        clock.seconds["start-up"] = age
     try:
         started = time.perf_counter()
         def discover():

@@ -59,6 +59,9 @@ class ReshardOptions:
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
     timeout: float = 600.0
     """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
+    workers: int = 1
+    """Worker processes `python -m reshard` starts on this host (forked after the imports, gloo);
+    under torchrun the launcher starts them instead."""
 
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
@@ -67,6 +70,8 @@ class ReshardOptions:
             raise OptionError(f"--memory-budget must be at least 1K, got {self.memory_budget} bytes")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise OptionError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise OptionError(f"--workers must be an integer >= 1, got {self.workers!r}")
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
         return self

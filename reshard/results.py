@@ -40,9 +40,14 @@ class PhaseClock:
         self.add(target, seconds)
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere): the start-up phase of a
-    command includes the interpreter and its imports, which no clock inside the program sees."""
+def process_started() -> float | None:
+    """When this process started, on the time.perf_counter() clock (Linux /proc; None elsewhere):
+    the start-up phase of a command includes the interpreter and its imports."""
+    age = _process_age()
+    return None if age is None else time.perf_counter() - age
+
+
+def _process_age() -> float | None:
     try:
         with open("/proc/self/stat") as fd:
             start_ticks = int(fd.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import filecmp
 import os
 import re
 
@@ -79,3 +80,23 @@ def _line(text: str, prefix: str) -> str:
     found = [line for line in text.splitlines() if line.startswith(prefix)]
     assert len(found) == 1, text
     return found[0][len(prefix):]
+
+
+@pytest.mark.e2e
+def test_workers_flag_runs_forked_workers_without_torchrun(trained, tmp_path):
+    source, _ = trained("z2_fp32", 2)
+    result = reshard_cli(source, tmp_path / "forked", "--target-dp", "3", "--workers", "2", "--memory-budget", "4K",
+                         "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "2 worker(s) over torch.distributed/gloo" in result.stdout
+    reshard_in_threads(source, tmp_path / "threads", 3, 1)
+    tag = (tmp_path / "threads" / "latest").read_text()
+    names = sorted(os.listdir(tmp_path / "threads" / tag))
+    assert sorted(os.listdir(tmp_path / "forked" / tag)) == names
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "threads" / tag, tmp_path / "forked" / tag, names,
+                                               shallow=False)
+    assert mismatch == [] and errors == []
+
+    (tmp_path / "a-file").write_text("")
+    refused = reshard_cli(source, tmp_path / "a-file", "--target-dp", "3", "--workers", "2")
+    assert refused.returncode == 2 and "a-file" in refused.stderr and refused.stdout == ""
