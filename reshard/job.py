@@ -253,6 +253,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         except Exception as error:
             failure = error
         check_peers(transport, failure, "flushing target files")
+        clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:

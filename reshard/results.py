@@ -16,7 +16,8 @@ PHASES = ("start-up", "inspect", "plan", "exchange+write", "fsync", "hash", "pub
 """Where a job's wall time goes, in order: start-up (interpreter, imports, process group),
 inspect (source pickles, destination checks), plan (plan, start decision, lock), exchange+write
 (open source files, write skeletons, rounds, carried copies), fsync, hash (BLAKE3 for the
-manifest) and publish (gather hashes, manifest, rename into place)."""
+manifest) and publish (gather hashes, manifest, rename into place). Phases end where the
+workers agree, so the slowest worker's time per phase is that phase's share of the wall."""
 
 
 class PhaseClock:
