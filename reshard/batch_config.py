@@ -9,8 +9,49 @@ data-parallel size (runtime/config.py, `_batch_assertion`); a checkpoint's ds_co
 fixes train_batch_size rules out most sizes. reshard explains that before writing anything,
 since the resumed job would stop at deepspeed.initialize. The target job may of course use
 new batch settings: then --ignore-batch-config.
+
+Launchers that fill in DeepSpeed's batch sizes at start-up from their own per-device settings
+(the Hugging Face Trainer, Accelerate) start at any size: for their checkpoints, recognised by
+the files they keep in the save directory, the refusal becomes a one-line warning saying how the
+global batch size changes (`batch_size_warning`).
+
+    batch_size_warning({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                        "gradient_accumulation_steps": 1}, 2, 3, ["trainer_state.json"])
+    # -> "the Hugging Face Trainer sets DeepSpeed's batch sizes at start-up: the global batch ..."
 """
 from __future__ import annotations
+
+import re
+
+_LAUNCHER_FILES = (
+    # transformers trainer.py `_save_checkpoint` (TRAINER_STATE_NAME) / accelerate checkpointing.py
+    # `save_accelerator_state` (RNG_STATE_NAME): written at every save, by these launchers only.
+    ("the Hugging Face Trainer", re.compile(r"^trainer_state\.json$")),
+    ("Accelerate", re.compile(r"^random_states_\d+\.pkl$")),
+)
+
+
+def batch_recomputing_launcher(save_dir_files) -> str | None:
+    """The launcher whose files the save directory holds, when it recomputes batch sizes; else None."""
+    for launcher, pattern in _LAUNCHER_FILES:
+        if any(pattern.match(name) for name in save_dir_files):
+            return launcher
+    return None
+
+
+def batch_size_warning(ds_config, source_dp: int, target_dp: int, save_dir_files) -> str | None:
+    """For a recomputing launcher's checkpoint whose saved batch config does not fit `target_dp`:
+    one line stating the global batch size before and after. None otherwise."""
+    launcher = batch_recomputing_launcher(save_dir_files)
+    if launcher is None or batch_config_problem(ds_config, target_dp) is None:
+        return None
+    mbs, gas = ds_config.get("train_micro_batch_size_per_gpu"), ds_config.get("gradient_accumulation_steps") or 1
+    tbs = ds_config["train_batch_size"]
+    if not isinstance(mbs, int):
+        mbs = tbs // (gas * source_dp)
+    return (f"warning: {launcher} sets DeepSpeed's batch sizes at start-up: the global batch size is {tbs} at "
+            f"{source_dp} ranks and becomes {mbs * gas * target_dp} at {target_dp} ranks ({mbs} per rank x {gas} "
+            f"accumulation steps x ranks) unless the resumed job changes its per-device batch or accumulation steps")
 
 
 def _fits(tbs: int, mbs: int | None, gas: int | None, dp: int) -> bool:

@@ -5,9 +5,15 @@
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
+    python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
+    python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
+    python -m reshard export SRC OUT --format universal                 # DeepSpeed universal checkpoint
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
+Under torchrun every worker exits with that status, but a refusal is printed once, by worker 0:
+the workers agree on every failure (reshard.collective), so worker 0's message names it, also
+when another worker is the one that failed.
 """
 from __future__ import annotations
 
@@ -20,8 +26,23 @@ from reshard.options import ReshardOptions, parse_size
 from reshard.results import process_started
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad value is one line on stderr and exit status 2 (never a usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(text: str) -> int:
+    """argparse type for sizes: its errors become argparse errors (exit 2, one line)."""
+    try:
+        return parse_size(text)
+    except OptionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard", description="Reshard a DeepSpeed ZeRO checkpoint for a new data-parallel world size, "
                                     "written natively so that engine.load_checkpoint(DST) works at that size.")
     parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
@@ -30,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
-    parser.add_argument("--memory-budget", type=parse_size,
+    parser.add_argument("--memory-budget", type=_size,
                         help="bytes of slices a worker holds at once, e.g. 512M, 4G (default 1G)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="allow a non-empty DST; replaces the tag directory and `latest` there")
@@ -39,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     parser.add_argument("--trust-pickle", action="store_true", default=None,
                         help="unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)")
-    parser.add_argument("--durable-every", type=parse_size,
+    parser.add_argument("--durable-every", type=_size,
                         help="fsync and record progress each time this much has moved, for resuming (default 1G)")
     parser.add_argument("--ignore-batch-config", action="store_true", default=None,
                         help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
@@ -62,13 +83,13 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="reshard verify", description="Check a reshard output: re-hash every file against its manifest, "
                                            "or (with --against) compare every element with the source.")
     parser.add_argument("destination", help="save directory written by reshard")
     parser.add_argument("--tag", help="tag to check (default: DST/latest)")
     parser.add_argument("--against", metavar="SRC", help="source save directory to compare element by element")
-    parser.add_argument("--memory-budget", type=parse_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     return parser
 
@@ -83,17 +104,102 @@ def verify_main(argv: list[str]) -> int:
         else:
             result = verify_hashes(args.destination, args.tag)
     except ReshardError as error:
-        print(f"reshard verify: error: {error}", file=sys.stderr)
+        _print_once(f"reshard verify: error: {error}")
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if _is_worker0():
         print(result.summary())
     return 0 if result.ok else 1
+
+
+def _is_worker0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_once(message: str) -> None:
+    """A refusal on stderr from worker 0 only (every worker raised the same error or learnt of it)."""
+    if _is_worker0():
+        print(message, file=sys.stderr)
+
+
+def inspect_main(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
+                                            "check every rank file; exit 2 when a check fails.")
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.inspect_report import inspect_report
+    report = inspect_report(args.source, args.tag, trust_pickle=args.trust_pickle)
+    if args.json:
+        import json
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.text())
+    return 0 if report.ok else 2
+
+
+EXPORT_HELP = """What is exported (--format safetensors): every tensor of the model's state_dict() as the
+checkpoint saved it, named as in state_dict(): trainable parameters from the fp32 master weights
+(cast to --dtype), frozen parameters and persistent buffers (floating ones cast to --dtype, integer
+ones as they are). A tied weight (shared_params, e.g. head.weight -> embed.weight) is stored once,
+under the owner's name, as save_pretrained does. Not exported: optimizer state, LR scheduler,
+counters, client_state, non-persistent buffers, frozen parameters excluded at save, and the HF
+config.json / tokenizer (copy those from your model). Files: model-0000k-of-0000n.safetensors and
+model.safetensors.index.json, written last.
+
+--format universal writes what DeepSpeed's ds_to_universal.py writes (OUT/TAG/zero/<param>/
+{fp32,exp_avg,exp_avg_sq,step}.pt, zero/optimizer_state.pt, the model-states files,
+OUT/latest_universal): load it at any size with "checkpoint": {"load_universal": true}.
+--dtype and --max-shard-size apply to safetensors only."""
+
+
+def export_main(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
+                                           "with W workers under torchrun.",
+        epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
+    parser.add_argument("--format", choices=("safetensors", "universal"), required=True, help="output format")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
+    parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
+    parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
+    parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
+    parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
+    args = parser.parse_args(argv)
+    from reshard.export import export_safetensors, export_universal
+    try:
+        if args.format == "universal":
+            result = export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
+                                      trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                                      timeout=args.timeout)
+        else:
+            result = export_safetensors(args.source, args.destination, dtype=args.dtype,
+                                        max_shard_size=args.max_shard_size, tag=args.tag,
+                                        memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                        overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+    except ReshardError as error:
+        _print_once(f"reshard export: error: {error}")
+        return 2
+    if _is_worker0():
+        print(result.summary())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "inspect":
+        return inspect_main(argv[1:])
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     started = process_started()
     try:
@@ -106,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.job import run_job
         result = run_job(options, started=started)
     except ReshardError as error:
-        print(f"reshard: error: {error}", file=sys.stderr)
+        _print_once(f"reshard: error: {error}")
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if _is_worker0():
         print(result.summary())
     return 0

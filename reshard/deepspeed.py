@@ -34,6 +34,7 @@ from reshard.errors import ReshardError
 from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
@@ -117,6 +118,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         raise ReshardError(f"in-job resharding needs data parallelism only: the job has {transport.size} ranks "
                            f"but a data-parallel size of {target_dp}")
     started = time.perf_counter()
+    differing = on_rank0(transport, lambda: differing_client_state(source, trust_pickle=trust_pickle))
+    if differing and transport.rank == 0:
+        print(f"reshard: client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+              f"rank's own); every rank received source rank 0's values", flush=True)
     if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
         return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, staging_dir,
                                      load_checkpoint_kwargs)

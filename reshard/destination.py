@@ -18,21 +18,19 @@ from dataclasses import dataclass
 
 from reshard.errors import OptionError
 from reshard.formats import deepspeed_schema as schema
+from reshard.manifest import JOURNAL_NAME
+from reshard.paths import check_tag, confined, is_inside, open_new_file
 
 STAGING = ".reshard-staging"
-
-
-def _inside(path: str, parent: str) -> bool:
-    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
 def check_paths(src: str, dst: str) -> None:
     """Refuse destinations that could touch the source, or that cannot be written."""
     src_real, dst_real = os.path.realpath(src), os.path.realpath(dst)
-    if _inside(dst_real, src_real):
+    if is_inside(dst_real, src_real):
         raise OptionError(f"{dst}: the destination is {'the source' if dst_real == src_real else 'inside the source'} "
                           f"{src}; choose a directory outside it (the source is never modified)")
-    if _inside(src_real, dst_real):
+    if is_inside(src_real, dst_real):
         raise OptionError(f"{dst}: the destination contains the source {src}; choose a directory outside it")
     if os.path.exists(dst_real):
         if not os.path.isdir(dst_real):
@@ -59,10 +57,19 @@ def check_empty(dst: str, ours: set[str], overwrite: bool) -> None:
 
 @dataclass
 class Staging:
-    """DST/.reshard-staging/TAG: where workers write before the result is published."""
+    """DST/.reshard-staging/TAG: where workers write before the result is published.
+
+    Every path it creates, writes, renames or deletes is checked by `reshard.paths.confined`
+    to lie under DST, and it deletes only what reshard made: a staging directory holding
+    reshard's journal (this run's or an interrupted earlier run's), and the replaced tag
+    directory of an `--overwrite` publish.
+    """
 
     destination: str
     tag: str
+
+    def __post_init__(self):
+        check_tag(self.tag, "the job")
 
     @property
     def root(self) -> str:
@@ -72,17 +79,40 @@ class Staging:
     def tag_dir(self) -> str:
         return os.path.join(self.root, self.tag)
 
+    def _mkdir(self, path: str) -> None:
+        confined(self.destination, path)
+        if os.path.islink(path):
+            raise OptionError(f"{path}: is a symbolic link; reshard does not write through links inside the "
+                              "destination (remove it)")
+        os.makedirs(path, exist_ok=True)
+
     def create(self) -> None:
-        """A fresh, empty staging directory (whatever an earlier run left there is removed)."""
+        """A fresh, empty staging directory; an earlier run's staging there is removed first.
+
+        Something at that path without reshard's journal was not made by reshard: refused."""
         os.makedirs(self.destination, exist_ok=True)
-        if os.path.exists(self.tag_dir):
+        self._mkdir(self.root)
+        confined(self.destination, self.tag_dir)
+        if os.path.lexists(self.tag_dir):
+            if os.path.islink(self.tag_dir) or not os.path.isfile(os.path.join(self.tag_dir, JOURNAL_NAME)):
+                raise OptionError(f"{self.tag_dir}: exists but was not made by reshard (no "
+                                  f"{JOURNAL_NAME}); remove it or choose another destination")
             shutil.rmtree(self.tag_dir)
         os.makedirs(self.tag_dir)
 
-    def copy_in(self, directory: str, names) -> None:
-        """Copy files the source tag directory holds besides DeepSpeed's (metric.json, ...)."""
+    def copy_in(self, directory: str, names, directories=()) -> None:
+        """Copy what the source tag directory holds besides DeepSpeed's files (metric.json,
+        sub-directories and their files, by relative path) into staging."""
+        for name in directories:
+            self._mkdir(os.path.join(self.tag_dir, name))
         for name in names:
-            shutil.copy2(os.path.join(directory, name), os.path.join(self.tag_dir, name))
+            target = os.path.join(self.tag_dir, name)
+            self._mkdir(os.path.dirname(target))
+            with open(os.path.join(directory, name), "rb") as src:
+                fd = open_new_file(self.destination, target)
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+            shutil.copystat(os.path.join(directory, name), target)
 
     def publish(self, latest: str | None) -> None:
         """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).
@@ -91,12 +121,14 @@ class Staging:
         source's latest, resharded with --all-tags).
         """
         _fsync_dir(self.tag_dir)
-        final = os.path.join(self.destination, self.tag)
+        final = confined(self.destination, os.path.join(self.destination, self.tag))
         old = None
-        if os.path.exists(final):
-            old = os.path.join(self.root, f"replaced-{self.tag}")
-            if os.path.exists(old):
-                shutil.rmtree(old)
+        if os.path.islink(final):
+            os.unlink(final)  # a link in DST's place: replaced, its target untouched
+        elif os.path.exists(final):
+            old = confined(self.destination, os.path.join(self.root, f"replaced-{self.tag}"))
+            if os.path.lexists(old):
+                _remove(old)
             os.rename(final, old)
         os.rename(self.tag_dir, final)
         for script in schema.RECOVERY_SCRIPTS:
@@ -104,26 +136,35 @@ class Staging:
         if latest is not None:
             write_latest(self.destination, latest)
         if old is not None:
-            shutil.rmtree(old)
+            _remove(old)
         self.discard()
 
     def discard(self) -> None:
-        """Remove staging (nothing of it looks like a checkpoint to DeepSpeed in any case)."""
-        if os.path.exists(self.tag_dir):
-            shutil.rmtree(self.tag_dir)
-        if os.path.isdir(self.root) and not os.listdir(self.root):
+        """Remove staging this job made (it holds reshard's journal, or nothing yet)."""
+        if os.path.isdir(self.tag_dir) and not os.path.islink(self.tag_dir):
+            if os.path.isfile(os.path.join(self.tag_dir, JOURNAL_NAME)) or not os.listdir(self.tag_dir):
+                _remove(confined(self.destination, self.tag_dir))
+        if os.path.isdir(self.root) and not os.path.islink(self.root) and not os.listdir(self.root):
             os.rmdir(self.root)
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (not its target) or a directory tree."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
 
 
 def write_latest(destination: str, tag: str) -> None:
     """`latest` names the tag (no newline, as DeepSpeed writes it); replaced atomically."""
-    latest = os.path.join(destination, schema.LATEST)
-    if os.path.isfile(latest):
+    latest = confined(destination, os.path.join(destination, schema.LATEST))
+    if os.path.isfile(latest) and not os.path.islink(latest):
         with open(latest) as fd:
             if fd.read() == tag:
                 return
     temporary = latest + ".reshard-tmp"
-    with open(temporary, "w") as fd:
+    with os.fdopen(open_new_file(destination, temporary), "w") as fd:
         fd.write(tag)
         fd.flush()
         os.fsync(fd.fileno())
@@ -140,7 +181,8 @@ def copy_recovery_script(name: str, save_dir: str) -> None:
     source = os.path.join(package.submodule_search_locations[0], "utils", name)
     if os.path.isfile(source):
         target = os.path.join(save_dir, name)
-        shutil.copyfile(source, target)
+        with open(source, "rb") as src, os.fdopen(open_new_file(save_dir, target, mode=0o755), "wb") as out:
+            shutil.copyfileobj(src, out)
         os.chmod(target, os.stat(target).st_mode | 0o111)
 
 

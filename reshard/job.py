@@ -28,13 +28,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from reshard import __version__
-from reshard.batch_config import batch_config_problem
+from reshard import __version__, save_dir_files
+from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import run_rounds
+from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint, buffer_numels
@@ -50,12 +51,26 @@ from reshard.manifest import (
     write_journal,
 )
 from reshard.options import ReshardOptions
+from reshard.resources import (
+    check_free_space,
+    disk_full_message,
+    ensure_open_files,
+    files_per_worker,
+    is_disk_full,
+    output_bytes,
+)
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
-from reshard.target_writer import TargetWriter
+from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.transport import Transport, transport_from_environment
+
+
+ZERO3_RANK_IDENTITY_NOTE = (
+    "ZeRO-3 rank files carry nothing that identifies their rank (DeepSpeed names them, nothing inside "
+    "says which partition they hold), so renamed or swapped rank files cannot be detected here; "
+    "compare with the training job's own state if in doubt")
 
 
 def plan_reshard(source: SourceCheckpoint, target_dp: int, workers: int, budget_bytes: int) -> ReshardPlan:
@@ -125,18 +140,41 @@ class _Start:
     rounds_done: int = 0
     skeletons: bool = False
     notes: list = field(default_factory=list)
+    output_bytes: int = 0
+    """About how many bytes the output takes (for the free-space check and its messages)."""
+    created_destination: bool = False
+    """DST did not exist before this run: a failure before the rounds removes it again."""
+
+
+def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]) -> list[str]:
+    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
+    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    ds_config = source.model_template.get("ds_config")
+    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
+    problem = batch_config_problem(ds_config, opts.target_dp)
+    if problem and not warning and not opts.ignore_batch_config:
+        raise OptionError(f"{source.model_path(0)}: {problem}")
+    notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
+    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    if differing:
+        notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+                     f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
+                     + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
+    return notes
 
 
 def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
-                  lock: DestinationLock) -> _Start:
+                  lock: DestinationLock, carried: list[str]) -> _Start:
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-    identity = source_identity(source.tag_dir, set(names) | set(source.other_files))
+    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                               | set(save_dir_files.manifest_names(carried)))
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
     outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
-    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} if outputs else set())
+    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
+                                   if outputs else set())
     previous = outputs.get(source.tag)
     if previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
         if unit.latest:
@@ -145,22 +183,42 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
         start.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
         return start
     check_empty(unit.destination, ours, opts.overwrite)
+    staging = Staging(unit.destination, source.tag)
+    journal = read_journal(staging.tag_dir)
+    resume = bool(journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"))
+    start.output_bytes = output_bytes(source, opts.target_dp)
+    check_free_space(unit.destination, start.output_bytes, _allocated_bytes(staging.tag_dir) if resume else 0)
+    start.created_destination = not os.path.lexists(unit.destination)
     lock.acquire()
     if lock.stale_note:
         start.notes.append(lock.stale_note)
-    staging = Staging(unit.destination, source.tag)
-    journal = read_journal(staging.tag_dir)
-    if journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"):
+    if resume:
         start.mode, start.skeletons = "resume", True
         start.rounds_done = int(journal.get("rounds_done", 0))
         start.notes.append(f"resuming an interrupted run: {start.rounds_done} of {plan.rounds} rounds were done")
-    else:
-        if journal:
-            start.notes.append("discarded the staging of an earlier run with a different plan "
-                               "(source, target size, worker count or budget changed)")
+        return start
+    if journal:
+        start.notes.append("discarded the staging of an earlier run with a different plan "
+                           "(source, target size, worker count or budget changed)")
+    try:
         staging.create()
         write_journal(staging.tag_dir, plan_fp, False, 0)
+    except BaseException:
+        _clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
+        raise
     return start
+
+
+def _allocated_bytes(directory: str) -> int:
+    """Disk space the files under `directory` already occupy (skeletons are sparse until written)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
@@ -186,32 +244,39 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def inspect():
         check_paths(unit.source, unit.destination)
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-        problem = batch_config_problem(source.model_template.get("ds_config"), opts.target_dp)
-        if problem and not opts.ignore_batch_config:
-            raise OptionError(f"{source.model_path(0)}: {problem}")
-        return source
+        carried = save_dir_files.list_save_dir_files(source.save_dir)
+        return source, carried, _preflight(opts, source, carried)
 
-    source: SourceCheckpoint = on_rank0(transport, inspect)
+    source, carried, source_notes = on_rank0(transport, inspect)
     clock.lap("inspect")
     plan = plan_reshard(source, opts.target_dp, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.dp_world_size, opts.target_dp, transport.size, transport.name,
-                              plan.rounds, 0.0, opts.dry_run, plan)
+                              plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
+    if source.spec.stage == 3:
+        result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
 
+    failure = None
+    try:
+        ensure_open_files(files_per_worker(source.spec.stage, plan.ownership, transport.rank))
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "checking the open-file limit")
+
     lock = DestinationLock(unit.destination)
     def decide():
         try:
-            return _decide_start(opts, unit, source, plan, lock)
+            return _decide_start(opts, unit, source, plan, lock, carried)
         except OSError as error:
             detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
 
     start: _Start = on_rank0(transport, decide)
     clock.lap("plan")
-    result.notes = list(start.notes)
+    result.notes += start.notes
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started
         return result
@@ -257,18 +322,25 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:
-                _publish(opts, unit, source, start, staging, all_hashes)
+                _publish(opts, unit, source, start, staging, all_hashes, carried)
             except OSError as error:
                 failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
             except Exception as error:
                 failure = error
         check_peers(transport, failure, "publishing the result")
-    except BaseException:
+    except BaseException as error:
         for endpoint in (reader, writer):
             if endpoint is not None:
                 endpoint.close()
+        removed_destination = False
         if transport.rank == 0:
-            _clean_up_after_failure(staging, lock, keep_staging=rounds_started)
+            removed_destination = _clean_up_after_failure(staging, lock, keep_staging=rounds_started,
+                                                          remove_destination=start.created_destination)
+        if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
+            error = WriteFailed(error.filename or staging.tag_dir, error)
+        if isinstance(error, ReshardError):
+            _say_what_was_kept(error, staging, rounds_started, removed_destination, start.output_bytes)
+            raise error from None
         raise
     if transport.rank == 0:
         lock.release()
@@ -283,12 +355,15 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list) -> None:
-    staging.copy_in(source.tag_dir, source.other_files)
+def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
+             carried: list[str]) -> None:
+    staging.copy_in(source.tag_dir, source.other_files, source.other_dirs)
+    staged = save_dir_files.staging_dir(staging.tag_dir)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
                     "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in source.other_files}
     for hashes in worker_hashes:
         files.update(hashes)
+    files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
     Manifest(start.output_fingerprint,
              source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
@@ -297,20 +372,45 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
              target={"dp_world_size": opts.target_dp, "stage": spec.stage},
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
+    if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
+        save_dir_files.publish(staged, carried, unit.destination)
     staging.publish(unit.latest)
 
 
-def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool) -> None:
-    """Release the lock; keep staging for a resume once rounds began, else remove it."""
+def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool,
+                            remove_destination: bool) -> bool:
+    """Release the lock; keep staging for a resume once rounds began, else remove it (and DST,
+    when this run created it and nothing else is there). Returns whether DST was removed."""
+    removed = False
     try:
         if not keep_staging:
             staging.discard()
-            if os.path.isdir(staging.destination) and os.listdir(staging.destination) == [LOCK_NAME]:
+            if (remove_destination and os.path.isdir(staging.destination)
+                    and os.listdir(staging.destination) == [LOCK_NAME]):
                 lock.release()
                 os.rmdir(staging.destination)
+                removed = True
     except OSError:
         pass
     lock.release()
+    return removed
+
+
+def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, removed_destination: bool,
+                       needed: int) -> None:
+    """Finish the message of a failed run with the truth about what stays on disk."""
+    text = str(error)
+    if isinstance(error, WriteFailed) and is_disk_full(error.error, error.path):
+        text = (f"{error.path}: writing failed ({error.error.strerror or 'disk full'}): "
+                f"{disk_full_message(staging.destination, needed)}")
+    if kept:
+        text += (f". The partial output stays in {staging.tag_dir} (no checkpoint is published); fix the "
+                 "cause and re-run the same command to resume")
+    elif removed_destination:
+        text += f". Nothing was kept: {staging.destination} was created by this run and has been removed"
+    else:
+        text += f". Nothing was kept: the staging directory {staging.tag_dir} has been removed"
+    error.args = (text,)
 
 
 class _progress:

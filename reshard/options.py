@@ -9,17 +9,21 @@ A YAML job file (see configs/) uses the field names as keys; command-line flags 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 from reshard.errors import OptionError
+from reshard.paths import check_tag
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str | int) -> int:
     """'512M', '4G', '1.5G', '65536' -> bytes (binary units)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise OptionError(f"cannot read size {text!r}: a size is not negative")
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
     if not match:
@@ -66,28 +70,48 @@ class ReshardOptions:
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        for name in ("memory_budget", "durable_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                setattr(self, name, value := parse_size(value))
         if self.memory_budget < 1024:
             raise OptionError(f"--memory-budget must be at least 1K, got {self.memory_budget} bytes")
+        if self.durable_every < 1:
+            raise OptionError(f"--durable-every must be at least 1 byte, got {self.durable_every}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise OptionError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise OptionError(f"--workers must be an integer >= 1, got {self.workers!r}")
+        if (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
+                or not math.isfinite(self.timeout) or self.timeout <= 0):
+            raise OptionError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
+        for name in ("source", "destination"):
+            if not isinstance(getattr(self, name), str):
+                raise OptionError(f"{name} must be a path, got {getattr(self, name)!r}")
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
+        if self.tag is not None:
+            check_tag(self.tag, "--tag")
         return self
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":
         import yaml
-        with open(path) as fd:
-            data = yaml.safe_load(fd) or {}
+        try:
+            with open(path) as fd:
+                data = yaml.safe_load(fd) or {}
+        except OSError as error:
+            raise OptionError(f"{path}: cannot read the job file ({error.strerror})") from None
+        except yaml.YAMLError as error:
+            raise OptionError(f"{path}: is not valid YAML ({str(error).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise OptionError(f"{path}: a job file is a mapping of option names to values")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise OptionError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        if "memory_budget" in data:
-            data["memory_budget"] = parse_size(data["memory_budget"])
+        for name in ("memory_budget", "durable_every"):
+            if name in data:
+                data[name] = parse_size(data[name])
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)

@@ -111,6 +111,7 @@ class CheckpointResult:
                  f"  source : {self.description}",
                  f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
                  f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
+        lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:
             lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
                          f"{'receive':>10} {'write':>10}")
@@ -119,8 +120,8 @@ class CheckpointResult:
                              f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
                              f"{_human(t.bytes_written):>10}")
             lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
+            lines += [f"  note   : {note}" for note in self.notes]
             return "\n".join(lines)
-        lines += [f"  note   : {note}" for note in self.notes]
         if not self.reports:
             return "\n".join(lines)
         rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0

@@ -64,6 +64,11 @@ def discover_units(source: str, destination: str, tag: str | None = None, all_ta
                                   "nothing to reshard here (pass the save_dir given to engine.save_checkpoint)")
         pairs = [(os.path.join(source, d), os.path.join(destination, d)) for d in children]
     units, notes = [], []
+    if len(pairs) > 1 or pairs[0][0] != source:
+        outside = sorted(set(os.listdir(source)) - {os.path.basename(s) for s, _ in pairs})
+        if outside:
+            notes.append(f"{source}: {', '.join(outside[:8])}{' ...' if len(outside) > 8 else ''} lie outside every "
+                         f"save directory and are not carried (copy them yourself if the resumed job needs them)")
     for save_dir, target in pairs:
         universal = os.path.join(save_dir, "latest_universal")
         if os.path.isfile(universal):

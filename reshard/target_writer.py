@@ -48,9 +48,8 @@ class WriteFailed(ReshardError):
 
     def __init__(self, path: str, error: OSError):
         self.path, self.error = path, error
-        super().__init__(f"{path}: writing failed: {error.strerror or error}. The partial output stays in "
-                         f"{os.path.dirname(path)} (no checkpoint is published); fix the cause and re-run the "
-                         f"same command to resume")
+        # The job adds what stays on disk (reshard.job._say_what_was_kept): only it knows.
+        super().__init__(f"{path}: writing failed: {error.strerror or error}")
 
     def __reduce__(self):
         return (type(self), (self.path, self.error))
@@ -92,6 +91,8 @@ class TargetWriter:
 
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         obj, roles = materialize(target.tree)
+        if os.path.islink(path):  # never write through a link left in staging
+            os.unlink(path)
         try:
             offsets = locate_storages(path, obj, roles, classes.safe_globals()) if reuse_existing else \
                 write_skeleton(path, obj, roles, classes, classes.safe_globals())
@@ -101,7 +102,7 @@ class TargetWriter:
             raise WriteFailed(path, OSError(0, str(error).splitlines()[0])) from None
         del obj
         self.paths.append(path)
-        fd = self.fds[path] = os.open(path, os.O_RDWR)
+        fd = self.fds[path] = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         for role, offset in offsets.items():
             if isinstance(role, tuple):
                 self.locations[(rank, role)] = (fd, offset, path)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from reshard import save_dir_files
 from reshard.collective import check_peers, on_rank0
 from reshard.errors import CheckpointError, ReshardError
 from reshard.exchange import run_rounds
@@ -224,6 +225,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         plan = plan_reshard(source, target_dp, transport.size, memory_budget)
         own = plan.ownership
         result = VerifyResult(destination, source.tag, "against source")
+        if transport.rank == 0:  # files beside the tag directory (HF Trainer, Accelerate): same bytes
+            result.problems, result.checked_files = save_dir_files.differences(source.save_dir, target.save_dir)
         reader = comparer = None
         failure = None
         try:

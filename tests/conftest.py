@@ -19,3 +19,10 @@ def trained(tmp_path_factory):
     """trained(variant, n) -> (save_dir, truth_path): a real checkpoint, trained once per session."""
     from trained import TrainedCheckpoints
     return TrainedCheckpoints(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def hf_trained(tmp_path_factory):
+    """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
+    from hf_runs import HfRuns
+    return HfRuns(tmp_path_factory.mktemp("hf"))

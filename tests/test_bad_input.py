@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun
+from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun, tree_state
 
 from reshard.manifest import hash_file
 
@@ -40,7 +40,9 @@ def source(trained, tmp_path):
     original, _ = trained(VARIANT, N)
     copy = tmp_path / "src"
     shutil.copytree(original, copy)
-    return copy, copy / (copy / "latest").read_text().strip()
+    tag = (copy / "latest").read_text().strip()
+    shutil.copytree(copy / tag, tmp_path / "sibling" / tag)  # what a stray path would hit first
+    return copy, copy / tag
 
 
 def _refused(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -119,9 +121,10 @@ def test_bad_source_is_refused_clearly(source, trained, tmp_path, case):
     elif case == "model-missing":
         (tag_dir / "mp_rank_00_model_states.pt").unlink()
         expected = ["mp_rank_00_model_states.pt", "missing"]
-    before = _hashes(save_dir)
+    before, outside = _hashes(save_dir), tree_state(tmp_path, skip=tmp_path / "dst")
     _refused(reshard_cli(*args), *expected)
     assert _hashes(save_dir) == before
+    assert tree_state(tmp_path, skip=tmp_path / "dst") == outside, "something outside DST changed or appeared"
     _no_output(tmp_path / "dst")
 
 
@@ -159,9 +162,10 @@ def test_bad_options_are_refused_clearly(source, tmp_path, case):
         expected = [str(dst), "not a directory"]
     elif case == "dst-unwritable":
         dst, expected = Path("/proc/reshard-test/dst"), ["/proc/reshard-test/dst"]
-    before = _hashes(save_dir)
+    before, outside = _hashes(save_dir), tree_state(tmp_path, skip=dst)
     _refused(reshard_cli(save_dir, dst, "--target-dp", target), *expected)
     assert _hashes(save_dir) == before
+    assert tree_state(tmp_path, skip=dst) == outside, "something outside DST changed or appeared"
     if case == "dst-not-empty":
         assert (dst / "notes.txt").read_text() == "keep me" and not (dst / "latest").exists()
         ok = reshard_cli(save_dir, dst, "--target-dp", target, "--overwrite", "--quiet")

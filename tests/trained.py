@@ -66,3 +66,22 @@ def reshard_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProc
 def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool = False) -> dict:
     """Load at M ranks with plain load_checkpoint (or reshard.deepspeed.load_checkpoint) and compare."""
     return check_checkpoint(variant, m, load_dir, truth, verdict_path, in_job=in_job)
+
+
+def tree_state(root, skip=None) -> dict:
+    """Relative path -> BLAKE3 (files), "dir" or "link -> target" below `root`, leaving out `skip`:
+    what a test compares before and after to prove that nothing outside DST changed or appeared."""
+    from reshard.manifest import hash_file
+    root = Path(root)
+    skip = None if skip is None else Path(skip)
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if skip is not None and (path == skip or skip in path.parents):
+            continue
+        if path.is_symlink():
+            found[path.relative_to(root)] = f"link -> {os.readlink(path)}"
+        elif path.is_file():
+            found[path.relative_to(root)] = hash_file(str(path))
+        else:
+            found[path.relative_to(root)] = "dir"
+    return found

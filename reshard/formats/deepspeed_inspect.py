@@ -37,6 +37,7 @@ from reshard.layout import (
     undo_round_robin,
     zero3_chunk,
 )
+from reshard.paths import check_tag
 from reshard.plan import Stream
 
 OPT = schema.OPTIM
@@ -55,9 +56,10 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
             tag = fd.read().strip()
         if not tag:
             raise CheckpointError(latest, "is empty: it should hold the tag of the checkpoint")
+        check_tag(tag, "latest", latest)
         if not os.path.isdir(os.path.join(save_dir, tag)):
             raise CheckpointError(os.path.join(save_dir, tag), f"does not exist, but {latest} names tag {tag!r}")
-    elif not os.path.isdir(os.path.join(save_dir, tag)):
+    elif check_tag(tag, "--tag") and not os.path.isdir(os.path.join(save_dir, tag)):
         raise CheckpointError(os.path.join(save_dir, tag), f"does not exist: no tag {tag!r} in {save_dir}")
     return tag
 
@@ -127,8 +129,41 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
         carried[schema.optim_file_name(0, bf16_prefix)] = read_carried(optim_path, optim_tree, optim_parts.values())
     if read_tensors and (carry_model_bytes if carry_model_bytes is not None else stage3):
         carried[model_name] = read_carried(model_path, model_tree, model_parts.values())
-    others = tuple(name for name, role in roles.items() if role.kind == "other")
-    return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others)
+    others, other_dirs = _other_contents(tag_dir, roles)
+    return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others, other_dirs)
+
+
+def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Files and sub-directories of the tag directory that are not DeepSpeed's, by relative path.
+
+    They are carried over unchanged, whole sub-trees included. What cannot be copied as a plain
+    file (a link to a directory, a device, a socket) is refused by name, never dropped."""
+    files = [name for name, role in roles.items() if role.kind == "other"]
+    directories = []
+    for name in sorted(os.listdir(tag_dir)):
+        path = os.path.join(tag_dir, name)
+        if name in roles:
+            continue
+        if os.path.islink(path) and os.path.isdir(path):
+            raise UnsupportedCheckpoint(path, "is a symbolic link to a directory; reshard carries over regular "
+                                              "files and real sub-directories only (replace it by a copy)")
+        if not os.path.isdir(path):
+            raise UnsupportedCheckpoint(path, "is neither a regular file nor a directory; cannot carry it over")
+        for root, dirs, names in os.walk(path):
+            relative = os.path.relpath(root, tag_dir)
+            directories.append(relative)
+            for sub in sorted(dirs):
+                if os.path.islink(os.path.join(root, sub)):
+                    raise UnsupportedCheckpoint(os.path.join(root, sub), "is a symbolic link to a directory; reshard "
+                                                                         "carries over regular files and real "
+                                                                         "sub-directories only")
+            dirs.sort()
+            for leaf in sorted(names):
+                if not os.path.isfile(os.path.join(root, leaf)):
+                    raise UnsupportedCheckpoint(os.path.join(root, leaf), "is neither a regular file nor a "
+                                                                          "directory; cannot carry it over")
+                files.append(os.path.join(relative, leaf))
+    return tuple(files), tuple(directories)
 
 
 def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
@@ -289,6 +324,7 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
         _expect(path, "partition_count", osd.get("partition_count"), n)
     else:
         _expect(path, "partition_count", list(osd.get("partition_count", [])), [n] * len(layout.groups))
+        _check_rank_identity(osd, path, spec, layout, rank)
         if spec.optimizer == "zero":
             _expect(path, "group_paddings", list(osd.get("group_paddings", [])),
                     [g.tail_padding(rank) for g in layout.groups])
@@ -332,6 +368,56 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
                 raise UnsupportedCheckpoint(path, f"{where} is not stored contiguously")
             refs[("optim", buffer, stream.name)] = ref
     return refs
+
+
+def rank_signature(spec: CheckpointSpec, layout, rank: int) -> dict:
+    """Everything in a ZeRO-1/2 optim file that depends on which dp rank wrote it.
+
+    stage_1_and_2.py `state_dict` / bf16_optimizer.py `state_dict`: `group_paddings` (the tail
+    padding a rank holds), `param_slice_mappings` (which parameter fragments sit where in its
+    partition) and the length of `single_partition_of_fp32_groups` (the partition minus its tail
+    padding, ZeRO-1/2 only). ZeRO-3 files carry nothing of the kind (stage3.py
+    `_rigid_state_dict` writes `partition_rank` only for AutoEP sub-groups)."""
+    numels = [q.numel for q in spec.params]
+    if spec.optimizer == "zero":
+        paddings = [g.tail_padding(rank) for g in layout.groups]
+        fp32 = [g.lean_numel(rank) for g in layout.groups]
+    else:
+        paddings = [g.bf16_optimizer_padding(rank) for g in layout.groups]
+        fp32 = list(buffer_numels(layout))
+    mappings = [[(spec.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, numels)]
+                for g in layout.groups]
+    return {"group_paddings": paddings, "param_slice_mappings": mappings, "fp32 partition sizes": fp32}
+
+
+def _found_signature(osd: dict, spec: CheckpointSpec) -> dict:
+    found = {"group_paddings": list(osd.get("group_paddings", []))}
+    if "param_slice_mappings" in osd:
+        found["param_slice_mappings"] = [[(name, int(a.numel), int(a.start)) for name, a in m.items()]
+                                         for m in osd["param_slice_mappings"]]
+    found["fp32 partition sizes"] = [t.numel if isinstance(t, TensorRef) else None
+                                     for t in _fp32_partitions(osd, spec.stage)]
+    return found
+
+
+def _check_rank_identity(osd: dict, path: str, spec: CheckpointSpec, layout, rank: int) -> None:
+    """Refuse an optim file whose rank-dependent content belongs to another rank (renamed or
+    swapped files), naming the rank it belongs to; other differences fall through to the
+    detailed checks that follow."""
+    found = _found_signature(osd, spec)
+
+    def matches(r: int) -> bool:
+        wanted = rank_signature(spec, layout, r)
+        return all(found[key] == wanted[key] for key in found)
+
+    if matches(rank):
+        return
+    owners = [r for r in range(layout.world_size) if r != rank and matches(r)]
+    if owners:
+        keys = ", ".join(k for k in found if found[k] != rank_signature(spec, layout, rank)[k])
+        raise CheckpointError(path, f"holds the partition of dp rank {owners[0]} (its {keys} are those of rank "
+                                    f"{owners[0]} at {layout.world_size} ranks), but its name says rank {rank}: "
+                                    "rank files were renamed or swapped")
 
 
 def validate_model_tree(tree, path: str, spec: CheckpointSpec, rank: int) -> dict:

@@ -109,7 +109,9 @@ class SourceCheckpoint:
     carried: dict = field(default_factory=dict)
     """file name -> storage key -> bytes, for templates small enough to ship to every worker."""
     other_files: tuple[str, ...] = ()
-    """Files in the tag directory that are not DeepSpeed's (copied unchanged)."""
+    """Files in the tag directory that are not DeepSpeed's, by relative path (copied unchanged)."""
+    other_dirs: tuple[str, ...] = ()
+    """Sub-directories of the tag directory, by relative path (re-created, empty ones too)."""
 
     @property
     def tag_dir(self) -> str:

@@ -24,10 +24,12 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=3)
 
 
 def init_distributed() -> None:
-    """Join the torchrun process group over gloo, which is what CPU runs use."""
+    """Join the torchrun process group: gloo, what CPU runs use, unless RESHARD_PROOF_BACKEND
+    names another (nccl for the GPU check, bench/gpu_check.sh)."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    backend = os.environ.get("RESHARD_PROOF_BACKEND", "gloo")
+    deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT)
 
 
 def build_engine(variant: Variant, seed: int):
@@ -62,6 +64,7 @@ def train_steps(engine, *, seed: int, first_step: int, count: int) -> list[float
     for step in range(first_step, first_step + count):
         tokens, targets = train_batch(seed=seed, step=step, rank=rank,
                                       batch_size=engine.train_micro_batch_size_per_gpu())
+        tokens, targets = tokens.to(engine.device), targets.to(engine.device)
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
@@ -88,6 +91,7 @@ def eval_loss(engine) -> torch.Tensor:
     """Loss on the fixed eval batch, eval mode, no_grad: it changes no state (running stats
     update only in training). Collective under ZeRO-3, where the forward gathers params."""
     tokens, targets = eval_batch()
+    tokens, targets = tokens.to(engine.device), targets.to(engine.device)
     engine.eval()
     with torch.no_grad():
         loss = engine(tokens, targets).detach().float().cpu().clone()

@@ -137,13 +137,17 @@ class _NullContext:
 # --- master weights and optimizer state -------------------------------------------------------
 
 def _partitioned_keys(optimizer_state: dict, flat_partitions: Iterable[torch.Tensor]) -> list[str]:
-    """Tensor state keys whose tensors have the flat partition's shape, as DeepSpeed's linkage sees them."""
+    """Tensor state keys whose tensors have the flat partition's shape, as DeepSpeed's linkage sees them.
+
+    Sorted: the full tensors are assembled with collectives, so every rank must visit the keys in
+    the same order, and after a universal load DeepSpeed fills the state in the order of a Python
+    set (`map_to_flat_opt_states`), which differs between processes with different hash seeds."""
     keys: list[str] = []
     for flat in flat_partitions:
         for key, value in optimizer_state.get(flat, {}).items():
             if torch.is_tensor(value) and value.shape == flat.shape and key not in keys:
                 keys.append(key)
-    return keys
+    return sorted(keys)
 
 
 def _scalars(optimizer_state: dict, flat: torch.Tensor) -> dict:

@@ -1,0 +1,196 @@
+"""Hugging Face safetensors layout of a checkpoint, pure: which tensor goes to which file, where.
+
+    from reshard.export.hf_layout import hf_layout
+    layout = hf_layout(source, out_dtype="bfloat16", max_shard_bytes=5 * 10**9)
+    layout.files[0].name               # "model-00001-of-00003.safetensors"
+    layout.files[0].tensors[0].name    # "embed.weight"
+    layout.trainable_pieces()          # PieceTable: optimizer space -> (file, tensor index, element)
+
+Tensors and their order are those of the model's `state_dict()`, as the model-states file's
+`module` records it (runtime/engine.py `module_state_dict`): trainable parameters (values from
+the fp32 master partitions), frozen parameters and persistent buffers. A tied alias
+(`shared_params`: alias -> owner, e.g. head.weight -> embed.weight) is stored once, under the
+owner's name, which is the name `named_parameters()` yields and the one HF's `save_pretrained`
+keeps for an embedding tied to its output head (safetensors refuses two names for one storage).
+Frozen parameters excluded at save and non-persistent buffers are not in the checkpoint, so not
+in the export.
+
+Shards follow huggingface_hub's `split_torch_state_dict_into_shards`: tensors in order, a new
+file when the next tensor would push the current one past `max_shard_bytes` (a tensor larger
+than that gets a file of its own). Within a file, tensors lie in that order, back to back.
+
+Where each tensor's values come from:
+    "optim"   a trainable parameter: element range of the ZeRO optimizer space (fp32 masters),
+              moved by the exchange like any reshard;
+    "frozen"  a ZeRO-3 frozen parameter: partitioned in `frozen_param_fragments`, also exchanged;
+    "whole"   stored whole in the rank-0 model-states file (buffers; ZeRO-1/2 frozen
+              parameters): copied in chunks by the worker that writes its output file.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.errors import UnsupportedCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_archive import TensorRef, dtype_of
+from reshard.layout import PieceTable, logical_bases
+
+# safetensors dtype codes (safetensors/src/tensor.rs `Dtype`), by torch dtype name.
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One tensor of the export, where it comes from, and where it goes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name written to the file."""
+    source: str
+    """"optim", "frozen" or "whole" (see the module docstring)."""
+    index: int
+    """Parameter id in the optimizer space ("optim"), frozen id ("frozen"); -1 for "whole"."""
+    ref: TensorRef | None = None
+    """The source tensor in the rank-0 model-states file ("whole" only)."""
+    data_offset: int = 0
+    """Byte offset in the file's data section (after the header)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_of(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ExportFile:
+    name: str
+    tensors: tuple[ExportTensor, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """Output files, each holding whole tensors; the same on every worker. Its `pieces` make the
+    files the target "ranks" of a plan (also used by the universal export, one "file" per bundle
+    of parameters)."""
+
+    files: tuple[ExportFile, ...]
+    kept_for_tied: dict
+    """alias -> the name it is stored under."""
+    params_total: int
+    """Elements of the optimizer space (so the pieces tile it)."""
+    frozen_total: int
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    def weight_map(self) -> dict:
+        return {t.name: f.name for f in self.files for t in f.tensors}
+
+    def pieces(self, source_kind: str, numels) -> PieceTable:
+        """Where each element of a source space ("optim" or "frozen") goes: rank = file,
+        buffer = tensor's index in its file, offset = element in the tensor."""
+        bases = logical_bases(numels)
+        start, rank, buffer = [], [], []
+        for f, file in enumerate(self.files):
+            for k, tensor in enumerate(file.tensors):
+                if tensor.source == source_kind and tensor.numel:
+                    start.append(bases[tensor.index])
+                    rank.append(f)
+                    buffer.append(k)
+        return PieceTable.from_unsorted(start, rank, buffer, np.zeros(len(start), np.int64), int(np.sum(numels)))
+
+    def buffer_numels(self) -> list[int]:
+        """Per tensor index, the largest tensor at that index in any file (round windows)."""
+        width = max((len(f.tensors) for f in self.files), default=0)
+        return [max((f.tensors[k].numel for f in self.files if k < len(f.tensors)), default=0) for k in range(width)]
+
+
+def out_dtype_for(source_dtype: str, out_dtype: str) -> str:
+    """Floating tensors are written as `out_dtype`; integer and bool buffers keep their dtype."""
+    return out_dtype if dtype_of(source_dtype).is_floating_point else source_dtype
+
+
+def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_bytes: int = 5 * 10**9) -> ExportLayout:
+    spec, model = source.spec, source.model_template
+    module = model.get("module") or {}
+    shared = dict(model.get("shared_params") or {})
+    trainable = {p.name: i for i, p in enumerate(spec.params)}
+    frozen = {p.name: i for i, p in enumerate(spec.frozen)}
+    path = source.model_path(0)
+    tensors = []
+    seen = set()
+    for name, ref in module.items():
+        if name in shared:
+            continue
+        if name in trainable:
+            p = spec.params[trainable[name]]
+            tensors.append(ExportTensor(name, p.shape, out_dtype, "optim", trainable[name]))
+        elif name in frozen:
+            p = spec.frozen[frozen[name]]
+            tensors.append(ExportTensor(name, p.shape, out_dtype_for(spec.frozen_dtype, out_dtype), "frozen", frozen[name]))
+        elif isinstance(ref, TensorRef):
+            if not ref.is_contiguous:
+                raise UnsupportedCheckpoint(path, f"module tensor {name} is not stored contiguously")
+            tensors.append(ExportTensor(name, ref.shape, out_dtype_for(ref.dtype, out_dtype), "whole", -1, ref))
+        else:
+            continue
+        seen.add(name)
+    # A parameter the module dict does not list (it should not happen) is still exported, at the end.
+    for name, i in trainable.items():
+        if name not in seen:
+            tensors.append(ExportTensor(name, spec.params[i].shape, out_dtype, "optim", i))
+    for name, i in frozen.items():
+        if name not in seen:
+            tensors.append(ExportTensor(name, spec.frozen[i].shape, out_dtype_for(spec.frozen_dtype, out_dtype), "frozen", i))
+
+    for tensor in tensors:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise UnsupportedCheckpoint(path, f"{tensor.name} is {tensor.dtype}, which safetensors cannot store")
+    shards, current, size = [], [], 0
+    for tensor in tensors:
+        if current and size + tensor.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += tensor.nbytes
+    if current or not shards:
+        shards.append(current)
+    files = []
+    for number, members in enumerate(shards, start=1):
+        placed, offset = [], 0
+        for tensor in members:
+            placed.append(ExportTensor(**{**tensor.__dict__, "data_offset": offset}))
+            offset += tensor.nbytes
+        files.append(ExportFile(f"model-{number:05d}-of-{len(shards):05d}.safetensors", tuple(placed)))
+    kept = {alias: owner for alias, owner in shared.items()}
+    return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+
+
+def safetensors_header(file: ExportFile) -> bytes:
+    """The header of a safetensors file: 8-byte little-endian length, then JSON padded with
+    spaces so the data starts 8-byte aligned (safetensors/src/tensor.rs `prepare`).
+
+    Written here rather than by `safetensors.torch.save_file` because that needs every tensor
+    in memory at once; reshard reserves the file and fills it at offsets as slices arrive."""
+    import json
+    header = {"__metadata__": {"format": "pt"}}
+    for t in file.tensors:
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [t.data_offset, t.data_offset + t.nbytes]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text

@@ -1,0 +1,153 @@
+"""Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, with W workers.
+
+    python -m reshard export /ckpt/run1 /models/run1-hf --format safetensors --dtype bf16 --max-shard-size 5GB
+    torchrun --standalone --nproc_per_node=4 -m reshard export /ckpt/run1 /models/run1-hf --format safetensors
+
+    from reshard.export import export_safetensors
+    result = export_safetensors("/ckpt/run1", "/models/run1-hf", dtype="bf16")
+
+Steps, and which workers run them (the same skeleton as a reshard job, `reshard.job`):
+1. worker 0 inspects the source (pickles only) and checks OUT; every worker receives it;
+2. every worker derives the same layout (`hf_layout`) and plan: the output files are the
+   target "ranks", each tensor of a file a target buffer, so `plan_space` and `run_rounds`
+   move fp32 master slices (and ZeRO-3 frozen fragments) from the workers that read the
+   source rank files to the worker that writes the output file, in rounds under the budget;
+3. each worker writes the headers of its files, runs the rounds, then copies the tensors
+   stored whole in the model-states file (buffers, ZeRO-1/2 frozen parameters) in chunks;
+4. worker 0 writes `model.safetensors.index.json` last: a directory with the index is complete.
+
+Output is byte-identical whatever the number of workers and the budget.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from reshard.collective import on_rank0
+from reshard.destination import check_empty, check_paths
+from reshard.errors import OptionError
+from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
+from reshard.export.runner import run_export
+from reshard.export.safetensors_writer import SafetensorsWriter
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.transport import Transport, transport_from_environment
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DECIMAL = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_shard_size(text: str | int) -> int:
+    """'5GB' -> 5 * 10**9, as huggingface_hub reads max_shard_size; '4GiB' -> 4 * 2**30."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text), re.IGNORECASE)
+    unit = match[2].upper() if match else None
+    if unit is not None and unit and not unit.endswith("B"):
+        unit += "B"
+    if not match or unit not in _DECIMAL:
+        raise OptionError(f"cannot read shard size {text!r}: use e.g. 5GB, 500MB or 2GiB")
+    return int(float(match[1]) * _DECIMAL[unit])
+
+
+@dataclass
+class ExportResult:
+    source: str
+    destination: str
+    tag: str
+    files: list
+    total_size: int
+    workers: int
+    rounds: int
+    seconds: float = 0.0
+    peak_rss_bytes: list = field(default_factory=list)
+    kept_for_tied: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
+        return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
+                f"  {len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors; {self.workers} "
+                f"worker(s), {self.rounds} round(s), {self.seconds:.1f} s"
+                + (f"\n  tied: {tied}" if tied else ""))
+
+
+def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
+    """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure)."""
+    spec = source.spec
+    ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
+    numels = layout.buffer_numels()
+    fp32 = tuple(s for s in spec.streams if s.name == "fp32")
+    spaces = [plan_space("optim", spec.layout(spec.dp_world_size).pieces,
+                         layout.pieces("optim", [p.numel for p in spec.params]), fp32, numels, ownership, budget_bytes)]
+    if spec.frozen:
+        old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
+        spaces.append(plan_space("frozen", old_frozen, layout.pieces("frozen", [p.numel for p in spec.frozen]),
+                                 spec.frozen_streams, numels, ownership, budget_bytes, round_offset=spaces[0].rounds))
+    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+
+
+def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
+                       tag: str | None = None, memory_budget: int = 1 << 30, trust_pickle: bool = False,
+                       overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
+                       timeout: float = 600.0) -> ExportResult:
+    if dtype not in DTYPES:
+        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    max_shard_bytes = parse_shard_size(max_shard_size)
+    if max_shard_bytes < 1:
+        raise OptionError("--max-shard-size must be positive")
+    own_transport = transport is None
+    transport = transport or transport_from_environment(backend, timeout)
+    try:
+        return _run(str(source), str(destination), DTYPES[dtype], max_shard_bytes, tag, memory_budget, trust_pickle,
+                    overwrite, transport)
+    finally:
+        if own_transport:
+            transport.close()
+
+
+def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust_pickle, overwrite, transport):
+    started = time.perf_counter()
+
+    def inspect():
+        check_paths(source_dir, destination)
+        check_empty(destination, set(), overwrite)
+        source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+        os.makedirs(destination, exist_ok=True)
+        index = os.path.join(destination, INDEX_NAME)
+        if os.path.exists(index):
+            os.unlink(index)  # --overwrite: the old index must not vouch for new, half-written files
+        return source
+
+    source: SourceCheckpoint = on_rank0(transport, inspect)
+    layout = hf_layout(source, out_dtype, max_shard_bytes)
+    plan = plan_export(source, layout, transport.size, budget)
+    stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
+                     "frozen": source.spec.frozen_dtype}
+    model_path = source.model_path(0)
+
+    def open_writer(files):
+        return SafetensorsWriter.create(layout, destination, files, stream_dtypes, model_path, budget)
+
+    rss = run_export(transport, source, plan, open_writer, lambda: _write_index(destination, layout),
+                     trust_pickle=trust_pickle)
+    result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
+                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _write_index(destination: str, layout: ExportLayout) -> None:
+    """`model.safetensors.index.json` as transformers' save_pretrained writes it, atomically."""
+    index = {"metadata": {"total_size": layout.total_size}, "weight_map": layout.weight_map()}
+    path = os.path.join(destination, INDEX_NAME)
+    with open(path + ".partial", "w") as fd:
+        json.dump(index, fd, indent=2, sort_keys=True)
+        fd.write("\n")
+        fd.flush()
+        os.fsync(fd.fileno())
+    os.replace(path + ".partial", path)

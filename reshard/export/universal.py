@@ -1,0 +1,269 @@
+"""Export a DeepSpeed universal checkpoint (what `ds_to_universal.py` writes), with W workers.
+
+    python -m reshard export /ckpt/run1 /ckpt/run1-universal --format universal
+    torchrun --standalone --nproc_per_node=4 -m reshard export /ckpt/run1 /ckpt/run1-universal --format universal
+    # then, at any world size, with "checkpoint": {"load_universal": true} in the DeepSpeed config:
+    engine.load_checkpoint("/ckpt/run1-universal")
+
+Output (DeepSpeed 0.19.8 checkpoint/ds_to_universal.py `main`, read back by
+checkpoint/universal_checkpoint.py `load_hp_checkpoint_state` (ZeRO-1/2, BF16_Optimizer) and
+runtime/zero/stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`):
+
+    OUT/latest_universal                        the tag
+    OUT/TAG/<model-states files>                copied unchanged (ZeRO-3: every rank's)
+    OUT/TAG/zero/optimizer_state.pt             rank 0's optimizer state without its partitions,
+                                                plus `param_groups`
+    OUT/TAG/zero/<param>/<state>.pt             fp32 and every optimizer state (exp_avg,
+                                                exp_avg_sq, momentum_buffer...), whole:
+                                                ZeRO-1/2 {"cat_dim": 0, "param": tensor of the
+                                                param's shape}; ZeRO-3 a flat tensor
+    OUT/TAG/zero/<param>/step.pt                ZeRO-1/2: the param group's step
+    OUT/TAG/zero/<name>/fp32.pt                 ZeRO-1/2: {"param": value.float()} for every other
+                                                module entry (frozen, buffers, tied alias)
+
+Unlike ds_to_universal, no temporary fragment files: the parameters are cut into bundles,
+each bundle a target "rank" of the plan written by one worker, and each per-parameter file is
+reserved as a torch archive (`skip_data`) and filled at offsets as slices arrive. ZeRO-3's
+optimizer_state.pt leaves out rank 0's flat partitions (fp32_flat_groups and partitioned
+state), which DeepSpeed's loader never reads.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from reshard.collective import on_rank0
+from reshard.destination import check_empty, check_paths
+from reshard.errors import UnsupportedCheckpoint
+from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor
+from reshard.export.runner import run_export
+from reshard.formats import deepspeed_classes as classes
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_archive import materialize, NewTensor, pwrite_exact, write_skeleton
+from reshard.paths import confined, tag_problem
+from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.transport import Transport, transport_from_environment
+
+LATEST_UNIVERSAL = "latest_universal"
+# Bundles per worker: enough that the writers' shares even out, few enough that rounds stay large.
+BUNDLES_PER_WORKER = 4
+# Per-parameter files kept open at once by a writer.
+_OPEN_FILES = 256
+
+
+def check_directory_name(name: str, source: SourceCheckpoint) -> str:
+    """A parameter or buffer name becomes a directory under zero/ (as in ds_to_universal): it must be
+    one plain path component, so a crafted checkpoint cannot make reshard write outside OUT."""
+    problem = tag_problem(name)
+    if problem is not None:
+        raise UnsupportedCheckpoint(source.model_path(0), f"parameter name {name!r} {problem}: it cannot be a "
+                                                          "directory of a universal checkpoint")
+    return name
+
+
+def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
+    """Trainable parameters in order, cut into about `BUNDLES_PER_WORKER * workers` bundles of equal bytes."""
+    spec = source.spec
+    for p in spec.params:
+        check_directory_name(p.name, source)
+    tensors = [ExportTensor(p.name, p.shape, "float32", "optim", i) for i, p in enumerate(spec.params)]
+    target = max(1, sum(t.nbytes for t in tensors) // (BUNDLES_PER_WORKER * workers))
+    bundles, current, size = [], [], 0
+    for tensor in tensors:
+        if current and size + tensor.nbytes > target:
+            bundles.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += tensor.nbytes
+    bundles.append(current)
+    files = tuple(ExportFile(f"bundle-{k}", tuple(b)) for k, b in enumerate(bundles))
+    return ExportLayout(files, {}, spec.total_elements, 0)
+
+
+def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
+    """Every stream (fp32 and optimizer states) of every parameter to the writer of its bundle (pure)."""
+    spec = source.spec
+    ownership = Ownership(spec.dp_world_size, len(bundles.files), workers)
+    space = plan_space("optim", spec.layout(spec.dp_world_size).pieces,
+                       bundles.pieces("optim", [p.numel for p in spec.params]), spec.streams,
+                       bundles.buffer_numels(), ownership, budget_bytes)
+    return ReshardPlan(ownership, (space,), budget_bytes)
+
+
+@dataclass
+class UniversalWriter:
+    """Per-parameter state files of the bundles one worker owns, reserved then filled at offsets."""
+
+    locations: dict = field(default_factory=dict)
+    """(bundle, index in bundle, stream) -> (path, byte offset of element 0)"""
+    fds: dict = field(default_factory=dict)
+    bytes_written: int = 0
+
+    @classmethod
+    def create(cls, source: SourceCheckpoint, bundles: ExportLayout, zero_dir: str, owned) -> "UniversalWriter":
+        writer = cls()
+        spec = source.spec
+        for b in owned:
+            for k, tensor in enumerate(bundles.files[b].tensors):
+                os.makedirs(confined(zero_dir, os.path.join(zero_dir, tensor.name)), exist_ok=True)
+                for stream in spec.streams:
+                    check_directory_name(stream.name, source)
+                    path = confined(zero_dir, os.path.join(zero_dir, tensor.name, f"{stream.name}.pt"))
+                    if os.path.islink(path):
+                        os.unlink(path)
+                    slot = (b, k, stream.name)
+                    flat = NewTensor(slot, tensor.numel, stream.dtype)
+                    tree = flat if spec.stage == 3 else {"cat_dim": 0, "param": flat}
+                    obj, roles = materialize(tree)
+                    if spec.stage != 3:
+                        obj["param"] = obj["param"].view(tensor.shape)  # same storage, so the same role
+                    offsets = write_skeleton(path, obj, roles)
+                    if slot in offsets:
+                        writer.locations[slot] = (path, offsets[slot])
+        return writer
+
+    def _fd(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            if len(self.fds) >= _OPEN_FILES:
+                self._close_all(sync=True)
+            fd = self.fds[path] = os.open(path, os.O_RDWR)
+        return fd
+
+    def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
+        _space, k, stream = slot
+        path, base = self.locations[(rank, k, stream)]
+        pwrite_exact(self._fd(path), data, base + element * itemsize)
+        self.bytes_written += len(data)
+
+    def _close_all(self, sync: bool) -> None:
+        for fd in self.fds.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self.fds.clear()
+
+    def sync(self) -> None:
+        for fd in self.fds.values():
+            os.fsync(fd)
+
+    def finish(self) -> None:
+        self._close_all(sync=True)
+
+    def close(self) -> None:
+        self._close_all(sync=False)
+
+
+def _load_small(path: str, trust_pickle: bool):
+    """A DeepSpeed file mapped, not read: only the values touched (counters, hyperparameters) are paged in."""
+    if trust_pickle:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    with torch.serialization.safe_globals(list(schema.safe_globals())):
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickle: bool = False) -> None:
+    """Everything but the per-parameter state: optimizer_state.pt, step.pt, the ZeRO-1/2 extra
+    fp32.pt of non-trainable entries, and the model-states files (worker 0, after the rounds)."""
+    spec = source.spec
+    zero_dir = os.path.join(tag_dir, "zero")
+    osd = _load_small(source.optim_path(0), trust_pickle)[schema.OPTIM]
+    partitioned = {s.name for s in spec.streams}
+    if spec.stage == 3:
+        inner = osd[schema.OPTIM]
+        lean_inner = {**inner, "state": {sg: {k: v for k, v in state.items() if k not in partitioned}
+                                         for sg, state in inner["state"].items()}}
+        out = {k: v for k, v in osd.items() if k != "fp32_flat_groups"}
+        out[schema.OPTIM] = lean_inner
+        out["param_groups"] = inner["param_groups"]
+    else:
+        base = osd["base_optimizer_state"]
+        out = {k: v for k, v in osd.items()
+               if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
+        out["param_groups"] = base["param_groups"]
+        for g, ids in enumerate(spec.groups):
+            step = base["state"].get(g, {}).get("step")
+            if step is None:
+                continue
+            for p in ids:
+                torch.save(step, os.path.join(zero_dir, spec.params[p].name, "step.pt"))
+        trainable = {p.name for p in spec.params}
+        module = _load_small(source.model_path(0), trust_pickle).get("module") or {}
+        for name, value in module.items():
+            if name in trainable or not torch.is_tensor(value):
+                continue
+            check_directory_name(name, source)
+            os.makedirs(os.path.join(zero_dir, name), exist_ok=True)
+            torch.save({"param": value.float()}, os.path.join(zero_dir, name, "fp32.pt"))
+    # out holds the loss scaler etc. as reshard's stand-ins: pickle them under DeepSpeed's names
+    torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"), pickle_module=classes)
+    ranks = range(spec.dp_world_size) if spec.stage == 3 else [0]
+    for rank in ranks:
+        shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))
+
+
+@dataclass
+class UniversalResult:
+    source: str
+    destination: str
+    tag: str
+    params: int
+    workers: int
+    rounds: int
+    seconds: float = 0.0
+    peak_rss_bytes: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (DeepSpeed universal)\n"
+                f"  {self.params} parameters; {self.workers} worker(s), {self.rounds} round(s), {self.seconds:.1f} s; "
+                f"load with \"checkpoint\": {{\"load_universal\": true}}")
+
+
+def export_universal(source: str, destination: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
+                     trust_pickle: bool = False, overwrite: bool = False, transport: Transport | None = None,
+                     backend: str = "auto", timeout: float = 600.0) -> UniversalResult:
+    own_transport = transport is None
+    transport = transport or transport_from_environment(backend, timeout)
+    try:
+        return _run(str(source), str(destination), tag, memory_budget, trust_pickle, overwrite, transport)
+    finally:
+        if own_transport:
+            transport.close()
+
+
+def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, transport) -> UniversalResult:
+    started = time.perf_counter()
+
+    def inspect():
+        check_paths(source_dir, destination)
+        check_empty(destination, set(), overwrite)
+        source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+        latest = os.path.join(destination, LATEST_UNIVERSAL)
+        if os.path.exists(latest):
+            os.unlink(latest)  # --overwrite: the old pointer must not vouch for a half-written tag
+        os.makedirs(os.path.join(destination, source.tag, "zero"), exist_ok=True)
+        return source
+
+    source: SourceCheckpoint = on_rank0(transport, inspect)
+    bundles = universal_bundles(source, transport.size)
+    plan = plan_universal(source, bundles, transport.size, budget)
+    tag_dir = os.path.join(destination, source.tag)
+
+    def publish():
+        write_universal_metadata(source, tag_dir, trust_pickle)
+        with open(os.path.join(destination, LATEST_UNIVERSAL), "w") as fd:
+            fd.write(source.tag)
+
+    rss = run_export(transport, source, plan,
+                     lambda owned: UniversalWriter.create(source, bundles, os.path.join(tag_dir, "zero"), owned),
+                     publish, trust_pickle=trust_pickle)
+    result = UniversalResult(source.save_dir, destination, source.tag, len(source.spec.params), transport.size,
+                             plan.rounds, peak_rss_bytes=rss)
+    result.seconds = time.perf_counter() - started
+    return result

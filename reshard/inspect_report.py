@@ -1,0 +1,264 @@
+"""What a DeepSpeed checkpoint holds and what reshard can make of it, without reading tensors.
+
+    python -m reshard inspect /ckpt/run1 [--tag TAG] [--json]
+
+    from reshard.inspect_report import inspect_report
+    report = inspect_report("/ckpt/run1")
+    print(report.text())            # or json.dumps(report.as_dict())
+    report.problems                 # what the pre-flight checks found; the CLI exits 2 when any
+
+Reads the pickles of every rank file (`map_location="meta"`) and the few bytes of the
+optimizer step counters, which the consistency check compares between ranks; no partition,
+weight or buffer bytes. Every rank's files are validated exactly as a reshard job validates
+them before moving a byte (`formats.deepspeed_inspect.source_rank_tensors`), so a report with
+no problems means the job's pre-flight checks pass.
+
+The `--json` document (`as_dict()`), schema "reshard.inspect/1":
+    schema, save_dir, tag, latest (tag in SAVE_DIR/latest or null), latest_universal (or null),
+    tags: [tag directories holding ZeRO files],
+    files: {name: bytes} of the tag directory,       total_bytes,
+    topology: {stage, dp, tp, ep, pp},
+    precision: {module_dtype, master_dtype, bf16_file_prefix},
+    optimizer: {zero_optimizer, base_optimizer, state_keys: [partitioned state], scalar_state_keys},
+    groups: [{index, params, elements, hyperparameters: {key: value}}],
+    frozen: {stored: how they are saved, params: [{name, shape}]},
+    tied: {alias: owner},  buffers: [names],  counters: {global_steps, global_samples, skipped_steps},
+    client_state_keys: [top-level keys of the model-states file that are not DeepSpeed's],
+    targets: {reshard_dp: "any" or [sizes], batch_config: text, export_formats: [...], notes: [...]},
+    problems: [messages]
+Keys whose facts could not be read (a checkpoint too broken to inspect) hold null.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.batch_config import batch_config_problem
+from reshard.errors import ReshardError
+from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_client_state import client_state_keys
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag, source_rank_tensors
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_archive import TensorRef
+
+SCHEMA = "reshard.inspect/1"
+
+# Formats `python -m reshard export` writes; every ZeRO checkpoint reshard reads can be exported.
+EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "universal")
+
+# Largest data-parallel size listed when a fixed train_batch_size restricts the choice.
+_LISTED_DP_LIMIT = 4096
+
+
+@dataclass
+class InspectReport:
+    """The facts of one checkpoint tag; see the module docstring for each key."""
+
+    save_dir: str
+    tag: str | None
+    latest: str | None = None
+    latest_universal: str | None = None
+    tags: list = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+    topology: dict | None = None
+    precision: dict | None = None
+    optimizer: dict | None = None
+    groups: list | None = None
+    frozen: dict | None = None
+    tied: dict | None = None
+    buffers: list | None = None
+    counters: dict | None = None
+    client_state_keys: list | None = None
+    targets: dict | None = None
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        return {"schema": SCHEMA, "save_dir": self.save_dir, "tag": self.tag, "latest": self.latest,
+                "latest_universal": self.latest_universal, "tags": self.tags, "files": self.files,
+                "total_bytes": sum(self.files.values()), "topology": self.topology, "precision": self.precision,
+                "optimizer": self.optimizer, "groups": self.groups, "frozen": self.frozen, "tied": self.tied,
+                "buffers": self.buffers, "counters": self.counters, "client_state_keys": self.client_state_keys,
+                "targets": self.targets, "problems": self.problems}
+
+    def text(self) -> str:
+        lines = [f"checkpoint {self.save_dir} tag {self.tag} (latest: {self.latest}"
+                 + (f", latest_universal: {self.latest_universal}" if self.latest_universal else "") + ")",
+                 f"tags: {', '.join(self.tags) or 'none'}"]
+        if self.topology:
+            t = self.topology
+            lines.append(f"topology: ZeRO-{t['stage']}, dp {t['dp']}, tp {t['tp']}, ep {t['ep']}, pp {t['pp']}")
+        if self.precision:
+            p = self.precision
+            lines.append(f"precision: module {p['module_dtype']}, masters {p['master_dtype']}"
+                         + (" (bf16_ file prefix)" if p["bf16_file_prefix"] else ""))
+        if self.optimizer:
+            o = self.optimizer
+            lines.append(f"optimizer: {o['zero_optimizer']} over {o['base_optimizer']}; partitioned state "
+                         f"{', '.join(o['state_keys']) or 'none'}; scalar state {', '.join(o['scalar_state_keys']) or 'none'}")
+        for group in self.groups or []:
+            hyper = ", ".join(f"{k}={v}" for k, v in group["hyperparameters"].items())
+            lines.append(f"  group {group['index']}: {group['params']} params, {group['elements']:,} elements; {hyper}")
+        if self.frozen is not None:
+            names = ", ".join(f"{p['name']} {p['shape']}" for p in self.frozen["params"]) or "none"
+            lines.append(f"frozen parameters ({self.frozen['stored']}): {names}")
+        if self.tied is not None:
+            lines.append(f"tied: {', '.join(f'{a} -> {o}' for a, o in self.tied.items()) or 'none'}")
+        if self.buffers is not None:
+            lines.append(f"buffers: {', '.join(self.buffers) or 'none'}")
+        if self.counters:
+            lines.append("counters: " + ", ".join(f"{k} {v}" for k, v in self.counters.items()))
+        if self.client_state_keys is not None:
+            lines.append(f"client_state keys: {', '.join(self.client_state_keys) or 'none'}")
+        lines.append(f"files ({_size(sum(self.files.values()))}):")
+        lines += [f"  {name:56s} {_size(nbytes):>10s}" for name, nbytes in self.files.items()]
+        if self.targets:
+            t = self.targets
+            sizes = t["reshard_dp"] if isinstance(t["reshard_dp"], str) else ", ".join(map(str, t["reshard_dp"]))
+            lines.append(f"reshard can write: ZeRO-{self.topology['stage']} at dp sizes {sizes}"
+                         + (f" ({t['batch_config']})" if t["batch_config"] else ""))
+            if t["export_formats"]:
+                lines.append(f"export formats: {', '.join(t['export_formats'])}")
+            lines += [f"note: {note}" for note in t["notes"]]
+        lines += [f"PROBLEM: {problem}" for problem in self.problems] or ["no problems found"]
+        return "\n".join(lines)
+
+
+def inspect_report(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False) -> InspectReport:
+    """Inspect `save_dir` (tag: `tag`, else the one `latest` names); problems go into the report."""
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    report = InspectReport(save_dir, tag, latest=_read_pointer(save_dir, schema.LATEST),
+                           latest_universal=_read_pointer(save_dir, "latest_universal"))
+    if os.path.isdir(save_dir):
+        report.tags = sorted(d for d in os.listdir(save_dir) if _holds_zero_files(os.path.join(save_dir, d)))
+    try:
+        report.tag = resolve_tag(save_dir, tag)
+    except ReshardError as error:
+        report.problems.append(str(error))
+        return report
+    tag_dir = os.path.join(save_dir, report.tag)
+    report.files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name in sorted(os.listdir(tag_dir))
+                    if os.path.isfile(os.path.join(tag_dir, name))}
+    try:
+        source = inspect_checkpoint(save_dir, report.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+    except ReshardError as error:
+        report.problems.append(str(error))
+        return report
+    _describe(report, source)
+    for rank in range(source.spec.dp_world_size):
+        try:
+            source_rank_tensors(source, rank, trust_pickle=trust_pickle)
+        except ReshardError as error:
+            report.problems.append(str(error))
+    return report
+
+
+def _read_pointer(save_dir: str, name: str) -> str | None:
+    path = os.path.join(save_dir, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fd:
+        return fd.read().strip() or None
+
+
+def _holds_zero_files(path: str) -> bool:
+    return os.path.isdir(path) and any(schema.classify(n).kind == "optim" for n in os.listdir(path))
+
+
+def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
+    spec, model = source.spec, source.model_template
+    osd = source.optim_template[schema.OPTIM]
+    base = osd[schema.OPTIM] if spec.stage == 3 else osd["base_optimizer_state"]
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    report.topology = {"stage": spec.stage, "dp": spec.dp_world_size, "tp": int(model.get("mp_world_size", 1)),
+                       "ep": 1, "pp": int(dims.get("pp_degree", 1))}
+    master = next(s for s in spec.streams if s.name == "fp32")
+    report.precision = {"module_dtype": spec.lp_dtype, "master_dtype": master.dtype, "bf16_file_prefix": spec.bf16_prefix}
+    scalar_keys = sorted({k for entry in base["state"].values() for k in entry} - {s.name for s in spec.streams})
+    config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
+    configured = (config.get("optimizer") or {}).get("type") if isinstance(config.get("optimizer"), dict) else None
+    zero_optimizer = {"bf16_optimizer": "BF16_Optimizer"}.get(
+        spec.optimizer, "DeepSpeedZeroOptimizer_Stage3" if spec.stage == 3 else "DeepSpeedZeroOptimizer")
+    report.optimizer = {"zero_optimizer": zero_optimizer,
+                        "base_optimizer": configured or _guess_base_optimizer(base["param_groups"]),
+                        "state_keys": [s.name for s in spec.streams if s.name != "fp32"],
+                        "scalar_state_keys": scalar_keys}
+    report.groups = [{"index": index, "params": len(ids), "elements": sum(spec.params[p].numel for p in ids),
+                      "hyperparameters": {k: _plain(v) for k, v in group.items() if k != "params"}}
+                     for index, (ids, group) in enumerate(zip(spec.groups, base["param_groups"]))]
+    report.frozen = _frozen(source)
+    report.tied = dict(model.get("shared_params") or {})
+    report.buffers = list(model.get("buffer_names") or [])
+    report.counters = {k: model.get(k) for k in ("global_steps", "global_samples", "skipped_steps")}
+    report.client_state_keys = client_state_keys(model)
+    report.targets = _targets(source, config)
+
+
+def _guess_base_optimizer(param_groups: list) -> str:
+    """A client optimizer leaves no class name in the checkpoint; its hyperparameters say the family."""
+    keys = set(param_groups[0]) if param_groups else set()
+    if "betas" in keys:
+        return "AdamW (client optimizer)" if param_groups[0].get("decoupled_weight_decay") else "Adam-like (client optimizer)"
+    if "momentum" in keys:
+        return "SGD-like (client optimizer)"
+    return "client optimizer (class not recorded)"
+
+
+def _frozen(source: SourceCheckpoint) -> dict:
+    spec, model = source.spec, source.model_template
+    trainable = {p.name for p in spec.params}
+    if spec.stage == 3:
+        shapes = model.get("frozen_param_shapes")
+        stored = "partitioned in frozen_param_fragments" if shapes is not None else "not saved (excluded at save: exclude_frozen_parameters)"
+        params = [{"name": n, "shape": list(s)} for n, s in (shapes or {}).items()]
+    else:
+        module = model.get("module") or {}
+        skip = trainable | set(model.get("buffer_names") or []) | set(model.get("shared_params") or {})
+        params = [{"name": n, "shape": list(r.shape)} for n, r in module.items() if n not in skip and isinstance(r, TensorRef)]
+        if model.get("frozen_param_shapes") is not None:
+            stored = "whole, in module and frozen_param_fragments"
+        elif params:
+            stored = "whole, in module"
+        else:
+            stored = "none in module (none, or excluded at save)"
+    return {"stored": stored, "params": params}
+
+
+def _targets(source: SourceCheckpoint, config: dict) -> dict:
+    tbs = config.get("train_batch_size")
+    if isinstance(tbs, int):
+        sizes: Any = [dp for dp in range(1, min(tbs, _LISTED_DP_LIMIT) + 1) if batch_config_problem(config, dp) is None]
+        why = f"train_batch_size {tbs} is fixed in ds_config; other sizes need --ignore-batch-config"
+    else:
+        sizes, why = "any", ""
+    notes = []
+    if source.spec.optimizer == "bf16_optimizer":
+        notes.append("BF16_Optimizer checkpoint: DeepSpeed's zero_to_fp32.py cannot read it; reshard reads it")
+    if source.spec.round_robin:
+        notes.append("round_robin_gradients: the flat order depends on the dp size; reshard recomputes it")
+    return {"reshard_dp": sizes, "batch_config": why, "export_formats": list(EXPORT_FORMATS), "notes": notes}
+
+
+def _plain(value):
+    """A JSON-friendly copy of a hyperparameter value."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, TensorRef):
+        return f"tensor({value.dtype}, {list(value.shape)})"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} B"

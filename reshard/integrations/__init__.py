@@ -1,0 +1,1 @@
+"""Integrations with training frameworks that drive DeepSpeed for you (see reshard.integrations.huggingface)."""

@@ -1,0 +1,117 @@
+"""What a job needs from the machine, checked before it starts: disk space on DST, open files.
+
+    from reshard.resources import check_free_space, ensure_open_files, output_bytes
+    check_free_space(dst, output_bytes(source, target_dp))   # OptionError "no space left on DST ..."
+    ensure_open_files(files_needed=1200)                    # raises the soft limit, or explains
+
+Both are estimates made from the source's file sizes (pickles only, no tensors): the output of a
+reshard holds the same partitioned bytes as its source, plus one pickle structure per target
+file. A job that would fail half-way for lack of space or file handles is refused up front with
+a message that says what to change; a disk that fills anyway (another writer) is reported by
+`disk_full_message` in the same words.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import resource
+
+from reshard.errors import OptionError
+
+#: file handles a worker needs besides its source and target files (torch, gloo, logs, ...)
+SPARE_FILE_HANDLES = 64
+
+
+def output_bytes(source, target_dp: int, block: int = 4096) -> int:
+    """About how many bytes the target files of `source` resharded for `target_dp` ranks take on
+    disk: partitioned bytes are conserved, each target file adds one pickle structure, every file
+    occupies whole blocks, and DeepSpeed's recovery scripts and the manifest come along."""
+    spec, tag_dir = source.spec, source.tag_dir
+    n = spec.dp_world_size
+
+    def blocks(nbytes: int) -> int:
+        return -(-nbytes // block) * block
+
+    optim = [os.path.getsize(source.optim_path(r)) for r in range(n)]
+    structure = max(optim[0] - sum(optim) // n, 0)  # one optim file's pickle, counters, ...
+    total = target_dp * blocks(sum(optim) // target_dp + structure)
+    model0 = os.path.getsize(source.model_path(0))
+    total += target_dp * blocks(model0) if spec.stage == 3 else blocks(model0)
+    total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
+    total += sum(blocks(size) for size in _recovery_script_sizes())
+    files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)
+    total += blocks(1024 + 200 * files) + 2 * block  # manifest, journal, latest
+    return total
+
+
+def _recovery_script_sizes() -> list[int]:
+    import importlib.util
+
+    from reshard.formats.deepspeed_schema import RECOVERY_SCRIPTS
+    package = importlib.util.find_spec("deepspeed")
+    if package is None or not package.submodule_search_locations:
+        return []
+    folder = os.path.join(package.submodule_search_locations[0], "utils")
+    return [os.path.getsize(os.path.join(folder, name)) for name in RECOVERY_SCRIPTS
+            if os.path.isfile(os.path.join(folder, name))]
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still put on the file system holding `path` (or its parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    stat = os.statvfs(probe)
+    return stat.f_bavail * stat.f_frsize
+
+
+def check_free_space(destination: str, needed: int, already_written: int = 0) -> None:
+    free = free_bytes(destination)
+    if needed - already_written > free:
+        raise OptionError(disk_full_message(destination, needed, free) + "; nothing was written")
+
+
+def disk_full_message(destination: str, needed: int, free: int | None = None) -> str:
+    free = free_bytes(destination) if free is None else free
+    return f"no space left on {destination} (needed about {human(needed)}, free {human(free)})"
+
+
+def is_disk_full(error: BaseException, path: str, slack: int = 1 << 20) -> bool:
+    """ENOSPC, or a torch.save failure ("unexpected pos ...") on a file system that is now full."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return free_bytes(os.path.dirname(path) or ".") < slack
+    except OSError:
+        return False
+
+
+def files_per_worker(stage: int, ownership, worker: int) -> int:
+    """Source and target files `worker` holds open at once (optim files, and model-states files
+    per rank under ZeRO-3 or the one rank-0 model file under ZeRO-1/2)."""
+    per_rank = 2 if stage == 3 else 1
+    sources, targets = ownership.source_ranks_of(worker), ownership.target_ranks_of(worker)
+    return (per_rank * (len(sources) + len(targets)) + (stage < 3) * ((0 in sources) + (0 in targets)))
+
+
+def ensure_open_files(files_needed: int) -> None:
+    """Raise this process's soft RLIMIT_NOFILE as far as needed (up to the hard limit), or explain."""
+    needed = files_needed + SPARE_FILE_HANDLES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        return
+    raise OptionError(f"this job keeps about {needed} files open per worker ({files_needed} source and target "
+                      f"files), but the open-file limit (RLIMIT_NOFILE) is {soft} (hard limit {hard}): run more "
+                      f"workers (each writes a share of the target files), or raise the limit (ulimit -n {needed})")
+
+
+def human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"

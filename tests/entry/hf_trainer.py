@@ -1,0 +1,103 @@
+"""torchrun entry for tests: a tiny Llama trained by the Hugging Face Trainer with DeepSpeed, on CPU ranks.
+
+    torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16]
+    torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resume OUT --stage 2 \
+        --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
+
+train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6); at each save rank 0 writes
+truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
+the learning rate, the global step.
+resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` with nothing else
+done; at the first on_step_begin the same quantities are compared with the truth, element by
+element; training then goes on to step 6 and its save. With --in-job the Trainer resumes through
+`reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
+"""
+import argparse
+import os
+
+import torch
+from hf_common import TokenRows, compare_with_truth, full_state, leave_and_exit, tiny_llama, write_report
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+def ds_config(stage: int, bf16: bool) -> dict:
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    if stage == 3:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    return config
+
+
+def make_trainer(args, seed: int, callbacks):
+    from transformers import Trainer, TrainingArguments
+    training = TrainingArguments(
+        output_dir=args.out, use_cpu=True, deepspeed=ds_config(args.stage, args.bf16), bf16=args.bf16,
+        per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
+        save_strategy="steps", learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
+        logging_strategy="no", report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
+        dataloader_num_workers=0, save_only_model=False)
+    return Trainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("train", "resume"))
+    parser.add_argument("out")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--from", dest="source")
+    parser.add_argument("--truth")
+    parser.add_argument("--report")
+    parser.add_argument("--in-job", action="store_true")
+    args = parser.parse_args()
+    from transformers import TrainerCallback
+
+    holder = {}
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Truth(TrainerCallback):
+        def on_save(self, training_args, state, control, **kwargs):
+            trainer = holder["trainer"]
+            full = full_state(trainer.model_wrapped)
+            if rank == 0:
+                torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
+                           os.path.join(args.out, f"truth-{state.global_step}.pt"))
+
+    class Check(TrainerCallback):
+        first = True
+
+        def on_step_begin(self, training_args, state, control, **kwargs):
+            if not self.first:
+                return
+            self.first = False
+            trainer = holder["trainer"]
+            full = full_state(trainer.model_wrapped)
+            truth = torch.load(args.truth, weights_only=True)
+            mismatches, checked = compare_with_truth(full, truth["state"])
+            holder["report"] = {"mismatches": mismatches, "checked_tensors": checked,
+                                "global_step_at_resume": state.global_step, "truth_global_step": truth["global_step"],
+                                "lr_at_resume": trainer.lr_scheduler.get_last_lr(), "truth_lr": truth["lr"],
+                                "world_size": training_args.world_size}
+
+    if args.mode == "train":
+        trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
+        trainer.train()
+    else:
+        trainer = holder["trainer"] = make_trainer(args, seed=99, callbacks=[Check()])
+        if args.in_job:
+            from reshard.integrations.huggingface import enable_resharding
+            enable_resharding(trainer)
+        trainer.train(resume_from_checkpoint=args.source)
+        report = holder["report"]
+        report["final_global_step"] = trainer.state.global_step
+        report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
+        report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
+        if rank == 0:
+            write_report(args.report, report)
+    leave_and_exit()
+
+
+if __name__ == "__main__":
+    main()
