@@ -1,6 +1,7 @@
 """Command line: `python -m reshard SRC DST --target-dp M` (or under torchrun, one per worker).
 
     torchrun --standalone --nproc_per_node=4 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
+    python -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16 --workers 4   # same, without torchrun
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
@@ -19,10 +20,12 @@ when another worker is the one that failed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from reshard.errors import OptionError, ReshardError
 from reshard.options import ReshardOptions, parse_size
+from reshard.results import process_started
 from reshard.transport import is_first_worker
 
 
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--array-tasks", type=int, metavar="K", help="SLURM array mode: number of tasks")
     parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
                         help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes to start on this host, without torchrun (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
@@ -79,7 +84,7 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
-                 "backend": args.backend, "timeout": args.timeout,
+                 "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
                  "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
@@ -208,10 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "export":
         return export_main(argv[1:])
     args = build_parser().parse_args(argv)
+    started = process_started()
     try:
         options = options_from_args(args)
+        if options.workers > 1:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise OptionError("--workers starts its own worker processes: run it without torchrun, or drop it")
+            from reshard.local_workers import run_local_workers
+            return run_local_workers(options, started)
         from reshard.job import run_job
-        result = run_job(options)
+        result = run_job(options, started=started)
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")
         return 2

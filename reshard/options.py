@@ -70,6 +70,9 @@ class ReshardOptions:
     transport: str = "auto"
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
     started the process and torchrun did not)."""
+    workers: int = 1
+    """Worker processes `python -m reshard` starts on this host (forked after the imports, gloo);
+    under torchrun the launcher starts them instead."""
 
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
@@ -93,6 +96,11 @@ class ReshardOptions:
                                                  and 0 <= self.array_task < self.array_tasks):
             raise OptionError(f"--array-task must be in 0..--array-tasks-1 and --array-tasks >= 1, got task "
                               f"{self.array_task!r} of {self.array_tasks!r}")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise OptionError(f"--workers must be an integer >= 1, got {self.workers!r}")
+        if self.workers > 1 and (self.transport == "mpi" or self.array_tasks is not None):
+            raise OptionError("--workers starts local gloo workers; it does not combine with --transport mpi "
+                              "or --array-task (the MPI launcher or the array starts the processes)")
         if (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
                 or not math.isfinite(self.timeout) or self.timeout <= 0):
             raise OptionError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
