@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--profile-dir")
     parser.add_argument("--trace-io", help="directory for per-worker call timelines")
+    parser.add_argument("--array-task", type=int, help="SLURM array mode: this task (with --array-tasks)")
+    parser.add_argument("--array-tasks", type=int)
     args = parser.parse_args()
     trace = IoTrace() if args.trace_io else None
 
@@ -94,8 +96,9 @@ def main() -> None:
         trace.install()
 
     def run():
+        array = {"array_task": args.array_task, "array_tasks": args.array_tasks} if args.array_tasks else {}
         return reshard.reshard_checkpoint(args.source, args.destination, args.target_dp,
-                                          memory_budget=args.memory_budget, quiet=True)
+                                          memory_budget=args.memory_budget, quiet=True, **array)
 
     rank = int(os.environ.get("RANK", "0"))
     if args.profile_dir:

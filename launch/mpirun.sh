@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
-# Reshard under an MPI launcher (Open MPI or MPICH/Hydra): each MPI process becomes one worker.
+# Reshard under an MPI launcher (Open MPI, MPICH/Hydra, or srun --mpi=pmix): each MPI process is one worker.
 #
 #   mpirun -np 16 --hostfile hosts launch/mpirun.sh SRC DST --target-dp 64
+#   mpiexec -n 4 launch/mpirun.sh SRC DST --target-dp 8 --timeout 300
 #
-# The workers talk over torch.distributed (gloo, or NCCL with CUDA); the MPI launcher only
-# starts them. Rank, size and the rendezvous address come from the launcher's environment.
+# The workers talk over MPI (mpi4py, `pip install 'reshard[mpi]'`): Alltoallv on host buffers.
+# No rendezvous address is needed. A worker that dies or stalls aborts the whole MPI job after
+# --timeout seconds at most, so no peer is left waiting.
 set -euo pipefail
-export RANK=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${PMIX_RANK:-0}}}
-export WORLD_SIZE=${OMPI_COMM_WORLD_SIZE:-${PMI_SIZE:-1}}
-export LOCAL_RANK=${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-0}}
-export MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the host of MPI rank 0}
-export MASTER_PORT=${MASTER_PORT:-29518}
-exec python -m reshard "$@"
+exec python -m reshard "$@" --transport mpi

@@ -1,9 +1,12 @@
 """Command line: `python -m reshard SRC DST --target-dp M` (or under torchrun, one per worker).
 
     torchrun --standalone --nproc_per_node=4 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
+    python -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16 --workers 4   # same, without torchrun
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
+    python -m reshard SRC DST --target-dp M --array-task I --array-tasks K   # see reshard.array_job
+    python -m reshard publish DST                      # publish a finished array job
     python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
     python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
     python -m reshard export SRC OUT --format universal                 # DeepSpeed universal checkpoint
@@ -22,6 +25,8 @@ import sys
 
 from reshard.errors import OptionError, ReshardError
 from reshard.options import ReshardOptions, parse_size
+from reshard.results import process_started
+from reshard.transport import is_first_worker
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-batch-config", action="store_true", default=None,
                         help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
+    parser.add_argument("--array-task", type=int, metavar="I",
+                        help="SLURM array mode, no collectives: this task's index, 0..K-1 (with --array-tasks)")
+    parser.add_argument("--array-tasks", type=int, metavar="K", help="SLURM array mode: number of tasks")
+    parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
+                        help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes to start on this host, without torchrun (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
@@ -72,7 +84,8 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
-                 "backend": args.backend, "timeout": args.timeout}
+                 "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
+                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
@@ -108,7 +121,7 @@ def verify_main(argv: list[str]) -> int:
 
 
 def _is_worker0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    return is_first_worker()  # torchrun's RANK or the MPI launcher's rank
 
 
 def _print_once(message: str) -> None:
@@ -192,15 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "publish":
+        from reshard.array_job import publish_main
+        return publish_main(argv[1:])
     if argv and argv[0] == "inspect":
         return inspect_main(argv[1:])
     if argv and argv[0] == "export":
         return export_main(argv[1:])
     args = build_parser().parse_args(argv)
+    started = process_started()
     try:
         options = options_from_args(args)
+        if options.workers > 1:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise OptionError("--workers starts its own worker processes: run it without torchrun, or drop it")
+            from reshard.local_workers import run_local_workers
+            return run_local_workers(options, started)
         from reshard.job import run_job
-        result = run_job(options)
+        result = run_job(options, started=started)
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")
         return 2

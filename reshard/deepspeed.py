@@ -33,6 +33,7 @@ from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.errors import ReshardError
 from reshard.exchange import run_rounds
+from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -161,7 +162,7 @@ def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwa
         os.makedirs(tag_dir)
         served = {}
         for (_, name), obj in objects.items():
-            served[os.path.join(tag_dir, name)] = obj
+            served[os.path.join(tag_dir, name)] = classes.to_deepspeed(obj)
         if spec.stage < 3:
             name = schema.model_file_name(spec.stage)
             served[os.path.join(tag_dir, name)] = _zero12_model_states(source, _data_parallel_size(engine))
@@ -186,8 +187,8 @@ def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | No
 def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
     from reshard.formats.deepspeed_target import _zero12_model_tree
-    torch.serialization.add_safe_globals(list(schema.safe_globals()))
-    states = torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True)
+    torch.serialization.add_safe_globals(schema.safe_globals())
+    states = classes.to_deepspeed(torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True))
     recomputed = _zero12_model_tree(source, source.spec.layout(target_dp))
     states["param_shapes"] = recomputed["param_shapes"]
     states["dp_world_size"] = recomputed["dp_world_size"]

@@ -141,6 +141,7 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
             ready_round, packed, failure, space, receives, send_counts, recv_counts = ahead.next()
             assert ready_round == r
             failpoint("kill", round=r, worker=transport.rank)
+            failpoint("stall", round=r, worker=transport.rank)
             out = torch.from_numpy(incoming_buffer[:sum(recv_counts)])
             received = transport.all_to_all(torch.from_numpy(packed[:sum(send_counts)]), send_counts, recv_counts,
                                             out=out)

@@ -4,13 +4,15 @@
 
 Off unless the environment variable is set; each name is checked where it is declared
 (`failpoint("kill", round=r, worker=w)`): it fires when every key=value given in the
-variable matches. Names in use: "kill" (SIGKILL this process, in the exchange loop).
+variable matches. Names in use, both in the exchange loop: "kill" (SIGKILL this process) and
+"stall" (sleep for an hour: a worker that hangs without dying).
 Tests that run workers in-process inject I/O errors by patching os functions instead.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def _parse(text: str) -> list[tuple[str, dict]]:
@@ -30,3 +32,5 @@ def failpoint(name: str, **context) -> None:
         if point == name and all(str(context.get(k)) == v for k, v in condition.items()):
             if name == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif name == "stall":
+                time.sleep(3600)

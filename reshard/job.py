@@ -61,7 +61,7 @@ from reshard.resources import (
     is_disk_full,
     output_bytes,
 )
-from reshard.results import CheckpointResult, ReshardResult, WorkerReport
+from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter, WriteFailed
@@ -88,9 +88,17 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     return run_job(opts.validate(), transport)
 
 
-def run_job(opts: ReshardOptions, transport: Transport | None = None) -> ReshardResult:
+def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started: float | None = None
+            ) -> ReshardResult:
+    """Run the job `opts` describes. `started`: the time.perf_counter() at which the start-up
+    phase began (the command line passes its process's start), else this call."""
+    if opts.array_tasks is not None:  # one SLURM array task: no transport, no peers
+        from reshard.array_job import run_array_task
+        return run_array_task(opts)
+    clock = PhaseClock(started)
     own_transport = transport is None
-    transport = transport or transport_from_environment(opts.backend, opts.timeout)
+    transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
+    clock.lap("start-up")
     try:
         started = time.perf_counter()
         def discover():
@@ -99,8 +107,10 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None) -> Reshard
 
         units, notes = on_rank0(transport, discover)
         result = ReshardResult(notes=notes)
+        clock.lap("inspect")
         for unit in units:
-            result.checkpoints.append(_run_unit(opts, unit, transport))
+            result.checkpoints.append(_run_unit(opts, unit, transport, clock))
+            clock = PhaseClock()
         result.seconds = time.perf_counter() - started
         return result
     finally:
@@ -218,7 +228,7 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
     return found
 
 
-def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> CheckpointResult:
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
     def inspect():
@@ -229,6 +239,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
 
     source, carried, source_notes = on_rank0(transport, inspect)
     target = opts.target_topology
+    clock.lap("inspect")
     plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
@@ -255,6 +266,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
 
     start: _Start = on_rank0(transport, decide)
+    clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
         result.seconds = time.perf_counter() - started
@@ -288,11 +300,16 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
                        durable_every_bytes=opts.durable_every, on_durable=journal, on_round=on_round)
         hashes = {}
         try:
-            writer.finish()
-            hashes = writer.hashes()
+            writer.wait_for_copies()
+            clock.lap("exchange+write")
+            clock.move(writer.sync_seconds, "exchange+write", "fsync")
+            hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it
+            clock.lap("fsync")
+            clock.move(writer.hash_seconds, "fsync", "hash")
         except Exception as error:
             failure = error
         check_peers(transport, failure, "flushing target files")
+        clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         all_hashes = transport.all_gather_object(hashes)
         if transport.rank == 0:
             try:
@@ -322,6 +339,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport) -> Checkpo
     report.bytes_read, report.bytes_written = reader.bytes_read, writer.bytes_written
     report.bytes_carried = writer.bytes_carried
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    clock.lap("publish")
+    report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)
     result.seconds = time.perf_counter() - started
     return result

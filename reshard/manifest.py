@@ -31,8 +31,14 @@ _CHUNK = 16 << 20
 
 
 def hash_file(path: str) -> str:
-    """BLAKE3 of a file's bytes (about 4x faster than hashlib's blake2b on one core here)."""
-    return hash_range(path, 0, os.path.getsize(path))
+    """BLAKE3 of a file's bytes (about 4x faster than hashlib's blake2b on one core here), read
+    through a memory map: no copy, and pages still cached from writing are not read again."""
+    from blake3 import blake3
+    if os.path.getsize(path) == 0:
+        return blake3().hexdigest()
+    digest = blake3(max_threads=blake3.AUTO)
+    digest.update_mmap(path)
+    return digest.hexdigest()
 
 
 def hash_range(path: str, offset: int, nbytes: int) -> str:

@@ -64,6 +64,16 @@ class ReshardOptions:
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
     timeout: float = 600.0
     """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
+    array_task: int | None = None
+    """This process's index (0..array_tasks-1) in a SLURM array job without collectives (reshard.array_job)."""
+    array_tasks: int | None = None
+    """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
+    transport: str = "auto"
+    """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
+    started the process and torchrun did not)."""
+    workers: int = 1
+    """Worker processes `python -m reshard` starts on this host (forked after the imports, gloo);
+    under torchrun the launcher starts them instead."""
 
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
@@ -79,6 +89,20 @@ class ReshardOptions:
             raise OptionError(f"--durable-every must be at least 1 byte, got {self.durable_every}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise OptionError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.transport not in ("auto", "torch", "mpi"):
+            raise OptionError(f"--transport must be auto, torch or mpi, got {self.transport!r}")
+        if (self.array_task is None) != (self.array_tasks is None):
+            raise OptionError("--array-task and --array-tasks go together (task index and number of tasks)")
+        if self.array_tasks is not None and not (isinstance(self.array_tasks, int) and self.array_tasks >= 1
+                                                 and isinstance(self.array_task, int)
+                                                 and 0 <= self.array_task < self.array_tasks):
+            raise OptionError(f"--array-task must be in 0..--array-tasks-1 and --array-tasks >= 1, got task "
+                              f"{self.array_task!r} of {self.array_tasks!r}")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise OptionError(f"--workers must be an integer >= 1, got {self.workers!r}")
+        if self.workers > 1 and (self.transport == "mpi" or self.array_tasks is not None):
+            raise OptionError("--workers starts local gloo workers; it does not combine with --transport mpi "
+                              "or --array-task (the MPI launcher or the array starts the processes)")
         if (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
                 or not math.isfinite(self.timeout) or self.timeout <= 0):
             raise OptionError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")

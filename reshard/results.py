@@ -6,10 +6,58 @@
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
 from reshard.plan import ReshardPlan
 from reshard.topology import Topology
+
+PHASES = ("start-up", "inspect", "plan", "exchange+write", "fsync", "hash", "publish")
+"""Where a job's wall time goes, in order: start-up (interpreter, imports, process group),
+inspect (source pickles, destination checks), plan (plan, start decision, lock), exchange+write
+(open source files, write skeletons, rounds, carried copies), fsync, hash (BLAKE3 for the
+manifest) and publish (gather hashes, manifest, rename into place). Phases end where the
+workers agree, so the slowest worker's time per phase is that phase's share of the wall."""
+
+
+class PhaseClock:
+    """Wall time per phase on one worker: `lap(phase)` charges the time since the last lap to it."""
+
+    def __init__(self, started: float | None = None):
+        self.last = time.perf_counter() if started is None else started
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.add(phase, now - self.last)
+        self.last = now
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Charge `seconds` already counted under `source` to `target` (fsyncs inside the rounds)."""
+        self.add(source, -seconds)
+        self.add(target, seconds)
+
+
+def process_started() -> float | None:
+    """When this process started, on the time.perf_counter() clock (Linux /proc; None elsewhere):
+    the start-up phase of a command includes the interpreter and its imports."""
+    age = _process_age()
+    return None if age is None else time.perf_counter() - age
+
+
+def _process_age() -> float | None:
+    try:
+        with open("/proc/self/stat") as fd:
+            start_ticks = int(fd.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as fd:
+            uptime = float(fd.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass
@@ -23,6 +71,8 @@ class WorkerReport:
     bytes_written: int = 0
     bytes_carried: int = 0
     peak_rss_bytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds per phase (see PHASES) on this worker."""
 
 
 @dataclass
@@ -60,6 +110,11 @@ class CheckpointResult:
     def bytes_written(self) -> int:
         return sum(r.bytes_written + r.bytes_carried for r in self.reports)
 
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase, the slowest worker's for each."""
+        return _slowest(self.reports)
+
     def summary(self) -> str:
         lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
                  f"  source : {self.description}",
@@ -82,6 +137,7 @@ class CheckpointResult:
         rate = self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
         lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
                      f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
+        lines.append(f"  phases : {_phase_line(self.phases)} (slowest worker each)")
         lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} {'peak RSS':>10}")
         for r in self.reports:
             lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
@@ -121,6 +177,8 @@ class ReshardResult:
                 m.bytes_written += r.bytes_written
                 m.bytes_carried += r.bytes_carried
                 m.peak_rss_bytes = max(m.peak_rss_bytes, r.peak_rss_bytes)
+                for phase, seconds in r.phases.items():
+                    m.phases[phase] = m.phases.get(phase, 0.0) + seconds
         return [merged[w] for w in sorted(merged)]
 
     def summary(self) -> str:
@@ -128,6 +186,18 @@ class ReshardResult:
         if len(self.checkpoints) > 1:
             parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
         return "\n".join(parts)
+
+
+def _slowest(reports) -> dict[str, float]:
+    slowest: dict[str, float] = {}
+    for report in reports:
+        for phase, seconds in report.phases.items():
+            slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+    return {phase: slowest[phase] for phase in PHASES if phase in slowest}
+
+
+def _phase_line(phases: dict[str, float]) -> str:
+    return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in phases.items())
 
 
 def _ranks(ranks) -> str:

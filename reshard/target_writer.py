@@ -2,8 +2,7 @@
 
     writer = TargetWriter.create(source, staging_tag_dir, Topology(dp=3), ranks=[1, 2])
     writer.write(rank=2, slot=("optim", 0, "fp32"), element=0, itemsize=4, data=view)
-    writer.finish()          # fsync and close; the files are complete torch archives
-    writer.hashes()          # {name: {"bytes", "blake3"}} for the manifest
+    hashes = writer.finish() # fsync, hash and close: {name: {"bytes", "blake3"}} for the manifest
 
 Each file is saved with `skip_data` (structure written, storage space reserved, nothing
 resident), its storages located by reloading the skeleton on the meta device, and the
@@ -13,14 +12,23 @@ file to file in the kernel when this worker owns the source file. Partition slic
 later from the exchange, while large carried storages are copied in a background thread.
 Padding is never written and reads back as zeros. When resuming, existing skeletons are
 reopened and located instead of rewritten.
+
+Hashing (BLAKE3, for the manifest) reads each file back from the page cache once it is
+final: a file no partition slice goes to (ZeRO-1/2 module weights, ZeRO-3 model states) in
+the background thread as soon as its carried bytes are in, while the rounds run; the others
+after the last round, while a second thread fsyncs (one waits on the disk, the other on the
+CPU). BLAKE3 of a whole file cannot be assembled from ranges hashed out of order through the
+`blake3` package (it exposes no chunk counter), hence whole files, read back while cached.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError
+from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (
@@ -57,18 +65,27 @@ class TargetWriter:
     paths: list = field(default_factory=list)
     bytes_written: int = 0
     bytes_carried: int = 0
+    sync_seconds: float = 0.0
+    """Wall seconds spent in fsync so far (a phase of its own in the job's summary)."""
+    hash_seconds: float = 0.0
+    """Wall seconds `finish` spent hashing (besides the fsync thread)."""
     deferred: list = field(default_factory=list)
     """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
+    digests: dict = field(default_factory=dict)
+    """path -> BLAKE3 hex of the files already final and hashed"""
     _copier: threading.Thread | None = None
     _copy_error: BaseException | None = None
 
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
-               reuse_existing: bool = False) -> "TargetWriter":
+               reuse_existing: bool = False, only: set[str] | None = None) -> "TargetWriter":
+        """The files of target `ranks` (only those named in `only`, when given: an array task's share)."""
         writer = cls()
         try:
             for rank in ranks:
                 for file in target_files(source, target, rank):
+                    if only is not None and file.name not in only:
+                        continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)
             writer.sync()
         except BaseException:
@@ -81,7 +98,8 @@ class TargetWriter:
         if os.path.islink(path):  # never write through a link left in staging
             os.unlink(path)
         try:
-            offsets = locate_storages(path, obj, roles) if reuse_existing else write_skeleton(path, obj, roles)
+            offsets = locate_storages(path, obj, roles, classes.safe_globals()) if reuse_existing else \
+                write_skeleton(path, obj, roles, classes, classes.safe_globals())
         except OSError as error:
             raise WriteFailed(path, error) from None
         except RuntimeError as error:  # torch.save reports a failed write this way
@@ -115,10 +133,25 @@ class TargetWriter:
                 self.deferred.append((template_path, role, fd, offset, nbytes_of[role], path))
 
     def copy_in_background(self) -> None:
-        """Start the deferred file-to-file copies; they run while the rounds do."""
-        if self.deferred and self._copier is None:
-            self._copier = threading.Thread(target=self._copy_deferred, name="reshard-copier", daemon=True)
+        """Start the deferred file-to-file copies, then hash the files no slice goes to; this
+        runs while the rounds do."""
+        if (self.deferred or self._sliceless()) and self._copier is None:
+            self._copier = threading.Thread(target=self._background, name="reshard-copier", daemon=True)
             self._copier.start()
+
+    def _sliceless(self) -> list[str]:
+        """Files that receive no partition slice: final once their carried bytes are in."""
+        sliced = {path for _, _, path in self.locations.values()}
+        return [path for path in self.paths if path not in sliced and path not in self.digests]
+
+    def _background(self) -> None:
+        self._copy_deferred()
+        if self._copy_error is None:
+            try:
+                for path in self._sliceless():
+                    self.digests[path] = hash_file(path)
+            except BaseException as error:
+                self._copy_error = error
 
     def _copy_deferred(self) -> None:
         try:
@@ -156,20 +189,47 @@ class TargetWriter:
         self.bytes_written += len(data)
 
     def sync(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._sync()
+        finally:
+            self.sync_seconds += time.perf_counter() - started
+
+    def _sync(self) -> None:
         for path, fd in self.fds.items():
             try:
                 os.fsync(fd)
             except OSError as error:
                 raise WriteFailed(path, error) from None
 
-    def finish(self) -> None:
-        """Finish the background copies, make every byte durable, then close."""
-        self.wait_for_copies()
-        self.sync()
-        self.close()
+    def finish(self) -> dict:
+        """Finish the background work, make every byte durable and hash every file, then close.
 
-    def hashes(self) -> dict:
-        return {os.path.basename(p): {"bytes": os.path.getsize(p), "blake3": hash_file(p)} for p in self.paths}
+        The fsync runs in a thread while this one hashes the files not hashed yet. Returns
+        {file name: {"bytes", "blake3"}}.
+        """
+        self.wait_for_copies()
+        failure: list[BaseException] = []
+
+        def sync():
+            try:
+                self.sync()
+            except BaseException as error:
+                failure.append(error)
+        syncer = threading.Thread(target=sync, name="reshard-fsync", daemon=True)
+        syncer.start()
+        started = time.perf_counter()
+        try:
+            for path in self.paths:
+                if path not in self.digests:
+                    self.digests[path] = hash_file(path)
+        finally:
+            self.hash_seconds += time.perf_counter() - started
+            syncer.join()
+        if failure:
+            raise failure[0]
+        self.close()
+        return {os.path.basename(p): {"bytes": os.path.getsize(p), "blake3": self.digests[p]} for p in self.paths}
 
     def close(self) -> None:
         if self._copier is not None:

@@ -22,6 +22,13 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def torchrun_output(trained, tmp_path_factory):
+    """torchrun_output(variant, n, m) -> DST of a 2-worker torchrun reshard, made once per session."""
+    from trained import TorchrunOutputs
+    return TorchrunOutputs(tmp_path_factory.mktemp("torchrun-outputs"), trained)
+
+
+@pytest.fixture(scope="session")
 def hf_trained(tmp_path_factory):
     """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
     from hf_runs import HfRuns

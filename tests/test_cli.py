@@ -4,13 +4,16 @@
 """
 from __future__ import annotations
 
+import filecmp
 import os
+import re
 
 import pytest
 from trained import reshard_cli, reshard_in_threads
 
 from reshard.errors import OptionError
 from reshard.options import ReshardOptions, parse_size
+from reshard.results import PHASES
 
 
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("4G", 4 << 30), ("1.5G", int(1.5 * (1 << 30))),
@@ -64,5 +67,36 @@ def test_job_file_runs_and_flags_override_it(trained, tmp_path):
     result = reshard_cli("--config", job, "--target-dp", "3")
     assert result.returncode == 0, result.stderr
     assert "3 dp ranks" in result.stdout and "8.0 KiB budget" in result.stdout
+    # quiet: no progress bar, but the summary's one line of wall seconds per phase stays
+    assert "reshard:" not in result.stderr and "%|" not in result.stderr
+    phases = dict(re.findall(r"([a-z+-]+) (\d+\.\d\d) s", _line(result.stdout, "  phases : ")))
+    assert list(phases) == list(PHASES)
+    assert float(phases["start-up"]) > 0.1  # counts the interpreter and imports, from the process start
     tag = (tmp_path / "from-yaml" / "latest").read_text()
     assert sorted(os.listdir(tmp_path / "from-yaml" / tag))[-1] == "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+
+
+def _line(text: str, prefix: str) -> str:
+    found = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert len(found) == 1, text
+    return found[0][len(prefix):]
+
+
+@pytest.mark.e2e
+def test_workers_flag_runs_forked_workers_without_torchrun(trained, tmp_path):
+    source, _ = trained("z2_fp32", 2)
+    result = reshard_cli(source, tmp_path / "forked", "--target-dp", "3", "--workers", "2", "--memory-budget", "4K",
+                         "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "2 worker(s) over torch.distributed/gloo" in result.stdout
+    reshard_in_threads(source, tmp_path / "threads", 3, 1)
+    tag = (tmp_path / "threads" / "latest").read_text()
+    names = sorted(os.listdir(tmp_path / "threads" / tag))
+    assert sorted(os.listdir(tmp_path / "forked" / tag)) == names
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "threads" / tag, tmp_path / "forked" / tag, names,
+                                               shallow=False)
+    assert mismatch == [] and errors == []
+
+    (tmp_path / "a-file").write_text("")
+    refused = reshard_cli(source, tmp_path / "a-file", "--target-dp", "3", "--workers", "2")
+    assert refused.returncode == 2 and "a-file" in refused.stderr and refused.stdout == ""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trained import REPO, reshard_with_torchrun
+from trained import REPO, reshard_in_threads, reshard_with_torchrun, tree_files
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "launch" / "examples" / "ppo_actor_critic.py"
@@ -86,3 +86,24 @@ def test_in_job_resume(ppo_run, tmp_path, m):
     assert data["in_job"] and data["world_size"] == m
     assert not list(ckpt.rglob("*reshard*")), "in-job resharding must not write into the source"
     print(f"\nin-job at {m} ranks: both engines resharded and loaded in {data['load_seconds']:.3f} s")
+
+
+def test_array_tasks_convert_the_whole_run(ppo_run, tmp_path):
+    """SLURM array mode over the run directory: 2 tasks share 6 checkpoints' files (actor and critic,
+    every tag), run out of order; the result equals the collective job's byte for byte."""
+    from reshard.job import run_job
+    from reshard.options import ReshardOptions
+    ckpt, _ = ppo_run
+    expected = tmp_path / "collective"
+    reshard_in_threads(ckpt, expected, 3, 2, all_tags=True)
+    destination = tmp_path / "array"
+    written = []
+    for task in (1, 0):
+        result = run_job(ReshardOptions(source=str(ckpt), destination=str(destination), target_dp=3, all_tags=True,
+                                        array_task=task, array_tasks=2, quiet=True).validate())
+        assert len(result.checkpoints) == 6
+        written.append(sum(c.bytes_written for c in result.checkpoints))
+        if task == 1:
+            assert not (destination / "_actor" / "latest").exists() and not (destination / "_critic" / "latest").exists()
+    assert all(written), written
+    assert tree_files(destination) == tree_files(expected)

@@ -68,6 +68,32 @@ def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool =
     return check_checkpoint(variant, m, load_dir, truth, verdict_path, in_job=in_job)
 
 
+class TorchrunOutputs:
+    """(variant, N, M) -> DST written by a 2-worker torchrun job over gloo, once per session.
+
+    The reference other execution modes (MPI, SLURM array tasks) must reproduce byte for byte.
+    """
+
+    def __init__(self, root: Path, trained: TrainedCheckpoints):
+        self.root, self.trained = root, trained
+        self.cache: dict[tuple[str, int, int], Path] = {}
+
+    def __call__(self, variant: str, n: int, m: int) -> Path:
+        key = (variant, n, m)
+        if key not in self.cache:
+            source, _ = self.trained(variant, n)
+            destination = self.root / f"{variant}-n{n}-to{m}"
+            reshard_with_torchrun(source, destination, m, 2, "--memory-budget", "16K")
+            self.cache[key] = destination
+        return self.cache[key]
+
+
+def tree_files(root) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> content): what byte-identical outputs must share."""
+    root = Path(root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def tree_state(root, skip=None) -> dict:
     """Relative path -> BLAKE3 (files), "dir" or "link -> target" below `root`, leaving out `skip`:
     what a test compares before and after to prove that nothing outside DST changed or appeared."""

@@ -41,6 +41,7 @@ from reshard.destination import check_empty, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor
 from reshard.export.runner import run_export
+from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -200,7 +201,8 @@ def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickl
             check_directory_name(name, source)
             os.makedirs(os.path.join(zero_dir, name), exist_ok=True)
             torch.save({"param": value.float()}, os.path.join(zero_dir, name, "fp32.pt"))
-    torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"))
+    # out holds the loss scaler etc. as reshard's stand-ins: pickle them under DeepSpeed's names
+    torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"), pickle_module=classes)
     ranks = range(spec.dp_world_size) if spec.stage == 3 else [0]
     for rank in ranks:
         shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cache
+
+from reshard.formats import deepspeed_classes as classes
 
 from reshard.topology import Topology
 
@@ -97,20 +98,16 @@ def model_file_name_of(topology: Topology, rank: int, stage: int) -> str:
     return model_file_name(stage, at.dp, at.tp)
 
 
-@cache
-def safe_globals() -> tuple:
-    """The classes DeepSpeed pickles into its checkpoints; nothing else is unpickled by default."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+def safe_globals() -> list:
+    """The classes DeepSpeed pickles into its checkpoints, as stand-ins under DeepSpeed's names
+    (see deepspeed_classes); nothing else is unpickled by default."""
+    return classes.safe_globals()
 
 
 def safe_global_names() -> set[str]:
-    return {f"{cls.__module__}.{cls.__qualname__}" for cls in safe_globals()}
+    return classes.safe_global_names()
 
 
 def fragment_address(numel: int, start: int):
-    """DeepSpeed's own record type for `param_slice_mappings` values."""
-    from deepspeed.utils.tensor_fragment import fragment_address as cls
-    return cls(numel=numel, start=start)
+    """DeepSpeed's record type for `param_slice_mappings` values (written under its name)."""
+    return classes.fragment_address(numel=numel, start=start)

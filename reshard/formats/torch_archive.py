@@ -244,19 +244,30 @@ def _identity(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def write_skeleton(path: str, obj: Any, roles: dict) -> dict:
-    """torch.save `obj` without tensor data; return {role: byte offset of its storage in `path`}."""
+def write_skeleton(path: str, obj: Any, roles: dict, pickle_module=None, safe_globals: Iterable = ()) -> dict:
+    """torch.save `obj` without tensor data; return {role: byte offset of its storage in `path`}.
+
+    `pickle_module` (default: pickle) pickles the structure, `safe_globals` reloads it (see
+    `locate_storages`).
+    """
     with skip_data():
-        torch.save(obj, path)
-    return locate_storages(path, obj, roles)
+        torch.save(obj, path, **({"pickle_module": pickle_module} if pickle_module is not None else {}))
+    return locate_storages(path, obj, roles, safe_globals)
 
 
-def locate_storages(path: str, obj: Any, roles: dict) -> dict:
+def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = ()) -> dict:
     """{role: byte offset} of `obj`'s storages in `path`, a file saved from an object of the same shape.
 
+    The file (reshard's own) is reloaded with the `safe_globals` allowlist; one holding other
+    classes (carried from a source loaded with trust_pickle) is reloaded trusting its pickle.
     Raises CheckpointError when the file does not have that shape (e.g. a damaged skeleton).
     """
-    reloaded = load_structure(path, trust_pickle=True)  # reshard's own file
+    try:
+        reloaded = load_structure(path, safe_globals)
+    except CheckpointError as error:
+        if "allowlist" not in str(error):
+            raise
+        reloaded = load_structure(path, trust_pickle=True)
     mine, theirs = leaves_in_order(obj), leaves_in_order(reloaded)
     if len(mine) != len(theirs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(mine, theirs)):
         raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)")

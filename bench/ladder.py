@@ -1,0 +1,217 @@
+"""Size ladder: reshard against DeepSpeed's universal-checkpoint path from 100 MB to 10 GB, one run.
+
+    pip install -e '.[bench]'                       # matplotlib for the plot
+    python bench/ladder.py                          # 100M 1G 2.5G 10G (sizes that fit the machine)
+    python bench/ladder.py --sizes 100M 1G          # some sizes only
+    python bench/ladder.py --plot-only bench/results/ladder.json
+
+For each size: a ZeRO-2 fp32 AdamW checkpoint of a `bench_model.LADDER` model trained one step
+with real DeepSpeed on N=2 CPU ranks (cached, see make_checkpoint.py), resumed at M=1, as in
+issue 14. Each contender starts with the page cache dropped and its code cached (run.Cold):
+
+  offline   python -m reshard SRC DST --target-dp M --workers W (forked workers, no torchrun),
+            then engine.load_checkpoint(DST) at M ranks (load_timing.py)
+  torchrun  torchrun --nproc_per_node=W -m reshard SRC DST --target-dp M (the same job launched
+            by torchrun's agent), reported beside it
+  in-job    reshard.deepspeed.load_checkpoint(engine, SRC) at M ranks (load_timing.py --in-job)
+  DeepSpeed ds_to_universal.py (W extract and merge workers) + load_checkpoint with load_universal
+
+Reshard walls are whole commands; its per-phase wall times are read from the summary line
+("phases : start-up ..."). Loads are timed around load_checkpoint (slowest rank), as in run.py.
+Ratios are (DeepSpeed's conversion + universal load) / (ours), from the same run. Writes
+bench/results/ladder-<timestamp>.json, bench/results/ladder.json and bench/results/ladder.png
+(log-log: seconds against checkpoint size). A size whose training or load would not fit this
+machine's memory is skipped and recorded as such.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import psutil  # noqa: E402
+from bench_model import LADDER  # noqa: E402
+from make_checkpoint import DEFAULT_CACHE, child_env, ensure_checkpoint, tree_bytes  # noqa: E402
+from process_tree import run_watched  # noqa: E402
+from run import Cold, log, machine_info, require_success, run_load, run_universal_conversion  # noqa: E402
+
+SOURCE_RANKS, TARGET_RANKS = 2, 1
+TRAIN_RSS_PER_BYTE = 2.8
+"""Peak summed RSS of training divided by checkpoint bytes (6.9 GB for the 2.5 GB model here);
+loading at M=1 needs about as much."""
+PHASES_RE = re.compile(r"phases : (.*?) \(slowest")
+
+
+def reshard_command(src: str, dst: str, workers: int, launcher: str) -> list[str]:
+    args = [src, dst, "--target-dp", str(TARGET_RANKS), "--quiet"]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+                "-m", "reshard", *args]
+    return [sys.executable, "-m", "reshard", *args, "--workers", str(workers)]
+
+
+def run_reshard(src: str, dst: str, workers: int, launcher: str, scratch: str) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    log_path = os.path.join(scratch, f"reshard-{launcher}.log")
+    run = run_watched(reshard_command(src, dst, workers, launcher), env=child_env(), cwd=REPO, log_path=log_path,
+                      disk_path=scratch)
+    require_success(run, f"reshard ({launcher})", os.path.join(dst, "latest"))
+    with open(log_path) as fd:
+        text = fd.read()
+    found = PHASES_RE.search(text)
+    phases = {name: float(seconds) for name, seconds in re.findall(r"([a-z+-]+) (\d+\.\d+) s", found[1])} \
+        if found else {}
+    return {"wall_seconds": run.wall_seconds, "phases": phases, "peak_tree_rss_bytes": run.peak_tree_rss_bytes,
+            "summary": text[text.find("reshard done"):] if "reshard done" in text else text[-2000:]}
+
+
+def fits(size_bytes: int) -> tuple[bool, str]:
+    need = TRAIN_RSS_PER_BYTE * size_bytes
+    total = psutil.virtual_memory().total
+    if need > 0.8 * total:
+        return False, (f"skipped: training and loading a {size_bytes / 1e9:.1f} GB checkpoint needs about "
+                       f"{need / 1e9:.0f} GB of memory; this machine has {total / 1e9:.0f} GB (shared)")
+    return True, ""
+
+
+def run_size(label: str, args, cold: Cold) -> dict:
+    cfg = LADDER[label]
+    estimate = cfg.param_count * 16
+    ok, why = fits(estimate)
+    if not ok:
+        log(f"{label}: {why}")
+        return {"size": label, "skipped": why, "estimated_bytes": estimate}
+    meta = ensure_checkpoint(cfg, 2, SOURCE_RANKS, args.cache_dir, log=log)
+    src, tag = meta["save_dir"], meta["tag"]
+    scratch = os.path.join(args.cache_dir, "work", f"ladder-{cfg.name}")
+    os.makedirs(scratch, exist_ok=True)
+    dst, universal = os.path.join(scratch, "reshard"), os.path.join(scratch, "universal")
+    case = {"size": label, "checkpoint_bytes": meta["bytes"], "params": meta["params"], "workers": args.workers}
+
+    cold()
+    log(f"{label}: ds_to_universal ({meta['bytes'] / 1e9:.2f} GB) ...")
+    case["conversion"] = run_universal_conversion(os.path.join(src, tag), universal, tag, args.workers, scratch)
+    cold()
+    case["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
+    shutil.rmtree(universal, ignore_errors=True)
+
+    for launcher in ("torchrun", "workers"):
+        runs = []
+        for _ in range(args.repeat):
+            cold()
+            runs.append(run_reshard(src, dst, args.workers, launcher, scratch))
+            log(f"  reshard ({launcher}): {runs[-1]['wall_seconds']:.1f} s; {runs[-1]['phases']}")
+        case[f"reshard_{launcher}_runs"] = runs
+        case[f"reshard_{launcher}"] = sorted(runs, key=lambda r: r["wall_seconds"])[(len(runs) - 1) // 2]
+    case["target_bytes"] = tree_bytes(os.path.join(dst, tag))
+    cold()
+    case["native_load"] = run_load(cfg, 2, TARGET_RANKS, dst, False, scratch)
+    shutil.rmtree(dst, ignore_errors=True)
+    cold()
+    case["in_job_load"] = run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30)
+
+    theirs = case["conversion"]["wall_seconds"] + case["universal_load"]["load_seconds"]
+    offline = case["reshard_workers"]["wall_seconds"] + case["native_load"]["load_seconds"]
+    torchrun = case["reshard_torchrun"]["wall_seconds"] + case["native_load"]["load_seconds"]
+    in_job = case["in_job_load"]["load_seconds"]
+    case["seconds"] = {"deepspeed": theirs, "offline": offline, "offline_torchrun": torchrun, "in_job": in_job}
+    case["ratios"] = {"offline": theirs / offline, "offline_torchrun": theirs / torchrun, "in_job": theirs / in_job}
+    phases = case["reshard_workers"]["phases"]
+    moving = phases.get("exchange+write", 0.0)
+    case["beyond_moving_bytes_seconds"] = case["reshard_workers"]["wall_seconds"] - moving
+    log(f"  {label}: DeepSpeed {theirs:.1f} s, offline {offline:.1f} s ({case['ratios']['offline']:.2f}x), "
+        f"torchrun offline {torchrun:.1f} s ({case['ratios']['offline_torchrun']:.2f}x), in-job {in_job:.1f} s "
+        f"({case['ratios']['in_job']:.2f}x)")
+    return case
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = [c for c in results["cases"] if "seconds" in c]
+    sizes = [c["checkpoint_bytes"] / 1e9 for c in cases]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for key, label, style in (("deepspeed", "ds_to_universal + universal load", "s-"),
+                              ("offline_torchrun", "reshard offline (torchrun) + native load", "v--"),
+                              ("offline", "reshard offline (--workers) + native load", "o-"),
+                              ("in_job", "reshard in-job (load_checkpoint)", "^-")):
+        ax.plot(sizes, [c["seconds"][key] for c in cases], style, label=label)
+    for c, x in zip(cases, sizes):
+        ax.annotate(f"{c['ratios']['offline']:.1f}x / {c['ratios']['in_job']:.1f}x", (x, c["seconds"]["offline"]),
+                    textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("checkpoint size (GB, ZeRO-2 fp32 AdamW, saved at 2 ranks)")
+    ax.set_ylabel(f"seconds to resume at {TARGET_RANKS} rank (conversion + load)")
+    skipped = [c["size"] for c in results["cases"] if "skipped" in c]
+    note = f"; not run: {', '.join(skipped)} (memory)" if skipped else ""
+    ax.set_title(f"2 -> 1 ranks, W={results['workers']}, {results['machine']['cpus']} shared CPU cores{note}\n"
+                 "labels: speed-up of offline / in-job over DeepSpeed's path", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n== ladder: ZeRO-2 fp32, {SOURCE_RANKS} -> {TARGET_RANKS} ranks, W={results['workers']} ==")
+    print(f"  {'size':>6}{'GB':>7}{'convert s':>10}{'uload s':>8}{'DS sum':>8} |{'reshard s':>10}{'torchrun s':>11}"
+          f"{'load s':>7}{'offline':>8}{'ratio':>6}{'tr ratio':>9} |{'in-job s':>9}{'ratio':>6} | beyond bytes s")
+    for c in results["cases"]:
+        if "skipped" in c:
+            print(f"  {c['size']:>6}  {c['skipped']}")
+            continue
+        s, r = c["seconds"], c["ratios"]
+        print(f"  {c['size']:>6}{c['checkpoint_bytes'] / 1e9:>7.2f}{c['conversion']['wall_seconds']:>10.1f}"
+              f"{c['universal_load']['load_seconds']:>8.1f}{s['deepspeed']:>8.1f} |"
+              f"{c['reshard_workers']['wall_seconds']:>10.1f}{c['reshard_torchrun']['wall_seconds']:>11.1f}"
+              f"{c['native_load']['load_seconds']:>7.1f}{s['offline']:>8.1f}{r['offline']:>6.2f}"
+              f"{r['offline_torchrun']:>9.2f} |{s['in_job']:>9.1f}{r['in_job']:>6.2f} | "
+              f"{c['beyond_moving_bytes_seconds']:.1f}")
+        print(f"  {'':>6} phases (--workers): {c['reshard_workers']['phases']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(LADDER), choices=list(LADDER))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="reshard runs per launcher and size (median kept)")
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    parser.add_argument("--cache-drop", default="auto", choices=("auto", "proc", "fadvise"))
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results file")
+    args = parser.parse_args()
+    folder = os.path.join(HERE, "results")
+    if args.plot_only:
+        with open(args.plot_only) as fd:
+            plot(json.load(fd), os.path.join(folder, "ladder.png"))
+        return
+    args.cache_dir = os.path.abspath(args.cache_dir)
+    started = datetime.datetime.now()
+    results = {"started": started, "machine": machine_info(), "workers": args.workers, "repeat": args.repeat,
+               "source_ranks": SOURCE_RANKS, "target_ranks": TARGET_RANKS, "cases": [],
+               "note": "shared machine: other jobs ran at the same time, so every figure is noisy"}
+    cold = Cold(args.cache_drop, [args.cache_dir])
+    for label in args.sizes:
+        results["cases"].append(run_size(label, args, cold))
+    results["cache_drop_method"] = cold.used
+    results["finished"] = datetime.datetime.now()
+    text = json.dumps(results, indent=1, default=str)
+    for name in (f"ladder-{started:%Y%m%d-%H%M%S}.json", "ladder.json"):
+        with open(os.path.join(folder, name), "w") as fd:
+            fd.write(text)
+    print_table(results)
+    plot(json.loads(text), os.path.join(folder, "ladder.png"))
+    print(f"\nresults: {os.path.join(folder, 'ladder.json')}, plot: {os.path.join(folder, 'ladder.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The MPI transport: mpiexec-launched workers reproduce the torchrun job byte for byte, and a
+worker that dies or hangs ends the whole job instead of leaving its peers waiting.
+
+    python -m pytest tests/test_mpi.py -q        # needs mpi4py and an mpiexec (pip install mpi4py mpich)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from trained import REPO, tree_files
+
+from reshard.errors import OptionError
+from reshard.transport import _choose, is_first_worker
+
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
+
+
+def mpiexec_reshard(n: int, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    child = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        child.pop(name, None)
+    child.update(env or {})
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "reshard", *map(str, args)],
+                          capture_output=True, text=True, env=child, cwd=REPO, timeout=timeout)
+
+
+@pytest.mark.parametrize("environment,kind,expected", [
+    ({}, "auto", "torch"),
+    ({"PMI_RANK": "1"}, "auto", "mpi"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "auto", "mpi"),
+    ({"PMIX_RANK": "2"}, "auto", "mpi"),
+    ({"PMI_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, "auto", "torch"),   # torchrun under srun: torchrun wins
+    ({"PMI_RANK": "1"}, "torch", "torch"),
+    ({}, "mpi", "mpi"),
+])
+def test_auto_picks_mpi_only_under_an_mpi_launcher(monkeypatch, environment, kind, expected):
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "TORCHELASTIC_RUN_ID", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert _choose(kind) == expected
+    assert is_first_worker() == (environment.get("PMI_RANK", environment.get("PMIX_RANK", "0")) == "0")
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(OptionError, match="--transport"):
+        _choose("ucx")
+
+
+@needs_mpi
+@pytest.mark.e2e
+def test_mpiexec_job_is_byte_identical_to_torchrun(trained, torchrun_output, tmp_path):
+    source, _ = trained("z3_bf16", 2)
+    reference = torchrun_output("z3_bf16", 2, 4)
+    destination = tmp_path / "dst"
+    started = time.monotonic()
+    run = mpiexec_reshard(3, source, destination, "--target-dp", 4, "--transport", "mpi", "--memory-budget", "16K",
+                          "--quiet")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "mpi/MPICH" in run.stdout and run.stdout.count("reshard done:") == 1 and "3 worker(s)" in run.stdout, run.stdout
+    assert tree_files(destination) == tree_files(reference)
+    print(f"mpiexec -n 3: {time.monotonic() - started:.1f}s")
+
+
+@needs_mpi
+@pytest.mark.e2e
+@pytest.mark.parametrize("failure", ["kill", "stall"])
+def test_a_worker_that_dies_or_hangs_ends_the_mpi_job(trained, tmp_path, failure):
+    """kill: the launcher sees a dead process; stall: the watchdog aborts after --timeout."""
+    source, _ = trained("z3_bf16", 2)
+    destination = tmp_path / "dst"
+    started = time.monotonic()
+    run = mpiexec_reshard(3, source, destination, "--target-dp", 4, "--memory-budget", "16K", "--quiet",
+                          "--timeout", 15, env={"RESHARD_FAILPOINTS": f"{failure}@round=1,worker=1"}, timeout=240)
+    elapsed = time.monotonic() - started
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert not (destination / "latest").exists()
+    if failure == "stall":
+        assert "aborting the MPI job" in run.stderr, run.stderr[-3000:]
+    assert elapsed < 200, elapsed
+
+
+@needs_mpi
+@pytest.mark.e2e
+def test_in_job_resharding_under_mpiexec_launched_deepspeed(trained, tmp_path):
+    """DeepSpeed started by mpiexec (deepspeed.init_distributed finds rank and size through mpi4py,
+    then joins a gloo group): reshard.deepspeed.load_checkpoint reshards 2 -> 3 in the job and
+    every element matches the truth."""
+    import json
+    import socket
+    source, truth = trained("z3_bf16", 2)
+    with socket.socket() as probe:  # DeepSpeed's default port 29500 may be taken by a parallel run
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    child = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_PORT=str(port))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+        child.pop(name, None)
+    verdict = tmp_path / "verdict.json"
+    run = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "reshard.proof.check_load", "--variant", "z3_bf16",
+                          "--load-dir", str(source), "--truth", str(truth), "--verdict", str(verdict), "--seed", "1",
+                          "--extra-steps", "1", "--in-job"], capture_output=True, text=True, env=child, cwd=REPO,
+                         timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads(verdict.read_text())
+    assert result["ok"] and result["world_size"] == 3 and result["checked_tensors"] > 0, result["mismatches"][:10]
