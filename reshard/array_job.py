@@ -235,8 +235,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     spec = source.spec
     plan = plan_reshard(source.spec, opts.target_topology, 1, opts.memory_budget, tabulated=True)
     ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
-    result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.dp_world_size,
-                              opts.target_dp, opts.array_tasks,
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
+                              opts.target_topology, opts.array_tasks,
                               f"no collectives (array task {opts.array_task} of {opts.array_tasks})",
                               plan.rounds, 0.0, opts.dry_run, plan)
     report = WorkerReport(opts.array_task, (), ranks)
@@ -349,10 +349,9 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
         report.source_ranks = tuple(source_ranks)
         reader = SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle)
         writer.copy_in_background()
-        rounds = len(share.worker_view(0).receives)
+        rounds = sum(len(np.unique(space.segments.round)) for space in share.spaces)  # rounds with data
         run_rounds(share, LocalTransport(), reader, writer)
-        writer.finish()
-        hashes = writer.hashes()
+        hashes = writer.finish()  # fsync, hash and close
     finally:
         writer.close()
         if reader is not None:
