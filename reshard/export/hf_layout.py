@@ -160,15 +160,7 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     for tensor in tensors:
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise UnsupportedCheckpoint(path, f"{tensor.name} is {tensor.dtype}, which safetensors cannot store")
-    shards, current, size = [], [], 0
-    for tensor in tensors:
-        if current and size + tensor.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(tensor)
-        size += tensor.nbytes
-    if current or not shards:
-        shards.append(current)
+    shards = pack_in_order(tensors, max_shard_bytes)
     files = []
     for number, members in enumerate(shards, start=1):
         placed, offset = [], 0
@@ -194,3 +186,17 @@ def safetensors_header(file: ExportFile) -> bytes:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
     return len(text).to_bytes(8, "little") + text
+
+
+def pack_in_order(tensors: list, limit: int) -> list[list]:
+    """Consecutive groups of `tensors`, each closed before it would pass `limit` bytes (a tensor
+    larger than `limit` gets a group of its own, as save_pretrained does); at least one group."""
+    groups, current, size = [], [], 0
+    for tensor in tensors:
+        if current and size + tensor.nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += tensor.nbytes
+    groups.append(current)
+    return groups

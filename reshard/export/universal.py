@@ -39,7 +39,7 @@ import torch
 from reshard.collective import on_rank0
 from reshard.destination import check_empty, check_paths
 from reshard.errors import UnsupportedCheckpoint
-from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor
+from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
 from reshard.export.runner import run_export
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
@@ -74,14 +74,7 @@ def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
         check_directory_name(p.name, source)
     tensors = [ExportTensor(p.name, p.shape, "float32", "optim", i) for i, p in enumerate(spec.params)]
     target = max(1, sum(t.nbytes for t in tensors) // (BUNDLES_PER_WORKER * workers))
-    bundles, current, size = [], [], 0
-    for tensor in tensors:
-        if current and size + tensor.nbytes > target:
-            bundles.append(current)
-            current, size = [], 0
-        current.append(tensor)
-        size += tensor.nbytes
-    bundles.append(current)
+    bundles = pack_in_order(tensors, target)
     files = tuple(ExportFile(f"bundle-{k}", tuple(b)) for k, b in enumerate(bundles))
     return ExportLayout(files, {}, spec.total_elements, 0)
 
