@@ -252,7 +252,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, source.spec.stage)
     previous = outputs.get(source.tag)
     final = os.path.join(unit.destination, source.tag)
     if previous is not None and previous.fingerprint == fingerprint and not previous.check_files(final):

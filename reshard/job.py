@@ -64,6 +64,7 @@ from reshard.resources import (
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
+from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change
 from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.transport import Transport, transport_from_environment
 
@@ -82,6 +83,7 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     directories (see reshard.runs). Keyword options are the fields of `ReshardOptions` (tag,
     all_tags, memory_budget, overwrite, dry_run, quiet, trust_pickle, backend, timeout). Uses
     the given transport, else the initialised torch.distributed group, else one worker.
+    `target_stage=S` also changes the ZeRO stage (1, 2 or 3; see reshard.stage_change).
     Raises ReshardError on bad input.
     """
     opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, **options)
@@ -158,11 +160,12 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, stage)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, opts.target_stage or source.spec.stage)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
@@ -211,9 +214,10 @@ def _allocated_bytes(directory: str) -> int:
     return total
 
 
-def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
+def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_stage: int) -> dict:
     """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
-    ranks (other tags of this same job, or this tag from an earlier run): tag -> Manifest."""
+    ranks at ZeRO `target_stage` (other tags of this same job, or this tag from an earlier run):
+    tag -> Manifest."""
     found = {}
     if os.path.isdir(destination):
         for name in os.listdir(destination):
@@ -223,7 +227,8 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
                 manifest = Manifest.read(os.path.join(destination, name))
             except ReshardError:
                 continue
-            if manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp:
+            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
+                    and manifest.target.get("stage", target_stage) == target_stage):
                 found[name] = manifest
     return found
 
@@ -234,13 +239,17 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def inspect():
         check_paths(unit.source, unit.destination)
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+        if is_stage_change(source.spec, opts.target_stage):
+            check_stage_change(source.spec, opts.target_stage, source.tag_dir)
         carried = save_dir_files.list_save_dir_files(source.save_dir)
         return source, carried, _preflight(opts, source, carried)
 
     source, carried, source_notes = on_rank0(transport, inspect)
     target = opts.target_topology
     clock.lap("inspect")
-    plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
+    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
+    plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
+            plan_reshard(source.spec, target, transport.size, opts.memory_budget))
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
@@ -280,9 +289,9 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     try:
         failure = None
         try:
-            reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle)
+            reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle, stage=stage)
             writer = TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
-                                         reuse_existing=start.skeletons)
+                                         reuse_existing=start.skeletons, stage=stage)
         except Exception as error:
             failure = error
         check_peers(transport, failure, "opening source files and creating target files")
@@ -360,7 +369,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
              source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
                      "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
                      "files": start.identity},
-             target={"dp_world_size": opts.target_dp, "stage": spec.stage},
+             target={"dp_world_size": opts.target_dp, "stage": opts.target_stage or spec.stage},
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint

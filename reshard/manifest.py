@@ -70,9 +70,14 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int) -> str:
-    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag,
-                    "files": identity, "target_dp": target_dp})
+def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_stage: int | None = None
+                       ) -> str:
+    """`target_stage`: only when it changes the stage (outputs without a change keep their fingerprint)."""
+    fields = {"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag,
+              "files": identity, "target_dp": target_dp}
+    if target_stage is not None:
+        fields["target_stage"] = target_stage
+    return _digest(fields)
 
 
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:

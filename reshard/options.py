@@ -42,6 +42,8 @@ class ReshardOptions:
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int = 0
     """Data-parallel world size the checkpoint is resharded for."""
+    target_stage: int | None = None
+    """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.stage_change)."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -79,6 +81,11 @@ class ReshardOptions:
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
+        if self.target_stage is not None and (self.target_stage not in (1, 2, 3) or isinstance(self.target_stage, bool)):
+            raise OptionError(f"--target-stage must be 1, 2 or 3, got {self.target_stage!r}")
+        if self.target_stage is not None and self.array_tasks is not None:
+            raise OptionError("--target-stage does not combine with --array-task yet: run the stage change "
+                              "with torchrun, MPI or --workers")
         for name in ("memory_budget", "durable_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

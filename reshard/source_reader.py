@@ -25,11 +25,17 @@ class SourceReader:
     bytes_read: int = 0
 
     @classmethod
-    def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False) -> "SourceReader":
+    def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False, stage: int | None = None
+             ) -> "SourceReader":
+        """Readers of source `ranks`; with a ZeRO `stage` change also the slots its extra spaces read."""
         reader = cls()
         try:
             for rank in ranks:
-                for slot, (path, ref) in source_rank_tensors(source, rank, trust_pickle=trust_pickle).items():
+                found = source_rank_tensors(source, rank, trust_pickle=trust_pickle)
+                if stage is not None and stage != source.spec.stage:
+                    from reshard.stage_change import source_slots
+                    found.update(source_slots(source, rank, found, stage))
+                for slot, (path, ref) in found.items():
                     if path not in reader.fds:
                         reader.fds[path] = os.open(path, os.O_RDONLY)
                     reader.locations[(rank, slot)] = (reader.fds[path], ref.byte_offset, path)

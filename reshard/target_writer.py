@@ -27,12 +27,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (
+    NewTensor,
     TensorRef,
+    dtype_of,
     copy_bytes,
     locate_storages,
     materialize,
@@ -73,17 +77,21 @@ class TargetWriter:
     """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
     digests: dict = field(default_factory=dict)
     """path -> BLAKE3 hex of the files already final and hashed"""
+    casts: dict = field(default_factory=dict)
+    """(rank, slot) -> (dtype slices arrive in, dtype the file stores), for slots that differ"""
     _copier: threading.Thread | None = None
     _copy_error: BaseException | None = None
 
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
-               reuse_existing: bool = False, only: set[str] | None = None) -> "TargetWriter":
-        """The files of target `ranks` (only those named in `only`, when given: an array task's share)."""
+               reuse_existing: bool = False, only: set[str] | None = None, stage: int | None = None
+               ) -> "TargetWriter":
+        """The files of target `ranks` (only those named in `only`, when given: an array task's share),
+        at ZeRO `stage` (default: the source's)."""
         writer = cls()
         try:
             for rank in ranks:
-                for file in target_files(source, target, rank):
+                for file in target_files(source, target, rank, stage):
                     if only is not None and file.name not in only:
                         continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)
@@ -110,6 +118,8 @@ class TargetWriter:
         for role, offset in offsets.items():
             if isinstance(role, tuple):
                 self.locations[(rank, role)] = (fd, offset, path)
+        stored = {ref.slot: ref.dtype for ref in refs_in(target.tree) if isinstance(ref, NewTensor)}
+        self.casts.update({(rank, slot): (arrives, stored[slot]) for slot, arrives in target.casts.items()})
         try:
             self._write_carried(source, target, fd, path, offsets)
         except OSError as error:
@@ -182,6 +192,10 @@ class TargetWriter:
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
         fd, base, path = self.locations[(rank, slot)]
+        cast = self.casts.get((rank, slot))
+        if cast is not None:  # round to nearest, as DeepSpeed's own copy_ into the low-precision params
+            converted = torch.frombuffer(data, dtype=dtype_of(cast[0])).to(dtype_of(cast[1]))
+            itemsize, data = converted.element_size(), memoryview(converted.view(torch.uint8).numpy())
         try:
             pwrite_exact(fd, data, base + element * itemsize)
         except OSError as error:

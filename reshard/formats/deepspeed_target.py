@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,9 @@ class TargetFile:
     tree: Any
     template: str
     """Source file (name in the tag directory) whose storages the tree's TensorRefs point into."""
+    casts: dict = field(default_factory=dict)
+    """slot -> dtype the exchange delivers it in, where the file stores another (a ZeRO stage
+    change writes module weights cast from fp32 masters; see reshard.stage_change)."""
 
     @property
     def slots(self) -> list[tuple]:
@@ -44,9 +47,14 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
-    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file)."""
+def target_files(source: SourceCheckpoint, target: Topology, rank: int, stage: int | None = None
+                 ) -> list[TargetFile]:
+    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file),
+    at ZeRO `stage` (default: the source's)."""
     spec = source.spec
+    if stage is not None and stage != spec.stage:
+        from reshard.stage_change import stage_target_files  # it builds on this module's TargetFile
+        return stage_target_files(source, target, rank, stage)
     at = target.coordinates(rank)
     layout = spec.layout(target.dp)
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),

@@ -81,6 +81,8 @@ class NewTensor:
     numel: int
     dtype: str
     requires_grad: bool = False
+    shape: tuple[int, ...] | None = None
+    """Shape when not 1-D (module weights written whole, e.g. by a ZeRO stage change)."""
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -225,7 +227,7 @@ def materialize(tree: Any) -> tuple[Any, dict]:
 
     def build(ref):
         if isinstance(ref, NewTensor):
-            tensor = torch.empty(ref.numel, dtype=dtype_of(ref.dtype))
+            tensor = torch.empty(ref.numel if ref.shape is None else ref.shape, dtype=dtype_of(ref.dtype))
             roles[_identity(tensor)] = ref.slot
         else:
             storage = storages.get(ref.storage_key)

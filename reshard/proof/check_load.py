@@ -19,6 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 from reshard.proof.bitwise import Comparison, compare_trees
 from reshard.proof.engine_setup import (
     all_finite,
@@ -50,11 +52,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def compare_with_truth(truth: dict, engine_state: dict, client_state: dict | None, loss) -> Comparison:
+# Relative tolerance of the eval loss when the loading engine runs another ZeRO stage than the
+# one that recorded the truth: the state is compared bit for bit, but ZeRO-3 runs nn.Linear through
+# its own autograd function (runtime/zero/linear.py `LinearFunctionForZeroStage3`: matmul, then
+# the bias added separately) where ZeRO-1/2 run torch's fused addmm, so the same weights give a
+# forward that rounds differently (in bf16/fp16 visibly so).
+CROSS_STAGE_LOSS_RTOL = {"fp32": 1e-5, "bf16": 5e-3, "fp16": 5e-3}
+
+
+def compare_with_truth(truth: dict, engine_state: dict, client_state: dict | None, loss,
+                       loss_rtol: float | None = None) -> Comparison:
     comparison = compare_trees(truth["engine"], engine_state, "engine")
     loaded_client_state = {key: (client_state or {}).get(key, _MISSING) for key in truth["client_state"]}
     comparison.absorb(compare_trees(truth["client_state"], loaded_client_state, "client_state"))
-    comparison.absorb(compare_trees(truth["eval_loss"], loss, "eval_loss"))
+    if loss_rtol is None:
+        comparison.absorb(compare_trees(truth["eval_loss"], loss, "eval_loss"))
+    elif not torch.allclose(loss.double(), truth["eval_loss"].double(), rtol=loss_rtol, atol=0.0):
+        comparison.mismatches.append(f"eval_loss: expected {float(truth['eval_loss'])} within rtol {loss_rtol} "
+                                     f"(another ZeRO stage), got {float(loss)}")
     return comparison
 
 
@@ -108,7 +123,9 @@ def main(argv=None) -> None:
     if not load_errors:
         engine_state = capture_engine_state(engine, master_from=master_route(variant))
         loss_tensor = eval_loss(engine)
-        comparison = compare_with_truth(truth, engine_state, client_state, loss_tensor)
+        cross_stage = truth["meta"].get("zero_stage", variant.zero_stage) != variant.zero_stage
+        comparison = compare_with_truth(truth, engine_state, client_state, loss_tensor,
+                                        CROSS_STAGE_LOSS_RTOL[variant.precision] if cross_stage else None)
         loss = float(loss_tensor)
         extra_losses = train_steps(engine, seed=args.seed, first_step=truth["meta"]["steps"], count=args.extra_steps)
 

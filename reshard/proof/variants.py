@@ -163,12 +163,26 @@ def _registry() -> dict[str, Variant]:
 VARIANTS: dict[str, Variant] = _registry()
 
 
+STAGE_SUFFIX = "@stage"
+
+
 def get_variant(name: str) -> Variant:
-    """The registered variant called `name`; the error lists the known names."""
+    """The registered variant called `name`; the error lists the known names.
+
+    `NAME@stageS` is variant NAME at ZeRO stage S, everything else (scheduler, optimizer,
+    precision, the name written into truth files) unchanged: the engine a checkpoint resharded
+    with `--target-stage S` loads into, or a native save at that stage to compare it with."""
+    base, _, stage = name.partition(STAGE_SUFFIX)
     try:
-        return VARIANTS[name]
+        variant = VARIANTS[base]
     except KeyError:
         raise KeyError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    if not stage:
+        return variant
+    if stage not in ("1", "2", "3") or variant.expected_optimizer == "BF16_Optimizer":
+        raise KeyError(f"{name!r}: a stage suffix is @stage1, @stage2 or @stage3, on a ZeRO variant")
+    expected = "DeepSpeedZeroOptimizer_Stage3" if stage == "3" else "DeepSpeedZeroOptimizer"
+    return dataclasses.replace(variant, zero_stage=int(stage), expected_optimizer=expected)
 
 
 if __name__ == "__main__":
