@@ -2,7 +2,8 @@
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.check_load \
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
-        [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job]
+        [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
+        [--also VARIANT LOAD_DIR TRUTH VERDICT ...]
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
@@ -10,6 +11,8 @@ buffers, counters, hyperparameters, scheduler, loss scaler, client_state, eval l
 mismatches are merged on rank 0, then `--extra-steps` more steps must give finite losses.
 With --in-job the checkpoint is loaded by reshard.deepspeed.load_checkpoint (the drop-in that
 reshards over the job's process group when the world size differs) instead of the plain call.
+Each `--also` judges one more checkpoint in the same launch, in a fresh engine of its own
+variant (a variant may name a ZeRO stage: `z2_bf16@stage3`), saving a launch per checkpoint.
 Exit code 0 whenever the run completes, whatever the verdict; see verdict_file.py for its schema.
 """
 
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--extra-steps", type=int, default=1)
     parser.add_argument("--in-job", action="store_true",
                         help="load with reshard.deepspeed.load_checkpoint instead of engine.load_checkpoint")
+    parser.add_argument("--also", nargs=4, action="append", default=[], metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
+                        help="judge one more checkpoint in this launch (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -89,10 +94,18 @@ def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    variant = get_variant(args.variant)
     init_distributed()
+    judge(args)
+    for variant_name, load_dir, truth_path, verdict_path in args.also:
+        judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
+                                    "truth": truth_path, "verdict": verdict_path}))
+
+
+def judge(args: argparse.Namespace) -> None:
+    """Load one checkpoint in a fresh engine, compare, train on, write its verdict. Collective."""
     import deepspeed.comm as dist
 
+    variant = get_variant(args.variant)
     truth = read_truth(args.truth)
     if truth["meta"]["variant"] != variant.name:
         raise SystemExit(f"truth is for variant {truth['meta']['variant']!r}, not {variant.name!r}")

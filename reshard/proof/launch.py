@@ -101,3 +101,20 @@ def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *
     run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
     with open(verdict_path) as handle:
         return json.load(handle)
+
+
+def check_checkpoints(m: int, jobs: Sequence[tuple], *, seed: int = 1, extra_steps: int = 1,
+                      timeout: float = 600) -> list[dict]:
+    """Judge several checkpoints at m ranks in one launch: jobs are (variant, load_dir, truth_path,
+    verdict_path); each is loaded in a fresh engine of its variant. Returns the parsed verdicts."""
+    (variant, load_dir, truth_path, verdict_path), *rest = jobs
+    args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth_path, "--verdict", verdict_path,
+            "--seed", seed, "--extra-steps", extra_steps]
+    for job in rest:
+        args += ["--also", *job]
+    run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[job[3] for job in jobs])
+    verdicts = []
+    for job in jobs:
+        with open(job[3]) as handle:
+            verdicts.append(json.load(handle))
+    return verdicts

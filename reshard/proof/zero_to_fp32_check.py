@@ -43,8 +43,9 @@ def _has_zero_stage(tag_dir: Path) -> bool:
     return "zero_stage" in state["optimizer_state_dict"]
 
 
-def check_zero_to_fp32(ckpt_dir, truth_path, tag: str | None = None) -> list[str]:
-    """Mismatches between get_fp32_state_dict_from_zero_checkpoint(ckpt_dir) and the truth."""
+def check_zero_to_fp32(ckpt_dir, truth_path, tag: str | None = None, stage: int | None = None) -> list[str]:
+    """Mismatches between get_fp32_state_dict_from_zero_checkpoint(ckpt_dir) and the truth.
+    `stage`: the checkpoint's ZeRO stage when it is not the truth's (written by --target-stage)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     ckpt_dir = Path(ckpt_dir)
@@ -60,7 +61,7 @@ def check_zero_to_fp32(ckpt_dir, truth_path, tag: str | None = None) -> list[str
         consolidated = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag_dir.name)
 
     expected = {name: entry["fp32"] for name, entry in engine["master"].items()}
-    if meta["zero_stage"] >= 2 and not meta["exclude_frozen_parameters"]:
+    if (stage or meta["zero_stage"]) >= 2 and not meta["exclude_frozen_parameters"]:
         expected.update(engine["frozen"])
     for name, buffer in engine["buffers"].items():
         expected[name] = buffer.float() if buffer.is_floating_point() else buffer
