@@ -64,7 +64,7 @@ from reshard.resources import (
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
-from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change
+from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change, stage_change_note
 from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.transport import Transport, transport_from_environment
 
@@ -255,6 +255,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+    if stage:
+        result.notes.append(stage_change_note(source.spec, stage))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result

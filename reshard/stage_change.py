@@ -75,6 +75,18 @@ def check_stage_change(spec: CheckpointSpec, stage: int, path: str) -> None:
                                           "parallelism only")
 
 
+def stage_change_note(spec: CheckpointSpec, stage: int) -> str:
+    """What the summary says about a stage change: what the loading engine must be configured with."""
+    new = target_spec(spec, stage)
+    if stage == 3:
+        layout = f"sub_group_size {spec.sub_group_size}"
+    else:
+        layout = (f"round_robin_gradients {'on' if new.round_robin else 'off'}, parameter_alignment "
+                  f"{'on' if new.param_alignment > 1 else 'off'}")
+    return (f"ZeRO stage {spec.stage} -> {stage}: load it in an engine configured with zero_optimization.stage "
+            f"{stage} and {layout}; the output's ds_config names the stage")
+
+
 def target_spec(spec: CheckpointSpec, stage: int) -> CheckpointSpec:
     """The spec of the target: same parameters, groups and streams, laid out at `stage`.
 
