@@ -31,6 +31,8 @@ MATRIX = [
     ("z3_bf16", 1, 3, 2),
     ("z3_fp32", 2, 3, 1),
     ("z3_fp16", 2, 1, 2),
+    ("z2_round_robin", 3, 3, 2),  # the flat order depends on W at the source only
+    ("z3_exclude_frozen", 2, 3, 2),  # no frozen parameters saved: none to move
 ]
 NATIVE = [("z1_fp16", 3, 3), ("z3_bf16", 1, 3), ("z3_fp32", 2, 3)]
 

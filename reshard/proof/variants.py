@@ -182,6 +182,8 @@ def get_variant(name: str) -> Variant:
     if stage not in ("1", "2", "3") or variant.expected_optimizer == "BF16_Optimizer":
         raise KeyError(f"{name!r}: a stage suffix is @stage1, @stage2 or @stage3, on a ZeRO variant")
     expected = "DeepSpeedZeroOptimizer_Stage3" if stage == "3" else "DeepSpeedZeroOptimizer"
+    if stage == "3":  # stage 3 knows neither (stage3.py); ZeRO-1 and 2 both honour them
+        variant = dataclasses.replace(variant, round_robin_gradients=False, parameter_alignment=False)
     return dataclasses.replace(variant, zero_stage=int(stage), expected_optimizer=expected)
 
 
