@@ -49,7 +49,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
-from reshard.formats.deepspeed_target import TargetFile
+from reshard.formats.deepspeed_target import TargetFile, own_storage
 from reshard.formats.torch_archive import NewTensor, TensorRef
 from reshard.layout import ParamSpec, PieceTable, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
 from reshard.plan import Ownership, ReshardPlan, Stream, plan_space
@@ -219,12 +219,12 @@ def _source_group_states(source: SourceCheckpoint) -> tuple[list, list]:
     return [inner["state"].get(first[g]) for g in range(len(spec.groups))], inner["param_groups"]
 
 
-def _state_entry(template: dict | None, buffer: int, numel: int, streams) -> dict | None:
+def _state_entry(template: dict | None, buffer: int, numel: int, streams, used: set) -> dict | None:
     if template is None:
         return None
     names = {s.name for s in streams}
     return {key: (NewTensor(("optim", buffer, key), numel, value.dtype, value.requires_grad)
-                  if key in names and isinstance(value, TensorRef) else copy.deepcopy(value))
+                  if key in names and isinstance(value, TensorRef) else own_storage(value, used, ("optim", buffer, key)))
             for key, value in template.items()}
 
 
@@ -236,9 +236,9 @@ def _optim_tree(source: SourceCheckpoint, new_spec: CheckpointSpec, layout, rank
     fp32 = next(s for s in spec.streams if s.name == "fp32")
     requires_grad = _fp32_requires_grad(source)
     if new_spec.stage == 3:
-        states = {}
+        states, used = {}, set()
         for sg_id, sg in enumerate(layout.sub_groups):
-            entry = _state_entry(group_states[sg.group], sg_id, sg.partition_numel, spec.streams)
+            entry = _state_entry(group_states[sg.group], sg_id, sg.partition_numel, spec.streams, used)
             if entry is not None:
                 states[sg_id] = entry
         groups = [{**copy.deepcopy(g), "params": ids} for g, ids in zip(param_groups, meta.sub_group_ids)]
@@ -250,9 +250,9 @@ def _optim_tree(source: SourceCheckpoint, new_spec: CheckpointSpec, layout, rank
                "fp32_flat_groups": [NewTensor(("optim", i, "fp32"), n, fp32.dtype, requires_grad)
                                     for i, n in enumerate(meta.fp32_numels)]}
     else:
-        states = {}
+        states, used = {}, set()
         for g in range(len(layout.groups)):
-            entry = _state_entry(group_states[g], g, meta.buffer_numels[g], spec.streams)
+            entry = _state_entry(group_states[g], g, meta.buffer_numels[g], spec.streams, used)
             if entry is not None:
                 states[g] = entry
         # torch Optimizer.state_dict numbers the one flat parameter of group g as g.

@@ -116,7 +116,7 @@ class TargetWriter:
         self.paths.append(path)
         fd = self.fds[path] = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         for role, offset in offsets.items():
-            if isinstance(role, tuple):
+            if isinstance(role, tuple) and role[0] != "copy":
                 self.locations[(rank, role)] = (fd, offset, path)
         stored = {ref.slot: ref.dtype for ref in refs_in(target.tree) if isinstance(ref, NewTensor)}
         self.casts.update({(rank, slot): (arrives, stored[slot]) for slot, arrives in target.casts.items()})
@@ -133,6 +133,14 @@ class TargetWriter:
         template_path = os.path.join(source.tag_dir, target.template)
         nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
         for role, offset in offsets.items():
+            if isinstance(role, tuple) and role[0] == "copy":  # deepspeed_target.own_storage
+                _, key, start, nbytes = role[:4]
+                if carried is not None:
+                    pwrite_exact(fd, memoryview(carried[key])[start:start + nbytes], offset)
+                    self.bytes_carried += nbytes
+                else:
+                    self.deferred.append((template_path, key + start, fd, offset, nbytes, path))
+                continue
             if isinstance(role, tuple):
                 continue
             if carried is not None:

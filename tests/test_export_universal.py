@@ -46,7 +46,7 @@ def _load_both(variant, m, ours, theirs, truth, out) -> dict:
     raise AssertionError((done.stdout + done.stderr)[-4000:])
 
 
-@pytest.mark.parametrize("variant,n,m,workers", [("z2_fp32", 2, 3, 2), ("z3_bf16", 2, 3, 3)])
+@pytest.mark.parametrize("variant,n,m,workers", [("z2_fp32", 2, 3, 2), ("z3_bf16", 2, 3, 3), ("bf16_optimizer", 2, 3, 2)])
 def test_load_universal_gives_the_same_engine_as_ds_to_universal(trained, tmp_path, variant, n, m, workers):
     source, truth = trained(variant, n)
     ours = tmp_path / "ours"

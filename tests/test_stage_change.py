@@ -103,3 +103,20 @@ def test_bf16_optimizer_and_bad_stages_are_refused(trained, tmp_path):
     with pytest.raises(OptionError, match="--array-task"):
         reshard_in_threads(source, tmp_path / "dst", 3, 1, target_stage=3, array_task=0, array_tasks=2)
     assert issubclass(UnsupportedCheckpoint, Exception)
+
+
+def test_zero3_sub_groups_keep_their_own_step_counter(trained, tmp_path):
+    """Several sub-groups of one param group each get a step tensor of their own, as DeepSpeed saves
+    them: torch's load_state_dict keeps a shared tensor shared, and ZeRO-3 steps each sub-group
+    alone, so a shared counter would advance once per sub-group."""
+    import torch
+    source, _ = trained("z3_subgroups", N)
+    destination = tmp_path / "dp3"
+    reshard_in_threads(source, destination, 3, 2)
+    tag = (destination / "latest").read_text()
+    state = torch.load(destination / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]
+    assert max(len(g["params"]) for g in state["param_groups"]) > 1  # a group with several sub-groups
+    steps = [state["state"][sg]["step"] for sg in sorted(state["state"])]
+    assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
+    assert all(torch.equal(s, steps[0]) for s in steps)

@@ -101,6 +101,24 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     return tree
 
 
+def own_storage(value: Any, used: set, slot: tuple) -> Any:
+    """`value` (copied), or, for a tensor whose source storage another sub-group already took, a
+    copy of its bytes in a storage of its own (slot ("copy", storage key, byte offset, bytes, *slot)).
+
+    Every ZeRO-3 sub-group steps alone (stage3.py `_optimizer_step` runs the torch optimizer once
+    per sub-group) and torch's `Optimizer.load_state_dict` keeps a shared `step` tensor shared, so
+    sub-groups sharing one would advance it once per sub-group: each needs its own, as DeepSpeed
+    saves them."""
+    if not isinstance(value, TensorRef):
+        return copy.deepcopy(value)
+    if value.storage_key not in used:
+        used.add(value.storage_key)
+        return copy.deepcopy(value)
+    start = value.storage_offset * value.itemsize
+    return NewTensor(("copy", value.storage_key, start, value.numel * value.itemsize, *slot), value.numel,
+                     value.dtype, value.requires_grad, value.shape)
+
+
 def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     spec = source.spec
     stream_names = {s.name for s in spec.streams}
@@ -111,13 +129,14 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     inner = osd[OPT]
     old_states, old_fp32 = inner["state"], osd["fp32_flat_groups"]
     like_fp32 = old_fp32[0] if old_fp32 else None
-    states = {}
+    states, used = {}, set()
     for sg_id, sg in enumerate(layout.sub_groups):
         template = old_states.get(first_source_sub_group[sg.group])
         if template is None:
             continue
         states[sg_id] = {key: (_new(("optim", sg_id, key), sg.partition_numel, value, value.dtype)
-                               if key in stream_names and isinstance(value, TensorRef) else copy.deepcopy(value))
+                               if key in stream_names and isinstance(value, TensorRef)
+                               else own_storage(value, used, ("optim", sg_id, key)))
                          for key, value in template.items()}
     inner["state"] = states
     meta = rank_metadata(spec, layout, 0)  # ZeRO-3 metadata is the same on every rank
