@@ -283,6 +283,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         if transport.rank == 0 and not start.skeletons:
             write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
         rounds_started = True
+        progress.start()
 
     def journal(rounds_done: int) -> None:
         if transport.rank == 0:
@@ -312,7 +313,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
     try:
-        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as on_round:
+        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as progress:
             moved = execute(plan, transport,
                         open_source=lambda: SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle),
                         open_sink=lambda: TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
@@ -320,7 +321,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
                         opening="opening source files and creating target files", opened=opened,
                         finish=flush, finishing="flushing target files", after=publish,
                         start_round=start.rounds_done, durable_every_bytes=opts.durable_every, on_durable=journal,
-                        on_round=on_round)
+                        on_round=progress.update)
     except BaseException as error:
         removed_destination = False
         if transport.rank == 0:
@@ -402,18 +403,25 @@ def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, remove
 
 
 class _progress:
-    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet."""
+    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet.
+
+    The bar appears at `start()` (once every worker has opened its files), so a refusal
+    while opening is not preceded by an empty bar."""
 
     def __init__(self, plan: ReshardPlan, enabled: bool, rounds_done: int = 0):
         self.bar = None
-        if enabled and plan.rounds:
-            from tqdm import tqdm
-            per_round = _round_bytes(plan)
-            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:rounds_done]), unit="B", unit_scale=True,
-                            unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
+        self.enabled = enabled and plan.rounds > 0
+        self.plan, self.rounds_done = plan, rounds_done
 
     def __enter__(self):
-        return self.update
+        return self
+
+    def start(self) -> None:
+        if self.enabled and self.bar is None:
+            from tqdm import tqdm
+            per_round = _round_bytes(self.plan)
+            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:self.rounds_done]), unit="B",
+                            unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, round_index: int, nbytes: int) -> None:
         if self.bar is not None:
