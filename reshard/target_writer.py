@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reshard.byte_io import copy_bytes, hash_file, pwrite_exact
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -37,14 +38,12 @@ from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
     dtype_of,
-    copy_bytes,
     locate_storages,
     materialize,
-    pwrite_exact,
     refs_in,
     write_skeleton,
 )
-from reshard.manifest import hash_file
+
 from reshard.topology import Topology
 
 
