@@ -124,7 +124,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n)
-    if model_tree.get(deepspeed_tensor.INFO) is not None or tp > 1:
+    if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}

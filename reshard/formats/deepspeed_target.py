@@ -151,8 +151,11 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
     tree["mp_world_size"] = target.tp
     if isinstance(tree.get("checkpoint_parallel_dimensions"), dict):
         tree["checkpoint_parallel_dimensions"]["tp_degree"] = target.tp
-    if "universal_checkpoint_info" in tree:
+    # engine.py `_save_checkpoint` writes it only when AutoTP partitioned the model (TP > 1)
+    if target.tp > 1:
         tree["universal_checkpoint_info"] = spec.tensor.universal_info(target.tp)
+    else:
+        tree.pop("universal_checkpoint_info", None)
 
 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:

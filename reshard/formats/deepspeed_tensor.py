@@ -46,19 +46,8 @@ def _name_of(pattern: str) -> str | None:
     return name if re.fullmatch(pattern, name) else None
 
 
-def _grain(model_tree: dict) -> int:
-    config = model_tree.get("ds_config") or {}
-    tp_config = (config.get("tensor_parallel") or {}) if isinstance(config, dict) else {}
-    nested = tp_config.get("tp") or tp_config.get("tensor_parallel") or {}
-    return int(nested.get("tp_grain_size", 1) or 1) if isinstance(nested, dict) else 1
-
-
-def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
-                         local_params: tuple[ParamSpec, ...]) -> tuple[TensorParallelSpec, tuple[ParamSpec, ...]]:
-    """The TP split of every parameter, and the trainable parameters with global shapes.
-
-    `local_params`: the trainable parameters as TP rank 0's `param_shapes` list them."""
-    info = model_tree.get(INFO)
+def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict, list]:
+    """{name: (split, global shape)} and [(pattern, split, shape)] from `universal_checkpoint_info`."""
     if not isinstance(info, dict) or not isinstance((info.get("affine_map") or {}).get("params"), dict):
         raise UnsupportedCheckpoint(model_path, f"has mp_world_size {tp} but no AutoTP {INFO} with an affine_map: "
                                                 "only DeepSpeed AutoTP (tensor_parallel.autotp_size) checkpoints "
@@ -70,7 +59,6 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
     if info.get(UNSUPPORTED):
         raise UnsupportedCheckpoint(model_path, f"has parameters AutoTP marks unsupported for conversion "
                                                 f"({UNSUPPORTED}: {dict(info[UNSUPPORTED])})")
-    grain = _grain(model_tree)
     row = set(info.get(ROW) or ())
     replicated = set(info.get(REPLICATED_PATTERNS) or ())
     by_name, patterns = {}, []
@@ -93,7 +81,89 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
                                                     "attention heads are not supported yet")
         by_name[name] = (split, shape)
         patterns.append((pattern, split, shape))
+    return by_name, patterns
 
+
+def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, dict, list]:
+    """At TP 1 DeepSpeed saves no `universal_checkpoint_info`, but the ds_config it saves holds the
+    `tensor_parallel.partition_config.layer_specs` a TP > 1 engine applies. Mirrors
+    module_inject/auto_tp.py `_replace` (a spec matches `<module>.weight` with re.match; column:
+    weight and bias on dim 0; row: weight on dim 1, bias replicated) for modules with a 2-D
+    weight (nn.Linear); returns (info without an affine map, by_name, patterns)."""
+    config = model_tree.get("ds_config") or {}
+    tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
+    partition = (tp_config or {}).get("partition_config") if isinstance(tp_config, dict) else None
+    if not isinstance(partition, dict) or not partition.get("layer_specs"):
+        raise UnsupportedCheckpoint(model_path, "has no AutoTP metadata (universal_checkpoint_info, or "
+                                                "tensor_parallel.partition_config.layer_specs in its ds_config): "
+                                                "how its parameters split across TP ranks is unknown")
+    if partition.get("use_default_specs", True) or tp_config.get("preset_model"):
+        raise UnsupportedCheckpoint(model_path, "was saved at TP 1 with AutoTP default specs or a preset_model; "
+                                                "reshard follows only explicit layer_specs with use_default_specs false")
+    specs = partition["layer_specs"]
+    for spec in specs:
+        if spec.get("shape") is not None or spec.get("model_types") or spec.get("partition_dim") is not None:
+            raise UnsupportedCheckpoint(model_path, f"layer spec {spec} uses shape, model_types or partition_dim; "
+                                                    "not supported yet")
+    buffers = set(model_tree.get("buffer_names") or ())
+    module = model_tree.get("module") or {}
+    shapes = {name: tuple(ref.shape) for name, ref in module.items() if isinstance(ref, TensorRef) and name not in buffers}
+    kinds = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".weight"):
+            continue
+        spec = next((s for s in specs if any(re.match(p, name) for p in s.get("patterns", ()))), None)
+        kind = str(spec.get("partition_type", "column")).lower() if spec else "skip"
+        if kind == "skip":
+            continue
+        if len(shape) != 2:
+            raise UnsupportedCheckpoint(model_path, f"{name} of shape {list(shape)} matches a {kind} layer spec; "
+                                                    "only nn.Linear weights (2-D) are supported")
+        bias = name[:-len("weight")] + "bias"
+        kinds[name] = TensorSplit(kind, 0 if kind == "column" else 1)
+        if bias in shapes:
+            kinds[bias] = TensorSplit("column", 0) if kind == "column" else REPLICATED
+    layer_owned = [n for n in shapes if n in kinds]
+    untouched = [n for n in shapes if n not in kinds]
+    patterns = [(rf"^{re.escape(n)}$", kinds.get(n, REPLICATED), shapes[n]) for n in layer_owned + untouched]
+    info = {"universal_checkpoint_version": 0.4,
+            ROW: sorted(p for p, split, _ in patterns if split.kind == "row"),
+            REPLICATED_PATTERNS: sorted(p for p, split, _ in patterns if split.dim is None),
+            VOCABULARY: [], SUB_PARAMS: [], UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+    by_name = {_name_of(p): (split, shape) for p, split, shape in patterns}
+    return info, by_name, patterns
+
+
+def is_autotp(model_tree: dict) -> bool:
+    """The model states of an AutoTP engine: `universal_checkpoint_info`, or (TP 1) layer specs in ds_config."""
+    if model_tree.get(INFO) is not None:
+        return True
+    config = model_tree.get("ds_config") or {}
+    tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
+    partition = tp_config.get("partition_config") if isinstance(tp_config, dict) else None
+    return isinstance(partition, dict) and bool(partition.get("layer_specs"))
+
+
+def _grain(model_tree: dict) -> int:
+    config = model_tree.get("ds_config") or {}
+    tp_config = (config.get("tensor_parallel") or {}) if isinstance(config, dict) else {}
+    nested = tp_config.get("tp") or tp_config.get("tensor_parallel") or {}
+    return int(nested.get("tp_grain_size", 1) or 1) if isinstance(nested, dict) else 1
+
+
+def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
+                         local_params: tuple[ParamSpec, ...]) -> tuple[TensorParallelSpec, tuple[ParamSpec, ...]]:
+    """The TP split of every parameter, and the trainable parameters with global shapes.
+
+    `local_params`: the trainable parameters as TP rank 0's `param_shapes` list them. From the
+    saved `universal_checkpoint_info`, or, at TP 1 where DeepSpeed writes none, from the
+    `layer_specs` of the saved ds_config (`splits_from_layer_specs`)."""
+    grain = _grain(model_tree)
+    info = model_tree.get(INFO)
+    if info is None and tp == 1:
+        info, by_name, patterns = splits_from_layer_specs(model_tree, model_path)
+    else:
+        by_name, patterns = _splits_from_info(info, model_path, tp, grain)
     missing = [p.name for p in local_params if p.name not in by_name]
     if missing:
         raise UnsupportedCheckpoint(model_path, f"trainable parameters {missing[:4]} have no entry in the affine_map "
