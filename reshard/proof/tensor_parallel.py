@@ -4,7 +4,7 @@
         train --tp 2 --stage 2 --precision fp32 --save-dir /tmp/tp --truth /tmp/tp.truth.pt
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard.proof.tensor_parallel \
         check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
-        --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...]
+        --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...]
 
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
@@ -16,7 +16,8 @@ fp32 master and optimizer states (TP shards joined along their partition dimensi
 values, frozen values, counters and the eval loss. `check` builds an engine at its own
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
-trains one more step. Several directories per launch share one start-up.
+trains one more step. Several directories per launch share one start-up (each with its own
+truth, or all with one). `train_checkpoint` and `check_checkpoints` run these under torchrun.
 """
 from __future__ import annotations
 
@@ -200,8 +201,8 @@ def cmd_train(args) -> None:
              "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
              "precision": args.precision}
     if dist.get_rank() == 0:
-        torch.save(truth, args.truth + ".tmp")
-        os.replace(args.truth + ".tmp", args.truth)
+        torch.save(truth, args.truth[0] + ".tmp")
+        os.replace(args.truth[0] + ".tmp", args.truth[0])
     dist.barrier()
 
 
@@ -234,9 +235,10 @@ def cmd_check(args) -> None:
     import deepspeed.comm as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    truth = torch.load(args.truth, weights_only=False)
+    truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
     engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100)
-    for load_dir, verdict_path in zip(args.load_dir, args.verdict):
+    for load_dir, verdict_path, truth_path in zip(args.load_dir, args.verdict, truths):
+        truth = torch.load(truth_path, weights_only=False)
         engine.load_checkpoint(load_dir)
         problems = judge(engine, truth)
         loss = eval_loss(engine)
@@ -265,11 +267,34 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-dir")
-    parser.add_argument("--truth", required=True)
+    parser.add_argument("--truth", action="append", required=True,
+                        help="train: the truth file to write; check: one per --load-dir, or one for all")
     parser.add_argument("--load-dir", action="append", default=[])
     parser.add_argument("--verdict", action="append", default=[])
     args = parser.parse_args(argv)
     (cmd_train if args.command == "train" else cmd_check)(args)
+
+
+def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600):
+    """Train at (tp, dp) under torchrun, save to save_dir, write the truth."""
+    from reshard.proof.launch import run_torchrun
+    run_torchrun("reshard.proof.tensor_parallel", tp * dp,
+                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--save-dir", save_dir,
+                  "--truth", truth], timeout=timeout, expect_files=[truth])
+
+
+def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600
+                      ) -> list[dict]:
+    """Load each (directory, truth) of `loads` in one engine at (tp, dp); the verdicts, in order."""
+    from pathlib import Path
+
+    from reshard.proof.launch import run_torchrun
+    verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
+    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision]
+    for (load_dir, truth), verdict in zip(loads, verdicts):
+        args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict]
+    run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
+    return [json.loads(v.read_text()) for v in verdicts]
 
 
 if __name__ == "__main__":
