@@ -160,3 +160,12 @@ class SourceCheckpoint:
 
 def itemsize(dtype: str) -> int:
     return dtype_of(dtype).itemsize
+
+
+def refuse_tensor_parallel(source: SourceCheckpoint, what: str) -> None:
+    """Raise for a tensor-parallel (AutoTP) checkpoint where `what` does not handle one yet."""
+    if source.spec.tensor is not None:
+        from reshard.errors import UnsupportedCheckpoint
+        raise UnsupportedCheckpoint(source.tag_dir, f"is a tensor-parallel (AutoTP, tp={source.spec.topology.tp}) "
+                                                    f"checkpoint; {what} does not support tensor parallelism yet "
+                                                    "(`reshard SRC DST --target-dp D --target-tp T` does)")
