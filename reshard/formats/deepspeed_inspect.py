@@ -182,7 +182,7 @@ def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ra
                                        f"is {tp} (files of another save mixed in?)")
     if tp > 1 and stage3:
         raise UnsupportedCheckpoint(model_path, f"is a ZeRO-3 checkpoint with tensor parallelism (mp_world_size "
-                                                f"{tp}); resharding it is not supported yet (ZeRO-1/2 are)")
+                                                f"{tp}); resharding it is not supported yet (ZeRO-1/2 and BF16_Optimizer are)")
     return tp
 
 
@@ -190,10 +190,7 @@ def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path:
     """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split."""
     if spec.stage == 3:
         raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 AutoTP checkpoint; resharding it is not supported "
-                                                "yet (ZeRO-1/2 are)")
-    if spec.optimizer != "zero":
-        raise UnsupportedCheckpoint(model_path, "is a BF16_Optimizer AutoTP checkpoint; resharding it is not "
-                                                "supported yet (ZeRO-1/2 are)")
+                                                "yet (ZeRO-1/2 and BF16_Optimizer are)")
     if spec.round_robin:
         raise UnsupportedCheckpoint(model_path, "uses round_robin_gradients with tensor parallelism; not "
                                                 "supported yet")
