@@ -11,7 +11,6 @@ truth resliced for that rank (reshard/proof/tensor_parallel.py), then training c
 """
 from __future__ import annotations
 
-import math
 import shutil
 import subprocess
 import sys
@@ -310,4 +309,3 @@ def test_options_carry_target_tp(tmp_path):
     assert ReshardOptions.from_yaml(str(job)).validate().target_tp == 2
     with pytest.raises(OptionError, match="--target-tp"):
         ReshardOptions(source="a", destination="b", target_dp=2, target_tp=0).validate()
-    assert math.prod((2, 3)) == Topology(dp=2, tp=3).world_size

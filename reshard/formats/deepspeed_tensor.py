@@ -27,7 +27,6 @@ from reshard.layout_tensor import (
     TensorParallelParams,
     TensorParallelSpec,
     TensorSplit,
-    shard_sizes,
 )
 
 INFO = "universal_checkpoint_info"
