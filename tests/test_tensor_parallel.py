@@ -309,3 +309,39 @@ def test_options_carry_target_tp(tmp_path):
     assert ReshardOptions.from_yaml(str(job)).validate().target_tp == 2
     with pytest.raises(OptionError, match="--target-tp"):
         ReshardOptions(source="a", destination="b", target_dp=2, target_tp=0).validate()
+
+
+# --- refusals of what AutoTP wrote that reshard does not reslice yet (pure) ------------------
+
+def _model_tree(info_overrides=None, up_shards=None):
+    from reshard.formats.torch_archive import TensorRef
+    info = {"parameter_with_row_parallelism_patterns": [], "tp_replicated_parameter_patterns": [],
+            "vocabulary_parameter_patterns": [], "parameter_with_sub_params": [],
+            "autotp_unsupported_parameter_patterns": {},
+            "affine_map": {"version": 1, "params": {r"^up\.weight$": affine_map(TensorSplit("column", 0), (9, 8), 2)}}}
+    if up_shards is not None:
+        for rank, rows in enumerate(up_shards):
+            info["affine_map"]["params"][r"^up\.weight$"]["ranks"][rank]["shard_shape"] = [rows, 8]
+    info.update(info_overrides or {})
+    ref = TensorRef(0, 5 * 8 * 4, "float32", (5, 8), (8, 1), 0, False)
+    return {"universal_checkpoint_info": info, "module": {"up.weight": ref}, "ds_config": {}}
+
+
+@pytest.mark.parametrize("overrides, shards, message", [
+    ({}, None, None),
+    ({"vocabulary_parameter_patterns": [r"^lm_head\.weight$"]}, None, "vocabulary-parallel"),
+    ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"]}]}, None, "fused sub-parameter"),
+    ({"autotp_unsupported_parameter_patterns": {r"^x$": "odd"}}, None, "marks unsupported"),
+    ({}, (6, 3), "splits sized by attention heads"),
+])
+def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
+    from reshard.errors import UnsupportedCheckpoint
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    tree, local = _model_tree(overrides, shards), (ParamSpec("up.weight", (5, 8)),)
+    if message is None:
+        tensor, params = tensor_parallel_spec(tree, "m.pt", 2, local)
+        assert params == (ParamSpec("up.weight", (9, 8)),) and tensor.params.splits == (TensorSplit("column", 0),)
+        assert tensor.universal_info(3)["affine_map"]["params"][r"^up\.weight$"]["ranks"][2]["shard_shape"] == [3, 8]
+    else:
+        with pytest.raises(UnsupportedCheckpoint, match=message):
+            tensor_parallel_spec(tree, "m.pt", 2, local)
