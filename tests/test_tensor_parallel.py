@@ -242,7 +242,7 @@ def _universal(save_dir, out) -> dict:
     for path in sorted((out / "zero").rglob("*.pt")):
         value = torch.load(path, weights_only=False)
         tensor = value["param"] if isinstance(value, dict) else value
-        found[str(path.relative_to(out))] = (tuple(tensor.shape), tensor.float().numpy().tobytes())
+        found[str(path.relative_to(out))] = (tuple(tensor.shape), tensor.detach().float().numpy().tobytes())
     assert len(found) == 8 * 4  # 8 trainable parameters x (fp32, exp_avg, exp_avg_sq, step)
     return found
 
