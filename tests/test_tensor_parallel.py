@@ -345,3 +345,13 @@ def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
     else:
         with pytest.raises(UnsupportedCheckpoint, match=message):
             tensor_parallel_spec(tree, "m.pt", 2, local)
+
+
+def test_tensor_parallel_size_checks_files_and_refuses_zero3():
+    from reshard.errors import CheckpointError, UnsupportedCheckpoint
+    from reshard.formats.deepspeed_inspect import _tensor_parallel_size
+    assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=False) == 2
+    with pytest.raises(CheckpointError, match=r"tensor-parallel ranks \[0, 1, 2\], but mp_world_size is 2"):
+        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2}, stage3=False)
+    with pytest.raises(UnsupportedCheckpoint, match="ZeRO-3 checkpoint with tensor parallelism"):
+        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=True)
