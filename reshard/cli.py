@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
     parser.add_argument("destination", nargs="?", help="save directory to create")
     parser.add_argument("--target-dp", type=int, help="data-parallel world size to reshard for")
+    parser.add_argument("--target-tp", type=int, metavar="T",
+                        help="tensor-parallel size to write for (AutoTP checkpoints; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
+                 "target_tp": args.target_tp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,

@@ -75,7 +75,7 @@ ZERO3_RANK_IDENTITY_NOTE = (
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
-                       **options) -> ReshardResult:
+                       target_tp: int | None = None, **options) -> ReshardResult:
     """Reshard the DeepSpeed checkpoint(s) in `source` for `target_dp` ranks into `destination`.
 
     `source` is a save directory, or a run directory whose sub-directories are save
@@ -84,7 +84,8 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     the given transport, else the initialised torch.distributed group, else one worker.
     Raises ReshardError on bad input.
     """
-    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, **options)
+    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, target_tp=target_tp,
+                          **options)
     return run_job(opts.validate(), transport)
 
 
@@ -139,6 +140,7 @@ class _Start:
 def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]) -> list[str]:
     """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
     notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    _check_tensor_parallel_target(opts, source)
     ds_config = source.model_template.get("ds_config")
     warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
     problem = batch_config_problem(ds_config, opts.target_dp)
@@ -153,16 +155,42 @@ def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str
     return notes
 
 
+def _check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+    """Refuse a target TP size the checkpoint cannot be resharded to."""
+    spec, target = source.spec, opts.target_for(source.spec.topology)
+    if spec.tensor is None and target.tp != spec.topology.tp:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
+                          "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
+                          "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
+    if spec.tensor is not None:
+        problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
+        if problem:
+            raise OptionError(f"{source.model_path(0)}: {problem} (DeepSpeed AutoTP could not build it either)")
+
+
+def tensor_parallel_notes(spec) -> list[str]:
+    """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
+    if spec.tensor is None:
+        return []
+    from reshard.layout_tensor import describe_splits
+    kinds = describe_splits(spec.tensor.params.names, spec.tensor.params.splits)
+    return [f"tensor parallel: {kind} ({len(names)}): {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}"
+            for kind, names in kinds.items()]
+
+
 def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
                   lock: DestinationLock, carried: list[str]) -> _Start:
-    names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+    names = [n for r in range(source.spec.topology.world_size)
+             for n in map(os.path.basename, source.source_files(r))]
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+    target = opts.target_for(source.spec.topology)
+    target_tp = target.tp if source.spec.tensor is not None else None
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
@@ -176,7 +204,7 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     staging = Staging(unit.destination, source.tag)
     journal = read_journal(staging.tag_dir)
     resume = bool(journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"))
-    start.output_bytes = output_bytes(source, opts.target_dp)
+    start.output_bytes = output_bytes(source, opts.target_dp, target_tp=target.tp)
     check_free_space(unit.destination, start.output_bytes, _allocated_bytes(staging.tag_dir) if resume else 0)
     start.created_destination = not os.path.lexists(unit.destination)
     lock.acquire()
@@ -211,7 +239,7 @@ def _allocated_bytes(directory: str) -> int:
     return total
 
 
-def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
+def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp: int = 1) -> dict:
     """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
     ranks (other tags of this same job, or this tag from an earlier run): tag -> Manifest."""
     found = {}
@@ -223,7 +251,8 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
                 manifest = Manifest.read(os.path.join(destination, name))
             except ReshardError:
                 continue
-            if manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp:
+            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
+                    and manifest.target.get("tp_world_size", 1) == target_tp):
                 found[name] = manifest
     return found
 
@@ -238,7 +267,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         return source, carried, _preflight(opts, source, carried)
 
     source, carried, source_notes = on_rank0(transport, inspect)
-    target = opts.target_topology
+    target = opts.target_for(source.spec.topology)
     clock.lap("inspect")
     plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
@@ -246,6 +275,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+    result.notes += tensor_parallel_notes(source.spec)
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
@@ -354,11 +384,14 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    Manifest(start.output_fingerprint,
-             source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
-                     "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
-                     "files": start.identity},
-             target={"dp_world_size": opts.target_dp, "stage": spec.stage},
+    source_entry = {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
+                    "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
+                    "files": start.identity}
+    target_entry = {"dp_world_size": opts.target_dp, "stage": spec.stage}
+    if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
+        source_entry["tp_world_size"] = spec.topology.tp
+        target_entry["tp_world_size"] = opts.target_for(spec.topology).tp
+    Manifest(start.output_fingerprint, source=source_entry, target=target_entry,
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint

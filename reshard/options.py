@@ -42,6 +42,8 @@ class ReshardOptions:
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int = 0
     """Data-parallel world size the checkpoint is resharded for."""
+    target_tp: int | None = None
+    """Tensor-parallel size to reshard for (AutoTP checkpoints); default: the source's."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -78,6 +80,9 @@ class ReshardOptions:
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        if self.target_tp is not None and (not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool)
+                                           or self.target_tp < 1):
+            raise OptionError(f"--target-tp must be an integer >= 1, got {self.target_tp!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
         for name in ("memory_budget", "durable_every"):
             value = getattr(self, name)
@@ -117,8 +122,12 @@ class ReshardOptions:
 
     @property
     def target_topology(self) -> Topology:
-        """The topology to write for (data parallelism only until TP/EP options exist)."""
-        return Topology(dp=self.target_dp)
+        """The topology to write for, as far as the options say (tp 1 when --target-tp is not given)."""
+        return Topology(dp=self.target_dp, tp=self.target_tp or 1)
+
+    def target_for(self, source: Topology) -> Topology:
+        """The topology to write for a source saved at `source`: --target-tp defaults to its TP."""
+        return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":
