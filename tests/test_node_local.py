@@ -139,11 +139,20 @@ def tag_files(save_dir) -> set[str]:
     return {p.name for p in (save_dir / tag).iterdir()}
 
 
-def reshard_on_nodes(root, dst: str, m: int, per_node: int, timeout: float = 300):
+def merged_source(root, merged):
+    """The same checkpoint on one shared file system (node 0's directory plus node 1's optim files):
+    what a job without --node-local reshards, the reference for the node-local outputs."""
+    shutil.copytree(node_dir(root, 0, "src"), merged)
+    for rank in (2, 3):
+        shutil.copy2(node_dir(root, 1, "src") / "global_step3" / optim(rank), merged / "global_step3")
+    return merged
+
+
+def reshard_on_nodes(root, dst: str, m: int, per_node: int, *extra, env: dict | None = None, timeout: float = 300):
     return run_torchrun_nodes("reshard", NODES, 2, lambda k: [
         node_dir(root, k, "src"), node_dir(root, k, dst), "--target-dp", m, "--node-local",
-        "--target-ranks-per-node", per_node, "--memory-budget", "16K", "--quiet"], timeout=timeout,
-        expect_files=[node_dir(root, k, dst) / "latest" for k in range(NODES)])
+        "--target-ranks-per-node", per_node, *(extra or ("--memory-budget", "16K", "--quiet"))], env=env,
+        timeout=timeout, expect_files=[node_dir(root, k, dst) / "latest" for k in range(NODES)])
 
 
 @pytest.mark.e2e
@@ -156,11 +165,7 @@ def test_each_node_gets_what_deepspeed_would_have_saved_there(node_local_checkpo
     assert not (node_dir(root, 1, "src") / "latest").exists()
     before = {k: tree_state(node_dir(root, k, "src")) for k in range(NODES)}
 
-    # The same checkpoint on one shared file system, resharded the usual way: the reference.
-    merged = tmp_path / "merged"
-    shutil.copytree(node_dir(root, 0, "src"), merged)
-    for rank in (2, 3):
-        shutil.copy2(node_dir(root, 1, "src") / "global_step3" / optim(rank), merged / "global_step3")
+    merged = merged_source(root, tmp_path / "merged")
 
     for m, per_node in ((6, 3), (2, 1)):
         dst = f"dst{m}"
@@ -207,6 +212,33 @@ def test_a_file_on_no_node_is_refused_before_any_data_moves(node_local_checkpoin
     assert all(code not in (0, None) for code in codes), codes
     text = "\n".join(outputs)
     assert f"global_step3/{optim(3)}: is on no node" in text, text[-3000:]
-    assert "exit status 2" in text or "exitcode  : 2" in text or "exitcode: 2" in text, text[-3000:]
+    assert text.count("exitcode  : 2") == 4, text[-3000:]  # every worker of both agents exits 2
     for node in range(NODES):
         assert not node_dir(tmp_path, node, "dst").exists()  # nothing created, nothing read into
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_leaves_each_node_resumable(node_local_checkpoint, tmp_path):
+    """SIGKILL node 1's first worker (its leader) in round 3: no node publishes; the same command
+    resumes on both nodes and gives the uninterrupted job's files."""
+    from reshard.proof.launch import TorchrunError
+    root, _ = node_local_checkpoint
+    for node in range(NODES):
+        shutil.copytree(node_dir(root, node, "src"), node_dir(tmp_path, node, "src"))
+    durable = ("--memory-budget", "1K", "--durable-every", "1K")  # several rounds, a resume point every round or so
+    with pytest.raises(TorchrunError):
+        reshard_on_nodes(tmp_path, "dst", 6, 3, *durable, "--timeout", "30",
+                         env={"RESHARD_FAILPOINTS": "kill@round=3,worker=2"}, timeout=240)
+    for node in range(NODES):
+        out = node_dir(tmp_path, node, "dst")
+        assert not (out / "latest").exists() and not (out / "global_step3").exists()
+        assert (out / ".reshard-staging" / "global_step3" / ".reshard-journal.json").exists()
+    outputs = reshard_on_nodes(tmp_path, "dst", 6, 3, *durable)
+    assert "resuming an interrupted run" in outputs[0], outputs[0][-2000:]
+    reference = tmp_path / "reference"
+    reshard_in_threads(merged_source(root, tmp_path / "merged"), reference, 6, 2)
+    for node in range(NODES):
+        out = node_dir(tmp_path, node, "dst") / "global_step3"
+        for rank in range(node * 3, node * 3 + 3):
+            assert (out / optim(rank)).read_bytes() == (reference / "global_step3" / optim(rank)).read_bytes()
+        assert not (node_dir(tmp_path, node, "dst") / ".reshard-staging").exists()
