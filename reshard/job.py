@@ -415,8 +415,8 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
     seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
 
     def inspect(carry_model_bytes):
-        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
-                                    carry_model_bytes=carry_model_bytes, node_local=True)
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
+                                    read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
         return source, _preflight(opts, source, [], ranks=seen)
 
     source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
@@ -457,7 +457,8 @@ def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, 
     mine = starts.get(site.node) or next(iter(starts.values()))
     rounds_done = min(s.rounds_done for s in starts.values())
     notes = [f"node {node}: {note}" for node, s in sorted(starts.items()) for note in s.notes]
-    return replace(mine, rounds_done=rounds_done, notes=notes, skeletons=mine.skeletons if site.node in starts else False)
+    return replace(mine, rounds_done=rounds_done, notes=notes,
+                   skeletons=mine.skeletons if site.node in starts else False)
 
 
 def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool,

@@ -73,6 +73,19 @@ def test_tag_model_writers_and_leaders():
     assert node_leaders([0, 0, 1, 1, 2], 6, 3) == {0: 0, 1: 2}  # node 2 hosts no target rank
 
 
+@pytest.mark.parametrize("options,problem", [
+    (dict(target_ranks_per_node=2), "goes with --node-local"),
+    (dict(node_local=True), "needs --target-ranks-per-node"),
+    (dict(node_local=True, target_ranks_per_node=0), "needs --target-ranks-per-node"),
+    (dict(node_local=True, target_ranks_per_node=2, workers=2), "does not combine"),
+    (dict(node_local=True, target_ranks_per_node=2, all_tags=True), "does not combine"),
+])
+def test_node_local_options_are_checked(options, problem):
+    from reshard.options import ReshardOptions
+    with pytest.raises(OptionError, match=problem):
+        ReshardOptions(source="/a", destination="/b", target_dp=4, **options).validate()
+
+
 @st.composite
 def tabled_cases(draw):
     sizes = draw(st.lists(st.integers(0, 90), min_size=1, max_size=8))

@@ -156,6 +156,7 @@ def _registry() -> dict[str, Variant]:
         _plain(2, "fp32", name="z2_sgd_momentum", optimizer="sgd_momentum"),
         _plain(3, "fp32", name="z3_sgd_momentum", optimizer="sgd_momentum"),
         _plain(2, "fp32", name="z2_node_local", node_local_storage=True),
+        _plain(3, "bf16", name="z3_node_local", node_local_storage=True),
         # Beyond the required set: a scale so large that an early step overflows and is skipped,
         # so skipped_steps, last_overflow_iter, Adam's step < global_steps and a scheduler that
         # lags global_steps are all exercised.
