@@ -49,7 +49,7 @@ from reshard.errors import OptionError, ReshardError
 from reshard.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
 from reshard.job import ZERO3_RANK_IDENTITY_NOTE, _outputs_of, _preflight
@@ -197,6 +197,7 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, list, 
     """The source, its save-directory files, and the notes (or refusal) of the collective job's preflight."""
     check_paths(unit.source, unit.destination)
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     carried = save_dir_files.list_save_dir_files(source.save_dir)
     return source, carried, _preflight(opts, source, carried)
 
@@ -252,7 +253,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, source.spec.stage)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
     previous = outputs.get(source.tag)
     final = os.path.join(unit.destination, source.tag)
     if previous is not None and previous.fingerprint == fingerprint and not previous.check_files(final):

@@ -74,7 +74,7 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class NewTensor:
-    """A tensor the writer creates: a 1-D buffer of `numel` elements, filled by the exchange."""
+    """A tensor the writer creates: a 1-D buffer of `numel` elements (or of `shape`), filled by the exchange."""
 
     slot: tuple
     """What fills it, e.g. ("optim", buffer, stream); the writer maps slots to file offsets."""
@@ -82,7 +82,8 @@ class NewTensor:
     dtype: str
     requires_grad: bool = False
     shape: tuple[int, ...] | None = None
-    """Shape when not 1-D (module weights written whole, e.g. by a ZeRO stage change)."""
+    """Its shape when it is not a flat buffer (module weights under tensor parallelism, or written
+    whole by a ZeRO stage change)."""
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -31,6 +31,7 @@ from reshard.proof.engine_setup import (
     eval_loss,
     finish_and_exit,
     init_distributed,
+    node_path,
     train_steps,
 )
 from reshard.proof.engine_state import capture_engine_state, master_route
@@ -94,6 +95,7 @@ def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     init_distributed()
     judge(args)
     for variant_name, load_dir, truth_path, verdict_path in args.also:
