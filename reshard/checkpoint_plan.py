@@ -28,7 +28,7 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     (`reshard.array_job`) restricts a one-worker plan to its files by selecting segments, which
     needs the table; it plans once per task, so the O(params x ranks) table is affordable there."""
     ownership = Ownership.between(spec.topology, target, workers)
-    old, new = spec.layout(spec.topology.dp), spec.layout(target.dp)
+    old, new = spec.layout(spec.topology), spec.layout(target)
     if spec.stage == 3 and not tabulated:
         bases = logical_bases([p.numel for p in spec.params])
         spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,

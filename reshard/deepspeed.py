@@ -31,7 +31,7 @@ import torch
 
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UnsupportedCheckpoint
 from reshard.exchange import run_rounds
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
@@ -95,6 +95,13 @@ class _ServedCheckpointEngine:
         return getattr(self.inner, name)
 
 
+def _engine_ep(engine) -> int:
+    """The expert-parallel size of the engine's native MoE layers (1 without any)."""
+    from deepspeed.moe.layer import MoE
+    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, MoE)}
+    return max(sizes) if sizes else 1
+
+
 def _data_parallel_size(engine) -> int:
     return int(getattr(engine, "seq_dp_world_size", None) or engine.dp_world_size)
 
@@ -114,6 +121,14 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     transport = TorchDistributedTransport()
     source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
     target_dp = _data_parallel_size(engine)
+    if source.spec.experts is not None:
+        engine_ep = _engine_ep(engine)
+        if source.spec.topology != Topology(dp=target_dp, ep=engine_ep):
+            raise UnsupportedCheckpoint(source.model_path(0), f"is a mixture-of-experts checkpoint saved at "
+                                        f"{source.spec.topology}; in-job resharding to dp={target_dp} ep={engine_ep} "
+                                        "is not supported yet: run `python -m reshard SRC DST --target-dp "
+                                        f"{target_dp} --target-ep {engine_ep}` and load DST")
+        return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
     if source.spec.dp_world_size == target_dp:
         return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
     if transport.size != target_dp:

@@ -33,7 +33,8 @@ from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
-from reshard.errors import OptionError, ReshardError
+from reshard.errors import OptionError, ReshardError, TopologyError
+from reshard.expert_layout import expert_placement_lines
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.exchange import run_rounds
 from reshard.formats.deepspeed_client_state import differing_client_state
@@ -65,6 +66,7 @@ from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerR
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter, WriteFailed
+from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
 
 
@@ -158,11 +160,12 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+    moe_ep = _moe_target_ep(opts, source)
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, moe_ep)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, moe_ep)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
@@ -211,7 +214,12 @@ def _allocated_bytes(directory: str) -> int:
     return total
 
 
-def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
+def _moe_target_ep(opts: ReshardOptions, source: SourceCheckpoint) -> int | None:
+    """The target ep of an MoE checkpoint (recorded in its fingerprint and manifest), else None."""
+    return opts.target_topology_for(source.spec.topology).ep if source.spec.experts is not None else None
+
+
+def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_ep: int | None = None) -> dict:
     """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
     ranks (other tags of this same job, or this tag from an earlier run): tag -> Manifest."""
     found = {}
@@ -223,9 +231,22 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
                 manifest = Manifest.read(os.path.join(destination, name))
             except ReshardError:
                 continue
-            if manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp:
+            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
+                    and manifest.target.get("ep") == target_ep):
                 found[name] = manifest
     return found
+
+
+def _target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
+    """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
+    try:
+        target = opts.target_topology_for(source.spec.topology)
+    except TopologyError as error:
+        raise OptionError(f"{source.model_path(0)}: cannot reshard for --target-dp {opts.target_dp}: {error}") from None
+    problem = source.expert_problem(target)
+    if problem:
+        raise OptionError(f"{source.model_path(0)}: cannot reshard for {target.describe()}: {problem}")
+    return target
 
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
@@ -238,12 +259,14 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         return source, carried, _preflight(opts, source, carried)
 
     source, carried, source_notes = on_rank0(transport, inspect)
-    target = opts.target_topology
+    target = _target_topology(opts, source)
     clock.lap("inspect")
     plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
+    if source.spec.experts is not None:
+        result.notes += expert_placement_lines(source.spec.experts, target)
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     if opts.dry_run:
@@ -360,7 +383,8 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
              source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
                      "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
                      "files": start.identity},
-             target={"dp_world_size": opts.target_dp, "stage": spec.stage},
+             target={"dp_world_size": opts.target_dp, "stage": spec.stage,
+                     **({} if spec.experts is None else {"ep": _moe_target_ep(opts, source)})},
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint

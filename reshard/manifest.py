@@ -70,9 +70,11 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int) -> str:
+def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_ep: int | None = None) -> str:
+    """`target_ep`: given for MoE checkpoints only, so that other fingerprints stay as they were."""
+    extra = {} if target_ep is None else {"target_ep": target_ep}
     return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag,
-                    "files": identity, "target_dp": target_dp})
+                    "files": identity, "target_dp": target_dp, **extra})
 
 
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:

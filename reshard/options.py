@@ -42,6 +42,8 @@ class ReshardOptions:
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int = 0
     """Data-parallel world size the checkpoint is resharded for."""
+    target_ep: int | None = None
+    """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -78,6 +80,9 @@ class ReshardOptions:
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        if self.target_ep is not None and (not isinstance(self.target_ep, int) or isinstance(self.target_ep, bool)
+                                           or self.target_ep < 1):
+            raise OptionError(f"--target-ep must be an integer >= 1, got {self.target_ep!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
         for name in ("memory_budget", "durable_every"):
             value = getattr(self, name)
@@ -117,8 +122,12 @@ class ReshardOptions:
 
     @property
     def target_topology(self) -> Topology:
-        """The topology to write for (data parallelism only until TP/EP options exist)."""
-        return Topology(dp=self.target_dp)
+        """The topology to write for, as far as the options alone say (ep 1 unless --target-ep)."""
+        return Topology(dp=self.target_dp, ep=self.target_ep or 1)
+
+    def target_topology_for(self, source: Topology) -> Topology:
+        """The topology to write a checkpoint saved at `source` for: --target-ep defaults to its ep."""
+        return Topology(dp=self.target_dp, ep=self.target_ep if self.target_ep is not None else source.ep)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.expert_layout import ExpertParams, ExpertZero12Layout, expert_zero12_layout
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.torch_archive import dtype_of
 from reshard.layout import (
@@ -58,12 +59,21 @@ class CheckpointSpec:
     frozen: tuple[ParamSpec, ...] = ()
     """ZeRO-3 frozen parameters, partitioned in the model-states files."""
     frozen_dtype: str | None = None
+    experts: ExpertParams | None = None
+    """Native DeepSpeed MoE: which params are experts (params then hold every GLOBAL expert)."""
 
     @property
     def dp_world_size(self) -> int:
         return self.topology.dp
 
-    def layout(self, world_size: int) -> Zero12Layout | Zero3Layout:
+    def layout(self, world: int | Topology) -> Zero12Layout | Zero3Layout | ExpertZero12Layout:
+        """The layout at `world`: a Topology, or a dp size (data parallelism only)."""
+        if self.experts is not None:
+            if not isinstance(world, Topology):
+                raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
+            return expert_zero12_layout(self.params, self.groups, self.experts, world, round_robin=self.round_robin,
+                                        param_alignment=self.param_alignment)
+        world_size = world.dp if isinstance(world, Topology) else world
         if self.stage == 3:
             return zero3_layout(self.params, self.groups, world_size, self.sub_group_size)
         return zero12_layout(self.params, self.groups, world_size, round_robin=self.round_robin,
@@ -87,7 +97,11 @@ class CheckpointSpec:
         kind = "BF16_Optimizer" if self.optimizer == "bf16_optimizer" else f"ZeRO-{self.stage}"
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
-        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks, {len(self.groups)} param groups, "
+        moe = ""
+        if self.experts is not None:
+            moe = (f", MoE {len(self.experts.num_experts)} layers x {'/'.join(map(str, sorted(set(self.experts.num_experts))))} "
+                   f"experts at ep={self.topology.ep}")
+        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks{moe}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
                 f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
                 f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
@@ -128,12 +142,27 @@ class SourceCheckpoint:
     def model_path(self, rank: int = 0) -> str:
         return os.path.join(self.tag_dir, self.model_name(rank))
 
+    def expert_problem(self, target: Topology) -> str | None:
+        """Why `target` cannot hold this checkpoint's experts (None: it can; no experts: ep must be 1)."""
+        experts = self.spec.experts
+        if experts is None:
+            return None if target.ep == 1 else f"has no experts, so the target ep must be 1 (got ep={target.ep})"
+        return experts.ep_problem(target.ep)
+
     def source_files(self, rank: int) -> list[str]:
         """The files of one source rank (the model-states file belongs to rank 0 under ZeRO-1/2)."""
         files = [self.optim_path(rank)]
         if self.spec.stage == 3 or rank == 0:
             files.append(self.model_path(rank))
         return files
+
+
+def refuse_experts(source: SourceCheckpoint, doing: str) -> None:
+    """Refuse an MoE checkpoint where only data-parallel checkpoints are supported yet."""
+    if source.spec.experts is not None:
+        from reshard.errors import UnsupportedCheckpoint
+        raise UnsupportedCheckpoint(source.model_path(0), f"is a mixture-of-experts checkpoint; {doing} MoE "
+                                                          "checkpoints is not supported yet")
 
 
 def itemsize(dtype: str) -> int:

@@ -48,7 +48,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[
     """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file)."""
     spec = source.spec
     at = target.coordinates(rank)
-    layout = spec.layout(target.dp)
+    layout = spec.layout(target)
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
                         _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
@@ -82,6 +82,7 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
                 fp32[g] = _new(slot, meta.fp32_numels[g], fp32[g], stream.dtype)
             else:
                 states[g][stream.name] = _new(slot, meta.buffer_numels[g], states[g][stream.name], stream.dtype)
+    _rename_expert_groups(osd, spec, layout)
     osd["partition_count"] = meta.partition_count
     osd["group_paddings"] = meta.group_paddings
     if "param_alignment_paddings" in osd and meta.param_alignment_paddings is not None:
@@ -93,10 +94,21 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     return tree
 
 
+def _rename_expert_groups(osd: dict, spec, layout) -> None:
+    """moe/utils.py `split_params_into_different_moe_groups_for_optimizer` names an expert group
+    after its process group, `ep_size_{ep}`; torch's load_state_dict restores the saved name, so
+    it is rewritten for the target's ep (a name the user chose is left alone)."""
+    if spec.experts is None or layout.topology.ep == spec.topology.ep:
+        return
+    for group, is_expert in zip(osd["base_optimizer_state"]["param_groups"], spec.experts.expert_groups):
+        if is_expert and group.get("name") == f"ep_size_{spec.topology.ep}":
+            group["name"] = f"ep_size_{layout.topology.ep}"
+
+
 def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     spec = source.spec
     stream_names = {s.name for s in spec.streams}
-    source_layout = spec.layout(spec.dp_world_size)
+    source_layout = spec.layout(spec.topology)
     first_source_sub_group = {}
     for sg_id, sg in enumerate(source_layout.sub_groups):
         first_source_sub_group.setdefault(sg.group, sg_id)
@@ -127,7 +139,9 @@ def _shapes(spec, param_ids) -> OrderedDict:
 
 def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(source.spec, g.flat_order) for g in layout.groups]
+    # Rank 0's names: LOCAL names of EP rank 0 in an MoE checkpoint (engine.py `_get_zero_param_shapes`).
+    tree["param_shapes"] = [OrderedDict((layout.name_on_rank(p, 0), torch.Size(source.spec.params[p].shape))
+                                        for p in g.flat_order) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
     return tree
 
