@@ -348,6 +348,9 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         if stage == 3:
             raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 checkpoint with native MoE expert files; DeepSpeed "
                                                     "0.19.8 does not train native MoE at stage 3")
+        if (model_tree.get("ds_config") or {}).get("use_data_before_expert_parallel_"):
+            raise UnsupportedCheckpoint(model_path, "was saved with use_data_before_expert_parallel_ (D+E rank "
+                                                    "order of expert groups); not supported yet")
         base_groups = (osd.get("base_optimizer_state") or {}).get("param_groups") or []
         expert_groups = [bool(group.get("moe")) for group in base_groups]
         if len(expert_groups) != len(names_per_group) or not any(expert_groups):

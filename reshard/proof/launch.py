@@ -101,3 +101,25 @@ def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *
     run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
     with open(verdict_path) as handle:
         return json.load(handle)
+
+
+def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path, *, steps: int = 3,
+                         timeout: float = 600) -> subprocess.CompletedProcess:
+    """Train the native MoE `variant` on `world` ranks at expert-parallel size `ep` (reshard.proof.moe_run)."""
+    args = ["train", "--variant", variant, "--ep", ep, "--save-dir", save_dir, "--truth", truth_path,
+            "--steps", steps]
+    return run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
+
+
+def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
+                    timeout: float = 600) -> list[dict]:
+    """Load each (load_dir, verdict_path) in one job of `world` ranks at `ep`; returns the verdicts."""
+    args = ["check", "--variant", variant, "--ep", ep, "--truth", truth_path]
+    for load_dir, verdict_path in loads:
+        args += ["--load-dir", load_dir, "--verdict", verdict_path]
+    run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[v for _, v in loads])
+    verdicts = []
+    for _, verdict_path in loads:
+        with open(verdict_path) as handle:
+            verdicts.append(json.load(handle))
+    return verdicts
