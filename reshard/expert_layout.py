@@ -148,22 +148,23 @@ def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[
     numels = [p.numel for p in params]
     dense = {g: zero12_group(ids, numels, topology.dp, round_robin=round_robin, param_alignment=param_alignment)
              for g, ids in enumerate(groups) if not experts.expert_groups[g]}
-    by_ep_rank = []
-    for ep_rank in range(topology.ep):
-        laid = []
-        for g, ids in enumerate(groups):
-            if not experts.expert_groups[g]:
-                laid.append(dense[g])
-                continue
-            local = [pid for pid in ids if experts.ep_rank_of(pid, topology.ep) == ep_rank]
-            laid.append(zero12_group(local, numels, topology.expert_dp, round_robin=round_robin,
-                                     param_alignment=param_alignment))
-        by_ep_rank.append(tuple(laid))
+    local = {}  # (group, EP rank) -> its params in the group's order: one pass over each group
+    for g, ids in enumerate(groups):
+        if experts.expert_groups[g]:
+            for ep_rank in range(topology.ep):
+                local[(g, ep_rank)] = []
+            for pid in ids:
+                local[(g, experts.ep_rank_of(pid, topology.ep))].append(pid)
+    by_ep_rank = tuple(tuple(dense[g] if not experts.expert_groups[g] else
+                             zero12_group(local[(g, ep_rank)], numels, topology.expert_dp, round_robin=round_robin,
+                                          param_alignment=param_alignment)
+                             for g in range(len(groups)))
+                       for ep_rank in range(topology.ep))
     sizes = {tuple(g.partition_numel for g in groups) for groups in by_ep_rank}
     if len(sizes) != 1:
         raise ValueError(f"EP ranks would hold experts of different sizes ({sorted(sizes)}): DeepSpeed's MoE "
                          "deep-copies one expert, so this is not a native MoE layout")
-    return ExpertZero12Layout(tuple(params), experts, topology, tuple(by_ep_rank))
+    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank)
 
 
 def expert_placement_lines(experts: ExpertParams, topology: Topology) -> list[str]:

@@ -100,9 +100,10 @@ def _rename_expert_groups(osd: dict, spec, layout) -> None:
     it is rewritten for the target's ep (a name the user chose is left alone)."""
     if spec.experts is None or layout.topology.ep == spec.topology.ep:
         return
+    old_name, new_name = f"ep_size_{spec.topology.ep}", f"ep_size_{layout.topology.ep}"
     for group, is_expert in zip(osd["base_optimizer_state"]["param_groups"], spec.experts.expert_groups):
-        if is_expert and group.get("name") == f"ep_size_{spec.topology.ep}":
-            group["name"] = f"ep_size_{layout.topology.ep}"
+        if is_expert and group.get("name") == old_name:
+            group["name"] = new_name  # one object for every group, as DeepSpeed's (pickled once)
 
 
 def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
@@ -140,10 +141,18 @@ def _shapes(spec, param_ids) -> OrderedDict:
 def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     tree = copy.deepcopy(source.model_template)
     # Rank 0's names: LOCAL names of EP rank 0 in an MoE checkpoint (engine.py `_get_zero_param_shapes`).
-    tree["param_shapes"] = [OrderedDict((layout.name_on_rank(p, 0), torch.Size(source.spec.params[p].shape))
+    # Shapes keep the source's type: torch.Size, or plain tuples where DeepSpeed's MoE save ran the
+    # state through checkpoint/utils.py `clone_tensors_for_torch_save` (which rebuilds tuples).
+    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size
+    tree["param_shapes"] = [OrderedDict((layout.name_on_rank(p, 0), shape_type(source.spec.params[p].shape))
                                         for p in g.flat_order) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
     return tree
+
+
+def _plain_tuple_shapes(shapes) -> bool:
+    first = next((v for group in shapes or [] if isinstance(group, dict) for v in group.values()), None)
+    return type(first) is tuple
 
 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:

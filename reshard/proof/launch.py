@@ -113,10 +113,12 @@ def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path
 
 def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
                     timeout: float = 600) -> list[dict]:
-    """Load each (load_dir, verdict_path) in one job of `world` ranks at `ep`; returns the verdicts."""
+    """Load each (load_dir, verdict_path[, in_job]) in one job of `world` ranks at `ep`; returns the
+    verdicts in that order. in_job: load with reshard.deepspeed.load_checkpoint."""
     args = ["check", "--variant", variant, "--ep", ep, "--truth", truth_path]
-    for load_dir, verdict_path in loads:
-        args += ["--load-dir", load_dir, "--verdict", verdict_path]
+    for load_dir, verdict_path, *in_job in loads:
+        flag = "--in-job-" if in_job and in_job[0] else "--"
+        args += [f"{flag}load-dir", load_dir, f"{flag}verdict", verdict_path]
     run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[v for _, v in loads])
     verdicts = []
     for _, verdict_path in loads:

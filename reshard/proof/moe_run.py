@@ -4,7 +4,8 @@
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.moe_run check \
         --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
-        --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...]
+        --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
+        [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
@@ -113,13 +114,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=0)
     check = sub.add_parser("check")
     _common(check)
-    check.add_argument("--load-dir", action="append", required=True)
-    check.add_argument("--verdict", action="append", required=True)
+    check.add_argument("--load-dir", action="append", default=[])
+    check.add_argument("--verdict", action="append", default=[])
+    check.add_argument("--in-job-load-dir", action="append", default=[],
+                       help="load with reshard.deepspeed.load_checkpoint (resharding in the job) instead")
+    check.add_argument("--in-job-verdict", action="append", default=[])
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--extra-steps", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.mode == "check" and len(args.load_dir) != len(args.verdict):
-        parser.error("give one --verdict per --load-dir")
+    if args.mode == "check" and (len(args.load_dir) != len(args.verdict)
+                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)):
+        parser.error("give one --verdict per --load-dir and one --in-job-verdict per --in-job-load-dir")
     return args
 
 
@@ -151,13 +156,17 @@ def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
     return [dict(group, name=f"ep_size_{ep}") if group.get("moe") else group for group in truth_groups]
 
 
-def check_one(variant, args, truth: dict, load_dir: str) -> dict:
+def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
     import deepspeed.comm as dist
 
     engine = build_engine(variant, args.seed, ep=args.ep)
     load_error, started = None, time.perf_counter()
     try:
-        load_path, client_state = engine.load_checkpoint(load_dir)
+        if in_job:
+            from reshard.deepspeed import load_checkpoint as load_in_job
+            load_path, client_state = load_in_job(engine, load_dir)
+        else:
+            load_path, client_state = engine.load_checkpoint(load_dir)
         if load_path is None:
             load_error = f"load_checkpoint returned no path for {load_dir}"
     except Exception:
@@ -180,7 +189,7 @@ def check_one(variant, args, truth: dict, load_dir: str) -> dict:
         if not all_finite(extra):
             comparison.mismatches.append(f"extra steps gave non-finite losses {extra}")
     return {"ok": not load_errors and not comparison.mismatches, "variant": variant.name,
-            "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir,
+            "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job,
             "source_world_size": truth["meta"]["world_size"], "source_ep": truth["meta"]["ep"],
             "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
             "mismatch_count": len(comparison.mismatches),
@@ -195,8 +204,10 @@ def check(args) -> None:
 
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)
-    for load_dir, verdict_path in zip(args.load_dir, args.verdict):
-        verdict = check_one(variant, args, truth, load_dir)
+    loads = [(d, v, False) for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(d, v, True) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    for load_dir, verdict_path, in_job in loads:
+        verdict = check_one(variant, args, truth, load_dir, in_job)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.
         if dist.get_rank() == 0:
