@@ -119,9 +119,9 @@ def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequen
     for load_dir, verdict_path, *in_job in loads:
         flag = "--in-job-" if in_job and in_job[0] else "--"
         args += [f"{flag}load-dir", load_dir, f"{flag}verdict", verdict_path]
-    run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[v for _, v in loads])
+    run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[load[1] for load in loads])
     verdicts = []
-    for _, verdict_path in loads:
+    for _, verdict_path, *_ in loads:
         with open(verdict_path) as handle:
             verdicts.append(json.load(handle))
     return verdicts
