@@ -26,7 +26,6 @@ import re
 import time
 import traceback
 
-import torch
 
 from reshard.proof.bitwise import Comparison, compare_trees
 from reshard.proof.client_state import make_client_state
