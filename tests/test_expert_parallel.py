@@ -312,7 +312,8 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
 @pytest.mark.e2e
 def test_moe_identity_and_round_trip_reproduce_the_source(moe_trained, tmp_path):
     """ep2 w2 -> ep2 w2 gives DeepSpeed's own files back (every key, name and element); going
-    through ep1 w2 or ep4 w4 and back gives the same bytes: the EP renaming is exact both ways."""
+    through ep1 w2 or ep4 w4 and back gives the same bytes: the EP renaming is exact both ways.
+    `verify` (manifest hashes, and every element against the source) agrees on both outputs."""
     from reshard.proof.bitwise import compare_trees
     from trained import tree_files
     source, _ = moe_trained("moe_z2_fp32", 2, 2)
@@ -323,9 +324,18 @@ def test_moe_identity_and_round_trip_reproduce_the_source(moe_trained, tmp_path)
                                    _load_tree(identity / "global_step3" / name), name).mismatches
         assert not mismatches, mismatches[:10]
     expected = {k: v for k, v in tree_files(identity).items() if not k.endswith("reshard_manifest.json")}
+    from threaded_transport import run_workers
+
+    from reshard.formats.deepspeed_inspect import inspect_checkpoint
+    from reshard.verify import verify_against, verify_hashes
+    spec = inspect_checkpoint(source, read_tensors=False).spec
     for ep, world in ((1, 2), (4, 4)):
         there, back = tmp_path / f"ep{ep}w{world}", tmp_path / f"back-from-ep{ep}w{world}"
         _reshard(source, there, world, ep, 2)
+        assert verify_hashes(str(there)).ok
+        checked = run_workers(3, lambda t: verify_against(str(there), str(source), transport=t))[0]
+        assert checked.ok, checked.summary()
+        assert checked.checked_elements == 3 * spec.total_elements  # fp32, exp_avg, exp_avg_sq of every element
         _reshard(there, back, 2, 2, 3)
         files = {k: v for k, v in tree_files(back).items() if not k.endswith("reshard_manifest.json")}
         assert files.keys() == expected.keys()
