@@ -240,14 +240,21 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
         notes.append("BF16_Optimizer checkpoint: DeepSpeed's zero_to_fp32.py cannot read it; reshard reads it")
     if source.spec.round_robin:
         notes.append("round_robin_gradients: the flat order depends on the dp size; reshard recomputes it")
-    exports = list(EXPORT_FORMATS)
+    formats = list(EXPORT_FORMATS)
+    if source.spec.tensor is not None:
+        from reshard.layout_tensor import describe_splits
+        formats = []  # the exports do not read tensor-parallel checkpoints yet
+        notes.append(f"tensor parallel (AutoTP, tp={source.spec.topology.tp}): --target-tp T reshards to any TP size "
+                     "whose split dimensions give every rank a shard")
+        notes += [f"{kind}: {', '.join(names)}" for kind, names in describe_splits(
+            source.spec.tensor.params.names, source.spec.tensor.params.splits).items()]
     if source.spec.experts is not None:
         counts = sorted(set(source.spec.experts.num_experts))
         notes.append(f"native MoE, {len(source.spec.experts.num_experts)} layers of {'/'.join(map(str, counts))} "
                      f"experts at ep={source.spec.topology.ep}: reshard writes any --target-ep that divides both the "
                      "target dp and the experts of every layer")
-        exports = []
-    return {"reshard_dp": sizes, "batch_config": why, "export_formats": exports, "notes": notes}
+        formats = []  # the exports do not read MoE checkpoints yet
+    return {"reshard_dp": sizes, "batch_config": why, "export_formats": formats, "notes": notes}
 
 
 def _plain(value):

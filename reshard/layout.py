@@ -347,6 +347,9 @@ class Zero3Layout:
         return chunked_pieces(ids, numels, bases, self.world_size,
                               [buffer_of[p] for p in ids], [offset_of[p] for p in ids])
 
+    def name_on_rank(self, pid: int, rank: int) -> str:
+        return self.params[pid].name
+
 
 def zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], world_size: int,
                  sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> Zero3Layout:

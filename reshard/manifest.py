@@ -42,11 +42,20 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_ep: int | None = None) -> str:
-    """`target_ep`: given for MoE checkpoints only, so that other fingerprints stay as they were."""
-    extra = {} if target_ep is None else {"target_ep": target_ep}
-    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag,
-                    "files": identity, "target_dp": target_dp, **extra})
+def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_tp: int | None = None,
+                       placement: dict | None = None, target_ep: int | None = None) -> str:
+    """`target_tp`: given for tensor-parallel outputs only (data-parallel fingerprints stay as they were).
+    `placement`: the node and ranks per node of a node-local output (which files it holds).
+    `target_ep`: given for MoE outputs only."""
+    fields = {"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag, "files": identity,
+              "target_dp": target_dp}
+    if target_tp is not None:
+        fields["target_tp"] = target_tp
+    if placement is not None:
+        fields["placement"] = placement
+    if target_ep is not None:
+        fields["target_ep"] = target_ep
+    return _digest(fields)
 
 
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:

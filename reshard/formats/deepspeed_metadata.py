@@ -50,7 +50,7 @@ def rank_metadata(spec, layout, rank: int) -> RankMetadata:
         ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
         return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids)
     held = layout.rank_groups(rank)
-    numels = [p.numel for p in spec.params]
+    numels = [p.numel for p in layout.params]  # TP-local shapes under tensor parallelism
     mappings = [[(layout.name_on_rank(p, rank), numel, start) for p, numel, start in g.slice_mappings(index, numels)]
                 for g, index in held]
     counts = [g.world_size for g, _ in held]

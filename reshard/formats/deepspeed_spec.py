@@ -28,6 +28,7 @@ from reshard.layout import (
     zero3_layout,
     zero12_layout,
 )
+from reshard.layout_tensor import TensorParallelSpec
 from reshard.plan import Stream
 from reshard.topology import Topology
 
@@ -59,6 +60,8 @@ class CheckpointSpec:
     frozen: tuple[ParamSpec, ...] = ()
     """ZeRO-3 frozen parameters, partitioned in the model-states files."""
     frozen_dtype: str | None = None
+    tensor: TensorParallelSpec | None = None
+    """AutoTP split of every parameter (None: no tensor parallelism); `params` then hold global shapes."""
     experts: ExpertParams | None = None
     """Native DeepSpeed MoE: which params are experts (params then hold every GLOBAL expert)."""
 
@@ -66,18 +69,36 @@ class CheckpointSpec:
     def dp_world_size(self) -> int:
         return self.topology.dp
 
-    def layout(self, world: int | Topology) -> Zero12Layout | Zero3Layout | ExpertZero12Layout:
-        """The layout at `world`: a Topology, or a dp size (data parallelism only)."""
+    def local_params(self, tp: int | None = None, tp_rank: int = 0) -> tuple[ParamSpec, ...]:
+        """Trainable parameters with the shapes TP rank `tp_rank` of `tp` holds (default: the source's TP)."""
+        if self.tensor is None:
+            return self.params
+        shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
+        return tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
+
+    def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0
+               ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout:
+        """ZeRO layout over `world` (a Topology, or a dp size) of the TP-local parameters of TP rank
+        `tp_rank` of `tp` (default: the source's TP size). An MoE checkpoint's layout depends on ep,
+        so it takes a Topology."""
         if self.experts is not None:
             if not isinstance(world, Topology):
                 raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
             return expert_zero12_layout(self.params, self.groups, self.experts, world, round_robin=self.round_robin,
                                         param_alignment=self.param_alignment)
         world_size = world.dp if isinstance(world, Topology) else world
+        params = self.local_params(tp, tp_rank)
         if self.stage == 3:
-            return zero3_layout(self.params, self.groups, world_size, self.sub_group_size)
-        return zero12_layout(self.params, self.groups, world_size, round_robin=self.round_robin,
+            return zero3_layout(params, self.groups, world_size, self.sub_group_size)
+        return zero12_layout(params, self.groups, world_size, round_robin=self.round_robin,
                              param_alignment=self.param_alignment)
+
+    @property
+    def module_streams(self) -> tuple[Stream, ...]:
+        """The stream of the split module tensors (ZeRO-1/2 model states under TP)."""
+        if self.tensor is None or not self.tensor.module.names:
+            return ()
+        return (Stream("module", self.lp_dtype, itemsize(self.lp_dtype)),)
 
     def frozen_layout(self, world_size: int) -> tuple[PieceTable, tuple[int, ...]]:
         """Pieces of the ZeRO-3 frozen space and the size of each frozen chunk at `world_size`."""
@@ -97,11 +118,11 @@ class CheckpointSpec:
         kind = "BF16_Optimizer" if self.optimizer == "bf16_optimizer" else f"ZeRO-{self.stage}"
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
-        moe = ""
+        ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
         if self.experts is not None:
-            moe = (f", MoE {len(self.experts.num_experts)} layers x {'/'.join(map(str, sorted(set(self.experts.num_experts))))} "
-                   f"experts at ep={self.topology.ep}")
-        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks{moe}, {len(self.groups)} param groups, "
+            ranks += (f", MoE {len(self.experts.num_experts)} layers x "
+                      f"{'/'.join(map(str, sorted(set(self.experts.num_experts))))} experts at ep={self.topology.ep}")
+        return (f"{kind} {self.lp_dtype}, {ranks}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
                 f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
                 f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
@@ -150,9 +171,10 @@ class SourceCheckpoint:
         return experts.ep_problem(target.ep)
 
     def source_files(self, rank: int) -> list[str]:
-        """The files of one source rank (the model-states file belongs to rank 0 under ZeRO-1/2)."""
+        """The files of one source rank (the model-states file of a TP rank belongs to its dp
+        rank 0 under ZeRO-1/2)."""
         files = [self.optim_path(rank)]
-        if self.spec.stage == 3 or rank == 0:
+        if self.spec.stage == 3 or self.spec.topology.coordinates(rank).dp == 0:
             files.append(self.model_path(rank))
         return files
 
@@ -167,3 +189,12 @@ def refuse_experts(source: SourceCheckpoint, doing: str) -> None:
 
 def itemsize(dtype: str) -> int:
     return dtype_of(dtype).itemsize
+
+
+def refuse_tensor_parallel(source: SourceCheckpoint, what: str) -> None:
+    """Raise for a tensor-parallel (AutoTP) checkpoint where `what` does not handle one yet."""
+    if source.spec.tensor is not None:
+        from reshard.errors import UnsupportedCheckpoint
+        raise UnsupportedCheckpoint(source.tag_dir, f"is a tensor-parallel (AutoTP, tp={source.spec.topology.tp}) "
+                                                    f"checkpoint; {what} does not support tensor parallelism yet "
+                                                    "(`reshard SRC DST --target-dp D --target-tp T` does)")
