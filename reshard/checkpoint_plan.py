@@ -37,7 +37,7 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     ownership = ownership or Ownership.between(spec.topology, target, workers)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
-    old, new = spec.layout(spec.topology.dp), spec.layout(target.dp)
+    old, new = spec.layout(spec.topology), spec.layout(target)
     if spec.stage == 3 and not tabulated:
         bases = logical_bases([p.numel for p in spec.params])
         spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-stage", type=int, choices=(1, 2, 3),
                         help="ZeRO stage to write for (default: the source's); DeepSpeedZeroOptimizer and "
                              "ZeRO-3 checkpoints, not BF16_Optimizer ones")
+    parser.add_argument("--target-ep", type=int,
+                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
@@ -95,6 +97,7 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
                  "target_tp": args.target_tp,
                  "target_stage": args.target_stage,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
+                 "target_ep": args.target_ep,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
                  "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,
@@ -148,6 +151,8 @@ def inspect_main(argv: list[str]) -> int:
         prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
                                             "check every rank file; exit 2 when a check fails.")
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("--target-ep", type=int,
+                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
@@ -188,6 +193,8 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
+    parser.add_argument("--target-ep", type=int,
+                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")

@@ -31,7 +31,7 @@ import torch
 
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import on_rank0
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UnsupportedCheckpoint
 from reshard.execute import execute
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
@@ -85,17 +85,24 @@ class MemoryTargetWriter:
 class _ServedCheckpointEngine:
     """Wraps DeepSpeed's checkpoint engine: named paths come from memory, the rest from disk."""
 
-    def __init__(self, inner, served: dict):
-        self.inner, self.served = inner, served
+    def __init__(self, inner, served: dict, redirected: dict | None = None):
+        self.inner, self.served, self.redirected = inner, served, redirected or {}
 
     def load(self, path, map_location=None):
         key = os.path.abspath(path)
         if key in self.served:
             return self.served[key]
-        return self.inner.load(path, map_location=map_location)
+        return self.inner.load(self.redirected.get(key, path), map_location=map_location)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _engine_ep(engine) -> int:
+    """The expert-parallel size of the engine's native MoE layers (1 without any)."""
+    from deepspeed.moe.layer import MoE
+    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, MoE)}
+    return max(sizes) if sizes else 1
 
 
 def _data_parallel_size(engine) -> int:
@@ -122,7 +129,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         if source.spec.dp_world_size == target_dp and source.spec.topology.tp == engine_tp:
             return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
         refuse_tensor_parallel(source, "in-job resharding (reshard.deepspeed.load_checkpoint)")
-    if source.spec.dp_world_size == target_dp:
+    target = Topology(dp=target_dp, ep=_engine_ep(engine))
+    problem = source.expert_problem(target)
+    if problem:
+        raise UnsupportedCheckpoint(source.model_path(0), f"cannot be loaded by this engine ({target}): {problem}")
+    if source.spec.topology == target:
         return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
     if transport.size != target_dp:
         raise ReshardError(f"in-job resharding needs data parallelism only: the job has {transport.size} ranks "
@@ -135,26 +146,27 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
         return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, staging_dir,
                                      load_checkpoint_kwargs)
-    objects = _reshard_in_memory(source, target_dp, transport, memory_budget, trust_pickle)
-    result = _load_served(engine, source, objects, transport.rank, load_checkpoint_kwargs)
+    objects = _reshard_in_memory(source, target, transport, memory_budget, trust_pickle)
+    result = _load_served(engine, source, target, objects, transport.rank, load_checkpoint_kwargs)
     if transport.rank == 0:
-        print(f"reshard: resharded {source.tag_dir} from {source.spec.dp_world_size} to {target_dp} "
-              f"data-parallel ranks in-job in {time.perf_counter() - started:.2f} s", flush=True)
+        sizes = (f"{source.spec.topology} to {target}" if source.spec.experts is not None
+                 else f"{source.spec.dp_world_size} to {target_dp} data-parallel ranks")
+        print(f"reshard: resharded {source.tag_dir} from {sizes} in-job in {time.perf_counter() - started:.2f} s",
+              flush=True)
     return result
 
 
-def _reshard_in_memory(source: SourceCheckpoint, target_dp: int, transport, budget: int, trust_pickle: bool) -> dict:
-    plan = plan_reshard(source.spec, Topology(dp=target_dp), transport.size, budget)
+def _reshard_in_memory(source: SourceCheckpoint, target: Topology, transport, budget: int, trust_pickle: bool) -> dict:
+    plan = plan_reshard(source.spec, target, transport.size, budget)
     own = plan.ownership
     return execute(plan, transport,
                    open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
                                                          trust_pickle=trust_pickle),
-                   open_sink=lambda: MemoryTargetWriter(source, Topology(dp=target_dp),
-                                                        own.target_ranks_of(transport.rank)),
+                   open_sink=lambda: MemoryTargetWriter(source, target, own.target_ranks_of(transport.rank)),
                    opening="opening source files", finish=lambda reader, writer: writer.objects)
 
 
-def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwargs: dict):
+def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: dict, rank: int, kwargs: dict):
     spec = source.spec
     placeholder_root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
@@ -165,11 +177,15 @@ def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwa
             served[os.path.join(tag_dir, name)] = classes.to_deepspeed(obj)
         if spec.stage < 3:
             name = schema.model_file_name(spec.stage)
-            served[os.path.join(tag_dir, name)] = _zero12_model_states(source, _data_parallel_size(engine))
-        for path in served:
+            served[os.path.join(tag_dir, name)] = _zero12_model_states(source, target)
+        # MoE expert files are named by global expert id, the same at any (dp, ep): each rank
+        # reads its own experts from the source, as DeepSpeed's `load_moe_state_dict` picks them.
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name)
+                      for name in source.other_files if schema.expert_file_index(name)}
+        for path in [*served, *redirected]:
             open(path, "wb").close()  # DeepSpeed checks the files exist before loading them
         inner = engine.checkpoint_engine
-        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served)
+        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served, redirected)
         try:
             load_path, client_state = engine.load_checkpoint(placeholder_root, source.tag, **kwargs)
         finally:
@@ -184,12 +200,12 @@ def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | No
     return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path))
 
 
-def _zero12_model_states(source: SourceCheckpoint, target_dp: int) -> dict:
+def _zero12_model_states(source: SourceCheckpoint, target: Topology) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
     from reshard.formats.deepspeed_target import _zero12_model_tree
     torch.serialization.add_safe_globals(schema.safe_globals())
     states = classes.to_deepspeed(torch.load(source.model_path(0), map_location="cpu", mmap=True, weights_only=True))
-    recomputed = _zero12_model_tree(source, source.spec.layout(target_dp))
+    recomputed = _zero12_model_tree(source, source.spec.layout(target))
     states["param_shapes"] = recomputed["param_shapes"]
     states["dp_world_size"] = recomputed["dp_world_size"]
     return states

@@ -175,7 +175,7 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     base = osd[schema.OPTIM] if spec.stage == 3 else osd["base_optimizer_state"]
     dims = model.get("checkpoint_parallel_dimensions") or {}
     report.topology = {"stage": spec.stage, "dp": spec.dp_world_size, "tp": int(model.get("mp_world_size", 1)),
-                       "ep": 1, "pp": int(dims.get("pp_degree", 1))}
+                       "ep": spec.topology.ep, "pp": int(dims.get("pp_degree", 1))}
     master = next(s for s in spec.streams if s.name == "fp32")
     report.precision = {"module_dtype": spec.lp_dtype, "master_dtype": master.dtype, "bf16_file_prefix": spec.bf16_prefix}
     scalar_keys = sorted({k for entry in base["state"].values() for k in entry} - {s.name for s in spec.streams})
@@ -248,6 +248,12 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
                      "whose split dimensions give every rank a shard")
         notes += [f"{kind}: {', '.join(names)}" for kind, names in describe_splits(
             source.spec.tensor.params.names, source.spec.tensor.params.splits).items()]
+    if source.spec.experts is not None:
+        counts = sorted(set(source.spec.experts.num_experts))
+        notes.append(f"native MoE, {len(source.spec.experts.num_experts)} layers of {'/'.join(map(str, counts))} "
+                     f"experts at ep={source.spec.topology.ep}: reshard writes any --target-ep that divides both the "
+                     "target dp and the experts of every layer")
+        formats = []  # the exports do not read MoE checkpoints yet
     return {"reshard_dp": sizes, "batch_config": why, "export_formats": formats, "notes": notes}
 
 

@@ -34,9 +34,10 @@ from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
-from reshard.errors import OptionError, PeerFailure, ReshardError
+from reshard.errors import OptionError, PeerFailure, ReshardError, TopologyError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
+from reshard.expert_layout import expert_placement_lines
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
@@ -66,6 +67,7 @@ from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change, stage_change_note
 from reshard.target_writer import TargetWriter, WriteFailed
+from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
 
 
@@ -205,23 +207,24 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     target = opts.target_for(source.spec.topology)
     target_tp = target.tp if source.spec.tensor is not None else None
     stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
+    target_ep = target.ep if source.spec.experts is not None else None
     if site is None:
         names = [n for r in range(source.spec.topology.world_size)
                  for n in map(os.path.basename, source.source_files(r))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(carried)))
         out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
-                                    target_stage=stage)
+                                    target_stage=stage, target_ep=target_ep)
     else:
         identity = site.identity
         out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                     placement={"node": site.node, "ranks_per_node": opts.target_ranks_per_node},
-                                    target_stage=stage)
+                                    target_stage=stage, target_ep=target_ep)
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
     outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
-                          opts.target_stage or source.spec.stage)
+                          opts.target_stage or source.spec.stage, target_ep)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
@@ -271,8 +274,13 @@ def _allocated_bytes(directory: str) -> int:
     return total
 
 
+def _moe_target_ep(opts: ReshardOptions, source: SourceCheckpoint) -> int | None:
+    """The target ep of an MoE checkpoint (recorded in its fingerprint and manifest), else None."""
+    return opts.target_for(source.spec.topology).ep if source.spec.experts is not None else None
+
+
 def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp: int = 1,
-                target_stage: int | None = None) -> dict:
+                target_stage: int | None = None, target_ep: int | None = None) -> dict:
     """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
     ranks at ZeRO `target_stage` (other tags of this same job, or this tag from an earlier run):
     tag -> Manifest."""
@@ -287,9 +295,22 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_t
                 continue
             if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
                     and manifest.target.get("tp_world_size", 1) == target_tp
-                    and (target_stage is None or manifest.target.get("stage", target_stage) == target_stage)):
+                    and (target_stage is None or manifest.target.get("stage", target_stage) == target_stage)
+                    and manifest.target.get("ep") == target_ep):
                 found[name] = manifest
     return found
+
+
+def _target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
+    """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
+    try:
+        target = opts.target_for(source.spec.topology)
+    except TopologyError as error:
+        raise OptionError(f"{source.model_path(0)}: cannot reshard for --target-dp {opts.target_dp}: {error}") from None
+    problem = source.expert_problem(target)
+    if problem:
+        raise OptionError(f"{source.model_path(0)}: cannot reshard for {target.describe()}: {problem}")
+    return target
 
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
@@ -311,7 +332,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     else:
         (source, source_notes, site), carried = _node_local_source(opts, unit, transport, views), []
     leader = transport.rank == 0 if site is None else site.leader  # runs the destination steps
-    target = opts.target_for(source.spec.topology)
+    target = _target_topology(opts, source)
     clock.lap("inspect")
     stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
     plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
@@ -320,6 +341,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
+    if source.spec.experts is not None:
+        result.notes += expert_placement_lines(source.spec.experts, target)
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     result.notes += tensor_parallel_notes(source.spec)
@@ -448,6 +471,8 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
     if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
         target_entry["tp_world_size"] = opts.target_for(spec.topology).tp
+    if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
+        target_entry["ep"] = _moe_target_ep(opts, source)
     Manifest(start.output_fingerprint, source=source_entry, target=target_entry,
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))

@@ -273,6 +273,15 @@ class Zero12Layout:
     def pieces(self) -> PieceTable:
         return _zero12_pieces(self)
 
+    def rank_groups(self, rank: int) -> list[tuple[Zero12Group, int]]:
+        """Each param group as `rank` holds it, with `rank`'s index inside that group (all
+        groups span every rank here; see reshard.expert_layout for groups that do not)."""
+        return [(group, rank) for group in self.groups]
+
+    def name_on_rank(self, pid: int, rank: int) -> str:
+        """The name `rank`'s module gives parameter `pid` (the same everywhere without experts)."""
+        return self.params[pid].name
+
 
 def zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], world_size: int, *,
                   round_robin: bool = False, param_alignment: int = 1) -> Zero12Layout:
@@ -285,27 +294,31 @@ def zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], 
 def _zero12_pieces(layout: Zero12Layout) -> PieceTable:
     bases = logical_bases(layout.numels)
     numels = np.asarray(layout.numels, dtype=np.int64)
-    columns = []
-    for group_id, group in enumerate(layout.groups):
-        if not group.flat_order:
-            continue
-        ids = np.asarray(group.flat_order, dtype=np.int64)
-        offsets = np.asarray(group.flat_offsets, dtype=np.int64)
-        sizes = numels[ids]
-        keep = sizes > 0
-        ids, offsets, sizes = ids[keep], offsets[keep], sizes[keep]
-        ps = group.partition_numel
-        first = offsets // ps
-        counts = (offsets + sizes - 1) // ps - first + 1
-        item, within = _expand(counts)
-        rank = first[item] + within
-        flat_start = np.maximum(offsets[item], rank * ps)
-        columns.append((bases[ids[item]] + flat_start - offsets[item], rank,
-                        np.full(len(item), group_id), flat_start - rank * ps))
-    return _table_from_columns(columns, int(numels.sum()))
+    columns = [zero12_group_columns(group, group_id, numels, bases) for group_id, group in enumerate(layout.groups)]
+    return table_from_columns([c for c in columns if c is not None], int(numels.sum()))
 
 
-def _table_from_columns(columns, total: int) -> PieceTable:
+def zero12_group_columns(group: Zero12Group, buffer: int, numels: np.ndarray, bases: np.ndarray):
+    """(logical start, rank in the group, buffer, offset) of every piece of one flat group, or None
+    when it is empty. Ranks are the group's own (0..world_size-1); a caller whose group spans
+    other global ranks (expert-data-parallel groups) maps them."""
+    if not group.flat_order:
+        return None
+    ids = np.asarray(group.flat_order, dtype=np.int64)
+    offsets = np.asarray(group.flat_offsets, dtype=np.int64)
+    sizes = numels[ids]
+    keep = sizes > 0
+    ids, offsets, sizes = ids[keep], offsets[keep], sizes[keep]
+    ps = group.partition_numel
+    first = offsets // ps
+    counts = (offsets + sizes - 1) // ps - first + 1
+    item, within = _expand(counts)
+    rank = first[item] + within
+    flat_start = np.maximum(offsets[item], rank * ps)
+    return (bases[ids[item]] + flat_start - offsets[item], rank, np.full(len(item), buffer), flat_start - rank * ps)
+
+
+def table_from_columns(columns, total: int) -> PieceTable:
     if not columns:
         empty = np.zeros(0, dtype=np.int64)
         return PieceTable(empty, empty, empty, empty, total)
@@ -333,6 +346,9 @@ class Zero3Layout:
         ids = [pid for g in self.groups for pid in g]
         return chunked_pieces(ids, numels, bases, self.world_size,
                               [buffer_of[p] for p in ids], [offset_of[p] for p in ids])
+
+    def name_on_rank(self, pid: int, rank: int) -> str:
+        return self.params[pid].name
 
 
 def zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], world_size: int,

@@ -43,10 +43,11 @@ def _digest(obj) -> str:
 
 
 def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_tp: int | None = None,
-                       placement: dict | None = None, target_stage: int | None = None) -> str:
+                       placement: dict | None = None, target_stage: int | None = None,
+                       target_ep: int | None = None) -> str:
     """`target_tp`: given for tensor-parallel outputs only (data-parallel fingerprints stay as they were).
     `placement`: the node and ranks per node of a node-local output (which files it holds).
-    `target_stage`: only when it changes the ZeRO stage."""
+    `target_stage`: only when it changes the ZeRO stage. `target_ep`: given for MoE outputs only."""
     fields = {"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag, "files": identity,
               "target_dp": target_dp}
     if target_tp is not None:
@@ -55,6 +56,8 @@ def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, 
         fields["placement"] = placement
     if target_stage is not None:
         fields["target_stage"] = target_stage
+    if target_ep is not None:
+        fields["target_ep"] = target_ep
     return _digest(fields)
 
 

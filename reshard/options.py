@@ -46,6 +46,8 @@ class ReshardOptions:
     """Tensor-parallel size to reshard for (AutoTP checkpoints); default: the source's."""
     target_stage: int | None = None
     """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.stage_change)."""
+    target_ep: int | None = None
+    """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -90,6 +92,9 @@ class ReshardOptions:
         if self.target_tp is not None and (not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool)
                                            or self.target_tp < 1):
             raise OptionError(f"--target-tp must be an integer >= 1, got {self.target_tp!r}")
+        if self.target_ep is not None and (not isinstance(self.target_ep, int) or isinstance(self.target_ep, bool)
+                                           or self.target_ep < 1):
+            raise OptionError(f"--target-ep must be an integer >= 1, got {self.target_ep!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
         if self.target_stage is not None and (self.target_stage not in (1, 2, 3) or isinstance(self.target_stage, bool)):
             raise OptionError(f"--target-stage must be 1, 2 or 3, got {self.target_stage!r}")
@@ -150,12 +155,14 @@ class ReshardOptions:
 
     @property
     def target_topology(self) -> Topology:
-        """The topology to write for, as far as the options say (tp 1 when --target-tp is not given)."""
-        return Topology(dp=self.target_dp, tp=self.target_tp or 1)
+        """The topology to write for, as far as the options say (tp, ep 1 when not given)."""
+        return Topology(dp=self.target_dp, tp=self.target_tp or 1, ep=self.target_ep or 1)
 
     def target_for(self, source: Topology) -> Topology:
-        """The topology to write for a source saved at `source`: --target-tp defaults to its TP."""
-        return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp)
+        """The topology to write for a source saved at `source`: --target-tp and --target-ep default
+        to its TP and EP."""
+        return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp,
+                        ep=source.ep if self.target_ep is None else self.target_ep)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":

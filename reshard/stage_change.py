@@ -70,9 +70,9 @@ def check_stage_change(spec: CheckpointSpec, stage: int, path: str) -> None:
         raise UnsupportedCheckpoint(path, "was saved by BF16_Optimizer (bf16 with ZeRO-1 and fp32 gradient "
                                           "accumulation); --target-stage converts DeepSpeedZeroOptimizer "
                                           "(stage 1/2) and ZeRO-3 checkpoints only")
-    if spec.topology.tp != 1 or spec.topology.ep != 1:
-        raise UnsupportedCheckpoint(path, "has tensor or expert parallelism; --target-stage covers data "
-                                          "parallelism only")
+    if spec.topology.tp != 1 or spec.topology.ep != 1 or spec.tensor is not None or spec.experts is not None:
+        raise UnsupportedCheckpoint(path, "has tensor parallelism or mixture-of-experts layers; --target-stage "
+                                          "covers data parallelism only")
 
 
 def stage_change_note(spec: CheckpointSpec, stage: int) -> str:

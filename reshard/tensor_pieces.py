@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from reshard.layout import PieceTable, Zero12Layout, _table_from_columns, logical_bases
+from reshard.layout import PieceTable, Zero12Layout, table_from_columns, logical_bases
 from reshard.layout_tensor import TensorParallelParams, numel
 from reshard.local_to_global import globalize
 from reshard.topology import Topology
@@ -78,7 +78,7 @@ def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: To
         start, dp_rank, buffer, offset = globalize(pieces.start, pieces.rank, pieces.buffer, pieces.offset,
                                                    pieces.length, local_bases, placements)
         columns.append((start, dp_rank * topology.tp + t, buffer, offset))
-    return _table_from_columns(columns, space.total)
+    return table_from_columns(columns, space.total)
 
 
 def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str) -> PieceTable:
@@ -96,7 +96,7 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
         start, _, buffer, offset = globalize(local_bases[keep], np.zeros(count), np.flatnonzero(keep),
                                              np.zeros(count), numels[keep], local_bases, placements)
         columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset))
-    return _table_from_columns(columns, space.total)
+    return table_from_columns(columns, space.total)
 
 
 def module_buffer_numels(module: TensorParallelParams, tp: int) -> tuple[int, ...]:

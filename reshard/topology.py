@@ -72,6 +72,21 @@ class Topology:
         tp, rest = rank % self.tp, rank // self.tp
         return RankCoordinates(dp=rest % self.dp, tp=tp, pp=rest // self.dp)
 
+    def expert_parallel_rank(self, rank: int) -> int:
+        """EP rank of global rank `rank`: which block of experts it holds. DeepSpeed's legacy
+        E+D ordering (utils/groups.py `_create_expert_and_data_parallel`, mp 1): EP groups are
+        runs of `ep` consecutive dp ranks, so the EP rank is dp rank % ep."""
+        return self.coordinates(rank).dp % self.ep
+
+    def expert_data_parallel_rank(self, rank: int) -> int:
+        """Rank of `rank` in its expert-data-parallel group (ranks ep apart): dp rank // ep, the
+        ZeRO partition of its experts it holds."""
+        return self.coordinates(rank).dp // self.ep
+
+    def expert_dp_rank_of(self, ep_rank: int, expert_dp_rank: int) -> int:
+        """The dp rank at (EP rank, expert-data-parallel rank): the inverse of the two above."""
+        return expert_dp_rank * self.ep + ep_rank
+
     def rank_of(self, dp: int, tp: int = 0, pp: int = 0) -> int:
         """The global rank at coordinates (dp, tp, pp): the inverse of `coordinates`."""
         return (pp * self.dp + dp) * self.tp + tp

@@ -116,10 +116,10 @@ class _Spec:
         self.topology = Topology(dp)
         self.streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4),
                         Stream("exp_avg_sq", "float32", 4))
-        self.frozen, self.tensor = (), None
+        self.frozen, self.tensor, self.experts = (), None, None
 
-    def layout(self, world):
-        return zero3_layout(self.params, self.groups, world)
+    def layout(self, topology):
+        return zero3_layout(self.params, self.groups, topology.dp)
 
 
 def test_planning_at_thousands_of_ranks_takes_seconds():

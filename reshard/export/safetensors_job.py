@@ -33,7 +33,7 @@ from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
 from reshard.export.runner import run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -79,10 +79,11 @@ class ExportResult:
 def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
     """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure)."""
     spec = source.spec
+    refuse_experts(source, "exporting")
     ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
     numels = layout.buffer_numels()
     fp32 = tuple(s for s in spec.streams if s.name == "fp32")
-    spaces = [plan_space("optim", spec.layout(spec.dp_world_size).pieces,
+    spaces = [plan_space("optim", spec.layout(spec.topology).pieces,
                          layout.pieces("optim", [p.numel for p in spec.params]), fp32, numels, ownership, budget_bytes)]
     if spec.frozen:
         old_frozen, _ = spec.frozen_layout(spec.dp_world_size)

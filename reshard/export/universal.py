@@ -45,7 +45,7 @@ from reshard.export.runner import run_export
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_archive import materialize, NewTensor, write_skeleton
 from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
@@ -83,8 +83,9 @@ def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
 def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
     """Every stream (fp32 and optimizer states) of every parameter to the writer of its bundle (pure)."""
     spec = source.spec
+    refuse_experts(source, "exporting")
     ownership = Ownership(spec.dp_world_size, len(bundles.files), workers)
-    space = plan_space("optim", spec.layout(spec.dp_world_size).pieces,
+    space = plan_space("optim", spec.layout(spec.topology).pieces,
                        bundles.pieces("optim", [p.numel for p in spec.params]), spec.streams,
                        bundles.buffer_numels(), ownership, budget_bytes)
     return ReshardPlan(ownership, (space,), budget_bytes)

@@ -24,7 +24,7 @@ DEEPSPEED_MODEL_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
     "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info", "ds_autoep_layers",
+    "ds_version", "universal_checkpoint_info", "ds_autoep_layers", "num_experts",
 })
 
 

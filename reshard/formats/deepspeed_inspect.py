@@ -26,6 +26,8 @@ from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
     itemsize,
 )
+from reshard.expert_layout import ExpertParams
+from reshard.expert_placement import expert_name_parts
 from reshard.formats.torch_archive import (
     TensorRef,
     load_structure,
@@ -126,10 +128,15 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
     optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
-    spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n)
+    expert_files = {name: schema.expert_file_index(name) for name, role in roles.items() if role.kind == "expert"}
+    spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
+                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle))
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
+        if spec.experts is not None:
+            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native MoE experts; "
+                                                    "resharding TP and EP together is not supported yet")
         spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
-    optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
+    optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
     # Storage keys are byte offsets, so they only mean something within their own file.
@@ -139,6 +146,9 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     if read_tensors and (carry_model_bytes if carry_model_bytes is not None else stage3):
         carried[model_name] = read_carried(model_path, model_tree, model_parts.values())
     others, other_dirs = _other_contents(tag_dir, roles)
+    # Expert model-states files are named and keyed by GLOBAL expert id: the same at any (dp, ep),
+    # so they travel whole and unchanged (engine.py `load_moe_state_dict` picks its own).
+    others = tuple(sorted(others + tuple(expert_files)))
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others, other_dirs)
 
 
@@ -206,9 +216,11 @@ def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path:
 
 def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
     for name, role in roles.items():
-        if role.kind == "expert":
-            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file; expert-parallel "
-                                                                     "resharding is not supported yet")
+        if role.kind == "expert" and not schema.expert_file_index(name):
+            what = ("is the expert optimizer file of a ZeRO-0 MoE checkpoint" if name.startswith("expp_rank_")
+                    else "is a mixture-of-experts file of DeepSpeed's old layout (no layer index)")
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), f"{what}; reshard reshards native MoE "
+                                                                     "checkpoints of ZeRO-1/2 only")
         if role.kind == "pipeline":
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; pipeline "
                                                                      "checkpoints are not supported yet")
@@ -238,7 +250,103 @@ def _zero_config(model_tree: dict) -> dict:
     return zero if isinstance(zero, dict) else {}
 
 
-def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n) -> CheckpointSpec:
+def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str,
+                   trust_pickle: bool) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """(num_experts, name prefix) of each MoE layer from `num_experts` and the expert files, or
+    None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
+    writes layer_{L}_expert_{G}_mp_rank_00_model_states.pt per global expert G."""
+    num_experts = model_tree.get("num_experts") if isinstance(model_tree, dict) else None
+    if not expert_files:
+        if num_experts and any(n != 1 for n in num_experts):
+            raise CheckpointError(model_path, f"says num_experts {num_experts}, but the tag directory holds no "
+                                              "layer_*_expert_*_model_states.pt files")
+        return None
+    if not isinstance(num_experts, list) or not all(isinstance(n, int) and n >= 1 for n in num_experts):
+        raise CheckpointError(model_path, f"has num_experts {num_experts!r}, expected a list of expert counts per "
+                                          "MoE layer (the tag directory holds expert files)")
+    wanted = {(layer, expert) for layer, count in enumerate(num_experts) for expert in range(count)}
+    found = set(expert_files.values())
+    for layer, expert in sorted(wanted - found):
+        raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
+                              f"is missing: num_experts is {num_experts}")
+    for layer, expert in sorted(found - wanted):
+        raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
+                              f"should not exist: num_experts is {num_experts} (left over from another save?)")
+    prefixes = []
+    for layer in range(len(num_experts)):
+        path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
+        keys = load_structure(path, schema.safe_globals(), trust_pickle)
+        parts = {expert_name_parts(key)[:2] if expert_name_parts(key) else None for key in (keys or {})}
+        if len(parts) != 1 or None in parts or next(iter(parts))[1] != 0:
+            raise UnsupportedCheckpoint(path, "does not hold the parameters of exactly global expert 0 of one "
+                                              "native DeepSpeed MoE layer (keys ...deepspeed_experts.0....)")
+        prefixes.append(next(iter(parts))[0])
+    return tuple(num_experts), tuple(prefixes)
+
+
+def _global_expert_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
+    """The source ep and, per param group, its parameters under GLOBAL names in layer, expert order.
+
+    Rank 0 is EP rank 0, whose local expert j is global expert j, so its LOCAL names in
+    param_shapes are global names of experts 0..n_local-1; the other experts' parameters have
+    the same shapes under their own index (moe/experts.py deep-copies one expert)."""
+    num_experts, prefixes = layers
+    layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
+    local_counts = {}
+    parsed = []
+    for g, items in enumerate(names_per_group):
+        rows = [(expert_name_parts(name), name, shape) for name, shape in items]
+        if not expert_groups[g]:
+            expert = next((name for parts, name, _ in rows if parts is not None), None)
+            if expert is not None:
+                raise UnsupportedCheckpoint(path, f"param group {g} is not an expert group (no moe flag) but holds "
+                                                  f"expert parameter {expert}")
+            parsed.append(None)
+            continue
+        for parts, name, _ in rows:
+            if parts is None or parts[0] not in layer_of:
+                raise UnsupportedCheckpoint(path, f"expert param group {g} holds {name}, which is not a parameter "
+                                                  "of a native DeepSpeed MoE expert listed in the expert files")
+            layer = layer_of[parts[0]]
+            local_counts[layer] = max(local_counts.get(layer, 0), parts[1] + 1)
+        parsed.append(rows)
+    eps = {num_experts[layer] // count for layer, count in local_counts.items()}
+    if len(eps) != 1 or any(num_experts[layer] % count for layer, count in local_counts.items()):
+        raise UnsupportedCheckpoint(path, f"MoE layers hold {local_counts} local experts of {list(num_experts)}: not "
+                                          "one expert-parallel size for all layers (not supported yet)")
+    ep = eps.pop()
+    if n % ep:
+        raise CheckpointError(path, f"has ep={ep} experts groups that do not divide dp_world_size {n}")
+    result = []
+    for g, rows in enumerate(parsed):
+        if rows is None:
+            result.append(names_per_group[g])
+            continue
+        expanded, position = [], 0
+        while position < len(rows):
+            prefix, end = rows[position][0][0], position
+            while end < len(rows) and rows[end][0][0] == prefix:
+                end += 1
+            block = rows[position:end]
+            count = local_counts[layer_of[prefix]]
+            per_expert = len(block) // count
+            rests = [(parts[2], shape) for parts, _, shape in block[:per_expert]]
+            expected = [(prefix, j, rest) for j in range(count) for rest, _ in rests]
+            if len(block) % count or [parts for parts, _, _ in block] != expected:
+                raise UnsupportedCheckpoint(path, f"expert param group {g} does not list layer {prefix} expert by "
+                                                  "expert with the same parameters each (not a native MoE order)")
+            expanded += [(f"{prefix}{expert}{rest}", shape) for expert in range(num_experts[layer_of[prefix]])
+                         for rest, shape in rests]
+            position = end
+        if len({name for name, _ in expanded}) != len(expanded):
+            raise UnsupportedCheckpoint(path, f"expert param group {g} lists an MoE layer in several runs "
+                                              "(not a native MoE order)")
+        result.append(expanded)
+    return ep, result
+
+
+def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
+                         expert_layers=None) -> CheckpointSpec:
     osd = optim_tree.get(OPT) if isinstance(optim_tree, dict) else None
     if not isinstance(osd, dict):
         raise CheckpointError(optim_path, f"is not a DeepSpeed optim-states file (no {OPT!r})")
@@ -269,17 +377,38 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
             raise CheckpointError(optim_path, "param_groups do not list every sub-group exactly once")
     else:
         names_per_group = [list(s.items()) for s in shapes]
+        if round_robin and expert_layers:
+            raise UnsupportedCheckpoint(model_path, "is an MoE checkpoint saved with round_robin_gradients; "
+                                                    "not supported yet")
         if round_robin:
             names_per_group = [undo_round_robin(items, n) for items in names_per_group]
+    ep, expert_groups = 1, None
+    if expert_layers:
+        if stage == 3:
+            raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 checkpoint with native MoE expert files; DeepSpeed "
+                                                    "0.19.8 does not train native MoE at stage 3")
+        if (model_tree.get("ds_config") or {}).get("use_data_before_expert_parallel_"):
+            raise UnsupportedCheckpoint(model_path, "was saved with use_data_before_expert_parallel_ (D+E rank "
+                                                    "order of expert groups); not supported yet")
+        base_groups = (osd.get("base_optimizer_state") or {}).get("param_groups") or []
+        expert_groups = [bool(group.get("moe")) for group in base_groups]
+        if len(expert_groups) != len(names_per_group) or not any(expert_groups):
+            raise CheckpointError(optim_path, f"has {len(expert_groups)} optimizer param groups "
+                                              f"({sum(expert_groups)} with moe=True) for {len(names_per_group)} "
+                                              "param_shapes groups; an MoE checkpoint has expert groups")
+        ep, names_per_group = _global_expert_groups(names_per_group, expert_groups, expert_layers, model_path, n)
     params, groups = [], []
     for items in names_per_group:
         groups.append(tuple(range(len(params), len(params) + len(items))))
         params.extend(ParamSpec(name, tuple(int(d) for d in size)) for name, size in items)
     if not params:
         raise CheckpointError(model_path, "lists no trainable parameters in param_shapes")
-    lp_ref = module.get(params[0].name)
+    experts = (ExpertParams.of(params, expert_groups, expert_layers[0], expert_layers[1])
+               if expert_layers else None)
+    first_dense = next((p for i, p in enumerate(params) if experts is None or experts.expert_of[i] is None), params[0])
+    lp_ref = module.get(first_dense.name)
     if not isinstance(lp_ref, TensorRef):
-        raise CheckpointError(model_path, f"module has no tensor for trainable parameter {params[0].name!r}")
+        raise CheckpointError(model_path, f"module has no tensor for trainable parameter {first_dense.name!r}")
     lp_dtype = lp_ref.dtype
     param_alignment = param_alignment_elements(itemsize(lp_dtype), bool(zero.get("parameter_alignment", False))
                                                and optimizer == "zero" and stage < 3)
@@ -293,9 +422,9 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         dtypes = {ref.dtype for ref in fragments.values()}
         frozen_dtype = dtypes.pop() if len(dtypes) == 1 else _refuse(model_path, "frozen fragments of mixed dtypes")
 
-    spec = CheckpointSpec(stage, optimizer, bf16_prefix, Topology(dp=n), tuple(params), tuple(groups), round_robin,
-                          param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype)
-    layout = spec.layout(n)
+    spec = CheckpointSpec(stage, optimizer, bf16_prefix, Topology(dp=n, ep=ep), tuple(params), tuple(groups),
+                          round_robin, param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype, experts=experts)
+    layout = spec.layout(spec.topology)
     if stage == 3:
         expected = [[params[p].name for p in sg.params] for sg in layout.sub_groups]
         found = [list(s.keys()) for s in shapes]
@@ -495,7 +624,7 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
     spec = source.spec
     at = spec.topology.coordinates(rank)
-    layout = spec.layout(spec.dp_world_size, tp_rank=at.tp)
+    layout = spec.layout(spec.topology, tp_rank=at.tp)
     path = source.optim_path(rank)
     tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}

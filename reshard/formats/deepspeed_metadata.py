@@ -29,7 +29,8 @@ class RankMetadata:
     """What one rank's optim-states file says about its partitions at one world size."""
 
     partition_count: int | list[int]
-    """ZeRO-3: the world size; ZeRO-1/2 and BF16_Optimizer: the world size per param group."""
+    """ZeRO-3: the world size; ZeRO-1/2 and BF16_Optimizer: the ranks each param group is
+    partitioned over (the world size, or dp // ep for an MoE expert group)."""
     buffer_numels: tuple[int, ...]
     """Padded size of each flat buffer (optimizer states have this size)."""
     fp32_numels: tuple[int, ...]
@@ -48,14 +49,15 @@ def rank_metadata(spec, layout, rank: int) -> RankMetadata:
     if isinstance(layout, Zero3Layout):
         ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
         return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids)
-    groups = layout.groups
+    held = layout.rank_groups(rank)
     numels = [p.numel for p in layout.params]  # TP-local shapes under tensor parallelism
-    mappings = [[(layout.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, numels)]
-                for g in groups]
+    mappings = [[(layout.name_on_rank(p, rank), numel, start) for p, numel, start in g.slice_mappings(index, numels)]
+                for g, index in held]
+    counts = [g.world_size for g, _ in held]
     if spec.optimizer == "zero":
-        return RankMetadata([layout.world_size] * len(groups), sizes, tuple(g.lean_numel(rank) for g in groups),
-                            group_paddings=[g.tail_padding(rank) for g in groups],
-                            param_alignment_paddings=[list(g.alignment_paddings) for g in groups],
+        return RankMetadata(counts, sizes, tuple(g.lean_numel(index) for g, index in held),
+                            group_paddings=[g.tail_padding(index) for g, index in held],
+                            param_alignment_paddings=[list(g.alignment_paddings) for g, _ in held],
                             slice_mappings=mappings)
-    return RankMetadata([layout.world_size] * len(groups), sizes, sizes,
-                        group_paddings=[g.bf16_optimizer_padding(rank) for g in groups], slice_mappings=mappings)
+    return RankMetadata(counts, sizes, sizes,
+                        group_paddings=[g.bf16_optimizer_padding(index) for g, index in held], slice_mappings=mappings)

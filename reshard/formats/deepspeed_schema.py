@@ -11,6 +11,8 @@ A save directory holds `latest` (the tag, no newline) and one directory per tag.
     zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt     ZeRO-3, one per dp rank
     [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   one per dp rank;
                                                            "bf16_" iff bf16.enabled
+    layer_{L}_expert_{G}_mp_rank_00_model_states.pt        native MoE: MoE layer L, GLOBAL expert G
+                                                           (`_get_expert_ckpt_name`), keys global too
 
 Model-states file (`_save_checkpoint`, `_common_checkpoint_state`; client_state merged at
 the top level):
@@ -48,6 +50,7 @@ _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_RE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
+_LAYER_EXPERT_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 _PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
 
 
@@ -74,6 +77,16 @@ def classify(name: str) -> FileRole:
     if _PIPELINE_RE.match(name):
         return FileRole("pipeline")
     return FileRole("other")
+
+
+def expert_file_index(name: str) -> tuple[int, int] | None:
+    """(MoE layer, global expert) of a native MoE expert file (engine.py `_get_expert_ckpt_name`)."""
+    match = _LAYER_EXPERT_RE.match(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def expert_file_name(layer: int, expert: int) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
 
 
 def optim_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.expert_layout import ExpertParams, ExpertZero12Layout, expert_zero12_layout
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.torch_archive import dtype_of
 from reshard.layout import (
@@ -61,6 +62,8 @@ class CheckpointSpec:
     frozen_dtype: str | None = None
     tensor: TensorParallelSpec | None = None
     """AutoTP split of every parameter (None: no tensor parallelism); `params` then hold global shapes."""
+    experts: ExpertParams | None = None
+    """Native DeepSpeed MoE: which params are experts (params then hold every GLOBAL expert)."""
 
     @property
     def dp_world_size(self) -> int:
@@ -73,9 +76,17 @@ class CheckpointSpec:
         shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
         return tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
 
-    def layout(self, world_size: int, tp: int | None = None, tp_rank: int = 0) -> Zero12Layout | Zero3Layout:
-        """ZeRO layout over `world_size` data-parallel ranks of the TP-local parameters of TP rank
-        `tp_rank` of `tp` (default: the source's TP size)."""
+    def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0
+               ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout:
+        """ZeRO layout over `world` (a Topology, or a dp size) of the TP-local parameters of TP rank
+        `tp_rank` of `tp` (default: the source's TP size). An MoE checkpoint's layout depends on ep,
+        so it takes a Topology."""
+        if self.experts is not None:
+            if not isinstance(world, Topology):
+                raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
+            return expert_zero12_layout(self.params, self.groups, self.experts, world, round_robin=self.round_robin,
+                                        param_alignment=self.param_alignment)
+        world_size = world.dp if isinstance(world, Topology) else world
         params = self.local_params(tp, tp_rank)
         if self.stage == 3:
             return zero3_layout(params, self.groups, world_size, self.sub_group_size)
@@ -108,6 +119,9 @@ class CheckpointSpec:
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
         ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
+        if self.experts is not None:
+            ranks += (f", MoE {len(self.experts.num_experts)} layers x "
+                      f"{'/'.join(map(str, sorted(set(self.experts.num_experts))))} experts at ep={self.topology.ep}")
         return (f"{kind} {self.lp_dtype}, {ranks}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
                 f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
@@ -149,6 +163,13 @@ class SourceCheckpoint:
     def model_path(self, rank: int = 0) -> str:
         return os.path.join(self.tag_dir, self.model_name(rank))
 
+    def expert_problem(self, target: Topology) -> str | None:
+        """Why `target` cannot hold this checkpoint's experts (None: it can; no experts: ep must be 1)."""
+        experts = self.spec.experts
+        if experts is None:
+            return None if target.ep == 1 else f"has no experts, so the target ep must be 1 (got ep={target.ep})"
+        return experts.ep_problem(target.ep)
+
     def source_files(self, rank: int) -> list[str]:
         """The files of one source rank (the model-states file of a TP rank belongs to its dp
         rank 0 under ZeRO-1/2)."""
@@ -156,6 +177,14 @@ class SourceCheckpoint:
         if self.spec.stage == 3 or self.spec.topology.coordinates(rank).dp == 0:
             files.append(self.model_path(rank))
         return files
+
+
+def refuse_experts(source: SourceCheckpoint, doing: str) -> None:
+    """Refuse an MoE checkpoint where only data-parallel checkpoints are supported yet."""
+    if source.spec.experts is not None:
+        from reshard.errors import UnsupportedCheckpoint
+        raise UnsupportedCheckpoint(source.model_path(0), f"is a mixture-of-experts checkpoint; {doing} MoE "
+                                                          "checkpoints is not supported yet")
 
 
 def itemsize(dtype: str) -> int:

@@ -60,7 +60,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
         from reshard.stage_change import stage_target_files  # it builds on this module's TargetFile
         return stage_target_files(source, target, rank, stage)
     at = target.coordinates(rank)
-    layout = spec.layout(target.dp, target.tp, at.tp)
+    layout = spec.layout(target, target.tp, at.tp)
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
                         _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
@@ -96,6 +96,7 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
                 fp32[g] = _new(slot, meta.fp32_numels[g], fp32[g], stream.dtype)
             else:
                 states[g][stream.name] = _new(slot, meta.buffer_numels[g], states[g][stream.name], stream.dtype)
+    _rename_expert_groups(osd, spec, layout)
     osd["partition_count"] = meta.partition_count
     osd["group_paddings"] = meta.group_paddings
     if "param_alignment_paddings" in osd and meta.param_alignment_paddings is not None:
@@ -125,10 +126,22 @@ def own_storage(value: Any, used: set, slot: tuple) -> Any:
                      value.dtype, value.requires_grad, value.shape)
 
 
+def _rename_expert_groups(osd: dict, spec, layout) -> None:
+    """moe/utils.py `split_params_into_different_moe_groups_for_optimizer` names an expert group
+    after its process group, `ep_size_{ep}`; torch's load_state_dict restores the saved name, so
+    it is rewritten for the target's ep (a name the user chose is left alone)."""
+    if spec.experts is None or layout.topology.ep == spec.topology.ep:
+        return
+    old_name, new_name = f"ep_size_{spec.topology.ep}", f"ep_size_{layout.topology.ep}"
+    for group, is_expert in zip(osd["base_optimizer_state"]["param_groups"], spec.experts.expert_groups):
+        if is_expert and group.get("name") == old_name:
+            group["name"] = new_name  # one object for every group, as DeepSpeed's (pickled once)
+
+
 def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     spec = source.spec
     stream_names = {s.name for s in spec.streams}
-    source_layout = spec.layout(spec.dp_world_size)
+    source_layout = spec.layout(spec.topology)
     first_source_sub_group = {}
     for sg_id, sg in enumerate(source_layout.sub_groups):
         first_source_sub_group.setdefault(sg.group, sg_id)
@@ -154,15 +167,24 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     osd["partition_count"] = meta.partition_count
 
 
-def _shapes(layout, param_ids) -> OrderedDict:
-    return OrderedDict((layout.params[p].name, torch.Size(layout.params[p].shape)) for p in param_ids)
+def _shapes(layout, param_ids, shape_type=torch.Size) -> OrderedDict:
+    return OrderedDict((layout.name_on_rank(p, 0), shape_type(layout.params[p].shape)) for p in param_ids)
 
 
 def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(layout, g.flat_order) for g in layout.groups]
+    # Rank 0's names: LOCAL names of EP rank 0 in an MoE checkpoint (engine.py `_get_zero_param_shapes`).
+    # Shapes keep the source's type: torch.Size, or plain tuples where DeepSpeed's MoE save ran the
+    # state through checkpoint/utils.py `clone_tensors_for_torch_save` (which rebuilds tuples).
+    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size
+    tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
     return tree
+
+
+def _plain_tuple_shapes(shapes) -> bool:
+    first = next((v for group in shapes or [] if isinstance(group, dict) for v in group.values()), None)
+    return type(first) is tuple
 
 
 def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: int) -> None:

@@ -38,8 +38,9 @@ def node_path(path: str) -> str:
     return str(path).replace("{node}", os.environ.get("GROUP_RANK", "0"))
 
 
-def build_engine(variant: Variant, seed: int):
-    """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config."""
+def build_engine(variant: Variant, seed: int, ep: int = 1):
+    """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config
+    (MoE variants: experts sharded over `ep` expert-parallel ranks)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -49,8 +50,13 @@ def build_engine(variant: Variant, seed: int):
         get_accelerator().is_fp16_supported = lambda: True
 
     torch.manual_seed(seed)
-    model = ProofModel()
-    optimizer = variant.build_optimizer(build_param_groups(model))
+    if variant.moe:
+        from reshard.proof.moe_model import MoEProofModel, build_moe_param_groups
+        model = MoEProofModel(ep)
+        optimizer = variant.build_optimizer(build_moe_param_groups(model))
+    else:
+        model = ProofModel()
+        optimizer = variant.build_optimizer(build_param_groups(model))
     lr_scheduler = variant.build_lr_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=variant.ds_config())

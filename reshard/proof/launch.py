@@ -204,3 +204,27 @@ def check_checkpoints(m: int, jobs: Sequence[tuple], *, seed: int = 1, extra_ste
         with open(job[3]) as handle:
             verdicts.append(json.load(handle))
     return verdicts
+
+
+def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path, *, steps: int = 3,
+                         timeout: float = 600) -> subprocess.CompletedProcess:
+    """Train the native MoE `variant` on `world` ranks at expert-parallel size `ep` (reshard.proof.moe_run)."""
+    args = ["train", "--variant", variant, "--ep", ep, "--save-dir", save_dir, "--truth", truth_path,
+            "--steps", steps]
+    return run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
+
+
+def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
+                    timeout: float = 600) -> list[dict]:
+    """Load each (load_dir, verdict_path[, in_job]) in one job of `world` ranks at `ep`; returns the
+    verdicts in that order. in_job: load with reshard.deepspeed.load_checkpoint."""
+    args = ["check", "--variant", variant, "--ep", ep, "--truth", truth_path]
+    for load_dir, verdict_path, *in_job in loads:
+        flag = "--in-job-" if in_job and in_job[0] else "--"
+        args += [f"{flag}load-dir", load_dir, f"{flag}verdict", verdict_path]
+    run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[load[1] for load in loads])
+    verdicts = []
+    for _, verdict_path, *_ in loads:
+        with open(verdict_path) as handle:
+            verdicts.append(json.load(handle))
+    return verdicts

@@ -68,6 +68,9 @@ class Variant:
     """fp16.hysteresis: overflows tolerated before the scale is cut."""
     node_local_storage: bool = False
     """checkpoint.use_node_local_storage: each node saves its part into its own directory."""
+    moe: bool = False
+    """Train the native DeepSpeed MoE model (reshard.proof.moe_model) at an expert-parallel size
+    given at launch (reshard.proof.moe_run --ep), instead of the proof model."""
 
     def ds_config(self) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
@@ -160,6 +163,12 @@ def _registry() -> dict[str, Variant]:
         # Beyond the required set: a scale so large that an early step overflows and is skipped,
         # so skipped_steps, last_overflow_iter, Adam's step < global_steps and a scheduler that
         # lags global_steps are all exercised.
+        # Native DeepSpeed MoE (expert parallelism): see reshard.proof.moe_run. Four param groups
+        # (decay, no_decay and their expert halves), so the two-group WarmupDecayLR lists do not fit.
+        _plain(1, "fp32", name="moe_z1_fp32", moe=True, scheduler="lambda"),
+        _plain(2, "fp32", name="moe_z2_fp32", moe=True),
+        _plain(2, "bf16", name="moe_z2_bf16", moe=True),
+        Variant("moe_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, moe=True),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]

@@ -1,0 +1,182 @@
+"""ZeRO-1/2 layout of a native DeepSpeed MoE checkpoint at one (dp, ep) topology. Pure, no torch.
+
+    from reshard.expert_layout import ExpertParams, expert_zero12_layout
+    experts = ExpertParams.of(params, expert_groups=(False, True), num_experts=(4,))
+    layout = expert_zero12_layout(params, groups, experts, Topology(dp=4, ep=2))
+    layout.pieces                      # every element of every GLOBAL parameter, once
+    layout.rank_groups(3)              # [(dense group, 3), (expert group of EP rank 1, 1)]
+
+The logical space is the model's GLOBAL parameters: dense ones and every global expert's
+parameters under their global names (`reshard.expert_placement`), in the spec's order, so the
+source and target layouts describe the same space whatever their ep. The rules
+(runtime/zero/stage_1_and_2.py `DeepSpeedZeroOptimizer.__init__`, which takes each group's
+`real_dp_process_group`; runtime/bf16_optimizer.py the same):
+- a dense param group is ZeRO-partitioned over all dp ranks (`zero12_group`);
+- an expert param group (`moe: True`) is, on EP rank e, the group of e's LOCAL experts (global
+  experts e*n .. e*n+n-1 of each layer, in the model's order), ZeRO-partitioned over e's
+  expert-data-parallel group (dp // ep ranks, `Topology.expert_dp_rank_of`);
+- names in the rank's metadata (slice mappings, param_shapes) are the LOCAL names.
+Every element still has exactly one holder, so the 1-D planner (`reshard.plan`) moves it as is.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from reshard.expert_placement import ExpertPlacement, expert_name_parts, with_expert_index
+from reshard.layout import (
+    ParamSpec,
+    PieceTable,
+    Zero12Group,
+    logical_bases,
+    table_from_columns,
+    zero12_group,
+    zero12_group_columns,
+)
+from reshard.topology import Topology
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    """Which parameters of a spec are experts, and of which MoE layer and global expert."""
+
+    expert_groups: tuple[bool, ...]
+    """Per param group: True for an expert group (`moe: True` in the optimizer)."""
+    num_experts: tuple[int, ...]
+    """Experts of each MoE layer (the model-states file's `num_experts`)."""
+    layer_prefixes: tuple[str, ...]
+    """Name prefix of each MoE layer's experts, through `deepspeed_experts.`."""
+    expert_of: tuple[tuple[int, int] | None, ...]
+    """Per parameter: (MoE layer, global expert), or None for a dense parameter."""
+
+    @classmethod
+    def of(cls, params: Sequence[ParamSpec], expert_groups: Sequence[bool], num_experts: Sequence[int],
+           layer_prefixes: Sequence[str]) -> "ExpertParams":
+        layer_of = {prefix: layer for layer, prefix in enumerate(layer_prefixes)}
+        expert_of = []
+        for param in params:
+            parts = expert_name_parts(param.name)
+            expert_of.append(None if parts is None else (layer_of[parts[0]], parts[1]))
+        return cls(tuple(expert_groups), tuple(num_experts), tuple(layer_prefixes), tuple(expert_of))
+
+    def placement(self, layer: int, ep: int) -> ExpertPlacement:
+        return ExpertPlacement(self.num_experts[layer], ep)
+
+    def ep_rank_of(self, pid: int, ep: int) -> int:
+        layer, expert = self.expert_of[pid]
+        return self.placement(layer, ep).ep_rank_of(expert)
+
+    def local_name(self, param: ParamSpec, pid: int, ep: int) -> str:
+        """The name DeepSpeed's module gives parameter `pid` on its EP rank at `ep`."""
+        if self.expert_of[pid] is None:
+            return param.name
+        layer, expert = self.expert_of[pid]
+        return with_expert_index(param.name, self.placement(layer, ep).local_of(expert))
+
+    def ep_problem(self, ep: int) -> str | None:
+        """Why DeepSpeed could not build these layers at `ep` (moe/layer.py asserts), or None."""
+        bad = sorted({n for n in self.num_experts if n % ep})
+        if bad:
+            return (f"the MoE layers have {', '.join(map(str, bad))} experts, which ep={ep} does not divide "
+                    "(DeepSpeed's MoE needs num_experts % ep_size == 0)")
+        return None
+
+
+@dataclass(frozen=True)
+class ExpertZero12Layout:
+    """All param groups of a ZeRO-1/2 or BF16_Optimizer MoE checkpoint at one topology."""
+
+    params: tuple[ParamSpec, ...]
+    experts: ExpertParams
+    topology: Topology
+    groups_by_ep_rank: tuple[tuple[Zero12Group, ...], ...]
+    """[EP rank][param group]: dense groups span all dp ranks, expert groups that EP rank's experts."""
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def groups(self) -> tuple[Zero12Group, ...]:
+        """EP rank 0's groups: buffer sizes (the same on every EP rank) and the local names of
+        param_shapes (EP rank 0's global ids are the local ones)."""
+        return self.groups_by_ep_rank[0]
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self.params)
+
+    def rank_groups(self, rank: int) -> list[tuple[Zero12Group, int]]:
+        """Each param group as `rank` holds it, with `rank`'s index inside that group."""
+        ep_rank = self.topology.expert_parallel_rank(rank)
+        expert_dp_rank = self.topology.expert_data_parallel_rank(rank)
+        return [(group, expert_dp_rank if is_expert else rank)
+                for group, is_expert in zip(self.groups_by_ep_rank[ep_rank], self.experts.expert_groups)]
+
+    def name_on_rank(self, pid: int, rank: int) -> str:
+        return self.experts.local_name(self.params[pid], pid, self.topology.ep)
+
+    @functools.cached_property
+    def pieces(self) -> PieceTable:
+        numels = np.asarray(self.numels, dtype=np.int64)
+        bases = logical_bases(self.numels)
+        columns = []
+        for ep_rank, groups in enumerate(self.groups_by_ep_rank):
+            for buffer, (group, is_expert) in enumerate(zip(groups, self.experts.expert_groups)):
+                if not is_expert and ep_rank > 0:
+                    continue  # a dense group is the same on every EP rank: count it once
+                cols = zero12_group_columns(group, buffer, numels, bases)
+                if cols is None:
+                    continue
+                start, rank, buffers, offset = cols
+                if is_expert:
+                    rank = self.topology.expert_dp_rank_of(ep_rank, rank)
+                columns.append((start, rank, buffers, offset))
+        return table_from_columns(columns, int(numels.sum()))
+
+
+def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
+                         topology: Topology, *, round_robin: bool = False, param_alignment: int = 1
+                         ) -> ExpertZero12Layout:
+    """Lay out every param group of an MoE checkpoint at `topology` (see the module docstring)."""
+    problem = experts.ep_problem(topology.ep)
+    if problem:
+        raise ValueError(problem)
+    numels = [p.numel for p in params]
+    dense = {g: zero12_group(ids, numels, topology.dp, round_robin=round_robin, param_alignment=param_alignment)
+             for g, ids in enumerate(groups) if not experts.expert_groups[g]}
+    local = {}  # (group, EP rank) -> its params in the group's order: one pass over each group
+    for g, ids in enumerate(groups):
+        if experts.expert_groups[g]:
+            for ep_rank in range(topology.ep):
+                local[(g, ep_rank)] = []
+            for pid in ids:
+                local[(g, experts.ep_rank_of(pid, topology.ep))].append(pid)
+    by_ep_rank = tuple(tuple(dense[g] if not experts.expert_groups[g] else
+                             zero12_group(local[(g, ep_rank)], numels, topology.expert_dp, round_robin=round_robin,
+                                          param_alignment=param_alignment)
+                             for g in range(len(groups)))
+                       for ep_rank in range(topology.ep))
+    sizes = {tuple(g.partition_numel for g in groups) for groups in by_ep_rank}
+    if len(sizes) != 1:
+        raise ValueError(f"EP ranks would hold experts of different sizes ({sorted(sizes)}): DeepSpeed's MoE "
+                         "deep-copies one expert, so this is not a native MoE layout")
+    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank)
+
+
+def expert_placement_lines(experts: ExpertParams, topology: Topology) -> list[str]:
+    """What a dry run shows: which global experts each EP rank holds, and the expert-data-parallel
+    groups (the ranks that ZeRO-partition one EP rank's experts)."""
+    lines = []
+    for layer, count in enumerate(experts.num_experts):
+        placement = ExpertPlacement(count, topology.ep)
+        blocks = ", ".join(f"EP rank {e}: experts {placement.global_expert(e, 0)}-"
+                           f"{placement.global_expert(e, placement.local_count - 1)}" for e in range(topology.ep))
+        lines.append(f"MoE layer {layer} ({count} experts) at ep={topology.ep}: {blocks}")
+    groups = [[topology.expert_dp_rank_of(e, d) for d in range(topology.expert_dp)] for e in range(topology.ep)]
+    lines.append(f"expert-data-parallel groups (ranks partitioning one EP rank's experts, {topology.expert_dp} each): "
+                 + " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8]) + (" ..." if len(groups) > 8 else ""))
+    return lines

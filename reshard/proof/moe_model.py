@@ -1,0 +1,95 @@
+"""A tiny native DeepSpeed mixture-of-experts model, for expert-parallel checkpoints.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
+        --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
+
+embed -> dense -> MoE -> MoE -> head, where each MoE is `deepspeed.moe.layer.MoE` with 4 experts,
+top-2 routing and the expert-parallel size `ep` the engine is built at. Expert sizes are odd
+(an expert holds 7*9+9 + 9*7+7 = 142 elements), so ZeRO pads the expert groups at every
+expert-data-parallel size. The optimizer groups are "decay" and "no_decay", then
+`split_params_into_different_moe_groups_for_optimizer` moves the expert parameters into two
+more groups (named `ep_size_{ep}`, `moe: True`): four param groups in all.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reshard.proof.model import DECAY_GROUP, NO_DECAY_GROUP, VOCAB_SIZE
+
+NUM_EXPERTS = 4
+TOP_K = 2
+HIDDEN = 7
+EXPERT_FFN = 9
+AUX_LOSS_WEIGHT = 0.01
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(HIDDEN, EXPERT_FFN)
+        self.fc2 = nn.Linear(EXPERT_FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoEProofModel(nn.Module):
+    """forward(tokens, targets) -> mean cross-entropy plus the routers' load-balancing loss."""
+
+    def __init__(self, ep: int) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB_SIZE, HIDDEN)
+        self.dense = nn.Linear(HIDDEN, HIDDEN)
+        # use_rts=False and top2_2nd_expert_sampling=False: random token selection and Gumbel noise
+        # on the second choice would draw from the RNG in every forward,
+        # and the eval loss must be a function of the weights only.
+        self.moe = nn.ModuleList(MoE(HIDDEN, Expert(), num_experts=NUM_EXPERTS, ep_size=ep, k=TOP_K,
+                                     min_capacity=8, drop_tokens=False, use_rts=False,
+                                     top2_2nd_expert_sampling=False) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB_SIZE)
+        self._draw_distinct_experts(ep)
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+
+    def _draw_distinct_experts(self, ep: int) -> None:
+        """DeepSpeed deep-copies one expert into every slot, so all experts start equal and an
+        expert that receives no token stays equal to its neighbours: a load that swapped them
+        would pass unseen. Draw each expert from a generator of (model seed, layer, GLOBAL expert
+        id) instead; the EP rank is rank % ep (utils/groups.py `_create_expert_and_data_parallel`)."""
+        import torch.distributed as dist
+
+        ep_rank = dist.get_rank() % ep if dist.is_initialized() else 0
+        for layer_index, layer in enumerate(self.moe):
+            experts = layer.deepspeed_moe.experts.deepspeed_experts
+            for local, expert in enumerate(experts):
+                global_id = ep_rank * len(experts) + local
+                generator = torch.Generator().manual_seed(torch.initial_seed() * 1000 + layer_index * 100 + global_id)
+                with torch.no_grad():
+                    for param in expert.parameters():
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        hidden = hidden + F.gelu(self.dense(hidden))
+        aux = 0.0
+        for layer in self.moe:
+            out, layer_aux, _ = layer(hidden)
+            hidden = hidden + out
+            aux = aux + layer_aux
+        if self.training:
+            with torch.no_grad():
+                self.num_updates.add_(1)
+        logits = self.head(hidden)
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten()) + AUX_LOSS_WEIGHT * aux
+
+
+def build_moe_param_groups(model: nn.Module) -> list[dict]:
+    """decay / no_decay, each split into a dense and an expert group by DeepSpeed's own helper."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return split_params_into_different_moe_groups_for_optimizer(
+        [dict(DECAY_GROUP, params=decay), dict(NO_DECAY_GROUP, params=no_decay)])

@@ -1,0 +1,228 @@
+"""Train a native DeepSpeed MoE checkpoint at (world, ep), or judge loads of it at another (world, ep).
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
+        --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.moe_run check \
+        --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
+        --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
+        [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
+
+Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
+captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
+expert index to the GLOBAL one (local expert j on EP rank e is global expert e * n_local + j,
+moe/experts.py + engine.py `_save_moe_checkpoint`), and the views of all ranks are merged: a
+name held by several ranks (dense parameters, expert-data-parallel replicas) must agree bit for
+bit. `check` builds a fresh engine from another seed per load directory (several loads per
+launch), loads with plain `engine.load_checkpoint`, and compares the merged view with the truth:
+every element of the fp32 masters and optimizer states, module values, counters, scheduler,
+hyperparameters (expert groups are named `ep_size_{ep}` by DeepSpeed, so the name is expected
+to follow the engine's ep), buffers and client_state; the eval loss must be close (the expert
+all-to-all changes summation order across ep sizes), then one more step must be finite.
+"""
+
+import argparse
+import math
+import re
+import time
+import traceback
+
+
+from reshard.proof.bitwise import Comparison, compare_trees
+from reshard.proof.client_state import make_client_state
+from reshard.proof.engine_setup import (
+    all_finite,
+    build_engine,
+    eval_loss,
+    finish_and_exit,
+    init_distributed,
+    train_steps,
+)
+from reshard.proof.engine_state import MASTER_FROM_GETTERS, capture_engine_state
+from reshard.proof.truth_file import read_truth, write_truth
+from reshard.proof.variants import get_variant
+from reshard.proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
+
+EXPERT_SLOT = ".deepspeed_moe.experts.deepspeed_experts."
+EVAL_LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def global_expert_names(engine) -> dict[str, str]:
+    """{local prefix: global prefix} of every expert this rank holds, e.g.
+    "moe.1.deepspeed_moe.experts.deepspeed_experts.0." -> "...deepspeed_experts.2." on EP rank 1."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    renames = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, MoE):
+            ep_rank = groups._get_expert_parallel_rank(module.expert_group_name)
+            for local in range(module.num_local_experts):
+                renames[f"{name}{EXPERT_SLOT}{local}."] = f"{name}{EXPERT_SLOT}{ep_rank * module.num_local_experts + local}."
+    return renames
+
+
+def _globalize(names: dict, renames: dict[str, str]) -> dict:
+    pattern = re.compile("^(" + "|".join(re.escape(k) for k in renames) + ")") if renames else None
+    return {(pattern.sub(lambda m: renames[m[1]], name) if pattern else name): value for name, value in names.items()}
+
+
+def merged_engine_state(engine) -> dict:
+    """This job's view of the engine under global expert names, merged over every rank. Collective."""
+    import deepspeed.comm as dist
+
+    state = capture_engine_state(engine, master_from=MASTER_FROM_GETTERS)
+    renames = global_expert_names(engine)
+    for key in ("master", "module"):
+        state[key] = _globalize(state[key], renames)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, state)
+    merged = dict(views[0])
+    for key in ("master", "module"):
+        union = {}
+        for rank, view in enumerate(views):
+            for name, value in view[key].items():
+                if name in union:
+                    problems = compare_trees(union[name], value, f"{key}.{name} rank{rank} vs first holder").mismatches
+                    if problems:
+                        raise RuntimeError("ranks holding the same parameter disagree:\n" + "\n".join(problems[:10]))
+                else:
+                    union[name] = value
+        merged[key] = dict(sorted(union.items()))
+    rest = {k: v for k, v in views[0].items() if k not in ("master", "module", "param_groups")}
+    for rank, view in enumerate(views[1:], start=1):
+        other = {k: v for k, v in view.items() if k not in ("master", "module", "param_groups")}
+        problems = compare_trees(rest, other, f"engine rank0 vs rank{rank}").mismatches
+        if problems:
+            raise RuntimeError("dense engine state differs across ranks:\n" + "\n".join(problems[:10]))
+    return merged
+
+
+def _common(argv_parser: argparse.ArgumentParser) -> None:
+    argv_parser.add_argument("--variant", required=True)
+    argv_parser.add_argument("--ep", type=int, required=True, help="expert-parallel size of the engine")
+    argv_parser.add_argument("--truth", required=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    train = sub.add_parser("train")
+    _common(train)
+    train.add_argument("--save-dir", required=True)
+    train.add_argument("--steps", type=int, default=3)
+    train.add_argument("--seed", type=int, default=0)
+    check = sub.add_parser("check")
+    _common(check)
+    check.add_argument("--load-dir", action="append", default=[])
+    check.add_argument("--verdict", action="append", default=[])
+    check.add_argument("--in-job-load-dir", action="append", default=[],
+                       help="load with reshard.deepspeed.load_checkpoint (resharding in the job) instead")
+    check.add_argument("--in-job-verdict", action="append", default=[])
+    check.add_argument("--seed", type=int, default=1)
+    check.add_argument("--extra-steps", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.mode == "check" and (len(args.load_dir) != len(args.verdict)
+                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)):
+        parser.error("give one --verdict per --load-dir and one --in-job-verdict per --in-job-load-dir")
+    return args
+
+
+def train(args) -> None:
+    import deepspeed.comm as dist
+
+    variant = get_variant(args.variant)
+    engine = build_engine(variant, args.seed, ep=args.ep)
+    losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
+    tag = f"global_step{engine.global_steps}"
+    client_state = make_client_state()
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state)
+    dist.barrier()
+    state = merged_engine_state(engine)
+    loss = eval_loss(engine)
+    if dist.get_rank() == 0:
+        write_truth(args.truth, {
+            "meta": {"variant": variant.name, "world_size": dist.get_world_size(), "ep": args.ep, "seed": args.seed,
+                     "steps": args.steps, "tag": tag, "optimizer_class": type(engine.optimizer).__name__,
+                     "precision": variant.precision, "train_losses": losses},
+            "engine": state, "client_state": client_state, "eval_loss": loss})
+        print(f"[proof.moe_run] trained {variant.name} world={dist.get_world_size()} ep={args.ep} "
+              f"eval_loss={loss.item():.6f} -> {args.truth}", flush=True)
+    dist.barrier()
+
+
+def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
+    """DeepSpeed names expert groups `ep_size_{ep}` (moe/utils.py): the name follows the engine."""
+    return [dict(group, name=f"ep_size_{ep}") if group.get("moe") else group for group in truth_groups]
+
+
+def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
+    import deepspeed.comm as dist
+
+    engine = build_engine(variant, args.seed, ep=args.ep)
+    load_error, started = None, time.perf_counter()
+    try:
+        if in_job:
+            from reshard.deepspeed import load_checkpoint as load_in_job
+            load_path, client_state = load_in_job(engine, load_dir)
+        else:
+            load_path, client_state = engine.load_checkpoint(load_dir)
+        if load_path is None:
+            load_error = f"load_checkpoint returned no path for {load_dir}"
+    except Exception:
+        load_error, client_state = traceback.format_exc(limit=6), None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, load_error)
+    load_errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    comparison, loss, extra = Comparison(), float("nan"), []
+    if not load_errors:
+        state = merged_engine_state(engine)
+        expected = dict(truth["engine"], param_groups=_expected_param_groups(truth["engine"]["param_groups"], args.ep))
+        comparison = compare_trees(expected, state, "engine")
+        loaded = {key: (client_state or {}).get(key, "<missing>") for key in truth["client_state"]}
+        comparison.absorb(compare_trees(truth["client_state"], loaded, "client_state"))
+        loss = float(eval_loss(engine))
+        truth_loss = float(truth["eval_loss"])
+        if not math.isclose(loss, truth_loss, rel_tol=EVAL_LOSS_RTOL[variant.precision]):
+            comparison.mismatches.append(f"eval_loss {loss!r} is not close to the truth's {truth_loss!r}")
+        extra = train_steps(engine, seed=args.seed, first_step=truth["meta"]["steps"], count=args.extra_steps)
+        if not all_finite(extra):
+            comparison.mismatches.append(f"extra steps gave non-finite losses {extra}")
+    return {"ok": not load_errors and not comparison.mismatches, "variant": variant.name,
+            "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job,
+            "source_world_size": truth["meta"]["world_size"], "source_ep": truth["meta"]["ep"],
+            "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
+            "mismatch_count": len(comparison.mismatches),
+            "mismatches": comparison.mismatches[:MAX_REPORTED_MISMATCHES],
+            "load_error": "\n".join(load_errors) or None, "eval_loss": loss if math.isfinite(loss) else None,
+            "truth_eval_loss": float(truth["eval_loss"]), "extra_step_losses": extra,
+            "load_seconds": round(time.perf_counter() - started, 3)}
+
+
+def check(args) -> None:
+    import deepspeed.comm as dist
+
+    variant = get_variant(args.variant)
+    truth = read_truth(args.truth)
+    loads = [(d, v, False) for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(d, v, True) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    for load_dir, verdict_path, in_job in loads:
+        verdict = check_one(variant, args, truth, load_dir, in_job)
+        # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
+        # the verdict is rank 0's.
+        if dist.get_rank() == 0:
+            write_verdict(verdict_path, verdict)
+            print(f"[proof.moe_run] {variant.name} world={truth['meta']['world_size']} ep={truth['meta']['ep']} -> "
+                  f"world={verdict['world_size']} ep={args.ep}: ok={verdict['ok']} "
+                  f"tensors={verdict['checked_tensors']} -> {verdict_path}", flush=True)
+        dist.barrier()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    init_distributed()
+    (train if args.mode == "train" else check)(args)
+
+
+if __name__ == "__main__":
+    main()
+    finish_and_exit()
