@@ -24,15 +24,17 @@ from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_piec
 from reshard.topology import Topology
 
 
-def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False
-                 ) -> ReshardPlan:
+def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False,
+                 ownership: Ownership | None = None) -> ReshardPlan:
     """The plan for moving a checkpoint of `spec` (a CheckpointSpec: topology, layout rules,
     streams with item sizes) to the `target` topology with `workers` workers.
 
     `tabulated`: plan every space from its piece tables, ZeRO-3 too. A SLURM array task
     (`reshard.array_job`) restricts a one-worker plan to its files by selecting segments, which
-    needs the table; it plans once per task, so the O(params x ranks) table is affordable there."""
-    ownership = Ownership.between(spec.topology, target, workers)
+    needs the table; it plans once per task, so the O(params x ranks) table is affordable there.
+    `ownership`: who reads and writes which ranks, when not the arithmetic blocks (node-local
+    checkpoints: `reshard.node_local.node_local_ownership`)."""
+    ownership = ownership or Ownership.between(spec.topology, target, workers)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology.dp), spec.layout(target.dp)

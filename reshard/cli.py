@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
     parser.add_argument("--workers", type=int,
                         help="worker processes to start on this host, without torchrun (default 1)")
+    parser.add_argument("--node-local", action="store_true", default=None,
+                        help="SRC and DST are node-local paths (DeepSpeed use_node_local_storage): each node reads "
+                             "what it holds and receives its target ranks' files")
+    parser.add_argument("--target-ranks-per-node", type=int, metavar="G",
+                        help="with --node-local: target rank r runs on node r // G")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
@@ -88,7 +93,8 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
-                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks}
+                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,
+                 "node_local": args.node_local, "target_ranks_per_node": args.target_ranks_per_node}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()

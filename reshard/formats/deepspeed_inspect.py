@@ -69,13 +69,16 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
 
 
 def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
-                       carry_model_bytes: bool | None = None, read_tensors: bool = True) -> SourceCheckpoint:
+                       carry_model_bytes: bool | None = None, read_tensors: bool = True,
+                       node_local: bool = False) -> SourceCheckpoint:
     """Read the rank-0 pickles of a save directory into a SourceCheckpoint.
 
     `carry_model_bytes`: read the unpartitioned tensors of the model-states template into
     memory (default: only under ZeRO-3, where every target rank needs them; the ZeRO-1/2
     model file is copied file to file by one worker instead). `read_tensors=False` reads
-    no tensor bytes at all (a dry run): `carried` stays empty.
+    no tensor bytes at all (a dry run): `carried` stays empty. `node_local`: this directory is
+    one node's part of the checkpoint (reshard.node_local), so other ranks' files may be missing
+    here; the job checks that every file is on some node.
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
@@ -112,10 +115,10 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks, stage3)
     for t in range(tp):
         _check_rank_files(tag_dir, n, {k: v for k, v in optim.items() if v.mp_rank == t}, "optim",
-                          lambda r: schema.optim_file_name(r, bf16_prefix, t))
+                          lambda r: schema.optim_file_name(r, bf16_prefix, t), not node_local)
         if stage3:
             _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
-                              lambda r: schema.model_file_name(3, r))
+                              lambda r: schema.model_file_name(3, r), not node_local)
         elif not os.path.isfile(os.path.join(tag_dir, schema.model_file_name(1, 0, t))):
             raise CheckpointError(os.path.join(tag_dir, schema.model_file_name(1, 0, t)),
                                   f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
@@ -211,10 +214,10 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
                                                                      "checkpoints are not supported yet")
 
 
-def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of) -> None:
+def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of, complete: bool = True) -> None:
     ranks = {role.dp_rank for role in present.values()}
     missing = [r for r in range(n) if r not in ranks]
-    if missing:
+    if missing and complete:
         raise CheckpointError(os.path.join(tag_dir, name_of(missing[0])),
                               f"is missing: dp_world_size is {n}, so {n} {what} files are expected "
                               f"(missing ranks {_ranks_text(missing)})")

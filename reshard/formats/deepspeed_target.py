@@ -47,8 +47,10 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
-    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file)."""
+def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
+                 ) -> list[TargetFile]:
+    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file;
+    `model_states` says otherwise: node-local storage writes it on local rank 0 of every node)."""
     spec = source.spec
     at = target.coordinates(rank)
     layout = spec.layout(target.dp, target.tp, at.tp)
@@ -57,7 +59,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[
     if spec.stage == 3:
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), _zero3_model_tree(source, layout, at.dp),
                                 source.model_name(0)))
-    elif at.dp == 0:
+    elif at.dp == 0 if model_states is None else model_states:
         tree = _zero12_model_tree(source, layout)
         if spec.tensor is not None:
             _reslice_tensor_parallel_model(tree, spec, target, at.tp)
