@@ -169,9 +169,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
         return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, staging_dir,
                                      load_checkpoint_kwargs)
-    objects = _reshard_in_memory(source, target, transport, memory_budget, trust_pickle)
+    plan = plan_reshard(source.spec, target, transport.size, memory_budget)
+    objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
     if source.spec.tensor is not None:
-        _share_model_states(source, target, objects, transport)
+        _share_model_states(source, target, plan.ownership, objects, transport)
     result = _load_served(engine, source, target, objects, transport.rank, load_checkpoint_kwargs)
     if transport.rank == 0:
         if source.spec.tensor is None:
@@ -183,8 +184,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     return result
 
 
-def _reshard_in_memory(source: SourceCheckpoint, target: Topology, transport, budget: int, trust_pickle: bool) -> dict:
-    plan = plan_reshard(source.spec, target, transport.size, budget)
+def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transport, trust_pickle: bool) -> dict:
     own = plan.ownership
     return execute(plan, transport,
                    open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
@@ -193,16 +193,18 @@ def _reshard_in_memory(source: SourceCheckpoint, target: Topology, transport, bu
                    opening="opening source files", finish=lambda reader, writer: writer.objects)
 
 
-def _share_model_states(source: SourceCheckpoint, target: Topology, objects: dict, transport) -> None:
-    """Under AutoTP ZeRO-1/2 the plan fills TP rank t's model states on target rank (dp 0, tp t)
-    (in-job, worker r owns target rank r); every dp rank of TP rank t loads that file."""
+def _share_model_states(source: SourceCheckpoint, target: Topology, ownership, objects: dict, transport) -> None:
+    """Under AutoTP ZeRO-1/2 the plan fills TP rank t's model states for target rank (dp 0, tp t),
+    on the worker that writes that rank (in-job: worker r writes target rank r); every dp rank of
+    TP rank t loads that file."""
     here = target.coordinates(transport.rank)
     for t in range(target.tp):
-        owner = target.rank_of(0, t)
-        key = (owner, schema.model_file_name_of(target, owner, source.spec.stage))
+        rank = target.rank_of(0, t)
+        owner = ownership.writer(rank)
+        key = (rank, schema.model_file_name_of(target, rank, source.spec.stage))
         if target.dp > 1:
             obj = transport.broadcast_object(objects.get(key) if transport.rank == owner else None, src=owner)
-            if here.tp == t and transport.rank != owner:
+            if here.tp == t and (transport.rank, key[1]) not in objects:
                 objects[(transport.rank, key[1])] = obj
 
 
