@@ -19,7 +19,8 @@ values, frozen values, counters and the eval loss. `check` builds an engine at i
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
 truth, or all with one). `--load-via in-job` loads that directory with
-`reshard.deepspeed.load_checkpoint` instead (a checkpoint at another (tp, dp), resharded in the job). `train_checkpoint` and `check_checkpoints` run these under torchrun.
+`reshard.deepspeed.load_checkpoint` instead (a checkpoint at another (tp, dp), resharded in the
+job). `train_checkpoint` and `check_checkpoints` run these under torchrun.
 """
 from __future__ import annotations
 
