@@ -5,12 +5,20 @@
     load_path, client_state = reshard.deepspeed.load_checkpoint(engine, "/ckpt/run1")
 
 A drop-in for `engine.load_checkpoint(load_dir, tag, **kwargs)`, with the same return value.
-If the checkpoint was saved at the engine's data-parallel size it simply delegates.
-Otherwise the job's own ranks reshard it over the job's process group: each rank reads a
+If the checkpoint was saved at the engine's data-parallel and tensor-parallel sizes it simply
+delegates. Otherwise the job's own ranks reshard it over the job's process group: each rank reads a
 disjoint subset of the source rank files, slices move with all-to-all within the memory
 budget, and each rank builds its new partition in memory; DeepSpeed's own
 `load_checkpoint` then loads those objects, so the engine ends in exactly the state a
 native load of the offline-resharded checkpoint gives. No resharded copy is written.
+
+Tensor parallelism (AutoTP, ZeRO-1/2): the engine's TP size is its model-parallel size
+(engine.py `_configure_distributed_model`: `mp_world_size`, `checkpoint_mp_rank`, the numbers
+in the file names DeepSpeed loads), its DP size `dp_world_size`; the job must hold exactly
+tp x dp ranks, numbered as reshard numbers them (tp fastest, utils/groups.py). The module
+weights of each TP rank's model-states file are resliced in the same plan (never the source
+file served); the rank owning (dp 0, tp t) builds that object and broadcasts it to the other
+dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -36,10 +44,10 @@ from reshard.execute import execute
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, read_storages
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
-from reshard.formats.torch_archive import leaves_in_order, materialize
+from reshard.formats.torch_archive import TensorRef, leaves_in_order, materialize, refs_in
 from reshard.source_reader import SourceReader
 from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
@@ -56,10 +64,14 @@ class MemoryTargetWriter:
         self.bytes_written = 0
         for rank in ranks:
             for target in target_files(source, target_topology, rank):
-                if source.spec.stage < 3 and target.name == schema.model_file_name(source.spec.stage):
+                if source.spec.stage < 3 and source.spec.tensor is None and \
+                        target.name == schema.model_file_name(source.spec.stage):
                     continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
                 obj, roles = materialize(target.tree)
-                carried = source.carried[target.template]
+                carried = source.carried.get(target.template)
+                if carried is None:  # the AutoTP model states: frozen weights and buffers from the template file
+                    carried = read_storages(os.path.join(source.tag_dir, target.template),
+                                            [ref for ref in refs_in(target.tree) if isinstance(ref, TensorRef)])
                 for tensor in leaves_in_order(obj):
                     role = roles.get(tensor.untyped_storage()._cdata)
                     raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
@@ -109,6 +121,28 @@ def _data_parallel_size(engine) -> int:
     return int(getattr(engine, "seq_dp_world_size", None) or engine.dp_world_size)
 
 
+def _engine_topology(engine) -> Topology:
+    """(dp, tp, ep) of the engine: tp is its model-parallel size, the mp index of the files it loads
+    (engine.py `_configure_distributed_model`; AutoTP sets the mpu to its TP groups); ep that of its
+    native MoE layers."""
+    return Topology(dp=_data_parallel_size(engine), tp=int(getattr(engine, "mp_world_size", 1) or 1),
+                    ep=_engine_ep(engine))
+
+
+def _check_rank_numbering(engine, target: Topology, rank: int) -> None:
+    """reshard numbers ranks tp fastest (reshard.topology); the engine must load the files of
+    the same coordinates (engine.py `_get_ckpt_name`, `_get_zero_ckpt_name`)."""
+    import deepspeed.comm as dist
+    at = target.coordinates(rank)
+    tp_rank = int(engine.checkpoint_mp_rank) if target.tp > 1 else 0
+    group = getattr(engine.optimizer, "dp_process_group", None) or engine.data_parallel_group
+    dp_rank = dist.get_rank(group=group)
+    if (at.dp, at.tp) != (dp_rank, tp_rank):
+        raise ReshardError(f"in-job resharding: rank {rank} loads the files of dp rank {dp_rank}, tp rank {tp_rank}, "
+                           f"but reshard numbers it dp {at.dp}, tp {at.tp} (tp fastest, as DeepSpeed's default "
+                           "groups); a job with another rank order must reshard offline")
+
+
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_budget: int = DEFAULT_BUDGET,
                     trust_pickle: bool = False, staging_dir: str | None = None, **load_checkpoint_kwargs):
     """`engine.load_checkpoint(load_dir, tag, **kwargs)`, resharding in the job when the sizes differ.
@@ -123,21 +157,22 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
                            "(call it after deepspeed.initialize)")
     transport = TorchDistributedTransport()
     source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
-    target_dp = _data_parallel_size(engine)
-    if source.spec.tensor is not None:
-        engine_tp = int(engine.autotp_size() or 1) if hasattr(engine, "autotp_size") else 1
-        if source.spec.dp_world_size == target_dp and source.spec.topology.tp == engine_tp:
-            return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
-        refuse_tensor_parallel(source, "in-job resharding (reshard.deepspeed.load_checkpoint)")
-    target = Topology(dp=target_dp, ep=_engine_ep(engine))
+    target = _engine_topology(engine)
+    target_dp = target.dp
     problem = source.expert_problem(target)
     if problem:
         raise UnsupportedCheckpoint(source.model_path(0), f"cannot be loaded by this engine ({target}): {problem}")
     if source.spec.topology == target:
         return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
-    if transport.size != target_dp:
-        raise ReshardError(f"in-job resharding needs data parallelism only: the job has {transport.size} ranks "
-                           f"but a data-parallel size of {target_dp}")
+    if source.spec.tensor is None and target.tp > 1:
+        raise UnsupportedCheckpoint(source.tag_dir, f"was saved without AutoTP metadata (tp={source.spec.topology.tp});"
+                                    f" the engine has tp={target.tp}, and in-job resharding changes the TP size "
+                                    "only of AutoTP checkpoints")
+    if transport.size != target.world_size:
+        raise ReshardError(f"in-job resharding needs data and tensor parallelism only: the job has {transport.size} "
+                           f"ranks but the engine's topology is {target.describe()} ({target.world_size} ranks)")
+    if source.spec.tensor is not None:
+        _check_rank_numbering(engine, target, transport.rank)
     started = time.perf_counter()
     differing = on_rank0(transport, lambda: differing_client_state(source, trust_pickle=trust_pickle))
     if differing and transport.rank == 0:
@@ -146,24 +181,42 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if source.spec.stage == 3 and not load_checkpoint_kwargs.get("load_optimizer_states", True):
         return _load_through_staging(engine, source, transport, memory_budget, trust_pickle, staging_dir,
                                      load_checkpoint_kwargs)
-    objects = _reshard_in_memory(source, target, transport, memory_budget, trust_pickle)
+    plan = plan_reshard(source.spec, target, transport.size, memory_budget)
+    objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
+    if source.spec.tensor is not None:
+        _share_model_states(source, target, plan.ownership, objects, transport)
     result = _load_served(engine, source, target, objects, transport.rank, load_checkpoint_kwargs)
     if transport.rank == 0:
-        sizes = (f"{source.spec.topology} to {target}" if source.spec.experts is not None
+        sizes = (f"{source.spec.topology.describe()} to {target.describe()}"
+                 if source.spec.experts is not None or source.spec.tensor is not None
                  else f"{source.spec.dp_world_size} to {target_dp} data-parallel ranks")
         print(f"reshard: resharded {source.tag_dir} from {sizes} in-job in {time.perf_counter() - started:.2f} s",
               flush=True)
     return result
 
 
-def _reshard_in_memory(source: SourceCheckpoint, target: Topology, transport, budget: int, trust_pickle: bool) -> dict:
-    plan = plan_reshard(source.spec, target, transport.size, budget)
+def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transport, trust_pickle: bool) -> dict:
     own = plan.ownership
     return execute(plan, transport,
                    open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
                                                          trust_pickle=trust_pickle),
                    open_sink=lambda: MemoryTargetWriter(source, target, own.target_ranks_of(transport.rank)),
                    opening="opening source files", finish=lambda reader, writer: writer.objects)
+
+
+def _share_model_states(source: SourceCheckpoint, target: Topology, ownership, objects: dict, transport) -> None:
+    """Under AutoTP ZeRO-1/2 the plan fills TP rank t's model states for target rank (dp 0, tp t),
+    on the worker that writes that rank (in-job: worker r writes target rank r); every dp rank of
+    TP rank t loads that file."""
+    here = target.coordinates(transport.rank)
+    for t in range(target.tp):
+        rank = target.rank_of(0, t)
+        owner = ownership.writer(rank)
+        key = (rank, schema.model_file_name_of(target, rank, source.spec.stage))
+        if target.dp > 1:
+            obj = transport.broadcast_object(objects.get(key) if transport.rank == owner else None, src=owner)
+            if here.tp == t and (transport.rank, key[1]) not in objects:
+                objects[(transport.rank, key[1])] = obj
 
 
 def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: dict, rank: int, kwargs: dict):
@@ -175,9 +228,16 @@ def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: di
         served = {}
         for (_, name), obj in objects.items():
             served[os.path.join(tag_dir, name)] = classes.to_deepspeed(obj)
-        if spec.stage < 3:
+        if spec.stage < 3 and spec.tensor is None:
             name = schema.model_file_name(spec.stage)
             served[os.path.join(tag_dir, name)] = _zero12_model_states(source, target)
+        if spec.stage < 3 and spec.tensor is not None:
+            # engine.py `_get_all_ckpt_names` globs mp_rank_*, and state_dict_factory.py
+            # `check_ckpt_list` reads `mp_world_size` from the first: the other TP ranks' names
+            # serve a stub holding only that (no `module`: loading one would fail loudly)
+            for t in range(target.tp):
+                path = os.path.join(tag_dir, schema.model_file_name_of(target, target.rank_of(0, t), spec.stage))
+                served.setdefault(path, {"mp_world_size": target.tp})
         # MoE expert files are named by global expert id, the same at any (dp, ep): each rank
         # reads its own experts from the source, as DeepSpeed's `load_moe_state_dict` picks them.
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name)

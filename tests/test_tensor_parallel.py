@@ -3,11 +3,13 @@
     python -m pytest -q tests/test_tensor_parallel.py -m "not e2e"     # planner, seconds
     python -m pytest -q tests/test_tensor_parallel.py                  # + AutoTP runs, ~3-4 min idle
 
-End to end, (tp, dp) notation: ZeRO-2 fp32 (2,2) -> (1,3) and (4,1); ZeRO-1 bf16 (2,1) -> (1,2)
-and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); W differs from both world sizes in each. Every output is loaded with plain
-`engine.load_checkpoint` in an AutoTP engine at the target, from another seed, and every
-element of every rank's fp32 masters, Adam moments and module weights is compared with the
-truth resliced for that rank (reshard/proof/tensor_parallel.py), then training continues.
+End to end, (tp, dp) notation: ZeRO-2 fp32 (2,2) -> (1,3) and (4,1), offline and in-job
+(`reshard.deepspeed.load_checkpoint` in the same check launches); ZeRO-1 bf16 (2,1) -> (1,2)
+and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); W differs from both world sizes in each.
+Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
+from another seed, and every element of every rank's fp32 masters, Adam moments and module
+weights is compared with the truth resliced for that rank (reshard/proof/tensor_parallel.py),
+then training continues.
 """
 from __future__ import annotations
 
@@ -211,16 +213,21 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     from reshard.proof.tensor_parallel import check_checkpoints
     source, truth = autotp("z2_fp32_tp2_dp2")
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
-    verdicts = check_checkpoints(1, 3, 2, "fp32", [(to_1x3, truth)], tmp_path)
+    # the same launch first resumes from the source itself in-job, in the fresh engine
+    # (reshard.deepspeed.load_checkpoint at tp 1 x dp 3: module weights resliced, one TP rank's
+    # model states shared by three dp ranks), then loads the offline output (after a training step)
+    verdicts = check_checkpoints(1, 3, 2, "fp32", [(source, truth, "in-job"), (to_1x3, truth)], tmp_path)
     assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
     # the command line with --target-tp, 3 local workers (W differs from 4 and 4)
     from trained import reshard_cli
     done = reshard_cli(source, tmp_path / "tp4dp1", "--target-dp", "1", "--target-tp", "4", "--workers", "3", "--quiet")
     assert done.returncode == 0, done.stderr
     names = sorted(p.name for p in (tmp_path / "tp4dp1" / "global_step3").iterdir())
     assert [n for n in names if n.startswith("mp_rank")] == [f"mp_rank_0{t}_model_states.pt" for t in range(4)]
-    verdicts = check_checkpoints(4, 1, 2, "fp32", [(tmp_path / "tp4dp1", truth)], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    verdicts = check_checkpoints(4, 1, 2, "fp32", [(source, truth, "in-job"), (tmp_path / "tp4dp1", truth)], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]  # in-job (2, 2) -> (4, 1), fresh engine
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
     # DeepSpeed's own converter reads the output (its affine maps) as it reads the source
     assert _universal(source, tmp_path / "u-source") == _universal(tmp_path / "tp4dp1", tmp_path / "u-output")
 

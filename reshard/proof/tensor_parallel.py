@@ -4,7 +4,8 @@
         train --tp 2 --stage 2 --precision fp32 --save-dir /tmp/tp --truth /tmp/tp.truth.pt
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard.proof.tensor_parallel \
         check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
-        --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...]
+        --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...] \
+        [--load-via native --load-via in-job ...]
 
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
@@ -17,7 +18,9 @@ values, frozen values, counters and the eval loss. `check` builds an engine at i
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
-truth, or all with one). `train_checkpoint` and `check_checkpoints` run these under torchrun.
+truth, or all with one). `--load-via in-job` loads that directory with
+`reshard.deepspeed.load_checkpoint` instead (a checkpoint at another (tp, dp), resharded in the
+job). `train_checkpoint` and `check_checkpoints` run these under torchrun.
 """
 from __future__ import annotations
 
@@ -244,9 +247,14 @@ def cmd_check(args) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
     engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100)
-    for load_dir, verdict_path, truth_path in zip(args.load_dir, args.verdict, truths):
+    vias = args.load_via + ["native"] * (len(args.load_dir) - len(args.load_via))
+    for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias):
         truth = torch.load(truth_path, weights_only=False)
-        engine.load_checkpoint(load_dir)
+        if via == "in-job":
+            import reshard.deepspeed
+            reshard.deepspeed.load_checkpoint(engine, load_dir)
+        else:
+            engine.load_checkpoint(load_dir)
         problems = judge(engine, truth)
         loss = eval_loss(engine)
         tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
@@ -278,6 +286,8 @@ def main(argv=None) -> None:
                         help="train: the truth file to write; check: one per --load-dir, or one for all")
     parser.add_argument("--load-dir", action="append", default=[])
     parser.add_argument("--verdict", action="append", default=[])
+    parser.add_argument("--load-via", action="append", default=[], choices=["native", "in-job"],
+                        help="check: per --load-dir, plain engine.load_checkpoint (default) or reshard's in-job load")
     args = parser.parse_args(argv)
     (cmd_train if args.command == "train" else cmd_check)(args)
 
@@ -292,14 +302,15 @@ def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, tru
 
 def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600
                       ) -> list[dict]:
-    """Load each (directory, truth) of `loads` in one engine at (tp, dp); the verdicts, in order."""
+    """Load each (directory, truth[, "native" or "in-job"]) of `loads` in one engine at (tp, dp);
+    the verdicts, in order."""
     from pathlib import Path
 
     from reshard.proof.launch import run_torchrun
     verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
     args = ["check", "--tp", tp, "--stage", stage, "--precision", precision]
-    for (load_dir, truth), verdict in zip(loads, verdicts):
-        args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict]
+    for (load_dir, truth, *via), verdict in zip(loads, verdicts):
+        args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict, "--load-via", (via or ["native"])[0]]
     run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
     return [json.loads(v.read_text()) for v in verdicts]
 
