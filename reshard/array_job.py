@@ -42,10 +42,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard import __version__, save_dir_files
+from reshard.byte_io import hash_file
 from reshard.checkpoint_plan import plan_reshard
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
-from reshard.exchange import run_rounds
+from reshard.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -56,7 +57,6 @@ from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
     Manifest,
-    hash_file,
     output_fingerprint,
     source_identity,
     write_json_atomically,
@@ -342,21 +342,22 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
     per_rank = 2 if source.spec.stage == 3 else 1
     ensure_open_files(per_rank * source.spec.dp_world_size + len(targets) + 1)
     writer = TargetWriter.create(source, tag_dir, opts.target_topology, ranks, only={f.name for f in targets})
-    reader = None
     try:
         share = restrict_to_files(_plan_for_share(source, opts, writer.locations), writer.locations)
-        source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
-        report.source_ranks = tuple(source_ranks)
-        reader = SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle)
-        writer.copy_in_background()
-        rounds = sum(len(np.unique(space.segments.round)) for space in share.spaces)  # rounds with data
-        run_rounds(share, LocalTransport(), reader, writer)
-        hashes = writer.finish()  # fsync, hash and close
-    finally:
+    except BaseException:
         writer.close()
-        if reader is not None:
-            reader.close()
-    report.bytes_read += reader.bytes_read
+        raise
+    source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
+    report.source_ranks = tuple(source_ranks)
+    rounds = sum(len(np.unique(space.segments.round)) for space in share.spaces)  # rounds with data
+    hashes, report_read = execute(
+        share, LocalTransport(),
+        open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle),
+        open_sink=lambda: writer, opening="opening source files",
+        opened=lambda reader, sink: sink.copy_in_background(),
+        finish=lambda reader, sink: sink.finish(),  # fsync, hash and close
+        after=lambda reader, sink, hashes: (hashes, reader.bytes_read))
+    report.bytes_read += report_read
     report.bytes_written += writer.bytes_written
     report.bytes_carried += writer.bytes_carried
     for name, entry in hashes.items():

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from reshard.checkpoint_plan import plan_reshard
-from reshard.collective import check_peers, on_rank0
+from reshard.collective import on_rank0
 from reshard.errors import ReshardError
-from reshard.exchange import run_rounds
+from reshard.execute import execute
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
@@ -76,7 +76,10 @@ class MemoryTargetWriter:
         self.bytes_written += len(data)
 
     def sync(self) -> None:
-        pass
+        pass  # nothing on disk
+
+    def close(self) -> None:
+        pass  # the objects are the result: they stay until the load has used them
 
 
 class _ServedCheckpointEngine:
@@ -138,20 +141,12 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
 def _reshard_in_memory(source: SourceCheckpoint, target_dp: int, transport, budget: int, trust_pickle: bool) -> dict:
     plan = plan_reshard(source.spec, Topology(dp=target_dp), transport.size, budget)
     own = plan.ownership
-    reader = writer = None
-    failure = None
-    try:
-        reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
-        writer = MemoryTargetWriter(source, Topology(dp=target_dp), own.target_ranks_of(transport.rank))
-    except Exception as error:
-        failure = error
-    try:
-        check_peers(transport, failure, "opening source files")
-        run_rounds(plan, transport, reader, writer)
-    finally:
-        if reader is not None:
-            reader.close()
-    return writer.objects
+    return execute(plan, transport,
+                   open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
+                                                         trust_pickle=trust_pickle),
+                   open_sink=lambda: MemoryTargetWriter(source, Topology(dp=target_dp),
+                                                        own.target_ranks_of(transport.rank)),
+                   opening="opening source files", finish=lambda reader, writer: writer.objects)
 
 
 def _load_served(engine, source: SourceCheckpoint, objects: dict, rank: int, kwargs: dict):

@@ -29,13 +29,14 @@ import time
 from dataclasses import dataclass, field
 
 from reshard import __version__, save_dir_files
+from reshard.byte_io import hash_file
 from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
 from reshard.errors import OptionError, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
-from reshard.exchange import run_rounds
+from reshard.execute import execute
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
@@ -44,7 +45,6 @@ from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
     Manifest,
-    hash_file,
     output_fingerprint,
     plan_fingerprint,
     read_journal,
@@ -275,42 +275,33 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
                           tuple(own.target_ranks_of(transport.rank)))
     staging = Staging(unit.destination, source.tag)
-    reader = writer = None
     rounds_started = False
-    try:
-        failure = None
-        try:
-            reader = SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle)
-            writer = TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
-                                         reuse_existing=start.skeletons)
-        except Exception as error:
-            failure = error
-        check_peers(transport, failure, "opening source files and creating target files")
+
+    def opened(reader, writer) -> None:
+        nonlocal rounds_started
         writer.copy_in_background()
         if transport.rank == 0 and not start.skeletons:
             write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
         rounds_started = True
+        progress.start()
 
-        def journal(rounds_done: int) -> None:
-            if transport.rank == 0:
-                write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
+    def journal(rounds_done: int) -> None:
+        if transport.rank == 0:
+            write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
 
-        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as on_round:
-            run_rounds(plan, transport, reader, writer, start_round=start.rounds_done,
-                       durable_every_bytes=opts.durable_every, on_durable=journal, on_round=on_round)
-        hashes = {}
-        try:
-            writer.wait_for_copies()
-            clock.lap("exchange+write")
-            clock.move(writer.sync_seconds, "exchange+write", "fsync")
-            hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it
-            clock.lap("fsync")
-            clock.move(writer.hash_seconds, "fsync", "hash")
-        except Exception as error:
-            failure = error
-        check_peers(transport, failure, "flushing target files")
+    def flush(reader, writer) -> dict:
+        writer.wait_for_copies()
+        clock.lap("exchange+write")
+        clock.move(writer.sync_seconds, "exchange+write", "fsync")
+        hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it
+        clock.lap("fsync")
+        clock.move(writer.hash_seconds, "fsync", "hash")
+        return hashes
+
+    def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         all_hashes = transport.all_gather_object(hashes)
+        failure = None
         if transport.rank == 0:
             try:
                 _publish(opts, unit, source, start, staging, all_hashes, carried)
@@ -319,10 +310,19 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
             except Exception as error:
                 failure = error
         check_peers(transport, failure, "publishing the result")
+        return reader.bytes_read, writer.bytes_written, writer.bytes_carried
+
+    try:
+        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as progress:
+            moved = execute(plan, transport,
+                        open_source=lambda: SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle),
+                        open_sink=lambda: TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
+                                                              reuse_existing=start.skeletons),
+                        opening="opening source files and creating target files", opened=opened,
+                        finish=flush, finishing="flushing target files", after=publish,
+                        start_round=start.rounds_done, durable_every_bytes=opts.durable_every, on_durable=journal,
+                        on_round=progress.update)
     except BaseException as error:
-        for endpoint in (reader, writer):
-            if endpoint is not None:
-                endpoint.close()
         removed_destination = False
         if transport.rank == 0:
             removed_destination = _clean_up_after_failure(staging, lock, keep_staging=rounds_started,
@@ -335,9 +335,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         raise
     if transport.rank == 0:
         lock.release()
-    reader.close()
-    report.bytes_read, report.bytes_written = reader.bytes_read, writer.bytes_written
-    report.bytes_carried = writer.bytes_carried
+    report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     clock.lap("publish")
     report.phases = clock.seconds
@@ -405,22 +403,31 @@ def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, remove
 
 
 class _progress:
-    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet."""
+    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet.
+
+    The bar appears at `start()` (once every worker has opened its files), so a refusal
+    while opening is not preceded by an empty bar."""
 
     def __init__(self, plan: ReshardPlan, enabled: bool, rounds_done: int = 0):
         self.bar = None
-        if enabled and plan.rounds:
-            from tqdm import tqdm
-            per_round = _round_bytes(plan)
-            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:rounds_done]), unit="B", unit_scale=True,
-                            unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
+        self.enabled = enabled and plan.rounds > 0
+        self.plan, self.rounds_done = plan, rounds_done
 
     def __enter__(self):
-        return self.update
+        return self
+
+    def start(self) -> None:
+        if self.enabled and self.bar is None:
+            from tqdm import tqdm
+            per_round = _round_bytes(self.plan)
+            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:self.rounds_done]), unit="B",
+                            unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, round_index: int, nbytes: int) -> None:
         if self.bar is not None:
             self.bar.update(nbytes)
+            if self.bar.n >= self.bar.total:
+                self.bar.close()  # the exchange is over: the rate shown is its rate, not the publish's
 
     def __exit__(self, *exc):
         if self.bar is not None:

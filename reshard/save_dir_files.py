@@ -26,10 +26,11 @@ import os
 import re
 import shutil
 
+from reshard.byte_io import hash_file
 from reshard.destination import STAGING
 from reshard.formats import deepspeed_schema as schema
 from reshard.lock import LOCK_NAME
-from reshard.manifest import hash_file
+
 from reshard.paths import confined, open_new_file
 
 PREFIX = "../"

@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from reshard.byte_io import pread_exact
 from reshard.formats.deepspeed_inspect import source_rank_tensors
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import pread_exact
+
 
 
 @dataclass

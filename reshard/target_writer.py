@@ -27,20 +27,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from reshard.byte_io import copy_bytes, hash_file, pwrite_exact
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (
     TensorRef,
-    copy_bytes,
     locate_storages,
     materialize,
-    pwrite_exact,
     refs_in,
     write_skeleton,
 )
-from reshard.manifest import hash_file
+
 from reshard.topology import Topology
 
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reshard import save_dir_files
+from reshard.byte_io import hash_range, pread_exact
 from reshard.checkpoint_plan import plan_reshard
-from reshard.collective import check_peers, on_rank0
-from reshard.errors import CheckpointError, ReshardError
-from reshard.exchange import run_rounds
+from reshard.collective import on_rank0
+from reshard.errors import CheckpointError
+from reshard.execute import execute
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import (
     inspect_checkpoint,
@@ -38,9 +39,8 @@ from reshard.formats.torch_archive import (
     load_structure,
     map_leaves,
     portable,
-    pread_exact,
 )
-from reshard.manifest import Manifest, hash_range
+from reshard.manifest import Manifest
 from reshard.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
@@ -226,10 +226,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         result = VerifyResult(destination, source.tag, "against source")
         if transport.rank == 0:  # files beside the tag directory (HF Trainer, Accelerate): same bytes
             result.problems, result.checked_files = save_dir_files.differences(source.save_dir, target.save_dir)
-        reader = comparer = None
-        failure = None
-        try:
-            reader = SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle)
+        def open_comparer() -> _Comparer:
             locations = {}
             for rank in own.target_ranks_of(transport.rank):
                 for slot, found in source_rank_tensors(target, rank, trust_pickle=trust_pickle).items():
@@ -238,18 +235,19 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
                                                          trust_pickle)
                 result.problems += problems
                 result.checked_files += files
-            comparer = _Comparer(locations)
-        except ReshardError as error:
-            failure = error
-        check_peers(transport, failure, "opening files")
-        run_rounds(plan, transport, reader, comparer)
-        reports = transport.all_gather_object((result.problems + comparer.problems, comparer.elements,
-                                               result.checked_files))
-        result.problems = [p for problems, _, _ in reports for p in problems]
-        result.checked_elements = sum(n for _, n, _ in reports)
-        result.checked_files = sum(f for _, _, f in reports)
-        for endpoint in (reader, comparer):
-            endpoint.close()
+            return _Comparer(locations)
+
+        def gather(reader, comparer, finished) -> None:
+            reports = transport.all_gather_object((result.problems + comparer.problems, comparer.elements,
+                                                   result.checked_files))
+            result.problems = [p for problems, _, _ in reports for p in problems]
+            result.checked_elements = sum(n for _, n, _ in reports)
+            result.checked_files = sum(f for _, _, f in reports)
+
+        execute(plan, transport,
+                open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
+                                                      trust_pickle=trust_pickle),
+                open_sink=open_comparer, opening="opening files", after=gather)
         return result
     finally:
         if own_transport:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun, tree_state
 
-from reshard.manifest import hash_file
+from reshard.byte_io import hash_file
 
 pytestmark = pytest.mark.e2e
 

@@ -97,7 +97,7 @@ def tree_files(root) -> dict[str, bytes]:
 def tree_state(root, skip=None) -> dict:
     """Relative path -> BLAKE3 (files), "dir" or "link -> target" below `root`, leaving out `skip`:
     what a test compares before and after to prove that nothing outside DST changed or appeared."""
-    from reshard.manifest import hash_file
+    from reshard.byte_io import hash_file
     root = Path(root)
     skip = None if skip is None else Path(skip)
     found = {}

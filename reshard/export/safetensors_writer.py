@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from reshard.byte_io import pread_exact, pwrite_exact
 from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
-from reshard.formats.torch_archive import dtype_of, pread_exact, pwrite_exact
+from reshard.formats.torch_archive import dtype_of
 from reshard.paths import open_new_file
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reshard.byte_io import pwrite_exact
 from reshard.collective import on_rank0
 from reshard.destination import check_empty, check_paths
 from reshard.errors import UnsupportedCheckpoint
@@ -45,7 +46,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import materialize, NewTensor, pwrite_exact, write_skeleton
+from reshard.formats.torch_archive import materialize, NewTensor, write_skeleton
 from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from reshard.byte_io import pread_exact
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_metadata import rank_metadata
@@ -27,7 +28,6 @@ from reshard.formats.torch_archive import (
     TensorRef,
     load_structure,
     portable,
-    pread_exact,
     refs_in,
 )
 from reshard.layout import (

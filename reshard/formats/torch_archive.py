@@ -280,30 +280,3 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
         if offsets.setdefault(role, offset) != offset:
             raise AssertionError(f"{path}: one source storage was saved twice")
     return offsets
-
-
-def pread_exact(fd: int, view: memoryview, offset: int, path: str = "") -> None:
-    """Fill `view` from `fd` at `offset`; a short read means the file is shorter than its index says."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CheckpointError(path, f"ends at byte {offset + done}, but its index says data continues to "
-                                        f"byte {offset + len(view)} (truncated)")
-        done += n
-
-
-def pwrite_exact(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwritev(fd, [view[done:]], offset + done)
-
-
-def copy_bytes(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, path: str = "") -> None:
-    """Kernel-side copy of a byte range between files (no user-space buffer)."""
-    done = 0
-    while done < count:
-        n = os.copy_file_range(src_fd, dst_fd, count - done, src_offset + done, dst_offset + done)
-        if n == 0:
-            raise CheckpointError(path, f"ends before byte {src_offset + count} (truncated)")
-        done += n
