@@ -275,7 +275,7 @@ class RankFiller:
         return self._order[lo:hi]
 
     def _write(self, fd: int, offset: int, stream: str, param: int, start: int, count: int) -> None:
-        from reshard.formats.torch_archive import pwrite_exact
+        from reshard.byte_io import pwrite_exact
         for first in range(0, count, CHUNK):
             n = min(CHUNK, count - first)
             data = known_values(self.seed, stream, param, start + first, n)
