@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -54,6 +55,9 @@ from run import Cold, log, machine_info, require_success, run_load, run_universa
 
 SOURCE_RANKS, TARGET_RANKS = 2, 1
 TRAIN_RSS_PER_BYTE = 2.8
+UNIVERSAL_RSS_PER_BYTE = 1.25
+"""Memory ds_to_universal may need at W=2 (main: model states; each extract worker: one optim file),
+plus headroom, per checkpoint byte; the conversion-only path waits for that much to be available."""
 """Peak summed RSS of training divided by checkpoint bytes (6.9 GB for the 2.5 GB model here);
 loading at M=1 needs about as much."""
 PHASES_RE = re.compile(r"phases : (.*?) \(slowest")
@@ -151,17 +155,42 @@ def run_size(label: str, args, cold: Cold) -> dict:
     return case
 
 
-def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scratch: str, args, cold: Cold) -> None:
-    label, conversion_only = case["size"], case["conversion_only"]
+def wait_for_memory(need: int, patience: float = 900.0) -> bool:
+    """Wait (up to `patience` s) until the shared machine has `need` bytes available."""
+    deadline = time.monotonic() + patience
+    while psutil.virtual_memory().available < need:
+        if time.monotonic() > deadline:
+            return False
+        log(f"  waiting for {need / 1e9:.0f} GB of available memory "
+            f"(now {psutil.virtual_memory().available / 1e9:.1f} GB) ...")
+        time.sleep(30)
+    return True
+
+
+def run_deepspeed_path(case: dict, cfg, src: str, tag: str, universal: str, scratch: str, args, cold: Cold) -> None:
+    label = case["size"]
+    # ds_to_universal holds the model-states file in its main process and one whole optim-states
+    # file per extract worker: about the checkpoint's size at W = 2.
+    need = int(UNIVERSAL_RSS_PER_BYTE * case["checkpoint_bytes"])
+    if case["conversion_only"] and not wait_for_memory(need):
+        case["conversion"] = {"skipped": f"not run: less than {need / 1e9:.0f} GB of memory available"}
+        return
     cold()
     log(f"{label}: ds_to_universal ({case['checkpoint_bytes'] / 1e9:.2f} GB) ...")
     case["conversion"] = run_universal_conversion(os.path.join(src, tag), universal, tag, args.workers, scratch)
     log(f"  ds_to_universal: {case['conversion']['wall_seconds']:.1f} s, peak tree RSS "
         f"{case['conversion']['peak_tree_rss_bytes'] / 1e9:.1f} GB")
-    if not conversion_only:
+    if not case["conversion_only"]:
         cold()
         case["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
     shutil.rmtree(universal, ignore_errors=True)
+
+
+def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scratch: str, args, cold: Cold) -> None:
+    """Every contender on one size. Conversion only: DeepSpeed's converter last, once memory allows."""
+    label, conversion_only = case["size"], case["conversion_only"]
+    if not conversion_only:
+        run_deepspeed_path(case, cfg, src, tag, universal, scratch, args, cold)
 
     for launcher in ("torchrun", "workers"):
         runs = []
@@ -187,6 +216,9 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
         f"worker peak RSS {[round(r / 2**20) for r in workers['worker_peak_rss_bytes']]} MiB "
         f"(budget {budget / 2**20 if budget else '?'} MiB)")
     if conversion_only:
+        run_deepspeed_path(case, cfg, src, tag, universal, scratch, args, cold)
+        if "skipped" in case["conversion"]:
+            return
         theirs, offline = case["conversion"]["wall_seconds"], workers["wall_seconds"]
         torchrun = case["reshard_torchrun"]["wall_seconds"]
         case["conversion_seconds"] = {"deepspeed": theirs, "offline": offline, "offline_torchrun": torchrun}
