@@ -172,6 +172,11 @@ def run_deepspeed_path(case: dict, cfg, src: str, tag: str, universal: str, scra
     # ds_to_universal holds the model-states file in its main process and one whole optim-states
     # file per extract worker: about the checkpoint's size at W = 2.
     need = int(UNIVERSAL_RSS_PER_BYTE * case["checkpoint_bytes"])
+    if case["conversion_only"] and args.big_not_before:  # shared machine: the big step waits for its slot
+        slot = datetime.datetime.strptime(args.big_not_before, "%H:%M").time()
+        while datetime.datetime.now(datetime.timezone.utc).time() < slot:
+            log(f"  waiting until {args.big_not_before} UTC before ds_to_universal (--big-not-before) ...")
+            time.sleep(30)
     if case["conversion_only"] and not wait_for_memory(need):
         case["conversion"] = {"skipped": f"not run: less than {need / 1e9:.0f} GB of memory available"}
         return
@@ -325,6 +330,8 @@ def main() -> None:
     parser.add_argument("--no-synthetic", dest="synthetic", action="store_false",
                         help="skip sizes whose training would not fit instead of writing a synthetic source")
     parser.add_argument("--keep-synthetic", action="store_true", help="keep synthetic sources in the cache")
+    parser.add_argument("--big-not-before", metavar="HH:MM",
+                        help="conversion-only sizes: start DeepSpeed's converter (GBs of RAM) not before this UTC time")
     parser.add_argument("--update", action="store_true",
                         help="keep the other sizes' cases of the current ladder.json (each marked with its run)")
     args = parser.parse_args()
