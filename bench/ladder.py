@@ -88,6 +88,7 @@ def run_reshard(src: str, dst: str, workers: int, launcher: str, scratch: str) -
     budget = BUDGET_RE.search(text)
     table = text[text.find("peak RSS"):] if "peak RSS" in text else ""
     return {"wall_seconds": run.wall_seconds, "phases": phases, "peak_tree_rss_bytes": run.peak_tree_rss_bytes,
+            "peak_process_anon_rss_bytes": run.peak_process_anon_rss_bytes,
             "memory_budget_bytes": int(float(budget[1]) * UNITS[budget[2]]) if budget else None,
             "worker_peak_rss_bytes": [int(float(v) * UNITS[u]) for _, v, u in WORKER_RE.findall(table)],
             "summary": text[text.find("reshard done"):] if "reshard done" in text else text[-2000:]}

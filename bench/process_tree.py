@@ -53,6 +53,11 @@ class WatchedRun:
     """Most file descriptors one process of the tree held open at a poll (/proc/PID/fd)."""
     peak_tree_fds: int = 0
     """Most file descriptors the whole tree held open at a poll."""
+    peak_process_anon_rss_bytes: int = 0
+    """Largest anonymous RSS (/proc/PID/status RssAnon) of one process at a poll: RSS without
+    file pages mapped for reading (reshard hashes its outputs through a memory map, and those
+    clean, reclaimable pages count in RSS and ru_maxrss)."""
+    peak_tree_anon_rss_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +67,7 @@ def tree_rss(root: psutil.Process, io_seen: dict, fds: list | None = None) -> tu
     """(sum, max) of RSS over `root` and its descendants; records each one's I/O counters in
     `io_seen` (pid -> (rchar, wchar, read_bytes, write_bytes)) and, given `fds`, appends
     (largest, summed) open file descriptors. Processes that vanish meanwhile are skipped."""
-    total = largest = most_fds = all_fds = 0
+    total = largest = most_fds = all_fds = most_anon = all_anon = 0
     try:
         members = [root] + root.children(recursive=True)
     except psutil.Error:
@@ -82,9 +87,23 @@ def tree_rss(root: psutil.Process, io_seen: dict, fds: list | None = None) -> tu
             except psutil.Error:
                 continue
             most_fds, all_fds = max(most_fds, count), all_fds + count
+            anon = anon_rss(process.pid)
+            most_anon, all_anon = max(most_anon, anon), all_anon + anon
     if fds is not None:
-        fds.append((most_fds, all_fds))
+        fds.append((most_fds, all_fds, most_anon, all_anon))
     return total, largest
+
+
+def anon_rss(pid: int) -> int:
+    """RssAnon of a process in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fd:
+            for line in fd:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def free_bytes(path: str) -> int:
@@ -130,7 +149,9 @@ def run_watched(command: list, *, env: dict | None = None, cwd: str | None = Non
     return WatchedRun([str(c) for c in command], child.returncode, wall, peak_tree, peak_one, max(peak_disk, 0),
                       min_available, *(sum(v[i] for v in io_seen.values()) for i in range(4)),
                       log_path, read_tail(log_path), peak_process_fds=max((f[0] for f in fds), default=0),
-                      peak_tree_fds=max((f[1] for f in fds), default=0))
+                      peak_tree_fds=max((f[1] for f in fds), default=0),
+                      peak_process_anon_rss_bytes=max((f[2] for f in fds), default=0),
+                      peak_tree_anon_rss_bytes=max((f[3] for f in fds), default=0))
 
 
 def main() -> None:
