@@ -9,25 +9,34 @@ A checkpoint has one or two logical spaces, moved one after the other: the optim
 (fp32 master weights and every per-partition optimizer state) and, under ZeRO-3, the
 partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces and are planned
 from their piece tables (`reshard.plan`); ZeRO-3 layouts are evenly chunked and planned per
-worker by arithmetic (`reshard.chunked_plan`).
+worker by arithmetic (`reshard.chunked_plan`). Tensor-parallel (AutoTP) ZeRO-1/2 checkpoints
+are planned over the global parameters (`reshard.tensor_pieces`), with a second space for the
+split module weights of their model-states files.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from reshard.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layout import buffer_numels, logical_bases
 from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_pieces, zero12_pieces
 from reshard.topology import Topology
 
 
-def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False
-                 ) -> ReshardPlan:
+def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False,
+                 ownership: Ownership | None = None) -> ReshardPlan:
     """The plan for moving a checkpoint of `spec` (a CheckpointSpec: topology, layout rules,
     streams with item sizes) to the `target` topology with `workers` workers.
 
     `tabulated`: plan every space from its piece tables, ZeRO-3 too. A SLURM array task
     (`reshard.array_job`) restricts a one-worker plan to its files by selecting segments, which
-    needs the table; it plans once per task, so the O(params x ranks) table is affordable there."""
-    ownership = Ownership.between(spec.topology, target, workers)
+    needs the table; it plans once per task, so the O(params x ranks) table is affordable there.
+    `ownership`: who reads and writes which ranks, when not the arithmetic blocks (node-local
+    checkpoints: `reshard.node_local.node_local_ownership`)."""
+    ownership = ownership or Ownership.between(spec.topology, target, workers)
+    if spec.tensor is not None:
+        return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology.dp), spec.layout(target.dp)
     if spec.stage == 3 and not tabulated:
         bases = logical_bases([p.numel for p in spec.params])
@@ -47,3 +56,22 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
                                          logical_bases(numels), ownership, budget_bytes,
                                          round_offset=spaces[0].rounds))
     return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+
+
+def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
+    """ZeRO-1/2 under AutoTP: the optimizer space over global parameters (TP shards resliced and
+    DP partitions recut in one plan), then the module tensors of the model-states files."""
+    params, source = spec.tensor.params, spec.topology
+    space = GlobalSpace.of(params, target.tp)
+    old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
+    new = zero12_pieces(params, space, target, lambda t: spec.layout(target.dp, target.tp, t), "target")
+    sizes = np.max([buffer_numels(spec.layout(target.dp, target.tp, t)) for t in range(target.tp)], axis=0)
+    spaces = [plan_space("optim", old, new, spec.streams, tuple(int(n) for n in sizes), ownership, budget_bytes)]
+    module = spec.tensor.module
+    if module.names:
+        module_space = GlobalSpace.of(module, target.tp)
+        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"),
+                                 module_pieces(module, module_space, target, "target"),
+                                 spec.module_streams, module_buffer_numels(module, target.tp), ownership,
+                                 budget_bytes, round_offset=spaces[0].rounds))
+    return tuple(spaces)

@@ -83,6 +83,22 @@ def _held(numel: np.ndarray, chunk: np.ndarray, first: int, stop: int) -> np.nda
     return whole + np.where((full >= first) & (full < stop), rest, 0)
 
 
+def _runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ranks as [first, stop) runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and runs[-1][1] == rank:
+            runs[-1][1] = rank + 1
+        else:
+            runs.append([rank, rank + 1])
+    return [(first, stop) for first, stop in runs]
+
+
+def _held_by(numel: np.ndarray, chunk: np.ndarray, ranks: Sequence[int]) -> int:
+    """Real elements of all parameters held by `ranks` (ascending)."""
+    return sum(int(_held(numel, chunk, first, stop).sum()) for first, stop in _runs(ranks))
+
+
 def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     item = np.repeat(np.arange(len(counts)), counts)
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -150,25 +166,26 @@ class ChunkedSpacePlan:
         bpe = self.bytes_per_element
         for worker in range(ownership.workers):
             sources, targets = ownership.source_ranks_of(worker), ownership.target_ranks_of(worker)
-            read = int(_held(n, cs, sources[0], sources[-1] + 1).sum()) if sources else 0
-            written = int(_held(n, cd, targets[0], targets[-1] + 1).sum()) if targets else 0
+            read = _held_by(n, cs, sources)
+            written = _held_by(n, cd, targets)
             local = 0
-            if sources and targets:
-                lo = np.maximum(sources[0] * cs, targets[0] * cd)
-                hi = np.minimum(np.minimum((sources[-1] + 1) * cs, (targets[-1] + 1) * cd), n)
-                local = int(np.clip(hi - lo, 0, None).sum())
+            for s_first, s_stop in _runs(sources):
+                for t_first, t_stop in _runs(targets):
+                    lo = np.maximum(s_first * cs, t_first * cd)
+                    hi = np.minimum(np.minimum(s_stop * cs, t_stop * cd), n)
+                    local += int(np.clip(hi - lo, 0, None).sum())
             totals[worker] = (read * bpe, (read - local) * bpe, (written - local) * bpe, written * bpe)
         return totals
 
     def worker_rounds(self, ownership: Ownership, worker: int) -> "ChunkedWorkerRounds":
         return ChunkedWorkerRounds(self, ownership, worker)
 
-    def segments_received(self, target_ranks: range, local_round: int) -> Segments:
+    def segments_received(self, target_ranks: Sequence[int], local_round: int) -> Segments:
         """Every segment landing on `target_ranks` in the round, cut at source chunk boundaries."""
         ids, a, e = self._window_params(local_round)
         count = len(target_ranks)
         n, cs, cd = self.source.numel[ids], self.source.chunk[ids], self.target.chunk[ids]
-        t = np.repeat(np.arange(target_ranks.start, target_ranks.stop, dtype=np.int64), len(ids))
+        t = np.repeat(np.asarray(target_ranks, dtype=np.int64), len(ids))
         q = np.tile(np.arange(len(ids)), count)  # index into the window's parameters
         base = t * cd[q]
         lo, hi = base + a[q], np.minimum(base + e[q], n[q])
@@ -181,12 +198,12 @@ class ChunkedSpacePlan:
         q, c = q[item], c[item]
         return self._segments(ids, q, s, t[item], np.maximum(lo[item], s * c), np.minimum(hi[item], (s + 1) * c))
 
-    def segments_sent(self, source_ranks: range, local_round: int) -> Segments:
+    def segments_sent(self, source_ranks: Sequence[int], local_round: int) -> Segments:
         """Every segment read from `source_ranks` in the round, cut at target chunk boundaries."""
         ids, a, e = self._window_params(local_round)
         count = len(source_ranks)
         n, cs, cd = self.source.numel[ids], self.source.chunk[ids], self.target.chunk[ids]
-        s = np.repeat(np.arange(source_ranks.start, source_ranks.stop, dtype=np.int64), len(ids))
+        s = np.repeat(np.asarray(source_ranks, dtype=np.int64), len(ids))
         q = np.tile(np.arange(len(ids)), count)
         slo = s * cs[q]
         shi = np.minimum(slo + cs[q], n[q])
@@ -230,13 +247,15 @@ class ChunkedWorkerRounds:
         sources, targets = own.source_ranks_of(self.worker), own.target_ranks_of(self.worker)
         sends = receives = []
         if sources:
-            seg = space.segments_sent(range(sources[0], sources[-1] + 1), local_round)
+            seg = space.segments_sent(sources, local_round)
             peer = own.writers(seg.dst_rank)
             sends = blocks_by_peer(seg, peer, np.lexsort((space.source_key(seg), peer)))
         if targets:
-            seg = space.segments_received(range(targets[0], targets[-1] + 1), local_round)
-            # The reader of a source rank grows with the rank: sorting by source position sorts by peer too.
-            receives = blocks_by_peer(seg, own.readers(seg.src_rank), np.argsort(space.source_key(seg)))
+            seg = space.segments_received(targets, local_round)
+            peer = own.readers(seg.src_rank)
+            # When the reader grows with the source rank, sorting by source position sorts by peer too.
+            order = np.argsort(space.source_key(seg)) if own.ascending else np.lexsort((space.source_key(seg), peer))
+            receives = blocks_by_peer(seg, peer, order)
         return sends, receives
 
     def largest_round_bytes(self, bytes_per_element: int) -> tuple[int, int]:
@@ -244,8 +263,8 @@ class ChunkedWorkerRounds:
         own, space = self.ownership, self.space
         sources, targets = own.source_ranks_of(self.worker), own.target_ranks_of(self.worker)
         n = space.source.numel
-        read = int(_held(n, space.source.chunk, sources[0], sources[-1] + 1).sum()) if sources else 0
-        written = int(_held(n, space.target.chunk, targets[0], targets[-1] + 1).sum()) if targets else 0
+        read = _held_by(n, space.source.chunk, sources)
+        written = _held_by(n, space.target.chunk, targets)
         send = min(read, min(len(sources) * space.sender_fanout, own.target_ranks) * space.window)
         receive = min(written, len(targets) * space.window)
         return send * bytes_per_element, receive * bytes_per_element
@@ -272,8 +291,8 @@ def plan_chunked_space(name: str, source: ChunkedSide, target: ChunkedSide, stre
     ratio = -(-source.chunk[real] // np.maximum(target.chunk[real], 1))
     fanout = int(ratio.max()) + 1 if real.any() else 1
     fan_in = int((-(-target.chunk[real] // np.maximum(source.chunk[real], 1))).max()) + 1 if real.any() else 1
-    sources_per_worker = -(-ownership.source_ranks // ownership.workers)
-    targets_per_worker = -(-ownership.target_ranks // ownership.workers)
+    sources_per_worker = ownership.max_source_ranks_per_worker
+    targets_per_worker = ownership.max_target_ranks_per_worker
     # A sender never sends more than the whole round: one window on each of the M target ranks.
     per_worker = max(targets_per_worker, min(sources_per_worker * fanout, ownership.target_ranks))
     cap = max(round_cap(budget_bytes), bpe, 1)

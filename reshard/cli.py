@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
     parser.add_argument("destination", nargs="?", help="save directory to create")
     parser.add_argument("--target-dp", type=int, help="data-parallel world size to reshard for")
+    parser.add_argument("--target-tp", type=int, metavar="T",
+                        help="tensor-parallel size to write for (AutoTP checkpoints; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
     parser.add_argument("--workers", type=int,
                         help="worker processes to start on this host, without torchrun (default 1)")
+    parser.add_argument("--node-local", action="store_true", default=None,
+                        help="SRC and DST are node-local paths (DeepSpeed use_node_local_storage): each node reads "
+                             "what it holds and receives its target ranks' files")
+    parser.add_argument("--target-ranks-per-node", type=int, metavar="G",
+                        help="with --node-local: target rank r runs on node r // G")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
@@ -82,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
+                 "target_tp": args.target_tp,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
-                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks}
+                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,
+                 "node_local": args.node_local, "target_ranks_per_node": args.target_ranks_per_node}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()

@@ -14,15 +14,20 @@ from reshard.errors import PeerFailure, ReshardError
 
 def on_rank0(transport, work):
     """Run `work()` on worker 0; every worker gets its result or raises its ReshardError."""
+    return on_worker(transport, 0, work)
+
+
+def on_worker(transport, worker: int, work):
+    """Run `work()` on `worker`; every worker gets its result or raises its ReshardError."""
     outcome, crash = None, None
-    if transport.rank == 0:
+    if transport.rank == worker:
         try:
             outcome = ("ok", work())
         except ReshardError as error:
             outcome = ("error", error)
         except Exception as error:  # a bug: worker 0 keeps its traceback, the others stop too
-            outcome, crash = ("error", PeerFailure(f"worker 0 failed: {type(error).__name__}: {error}")), error
-    outcome = transport.broadcast_object(outcome)
+            outcome, crash = ("error", PeerFailure(f"worker {worker} failed: {type(error).__name__}: {error}")), error
+    outcome = transport.broadcast_object(outcome, src=worker)
     if crash is not None:
         raise crash
     if outcome[0] == "error":

@@ -37,7 +37,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import leaves_in_order, materialize
 from reshard.source_reader import SourceReader
@@ -117,6 +117,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     transport = TorchDistributedTransport()
     source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
     target_dp = _data_parallel_size(engine)
+    if source.spec.tensor is not None:
+        engine_tp = int(engine.autotp_size() or 1) if hasattr(engine, "autotp_size") else 1
+        if source.spec.dp_world_size == target_dp and source.spec.topology.tp == engine_tp:
+            return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
+        refuse_tensor_parallel(source, "in-job resharding (reshard.deepspeed.load_checkpoint)")
     if source.spec.dp_world_size == target_dp:
         return engine.load_checkpoint(load_dir, source.tag, **load_checkpoint_kwargs)
     if transport.size != target_dp:

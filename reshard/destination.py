@@ -114,11 +114,12 @@ class Staging:
                     shutil.copyfileobj(src, out, 1 << 20)
             shutil.copystat(os.path.join(directory, name), target)
 
-    def publish(self, latest: str | None) -> None:
+    def publish(self, latest: str | None, scripts: bool = True) -> None:
         """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).
 
         `latest`: the tag to name in DST/latest, or None to leave it (a tag that is not the
-        source's latest, resharded with --all-tags).
+        source's latest, resharded with --all-tags). `scripts`: copy the recovery scripts (DeepSpeed
+        writes them on global rank 0's node only; node-local outputs follow that).
         """
         _fsync_dir(self.tag_dir)
         final = confined(self.destination, os.path.join(self.destination, self.tag))
@@ -131,7 +132,7 @@ class Staging:
                 _remove(old)
             os.rename(final, old)
         os.rename(self.tag_dir, final)
-        for script in schema.RECOVERY_SCRIPTS:
+        for script in schema.RECOVERY_SCRIPTS if scripts else ():
             copy_recovery_script(script, self.destination)
         if latest is not None:
             write_latest(self.destination, latest)

@@ -240,7 +240,15 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
         notes.append("BF16_Optimizer checkpoint: DeepSpeed's zero_to_fp32.py cannot read it; reshard reads it")
     if source.spec.round_robin:
         notes.append("round_robin_gradients: the flat order depends on the dp size; reshard recomputes it")
-    return {"reshard_dp": sizes, "batch_config": why, "export_formats": list(EXPORT_FORMATS), "notes": notes}
+    formats = list(EXPORT_FORMATS)
+    if source.spec.tensor is not None:
+        from reshard.layout_tensor import describe_splits
+        formats = []  # the exports do not read tensor-parallel checkpoints yet
+        notes.append(f"tensor parallel (AutoTP, tp={source.spec.topology.tp}): --target-tp T reshards to any TP size "
+                     "whose split dimensions give every rank a shard")
+        notes += [f"{kind}: {', '.join(names)}" for kind, names in describe_splits(
+            source.spec.tensor.params.names, source.spec.tensor.params.splits).items()]
+    return {"reshard_dp": sizes, "batch_config": why, "export_formats": formats, "notes": notes}
 
 
 def _plain(value):

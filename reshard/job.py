@@ -26,7 +26,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reshard import __version__, save_dir_files
 from reshard.byte_io import hash_file
@@ -34,7 +34,7 @@ from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
-from reshard.errors import OptionError, ReshardError
+from reshard.errors import OptionError, PeerFailure, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
 from reshard.formats.deepspeed_client_state import differing_client_state
@@ -75,7 +75,7 @@ ZERO3_RANK_IDENTITY_NOTE = (
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
-                       **options) -> ReshardResult:
+                       target_tp: int | None = None, **options) -> ReshardResult:
     """Reshard the DeepSpeed checkpoint(s) in `source` for `target_dp` ranks into `destination`.
 
     `source` is a save directory, or a run directory whose sub-directories are save
@@ -84,7 +84,8 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     the given transport, else the initialised torch.distributed group, else one worker.
     Raises ReshardError on bad input.
     """
-    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, **options)
+    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, target_tp=target_tp,
+                          **options)
     return run_job(opts.validate(), transport)
 
 
@@ -105,17 +106,35 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
             check_paths(opts.source, opts.destination)
             return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
 
-        units, notes = on_rank0(transport, discover)
+        views = None
+        if opts.node_local:
+            units, notes, views = _node_local_units(opts, transport)
+        else:
+            units, notes = on_rank0(transport, discover)
         result = ReshardResult(notes=notes)
         clock.lap("inspect")
         for unit in units:
-            result.checkpoints.append(_run_unit(opts, unit, transport, clock))
+            result.checkpoints.append(_run_unit(opts, unit, transport, clock, views))
             clock = PhaseClock()
         result.seconds = time.perf_counter() - started
         return result
     finally:
         if own_transport:
             transport.close()
+
+
+def _node_local_units(opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str], list]:
+    """The one checkpoint of a node-local job, from what every worker sees (reshard.node_local)."""
+    from reshard.node_local import survey_source
+    failure = None
+    try:
+        check_paths(opts.source, opts.destination)
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "checking SRC and DST")
+    source, destination = os.path.abspath(opts.source), os.path.abspath(opts.destination)
+    tag, views = survey_source(transport, source, opts.tag)
+    return [Unit(source, tag, destination, tag)], [], views
 
 
 @dataclass
@@ -136,16 +155,18 @@ class _Start:
     """DST did not exist before this run: a failure before the rounds removes it again."""
 
 
-def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]) -> list[str]:
+def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str], ranks=None) -> list[str]:
     """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
     notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    _check_tensor_parallel_target(opts, source)
     ds_config = source.model_template.get("ds_config")
     warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
     problem = batch_config_problem(ds_config, opts.target_dp)
     if problem and not warning and not opts.ignore_batch_config:
         raise OptionError(f"{source.model_path(0)}: {problem}")
     notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
-    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
+                                       ranks=ranks)
     if differing:
         notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
                      f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
@@ -153,20 +174,52 @@ def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str
     return notes
 
 
+def _check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+    """Refuse a target TP size the checkpoint cannot be resharded to."""
+    spec, target = source.spec, opts.target_for(source.spec.topology)
+    if spec.tensor is None and target.tp != spec.topology.tp:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
+                          "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
+                          "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
+    if spec.tensor is not None:
+        problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
+        if problem:
+            raise OptionError(f"{source.model_path(0)}: {problem} (DeepSpeed AutoTP could not build it either)")
+
+
+def tensor_parallel_notes(spec) -> list[str]:
+    """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
+    if spec.tensor is None:
+        return []
+    from reshard.layout_tensor import describe_splits
+    kinds = describe_splits(spec.tensor.params.names, spec.tensor.params.splits)
+    return [f"tensor parallel: {kind} ({len(names)}): {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}"
+            for kind, names in kinds.items()]
+
+
 def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
-                  lock: DestinationLock, carried: list[str]) -> _Start:
-    names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
-                               | set(save_dir_files.manifest_names(carried)))
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+                  lock: DestinationLock, carried: list[str], site=None, allow_complete: bool = True) -> _Start:
+    """`site`: this worker's node in a node-local job (reshard.node_local.NodeSite), else None."""
+    target = opts.target_for(source.spec.topology)
+    target_tp = target.tp if source.spec.tensor is not None else None
+    if site is None:
+        names = [n for r in range(source.spec.topology.world_size)
+                 for n in map(os.path.basename, source.source_files(r))]
+        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                                   | set(save_dir_files.manifest_names(carried)))
+        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp)
+    else:
+        identity = site.identity
+        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+                                    placement={"node": site.node, "ranks_per_node": opts.target_ranks_per_node})
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
-    if previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
+    if allow_complete and previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
         if unit.latest:
             write_latest(unit.destination, unit.latest)
         start.mode = "complete"
@@ -176,7 +229,8 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     staging = Staging(unit.destination, source.tag)
     journal = read_journal(staging.tag_dir)
     resume = bool(journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"))
-    start.output_bytes = output_bytes(source, opts.target_dp)
+    start.output_bytes = output_bytes(source, opts.target_dp, target_tp=target.tp) if site is None \
+        else site.needed_bytes
     check_free_space(unit.destination, start.output_bytes, _allocated_bytes(staging.tag_dir) if resume else 0)
     start.created_destination = not os.path.lexists(unit.destination)
     lock.acquire()
@@ -211,7 +265,7 @@ def _allocated_bytes(directory: str) -> int:
     return total
 
 
-def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
+def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp: int = 1) -> dict:
     """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
     ranks (other tags of this same job, or this tag from an earlier run): tag -> Manifest."""
     found = {}
@@ -223,12 +277,15 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int) -> dict:
                 manifest = Manifest.read(os.path.join(destination, name))
             except ReshardError:
                 continue
-            if manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp:
+            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
+                    and manifest.target.get("tp_world_size", 1) == target_tp):
                 found[name] = manifest
     return found
 
 
-def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
+              ) -> CheckpointResult:
+    """`views`: what every worker sees of SRC in a node-local job (reshard.node_local), else None."""
     started = time.perf_counter()
 
     def inspect():
@@ -237,15 +294,22 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         carried = save_dir_files.list_save_dir_files(source.save_dir)
         return source, carried, _preflight(opts, source, carried)
 
-    source, carried, source_notes = on_rank0(transport, inspect)
-    target = opts.target_topology
+    site = None
+    if views is None:
+        source, carried, source_notes = on_rank0(transport, inspect)
+    else:
+        (source, source_notes, site), carried = _node_local_source(opts, unit, transport, views), []
+    leader = transport.rank == 0 if site is None else site.leader  # runs the destination steps
+    target = opts.target_for(source.spec.topology)
     clock.lap("inspect")
-    plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget)
+    plan = plan_reshard(source.spec, target, transport.size, opts.memory_budget,
+                        ownership=None if site is None else site.ownership)
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+    result.notes += tensor_parallel_notes(source.spec)
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
@@ -258,14 +322,17 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     check_peers(transport, failure, "checking the open-file limit")
 
     lock = DestinationLock(unit.destination)
-    def decide():
+    def decide(allow_complete: bool = True):
         try:
-            return _decide_start(opts, unit, source, plan, lock, carried)
+            return _decide_start(opts, unit, source, plan, lock, carried, site, allow_complete)
         except OSError as error:
             detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
             raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
 
-    start: _Start = on_rank0(transport, decide)
+    if site is None:
+        start: _Start = on_rank0(transport, decide)
+    else:
+        start = _decide_per_node(transport, site, decide, lock, unit.tag)
     clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
@@ -280,13 +347,13 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def opened(reader, writer) -> None:
         nonlocal rounds_started
         writer.copy_in_background()
-        if transport.rank == 0 and not start.skeletons:
+        if leader and not start.skeletons:
             write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
         rounds_started = True
         progress.start()
 
     def journal(rounds_done: int) -> None:
-        if transport.rank == 0:
+        if leader:
             write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
 
     def flush(reader, writer) -> dict:
@@ -302,9 +369,11 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         all_hashes = transport.all_gather_object(hashes)
         failure = None
-        if transport.rank == 0:
+        if leader:
             try:
-                _publish(opts, unit, source, start, staging, all_hashes, carried)
+                if site is not None:  # this node's files only
+                    all_hashes = [all_hashes[worker] for worker in site.peers]
+                _publish(opts, unit, source, start, staging, all_hashes, carried, site)
             except OSError as error:
                 failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
             except Exception as error:
@@ -316,15 +385,16 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as progress:
             moved = execute(plan, transport,
                         open_source=lambda: SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle),
-                        open_sink=lambda: TargetWriter.create(source, staging.tag_dir, target, report.target_ranks,
-                                                              reuse_existing=start.skeletons),
+                        open_sink=lambda: TargetWriter.create(
+                            source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
+                            model_states_ranks=None if site is None else site.model_states_ranks),
                         opening="opening source files and creating target files", opened=opened,
                         finish=flush, finishing="flushing target files", after=publish,
                         start_round=start.rounds_done, durable_every_bytes=opts.durable_every, on_durable=journal,
                         on_round=progress.update)
     except BaseException as error:
         removed_destination = False
-        if transport.rank == 0:
+        if leader:
             removed_destination = _clean_up_after_failure(staging, lock, keep_staging=rounds_started,
                                                           remove_destination=start.created_destination)
         if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
@@ -333,7 +403,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
             _say_what_was_kept(error, staging, rounds_started, removed_destination, start.output_bytes)
             raise error from None
         raise
-    if transport.rank == 0:
+    if leader:
         lock.release()
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -345,7 +415,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
 
 def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
-             carried: list[str]) -> None:
+             carried: list[str], site=None) -> None:
     staging.copy_in(source.tag_dir, source.other_files, source.other_dirs)
     staged = save_dir_files.staging_dir(staging.tag_dir)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
@@ -354,16 +424,75 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    Manifest(start.output_fingerprint,
-             source={"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
-                     "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
-                     "files": start.identity},
-             target={"dp_world_size": opts.target_dp, "stage": spec.stage},
+    source_entry = {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
+                    "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
+                    "files": start.identity}
+    target_entry = {"dp_world_size": opts.target_dp, "stage": spec.stage,
+                    **({} if site is None else {"node": site.node, "ranks_per_node": opts.target_ranks_per_node})}
+    if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
+        source_entry["tp_world_size"] = spec.topology.tp
+        target_entry["tp_world_size"] = opts.target_for(spec.topology).tp
+    Manifest(start.output_fingerprint, source=source_entry, target=target_entry,
              files=files, reshard_version=__version__).write(staging.tag_dir)
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
         save_dir_files.publish(staged, carried, unit.destination)
-    staging.publish(unit.latest)
+    # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
+    staging.publish(unit.latest, scripts=site is None or site.node == 0)
+
+
+def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, views) -> tuple:
+    """(source, notes, NodeSite) of a node-local job: inspected by a worker that sees rank 0's files."""
+    from reshard.formats.deepspeed_schema import classify
+    from reshard.node_local import node_model_template, prepare_unit
+    roles = [classify(name) for name in views[transport.rank].files]
+    seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
+
+    def inspect(carry_model_bytes):
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
+                                    read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
+        return source, _preflight(opts, source, [], ranks=seen)
+
+    source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
+    failure = None
+    try:
+        source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank), opts.trust_pickle)
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "reading this node's model-states file")
+    return source, notes, site
+
+
+def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, tag: str) -> _Start:
+    """Node-local: each node's leader decides for its own DST; every worker learns all the starts.
+    The output is complete only when every node's is (a complete node otherwise starts over with
+    the others), and the rounds resume from the first round some node has not done."""
+    def gather(work):
+        outcome = None
+        if site.leader:
+            try:
+                outcome = ("ok", (site.node, work()))
+            except ReshardError as error:
+                outcome = ("error", error)
+            except Exception as error:
+                outcome = ("error", PeerFailure(f"worker {transport.rank} failed: {type(error).__name__}: {error}"))
+        outcomes = transport.all_gather_object(outcome)
+        errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
+        if errors:
+            if outcome is not None and outcome[0] == "ok" and outcome[1][1].mode != "complete":
+                _clean_up_after_failure(Staging(lock.destination, tag), lock, keep_staging=False,
+                                        remove_destination=outcome[1][1].created_destination)
+            raise errors[0]
+        return dict(o[1] for o in outcomes if o is not None)
+
+    starts = gather(decide)
+    if any(s.mode == "complete" for s in starts.values()) and not all(s.mode == "complete" for s in starts.values()):
+        starts = gather(lambda: decide(False) if starts[site.node].mode == "complete" else starts[site.node])
+    mine = starts.get(site.node) or next(iter(starts.values()))
+    rounds_done = min(s.rounds_done for s in starts.values())
+    notes = [f"node {node}: {note}" for node, s in sorted(starts.items()) for note in s.notes]
+    return replace(mine, rounds_done=rounds_done, notes=notes,
+                   skeletons=mine.skeletons if site.node in starts else False)
 
 
 def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool,

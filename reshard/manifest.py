@@ -42,9 +42,17 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int) -> str:
-    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag,
-                    "files": identity, "target_dp": target_dp})
+def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, target_tp: int | None = None,
+                       placement: dict | None = None) -> str:
+    """`target_tp`: given for tensor-parallel outputs only (data-parallel fingerprints stay as they were).
+    `placement`: the node and ranks per node of a node-local output (which files it holds)."""
+    fields = {"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag, "files": identity,
+              "target_dp": target_dp}
+    if target_tp is not None:
+        fields["target_tp"] = target_tp
+    if placement is not None:
+        fields["placement"] = placement
+    return _digest(fields)
 
 
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:

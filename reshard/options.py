@@ -42,6 +42,8 @@ class ReshardOptions:
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int = 0
     """Data-parallel world size the checkpoint is resharded for."""
+    target_tp: int | None = None
+    """Tensor-parallel size to reshard for (AutoTP checkpoints); default: the source's."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -74,10 +76,18 @@ class ReshardOptions:
     workers: int = 1
     """Worker processes `python -m reshard` starts on this host (forked after the imports, gloo);
     under torchrun the launcher starts them instead."""
+    node_local: bool = False
+    """SRC and DST are node-local paths, the same on every node (DeepSpeed's use_node_local_storage):
+    each node reads what it sees and receives its target ranks' files (reshard.node_local)."""
+    target_ranks_per_node: int | None = None
+    """With node_local: target rank r runs on node r // this, and its files are written there."""
 
     def validate(self) -> "ReshardOptions":
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
+        if self.target_tp is not None and (not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool)
+                                           or self.target_tp < 1):
+            raise OptionError(f"--target-tp must be an integer >= 1, got {self.target_tp!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
         for name in ("memory_budget", "durable_every"):
             value = getattr(self, name)
@@ -103,6 +113,8 @@ class ReshardOptions:
         if self.workers > 1 and (self.transport == "mpi" or self.array_tasks is not None):
             raise OptionError("--workers starts local gloo workers; it does not combine with --transport mpi "
                               "or --array-task (the MPI launcher or the array starts the processes)")
+        if self.node_local or self.target_ranks_per_node is not None:
+            self._validate_node_local()
         if (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
                 or not math.isfinite(self.timeout) or self.timeout <= 0):
             raise OptionError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
@@ -115,10 +127,25 @@ class ReshardOptions:
             check_tag(self.tag, "--tag")
         return self
 
+    def _validate_node_local(self) -> None:
+        if not self.node_local:
+            raise OptionError("--target-ranks-per-node goes with --node-local")
+        g = self.target_ranks_per_node
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise OptionError(f"--node-local needs --target-ranks-per-node G >= 1 (target rank r runs on node r // G), "
+                              f"got {g!r}")
+        if self.array_tasks is not None or self.workers > 1 or self.all_tags:
+            raise OptionError("--node-local runs under a multi-node launcher (torchrun, SLURM) on one tag; it does "
+                              "not combine with --array-task, --workers or --all-tags")
+
     @property
     def target_topology(self) -> Topology:
-        """The topology to write for (data parallelism only until TP/EP options exist)."""
-        return Topology(dp=self.target_dp)
+        """The topology to write for, as far as the options say (tp 1 when --target-tp is not given)."""
+        return Topology(dp=self.target_dp, tp=self.target_tp or 1)
+
+    def target_for(self, source: Topology) -> Topology:
+        """The topology to write for a source saved at `source`: --target-tp defaults to its TP."""
+        return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp)
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":

@@ -48,45 +48,91 @@ class Stream:
 class Ownership:
     """Which worker reads each source rank's files and writes each target rank's files.
 
-    Contiguous blocks: ranks are spread as evenly as possible, and worker 0 always owns
-    source rank 0 and target rank 0 (it also reads the metadata and writes the shared
-    model-states file).
+    By default contiguous blocks: ranks are spread as evenly as possible, and worker 0 always
+    owns source rank 0 and target rank 0 (it also reads the metadata and writes the shared
+    model-states file). With explicit tables (`from_tables`: node-local checkpoints, where
+    readers follow which files a worker sees and writers follow the node of the target rank,
+    see `reshard.node_local`) any worker may own any ranks.
     """
 
     source_ranks: int
     target_ranks: int
     """Target ranks, or whatever the writers own (output files of an export)."""
     workers: int
+    reader_table: tuple[int, ...] | None = None
+    """Worker reading each source rank, when not the arithmetic blocks."""
+    writer_table: tuple[int, ...] | None = None
+    """Worker writing each target rank, when not the arithmetic blocks."""
 
     @classmethod
     def between(cls, source: Topology, target: Topology, workers: int) -> "Ownership":
         """Ownership of every rank of the `source` topology and of the `target` topology."""
         return cls(source.world_size, target.world_size, workers)
 
+    @classmethod
+    def from_tables(cls, readers: Sequence[int], writers: Sequence[int], workers: int) -> "Ownership":
+        """Readers and writers given rank by rank (each a worker in 0..workers-1)."""
+        readers, writers = tuple(int(w) for w in readers), tuple(int(w) for w in writers)
+        if any(not 0 <= w < workers for w in readers + writers):
+            raise ValueError(f"ownership tables name workers outside 0..{workers - 1}")
+        return cls(len(readers), len(writers), workers, readers, writers)
+
+    @property
+    def ascending(self) -> bool:
+        """Readers grow with the source rank (true of the arithmetic blocks): sorting segments by
+        source position then sorts them by reader too."""
+        table = self.reader_table
+        return table is None or all(a <= b for a, b in zip(table, table[1:]))
+
     def reader(self, source_rank):
+        if self.reader_table is not None:
+            return self.reader_table[source_rank]
         return source_rank * self.workers // self.source_ranks
 
     def writer(self, target_rank):
+        if self.writer_table is not None:
+            return self.writer_table[target_rank]
         return target_rank * self.workers // self.target_ranks
 
     def readers(self, source_ranks: np.ndarray) -> np.ndarray:
+        if self.reader_table is not None:
+            return np.asarray(self.reader_table, dtype=np.int64)[np.asarray(source_ranks, dtype=np.int64)]
         return np.asarray(source_ranks, dtype=np.int64) * self.workers // self.source_ranks
 
     def writers(self, target_ranks: np.ndarray) -> np.ndarray:
+        if self.writer_table is not None:
+            return np.asarray(self.writer_table, dtype=np.int64)[np.asarray(target_ranks, dtype=np.int64)]
         return np.asarray(target_ranks, dtype=np.int64) * self.workers // self.target_ranks
 
     def source_ranks_of(self, worker: int) -> list[int]:
-        """Source ranks `worker` reads: a contiguous range (the first rank r with r*W//N == worker on)."""
+        """Source ranks `worker` reads, ascending: a contiguous range without tables (the first
+        rank r with r*W//N == worker on)."""
+        if self.reader_table is not None:
+            return [r for r, w in enumerate(self.reader_table) if w == worker]
         return list(range(-(-worker * self.source_ranks // self.workers),
                           -(-(worker + 1) * self.source_ranks // self.workers)))
 
     def target_ranks_of(self, worker: int) -> list[int]:
+        if self.writer_table is not None:
+            return [r for r, w in enumerate(self.writer_table) if w == worker]
         return list(range(-(-worker * self.target_ranks // self.workers),
                           -(-(worker + 1) * self.target_ranks // self.workers)))
 
     @property
+    def max_source_ranks_per_worker(self) -> int:
+        if self.reader_table is not None:
+            return _most_per_worker(self.reader_table, self.workers)
+        return -(-self.source_ranks // self.workers)
+
+    @property
     def max_target_ranks_per_worker(self) -> int:
+        if self.writer_table is not None:
+            return _most_per_worker(self.writer_table, self.workers)
         return -(-self.target_ranks // self.workers)
+
+
+def _most_per_worker(table: tuple[int, ...], workers: int) -> int:
+    return int(np.bincount(np.asarray(table, dtype=np.int64), minlength=workers).max(initial=0))
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,12 +22,15 @@ from reshard.errors import OptionError
 SPARE_FILE_HANDLES = 64
 
 
-def output_bytes(source, target_dp: int, block: int = 4096) -> int:
-    """About how many bytes the target files of `source` resharded for `target_dp` ranks take on
-    disk: partitioned bytes are conserved, each target file adds one pickle structure, every file
-    occupies whole blocks, and DeepSpeed's recovery scripts and the manifest come along."""
+def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) -> int:
+    """About how many bytes the target files of `source` resharded for `target_dp` (x `target_tp`)
+    ranks take on disk: partitioned bytes are conserved (replicated TP parameters aside), each
+    target file adds one pickle structure, every file occupies whole blocks, and DeepSpeed's
+    recovery scripts and the manifest come along."""
     spec, tag_dir = source.spec, source.tag_dir
-    n = spec.dp_world_size
+    n = spec.topology.world_size
+    if target_tp != 1 or spec.topology.tp != 1:
+        target_dp *= target_tp  # every rank writes an optim file; each TP rank a model file (below)
 
     def blocks(nbytes: int) -> int:
         return -(-nbytes // block) * block
@@ -36,7 +39,7 @@ def output_bytes(source, target_dp: int, block: int = 4096) -> int:
     structure = max(optim[0] - sum(optim) // n, 0)  # one optim file's pickle, counters, ...
     total = target_dp * blocks(sum(optim) // target_dp + structure)
     model0 = os.path.getsize(source.model_path(0))
-    total += target_dp * blocks(model0) if spec.stage == 3 else blocks(model0)
+    total += target_dp * blocks(model0) if spec.stage == 3 else target_tp * blocks(model0)
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
     total += sum(blocks(size) for size in _recovery_script_sizes())
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)

@@ -116,10 +116,11 @@ class CheckpointResult:
         return _slowest(self.reports)
 
     def summary(self) -> str:
+        tp = f" x {self.target_topology.tp} tp ranks" if self.target_topology.tp > 1 else ""
         lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
                  f"  source : {self.description}",
                  f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
-                 f"  target : {self.target_dp} dp ranks; {self.workers} worker(s) over {self.transport}; "
+                 f"  target : {self.target_dp} dp ranks{tp}; {self.workers} worker(s) over {self.transport}; "
                  f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
         lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:

@@ -77,12 +77,15 @@ class TargetWriter:
 
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
-               reuse_existing: bool = False, only: set[str] | None = None) -> "TargetWriter":
-        """The files of target `ranks` (only those named in `only`, when given: an array task's share)."""
+               reuse_existing: bool = False, only: set[str] | None = None,
+               model_states_ranks: set[int] | None = None) -> "TargetWriter":
+        """The files of target `ranks` (only those named in `only`, when given: an array task's share;
+        `model_states_ranks`: the ranks that write the ZeRO-1/2 model-states file, when not rank 0)."""
         writer = cls()
         try:
             for rank in ranks:
-                for file in target_files(source, target, rank):
+                model_states = None if model_states_ranks is None else rank in model_states_ranks
+                for file in target_files(source, target, rank, model_states=model_states):
                     if only is not None and file.name not in only:
                         continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)

@@ -14,8 +14,9 @@ Sizes, as DeepSpeed defines them (runtime/engine.py, utils/groups.py):
 - `pp`: pipeline stages (room for later; reshard refuses pipeline checkpoints today).
 
 The world is `dp * tp * pp` ranks. reshard numbers a rank by its coordinates with tp fastest,
-then dp, then pp, as Megatron-style launchers lay out groups; with tp = pp = 1 the rank is the
-dp rank.
+then dp, then pp, as DeepSpeed lays out its groups (utils/groups.py `_init_tp_groups_with_new_group`:
+TP group of data rank d is ranks d*tp .. d*tp+tp-1; `_init_tp_mesh_device` builds the mesh
+(dp, tp), tp fastest, too); with tp = pp = 1 the rank is the dp rank.
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ class Topology:
             raise TopologyError(f"rank {rank} is outside a world of {self.world_size} ({self.describe()})")
         tp, rest = rank % self.tp, rank // self.tp
         return RankCoordinates(dp=rest % self.dp, tp=tp, pp=rest // self.dp)
+
+    def rank_of(self, dp: int, tp: int = 0, pp: int = 0) -> int:
+        """The global rank at coordinates (dp, tp, pp): the inverse of `coordinates`."""
+        return (pp * self.dp + dp) * self.tp + tp
 
     def describe(self) -> str:
         text = f"dp={self.dp} tp={self.tp} ep={self.ep}"

@@ -29,7 +29,7 @@ from reshard.formats.deepspeed_inspect import (
     resolve_tag,
     source_rank_tensors,
 )
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import (
     NewTensor,
@@ -217,6 +217,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
     try:
         def inspect_both():
             src = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
+            refuse_tensor_parallel(src, "verify --against")
             dst = inspect_checkpoint(destination, src.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
             _check_same_model(src, dst)
             return src, dst

@@ -116,7 +116,7 @@ class _Spec:
         self.topology = Topology(dp)
         self.streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4),
                         Stream("exp_avg_sq", "float32", 4))
-        self.frozen = ()
+        self.frozen, self.tensor = (), None
 
     def layout(self, world):
         return zero3_layout(self.params, self.groups, world)

@@ -33,7 +33,7 @@ from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
 from reshard.export.runner import run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -117,6 +117,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
         check_paths(source_dir, destination)
         check_empty(destination, set(), overwrite)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+        refuse_tensor_parallel(source, "the safetensors export")
         os.makedirs(destination, exist_ok=True)
         index = os.path.join(destination, INDEX_NAME)
         if os.path.exists(index):

@@ -45,7 +45,7 @@ from reshard.export.runner import run_export
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.formats.torch_archive import materialize, NewTensor, write_skeleton
 from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
@@ -238,6 +238,7 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, transpor
         check_paths(source_dir, destination)
         check_empty(destination, set(), overwrite)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+        refuse_tensor_parallel(source, "the universal export")
         latest = os.path.join(destination, LATEST_UNIVERSAL)
         if os.path.exists(latest):
             os.unlink(latest)  # --overwrite: the old pointer must not vouch for a half-written tag

@@ -32,19 +32,20 @@ def client_state_keys(model_tree: dict) -> list[str]:
     return [key for key in model_tree if key not in DEEPSPEED_MODEL_KEYS]
 
 
-def differing_client_state(source: SourceCheckpoint, *, trust_pickle: bool = False, read_tensors: bool = True
-                           ) -> list[str]:
+def differing_client_state(source: SourceCheckpoint, *, trust_pickle: bool = False, read_tensors: bool = True,
+                           ranks=None) -> list[str]:
     """client_state keys whose value differs between any source rank and rank 0 (ZeRO-3 only).
 
     Tensors are compared by their bytes; with `read_tensors=False` (a dry run) by dtype, shape
-    and layout only, so a difference in tensor values alone is then not seen."""
+    and layout only, so a difference in tensor values alone is then not seen. `ranks`: the source
+    ranks to compare (default all; a node-local job compares the ranks its inspecting node holds)."""
     spec = source.spec
     keys = client_state_keys(source.model_template)
     if spec.stage != 3 or spec.dp_world_size == 1 or not keys:
         return []
     rank0 = _comparable(source.model_template, keys, source.model_path(0), read_tensors)
     differing = set()
-    for rank in range(1, spec.dp_world_size):
+    for rank in (range(1, spec.dp_world_size) if ranks is None else sorted(set(ranks) - {0})):
         path = source.model_path(rank)
         tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
         if not isinstance(tree, dict):

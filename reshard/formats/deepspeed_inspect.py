@@ -13,11 +13,13 @@ worker that reads them (`source_rank_tensors`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from reshard.byte_io import pread_exact
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats import deepspeed_tensor
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_spec import (
     CheckpointSpec,
@@ -67,13 +69,16 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
 
 
 def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
-                       carry_model_bytes: bool | None = None, read_tensors: bool = True) -> SourceCheckpoint:
+                       carry_model_bytes: bool | None = None, read_tensors: bool = True,
+                       node_local: bool = False) -> SourceCheckpoint:
     """Read the rank-0 pickles of a save directory into a SourceCheckpoint.
 
     `carry_model_bytes`: read the unpartitioned tensors of the model-states template into
     memory (default: only under ZeRO-3, where every target rank needs them; the ZeRO-1/2
     model file is copied file to file by one worker instead). `read_tensors=False` reads
-    no tensor bytes at all (a dry run): `carried` stays empty.
+    no tensor bytes at all (a dry run): `carried` stays empty. `node_local`: this directory is
+    one node's part of the checkpoint (reshard.node_local), so other ranks' files may be missing
+    here; the job checks that every file is on some node.
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
@@ -90,9 +95,6 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
         raise UnsupportedCheckpoint(tag_dir, "holds no *_optim_states.pt files, so it is not a ZeRO checkpoint "
                                               "(a ZeRO-0/DDP checkpoint loads at any data-parallel size as it is)")
     mp_ranks = {r.mp_rank for r in roles.values() if r.mp_rank is not None}
-    if mp_ranks != {0}:
-        raise UnsupportedCheckpoint(tag_dir, f"has tensor/model-parallel ranks {sorted(mp_ranks)}; resharding "
-                                              "with tensor parallelism is not supported yet (only mp_rank_00)")
     prefixes = {r.bf16 for r in optim.values()}
     if len(prefixes) > 1:
         raise CheckpointError(tag_dir, "mixes bf16_zero_pp_rank_* and zero_pp_rank_* optim files: "
@@ -110,18 +112,23 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     n = model_meta["dp_world_size"]
     if not isinstance(n, int) or n < 1:
         raise CheckpointError(model_path, f"has dp_world_size {n!r}, expected a positive integer")
-    if model_meta.get("mp_world_size", 1) != 1:
-        raise UnsupportedCheckpoint(model_path, f"has mp_world_size {model_meta['mp_world_size']}: tensor "
-                                                f"parallelism is not supported yet")
-    _check_rank_files(tag_dir, n, optim, "optim", lambda r: schema.optim_file_name(r, bf16_prefix))
-    if stage3:
-        _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
-                          lambda r: schema.model_file_name(3, r))
+    tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks, stage3)
+    for t in range(tp):
+        _check_rank_files(tag_dir, n, {k: v for k, v in optim.items() if v.mp_rank == t}, "optim",
+                          lambda r: schema.optim_file_name(r, bf16_prefix, t), not node_local)
+        if stage3:
+            _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
+                              lambda r: schema.model_file_name(3, r), not node_local)
+        elif not os.path.isfile(os.path.join(tag_dir, schema.model_file_name(1, 0, t))):
+            raise CheckpointError(os.path.join(tag_dir, schema.model_file_name(1, 0, t)),
+                                  f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
 
     optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
     optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n)
+    if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
+        spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(n), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
@@ -168,6 +175,35 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
+def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set, stage3: bool) -> int:
+    """`mp_world_size` of the checkpoint, checked against the mp_rank_XX files present."""
+    tp = model_meta.get("mp_world_size", 1)
+    if not isinstance(tp, int) or tp < 1:
+        raise CheckpointError(model_path, f"has mp_world_size {tp!r}, expected a positive integer")
+    if mp_ranks != set(range(tp)):
+        raise CheckpointError(tag_dir, f"has files of tensor-parallel ranks {sorted(mp_ranks)}, but mp_world_size "
+                                       f"is {tp} (files of another save mixed in?)")
+    if tp > 1 and stage3:
+        raise UnsupportedCheckpoint(model_path, f"is a ZeRO-3 checkpoint with tensor parallelism (mp_world_size "
+                                                f"{tp}); resharding it is not supported yet (ZeRO-1/2 and BF16_Optimizer are)")
+    return tp
+
+
+def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path: str, tp: int) -> CheckpointSpec:
+    """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split."""
+    if spec.stage == 3:
+        raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 AutoTP checkpoint; resharding it is not supported "
+                                                "yet (ZeRO-1/2 and BF16_Optimizer are)")
+    if spec.round_robin:
+        raise UnsupportedCheckpoint(model_path, "uses round_robin_gradients with tensor parallelism; not "
+                                                "supported yet")
+    tensor, params = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp, spec.params)
+    dtype = deepspeed_tensor.module_dtype(model_tree, model_path, tensor.module)
+    if dtype not in (None, spec.lp_dtype):
+        raise UnsupportedCheckpoint(model_path, f"split module tensors are {dtype}, the model is {spec.lp_dtype}")
+    return dataclasses.replace(spec, topology=Topology(dp=spec.topology.dp, tp=tp), params=params, tensor=tensor)
+
+
 def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
     for name, role in roles.items():
         if role.kind == "expert":
@@ -178,10 +214,10 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
                                                                      "checkpoints are not supported yet")
 
 
-def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of) -> None:
+def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of, complete: bool = True) -> None:
     ranks = {role.dp_rank for role in present.values()}
     missing = [r for r in range(n) if r not in ranks]
-    if missing:
+    if missing and complete:
         raise CheckpointError(os.path.join(tag_dir, name_of(missing[0])),
                               f"is missing: dp_world_size is {n}, so {n} {what} files are expected "
                               f"(missing ranks {_ranks_text(missing)})")
@@ -458,16 +494,31 @@ def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
 def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bool = False) -> dict:
     """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
     spec = source.spec
-    layout = spec.layout(spec.dp_world_size)
+    at = spec.topology.coordinates(rank)
+    layout = spec.layout(spec.dp_world_size, tp_rank=at.tp)
     path = source.optim_path(rank)
     tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
-    found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, rank).items()}
+    found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
     _check_same_counters(tree, source, path)
+    if spec.tensor is not None and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
+        mpath = source.model_path(rank)
+        mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        _check_local_param_shapes(mtree, mpath, layout)
+        found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
+            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp).items()})
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
     return found
+
+
+def _check_local_param_shapes(tree, path: str, layout) -> None:
+    shapes = [[(name, tuple(int(d) for d in size)) for name, size in group.items()]
+              for group in (tree.get("param_shapes") or [])]
+    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in g.flat_order] for g in layout.groups]
+    if shapes != wanted:
+        raise CheckpointError(path, f"param_shapes {_short(shapes)} are not this TP rank's shards {_short(wanted)}")
 
 
 def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:

@@ -49,8 +49,8 @@ def rank_metadata(spec, layout, rank: int) -> RankMetadata:
         ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
         return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids)
     groups = layout.groups
-    numels = [p.numel for p in spec.params]
-    mappings = [[(spec.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, numels)]
+    numels = [p.numel for p in layout.params]  # TP-local shapes under tensor parallelism
+    mappings = [[(layout.params[p].name, numel, start) for p, numel, start in g.slice_mappings(rank, numels)]
                 for g in groups]
     if spec.optimizer == "zero":
         return RankMetadata([layout.world_size] * len(groups), sizes, tuple(g.lean_numel(rank) for g in groups),

@@ -27,6 +27,7 @@ from reshard.layout import (
     zero3_layout,
     zero12_layout,
 )
+from reshard.layout_tensor import TensorParallelSpec
 from reshard.plan import Stream
 from reshard.topology import Topology
 
@@ -58,16 +59,35 @@ class CheckpointSpec:
     frozen: tuple[ParamSpec, ...] = ()
     """ZeRO-3 frozen parameters, partitioned in the model-states files."""
     frozen_dtype: str | None = None
+    tensor: TensorParallelSpec | None = None
+    """AutoTP split of every parameter (None: no tensor parallelism); `params` then hold global shapes."""
 
     @property
     def dp_world_size(self) -> int:
         return self.topology.dp
 
-    def layout(self, world_size: int) -> Zero12Layout | Zero3Layout:
+    def local_params(self, tp: int | None = None, tp_rank: int = 0) -> tuple[ParamSpec, ...]:
+        """Trainable parameters with the shapes TP rank `tp_rank` of `tp` holds (default: the source's TP)."""
+        if self.tensor is None:
+            return self.params
+        shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
+        return tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
+
+    def layout(self, world_size: int, tp: int | None = None, tp_rank: int = 0) -> Zero12Layout | Zero3Layout:
+        """ZeRO layout over `world_size` data-parallel ranks of the TP-local parameters of TP rank
+        `tp_rank` of `tp` (default: the source's TP size)."""
+        params = self.local_params(tp, tp_rank)
         if self.stage == 3:
-            return zero3_layout(self.params, self.groups, world_size, self.sub_group_size)
-        return zero12_layout(self.params, self.groups, world_size, round_robin=self.round_robin,
+            return zero3_layout(params, self.groups, world_size, self.sub_group_size)
+        return zero12_layout(params, self.groups, world_size, round_robin=self.round_robin,
                              param_alignment=self.param_alignment)
+
+    @property
+    def module_streams(self) -> tuple[Stream, ...]:
+        """The stream of the split module tensors (ZeRO-1/2 model states under TP)."""
+        if self.tensor is None or not self.tensor.module.names:
+            return ()
+        return (Stream("module", self.lp_dtype, itemsize(self.lp_dtype)),)
 
     def frozen_layout(self, world_size: int) -> tuple[PieceTable, tuple[int, ...]]:
         """Pieces of the ZeRO-3 frozen space and the size of each frozen chunk at `world_size`."""
@@ -87,7 +107,8 @@ class CheckpointSpec:
         kind = "BF16_Optimizer" if self.optimizer == "bf16_optimizer" else f"ZeRO-{self.stage}"
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
-        return (f"{kind} {self.lp_dtype}, {self.dp_world_size} dp ranks, {len(self.groups)} param groups, "
+        ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
+        return (f"{kind} {self.lp_dtype}, {ranks}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
                 f"{', ' + str(len(self.frozen)) + ' partitioned frozen params' if self.frozen else ''}, "
                 f"state {'+'.join(s.name for s in self.streams)}" + (f" ({', '.join(extras)})" if extras else ""))
@@ -129,12 +150,22 @@ class SourceCheckpoint:
         return os.path.join(self.tag_dir, self.model_name(rank))
 
     def source_files(self, rank: int) -> list[str]:
-        """The files of one source rank (the model-states file belongs to rank 0 under ZeRO-1/2)."""
+        """The files of one source rank (the model-states file of a TP rank belongs to its dp
+        rank 0 under ZeRO-1/2)."""
         files = [self.optim_path(rank)]
-        if self.spec.stage == 3 or rank == 0:
+        if self.spec.stage == 3 or self.spec.topology.coordinates(rank).dp == 0:
             files.append(self.model_path(rank))
         return files
 
 
 def itemsize(dtype: str) -> int:
     return dtype_of(dtype).itemsize
+
+
+def refuse_tensor_parallel(source: SourceCheckpoint, what: str) -> None:
+    """Raise for a tensor-parallel (AutoTP) checkpoint where `what` does not handle one yet."""
+    if source.spec.tensor is not None:
+        from reshard.errors import UnsupportedCheckpoint
+        raise UnsupportedCheckpoint(source.tag_dir, f"is a tensor-parallel (AutoTP, tp={source.spec.topology.tp}) "
+                                                    f"checkpoint; {what} does not support tensor parallelism yet "
+                                                    "(`reshard SRC DST --target-dp D --target-tp T` does)")

@@ -10,11 +10,14 @@ unknown key and all client_state carried through). What depends on the world siz
 recomputed from the layout rules rather than copied: partitions (new buffers, filled by the
 exchange), `partition_count`, `group_paddings`, `param_alignment_paddings`,
 `param_slice_mappings`, `param_shapes` (flat order / sub-groups), ZeRO-3 sub-group ids,
-`frozen_param_fragments` and `dp_world_size`.
+`frozen_param_fragments` and `dp_world_size`. Under AutoTP each (dp, tp) rank's files follow
+from its TP-local shapes; the model-states file of each TP rank gets its module weights
+resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`).
 """
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -44,19 +47,23 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
-    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file)."""
+def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
+                 ) -> list[TargetFile]:
+    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file;
+    `model_states` says otherwise: node-local storage writes it on local rank 0 of every node)."""
     spec = source.spec
     at = target.coordinates(rank)
-    layout = spec.layout(target.dp)
+    layout = spec.layout(target.dp, target.tp, at.tp)
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
                         _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), _zero3_model_tree(source, layout, at.dp),
                                 source.model_name(0)))
-    elif at.dp == 0:
-        files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), _zero12_model_tree(source, layout),
-                                source.model_name(0)))
+    elif at.dp == 0 if model_states is None else model_states:
+        tree = _zero12_model_tree(source, layout)
+        if spec.tensor is not None:
+            _reslice_tensor_parallel_model(tree, spec, target, at.tp)
+        files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0)))
     return files
 
 
@@ -121,21 +128,42 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
     osd["partition_count"] = meta.partition_count
 
 
-def _shapes(spec, param_ids) -> OrderedDict:
-    return OrderedDict((spec.params[p].name, torch.Size(spec.params[p].shape)) for p in param_ids)
+def _shapes(layout, param_ids) -> OrderedDict:
+    return OrderedDict((layout.params[p].name, torch.Size(layout.params[p].shape)) for p in param_ids)
 
 
 def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(source.spec, g.flat_order) for g in layout.groups]
+    tree["param_shapes"] = [_shapes(layout, g.flat_order) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
     return tree
+
+
+def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: int) -> None:
+    """A ZeRO-1/2 model-states file of TP rank `tp_rank` under AutoTP: every trainable module
+    weight a new tensor of its local shape (filled from the "module" space), and what depends
+    on the TP size recomputed (engine.py `_save_checkpoint`: `mp_world_size`,
+    `checkpoint_parallel_dimensions`; `universal_checkpoint_info`)."""
+    module = spec.tensor.module
+    tensors = tree["module"]
+    for j, name in enumerate(module.names):
+        shape = module.local_shape(j, target.tp, tp_rank)
+        tensors[name] = NewTensor(("module", j, "module"), math.prod(shape), spec.lp_dtype,
+                                  tensors[name].requires_grad, tuple(shape))
+    tree["mp_world_size"] = target.tp
+    if isinstance(tree.get("checkpoint_parallel_dimensions"), dict):
+        tree["checkpoint_parallel_dimensions"]["tp_degree"] = target.tp
+    # engine.py `_save_checkpoint` writes it only when AutoTP partitioned the model (TP > 1)
+    if target.tp > 1:
+        tree["universal_checkpoint_info"] = spec.tensor.universal_info(target.tp)
+    else:
+        tree.pop("universal_checkpoint_info", None)
 
 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     spec = source.spec
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(spec, sg.params) for sg in layout.sub_groups]
+    tree["param_shapes"] = [_shapes(layout, sg.params) for sg in layout.sub_groups]
     tree["dp_world_size"] = layout.world_size
     if spec.frozen:
         old = tree["frozen_param_fragments"]

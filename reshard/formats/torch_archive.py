@@ -74,13 +74,15 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class NewTensor:
-    """A tensor the writer creates: a 1-D buffer of `numel` elements, filled by the exchange."""
+    """A tensor the writer creates: a 1-D buffer of `numel` elements (or of `shape`), filled by the exchange."""
 
     slot: tuple
     """What fills it, e.g. ("optim", buffer, stream); the writer maps slots to file offsets."""
     numel: int
     dtype: str
     requires_grad: bool = False
+    shape: tuple[int, ...] | None = None
+    """Its shape when it is not a flat buffer (module weights under tensor parallelism)."""
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -225,7 +227,7 @@ def materialize(tree: Any) -> tuple[Any, dict]:
 
     def build(ref):
         if isinstance(ref, NewTensor):
-            tensor = torch.empty(ref.numel, dtype=dtype_of(ref.dtype))
+            tensor = torch.empty(ref.numel if ref.shape is None else ref.shape, dtype=dtype_of(ref.dtype))
             roles[_identity(tensor)] = ref.slot
         else:
             storage = storages.get(ref.storage_key)

@@ -26,6 +26,7 @@ from reshard.proof.engine_setup import (
     eval_loss,
     finish_and_exit,
     init_distributed,
+    node_path,
     train_steps,
 )
 from reshard.proof.engine_state import capture_engine_state, master_route
@@ -74,6 +75,7 @@ def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     variant = get_variant(args.variant)
     init_distributed()
     import deepspeed.comm as dist

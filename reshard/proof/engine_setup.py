@@ -32,6 +32,12 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT)
 
 
+def node_path(path: str) -> str:
+    """`path` with "{node}" replaced by this worker's node rank (torchrun's GROUP_RANK): a directory
+    per node, as node-local storage has on real nodes, when several agents play nodes on one host."""
+    return str(path).replace("{node}", os.environ.get("GROUP_RANK", "0"))
+
+
 def build_engine(variant: Variant, seed: int):
     """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config."""
     import deepspeed

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -79,25 +80,110 @@ def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | No
 
 
 def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int = 3, seed: int = 0,
-                     tag: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Train `variant` on n ranks, save to save_dir, write the truth to truth_path."""
+                     tag: str | None = None, timeout: float = 600, nodes: int = 1):
+    """Train `variant` on n ranks, save to save_dir, write the truth to truth_path. `nodes` > 1:
+    n // nodes ranks on each of that many agents (`run_torchrun_nodes`; "{node}" in save_dir
+    becomes each node's index)."""
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
     if tag is not None:
         args += ["--tag", tag]
+    if nodes > 1:
+        return run_torchrun_nodes("reshard.proof.train", nodes, n // nodes, args, timeout=timeout,
+                                  expect_files=[truth_path])
     return run_torchrun("reshard.proof.train", n, args, timeout=timeout, expect_files=[truth_path])
 
 
 def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *, seed: int = 1,
                      tag: str | None = None, extra_steps: int = 1, in_job: bool = False,
-                     timeout: float = 600) -> dict:
+                     timeout: float = 600, nodes: int = 1) -> dict:
     """Load load_dir on m ranks, judge it against truth_path; returns the parsed verdict.
-    in_job: load with reshard.deepspeed.load_checkpoint rather than engine.load_checkpoint."""
+    in_job: load with reshard.deepspeed.load_checkpoint rather than engine.load_checkpoint.
+    nodes > 1: m // nodes ranks on each of that many agents, "{node}" in load_dir their node index."""
     args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth_path, "--verdict", verdict_path,
             "--seed", seed, "--extra-steps", extra_steps]
     if tag is not None:
         args += ["--tag", tag]
     if in_job:
         args.append("--in-job")
-    run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
+    if nodes > 1:
+        run_torchrun_nodes("reshard.proof.check_load", nodes, m // nodes, args, timeout=timeout,
+                           expect_files=[verdict_path])
+    else:
+        run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
     with open(verdict_path) as handle:
         return json.load(handle)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_torchrun_nodes(module: str, nnodes: int, nproc_per_node: int, args, *, env: dict | None = None,
+                          timeout: float = 600) -> tuple[list[int | None], list[str]]:
+    """`nnodes` torchrun agents on this host playing nodes 0..nnodes-1 of one job, each running
+    `nproc_per_node` workers of `-m module`: (exit code of each agent, None if timed out; output).
+
+    `args`: the module's arguments, or a function of the node index giving them (a per-node path,
+    as node-local storage has on real nodes). The agents meet in a c10d rendezvous on a free
+    localhost port; agent k names itself 127.0.0.(k+1), and c10d numbers nodes in the order of
+    their names, so agent k is node k (GROUP_RANK) every time.
+    """
+    import tempfile
+    port = _free_port()
+    agents, logs = [], []
+    codes: list[int | None] = []
+    try:
+        for node in range(nnodes):
+            node_args = args(node) if callable(args) else args
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                       f"--nproc_per_node={nproc_per_node}", "--rdzv_backend=c10d",
+                       f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=proof-{port}",
+                       f"--local_addr=127.0.0.{node + 1}", "-m", module, *map(str, node_args)]
+            log = tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            agents.append(subprocess.Popen(command, env=_child_env(env), cwd=REPO_ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + timeout
+        for agent in agents:
+            try:
+                codes.append(agent.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    return codes, outputs
+
+
+def run_torchrun_nodes(module: str, nnodes: int, nproc_per_node: int, args, *, env: dict | None = None,
+                       timeout: float = 600, expect_files: Iterable[str | os.PathLike] = ()) -> list[str]:
+    """`launch_torchrun_nodes`, judged and retried as run_torchrun; returns each agent's output."""
+    expected = [Path(path) for path in expect_files]
+    for attempt in (1, 2):
+        for path in expected:
+            path.unlink(missing_ok=True)
+        codes, outputs = launch_torchrun_nodes(module, nnodes, nproc_per_node, args, env=env, timeout=timeout)
+        if all(code == 0 for code in codes):
+            return outputs
+        tail = "\n".join(f"--- node {k} (exit {code}) ---\n{out[-OUTPUT_TAIL_CHARS // nnodes:]}"
+                         for k, (code, out) in enumerate(zip(codes, outputs)))
+        if None in codes:
+            raise TorchrunError(f"timed out after {timeout}s: {nnodes} agents of -m {module}\n{tail}")
+        if expected and all(_looks_complete(path) for path in expected) and attempt == 1:
+            print(f"[proof.launch] {module} on {nnodes} nodes exited {codes} after writing its files; retrying once",
+                  file=sys.stderr, flush=True)
+            continue
+        missing = [str(path) for path in expected if not _looks_complete(path)]
+        raise TorchrunError(f"exit codes {codes} (attempt {attempt}) of -m {module} on {nnodes} nodes; missing or "
+                            f"incomplete: {missing}\n{tail}")
+    raise AssertionError("unreachable")

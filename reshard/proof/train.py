@@ -19,6 +19,7 @@ from reshard.proof.engine_setup import (
     eval_loss,
     finish_and_exit,
     init_distributed,
+    node_path,
     train_steps,
 )
 from reshard.proof.engine_state import (
@@ -35,7 +36,7 @@ from reshard.proof.variants import get_variant
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", required=True)
-    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--save-dir", required=True, help='"{node}" in it becomes the node rank (node-local storage)')
     parser.add_argument("--truth", required=True, help="path of the truth file rank 0 writes")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
     tag = args.tag or f"global_step{engine.global_steps}"
     client_state = make_client_state()
-    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state,
+    engine.save_checkpoint(node_path(args.save_dir), tag=tag, client_state=client_state,
                            exclude_frozen_parameters=variant.exclude_frozen_parameters)
     dist.barrier()  # every rank's files are on disk before anyone records the truth
 

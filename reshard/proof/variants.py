@@ -66,6 +66,8 @@ class Variant:
     """fp16.initial_scale_power: the dynamic loss scale starts at 2**power."""
     fp16_hysteresis: int = 2
     """fp16.hysteresis: overflows tolerated before the scale is cut."""
+    node_local_storage: bool = False
+    """checkpoint.use_node_local_storage: each node saves its part into its own directory."""
 
     def ds_config(self) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
@@ -104,6 +106,8 @@ class Variant:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
         if self.optimizer != "adamw":
             config["zero_allow_untested_optimizer"] = True
+        if self.node_local_storage:
+            config["checkpoint"] = {"use_node_local_storage": True}
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
@@ -151,6 +155,8 @@ def _registry() -> dict[str, Variant]:
         _plain(3, "fp32", name="z3_exclude_frozen", exclude_frozen_parameters=True),
         _plain(2, "fp32", name="z2_sgd_momentum", optimizer="sgd_momentum"),
         _plain(3, "fp32", name="z3_sgd_momentum", optimizer="sgd_momentum"),
+        _plain(2, "fp32", name="z2_node_local", node_local_storage=True),
+        _plain(3, "bf16", name="z3_node_local", node_local_storage=True),
         # Beyond the required set: a scale so large that an early step overflows and is skipped,
         # so skipped_steps, last_overflow_iter, Adam's step < global_steps and a scheduler that
         # lags global_steps are all exercised.

@@ -1,0 +1,224 @@
+"""Read what a DeepSpeed AutoTP checkpoint says about its tensor parallelism.
+
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    tensor, global_params = tensor_parallel_spec(model_tree, model_path, tp=2, local_params=spec.params)
+    tensor.params.splits[0]          # TensorSplit("column", 0)
+
+DeepSpeed 0.19.8 writes, in every `mp_rank_XX_model_states.pt`, `universal_checkpoint_info`
+(module_inject/layers.py `collect_autotp_universal_checkpoint_info`): pattern lists
+(`parameter_with_row_parallelism_patterns`, `tp_replicated_parameter_patterns`,
+`vocabulary_parameter_patterns`, `parameter_with_sub_params`,
+`autotp_unsupported_parameter_patterns`) and an `affine_map` with each parameter's logical
+(global) shape and per-rank shard shapes. Each parameter's split is read from the pattern
+lists (row-parallel weights on dim 1, replicated whole, every other mapped parameter
+column-parallel on dim 0, as `LinearLayer` cuts it), and its shard shapes at the source TP
+size are checked against the rule reshard writes targets with (`reshard.layout_tensor.shard_sizes`),
+so a split sized some other way is refused rather than misread.
+"""
+from __future__ import annotations
+
+import re
+
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.formats.torch_archive import TensorRef, refs_in
+from reshard.layout import ParamSpec
+from reshard.layout_tensor import (
+    REPLICATED,
+    TensorParallelParams,
+    TensorParallelSpec,
+    TensorSplit,
+)
+
+INFO = "universal_checkpoint_info"
+ROW = "parameter_with_row_parallelism_patterns"
+REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
+VOCABULARY = "vocabulary_parameter_patterns"
+SUB_PARAMS = "parameter_with_sub_params"
+UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+
+
+def _name_of(pattern: str) -> str | None:
+    """The parameter name of an exact-name pattern `^<re.escape(name)>$`, else None."""
+    if not (pattern.startswith("^") and pattern.endswith("$")):
+        return None
+    name = re.sub(r"\\(.)", r"\1", pattern[1:-1])
+    return name if re.fullmatch(pattern, name) else None
+
+
+def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict, list]:
+    """{name: (split, global shape)} and [(pattern, split, shape)] from `universal_checkpoint_info`."""
+    if not isinstance(info, dict) or not isinstance((info.get("affine_map") or {}).get("params"), dict):
+        raise UnsupportedCheckpoint(model_path, f"has mp_world_size {tp} but no AutoTP {INFO} with an affine_map: "
+                                                "only DeepSpeed AutoTP (tensor_parallel.autotp_size) checkpoints "
+                                                "can be resharded across tensor parallelism")
+    for key, what in ((VOCABULARY, "vocabulary-parallel"), (SUB_PARAMS, "fused sub-parameter")):
+        if info.get(key):
+            raise UnsupportedCheckpoint(model_path, f"has {what} parameters ({key}: {list(info[key])[:4]}); "
+                                                    "resharding them is not supported yet")
+    if info.get(UNSUPPORTED):
+        raise UnsupportedCheckpoint(model_path, f"has parameters AutoTP marks unsupported for conversion "
+                                                f"({UNSUPPORTED}: {dict(info[UNSUPPORTED])})")
+    row = set(info.get(ROW) or ())
+    replicated = set(info.get(REPLICATED_PATTERNS) or ())
+    by_name, patterns = {}, []
+    for pattern, entry in info["affine_map"]["params"].items():
+        name = _name_of(pattern)
+        if name is None:
+            raise UnsupportedCheckpoint(model_path, f"affine_map pattern {pattern!r} does not name one parameter")
+        shape = tuple(int(d) for d in entry.get("logical_shape", ()))
+        split = REPLICATED if pattern in replicated else TensorSplit("row", 1) if pattern in row else \
+            TensorSplit("column", 0)
+        if split.dim is not None and len(shape) <= split.dim:
+            raise UnsupportedCheckpoint(model_path, f"{name} of shape {list(shape)} is {split.kind}-parallel on "
+                                                    f"dimension {split.dim}, which it does not have")
+        ranks = entry.get("ranks") or {}
+        found = [tuple(int(d) for d in ranks.get(r, ranks.get(str(r), {})).get("shard_shape", ())) for r in range(tp)]
+        expected = [split.local_shape(shape, tp, r, grain) for r in range(tp)]
+        if found != expected:
+            raise UnsupportedCheckpoint(model_path, f"{name}: AutoTP shard shapes {found} at {tp} TP ranks are not "
+                                                    f"the even split reshard applies ({expected}); splits sized by "
+                                                    "attention heads are not supported yet")
+        by_name[name] = (split, shape)
+        patterns.append((pattern, split, shape))
+    return by_name, patterns
+
+
+def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, dict, list]:
+    """At TP 1 DeepSpeed saves no `universal_checkpoint_info`, but the ds_config it saves holds the
+    `tensor_parallel.partition_config.layer_specs` a TP > 1 engine applies. Mirrors
+    module_inject/auto_tp.py `_replace` (a spec matches `<module>.weight` with re.match; column:
+    weight and bias on dim 0; row: weight on dim 1, bias replicated) for modules with a 2-D
+    weight (nn.Linear); returns (info without an affine map, by_name, patterns)."""
+    config = model_tree.get("ds_config") or {}
+    tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
+    partition = (tp_config or {}).get("partition_config") if isinstance(tp_config, dict) else None
+    if not isinstance(partition, dict) or not partition.get("layer_specs"):
+        raise UnsupportedCheckpoint(model_path, "has no AutoTP metadata (universal_checkpoint_info, or "
+                                                "tensor_parallel.partition_config.layer_specs in its ds_config): "
+                                                "how its parameters split across TP ranks is unknown")
+    if partition.get("use_default_specs", True) or tp_config.get("preset_model"):
+        raise UnsupportedCheckpoint(model_path, "was saved at TP 1 with AutoTP default specs or a preset_model; "
+                                                "reshard follows only explicit layer_specs with use_default_specs false")
+    specs = partition["layer_specs"]
+    for spec in specs:
+        if spec.get("shape") is not None or spec.get("model_types") or spec.get("partition_dim") is not None:
+            raise UnsupportedCheckpoint(model_path, f"layer spec {spec} uses shape, model_types or partition_dim; "
+                                                    "not supported yet")
+    buffers = set(model_tree.get("buffer_names") or ())
+    module = model_tree.get("module") or {}
+    shapes = {name: tuple(ref.shape) for name, ref in module.items() if isinstance(ref, TensorRef) and name not in buffers}
+    kinds = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".weight"):
+            continue
+        spec = next((s for s in specs if any(re.match(p, name) for p in s.get("patterns", ()))), None)
+        kind = str(spec.get("partition_type", "column")).lower() if spec else "skip"
+        if kind == "skip":
+            continue
+        if len(shape) != 2:
+            raise UnsupportedCheckpoint(model_path, f"{name} of shape {list(shape)} matches a {kind} layer spec; "
+                                                    "only nn.Linear weights (2-D) are supported")
+        bias = name[:-len("weight")] + "bias"
+        kinds[name] = TensorSplit(kind, 0 if kind == "column" else 1)
+        if bias in shapes:
+            kinds[bias] = TensorSplit("column", 0) if kind == "column" else REPLICATED
+    layer_owned = [n for n in shapes if n in kinds]
+    untouched = [n for n in shapes if n not in kinds]
+    patterns = [(rf"^{re.escape(n)}$", kinds.get(n, REPLICATED), shapes[n]) for n in layer_owned + untouched]
+    info = {"universal_checkpoint_version": 0.4,
+            ROW: sorted(p for p, split, _ in patterns if split.kind == "row"),
+            REPLICATED_PATTERNS: sorted(p for p, split, _ in patterns if split.dim is None),
+            VOCABULARY: [], SUB_PARAMS: [], UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+    by_name = {_name_of(p): (split, shape) for p, split, shape in patterns}
+    return info, by_name, patterns
+
+
+def is_autotp(model_tree: dict) -> bool:
+    """The model states of an AutoTP engine: `universal_checkpoint_info`, or (TP 1) layer specs in ds_config."""
+    if model_tree.get(INFO) is not None:
+        return True
+    config = model_tree.get("ds_config") or {}
+    tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
+    partition = tp_config.get("partition_config") if isinstance(tp_config, dict) else None
+    return isinstance(partition, dict) and bool(partition.get("layer_specs"))
+
+
+def _grain(model_tree: dict) -> int:
+    config = model_tree.get("ds_config") or {}
+    tp_config = (config.get("tensor_parallel") or {}) if isinstance(config, dict) else {}
+    nested = tp_config.get("tp") or tp_config.get("tensor_parallel") or {}
+    return int(nested.get("tp_grain_size", 1) or 1) if isinstance(nested, dict) else 1
+
+
+def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
+                         local_params: tuple[ParamSpec, ...]) -> tuple[TensorParallelSpec, tuple[ParamSpec, ...]]:
+    """The TP split of every parameter, and the trainable parameters with global shapes.
+
+    `local_params`: the trainable parameters as TP rank 0's `param_shapes` list them. From the
+    saved `universal_checkpoint_info`, or, at TP 1 where DeepSpeed writes none, from the
+    `layer_specs` of the saved ds_config (`splits_from_layer_specs`)."""
+    grain = _grain(model_tree)
+    info = model_tree.get(INFO)
+    if info is None and tp == 1:
+        info, by_name, patterns = splits_from_layer_specs(model_tree, model_path)
+    else:
+        by_name, patterns = _splits_from_info(info, model_path, tp, grain)
+    missing = [p.name for p in local_params if p.name not in by_name]
+    if missing:
+        raise UnsupportedCheckpoint(model_path, f"trainable parameters {missing[:4]} have no entry in the affine_map "
+                                                f"of {INFO}: their tensor-parallel split is unknown")
+    global_params = tuple(ParamSpec(p.name, by_name[p.name][1]) for p in local_params)
+    params = TensorParallelParams(tuple(p.name for p in global_params), tuple(p.shape for p in global_params),
+                                  tuple(by_name[p.name][0] for p in global_params), grain)
+    wrong = [(p.name, p.shape, local) for p, local in zip(local_params, params.local_shapes(tp, 0))
+             if tuple(p.shape) != tuple(local)]
+    if wrong:
+        raise CheckpointError(model_path, f"param_shapes {wrong[0][0]} {list(wrong[0][1])} is not TP rank 0's shard "
+                                          f"{list(wrong[0][2])} of the affine_map's logical shape")
+
+    module = model_tree.get("module") or {}
+    trainable = {p.name for p in global_params}
+    names = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in trainable]
+    module_params = TensorParallelParams(tuple(names), tuple(by_name[n][1] for n in names),
+                                         tuple(by_name[n][0] for n in names), grain)
+    check_module_tree(model_tree, model_path, module_params, tp, 0)
+    frozen = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in by_name
+              and name not in trainable and by_name[name][0].dim is not None]
+    if frozen:
+        raise UnsupportedCheckpoint(model_path, f"frozen parameters {frozen[:4]} are tensor-parallel; resharding "
+                                                "split frozen parameters is not supported yet")
+    return TensorParallelSpec(params, module_params, info, tuple(patterns)), global_params
+
+
+def check_module_tree(model_tree: dict, model_path: str, module: TensorParallelParams, tp: int,
+                      tp_rank: int) -> dict:
+    """Check the trainable module tensors of TP rank `tp_rank`'s model-states file; return
+    {("module", j, "module"): TensorRef}. They are views of the flat lp buffers of the param
+    groups; no other tensor of the file may share those buffers (they are not rewritten)."""
+    tensors = model_tree.get("module") or {}
+    refs = {}
+    for j, name in enumerate(module.names):
+        ref = tensors.get(name)
+        want = module.local_shape(j, tp, tp_rank)
+        if not isinstance(ref, TensorRef) or tuple(ref.shape) != tuple(want):
+            found = list(ref.shape) if isinstance(ref, TensorRef) else "nothing"
+            raise CheckpointError(model_path, f"module tensor {name} is {found}, TP rank {tp_rank} of {tp} holds "
+                                              f"{list(want)} of it")
+        if not ref.is_contiguous:
+            raise UnsupportedCheckpoint(model_path, f"module tensor {name} is not contiguous")
+        refs[("module", j, "module")] = ref
+    storages = {ref.storage_key for ref in refs.values()}
+    mine = {id(ref) for ref in refs.values()}
+    for ref in refs_in(model_tree):
+        if isinstance(ref, TensorRef) and ref.storage_key in storages and id(ref) not in mine:
+            raise UnsupportedCheckpoint(model_path, f"a tensor other than the trainable module weights shares their "
+                                                    f"storage (at byte {ref.storage_key}); cannot reslice it")
+    return refs
+
+
+def module_dtype(model_tree: dict, model_path: str, module: TensorParallelParams) -> str | None:
+    tensors = model_tree.get("module") or {}
+    dtypes = {tensors[name].dtype for name in module.names}
+    if len(dtypes) > 1:
+        raise UnsupportedCheckpoint(model_path, f"trainable module tensors of mixed dtypes {sorted(dtypes)}")
+    return dtypes.pop() if dtypes else None

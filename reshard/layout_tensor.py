@@ -1,0 +1,184 @@
+"""DeepSpeed AutoTP's tensor-parallel split rules, pure (no torch): which parameter splits how.
+
+    from reshard.layout_tensor import TensorSplit, shard_sizes
+    shard_sizes(9, 2)                                   # (5, 4): uneven, as DeepSpeed sizes them
+    split = TensorSplit("column", 0)
+    split.local_shape((9, 8), tp=2, tp_rank=1)          # (4, 8)
+    split.local_box(0, (9, 8), tp=2, tp_rank=1)         # Box(0, offsets=(5, 0), sizes=(4, 8))
+
+Kinds, as DeepSpeed 0.19.8 AutoTP writes them into `universal_checkpoint_info`
+(module_inject/layers.py `collect_autotp_universal_checkpoint_info`):
+- column-parallel (`LinearLayer`): weight and bias split on dim 0;
+- row-parallel (`LinearAllreduce`): weight split on dim 1 (`parameter_with_row_parallelism_patterns`),
+  its bias replicated;
+- replicated (`tp_replicated_parameter_patterns`): everything AutoTP left whole, held by every TP rank.
+Vocabulary-parallel parameters (`vocabulary_parameter_patterns`), fused sub-parameters
+(`parameter_with_sub_params`) and `autotp_unsupported_parameter_patterns` are recognised and
+refused by the reader (not yet resliced).
+
+Shard sizes mirror module_inject/tp_shard.py `get_shard_size` for a model without a known
+key/value head count (a plain `nn.Module`): with `tp_grain_size` g, rank r of T holds
+(grains // T + (r < grains % T)) * g elements, the last rank also the remainder. The source's
+own per-rank shard shapes (its `affine_map`) are checked against this rule, so a split
+DeepSpeed sized by another rule (kv heads) is refused, not misread.
+
+`universal_checkpoint_info` for a target TP size is recomputed here too (`target_universal_info`):
+the pattern lists do not depend on TP; the `affine_map` does (checkpoint/affine.py
+`contiguous_split_map`, `replicated_map`, `ParamAffineMap.to_dict`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from reshard.boxes import Box, row_major_strides
+
+KINDS = ("column", "row", "replicated")
+
+
+def shard_sizes(total: int, tp: int, grain: int = 1) -> tuple[int, ...]:
+    """Elements of a dimension of `total` on each of `tp` ranks (tp_shard.py `get_shard_size`)."""
+    sizes = []
+    for rank in range(tp):
+        if total >= grain:
+            grains, remainder = divmod(total, grain)
+            size = (grains // tp + (1 if rank < grains % tp else 0)) * grain
+            sizes.append(size + (remainder if rank == tp - 1 else 0))
+        else:
+            sizes.append(total // tp + (1 if rank < total % tp else 0))
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How one parameter is spread over a tensor-parallel group."""
+
+    kind: str
+    """"column", "row" or "replicated"."""
+    dim: int | None
+    """The dimension cut across TP ranks; None when replicated."""
+
+    def sizes(self, shape: Sequence[int], tp: int, grain: int = 1) -> tuple[int, ...] | None:
+        return None if self.dim is None else shard_sizes(shape[self.dim], tp, grain)
+
+    def local_box(self, param: int, shape: Sequence[int], tp: int, tp_rank: int, grain: int = 1) -> Box:
+        """The block of the global parameter `param` (of `shape`) that TP rank `tp_rank` holds."""
+        shape = tuple(shape)
+        if self.dim is None:
+            return Box(param, (0,) * len(shape), shape)
+        sizes = shard_sizes(shape[self.dim], tp, grain)
+        offsets, local = [0] * len(shape), list(shape)
+        offsets[self.dim], local[self.dim] = sum(sizes[:tp_rank]), sizes[tp_rank]
+        return Box(param, tuple(offsets), tuple(local))
+
+    def local_shape(self, shape: Sequence[int], tp: int, tp_rank: int, grain: int = 1) -> tuple[int, ...]:
+        return self.local_box(0, shape, tp, tp_rank, grain).sizes
+
+
+REPLICATED = TensorSplit("replicated", None)
+
+
+def split_of(kind: str, ndim: int) -> TensorSplit:
+    """The split of a parameter of `ndim` dimensions classified as `kind`."""
+    if kind == "replicated":
+        return REPLICATED
+    if kind == "row":
+        return TensorSplit("row", 1)
+    return TensorSplit("column", 0)
+
+
+def describe_splits(names: Sequence[str], splits: Sequence[TensorSplit]) -> dict[str, list[str]]:
+    """{kind: parameter names} for the dry run."""
+    found: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    for name, split in zip(names, splits):
+        found[split.kind].append(name)
+    return {kind: names for kind, names in found.items() if names}
+
+
+def affine_map(split: TensorSplit, shape: Sequence[int], tp: int, grain: int = 1) -> dict:
+    """The `affine_map` entry of one parameter at `tp` ranks, as `ParamAffineMap.to_dict` writes it."""
+    shape = tuple(int(d) for d in shape)
+    strides = list(row_major_strides(shape))
+    ranks = {}
+    if split.dim is None:
+        for rank in range(tp):
+            ranks[rank] = {"shard_shape": list(shape),
+                           "pieces": [{"shape": list(shape), "source": [0, strides], "dest": [0, strides],
+                                       "locations": list(range(tp))}]}
+        return {"logical_shape": list(shape), "ranks": ranks}
+    start = 0
+    for rank, size in enumerate(shard_sizes(shape[split.dim], tp, grain)):
+        local = list(shape)
+        local[split.dim] = size
+        ranks[rank] = {"shard_shape": local,
+                       "pieces": [{"shape": local, "source": [start * strides[split.dim], strides],
+                                   "dest": [0, list(row_major_strides(local))], "locations": [rank]}]}
+        start += size
+    return {"logical_shape": list(shape), "ranks": ranks}
+
+
+def target_universal_info(source_info: dict, patterns: dict[str, tuple[TensorSplit, tuple[int, ...]]], tp: int,
+                          grain: int = 1) -> dict:
+    """`universal_checkpoint_info` for `tp` ranks: the source's, with every affine map recomputed.
+
+    `patterns`: affine-map pattern -> (split, global shape), for every pattern the source maps."""
+    info = copy.deepcopy(source_info)
+    amap = info.get("affine_map")
+    if isinstance(amap, dict) and isinstance(amap.get("params"), dict):
+        amap["params"] = {pattern: affine_map(split, shape, tp, grain)
+                          for pattern, (split, shape) in patterns.items()}
+    return info
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class TensorParallelParams:
+    """Parameters by their global (unsharded) shapes, each with its TP split; one `grain`."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    """Global shapes."""
+    splits: tuple[TensorSplit, ...]
+    grain: int = 1
+    """`tensor_parallel.tp_grain_size` of the ds_config."""
+
+    def local_shape(self, index: int, tp: int, tp_rank: int) -> tuple[int, ...]:
+        return self.splits[index].local_shape(self.shapes[index], tp, tp_rank, self.grain)
+
+    def local_box(self, index: int, tp: int, tp_rank: int) -> Box:
+        return self.splits[index].local_box(index, self.shapes[index], tp, tp_rank, self.grain)
+
+    def local_shapes(self, tp: int, tp_rank: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.local_shape(i, tp, tp_rank) for i in range(len(self.names)))
+
+    def check_target(self, tp: int, where: str) -> str | None:
+        """Why AutoTP could not build this model at `tp` ranks (a split dimension smaller than
+        tp leaves a rank with an empty shard), or None."""
+        for name, shape, split in zip(self.names, self.shapes, self.splits):
+            if split.dim is not None and min(shard_sizes(shape[split.dim], tp, self.grain)) < 1:
+                return (f"{where}: parameter {name} of shape {list(shape)} is split on dimension {split.dim} "
+                        f"({shape[split.dim]} elements), which cannot give each of {tp} TP ranks a shard")
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallelSpec:
+    """What a checkpoint says about its tensor parallelism, independent of the TP size."""
+
+    params: TensorParallelParams
+    """Trainable parameters, in the checkpoint spec's order, with global shapes."""
+    module: TensorParallelParams
+    """The split tensors of the ZeRO-1/2 model-states `module` (resliced, never copied)."""
+    info: dict
+    """The source's `universal_checkpoint_info`."""
+    patterns: tuple[tuple[str, TensorSplit, tuple[int, ...]], ...]
+    """(affine-map pattern, split, global shape) of every parameter the source maps."""
+
+    def universal_info(self, tp: int) -> dict:
+        return target_universal_info(self.info, {p: (s, shape) for p, s, shape in self.patterns}, tp,
+                                     self.params.grain)

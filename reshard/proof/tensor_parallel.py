@@ -1,0 +1,310 @@
+"""Train, save and judge DeepSpeed AutoTP checkpoints of a tiny plain `nn.Module` on CPU ranks.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.tensor_parallel \
+        train --tp 2 --stage 2 --precision fp32 --save-dir /tmp/tp --truth /tmp/tp.truth.pt
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard.proof.tensor_parallel \
+        check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
+        --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...]
+
+The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
+row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
+every TP rank (embedding, layer norm, head, a frozen linear); two optimizer param groups.
+The TP split comes from `tensor_parallel.partition_config.layer_specs`.
+
+Truth (written by global rank 0 after the save): every trainable parameter's full, unsharded
+fp32 master and optimizer states (TP shards joined along their partition dimension), module
+values, frozen values, counters and the eval loss. `check` builds an engine at its own
+(tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
+the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
+trains one more step. Several directories per launch share one start-up (each with its own
+truth, or all with one). `train_checkpoint` and `check_checkpoints` run these under torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, FFN = 11, 8, 9
+SEQUENCE, MICRO_BATCH = 5, 2
+LAYER_SPECS = [
+    {"patterns": [r"^up\.weight$"], "partition_type": "column"},
+    {"patterns": [r"^down\.weight$"], "partition_type": "row"},
+]
+FROZEN_SEED = 4242
+
+
+class TensorParallelModel(nn.Module):
+    """embed -> norm -> up (column) -> gelu -> down (row) -> + frozen -> head; cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.down = nn.Linear(FFN, HIDDEN)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        generator = torch.Generator().manual_seed(FROZEN_SEED)
+        with torch.no_grad():
+            self.frozen.weight.copy_(torch.randn(self.frozen.weight.shape, generator=generator) * 0.3)
+            self.frozen.bias.copy_(torch.randn(self.frozen.bias.shape, generator=generator) * 0.1)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, tokens, targets):
+        hidden = self.norm(self.embed(tokens))
+        hidden = hidden + self.down(F.gelu(self.up(hidden)))
+        hidden = hidden + 0.5 * self.frozen(hidden)
+        logits = self.head(hidden)
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def ds_config(tp: int, stage: int, precision: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1_000_000,
+        "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
+                                                                      "layer_specs": LAYER_SPECS}},
+    }
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
+    if precision in ("bf16", "bf16_optimizer"):
+        config["bf16"] = {"enabled": True}
+    if precision == "bf16_optimizer":  # bf16 + ZeRO-1 + fp32 gradient accumulation: BF16_Optimizer
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def batch(seed: int, step: int, dp_rank: int, size: int = MICRO_BATCH):
+    generator = torch.Generator().manual_seed(1_000_003 * seed + 1_009 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (size, SEQUENCE), generator=generator)
+    return tokens, (3 * tokens + 1) % VOCAB
+
+
+def build_engine(tp: int, stage: int, precision: str, seed: int):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if precision == "fp16":  # DeepSpeed's CPU accelerator refuses fp16; torch runs it (DESIGN.md section 4)
+        get_accelerator().is_fp16_supported = lambda: True
+    torch.manual_seed(seed)
+    model = TensorParallelModel()
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([dict(params=decay, lr=1e-2, weight_decay=0.1),
+                                   dict(params=no_decay, lr=2e-2, weight_decay=0.0)], betas=(0.9, 0.95))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(tp, stage, precision))
+    return engine
+
+
+def _groups():
+    """(TP group, TP rank, DP rank) of this rank; at TP 1 DeepSpeed builds no TP group."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+    if groups._TENSOR_MODEL_PARALLEL_GROUP is None:
+        return None, 0, dist.get_rank()
+    return groups.get_tensor_model_parallel_group(), groups.get_tensor_model_parallel_rank(), \
+        groups.get_data_parallel_rank()
+
+
+def train_steps(engine, seed: int, first: int, count: int) -> list[float]:
+    _, _, dp_rank = _groups()
+    losses = []
+    engine.train()
+    for step in range(first, first + count):
+        tokens, targets = batch(seed, step, dp_rank)
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def eval_loss(engine) -> float:
+    tokens, targets = batch(777, 0, 0, size=4)
+    engine.eval()
+    with torch.no_grad():
+        loss = float(engine(tokens, targets).detach().float())
+    engine.train()
+    return loss
+
+
+def partition_of(param) -> tuple[int | None, tuple[int, ...] | None]:
+    """(partition dim, per-TP-rank sizes) of an AutoTP parameter, None for one left whole."""
+    meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None) or {}
+    conversion = meta.get("conversion") or {}
+    if conversion.get("replicated") or conversion.get("partition_dim") is None:
+        return None, None
+    return int(conversion["partition_dim"]), tuple(int(s) for s in meta.get("partition_sizes") or ())
+
+
+def local_state(engine) -> dict:
+    """{name: {"fp32", "state": {key}, "module"}} of this rank's TP-local parameters (DP-gathered)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    found = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        found[name] = {"fp32": safe_get_full_fp32_param(param).detach().float().clone(),
+                       "state": {k: safe_get_full_optimizer_state(param, k).detach().float().clone()
+                                 for k in ("exp_avg", "exp_avg_sq")},
+                       "module": param.detach().float().clone()}
+    return found
+
+
+def full_state(engine) -> dict:
+    """Every trainable parameter unsharded: TP shards all-gathered and joined on their dim."""
+    import deepspeed.comm as dist
+
+    group, _, _ = _groups()
+    tp_size = 1 if group is None else dist.get_world_size(group=group)
+    local = local_state(engine)
+    params = dict(engine.module.named_parameters())
+    full = {}
+    for name, entry in local.items():
+        dim, sizes = partition_of(params[name])
+
+        def join(tensor):
+            if dim is None or tp_size == 1:
+                return tensor
+            shards = [None] * tp_size
+            dist.all_gather_object(shards, tensor, group=group)
+            return torch.cat(shards, dim=dim)
+        full[name] = {"fp32": join(entry["fp32"]), "state": {k: join(v) for k, v in entry["state"].items()},
+                      "module": join(entry["module"])}
+    return full
+
+
+def slice_for(tensor, dim, sizes, tp_rank):
+    if dim is None:
+        return tensor
+    return tensor.split(list(sizes), dim=dim)[tp_rank]
+
+
+def cmd_train(args) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = build_engine(args.tp, args.stage, args.precision, args.seed)
+    train_steps(engine, args.seed, 0, args.steps)
+    engine.save_checkpoint(args.save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
+    dist.barrier()
+    truth = {"params": full_state(engine), "eval_loss": eval_loss(engine),
+             "frozen": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()
+                        if not p.requires_grad},
+             "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
+             "precision": args.precision}
+    if dist.get_rank() == 0:
+        torch.save(truth, args.truth[0] + ".tmp")
+        os.replace(args.truth[0] + ".tmp", args.truth[0])
+    dist.barrier()
+
+
+def judge(engine, truth: dict) -> list[str]:
+    """Mismatches of this rank's loaded state against the truth, sliced for its TP rank."""
+    _, tp_rank, _ = _groups()
+    params = dict(engine.module.named_parameters())
+    problems = []
+    for name, entry in local_state(engine).items():
+        dim, sizes = partition_of(params[name])
+        want = truth["params"][name]
+        pairs = [("fp32", entry["fp32"], want["fp32"])] + \
+            [(k, entry["state"][k], want["state"][k]) for k in entry["state"]] + \
+            [("module", entry["module"], want["module"])]
+        for what, got, full in pairs:
+            expected = slice_for(full, dim, sizes, tp_rank)
+            if got.shape != expected.shape or not torch.equal(got, expected):
+                problems.append(f"{name} {what}: tp rank {tp_rank} differs (shape {tuple(got.shape)} vs "
+                                f"{tuple(expected.shape)})")
+    for name, param in params.items():
+        if not param.requires_grad and not torch.equal(param.detach().float(), truth["frozen"][name]):
+            problems.append(f"frozen {name} differs")
+    if engine.global_steps != truth["global_steps"]:
+        problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
+    return problems
+
+
+def cmd_check(args) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
+    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100)
+    for load_dir, verdict_path, truth_path in zip(args.load_dir, args.verdict, truths):
+        truth = torch.load(truth_path, weights_only=False)
+        engine.load_checkpoint(load_dir)
+        problems = judge(engine, truth)
+        loss = eval_loss(engine)
+        tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
+        if abs(loss - truth["eval_loss"]) > tolerance:
+            problems.append(f"eval loss {loss} vs truth {truth['eval_loss']}")
+        losses = train_steps(engine, args.seed, 100, 1)
+        if not all(map(lambda x: x == x and abs(x) < 1e6, losses)):
+            problems.append(f"training did not continue: {losses}")
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        if dist.get_rank() == 0:
+            flat = [p for rank_problems in everyone for p in rank_problems]
+            with open(verdict_path + ".tmp", "w") as handle:
+                json.dump({"ok": not flat, "problems": flat[:50], "eval_loss": loss}, handle)
+            os.replace(verdict_path + ".tmp", verdict_path)
+        dist.barrier()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["train", "check"])
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "bf16_optimizer"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-dir")
+    parser.add_argument("--truth", action="append", required=True,
+                        help="train: the truth file to write; check: one per --load-dir, or one for all")
+    parser.add_argument("--load-dir", action="append", default=[])
+    parser.add_argument("--verdict", action="append", default=[])
+    args = parser.parse_args(argv)
+    (cmd_train if args.command == "train" else cmd_check)(args)
+
+
+def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600):
+    """Train at (tp, dp) under torchrun, save to save_dir, write the truth."""
+    from reshard.proof.launch import run_torchrun
+    run_torchrun("reshard.proof.tensor_parallel", tp * dp,
+                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--save-dir", save_dir,
+                  "--truth", truth], timeout=timeout, expect_files=[truth])
+
+
+def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600
+                      ) -> list[dict]:
+    """Load each (directory, truth) of `loads` in one engine at (tp, dp); the verdicts, in order."""
+    from pathlib import Path
+
+    from reshard.proof.launch import run_torchrun
+    verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
+    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision]
+    for (load_dir, truth), verdict in zip(loads, verdicts):
+        args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict]
+    run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
+    return [json.loads(v.read_text()) for v in verdicts]
+
+
+if __name__ == "__main__":
+    from reshard.proof.engine_setup import finish_and_exit
+    main()
+    finish_and_exit()

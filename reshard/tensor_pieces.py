@@ -1,0 +1,104 @@
+"""Piece tables of tensor-parallel ZeRO checkpoints over one global space. Pure, no torch.
+
+    from reshard.tensor_pieces import GlobalSpace, zero12_pieces
+    space = GlobalSpace.of(spec.tensor.params, target_tp=1)
+    source = zero12_pieces(spec.tensor.params, space, spec.topology, lambda t: spec.layout(2, 2, t), "source")
+
+The logical space is the GLOBAL (unsharded) parameters laid end to end, each row-major, so
+it does not depend on either TP size and the 1-D core (`reshard.plan`) intersects a source
+and a target of any (tp, dp). A replicated parameter is held by every TP rank: the space
+gives it one copy per TARGET TP rank (copy t is what target TP rank t writes); on the
+source side every copy is mapped to the bytes of source TP rank 0, which are read for each
+copy (the other source TP ranks' copies are not read).
+
+Each (dp, tp) rank's pieces come from the ZeRO rules over its TP-local shapes and the dp
+size (`reshard.layout`), then are lowered from the rank's local space to the global one
+(`reshard.local_to_global`); a piece's rank is the global rank, tp fastest
+(`reshard.topology`). Module tensors (the split lp weights of the ZeRO-1/2 model-states
+files, one file per TP rank, written by its dp rank 0) form a second space the same way:
+buffer j of a rank is its local tensor j. DeepSpeed saves them as views of each param group's
+flat lp buffer, whose order and padding depend on the TP-local shapes, so every trainable
+module tensor (replicated ones too) gets its own storage in the target files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from reshard.layout import PieceTable, Zero12Layout, _table_from_columns, logical_bases
+from reshard.layout_tensor import TensorParallelParams, numel
+from reshard.local_to_global import globalize
+from reshard.topology import Topology
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalSpace:
+    """Global parameters end to end; a replicated parameter once per target TP rank."""
+
+    numels: np.ndarray
+    copies: np.ndarray
+    bases: np.ndarray
+    """Start of copy 0 of each parameter; copy c starts at bases + c * numels."""
+    total: int
+
+    @classmethod
+    def of(cls, params: TensorParallelParams, target_tp: int) -> "GlobalSpace":
+        numels = np.asarray([numel(s) for s in params.shapes], dtype=np.int64)
+        copies = np.asarray([target_tp if split.dim is None else 1 for split in params.splits], dtype=np.int64)
+        sizes = numels * copies
+        return cls(numels, copies, logical_bases(sizes), int(sizes.sum()))
+
+
+def _bases_for(params: TensorParallelParams, space: GlobalSpace, side: str, tp_rank: int) -> list[list[int]]:
+    result = []
+    for p, split in enumerate(params.splits):
+        base, size = int(space.bases[p]), int(space.numels[p])
+        if split.dim is not None:
+            result.append([base])
+        elif side == "target":
+            result.append([base + tp_rank * size])
+        else:  # replicated: source TP rank 0 serves every target copy
+            result.append([base + c * size for c in range(int(space.copies[p]))] if tp_rank == 0 else [])
+    return result
+
+
+def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: Topology,
+                  layout_of: Callable[[int], Zero12Layout], side: str) -> PieceTable:
+    """Pieces of every (dp, tp) rank of `topology` over `space`; `layout_of(t)` is TP rank t's
+    ZeRO layout over its local shapes at `topology.dp` ranks."""
+    columns = []
+    for t in range(topology.tp):
+        layout = layout_of(t)
+        pieces = layout.pieces
+        local_bases = logical_bases([p.numel for p in layout.params])
+        placements = [(params.local_box(p, topology.tp, t), params.shapes[p], bases)
+                      for p, bases in enumerate(_bases_for(params, space, side, t))]
+        start, dp_rank, buffer, offset = globalize(pieces.start, pieces.rank, pieces.buffer, pieces.offset,
+                                                   pieces.length, local_bases, placements)
+        columns.append((start, dp_rank * topology.tp + t, buffer, offset))
+    return _table_from_columns(columns, space.total)
+
+
+def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str) -> PieceTable:
+    """Pieces of the module tensors of the model-states files: TP rank t's local tensor j is
+    buffer j of global rank (dp 0, tp t), from element 0; replicated ones as in `zero12_pieces`."""
+    columns = []
+    for t in range(topology.tp):
+        numels = np.asarray([numel(module.local_shape(j, topology.tp, t)) for j in range(len(module.names))],
+                            dtype=np.int64)
+        local_bases = logical_bases(numels)
+        keep = numels > 0
+        placements = [(module.local_box(j, topology.tp, t), module.shapes[j], bases)
+                      for j, bases in enumerate(_bases_for(module, space, side, t))]
+        count = int(keep.sum())
+        start, _, buffer, offset = globalize(local_bases[keep], np.zeros(count), np.flatnonzero(keep),
+                                             np.zeros(count), numels[keep], local_bases, placements)
+        columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset))
+    return _table_from_columns(columns, space.total)
+
+
+def module_buffer_numels(module: TensorParallelParams, tp: int) -> tuple[int, ...]:
+    """Largest shard of each split module tensor over the TP ranks (round windows need a bound)."""
+    return tuple(max(numel(module.local_shape(j, tp, t)) for t in range(tp)) for j in range(len(module.names)))
