@@ -64,7 +64,7 @@ LADDER = {  # checkpoint size (ZeRO-2 fp32 AdamW: ~16 bytes per parameter) -> mo
     "100M": ModelConfig(name="l100m", vocab_size=4096, dim=256, layers=7, heads=4, seq_len=32),
     "1G": ModelConfig(name="l1g", vocab_size=16000, dim=640, layers=11, heads=10, seq_len=32),
     "2.5G": ModelConfig(name="l2500m", vocab_size=32000, dim=1024, layers=10, heads=16, seq_len=32),
-    "10G": ModelConfig(name="l10g", vocab_size=32000, dim=2048, layers=11, heads=16, seq_len=32),
+    "10G": ModelConfig(name="l10g", vocab_size=32000, dim=2048, layers=12, heads=16, seq_len=32),  # 10.7 GB
 }
 
 

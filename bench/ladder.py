@@ -7,7 +7,10 @@
 
 For each size: a ZeRO-2 fp32 AdamW checkpoint of a `bench_model.LADDER` model trained one step
 with real DeepSpeed on N=2 CPU ranks (cached, see make_checkpoint.py), resumed at M=1, as in
-issue 14. Each contender starts with the page cache dropped and its code cached (run.Cold):
+issue 14. Where training would not fit this machine's memory (10G), the source is written by
+synthetic_checkpoint.py instead (the same files and trees, a known seeded state; validated by
+tests/test_synthetic_checkpoint.py) and deleted after the size is measured. Each contender
+starts with the page cache dropped and its code cached (run.Cold):
 
   offline   python -m reshard SRC DST --target-dp M --workers W (forked workers, no torchrun),
             then engine.load_checkpoint(DST) at M ranks (load_timing.py)
@@ -15,9 +18,14 @@ issue 14. Each contender starts with the page cache dropped and its code cached 
             by torchrun's agent), reported beside it
   in-job    reshard.deepspeed.load_checkpoint(engine, SRC) at M ranks (load_timing.py --in-job)
   DeepSpeed ds_to_universal.py (W extract and merge workers) + load_checkpoint with load_universal
+  I/O floor io_floor.py: W processes read every source byte once and write the target's bytes
 
-Reshard walls are whole commands; its per-phase wall times are read from the summary line
-("phases : start-up ..."). Loads are timed around load_checkpoint (slowest rank), as in run.py.
+Where loading at M=1 would not fit in memory either (10G), the size is measured conversion only
+(`"conversion_only": true`: reshard offline, under torchrun, ds_to_universal, the floor; no
+loads, no in-job path) and drawn as such.
+
+Reshard walls are whole commands; its per-phase wall times and each worker's peak RSS are read
+from the summary (against the budget it names, to check RSS <= budget + 300 MB). Loads are timed around load_checkpoint (slowest rank), as in run.py.
 Ratios are (DeepSpeed's conversion + universal load) / (ours), from the same run. Writes
 bench/results/ladder-<timestamp>.json, bench/results/ladder.json and bench/results/ladder.png
 (log-log: seconds against checkpoint size). A size whose training or load would not fit this
@@ -32,6 +40,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -39,15 +48,22 @@ sys.path.insert(0, HERE)
 
 import psutil  # noqa: E402
 from bench_model import LADDER  # noqa: E402
+from io_floor import measure_io_floor  # noqa: E402
 from make_checkpoint import DEFAULT_CACHE, child_env, ensure_checkpoint, tree_bytes  # noqa: E402
 from process_tree import run_watched  # noqa: E402
 from run import Cold, log, machine_info, require_success, run_load, run_universal_conversion  # noqa: E402
 
 SOURCE_RANKS, TARGET_RANKS = 2, 1
 TRAIN_RSS_PER_BYTE = 2.8
+UNIVERSAL_RSS_PER_BYTE = 1.25
+"""Memory ds_to_universal may need at W=2 (main: model states; each extract worker: one optim file),
+plus headroom, per checkpoint byte; the conversion-only path waits for that much to be available."""
 """Peak summed RSS of training divided by checkpoint bytes (6.9 GB for the 2.5 GB model here);
 loading at M=1 needs about as much."""
 PHASES_RE = re.compile(r"phases : (.*?) \(slowest")
+BUDGET_RE = re.compile(r"under a ([\d.]+) ([KMG]iB) budget")
+WORKER_RE = re.compile(r"^\s+(\d+)\s+\S+\s+\S+\s+.*?([\d.]+) ([KMG]?i?B)\s*$", re.M)
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 def reshard_command(src: str, dst: str, workers: int, launcher: str) -> list[str]:
@@ -69,7 +85,12 @@ def run_reshard(src: str, dst: str, workers: int, launcher: str, scratch: str) -
     found = PHASES_RE.search(text)
     phases = {name: float(seconds) for name, seconds in re.findall(r"([a-z+-]+) (\d+\.\d+) s", found[1])} \
         if found else {}
+    budget = BUDGET_RE.search(text)
+    table = text[text.find("peak RSS"):] if "peak RSS" in text else ""
     return {"wall_seconds": run.wall_seconds, "phases": phases, "peak_tree_rss_bytes": run.peak_tree_rss_bytes,
+            "peak_process_anon_rss_bytes": run.peak_process_anon_rss_bytes,
+            "memory_budget_bytes": int(float(budget[1]) * UNITS[budget[2]]) if budget else None,
+            "worker_peak_rss_bytes": [int(float(v) * UNITS[u]) for _, v, u in WORKER_RE.findall(table)],
             "summary": text[text.find("reshard done"):] if "reshard done" in text else text[-2000:]}
 
 
@@ -82,26 +103,100 @@ def fits(size_bytes: int) -> tuple[bool, str]:
     return True, ""
 
 
+def synthetic_source(cfg, cache_dir: str) -> dict:
+    """A ZeRO-2 checkpoint at SOURCE_RANKS written by synthetic_checkpoint.py (cached; meta.json last)."""
+    from synthetic_checkpoint import write_checkpoint
+    root = os.path.join(cache_dir, f"synthetic-{cfg.name}-z2-n{SOURCE_RANKS}-{cfg.key(stage=2, ranks=SOURCE_RANKS)}")
+    meta_path = os.path.join(root, "meta.json")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as fd:
+            return json.load(fd)
+    shutil.rmtree(root, ignore_errors=True)
+    log(f"writing a synthetic {cfg.name} checkpoint ({cfg.param_count / 1e6:.0f}M params, ZeRO-2, "
+        f"{SOURCE_RANKS} ranks): training would not fit ...")
+    meta = write_checkpoint(os.path.join(root, "save"), cfg, 2, SOURCE_RANKS, seed=0)
+    meta["root"] = root
+    with open(meta_path + ".tmp", "w") as fd:
+        json.dump(meta, fd, indent=1)
+    os.replace(meta_path + ".tmp", meta_path)
+    log(f"  written: {meta['bytes'] / 1e9:.2f} GB in {meta['write_seconds']:.0f} s")
+    return meta
+
+
 def run_size(label: str, args, cold: Cold) -> dict:
     cfg = LADDER[label]
     estimate = cfg.param_count * 16
     ok, why = fits(estimate)
-    if not ok:
+    conversion_only = not ok
+    if not ok and not args.synthetic:
         log(f"{label}: {why}")
         return {"size": label, "skipped": why, "estimated_bytes": estimate}
-    meta = ensure_checkpoint(cfg, 2, SOURCE_RANKS, args.cache_dir, log=log)
+    if ok:
+        meta = ensure_checkpoint(cfg, 2, SOURCE_RANKS, args.cache_dir, log=log)
+        source_kind = "trained (make_checkpoint.py)"
+    else:
+        log(f"{label}: {why}: conversion only, from a synthetic source")
+        meta = synthetic_source(cfg, args.cache_dir)
+        source_kind = "synthetic (synthetic_checkpoint.py, seed 0)"
     src, tag = meta["save_dir"], meta["tag"]
     scratch = os.path.join(args.cache_dir, "work", f"ladder-{cfg.name}")
     os.makedirs(scratch, exist_ok=True)
     dst, universal = os.path.join(scratch, "reshard"), os.path.join(scratch, "universal")
-    case = {"size": label, "checkpoint_bytes": meta["bytes"], "params": meta["params"], "workers": args.workers}
+    case = {"size": label, "checkpoint_bytes": meta["bytes"], "params": meta["params"], "workers": args.workers,
+            "source": source_kind, "conversion_only": conversion_only}
+    if conversion_only:
+        case["not_measured"] = f"{why}: no loads, no in-job path"
+    try:
+        measure(case, cfg, src, tag, dst, universal, scratch, args, cold)
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(universal, ignore_errors=True)
+        if conversion_only and not args.keep_synthetic:
+            shutil.rmtree(meta["root"], ignore_errors=True)
+    return case
 
+
+def wait_for_memory(need: int, patience: float = 900.0) -> bool:
+    """Wait (up to `patience` s) until the shared machine has `need` bytes available."""
+    deadline = time.monotonic() + patience
+    while psutil.virtual_memory().available < need:
+        if time.monotonic() > deadline:
+            return False
+        log(f"  waiting for {need / 1e9:.0f} GB of available memory "
+            f"(now {psutil.virtual_memory().available / 1e9:.1f} GB) ...")
+        time.sleep(30)
+    return True
+
+
+def run_deepspeed_path(case: dict, cfg, src: str, tag: str, universal: str, scratch: str, args, cold: Cold) -> None:
+    label = case["size"]
+    # ds_to_universal holds the model-states file in its main process and one whole optim-states
+    # file per extract worker: about the checkpoint's size at W = 2.
+    need = int(UNIVERSAL_RSS_PER_BYTE * case["checkpoint_bytes"])
+    if case["conversion_only"] and args.big_not_before:  # shared machine: the big step waits for its slot
+        slot = datetime.datetime.strptime(args.big_not_before, "%H:%M").time()
+        while datetime.datetime.now(datetime.timezone.utc).time() < slot:
+            log(f"  waiting until {args.big_not_before} UTC before ds_to_universal (--big-not-before) ...")
+            time.sleep(30)
+    if case["conversion_only"] and not wait_for_memory(need):
+        case["conversion"] = {"skipped": f"not run: less than {need / 1e9:.0f} GB of memory available"}
+        return
     cold()
-    log(f"{label}: ds_to_universal ({meta['bytes'] / 1e9:.2f} GB) ...")
+    log(f"{label}: ds_to_universal ({case['checkpoint_bytes'] / 1e9:.2f} GB) ...")
     case["conversion"] = run_universal_conversion(os.path.join(src, tag), universal, tag, args.workers, scratch)
-    cold()
-    case["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
+    log(f"  ds_to_universal: {case['conversion']['wall_seconds']:.1f} s, peak tree RSS "
+        f"{case['conversion']['peak_tree_rss_bytes'] / 1e9:.1f} GB")
+    if not case["conversion_only"]:
+        cold()
+        case["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
     shutil.rmtree(universal, ignore_errors=True)
+
+
+def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scratch: str, args, cold: Cold) -> None:
+    """Every contender on one size. Conversion only: DeepSpeed's converter last, once memory allows."""
+    label, conversion_only = case["size"], case["conversion_only"]
+    if not conversion_only:
+        run_deepspeed_path(case, cfg, src, tag, universal, scratch, args, cold)
 
     for launcher in ("torchrun", "workers"):
         runs = []
@@ -112,9 +207,32 @@ def run_size(label: str, args, cold: Cold) -> dict:
         case[f"reshard_{launcher}_runs"] = runs
         case[f"reshard_{launcher}"] = sorted(runs, key=lambda r: r["wall_seconds"])[(len(runs) - 1) // 2]
     case["target_bytes"] = tree_bytes(os.path.join(dst, tag))
-    cold()
-    case["native_load"] = run_load(cfg, 2, TARGET_RANKS, dst, False, scratch)
+    if not conversion_only:
+        cold()
+        case["native_load"] = run_load(cfg, 2, TARGET_RANKS, dst, False, scratch)
     shutil.rmtree(dst, ignore_errors=True)
+    cold()
+    case["io_floor"] = measure_io_floor(os.path.join(src, tag), case["target_bytes"], args.workers,
+                                        os.path.join(scratch, "floor"))
+    workers = case["reshard_workers"]
+    case["floor_ratio"] = workers["wall_seconds"] / case["io_floor"]["wall_seconds"]
+    budget = workers["memory_budget_bytes"]
+    case["worker_rss_over_budget_bytes"] = [rss - budget for rss in workers["worker_peak_rss_bytes"]] if budget else None
+    log(f"  I/O floor {case['io_floor']['wall_seconds']:.1f} s: reshard --workers is {case['floor_ratio']:.2f}x; "
+        f"worker peak RSS {[round(r / 2**20) for r in workers['worker_peak_rss_bytes']]} MiB "
+        f"(budget {budget / 2**20 if budget else '?'} MiB)")
+    if conversion_only:
+        run_deepspeed_path(case, cfg, src, tag, universal, scratch, args, cold)
+        if "skipped" in case["conversion"]:
+            return
+        theirs, offline = case["conversion"]["wall_seconds"], workers["wall_seconds"]
+        torchrun = case["reshard_torchrun"]["wall_seconds"]
+        case["conversion_seconds"] = {"deepspeed": theirs, "offline": offline, "offline_torchrun": torchrun}
+        case["conversion_ratios"] = {"offline": theirs / offline, "offline_torchrun": theirs / torchrun}
+        case["beyond_moving_bytes_seconds"] = offline - workers["phases"].get("exchange+write", 0.0)
+        log(f"  {label} (conversion only): ds_to_universal {theirs:.1f} s, reshard --workers {offline:.1f} s "
+            f"({theirs / offline:.2f}x), torchrun {torchrun:.1f} s ({theirs / torchrun:.2f}x)")
+        return
     cold()
     case["in_job_load"] = run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30)
 
@@ -130,7 +248,6 @@ def run_size(label: str, args, cold: Cold) -> dict:
     log(f"  {label}: DeepSpeed {theirs:.1f} s, offline {offline:.1f} s ({case['ratios']['offline']:.2f}x), "
         f"torchrun offline {torchrun:.1f} s ({case['ratios']['offline_torchrun']:.2f}x), in-job {in_job:.1f} s "
         f"({case['ratios']['in_job']:.2f}x)")
-    return case
 
 
 def plot(results: dict, path: str) -> None:
@@ -148,6 +265,16 @@ def plot(results: dict, path: str) -> None:
     for c, x in zip(cases, sizes):
         ax.annotate(f"{c['ratios']['offline']:.1f}x / {c['ratios']['in_job']:.1f}x", (x, c["seconds"]["offline"]),
                     textcoords="offset points", xytext=(4, -12), fontsize=8)
+    only = [c for c in results["cases"] if "conversion_seconds" in c]
+    for key, label, style in (("deepspeed", "ds_to_universal alone (load does not fit)", "ks"),
+                              ("offline", "reshard --workers alone (load does not fit)", "ko")):
+        if only:
+            ax.plot([c["checkpoint_bytes"] / 1e9 for c in only], [c["conversion_seconds"][key] for c in only], style,
+                    fillstyle="none", label=label)
+    for c in only:
+        ax.annotate(f"{c['conversion_ratios']['offline']:.1f}x (conversion)",
+                    (c["checkpoint_bytes"] / 1e9, c["conversion_seconds"]["offline"]), textcoords="offset points",
+                    xytext=(-60, -14), fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("checkpoint size (GB, ZeRO-2 fp32 AdamW, saved at 2 ranks)")
@@ -167,8 +294,8 @@ def print_table(results: dict) -> None:
     print(f"  {'size':>6}{'GB':>7}{'convert s':>10}{'uload s':>8}{'DS sum':>8} |{'reshard s':>10}{'torchrun s':>11}"
           f"{'load s':>7}{'offline':>8}{'ratio':>6}{'tr ratio':>9} |{'in-job s':>9}{'ratio':>6} | beyond bytes s")
     for c in results["cases"]:
-        if "skipped" in c:
-            print(f"  {c['size']:>6}  {c['skipped']}")
+        if "skipped" in c or "seconds" not in c:
+            print(f"  {c['size']:>6}  {c.get('skipped', 'conversion only: see below')}")
             continue
         s, r = c["seconds"], c["ratios"]
         print(f"  {c['size']:>6}{c['checkpoint_bytes'] / 1e9:>7.2f}{c['conversion']['wall_seconds']:>10.1f}"
@@ -178,6 +305,19 @@ def print_table(results: dict) -> None:
               f"{r['offline_torchrun']:>9.2f} |{s['in_job']:>9.1f}{r['in_job']:>6.2f} | "
               f"{c['beyond_moving_bytes_seconds']:.1f}")
         print(f"  {'':>6} phases (--workers): {c['reshard_workers']['phases']}")
+    for c in results["cases"]:
+        if "io_floor" in c:
+            w = c["reshard_workers"]
+            print(f"  {c['size']:>6}: I/O floor {c['io_floor']['wall_seconds']:.1f} s, reshard --workers "
+                  f"{w['wall_seconds']:.1f} s = {c['floor_ratio']:.2f}x floor; worker peak RSS "
+                  f"{[round(r / 2**20) for r in w['worker_peak_rss_bytes']]} MiB, budget "
+                  f"{(w['memory_budget_bytes'] or 0) / 2**20:.0f} MiB")
+        if "conversion_seconds" in c:
+            s, r = c["conversion_seconds"], c["conversion_ratios"]
+            print(f"  {c['size']:>6}: conversion only ({c['not_measured']}): ds_to_universal {s['deepspeed']:.1f} s "
+                  f"(peak tree RSS {c['conversion']['peak_tree_rss_bytes'] / 1e9:.1f} GB), reshard --workers "
+                  f"{s['offline']:.1f} s ({r['offline']:.2f}x), torchrun {s['offline_torchrun']:.1f} s "
+                  f"({r['offline_torchrun']:.2f}x); phases {c['reshard_workers']['phases']}")
 
 
 def main() -> None:
@@ -188,6 +328,13 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE)
     parser.add_argument("--cache-drop", default="auto", choices=("auto", "proc", "fadvise"))
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results file")
+    parser.add_argument("--no-synthetic", dest="synthetic", action="store_false",
+                        help="skip sizes whose training would not fit instead of writing a synthetic source")
+    parser.add_argument("--keep-synthetic", action="store_true", help="keep synthetic sources in the cache")
+    parser.add_argument("--big-not-before", metavar="HH:MM",
+                        help="conversion-only sizes: start DeepSpeed's converter (GBs of RAM) not before this UTC time")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other sizes' cases of the current ladder.json (each marked with its run)")
     args = parser.parse_args()
     folder = os.path.join(HERE, "results")
     if args.plot_only:
@@ -200,8 +347,17 @@ def main() -> None:
                "source_ranks": SOURCE_RANKS, "target_ranks": TARGET_RANKS, "cases": [],
                "note": "shared machine: other jobs ran at the same time, so every figure is noisy"}
     cold = Cold(args.cache_drop, [args.cache_dir])
-    for label in args.sizes:
-        results["cases"].append(run_size(label, args, cold))
+    earlier = {}
+    if args.update and os.path.isfile(os.path.join(folder, "ladder.json")):
+        with open(os.path.join(folder, "ladder.json")) as fd:
+            previous = json.load(fd)
+        earlier = {c["size"]: {**c, "run_started": c.get("run_started", previous["started"])}
+                   for c in previous["cases"]}
+    for label in LADDER:
+        if label in args.sizes:
+            results["cases"].append({**run_size(label, args, cold), "run_started": str(started)})
+        elif label in earlier:
+            results["cases"].append(earlier[label])
     results["cache_drop_method"] = cold.used
     results["finished"] = datetime.datetime.now()
     text = json.dumps(results, indent=1, default=str)

@@ -49,15 +49,25 @@ class WatchedRun:
     included, even when deleted before writeback)."""
     log_path: str
     output_tail: str = ""
+    peak_process_fds: int = 0
+    """Most file descriptors one process of the tree held open at a poll (/proc/PID/fd)."""
+    peak_tree_fds: int = 0
+    """Most file descriptors the whole tree held open at a poll."""
+    peak_process_anon_rss_bytes: int = 0
+    """Largest anonymous RSS (/proc/PID/status RssAnon) of one process at a poll: RSS without
+    file pages mapped for reading (reshard hashes its outputs through a memory map, and those
+    clean, reclaimable pages count in RSS and ru_maxrss)."""
+    peak_tree_anon_rss_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def tree_rss(root: psutil.Process, io_seen: dict) -> tuple[int, int]:
+def tree_rss(root: psutil.Process, io_seen: dict, fds: list | None = None) -> tuple[int, int]:
     """(sum, max) of RSS over `root` and its descendants; records each one's I/O counters in
-    `io_seen` (pid -> (rchar, wchar, read_bytes, write_bytes)). Processes that vanish meanwhile are skipped."""
-    total = largest = 0
+    `io_seen` (pid -> (rchar, wchar, read_bytes, write_bytes)) and, given `fds`, appends
+    (largest, summed) open file descriptors. Processes that vanish meanwhile are skipped."""
+    total = largest = most_fds = all_fds = most_anon = all_anon = 0
     try:
         members = [root] + root.children(recursive=True)
     except psutil.Error:
@@ -71,7 +81,29 @@ def tree_rss(root: psutil.Process, io_seen: dict) -> tuple[int, int]:
             continue
         total += rss
         largest = max(largest, rss)
+        if fds is not None:
+            try:
+                count = process.num_fds()
+            except psutil.Error:
+                continue
+            most_fds, all_fds = max(most_fds, count), all_fds + count
+            anon = anon_rss(process.pid)
+            most_anon, all_anon = max(most_anon, anon), all_anon + anon
+    if fds is not None:
+        fds.append((most_fds, all_fds, most_anon, all_anon))
     return total, largest
+
+
+def anon_rss(pid: int) -> int:
+    """RssAnon of a process in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fd:
+            for line in fd:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def free_bytes(path: str) -> int:
@@ -95,12 +127,13 @@ def run_watched(command: list, *, env: dict | None = None, cwd: str | None = Non
     peak_tree = peak_one = peak_disk = 0
     min_available = psutil.virtual_memory().available
     io_seen: dict = {}
+    fds: list = []
     with open(log_path, "wb") as log:
         started = time.perf_counter()
         child = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         root = psutil.Process(child.pid)
         while True:
-            total, largest = tree_rss(root, io_seen)
+            total, largest = tree_rss(root, io_seen, fds)
             peak_tree, peak_one = max(peak_tree, total), max(peak_one, largest)
             min_available = min(min_available, psutil.virtual_memory().available)
             peak_disk = max(peak_disk, free_at_start - free_bytes(disk_path))
@@ -115,7 +148,10 @@ def run_watched(command: list, *, env: dict | None = None, cwd: str | None = Non
         wall = time.perf_counter() - started
     return WatchedRun([str(c) for c in command], child.returncode, wall, peak_tree, peak_one, max(peak_disk, 0),
                       min_available, *(sum(v[i] for v in io_seen.values()) for i in range(4)),
-                      log_path, read_tail(log_path))
+                      log_path, read_tail(log_path), peak_process_fds=max((f[0] for f in fds), default=0),
+                      peak_tree_fds=max((f[1] for f in fds), default=0),
+                      peak_process_anon_rss_bytes=max((f[2] for f in fds), default=0),
+                      peak_tree_anon_rss_bytes=max((f[3] for f in fds), default=0))
 
 
 def main() -> None:
