@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reshard.proof.engine_state import relink_optimizer_fragments
+
 VOCAB, HIDDEN, FFN = 11, 8, 9
 SEQUENCE, MICRO_BATCH = 5, 2
 LAYER_SPECS = [
@@ -152,10 +154,7 @@ def local_state(engine) -> dict:
     """{name: {"fp32", "state": {key}, "module"}} of this rank's TP-local parameters (DP-gathered)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    optimizer = engine.optimizer
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
+    relink_optimizer_fragments(engine)
     found = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:

@@ -32,12 +32,8 @@ class TokenRows(torch.utils.data.Dataset):
 def full_state(engine) -> dict:
     """name -> {fp32, exp_avg, exp_avg_sq} full tensors; collective (every rank calls it)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    optimizer = engine.optimizer
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-1/2 links optimizer fragments once after group 0's first step (and not at all
-        # right after a load): relink so every group's moments are visible.
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
+    from reshard.proof.engine_state import relink_optimizer_fragments
+    relink_optimizer_fragments(engine)  # every group's moments visible, also right after a load
     state = {}
     for name, param in engine.module.named_parameters():
         entry = {"fp32": safe_get_full_fp32_param(param)}
