@@ -75,7 +75,11 @@ class MemoryTargetWriter:
                 for tensor in leaves_in_order(obj):
                     role = roles.get(tensor.untyped_storage()._cdata)
                     raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-                    if isinstance(role, tuple):
+                    if isinstance(role, tuple) and role[0] == "copy":  # deepspeed_target.own_storage
+                        _, key, start, nbytes = role[:4]
+                        raw.copy_(torch.frombuffer(bytearray(memoryview(carried[key])[start:start + nbytes]),
+                                                   dtype=torch.uint8))
+                    elif isinstance(role, tuple):
                         raw.zero_()  # padding reads as zeros, as in a written file
                         self.locations[(rank, role)] = raw.numpy()
                     elif role is not None and len(raw):
