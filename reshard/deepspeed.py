@@ -46,7 +46,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, read_storages
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_target import target_files
+from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
 from reshard.formats.torch_archive import TensorRef, leaves_in_order, materialize, refs_in
 from reshard.source_reader import SourceReader
 from reshard.topology import Topology
@@ -75,15 +75,11 @@ class MemoryTargetWriter:
                 for tensor in leaves_in_order(obj):
                     role = roles.get(tensor.untyped_storage()._cdata)
                     raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-                    if isinstance(role, tuple) and role[0] == "copy":  # deepspeed_target.own_storage
-                        _, key, start, nbytes = role[:4]
-                        raw.copy_(torch.frombuffer(bytearray(memoryview(carried[key])[start:start + nbytes]),
-                                                   dtype=torch.uint8))
-                    elif isinstance(role, tuple):
+                    if isinstance(role, tuple) and not is_copy_role(role):
                         raw.zero_()  # padding reads as zeros, as in a written file
                         self.locations[(rank, role)] = raw.numpy()
                     elif role is not None and len(raw):
-                        raw.copy_(torch.frombuffer(bytearray(carried[role]), dtype=torch.uint8))
+                        raw.copy_(torch.frombuffer(bytearray(carried_bytes(carried, role)), dtype=torch.uint8))
                 self.objects[(rank, target.name)] = obj
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:

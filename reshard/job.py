@@ -207,7 +207,7 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     target = opts.target_for(source.spec.topology)
     target_tp = target.tp if source.spec.tensor is not None else None
     stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
-    target_ep = target.ep if source.spec.experts is not None else None
+    target_ep = _moe_target_ep(opts, source)
     if site is None:
         names = [n for r in range(source.spec.topology.world_size)
                  for n in map(os.path.basename, source.source_files(r))]

@@ -28,13 +28,18 @@ import numpy as np
 from reshard.boxes import Box, row_major_strides
 
 
-def contiguous_run(box: Box, shape: Sequence[int]) -> int:
-    """Elements of the box that are contiguous in the global parameter, row-major: the product
-    of the box's sizes from the outermost dimension after which the box spans every dimension whole."""
+def _run_dimension(box: Box, shape: Sequence[int]) -> int:
+    """The outermost dimension of a contiguous run: every dimension after it the box spans whole."""
     inner = len(shape) - 1
     while inner > 0 and box.sizes[inner] == shape[inner]:
         inner -= 1
-    return math.prod(box.sizes[inner:]) if shape else 1
+    return inner
+
+
+def contiguous_run(box: Box, shape: Sequence[int]) -> int:
+    """Elements of the box that are contiguous in the global parameter, row-major: the product
+    of the box's sizes from the outermost dimension after which the box spans every dimension whole."""
+    return math.prod(box.sizes[_run_dimension(box, shape):]) if shape else 1
 
 
 def box_runs(box: Box, shape: Sequence[int], starts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -54,9 +59,7 @@ def box_runs(box: Box, shape: Sequence[int], starts, lengths) -> tuple[np.ndarra
     hi = np.minimum(starts[item] + lengths[item], (q + 1) * run)
     # global start of run q: unravel q over the box's outer dimensions, offset, ravel globally
     global_strides = row_major_strides(shape)
-    inner = len(shape) - 1
-    while inner > 0 and box.sizes[inner] == shape[inner]:
-        inner -= 1
+    inner = _run_dimension(box, shape)
     run_start = np.full(len(q), sum(o * s for o, s in zip(box.offsets[inner:], global_strides[inner:])), np.int64)
     rest = q.copy()
     for d in range(inner - 1, -1, -1):

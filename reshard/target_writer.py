@@ -33,7 +33,7 @@ from reshard.byte_io import copy_bytes, hash_file, pwrite_exact
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_target import target_files
+from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
@@ -117,7 +117,7 @@ class TargetWriter:
         self.paths.append(path)
         fd = self.fds[path] = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         for role, offset in offsets.items():
-            if isinstance(role, tuple) and role[0] != "copy":
+            if isinstance(role, tuple) and not is_copy_role(role):
                 self.locations[(rank, role)] = (fd, offset, path)
         stored = {ref.slot: ref.dtype for ref in refs_in(target.tree) if isinstance(ref, NewTensor)}
         self.casts.update({(rank, slot): (arrives, stored[slot]) for slot, arrives in target.casts.items()})
@@ -134,10 +134,10 @@ class TargetWriter:
         template_path = os.path.join(source.tag_dir, target.template)
         nbytes_of = {ref.storage_key: ref.storage_nbytes for ref in refs_in(target.tree) if isinstance(ref, TensorRef)}
         for role, offset in offsets.items():
-            if isinstance(role, tuple) and role[0] == "copy":  # deepspeed_target.own_storage
+            if is_copy_role(role):  # deepspeed_target.own_storage
                 _, key, start, nbytes = role[:4]
                 if carried is not None:
-                    pwrite_exact(fd, memoryview(carried[key])[start:start + nbytes], offset)
+                    pwrite_exact(fd, carried_bytes(carried, role), offset)
                     self.bytes_carried += nbytes
                 else:
                     self.deferred.append((template_path, key + start, fd, offset, nbytes, path))

@@ -126,6 +126,20 @@ def own_storage(value: Any, used: set, slot: tuple) -> Any:
                      value.dtype, value.requires_grad, value.shape)
 
 
+def is_copy_role(role: Any) -> bool:
+    """A storage `own_storage` made: filled from part of a source storage, not by the exchange."""
+    return isinstance(role, tuple) and role[0] == "copy"
+
+
+def carried_bytes(carried: dict, role: Any) -> memoryview:
+    """The bytes of an unpartitioned storage: a carried source storage by key, or the part of one
+    an `own_storage` copy role names."""
+    if is_copy_role(role):
+        _, key, start, nbytes = role[:4]
+        return memoryview(carried[key])[start:start + nbytes]
+    return memoryview(carried[role])
+
+
 def _rename_expert_groups(osd: dict, spec, layout) -> None:
     """moe/utils.py `split_params_into_different_moe_groups_for_optimizer` names an expert group
     after its process group, `ep_size_{ep}`; torch's load_state_dict restores the saved name, so
