@@ -1,4 +1,4 @@
-"""Train a native DeepSpeed MoE checkpoint at (world, ep), or judge loads of it at another (world, ep).
+"""Train an MoE checkpoint (native DeepSpeed MoE or AutoEP) at (world, ep), or judge loads of it at another (world, ep).
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
@@ -12,7 +12,9 @@ captures its own view (reshard.proof.engine_state), expert names are rewritten f
 expert index to the GLOBAL one (local expert j on EP rank e is global expert e * n_local + j,
 moe/experts.py + engine.py `_save_moe_checkpoint`), and the views of all ranks are merged: a
 name held by several ranks (dense parameters, expert-data-parallel replicas) must agree bit for
-bit. `check` builds a fresh engine from another seed per load directory (several loads per
+bit. AutoEP holds a rank's experts fused, `experts.w1 [E/ep, F, H]`: each fused parameter is
+cut into its experts, named `experts.w1.{global id}` as in DeepSpeed's expert files (engine.py
+`_save_moe_checkpoint`; module_inject/auto_ep_layer.py: EP rank e holds experts e*E/ep ..). `check` builds a fresh engine from another seed per load directory (several loads per
 launch), loads with plain `engine.load_checkpoint`, and compares the merged view with the truth:
 every element of the fp32 masters and optimizer states, module values, counters, scheduler,
 hyperparameters (expert groups are named `ep_size_{ep}` by DeepSpeed, so the name is expected
@@ -66,14 +68,53 @@ def _globalize(names: dict, renames: dict[str, str]) -> dict:
     return {(pattern.sub(lambda m: renames[m[1]], name) if pattern else name): value for name, value in names.items()}
 
 
+def autoep_fused_experts(engine) -> dict[str, tuple[int, int]]:
+    """{fused expert parameter name: (first global expert, local experts)} of this rank's AutoEP layers."""
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:
+        return {}
+    fused = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, AutoEPMoELayer):
+            prefix = f"{name}." if name else ""
+            for wname in ("w1", "w2", "w3"):
+                fused[f"{prefix}experts.{wname}"] = (module.ep_rank * module.num_local_experts,
+                                                      module.num_local_experts)
+    return fused
+
+
+def _split_fused(values: dict, fused: dict[str, tuple[int, int]]) -> dict:
+    """Fused AutoEP entries (a tensor, or a master {"fp32", "state", "scalars"}) cut per global expert."""
+    out = {}
+    for name, value in values.items():
+        if name not in fused:
+            out[name] = value
+            continue
+        first, count = fused[name]
+        for local in range(count):
+            if isinstance(value, dict):
+                out[f"{name}.{first + local}"] = {"fp32": value["fp32"][local].clone(),
+                                                  "state": {k: v[local].clone() for k, v in value["state"].items()},
+                                                  "scalars": value["scalars"]}
+            else:
+                out[f"{name}.{first + local}"] = value[local].clone()
+    return out
+
+
 def merged_engine_state(engine) -> dict:
     """This job's view of the engine under global expert names, merged over every rank. Collective."""
     import deepspeed.comm as dist
 
     state = capture_engine_state(engine, master_from=MASTER_FROM_GETTERS)
     renames = global_expert_names(engine)
+    fused = autoep_fused_experts(engine)
     for key in ("master", "module"):
-        state[key] = _globalize(state[key], renames)
+        state[key] = _split_fused(_globalize(state[key], renames), fused)
+    # AutoEPMoELayer counts the tokens each rank routed in a non-persistent buffer
+    # (auto_ep_layer.py, `tokens_per_expert`): per-rank traffic statistics, never saved.
+    state["non_persistent_buffers"] = {name: value for name, value in state["non_persistent_buffers"].items()
+                                       if not (fused and name.endswith(".tokens_per_expert"))}
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, state)
     merged = dict(views[0])
