@@ -111,9 +111,13 @@ class _ServedCheckpointEngine:
 
 
 def _engine_ep(engine) -> int:
-    """The expert-parallel size of the engine's native MoE layers (1 without any)."""
+    """The expert-parallel size of the engine's native MoE or AutoEP layers (1 without any)."""
     from deepspeed.moe.layer import MoE
-    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, MoE)}
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:  # a DeepSpeed without AutoEP
+        AutoEPMoELayer = MoE
+    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, (MoE, AutoEPMoELayer))}
     return max(sizes) if sizes else 1
 
 
@@ -124,7 +128,7 @@ def _data_parallel_size(engine) -> int:
 def _engine_topology(engine) -> Topology:
     """(dp, tp, ep) of the engine: tp is its model-parallel size, the mp index of the files it loads
     (engine.py `_configure_distributed_model`; AutoTP sets the mpu to its TP groups); ep that of its
-    native MoE layers."""
+    native MoE or AutoEP layers."""
     return Topology(dp=_data_parallel_size(engine), tp=int(getattr(engine, "mp_world_size", 1) or 1),
                     ep=_engine_ep(engine))
 

@@ -17,6 +17,13 @@ source and target layouts describe the same space whatever their ep. The rules
   expert-data-parallel group (dp // ep ranks, `Topology.expert_dp_rank_of`);
 - names in the rank's metadata (slice mappings, param_shapes) are the LOCAL names.
 Every element still has exactly one holder, so the 1-D planner (`reshard.plan`) moves it as is.
+
+AutoEP checkpoints (`ExpertParams.autoep`) use the same rules with one more: a rank's experts of
+one weight are one fused parameter, `experts.w1 [n_local, ...]` (module_inject/auto_ep_layer.py).
+The logical parameters are the per-expert slices `experts.w1.{G}`, listed weight by weight and
+expert by expert, so each EP rank's slices of one weight sit next to each other in its flat
+group exactly where DeepSpeed puts the fused tensor; the metadata merges them back under the
+fused name (slice mappings, param_shapes [n_local, ...]).
 """
 from __future__ import annotations
 
@@ -26,7 +33,13 @@ from typing import Sequence
 
 import numpy as np
 
-from reshard.expert_placement import ExpertPlacement, expert_name_parts, with_expert_index
+from reshard.expert_placement import (
+    ExpertPlacement,
+    autoep_fused_name,
+    autoep_name_parts,
+    expert_name_parts,
+    with_expert_index,
+)
 from reshard.layout import (
     ParamSpec,
     PieceTable,
@@ -51,16 +64,20 @@ class ExpertParams:
     """Name prefix of each MoE layer's experts, through `deepspeed_experts.`."""
     expert_of: tuple[tuple[int, int] | None, ...]
     """Per parameter: (MoE layer, global expert), or None for a dense parameter."""
+    autoep: bool = False
+    """AutoEP: parameters are per-expert slices `...experts.w1.{G}` of fused local tensors;
+    native MoE (False): `...deepspeed_experts.{j}....` modules."""
 
     @classmethod
     def of(cls, params: Sequence[ParamSpec], expert_groups: Sequence[bool], num_experts: Sequence[int],
-           layer_prefixes: Sequence[str]) -> "ExpertParams":
+           layer_prefixes: Sequence[str], autoep: bool = False) -> "ExpertParams":
         layer_of = {prefix: layer for layer, prefix in enumerate(layer_prefixes)}
+        parse = autoep_name_parts if autoep else expert_name_parts
         expert_of = []
         for param in params:
-            parts = expert_name_parts(param.name)
+            parts = parse(param.name)
             expert_of.append(None if parts is None else (layer_of[parts[0]], parts[1]))
-        return cls(tuple(expert_groups), tuple(num_experts), tuple(layer_prefixes), tuple(expert_of))
+        return cls(tuple(expert_groups), tuple(num_experts), tuple(layer_prefixes), tuple(expert_of), autoep)
 
     def placement(self, layer: int, ep: int) -> ExpertPlacement:
         return ExpertPlacement(self.num_experts[layer], ep)
@@ -73,8 +90,26 @@ class ExpertParams:
         """The name DeepSpeed's module gives parameter `pid` on its EP rank at `ep`."""
         if self.expert_of[pid] is None:
             return param.name
+        if self.autoep:
+            return autoep_fused_name(param.name)
         layer, expert = self.expert_of[pid]
         return with_expert_index(param.name, self.placement(layer, ep).local_of(expert))
+
+    def local_param_shapes(self, params: Sequence[ParamSpec], pids: Sequence[int], ep: int
+                           ) -> list[tuple[str, tuple[int, ...]]]:
+        """(local name, local shape) of the parameters `pids` as one EP rank's module holds them
+        (engine.py `_get_zero_param_shapes`): AutoEP slices of one fused tensor become one entry
+        of shape [n_local, ...]."""
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        for pid in pids:
+            name, shape = self.local_name(params[pid], pid, ep), tuple(params[pid].shape)
+            if self.autoep and self.expert_of[pid] is not None:
+                if shapes and shapes[-1][0] == name:
+                    shapes[-1] = (name, (shapes[-1][1][0] + 1, *shape))
+                    continue
+                shape = (1, *shape)
+            shapes.append((name, shape))
+        return shapes
 
     def ep_problem(self, ep: int) -> str | None:
         """Why DeepSpeed could not build these layers at `ep` (moe/layer.py asserts), or None."""
@@ -118,6 +153,9 @@ class ExpertZero12Layout:
 
     def name_on_rank(self, pid: int, rank: int) -> str:
         return self.experts.local_name(self.params[pid], pid, self.topology.ep)
+
+    def param_shapes_on_rank(self, pids: Sequence[int], rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        return self.experts.local_param_shapes(self.params, pids, self.topology.ep)
 
     @functools.cached_property
     def pieces(self) -> PieceTable:

@@ -28,6 +28,7 @@ from reshard.formats.deepspeed_spec import (
 )
 from reshard.expert_layout import ExpertParams
 from reshard.expert_placement import expert_name_parts
+from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
 from reshard.formats.torch_archive import (
     TensorRef,
     load_structure,
@@ -133,7 +134,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
                                 _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle))
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         if spec.experts is not None:
-            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native MoE experts; "
+            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; "
                                                     "resharding TP and EP together is not supported yet")
         spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
@@ -251,9 +252,9 @@ def _zero_config(model_tree: dict) -> dict:
 
 
 def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str,
-                   trust_pickle: bool) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
-    """(num_experts, name prefix) of each MoE layer from `num_experts` and the expert files, or
-    None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
+                   trust_pickle: bool) -> tuple[tuple[int, ...], tuple[str, ...], int | None] | None:
+    """(num_experts, name prefix of each MoE layer, AutoEP's ep or None for native MoE) from
+    `num_experts` and the expert files, or None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
     writes layer_{L}_expert_{G}_mp_rank_00_model_states.pt per global expert G."""
     num_experts = model_tree.get("num_experts") if isinstance(model_tree, dict) else None
     if not expert_files:
@@ -272,6 +273,8 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
     for layer, expert in sorted(found - wanted):
         raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
                               f"should not exist: num_experts is {num_experts} (left over from another save?)")
+    if model_tree.get(AUTOEP_LAYERS_KEY) is not None:
+        return _autoep_expert_layers(tag_dir, model_tree, model_path, num_experts, trust_pickle)
     prefixes = []
     for layer in range(len(num_experts)):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
@@ -281,7 +284,26 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
             raise UnsupportedCheckpoint(path, "does not hold the parameters of exactly global expert 0 of one "
                                               "native DeepSpeed MoE layer (keys ...deepspeed_experts.0....)")
         prefixes.append(next(iter(parts))[0])
-    return tuple(num_experts), tuple(prefixes)
+    return tuple(num_experts), tuple(prefixes), None
+
+
+def _autoep_expert_layers(tag_dir: str, model_tree: dict, model_path: str, num_experts: list, trust_pickle: bool):
+    """(num_experts, prefixes, ep) of an AutoEP checkpoint, from `ds_autoep_layers`; expert
+    files key global expert G's slices `{prefix}w1.{G}`, w2, w3 (engine.py `_save_moe_checkpoint`)."""
+    if model_tree.get("folding") is not None:
+        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint folded with AutoTP (folding metadata); "
+                                                "resharding TP and EP together is not supported yet")
+    layers = read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)
+    if list(layers.num_experts) != list(num_experts):
+        raise CheckpointError(model_path, f"says num_experts {num_experts} but {AUTOEP_LAYERS_KEY} has "
+                                          f"{list(layers.num_experts)}")
+    for layer, prefix in enumerate(layers.prefixes):
+        path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
+        keys = load_structure(path, schema.safe_globals(), trust_pickle)
+        if not isinstance(keys, dict) or sorted(keys) != [f"{prefix}{w}.0" for w in ("w1", "w2", "w3")]:
+            raise UnsupportedCheckpoint(path, f"does not hold exactly {prefix}w1.0, w2.0 and w3.0 (AutoEP global "
+                                              "expert 0)")
+    return layers.num_experts, layers.prefixes, layers.ep
 
 
 def _global_expert_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
@@ -290,7 +312,9 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
     Rank 0 is EP rank 0, whose local expert j is global expert j, so its LOCAL names in
     param_shapes are global names of experts 0..n_local-1; the other experts' parameters have
     the same shapes under their own index (moe/experts.py deep-copies one expert)."""
-    num_experts, prefixes = layers
+    num_experts, prefixes, autoep_ep = layers
+    if autoep_ep is not None:
+        return _global_autoep_groups(names_per_group, expert_groups, layers, path, n)
     layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
     local_counts = {}
     parsed = []
@@ -342,6 +366,45 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
             raise UnsupportedCheckpoint(path, f"expert param group {g} lists an MoE layer in several runs "
                                               "(not a native MoE order)")
         result.append(expanded)
+    return ep, result
+
+
+def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
+    """The source ep and, per param group, its parameters under GLOBAL names: each fused AutoEP
+    weight `{prefix}w1 [n_local, ...]` becomes its experts' slices `{prefix}w1.{G}`, G = 0..E-1,
+    in place (reshard.expert_layout)."""
+    num_experts, prefixes, _ = layers
+    layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
+    local_counts, result = set(), []
+    for g, items in enumerate(names_per_group):
+        fused = [(name, shape) for name, shape in items if name.rpartition(".")[0] + "." in layer_of]
+        if not expert_groups[g]:
+            if fused:
+                raise UnsupportedCheckpoint(path, f"param group {g} is not an expert group (no moe flag) but holds "
+                                                  f"AutoEP expert parameter {fused[0][0]}")
+            result.append(items)
+            continue
+        expanded = []
+        for name, shape in items:
+            prefix = name.rpartition(".")[0] + "."
+            if prefix not in layer_of or name.rpartition(".")[2] not in ("w1", "w2", "w3") or len(shape) < 2:
+                raise UnsupportedCheckpoint(path, f"expert param group {g} holds {name} {tuple(shape)}, which is not "
+                                                  "a fused AutoEP expert weight of a layer in ds_autoep_layers")
+            local_counts.add((layer_of[prefix], int(shape[0])))
+            expanded += [(f"{name}.{expert}", tuple(shape[1:])) for expert in range(num_experts[layer_of[prefix]])]
+        if len({name for name, _ in expanded}) != len(expanded):
+            raise UnsupportedCheckpoint(path, f"expert param group {g} lists an AutoEP weight twice")
+        result.append(expanded)
+    eps = {num_experts[layer] // count for layer, count in local_counts if count and num_experts[layer] % count == 0}
+    if len(eps) != 1 or len({count for _, count in local_counts}) != 1:
+        raise UnsupportedCheckpoint(path, f"AutoEP layers hold {sorted(local_counts)} (layer, local experts) of "
+                                          f"{list(num_experts)}: not one expert-parallel size for all layers")
+    ep = eps.pop()
+    if ep != layers[2]:
+        raise CheckpointError(path, f"holds {num_experts[0] // ep} local experts per layer (ep={ep}), but "
+                                    f"ds_autoep_layers says ep_size {layers[2]}")
+    if n % ep:
+        raise CheckpointError(path, f"has ep={ep} expert groups that do not divide dp_world_size {n}")
     return ep, result
 
 
@@ -403,8 +466,11 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         params.extend(ParamSpec(name, tuple(int(d) for d in size)) for name, size in items)
     if not params:
         raise CheckpointError(model_path, "lists no trainable parameters in param_shapes")
-    experts = (ExpertParams.of(params, expert_groups, expert_layers[0], expert_layers[1])
-               if expert_layers else None)
+    experts = (ExpertParams.of(params, expert_groups, expert_layers[0], expert_layers[1],
+                               autoep=expert_layers[2] is not None) if expert_layers else None)
+    if experts is not None and experts.autoep and zero.get("parameter_alignment") and optimizer == "zero":
+        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint saved with parameter_alignment (padding "
+                                                "inside fused expert tensors); not supported yet")
     first_dense = next((p for i, p in enumerate(params) if experts is None or experts.expert_of[i] is None), params[0])
     lp_ref = module.get(first_dense.name)
     if not isinstance(lp_ref, TensorRef):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -182,6 +183,8 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
 
 
 def _shapes(layout, param_ids, shape_type=torch.Size) -> OrderedDict:
+    if hasattr(layout, "param_shapes_on_rank"):  # MoE: local names, AutoEP's fused expert tensors
+        return OrderedDict((name, shape_type(shape)) for name, shape in layout.param_shapes_on_rank(param_ids, 0))
     return OrderedDict((layout.name_on_rank(p, 0), shape_type(layout.params[p].shape)) for p in param_ids)
 
 
@@ -193,7 +196,18 @@ def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size
     tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
+    if source.spec.experts is not None and source.spec.experts.autoep:
+        _retarget_autoep_layers(tree, layout.topology)
     return tree
+
+
+def _retarget_autoep_layers(tree: dict, target: Topology) -> None:
+    """engine.py `_save_moe_checkpoint` stores one list under both keys (pickled once)."""
+    layers = target_autoep_layers(tree[AUTOEP_LAYERS_KEY], target)
+    tree[AUTOEP_LAYERS_KEY] = layers
+    info = tree.get("universal_checkpoint_info")
+    if isinstance(info, dict) and AUTOEP_LAYERS_KEY in info:
+        info[AUTOEP_LAYERS_KEY] = layers
 
 
 def _plain_tuple_shapes(shapes) -> bool:

@@ -133,9 +133,16 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     return info, by_name, patterns
 
 
+_AUTOEP_ONLY_INFO = {"universal_checkpoint_version", "expert_parameter_patterns", "ds_autoep_layers"}
+
+
 def is_autotp(model_tree: dict) -> bool:
-    """The model states of an AutoTP engine: `universal_checkpoint_info`, or (TP 1) layer specs in ds_config."""
-    if model_tree.get(INFO) is not None:
+    """The model states of an AutoTP engine: `universal_checkpoint_info`, or (TP 1) layer specs in ds_config.
+
+    AutoEP alone writes `universal_checkpoint_info` too (engine.py `_save_moe_checkpoint`), with
+    only its version, `expert_parameter_patterns` and `ds_autoep_layers`: that is not AutoTP."""
+    info = model_tree.get(INFO)
+    if info is not None and not (isinstance(info, dict) and set(info) <= _AUTOEP_ONLY_INFO):
         return True
     config = model_tree.get("ds_config") or {}
     tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
