@@ -377,3 +377,96 @@ def test_target_ep_needs_experts(trained, tmp_path):
     source, _ = trained("z2_fp32", 2)
     with pytest.raises(OptionError, match="has no experts"):
         reshard_checkpoint(str(source), str(tmp_path / "x"), 2, target_ep=2, quiet=True)
+
+
+# --- AutoEP: fused experts, ds_autoep_layers ---------------------------------------------------
+
+def synthetic_autoep(layers: int, experts: int, expert_shapes=((16, 8), (8, 16), (16, 8))):
+    """An AutoEP-like spec: dense decay / no_decay groups, then one expert group listing each
+    layer's w1, w2, w3 as per-expert slices `...experts.w1.{G}`, as reshard's inspect expands them."""
+    prefixes = [f"model.layers.{layer}.mlp.experts." for layer in range(layers)]
+    params = [ParamSpec("embed.weight", (11, 8)), ParamSpec("head.bias", (11,))]
+    groups = [(0,), (1,)]
+    ids = []
+    for prefix in prefixes:
+        for w, shape in zip(("w1", "w2", "w3"), expert_shapes):
+            for g in range(experts):
+                ids.append(len(params))
+                params.append(ParamSpec(f"{prefix}{w}.{g}", shape))
+    groups.append(tuple(ids))
+    return params, groups, ExpertParams.of(params, (False, False, True), [experts] * layers, prefixes, autoep=True)
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (2, 1), (4, 2), (4, 4)])
+def test_autoep_metadata_names_fused_local_tensors(dp, ep):
+    """Slice mappings and param_shapes use DeepSpeed's fused local names and shapes
+    ([E/ep, ...]), one contiguous fragment per fused tensor, and the flat group of every EP rank
+    holds exactly its block of experts."""
+    from reshard.formats.deepspeed_metadata import rank_metadata
+    from reshard.formats.deepspeed_spec import CheckpointSpec
+    params, groups, experts = synthetic_autoep(2, 4)
+    topology = Topology(dp=dp, ep=ep)
+    spec = CheckpointSpec(2, "zero", False, topology, tuple(params), tuple(groups), False, 1, 10 ** 9, "float32", (),
+                          experts=experts)
+    layout = spec.layout(topology)
+    n_local = 4 // ep
+    shapes = layout.param_shapes_on_rank(layout.groups[2].flat_order, 0)
+    assert shapes == [(f"model.layers.{layer}.mlp.experts.{w}", (n_local, *s)) for layer in range(2)
+                      for w, s in zip(("w1", "w2", "w3"), ((16, 8), (8, 16), (16, 8)))]
+    expert_numel = 3 * 128
+    for rank in range(dp):
+        meta = rank_metadata(spec, layout, rank)
+        assert meta.partition_count == [dp, dp, dp // ep]
+        assert meta.param_alignment_paddings[2] == [0] * len(shapes)  # one per fused tensor
+        mapped = meta.slice_mappings[2]
+        assert len({name for name, _, _ in mapped}) == len(mapped)  # one fragment per fused tensor
+        starts = [start for _, _, start in mapped]
+        assert starts == sorted(starts) and sum(numel for _, numel, _ in mapped) == meta.fp32_numels[2]
+    total = sum(numel for rank in range(dp // ep) for numel in [rank_metadata(spec, layout, rank * ep).fp32_numels[2]])
+    assert total == 2 * n_local * expert_numel  # EP rank 0's experts, over its expert-DP ranks
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_autoep_placement_and_affine_maps_equal_deepspeeds(ep):
+    """The recomputed ds_autoep_layers pieces equal what DeepSpeed's own functions build."""
+    from deepspeed.checkpoint.autoep_affine import (autoep_placement_to_affine_map,
+                                                    legacy_uniform_autoep_placement_descriptor)
+
+    from reshard.formats.deepspeed_autoep import uniform_affine_map, uniform_placement
+    descriptor = legacy_uniform_autoep_placement_descriptor(8, 8 // ep, ep)
+    assert uniform_placement(8, ep) == descriptor
+    assert list(uniform_placement(8, ep)) == list(descriptor)  # key order too: pickled bytes
+    for shape in ((8, 16, 8), (8, 8, 16)):
+        assert uniform_affine_map(shape, ep) == autoep_placement_to_affine_map(descriptor, shape).to_dict()
+
+
+def _autoep_entry(layer, ep, fmt="per_expert_files"):
+    from reshard.formats.deepspeed_autoep import uniform_affine_map, uniform_placement
+    prefix = f"model.layers.{layer}.mlp.experts"
+    return {"moe_layer_id": layer, "module_path": f"model.layers.{layer}.mlp", "num_experts": 4,
+            "num_local_experts": 4 // ep, "ep_size": ep, "expert_placement": uniform_placement(4, ep),
+            "affine_maps": {"version": 1, "params": {f"{prefix}.w1": uniform_affine_map((4, 16, 8), ep)}},
+            "expert_key_prefix": prefix, "checkpoint_format": fmt, "checkpoint_format_version": None,
+            "ep_group_name": f"ep_size_{ep}", "ep_rank": 0, "expert_data_parallel_rank": 0,
+            "expert_data_parallel_world_size": 1, "global_expert_start": 0, "global_expert_end": 4 // ep}
+
+
+def test_autoep_layers_read_retarget_and_refuse():
+    from reshard.formats.deepspeed_autoep import read_autoep_layers, target_autoep_layers
+    entries = [_autoep_entry(0, 2), _autoep_entry(1, 2)]
+    layers = read_autoep_layers(entries, "/x/mp_rank_00_model_states.pt")
+    assert (layers.num_experts, layers.prefixes, layers.ep) == ((4, 4), ("model.layers.0.mlp.experts.",
+                                                                         "model.layers.1.mlp.experts."), 2)
+    retargeted = target_autoep_layers(entries, Topology(dp=4, ep=4))
+    expected = [dict(_autoep_entry(layer, 4), expert_data_parallel_world_size=1) for layer in range(2)]
+    assert retargeted == expected and entries == [_autoep_entry(0, 2), _autoep_entry(1, 2)]  # source untouched
+    assert target_autoep_layers(entries, Topology(dp=4, ep=1))[0]["expert_data_parallel_world_size"] == 4
+    with pytest.raises(UnsupportedCheckpoint, match="zero3_partitioned") as error:
+        read_autoep_layers([_autoep_entry(0, 2, fmt="zero3_partitioned")], "/x/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert "/x/zero_pp_rank_0" in str(error.value)
+    shuffled = _autoep_entry(0, 2)
+    shuffled["expert_placement"]["ranks"][0]["experts"] = [1, 0]
+    with pytest.raises(UnsupportedCheckpoint, match="contiguous equal blocks"):
+        read_autoep_layers([shuffled], "/x/m.pt")
+    with pytest.raises(UnsupportedCheckpoint, match="different ep sizes"):
+        read_autoep_layers([_autoep_entry(0, 2), _autoep_entry(1, 4)], "/x/m.pt")

@@ -257,6 +257,8 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
     `num_experts` and the expert files, or None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
     writes layer_{L}_expert_{G}_mp_rank_00_model_states.pt per global expert G."""
     num_experts = model_tree.get("num_experts") if isinstance(model_tree, dict) else None
+    if isinstance(model_tree, dict) and model_tree.get(AUTOEP_LAYERS_KEY) is not None:
+        read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)  # refuses ZeRO-3's format first
     if not expert_files:
         if num_experts and any(n != 1 for n in num_experts):
             raise CheckpointError(model_path, f"says num_experts {num_experts}, but the tag directory holds no "
