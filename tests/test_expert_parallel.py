@@ -268,10 +268,14 @@ E2E = {
     ("moe_z1_fp32", 1, 2): [(2, 2, 3), (2, 4, 3)],
     ("moe_bf16_optimizer", 2, 2): [(1, 2, 3), (2, 4, 3)],
     ("moe_z2_bf16", 4, 4): [(2, 2, 3)],
+    # AutoEP (fused experts, ds_autoep_layers recomputed): EP change, DP change, bf16 at ZeRO-1.
+    ("autoep_z2_fp32", 2, 2): [(1, 2, 3), (2, 4, 3)],
+    ("autoep_z1_bf16", 2, 2): [(1, 2, 1)],
 }
 # In the same check jobs: the source loaded by reshard.deepspeed.load_checkpoint, which reshards
 # in the job to the engine's (dp, ep).
-IN_JOB = {("moe_z2_fp32", 2, 2): [(1, 2), (2, 4)], ("moe_bf16_optimizer", 2, 2): [(2, 4)]}
+IN_JOB = {("moe_z2_fp32", 2, 2): [(1, 2), (2, 4)], ("moe_bf16_optimizer", 2, 2): [(2, 4)],
+          ("autoep_z2_fp32", 2, 2): [(1, 2)]}
 
 
 @pytest.mark.e2e
@@ -296,6 +300,18 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         tag_dir = swapped / "global_step3"
         a, b = (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
         a.rename(tag_dir / "tmp.pt"), b.rename(a), (tag_dir / "tmp.pt").rename(b)
+        negative = (swapped, tmp_path / "swapped.json")
+        by_job[(1, 2)].append(negative)
+    if source_key == ("autoep_z2_fp32", 2, 2):
+        # Negative control: two expert files of layer 0 swapped (experts 1 and 2 trade weights);
+        # DeepSpeed stacks whatever the files hold.
+        swapped = tmp_path / "swapped"
+        shutil.copytree(tmp_path / "ep1-w2", swapped)
+        tag_dir = swapped / "global_step3"
+        a, b = (tag_dir / f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in (1, 2))
+        one, two = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+        torch.save({k[:-1] + "2": v for k, v in one.items()}, b)
+        torch.save({k[:-1] + "1": v for k, v in two.items()}, a)
         negative = (swapped, tmp_path / "swapped.json")
         by_job[(1, 2)].append(negative)
     for ep, world in IN_JOB.get(source_key, []):
