@@ -316,10 +316,30 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         by_job[(1, 2)].append(negative)
     for ep, world in IN_JOB.get(source_key, []):
         by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
+    deepspeed_plain = deepspeed_universal = None
+    if source_key == ("autoep_z2_fp32", 2, 2):
+        # Against DeepSpeed, in the same job: its plain load of the ep2 source into the ep1 engine
+        # reports success and gives experts 2 and 3 other experts' optimizer partitions; its
+        # universal path (ds_to_universal + load_universal) gives every master and moment right.
+        from test_export_universal import _ds_to_universal
+        _ds_to_universal(source, tmp_path / "universal")
+        deepspeed_plain = (source, tmp_path / "deepspeed-plain.json")
+        deepspeed_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
+        by_job[(1, 2)] += [deepspeed_plain, deepspeed_universal]
     for (ep, world), loads in by_job.items():
-        for (load_dir, _, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
+        for (load_dir, verdict_path, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
             if negative is not None and load_dir == negative[0]:
                 assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert partitions"
+                continue
+            if deepspeed_plain is not None and verdict_path == deepspeed_plain[1]:
+                assert verdict["load_error"] is None and not verdict["ok"]
+                assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
+                continue
+            if deepspeed_universal is not None and verdict_path == deepspeed_universal[1]:
+                # load_universal drops buffers and keeps the source's expert group name `ep_size_2`
+                assert verdict["load_error"] is None and verdict["checked_tensors"] >= 150
+                assert sorted(m.split(":")[0] for m in verdict["mismatches"]) == [
+                    "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
                 continue
             assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
             _assert_ok(verdict)

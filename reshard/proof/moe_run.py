@@ -6,6 +6,7 @@
         --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
+        [--universal-load-dir /tmp/uni --universal-verdict /tmp/v4.json]   # DeepSpeed's load_universal
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
@@ -159,11 +160,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     check.add_argument("--in-job-load-dir", action="append", default=[],
                        help="load with reshard.deepspeed.load_checkpoint (resharding in the job) instead")
     check.add_argument("--in-job-verdict", action="append", default=[])
+    check.add_argument("--universal-load-dir", action="append", default=[],
+                       help="a ds_to_universal output, loaded with checkpoint.load_universal (DeepSpeed's path)")
+    check.add_argument("--universal-verdict", action="append", default=[])
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--extra-steps", type=int, default=1)
     args = parser.parse_args(argv)
     if args.mode == "check" and (len(args.load_dir) != len(args.verdict)
-                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)):
+                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)
+                                 or len(args.universal_load_dir) != len(args.universal_verdict)):
         parser.error("give one --verdict per --load-dir and one --in-job-verdict per --in-job-load-dir")
     return args
 
@@ -196,9 +201,13 @@ def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
     return [dict(group, name=f"ep_size_{ep}") if group.get("moe") else group for group in truth_groups]
 
 
-def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
+def check_one(variant, args, truth: dict, load_dir: str, in_job: bool, universal: bool = False) -> dict:
+    import dataclasses
+
     import deepspeed.comm as dist
 
+    if universal:
+        variant = dataclasses.replace(variant, load_universal=True)
     engine = build_engine(variant, args.seed, ep=args.ep)
     load_error, started = None, time.perf_counter()
     try:
@@ -230,6 +239,7 @@ def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
             comparison.mismatches.append(f"extra steps gave non-finite losses {extra}")
     return {"ok": not load_errors and not comparison.mismatches, "variant": variant.name,
             "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job,
+            "universal": universal,
             "source_world_size": truth["meta"]["world_size"], "source_ep": truth["meta"]["ep"],
             "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
             "mismatch_count": len(comparison.mismatches),
@@ -244,10 +254,11 @@ def check(args) -> None:
 
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)
-    loads = [(d, v, False) for d, v in zip(args.load_dir, args.verdict)]
-    loads += [(d, v, True) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
-    for load_dir, verdict_path, in_job in loads:
-        verdict = check_one(variant, args, truth, load_dir, in_job)
+    loads = [(d, v, False, False) for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(d, v, True, False) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    loads += [(d, v, False, True) for d, v in zip(args.universal_load_dir, args.universal_verdict)]
+    for load_dir, verdict_path, in_job, universal in loads:
+        verdict = check_one(variant, args, truth, load_dir, in_job, universal)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.
         if dist.get_rank() == 0:

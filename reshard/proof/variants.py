@@ -73,6 +73,8 @@ class Variant:
     given at launch (reshard.proof.moe_run --ep), instead of the proof model."""
     autoep: bool = False
     """Train reshard.proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
+    load_universal: bool = False
+    """checkpoint.load_universal: the engine loads DeepSpeed's universal checkpoints (an oracle)."""
 
     def ds_config(self, ep: int = 1) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W.
@@ -112,10 +114,12 @@ class Variant:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
         if self.optimizer != "adamw":
             config["zero_allow_untested_optimizer"] = True
+        if self.load_universal:
+            config.setdefault("checkpoint", {})["load_universal"] = True
         if self.autoep:
             config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}
         if self.node_local_storage:
-            config["checkpoint"] = {"use_node_local_storage": True}
+            config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
