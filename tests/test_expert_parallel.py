@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 10): native DeepSpeed MoE checkpoints resharded for another (dp, ep).
+"""Expert parallelism (issue 10): native DeepSpeed MoE and AutoEP checkpoints resharded for another (dp, ep).
 
     python -m pytest -q tests/test_expert_parallel.py -m "not e2e"   # planner and refusals, seconds
     python -m pytest -q tests/test_expert_parallel.py                # + real DeepSpeed, ~4 min idle
@@ -11,6 +11,8 @@ from both world sizes where it can), and loaded with plain `engine.load_checkpoi
 target (dp, ep); every element of the fp32 masters and optimizer states, named by GLOBAL expert
 id and merged over ranks, must equal the truth, the eval loss must be close, one more step finite.
 Some sources are also loaded in-job by `reshard.deepspeed.load_checkpoint` at another (dp, ep).
+AutoEP (reshard.proof.moe_model.AutoEPProofModel, experts fused per EP rank) runs through the
+same matrix, with DeepSpeed's own plain and universal loads judged in the same job.
 """
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ class CheckpointSpec:
                                          ("parameter alignment", self.param_alignment > 1)) if on]
         ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
         if self.experts is not None:
-            ranks += (f", MoE {len(self.experts.num_experts)} layers x "
+            ranks += (f", {'AutoEP' if self.experts.autoep else 'MoE'} {len(self.experts.num_experts)} layers x "
                       f"{'/'.join(map(str, sorted(set(self.experts.num_experts))))} experts at ep={self.topology.ep}")
         return (f"{kind} {self.lp_dtype}, {ranks}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"
