@@ -38,7 +38,7 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology), spec.layout(target)
-    if spec.stage == 3 and not tabulated:
+    if spec.stage == 3 and not tabulated and spec.experts is None:  # AutoEP ZeRO-3: from its piece tables
         bases = logical_bases([p.numel for p in spec.params])
         spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,
                                      bases, ownership, budget_bytes)]

@@ -499,12 +499,62 @@ def test_autoep_layers_read_retarget_and_refuse():
     expected = [dict(_autoep_entry(layer, 4), expert_data_parallel_world_size=1) for layer in range(2)]
     assert retargeted == expected and entries == [_autoep_entry(0, 2), _autoep_entry(1, 2)]  # source untouched
     assert target_autoep_layers(entries, Topology(dp=4, ep=1))[0]["expert_data_parallel_world_size"] == 4
-    with pytest.raises(UnsupportedCheckpoint, match="zero3_partitioned") as error:
-        read_autoep_layers([_autoep_entry(0, 2, fmt="zero3_partitioned")], "/x/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    zero3 = [dict(_autoep_entry(layer, 2, fmt="zero3_partitioned"), checkpoint_format_version=1) for layer in (0, 1)]
+    assert read_autoep_layers(zero3, "/x/m.pt").zero3 and not layers.zero3
+    rank3 = target_autoep_layers(zero3, Topology(dp=4, ep=2), rank=3)[1]  # ZeRO-3: every rank its own entries
+    assert (rank3["ep_rank"], rank3["expert_data_parallel_rank"], rank3["global_expert_start"],
+            rank3["global_expert_end"]) == (1, 1, 2, 4)
+    with pytest.raises(UnsupportedCheckpoint, match="version 2") as error:
+        read_autoep_layers([dict(zero3[0], checkpoint_format_version=2)], "/x/zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert "/x/zero_pp_rank_0" in str(error.value)
+    with pytest.raises(UnsupportedCheckpoint, match="'bogus' format"):
+        read_autoep_layers([_autoep_entry(0, 2, fmt="bogus")], "/x/m.pt")
     shuffled = _autoep_entry(0, 2)
     shuffled["expert_placement"]["ranks"][0]["experts"] = [1, 0]
     with pytest.raises(UnsupportedCheckpoint, match="contiguous equal blocks"):
         read_autoep_layers([shuffled], "/x/m.pt")
     with pytest.raises(UnsupportedCheckpoint, match="different ep sizes"):
         read_autoep_layers([_autoep_entry(0, 2), _autoep_entry(1, 4)], "/x/m.pt")
+
+
+@pytest.mark.parametrize("old,new", [((4, 2), (2, 1)), ((4, 2), (4, 4)), ((2, 2), (8, 2)), ((8, 4), (6, 2))])
+@pytest.mark.parametrize("sub_group_size", [10 ** 9, 300])
+def test_autoep_zero3_layout_and_plan(old, new, sub_group_size):
+    """AutoEP ZeRO-3: each fused tensor is chunked over its EP rank's expert-data-parallel group,
+    every element has one holder, and a plan between two topologies moves each to its place."""
+    from reshard.expert_layout import expert_zero3_layout
+    params, groups, experts = synthetic_autoep(2, 8)
+    layouts = [expert_zero3_layout(params, groups, experts, Topology(dp=dp, ep=ep), sub_group_size) for dp, ep in (old, new)]
+    total = sum(p.numel for p in params)
+    for layout in layouts:
+        held = _held_values(layout, total)
+        values = np.concatenate([v[v >= 0] for v in held.values()])
+        assert np.array_equal(np.sort(values), np.arange(total))
+        expert_sg = [i for i, sg in enumerate(layout.sub_groups) if sg.is_expert]
+        chunk = -(-(8 // layout.topology.ep) * 128 // layout.topology.expert_dp)  # one fused [n_local, 16, 8]
+        assert layout.sub_groups[expert_sg[0]].chunk_numels[0] == chunk
+    source, wanted = _held_values(layouts[0], total), _held_values(layouts[1], total)
+    got = {key: np.full(len(v), -1, np.int64) for key, v in wanted.items()}
+    space = plan_space("optim", layouts[0].pieces, layouts[1].pieces, (Stream("fp32", "float32", 4),),
+                       buffer_numels(layouts[1]), Ownership.between(layouts[0].topology, layouts[1].topology, 3), 4096)
+    s = space.segments
+    for i in range(len(s)):
+        n = int(s.length[i])
+        got[(int(s.dst_rank[i]), int(s.dst_buffer[i]))][s.dst_offset[i]:s.dst_offset[i] + n] = \
+            source[(int(s.src_rank[i]), int(s.src_buffer[i]))][s.src_offset[i]:s.src_offset[i] + n]
+    for key in wanted:
+        assert np.array_equal(got[key][wanted[key] >= 0], wanted[key][wanted[key] >= 0]), key
+
+
+def test_autoep_zero3_partition_groups_as_deepspeed_wrote_them():
+    """ds_zero_partition_groups of rank 2 of a dp=4, ep=2 AutoEP ZeRO-3 save (DeepSpeed 0.19.8, CPU)."""
+    from reshard.expert_layout import expert_zero3_layout
+    params, groups, experts = synthetic_autoep(2, 4)
+    layout = expert_zero3_layout(params, groups, experts, Topology(dp=4, ep=2), 10 ** 9)
+    assert layout.partition_groups(2, "ep_size_2") == [
+        {"sub_group": 0, "partition_count": 4, "partition_rank": 2, "partition_ranks": [0, 1, 2, 3],
+         "families": ["replicated"], "group_names": ["replicated"]},
+        {"sub_group": 1, "partition_count": 4, "partition_rank": 2, "partition_ranks": [0, 1, 2, 3],
+         "families": ["replicated"], "group_names": ["replicated"]},
+        {"sub_group": 2, "partition_count": 2, "partition_rank": 1, "partition_ranks": [0, 2],
+         "families": ["autoep_expert"], "group_names": ["ep_size_2"]}]

@@ -29,7 +29,9 @@ from reshard.topology import Topology
 
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"
 PER_EXPERT_FILES = "per_expert_files"
-"""checkpoint_format of ZeRO-1/2 AutoEP; ZeRO-3 writes `zero3_partitioned` (not supported yet)."""
+"""checkpoint_format of ZeRO-1/2 AutoEP: experts in layer_{L}_expert_{G}_... files."""
+ZERO3_PARTITIONED = "zero3_partitioned"
+"""checkpoint_format of ZeRO-3 AutoEP: experts only in the ZeRO-3 partitions, no expert files."""
 _PLACEMENT_VERSION = 1
 _AFFINE_MAP_VERSION = 1
 _WEIGHTS = ("w1", "w2", "w3")
@@ -43,6 +45,8 @@ class AutoEPLayers:
     prefixes: tuple[str, ...]
     """Per layer, the expert key prefix through `experts.` (`model.layers.0.mlp.experts.`)."""
     ep: int
+    zero3: bool
+    """`zero3_partitioned`: every rank's model states hold its own entries (its EP rank)."""
 
 
 def uniform_placement(num_experts: int, ep: int) -> dict:
@@ -77,7 +81,7 @@ def read_autoep_layers(entries, path: str) -> AutoEPLayers:
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise CheckpointError(path, f"has {AUTOEP_LAYERS_KEY} {type(entries).__name__}, expected a list of "
                                     "per-layer dicts (engine.py `_save_moe_checkpoint`)")
-    num_experts, prefixes, eps = [], [], set()
+    num_experts, prefixes, eps, formats = [], [], set(), set()
     for layer, entry in enumerate(entries):
         try:
             count, ep, prefix = int(entry["num_experts"]), int(entry["ep_size"]), str(entry["expert_key_prefix"])
@@ -87,10 +91,13 @@ def read_autoep_layers(entries, path: str) -> AutoEPLayers:
         if layer_id != layer:
             raise CheckpointError(path, f"{AUTOEP_LAYERS_KEY}[{layer}] has moe_layer_id {layer_id}; expected the "
                                         "layers in order")
-        if fmt != PER_EXPERT_FILES:
-            raise UnsupportedCheckpoint(path, f"is an AutoEP checkpoint in the {fmt!r} format (ZeRO-3 "
-                                              "partition-native expert state); reshard supports AutoEP at ZeRO-1/2 "
-                                              f"({PER_EXPERT_FILES!r}) only")
+        if fmt not in (PER_EXPERT_FILES, ZERO3_PARTITIONED):
+            raise UnsupportedCheckpoint(path, f"is an AutoEP checkpoint in the {fmt!r} format; reshard knows "
+                                              f"{PER_EXPERT_FILES!r} (ZeRO-1/2) and {ZERO3_PARTITIONED!r} (ZeRO-3)")
+        if fmt == ZERO3_PARTITIONED and entry.get("checkpoint_format_version") != 1:
+            raise UnsupportedCheckpoint(path, f"AutoEP layer {layer} is in {ZERO3_PARTITIONED!r} format version "
+                                              f"{entry.get('checkpoint_format_version')!r}; reshard knows version 1")
+        formats.add(fmt)
         if count % ep or placement is not None and placement != uniform_placement(count, ep):
             raise UnsupportedCheckpoint(path, f"AutoEP layer {layer} places its {count} experts over ep={ep} other "
                                               "than in contiguous equal blocks; not supported")
@@ -102,11 +109,15 @@ def read_autoep_layers(entries, path: str) -> AutoEPLayers:
         eps.add(ep)
     if len(eps) != 1:
         raise UnsupportedCheckpoint(path, f"AutoEP layers have different ep sizes {sorted(eps)}")
-    return AutoEPLayers(tuple(num_experts), tuple(prefixes), eps.pop())
+    if len(formats) != 1:
+        raise CheckpointError(path, f"AutoEP layers are saved in several formats {sorted(formats)}")
+    return AutoEPLayers(tuple(num_experts), tuple(prefixes), eps.pop(), formats.pop() == ZERO3_PARTITIONED)
 
 
-def target_autoep_layers(entries: list[dict], target: Topology) -> list[dict]:
-    """The source's entries as DeepSpeed would write them at `target` (see the module docstring)."""
+def target_autoep_layers(entries: list[dict], target: Topology, rank: int = 0) -> list[dict]:
+    """The source's entries as global rank `rank` of `target` would write them (see the module
+    docstring; ZeRO-1/2 write rank 0's only, ZeRO-3 every rank its own)."""
+    ep_rank, expert_dp_rank = target.expert_parallel_rank(rank), target.expert_data_parallel_rank(rank)
     out = []
     for entry in entries:
         new = copy.deepcopy(entry)
@@ -121,10 +132,10 @@ def target_autoep_layers(entries: list[dict], target: Topology) -> list[dict]:
             for name, old in maps.items():
                 maps[name] = uniform_affine_map(tuple(old["logical_shape"]), ep)
         new["ep_group_name"] = f"ep_size_{ep}"
-        new["ep_rank"] = 0
-        new["expert_data_parallel_rank"] = 0
+        new["ep_rank"] = ep_rank
+        new["expert_data_parallel_rank"] = expert_dp_rank
         new["expert_data_parallel_world_size"] = target.expert_dp
-        new["global_expert_start"] = 0
-        new["global_expert_end"] = n
+        new["global_expert_start"] = ep_rank * n
+        new["global_expert_end"] = (ep_rank + 1) * n
         out.append(new)
     return out

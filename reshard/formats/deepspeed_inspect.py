@@ -131,7 +131,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
     expert_files = {name: schema.expert_file_index(name) for name, role in roles.items() if role.kind == "expert"}
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
-                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle))
+                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3))
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         if spec.experts is not None:
             raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; "
@@ -252,13 +252,13 @@ def _zero_config(model_tree: dict) -> dict:
 
 
 def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str,
-                   trust_pickle: bool) -> tuple[tuple[int, ...], tuple[str, ...], int | None] | None:
+                   trust_pickle: bool, stage3: bool = False) -> tuple[tuple[int, ...], tuple[str, ...], int | None] | None:
     """(num_experts, name prefix of each MoE layer, AutoEP's ep or None for native MoE) from
     `num_experts` and the expert files, or None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
     writes layer_{L}_expert_{G}_mp_rank_00_model_states.pt per global expert G."""
     num_experts = model_tree.get("num_experts") if isinstance(model_tree, dict) else None
     if isinstance(model_tree, dict) and model_tree.get(AUTOEP_LAYERS_KEY) is not None:
-        read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)  # refuses ZeRO-3's format first
+        return _autoep_expert_layers(tag_dir, expert_files, model_tree, model_path, num_experts, trust_pickle, stage3)
     if not expert_files:
         if num_experts and any(n != 1 for n in num_experts):
             raise CheckpointError(model_path, f"says num_experts {num_experts}, but the tag directory holds no "
@@ -275,8 +275,6 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
     for layer, expert in sorted(found - wanted):
         raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
                               f"should not exist: num_experts is {num_experts} (left over from another save?)")
-    if model_tree.get(AUTOEP_LAYERS_KEY) is not None:
-        return _autoep_expert_layers(tag_dir, model_tree, model_path, num_experts, trust_pickle)
     prefixes = []
     for layer in range(len(num_experts)):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
@@ -289,16 +287,32 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
     return tuple(num_experts), tuple(prefixes), None
 
 
-def _autoep_expert_layers(tag_dir: str, model_tree: dict, model_path: str, num_experts: list, trust_pickle: bool):
-    """(num_experts, prefixes, ep) of an AutoEP checkpoint, from `ds_autoep_layers`; expert
-    files key global expert G's slices `{prefix}w1.{G}`, w2, w3 (engine.py `_save_moe_checkpoint`)."""
+def _autoep_expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str, num_experts,
+                          trust_pickle: bool, stage3: bool):
+    """(num_experts, prefixes, ep) of an AutoEP checkpoint, from `ds_autoep_layers`. ZeRO-1/2:
+    expert files key global expert G's slices `{prefix}w1.{G}`, w2, w3 (engine.py
+    `_save_moe_checkpoint`); ZeRO-3 (`zero3_partitioned`) writes no expert files."""
     if model_tree.get("folding") is not None:
         raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint folded with AutoTP (folding metadata); "
                                                 "resharding TP and EP together is not supported yet")
     layers = read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)
-    if list(layers.num_experts) != list(num_experts):
-        raise CheckpointError(model_path, f"says num_experts {num_experts} but {AUTOEP_LAYERS_KEY} has "
+    if not isinstance(num_experts, list) or list(layers.num_experts) != list(num_experts):
+        raise CheckpointError(model_path, f"says num_experts {num_experts!r} but {AUTOEP_LAYERS_KEY} has "
                                           f"{list(layers.num_experts)}")
+    if layers.zero3 != stage3:
+        raise CheckpointError(model_path, f"is a ZeRO-{'3' if stage3 else '1/2'} checkpoint whose AutoEP layers are "
+                                          f"in the {'zero3_partitioned' if layers.zero3 else 'per_expert_files'} format")
+    if stage3:
+        if expert_files:
+            raise CheckpointError(os.path.join(tag_dir, sorted(expert_files)[0]),
+                                  "should not exist: ZeRO-3 AutoEP keeps experts in the ZeRO partitions only")
+        return layers.num_experts, layers.prefixes, layers.ep
+    wanted = {(layer, expert) for layer, count in enumerate(num_experts) for expert in range(count)}
+    found = set(expert_files.values())
+    for layer, expert in sorted(wanted ^ found):
+        raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
+                              f"is {'missing' if (layer, expert) in wanted else 'unexpected'}: num_experts is "
+                              f"{num_experts}")
     for layer, prefix in enumerate(layers.prefixes):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
         keys = load_structure(path, schema.safe_globals(), trust_pickle)
@@ -449,13 +463,13 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
             names_per_group = [undo_round_robin(items, n) for items in names_per_group]
     ep, expert_groups = 1, None
     if expert_layers:
-        if stage == 3:
+        if stage == 3 and expert_layers[2] is None:
             raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 checkpoint with native MoE expert files; DeepSpeed "
                                                     "0.19.8 does not train native MoE at stage 3")
         if (model_tree.get("ds_config") or {}).get("use_data_before_expert_parallel_"):
             raise UnsupportedCheckpoint(model_path, "was saved with use_data_before_expert_parallel_ (D+E rank "
                                                     "order of expert groups); not supported yet")
-        base_groups = (osd.get("base_optimizer_state") or {}).get("param_groups") or []
+        base_groups = ((osd.get(OPT) if stage == 3 else osd.get("base_optimizer_state")) or {}).get("param_groups") or []
         expert_groups = [bool(group.get("moe")) for group in base_groups]
         if len(expert_groups) != len(names_per_group) or not any(expert_groups):
             raise CheckpointError(optim_path, f"has {len(expert_groups)} optimizer param groups "
@@ -494,7 +508,8 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
                           round_robin, param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype, experts=experts)
     layout = spec.layout(spec.topology)
     if stage == 3:
-        expected = [[params[p].name for p in sg.params] for sg in layout.sub_groups]
+        expected = [[name for name, _ in layout.param_shapes_on_rank(sg.params, 0)] if experts is not None
+                     else [params[p].name for p in sg.params] for sg in layout.sub_groups]
         found = [list(s.keys()) for s in shapes]
         if expected != found:
             raise CheckpointError(model_path, f"sub-groups in param_shapes ({len(found)}) do not follow from "
@@ -557,6 +572,8 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
     meta = rank_metadata(spec, layout, rank)
     if spec.stage == 3:
         _expect(path, "partition_count", osd.get("partition_count"), meta.partition_count)
+        if meta.partition_groups is not None or "ds_zero_partition_groups" in osd:
+            _expect(path, "ds_zero_partition_groups", osd.get("ds_zero_partition_groups"), meta.partition_groups)
     else:
         _expect(path, "partition_count", list(osd.get("partition_count", [])), meta.partition_count)
         _check_rank_identity(osd, path, spec, layout, rank)

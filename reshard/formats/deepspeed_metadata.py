@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard.layout import Zero3Layout, buffer_numels
+from reshard.layout import buffer_numels
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class RankMetadata:
     """Per param group: (parameter name, numel, start in this rank's partition), DeepSpeed's order."""
     sub_group_ids: list[list[int]] | None = None
     """ZeRO-3: the sub-group ids of each param group (its torch param_group's `params`)."""
+    partition_groups: list[dict] | None = None
+    """AutoEP ZeRO-3: `ds_zero_partition_groups` (stage3.py `_zero3_partition_group_metadata`),
+    which differs per rank and which DeepSpeed's load compares with its own."""
 
 
 def _merged(mappings: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
@@ -66,9 +69,11 @@ def _local_paddings(layout, rank: int, group) -> list[int]:
 def rank_metadata(spec, layout, rank: int) -> RankMetadata:
     """The metadata of rank `rank` of `layout` (a ZeRO layout of `spec` at some world size)."""
     sizes = buffer_numels(layout)
-    if isinstance(layout, Zero3Layout):
+    if hasattr(layout, "sub_groups"):  # ZeRO-3, AutoEP's too (reshard.expert_layout.ExpertZero3Layout)
         ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
-        return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids)
+        groups = (layout.partition_groups(rank, f"ep_size_{layout.topology.ep}")
+                  if hasattr(layout, "partition_groups") else None)
+        return RankMetadata(layout.world_size, sizes, sizes, sub_group_ids=ids, partition_groups=groups)
     held = layout.rank_groups(rank)
     numels = [p.numel for p in layout.params]  # TP-local shapes under tensor parallelism
     mappings = [_merged([(layout.name_on_rank(p, rank), numel, start) for p, numel, start in g.slice_mappings(index, numels)])

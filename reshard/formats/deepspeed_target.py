@@ -85,7 +85,7 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     tree = copy.deepcopy(source.optim_template)
     osd = tree[OPT]
     if spec.stage == 3:
-        _fill_zero3_optim(osd, source, layout)
+        _fill_zero3_optim(osd, source, layout, rank)
         return tree
     states = osd["base_optimizer_state"]["state"]
     fp32 = osd["single_partition_of_fp32_groups"]
@@ -148,12 +148,13 @@ def _rename_expert_groups(osd: dict, spec, layout) -> None:
     if spec.experts is None or layout.topology.ep == spec.topology.ep:
         return
     old_name, new_name = f"ep_size_{spec.topology.ep}", f"ep_size_{layout.topology.ep}"
-    for group, is_expert in zip(osd["base_optimizer_state"]["param_groups"], spec.experts.expert_groups):
+    torch_state = osd[OPT] if spec.stage == 3 else osd["base_optimizer_state"]
+    for group, is_expert in zip(torch_state["param_groups"], spec.experts.expert_groups):
         if is_expert and group.get("name") == old_name:
             group["name"] = new_name  # one object for every group, as DeepSpeed's (pickled once)
 
 
-def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
+def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout, rank: int) -> None:
     spec = source.spec
     stream_names = {s.name for s in spec.streams}
     source_layout = spec.layout(spec.topology)
@@ -173,9 +174,12 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
                                else own_storage(value, used, ("optim", sg_id, key)))
                          for key, value in template.items()}
     inner["state"] = states
-    meta = rank_metadata(spec, layout, 0)  # ZeRO-3 metadata is the same on every rank
+    meta = rank_metadata(spec, layout, rank)  # the same on every rank, but AutoEP's partition groups
     for param_group, ids in zip(inner["param_groups"], meta.sub_group_ids):
         param_group["params"] = ids
+    if meta.partition_groups is not None:
+        osd["ds_zero_partition_groups"] = meta.partition_groups
+    _rename_expert_groups(osd, spec, layout)
     fp32 = next(s for s in spec.streams if s.name == "fp32")
     osd["fp32_flat_groups"] = [_new(("optim", i, "fp32"), size, like_fp32, fp32.dtype)
                                for i, size in enumerate(meta.fp32_numels)]
@@ -201,9 +205,9 @@ def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     return tree
 
 
-def _retarget_autoep_layers(tree: dict, target: Topology) -> None:
-    """engine.py `_save_moe_checkpoint` stores one list under both keys (pickled once)."""
-    layers = target_autoep_layers(tree[AUTOEP_LAYERS_KEY], target)
+def _retarget_autoep_layers(tree: dict, target: Topology, rank: int = 0) -> None:
+    """engine.py `_save_moe_checkpoint` stores one list under both keys."""
+    layers = target_autoep_layers(tree[AUTOEP_LAYERS_KEY], target, rank)
     tree[AUTOEP_LAYERS_KEY] = layers
     info = tree.get("universal_checkpoint_info")
     if isinstance(info, dict) and AUTOEP_LAYERS_KEY in info:
@@ -239,7 +243,8 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     spec = source.spec
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(layout, sg.params) for sg in layout.sub_groups]
+    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size  # as in ZeRO-1/2
+    tree["param_shapes"] = [_shapes(layout, sg.params, shape_type) for sg in layout.sub_groups]
     tree["dp_world_size"] = layout.world_size
     if spec.frozen:
         old = tree["frozen_param_fragments"]
@@ -249,4 +254,6 @@ def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     # engine.py `_get_shared_params` fills the alias table on global rank 0 only.
     if rank != 0 and isinstance(tree.get("shared_params"), dict):
         tree["shared_params"] = {}
+    if spec.experts is not None and spec.experts.autoep:
+        _retarget_autoep_layers(tree, layout.topology, rank)  # every rank writes its own (engine.py)
     return tree
