@@ -478,3 +478,25 @@ def test_tensor_parallel_size_checks_files():
     assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}) == 2
     with pytest.raises(CheckpointError, match=r"tensor-parallel ranks \[0, 1, 2\], but mp_world_size is 2"):
         _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2})
+
+
+def test_zero3_tp1_split_comes_from_layer_specs_and_param_shapes():
+    """At TP 1 DeepSpeed saves no universal_checkpoint_info, and under ZeRO-3 `module` holds empty
+    placeholders: the split follows the saved layer_specs, the shapes param_shapes."""
+    from reshard.formats.deepspeed_tensor import splits_from_layer_specs, tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    empty = TensorRef(0, 0, "float32", (0,), (1,), 0, False)
+    specs = [{"patterns": [r"^up\.weight$"], "partition_type": "column"},
+             {"patterns": [r"^down\.weight$"], "partition_type": "row"}]
+    tree = {"module": {n: empty for n in ("up.weight", "up.bias", "down.weight", "down.bias", "frozen.weight")},
+            "param_shapes": [{"up.weight": (9, 8), "down.weight": (8, 9)}, {"up.bias": (9,), "down.bias": (8,)}],
+            "frozen_param_shapes": {"frozen.weight": (8, 8)}, "buffer_names": [],
+            "ds_config": {"tensor_parallel": {"partition_config": {"use_default_specs": False, "layer_specs": specs}}}}
+    _, by_name, _ = splits_from_layer_specs(tree, "m.pt")
+    assert by_name["up.weight"] == (TensorSplit("column", 0), (9, 8))
+    assert by_name["down.weight"] == (TensorSplit("row", 1), (8, 9)) and by_name["down.bias"] == (REPLICATED, (8,))
+    assert by_name["frozen.weight"] == (REPLICATED, (8, 8))
+    local = tuple(ParamSpec(n, s) for group in tree["param_shapes"] for n, s in group.items())
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 1, local, module_weights=False)
+    assert tensor.module.names == () and [p.shape for p in params] == [(9, 8), (8, 9), (9,), (8,)]
+    assert tensor.params.local_shapes(2, 1) == ((4, 8), (8, 4), (4,), (8,))

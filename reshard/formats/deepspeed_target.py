@@ -12,7 +12,8 @@ exchange), `partition_count`, `group_paddings`, `param_alignment_paddings`,
 `param_slice_mappings`, `param_shapes` (flat order / sub-groups), ZeRO-3 sub-group ids,
 `frozen_param_fragments` and `dp_world_size`. Under AutoTP each (dp, tp) rank's files follow
 from its TP-local shapes; the model-states file of each TP rank gets its module weights
-resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`).
+resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`); under ZeRO-3 every
+(dp, tp) rank's model-states file gets the TP metadata (`_set_tensor_parallel_metadata`).
 """
 from __future__ import annotations
 

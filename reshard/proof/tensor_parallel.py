@@ -14,7 +14,7 @@ The TP split comes from `tensor_parallel.partition_config.layer_specs`.
 
 Truth (written by global rank 0 after the save): every trainable parameter's full, unsharded
 fp32 master and optimizer states (TP shards joined along their partition dimension), module
-values, frozen values, counters and the eval loss. `check` builds an engine at its own
+values, frozen values (under ZeRO-3 gathered over the dp group first), counters and the eval loss. `check` builds an engine at its own
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
