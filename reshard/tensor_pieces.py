@@ -3,6 +3,7 @@
     from reshard.tensor_pieces import GlobalSpace, zero12_pieces
     space = GlobalSpace.of(spec.tensor.params, target_tp=1)
     source = zero12_pieces(spec.tensor.params, space, spec.topology, lambda t: spec.layout(2, 2, t), "source")
+    frozen = zero3_frozen_pieces(spec.frozen, GlobalSpace.of(replicated(spec.frozen), 1), spec.topology, "source")
 
 The logical space is the GLOBAL (unsharded) parameters laid end to end, each row-major, so
 it does not depend on either TP size and the 1-D core (`reshard.plan`) intersects a source
@@ -14,7 +15,10 @@ copy (the other source TP ranks' copies are not read).
 Each (dp, tp) rank's pieces come from the ZeRO rules over its TP-local shapes and the dp
 size (`reshard.layout`), then are lowered from the rank's local space to the global one
 (`reshard.local_to_global`); a piece's rank is the global rank, tp fastest
-(`reshard.topology`). Module tensors (the split lp weights of the ZeRO-1/2 model-states
+(`reshard.topology`). The same holds under ZeRO-3 (`reshard.layout.Zero3Layout`: each TP rank's
+local parameters chunked over its dp group, engine.py `_get_zero_ckpt_name` names the file by
+(dp, tp)), and for its partitioned frozen parameters (`frozen_param_fragments`), which AutoTP
+leaves whole: each TP rank holds the same chunks, read from source TP rank 0. Module tensors (the split lp weights of the ZeRO-1/2 model-states
 files, one file per TP rank, written by its dp rank 0) form a second space the same way:
 buffer j of a rank is its local tensor j. DeepSpeed saves them as views of each param group's
 flat lp buffer, whose order and padding depend on the TP-local shapes, so every trainable
@@ -27,8 +31,9 @@ from typing import Callable
 
 import numpy as np
 
-from reshard.layout import PieceTable, Zero12Layout, table_from_columns, logical_bases
-from reshard.layout_tensor import TensorParallelParams, numel
+from reshard.layout import ParamSpec, PieceTable, Zero3Layout, Zero12Layout, frozen_pieces, logical_bases, \
+    table_from_columns
+from reshard.layout_tensor import REPLICATED, TensorParallelParams, numel
 from reshard.local_to_global import globalize
 from reshard.topology import Topology
 
@@ -65,9 +70,9 @@ def _bases_for(params: TensorParallelParams, space: GlobalSpace, side: str, tp_r
 
 
 def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: Topology,
-                  layout_of: Callable[[int], Zero12Layout], side: str) -> PieceTable:
+                  layout_of: Callable[[int], Zero12Layout | Zero3Layout], side: str) -> PieceTable:
     """Pieces of every (dp, tp) rank of `topology` over `space`; `layout_of(t)` is TP rank t's
-    ZeRO layout over its local shapes at `topology.dp` ranks."""
+    ZeRO layout (stage 1/2, or 3) over its local shapes at `topology.dp` ranks."""
     columns = []
     for t in range(topology.tp):
         layout = layout_of(t)
@@ -79,6 +84,30 @@ def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: To
                                                    pieces.length, local_bases, placements)
         columns.append((start, dp_rank * topology.tp + t, buffer, offset))
     return table_from_columns(columns, space.total)
+
+
+@dataclass(frozen=True)
+class _FrozenChunks:
+    """ZeRO-3 frozen parameters at one dp size, shaped as `zero12_pieces` reads a layout."""
+
+    params: tuple[ParamSpec, ...]
+    pieces: PieceTable
+
+
+def replicated(frozen: tuple[ParamSpec, ...]) -> TensorParallelParams:
+    """Frozen parameters as AutoTP leaves them (whole on every TP rank; split ones are refused
+    at inspect, `deepspeed_tensor.tensor_parallel_spec`)."""
+    return TensorParallelParams(tuple(p.name for p in frozen), tuple(tuple(p.shape) for p in frozen),
+                                (REPLICATED,) * len(frozen))
+
+
+def zero3_frozen_pieces(frozen: tuple[ParamSpec, ...], space: GlobalSpace, topology: Topology,
+                        side: str) -> PieceTable:
+    """Pieces of the ZeRO-3 `frozen_param_fragments` of every (dp, tp) rank over `space`
+    (`GlobalSpace.of(replicated(frozen), target_tp)`): frozen parameter j alone in buffer j,
+    chunked over dp (layout.py `frozen_pieces`), the same chunks on every TP rank."""
+    chunks = _FrozenChunks(tuple(frozen), frozen_pieces(frozen, topology.dp))
+    return zero12_pieces(replicated(frozen), space, topology, lambda t: chunks, side)
 
 
 def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str) -> PieceTable:

@@ -1,11 +1,12 @@
 """Tensor-parallel (AutoTP) resharding: pure planner properties, then real checkpoints end to end.
 
     python -m pytest -q tests/test_tensor_parallel.py -m "not e2e"     # planner, seconds
-    python -m pytest -q tests/test_tensor_parallel.py                  # + AutoTP runs, ~3-4 min idle
+    python -m pytest -q tests/test_tensor_parallel.py                  # + AutoTP runs, ~4-5 min idle
 
 End to end, (tp, dp) notation: ZeRO-2 fp32 (2,2) -> (1,3) and (4,1), offline and in-job
 (`reshard.deepspeed.load_checkpoint` in the same check launches); ZeRO-1 bf16 (2,1) -> (1,2)
-and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); W differs from both world sizes in each.
+and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); ZeRO-3 fp32 (2,2) -> (1,3) and (4,1), offline
+and in-job; ZeRO-3 bf16 (2,1) -> (1,2), offline and in-job; W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
 weights is compared with the truth resliced for that rank (reshard/proof/tensor_parallel.py),
@@ -23,11 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.boxes import Box
-from reshard.layout import ParamSpec, zero12_layout
+from reshard.layout import ParamSpec, zero3_layout, zero12_layout
 from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
 from reshard.local_to_global import box_runs
 from reshard.plan import intersect
-from reshard.tensor_pieces import GlobalSpace, module_pieces, zero12_pieces
+from reshard.tensor_pieces import GlobalSpace, module_pieces, replicated, zero3_frozen_pieces, zero12_pieces
 from reshard.topology import Topology
 
 # --- pure: DeepSpeed's rules ------------------------------------------------------------------
@@ -153,6 +154,72 @@ def test_optimizer_space_moves_every_element_once_to_its_place(model):
             assert source.coordinates(int(segments.src_rank[s])).tp == 0
 
 
+def _zero3_buffers(params, groups, topology, sub_group_size):
+    """(global rank, sub-group) -> element identities of that rank's ZeRO-3 flat buffer; -1 where
+    the chunk of a parameter is padded (stage3.py: p = ceil(n / dp), chunks end to end)."""
+    buffers = {}
+    for t in range(topology.tp):
+        local = [ParamSpec(n, params.local_shape(i, topology.tp, t)) for i, n in enumerate(params.names)]
+        layout = zero3_layout(local, groups, topology.dp, sub_group_size)
+        for sg_id, sg in enumerate(layout.sub_groups):
+            for d in range(topology.dp):
+                parts = []
+                for p, chunk in zip(sg.params, sg.chunk_numels):
+                    ids = _element_ids(params, p, topology.tp, t)[d * chunk:(d + 1) * chunk]
+                    parts.append(np.concatenate((ids, np.full(chunk - len(ids), -1, np.int64))))
+                buffers[(topology.rank_of(d, t), sg_id)] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return buffers
+
+
+@given(tp_models(), st.integers(1, 40))
+@settings(max_examples=80, deadline=None)
+def test_zero3_optimizer_space_moves_every_element_once_to_its_place(model, sub_group_size):
+    """ZeRO-3 under AutoTP: each TP rank's local parameters chunked over dp, sub-groups cut by
+    sub_group_size over the TP-LOCAL chunk sizes (so they can differ between TP ranks)."""
+    params, groups, source, target = model
+    space = GlobalSpace.of(params, target.tp)
+
+    def layout_of(topology):
+        return lambda t: zero3_layout([ParamSpec(n, params.local_shape(i, topology.tp, t))
+                                       for i, n in enumerate(params.names)], groups, topology.dp, sub_group_size)
+    segments = intersect(zero12_pieces(params, space, source, layout_of(source), "source"),
+                         zero12_pieces(params, space, target, layout_of(target), "target"))
+    sources = _zero3_buffers(params, groups, source, sub_group_size)
+    expected = _zero3_buffers(params, groups, target, sub_group_size)
+    written, count = _run(segments, sources, expected)
+    for key, want in expected.items():
+        assert np.array_equal(written[key], want), key
+        assert np.array_equal(count[key], (want >= 0).astype(np.int64)), key
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 4)), min_size=1, max_size=3),
+       st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_zero3_frozen_fragments_fill_every_tp_rank(shapes, tp_src, dp_src, tp_dst, dp_dst):
+    """Frozen ZeRO-3 parameters (AutoTP leaves them whole): every target (dp, tp) rank gets its dp
+    chunk, read from source TP rank 0 only."""
+    frozen = tuple(ParamSpec(f"f{i}", s) for i, s in enumerate(shapes))
+    source, target = Topology(dp=dp_src, tp=tp_src), Topology(dp=dp_dst, tp=tp_dst)
+    space = GlobalSpace.of(replicated(frozen), target.tp)
+    segments = intersect(zero3_frozen_pieces(frozen, space, source, "source"),
+                         zero3_frozen_pieces(frozen, space, target, "target"))
+
+    def chunks(topology):
+        out = {}
+        for j, p in enumerate(frozen):
+            c = -(-p.numel // topology.dp)
+            for d in range(topology.dp):
+                for t in range(topology.tp):
+                    ids = j * 10_000 + np.arange(p.numel)[d * c:(d + 1) * c]
+                    out[(topology.rank_of(d, t), j)] = np.concatenate((ids, np.full(c - len(ids), -1, np.int64)))
+        return out
+    expected = chunks(target)
+    written, count = _run(segments, chunks(source), expected)
+    for key, want in expected.items():
+        assert np.array_equal(written[key], want) and np.array_equal(count[key], (want >= 0).astype(np.int64)), key
+    assert all(source.coordinates(int(r)).tp == 0 for r in segments.src_rank)
+
+
 @given(tp_models())
 @settings(max_examples=60, deadline=None)
 def test_module_space_reslices_every_tensor(model):
@@ -182,6 +249,8 @@ E2E_SOURCES = {  # name: (tp, dp, stage, precision)
     "z1_bf16_tp2_dp1": (2, 1, 1, "bf16"),
     "z1_bf16_tp1_dp2": (1, 2, 1, "bf16"),
     "bf16_optimizer_tp2_dp1": (2, 1, 1, "bf16_optimizer"),
+    "z3_fp32_tp2_dp2": (2, 2, 3, "fp32"),
+    "z3_bf16_tp2_dp1": (2, 1, 3, "bf16"),
 }
 
 
@@ -232,7 +301,7 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert _universal(source, tmp_path / "u-source") == _universal(tmp_path / "tp4dp1", tmp_path / "u-output")
 
 
-def _universal(save_dir, out) -> dict:
+def _universal(save_dir, out, files_per_param: int = 4) -> dict:
     """{param/file: tensor bytes} of `ds_to_universal.py` on the checkpoint.
 
     DeepSpeed 0.19.8 merges every trainable parameter, then fails on its own AutoTP checkpoints
@@ -250,7 +319,8 @@ def _universal(save_dir, out) -> dict:
         value = torch.load(path, weights_only=False)
         tensor = value["param"] if isinstance(value, dict) else value
         found[str(path.relative_to(out))] = (tuple(tensor.shape), tensor.detach().float().numpy().tobytes())
-    assert len(found) == 8 * 4  # 8 trainable parameters x (fp32, exp_avg, exp_avg_sq, step)
+    # 8 trainable parameters x (fp32, exp_avg, exp_avg_sq, step); under ZeRO-3 DeepSpeed writes no step file
+    assert len(found) == 8 * files_per_param
     return found
 
 
@@ -277,6 +347,54 @@ def test_bf16_optimizer_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     verdicts = check_checkpoints(1, 2, 1, "bf16_optimizer", [(to_1x2, truth)], tmp_path)
     assert verdicts[0]["ok"], verdicts[0]["problems"]
+
+
+@pytest.mark.e2e
+def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
+    """ZeRO-3 under AutoTP: each TP rank's local parameters partitioned over its dp group, files
+    zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt, frozen parameters partitioned too."""
+    import torch
+    from reshard.proof.tensor_parallel import check_checkpoints
+    from trained import reshard_cli
+    source, truth = autotp("z3_fp32_tp2_dp2")
+    to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
+    done = reshard_cli(source, tmp_path / "tp4dp1", "--target-dp", "1", "--target-tp", "4", "--workers", "3", "--quiet")
+    assert done.returncode == 0, done.stderr
+    to_4x1 = tmp_path / "tp4dp1"
+    names = sorted(p.name for p in (to_4x1 / "global_step3").iterdir() if p.name.endswith(".pt"))
+    assert names == sorted(f"zero_pp_rank_0_mp_rank_0{t}_{kind}_states.pt" for t in range(4) for kind in ("model", "optim"))
+    states = torch.load(to_4x1 / "global_step3" / "zero_pp_rank_0_mp_rank_03_model_states.pt", weights_only=False)
+    assert states["mp_world_size"] == 4 and states["checkpoint_parallel_dimensions"]["tp_degree"] == 4
+    up = states["universal_checkpoint_info"]["affine_map"]["params"][r"^up\.weight$"]["ranks"]
+    assert [up[t]["shard_shape"] for t in range(4)] == [[3, 8], [2, 8], [2, 8], [2, 8]]
+    assert {n: list(s) for group in states["param_shapes"] for n, s in group.items()}["down.weight"] == [8, 2]
+    # each launch loads the offline output, then resumes from the source itself in-job
+    for (tp, dp), output in (((1, 3), to_1x3), ((4, 1), to_4x1)):
+        verdicts = check_checkpoints(tp, dp, 3, "fp32", [(output, truth), (source, truth, "in-job")], tmp_path)
+        assert verdicts[0]["ok"], (tp, dp, verdicts[0]["problems"])
+        assert verdicts[1]["ok"], (tp, dp, verdicts[1]["problems"])
+    # DeepSpeed's zero_to_fp32 is not TP-aware (it expects one optim file per dp rank and reads
+    # mp_rank_00 only): it refuses the TP 2 source, and reads the TP 1 output whole
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with pytest.raises(ValueError, match=r"Expected 2 of .* but found 4 files"):
+        get_fp32_state_dict_from_zero_checkpoint(str(source))
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(to_1x3))
+    expected = torch.load(truth, weights_only=False)
+    want = {**{n: e["fp32"] for n, e in expected["params"].items()}, **expected["frozen"]}
+    assert sorted(consolidated) == sorted(want)
+    assert all(torch.equal(consolidated[n].float(), want[n]) for n in want)
+    # DeepSpeed's own converter reads the output's ZeRO-3 files and affine maps as it reads the source's
+    assert _universal(source, tmp_path / "u-source", 3) == _universal(to_4x1, tmp_path / "u-output", 3)
+
+
+@pytest.mark.e2e
+def test_zero3_bf16_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
+    from reshard.proof.tensor_parallel import check_checkpoints
+    source, truth = autotp("z3_bf16_tp2_dp1")
+    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
+    verdicts = check_checkpoints(1, 2, 3, "bf16", [(to_1x2, truth), (source, truth, "in-job")], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
 
 
 @pytest.mark.e2e
@@ -354,11 +472,31 @@ def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
             tensor_parallel_spec(tree, "m.pt", 2, local)
 
 
-def test_tensor_parallel_size_checks_files_and_refuses_zero3():
-    from reshard.errors import CheckpointError, UnsupportedCheckpoint
+def test_tensor_parallel_size_checks_files():
+    from reshard.errors import CheckpointError
     from reshard.formats.deepspeed_inspect import _tensor_parallel_size
-    assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=False) == 2
+    assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}) == 2
     with pytest.raises(CheckpointError, match=r"tensor-parallel ranks \[0, 1, 2\], but mp_world_size is 2"):
-        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2}, stage3=False)
-    with pytest.raises(UnsupportedCheckpoint, match="ZeRO-3 checkpoint with tensor parallelism"):
-        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=True)
+        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2})
+
+
+def test_zero3_tp1_split_comes_from_layer_specs_and_param_shapes():
+    """At TP 1 DeepSpeed saves no universal_checkpoint_info, and under ZeRO-3 `module` holds empty
+    placeholders: the split follows the saved layer_specs, the shapes param_shapes."""
+    from reshard.formats.deepspeed_tensor import splits_from_layer_specs, tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    empty = TensorRef(0, 0, "float32", (0,), (1,), 0, False)
+    specs = [{"patterns": [r"^up\.weight$"], "partition_type": "column"},
+             {"patterns": [r"^down\.weight$"], "partition_type": "row"}]
+    tree = {"module": {n: empty for n in ("up.weight", "up.bias", "down.weight", "down.bias", "frozen.weight")},
+            "param_shapes": [{"up.weight": (9, 8), "down.weight": (8, 9)}, {"up.bias": (9,), "down.bias": (8,)}],
+            "frozen_param_shapes": {"frozen.weight": (8, 8)}, "buffer_names": [],
+            "ds_config": {"tensor_parallel": {"partition_config": {"use_default_specs": False, "layer_specs": specs}}}}
+    _, by_name, _ = splits_from_layer_specs(tree, "m.pt")
+    assert by_name["up.weight"] == (TensorSplit("column", 0), (9, 8))
+    assert by_name["down.weight"] == (TensorSplit("row", 1), (8, 9)) and by_name["down.bias"] == (REPLICATED, (8,))
+    assert by_name["frozen.weight"] == (REPLICATED, (8, 8))
+    local = tuple(ParamSpec(n, s) for group in tree["param_shapes"] for n, s in group.items())
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 1, local, module_weights=False)
+    assert tensor.module.names == () and [p.shape for p in params] == [(9, 8), (8, 9), (9,), (8,)]
+    assert tensor.params.local_shapes(2, 1) == ((4, 8), (8, 4), (4,), (8,))

@@ -17,6 +17,7 @@ so a split sized some other way is refused rather than misread.
 """
 from __future__ import annotations
 
+import math
 import re
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
@@ -107,6 +108,11 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     buffers = set(model_tree.get("buffer_names") or ())
     module = model_tree.get("module") or {}
     shapes = {name: tuple(ref.shape) for name, ref in module.items() if isinstance(ref, TensorRef) and name not in buffers}
+    # ZeRO-3 saves empty placeholders in `module`; the shapes are in param_shapes and frozen_param_shapes
+    recorded = {name: tuple(int(d) for d in shape) for table in [*(model_tree.get("param_shapes") or []),
+                                                                 model_tree.get("frozen_param_shapes") or {}]
+                if isinstance(table, dict) for name, shape in table.items()}
+    shapes = {name: recorded.get(name, shape) if math.prod(shape) == 0 else shape for name, shape in shapes.items()}
     kinds = {}
     for name, shape in shapes.items():
         if not name.endswith(".weight"):
@@ -157,13 +163,15 @@ def _grain(model_tree: dict) -> int:
     return int(nested.get("tp_grain_size", 1) or 1) if isinstance(nested, dict) else 1
 
 
-def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
-                         local_params: tuple[ParamSpec, ...]) -> tuple[TensorParallelSpec, tuple[ParamSpec, ...]]:
+def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int, local_params: tuple[ParamSpec, ...],
+                         module_weights: bool = True) -> tuple[TensorParallelSpec, tuple[ParamSpec, ...]]:
     """The TP split of every parameter, and the trainable parameters with global shapes.
 
     `local_params`: the trainable parameters as TP rank 0's `param_shapes` list them. From the
     saved `universal_checkpoint_info`, or, at TP 1 where DeepSpeed writes none, from the
-    `layer_specs` of the saved ds_config (`splits_from_layer_specs`)."""
+    `layer_specs` of the saved ds_config (`splits_from_layer_specs`). `module_weights`: the
+    model states hold this TP rank's module weights (ZeRO-1/2); under ZeRO-3 `module` holds
+    empty placeholders of the partitioned parameters, so no module tensor is resliced."""
     grain = _grain(model_tree)
     info = model_tree.get(INFO)
     if info is None and tp == 1:
@@ -185,7 +193,8 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
 
     module = model_tree.get("module") or {}
     trainable = {p.name for p in global_params}
-    names = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in trainable]
+    names = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in trainable] \
+        if module_weights else []
     module_params = TensorParallelParams(tuple(names), tuple(by_name[n][1] for n in names),
                                          tuple(by_name[n][0] for n in names), grain)
     check_module_tree(model_tree, model_path, module_params, tp, 0)

@@ -14,7 +14,7 @@ The TP split comes from `tensor_parallel.partition_config.layer_specs`.
 
 Truth (written by global rank 0 after the save): every trainable parameter's full, unsharded
 fp32 master and optimizer states (TP shards joined along their partition dimension), module
-values, frozen values, counters and the eval loss. `check` builds an engine at its own
+values, frozen values (under ZeRO-3 gathered over the dp group first), counters and the eval loss. `check` builds an engine at its own
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
@@ -150,11 +150,24 @@ def partition_of(param) -> tuple[int | None, tuple[int, ...] | None]:
     return int(conversion["partition_dim"]), tuple(int(s) for s in meta.get("partition_sizes") or ())
 
 
+def module_values(engine) -> dict:
+    """{name: value} of every parameter of this rank's TP-local module, trainable and frozen;
+    under ZeRO-3 each is gathered over its dp group first (a partitioned param holds nothing)."""
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if not engine.zero_optimization_partition_weights():
+        return {name: param.detach().float().clone() for name, param in params}
+    with deepspeed.zero.GatheredParameters([param for _, param in params], modifier_rank=None):
+        return {name: param.detach().float().clone() for name, param in params}
+
+
 def local_state(engine) -> dict:
     """{name: {"fp32", "state": {key}, "module"}} of this rank's TP-local parameters (DP-gathered)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     relink_optimizer_fragments(engine)
+    values = module_values(engine)
     found = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
@@ -162,7 +175,7 @@ def local_state(engine) -> dict:
         found[name] = {"fp32": safe_get_full_fp32_param(param).detach().float().clone(),
                        "state": {k: safe_get_full_optimizer_state(param, k).detach().float().clone()
                                  for k in ("exp_avg", "exp_avg_sq")},
-                       "module": param.detach().float().clone()}
+                       "module": values[name]}
     return found
 
 
@@ -204,9 +217,9 @@ def cmd_train(args) -> None:
     train_steps(engine, args.seed, 0, args.steps)
     engine.save_checkpoint(args.save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
     dist.barrier()
+    params = dict(engine.module.named_parameters())
     truth = {"params": full_state(engine), "eval_loss": eval_loss(engine),
-             "frozen": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()
-                        if not p.requires_grad},
+             "frozen": {n: v for n, v in module_values(engine).items() if not params[n].requires_grad},
              "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
              "precision": args.precision}
     if dist.get_rank() == 0:
@@ -227,12 +240,15 @@ def judge(engine, truth: dict) -> list[str]:
             [(k, entry["state"][k], want["state"][k]) for k in entry["state"]] + \
             [("module", entry["module"], want["module"])]
         for what, got, full in pairs:
+            if full.numel() == 0:  # a check of nothing (a partitioned ZeRO-3 param read as is) must not pass
+                problems.append(f"{name} {what}: the truth is empty")
             expected = slice_for(full, dim, sizes, tp_rank)
             if got.shape != expected.shape or not torch.equal(got, expected):
                 problems.append(f"{name} {what}: tp rank {tp_rank} differs (shape {tuple(got.shape)} vs "
                                 f"{tuple(expected.shape)})")
+    values = module_values(engine)
     for name, param in params.items():
-        if not param.requires_grad and not torch.equal(param.detach().float(), truth["frozen"][name]):
+        if not param.requires_grad and not torch.equal(values[name], truth["frozen"][name]):
             problems.append(f"frozen {name} differs")
     if engine.global_steps != truth["global_steps"]:
         problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
