@@ -270,9 +270,9 @@ E2E = {
     ("moe_z1_fp32", 1, 2): [(2, 2, 3), (2, 4, 3)],
     ("moe_bf16_optimizer", 2, 2): [(1, 2, 3), (2, 4, 3)],
     ("moe_z2_bf16", 4, 4): [(2, 2, 3)],
-    # AutoEP (fused experts, ds_autoep_layers recomputed): EP change, DP change, bf16 at ZeRO-1.
+    # AutoEP (fused experts, ds_autoep_layers recomputed): EP change, DP change, BF16_Optimizer.
     ("autoep_z2_fp32", 2, 2): [(1, 2, 3), (2, 4, 3)],
-    ("autoep_z1_bf16", 2, 2): [(1, 2, 1)],
+    ("autoep_bf16_optimizer", 2, 2): [(1, 2, 1)],
     # AutoEP ZeRO-3 (zero3_partitioned: no expert files, experts chunked over expert-DP groups).
     ("autoep_z3_fp32", 2, 4): [(1, 2, 3)],
 }
@@ -321,7 +321,14 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         by_job[(1, 2)].append(negative)
     for ep, world in IN_JOB.get(source_key, []):
         by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
-    deepspeed_plain = deepspeed_universal = None
+    deepspeed_plain = deepspeed_universal = z3_universal = None
+    if source_key == ("autoep_z3_fp32", 2, 4):
+        # DeepSpeed's universal path at ZeRO-3 gives every master and moment right, but every
+        # param group group 0's hyperparameters, and drops buffers.
+        from test_export_universal import _ds_to_universal
+        _ds_to_universal(source, tmp_path / "universal")
+        z3_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
+        by_job[(1, 2)].append(z3_universal)
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Against DeepSpeed, in the same job: its plain load of the ep2 source into the ep1 engine
         # reports success and gives experts 2 and 3 other experts' optimizer partitions; its
@@ -345,6 +352,10 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
                 assert verdict["load_error"] is None and verdict["checked_tensors"] >= 150
                 assert sorted(m.split(":")[0] for m in verdict["mismatches"]) == [
                     "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
+                continue
+            if z3_universal is not None and verdict_path == z3_universal[1]:
+                assert verdict["load_error"] is None and verdict["checked_tensors"] >= 150
+                assert all(m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["mismatches"])
                 continue
             assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
             _assert_ok(verdict)

@@ -180,8 +180,10 @@ def _registry() -> dict[str, Variant]:
         Variant("moe_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, moe=True),
         # AutoEP (also reshard.proof.moe_run): decay, no_decay and the engine's `ep_size_{ep}` group.
         _plain(2, "fp32", name="autoep_z2_fp32", autoep=True, scheduler="lambda"),
-        _plain(1, "bf16", name="autoep_z1_bf16", autoep=True, scheduler="lambda"),
+        _plain(1, "bf16", name="autoep_z1_bf16", autoep=True, scheduler="lambda"),  # checked by hand, not in CI
         _plain(3, "fp32", name="autoep_z3_fp32", autoep=True, scheduler="lambda"),
+        Variant("autoep_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, autoep=True,
+                scheduler="lambda"),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]
