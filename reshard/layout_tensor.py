@@ -11,10 +11,14 @@ Kinds, as DeepSpeed 0.19.8 AutoTP writes them into `universal_checkpoint_info`
 - column-parallel (`LinearLayer`): weight and bias split on dim 0;
 - row-parallel (`LinearAllreduce`): weight split on dim 1 (`parameter_with_row_parallelism_patterns`),
   its bias replicated;
-- replicated (`tp_replicated_parameter_patterns`): everything AutoTP left whole, held by every TP rank.
-Vocabulary-parallel parameters (`vocabulary_parameter_patterns`), fused sub-parameters
-(`parameter_with_sub_params`) and `autotp_unsupported_parameter_patterns` are recognised and
-refused by the reader (not yet resliced).
+- replicated (`tp_replicated_parameter_patterns`): everything AutoTP left whole, held by every TP rank;
+- vocabulary-parallel (`vocabulary_parameter_patterns`: `VocabParallelLinear` heads and the
+  `VocabParallelEmbedding` tied to them): split on dim 0, the vocabulary, like a column-parallel
+  weight. AutoTP does not pad the vocabulary: a vocabulary that does not divide by TP gives
+  uneven shards (`get_shard_size`), and `original_vocab_size` is the logical row count at every
+  TP size, so it is carried unchanged.
+Fused sub-parameters (`parameter_with_sub_params`) and `autotp_unsupported_parameter_patterns`
+are recognised and refused by the reader (not yet resliced).
 
 Shard sizes mirror module_inject/tp_shard.py `get_shard_size` for a model without a known
 key/value head count (a plain `nn.Module`): with `tp_grain_size` g, rank r of T holds
@@ -35,7 +39,7 @@ from typing import Sequence
 
 from reshard.boxes import Box, row_major_strides
 
-KINDS = ("column", "row", "replicated")
+KINDS = ("column", "row", "vocabulary", "replicated")
 
 
 def shard_sizes(total: int, tp: int, grain: int = 1) -> tuple[int, ...]:
@@ -56,7 +60,7 @@ class TensorSplit:
     """How one parameter is spread over a tensor-parallel group."""
 
     kind: str
-    """"column", "row" or "replicated"."""
+    """"column", "row", "vocabulary" (split on dim 0 as column) or "replicated"."""
     dim: int | None
     """The dimension cut across TP ranks; None when replicated."""
 
@@ -86,7 +90,7 @@ def split_of(kind: str, ndim: int) -> TensorSplit:
         return REPLICATED
     if kind == "row":
         return TensorSplit("row", 1)
-    return TensorSplit("column", 0)
+    return TensorSplit("vocabulary" if kind == "vocabulary" else "column", 0)
 
 
 def describe_splits(names: Sequence[str], splits: Sequence[TensorSplit]) -> dict[str, list[str]]:
@@ -178,6 +182,9 @@ class TensorParallelSpec:
     """The source's `universal_checkpoint_info`."""
     patterns: tuple[tuple[str, TensorSplit, tuple[int, ...]], ...]
     """(affine-map pattern, split, global shape) of every parameter the source maps."""
+    aliases: tuple[tuple[str, str], ...] = ()
+    """(alias, owner) of the tied module tensors whose owner is a trainable module tensor
+    (`shared_params`, e.g. lm_head.weight -> embed.weight): the alias is the owner's tensor."""
 
     def universal_info(self, tp: int) -> dict:
         return target_universal_info(self.info, {p: (s, shape) for p, s, shape in self.patterns}, tp,

@@ -177,11 +177,14 @@ def test_row_parallel_shard_lowers_to_one_run_per_row():
 
 # --- end to end -----------------------------------------------------------------------------
 
-E2E_SOURCES = {  # name: (tp, dp, stage, precision)
+E2E_SOURCES = {  # name: (tp, dp, stage, precision[, harness model])
     "z2_fp32_tp2_dp2": (2, 2, 2, "fp32"),
     "z1_bf16_tp2_dp1": (2, 1, 1, "bf16"),
     "z1_bf16_tp1_dp2": (1, 2, 1, "bf16"),
+    "z1_bf16_tp2_dp2": (2, 2, 1, "bf16"),
+    "z1_bf16_tp4_dp1": (4, 1, 1, "bf16"),
     "bf16_optimizer_tp2_dp1": (2, 1, 1, "bf16_optimizer"),
+    "vocab_z2_fp16_tp2_dp1": (2, 1, 2, "fp16", "vocab"),
 }
 
 
@@ -193,9 +196,9 @@ def autotp(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            tp, dp, stage, precision = E2E_SOURCES[name]
+            tp, dp, stage, precision, *model = E2E_SOURCES[name]
             save_dir, truth = root / name, root / f"{name}.truth.pt"
-            train_checkpoint(tp, dp, stage, precision, save_dir, truth)
+            train_checkpoint(tp, dp, stage, precision, save_dir, truth, model=(model or ["base"])[0])
             cache[name] = (save_dir, truth)
         return cache[name]
     return get
@@ -232,7 +235,7 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert _universal(source, tmp_path / "u-source") == _universal(tmp_path / "tp4dp1", tmp_path / "u-output")
 
 
-def _universal(save_dir, out) -> dict:
+def _universal(save_dir, out, trainable: int = 8) -> dict:
     """{param/file: tensor bytes} of `ds_to_universal.py` on the checkpoint.
 
     DeepSpeed 0.19.8 merges every trainable parameter, then fails on its own AutoTP checkpoints
@@ -250,7 +253,7 @@ def _universal(save_dir, out) -> dict:
         value = torch.load(path, weights_only=False)
         tensor = value["param"] if isinstance(value, dict) else value
         found[str(path.relative_to(out))] = (tuple(tensor.shape), tensor.detach().float().numpy().tobytes())
-    assert len(found) == 8 * 4  # 8 trainable parameters x (fp32, exp_avg, exp_avg_sq, step)
+    assert len(found) == trainable * 4  # trainable parameters x (fp32, exp_avg, exp_avg_sq, step)
     return found
 
 
@@ -268,6 +271,62 @@ def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(autotp, tmp_path):
     assert not verdicts[1]["ok"] and any("fp32" in p for p in verdicts[1]["problems"])
     verdicts = check_checkpoints(2, 1, 1, "bf16", [(to_2x1, flat_truth)], tmp_path)
     assert verdicts[0]["ok"], verdicts[0]["problems"]
+
+
+@pytest.mark.e2e
+def test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2(autotp, tmp_path):
+    """Two real sources, three outputs, two check launches: (2,2) -> (1,3); (4,1) -> (1,3) and
+    (2,2), offline and in-job; W differs from both world sizes each time."""
+    from reshard.proof.tensor_parallel import check_checkpoints
+    square, square_truth = autotp("z1_bf16_tp2_dp2")
+    wide, wide_truth = autotp("z1_bf16_tp4_dp1")
+    square_1x3 = _reshard(square, tmp_path / "square-tp1dp3", 1, 3, workers=2)
+    wide_1x3 = _reshard(wide, tmp_path / "wide-tp1dp3", 1, 3, workers=2)
+    wide_2x2 = _reshard(wide, tmp_path / "wide-tp2dp2", 2, 2, workers=3)
+    verdicts = check_checkpoints(1, 3, 1, "bf16", [(square_1x3, square_truth), (wide_1x3, wide_truth)], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
+    # negative control last but one: the (2, 2) source is a valid checkpoint at (2, 2), but not the
+    # (4, 1) source's state; then the (4, 1) source resharded in the job
+    verdicts = check_checkpoints(2, 2, 1, "bf16", [(wide_2x2, wide_truth), (square, wide_truth),
+                                                   (wide, wide_truth, "in-job")], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert not verdicts[1]["ok"] and any("fp32" in p for p in verdicts[1]["problems"])
+    assert verdicts[2]["ok"], verdicts[2]["problems"]
+
+
+@pytest.mark.e2e
+def test_vocabulary_parallel_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1(autotp, tmp_path):
+    """`vocab_parallel_lm_head`: lm_head tied to the embedding, split over a vocabulary of 11
+    (6 + 5 rows at TP 2, 4 + 4 + 3 at TP 3; AutoTP pads nothing), ZeRO-2 fp16: to (1, 2), to
+    (3, 1) offline and in-job, and from the (1, 2) output (no universal_checkpoint_info: the split
+    comes from the saved `vocab_parallel_lm_head`) on to (3, 1)."""
+    import torch
+
+    from reshard.proof.tensor_parallel import check_checkpoints
+    source, truth = autotp("vocab_z2_fp16_tp2_dp1")
+    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
+    to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=2)
+    via_tp1 = _reshard(to_1x2, tmp_path / "via-tp1", 3, 1, workers=1)
+    states = [torch.load(to_3x1 / "global_step3" / f"mp_rank_0{t}_model_states.pt", weights_only=False)
+              for t in range(3)]
+    for t, state in enumerate(states):
+        module = state["module"]
+        assert module["embed.weight"].shape == ((4, 8), (4, 8), (3, 8))[t]
+        assert module["lm_head.weight"].data_ptr() == module["embed.weight"].data_ptr()  # still one tensor
+        assert state["shared_params"] == ({"lm_head.weight": "embed.weight"} if t == 0 else {})
+        info = state["universal_checkpoint_info"]
+        assert info["vocabulary_parameter_patterns"] == [r"^embed\.weight$"] and info["original_vocab_size"] == 11
+    again = torch.load(via_tp1 / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
+    assert again["universal_checkpoint_info"] == states[1]["universal_checkpoint_info"]
+    verdicts = check_checkpoints(1, 2, 2, "fp16", [(to_1x2, truth)], tmp_path, model="vocab")
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    verdicts = check_checkpoints(3, 1, 2, "fp16", [(to_3x1, truth), (source, truth, "in-job"), (via_tp1, truth)],
+                                 tmp_path, model="vocab")
+    for verdict in verdicts:
+        assert verdict["ok"], verdict["problems"]
+    # DeepSpeed's converter merges the vocabulary shards of the output as of the source
+    assert _universal(source, tmp_path / "u-source", 7) == _universal(to_3x1, tmp_path / "u-output", 7)
 
 
 @pytest.mark.e2e
@@ -336,7 +395,8 @@ def _model_tree(info_overrides=None, up_shards=None):
 
 @pytest.mark.parametrize("overrides, shards, message", [
     ({}, None, None),
-    ({"vocabulary_parameter_patterns": [r"^lm_head\.weight$"]}, None, "vocabulary-parallel"),
+    ({"vocabulary_parameter_patterns": [r"^lm_head\.weight$"]}, None, "have no affine_map entry"),
+    ({"vocabulary_parameter_patterns": [r"^up\.weight$"], "original_vocab_size": 8}, None, "padded vocabulary"),
     ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"]}]}, None, "fused sub-parameter"),
     ({"autotp_unsupported_parameter_patterns": {r"^x$": "odd"}}, None, "marks unsupported"),
     ({}, (6, 3), "splits sized by attention heads"),
@@ -362,3 +422,63 @@ def test_tensor_parallel_size_checks_files_and_refuses_zero3():
         _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2}, stage3=False)
     with pytest.raises(UnsupportedCheckpoint, match="ZeRO-3 checkpoint with tensor parallelism"):
         _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=True)
+
+
+def test_vocabulary_parallel_metadata_is_read_and_carried():
+    """A vocabulary-parallel weight splits on dim 0 (uneven, unpadded); the pattern list and
+    original_vocab_size do not depend on TP and are written unchanged for the target."""
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    tree = _model_tree({"vocabulary_parameter_patterns": [r"^up\.weight$"], "original_vocab_size": 9})
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 2, (ParamSpec("up.weight", (5, 8)),))
+    assert params == (ParamSpec("up.weight", (9, 8)),) and tensor.params.splits == (TensorSplit("vocabulary", 0),)
+    info = tensor.universal_info(4)
+    assert info["vocabulary_parameter_patterns"] == [r"^up\.weight$"] and info["original_vocab_size"] == 9
+    assert [info["affine_map"]["params"][r"^up\.weight$"]["ranks"][r]["shard_shape"][0] for r in range(4)] == [3, 2, 2, 2]
+
+
+def _tp1_tree(config_tp, alias_view=None):
+    """TP 1 model states (no universal_checkpoint_info): embed.weight, its tied alias
+    lm_head.weight, up (a column layer spec)."""
+    from reshard.formats.torch_archive import TensorRef
+    embed = TensorRef(0, 400, "float32", (11, 8), (8, 1), 0, False)
+    alias = alias_view or embed
+    up_w = TensorRef(0, 400, "float32", (9, 8), (8, 1), 88, False)
+    specs = {"use_default_specs": False, "layer_specs": [{"patterns": [r"^up\.weight$"], "partition_type": "column"}]}
+    return {"module": {"embed.weight": embed, "up.weight": up_w, "lm_head.weight": alias},
+            "shared_params": {"lm_head.weight": "embed.weight"},
+            "ds_config": {"tensor_parallel": {"autotp_size": 1, "partition_config": specs, **config_tp}}}
+
+
+def test_vocabulary_split_at_tp1_comes_from_vocab_parallel_lm_head():
+    """At TP 1 DeepSpeed saves no universal_checkpoint_info: with `vocab_parallel_lm_head` the
+    tied embedding (the owner of lm_head.weight) is vocabulary-parallel, named once, by its owner."""
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
+    tensor, _ = tensor_parallel_spec(_tp1_tree({"vocab_parallel_lm_head": True}), "m.pt", 1, local)
+    assert tensor.params.splits == (TensorSplit("vocabulary", 0), TensorSplit("column", 0))
+    assert tensor.aliases == (("lm_head.weight", "embed.weight"),)
+    info = tensor.universal_info(3)
+    assert info["vocabulary_parameter_patterns"] == [r"^embed\.weight$"] and info["original_vocab_size"] == 11
+    assert r"^lm_head\.weight$" not in info["affine_map"]["params"]
+    assert info["affine_map"]["params"][r"^embed\.weight$"]["ranks"][2]["shard_shape"] == [3, 8]
+    # without the flag the embedding stays whole
+    tensor, _ = tensor_parallel_spec(_tp1_tree({}), "m.pt", 1, local)
+    assert tensor.params.splits == (REPLICATED, TensorSplit("column", 0))
+
+
+def test_tied_alias_must_be_its_owners_view():
+    from reshard.errors import CheckpointError
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
+    other = TensorRef(0, 400, "float32", (11, 8), (8, 1), 8, False)
+    with pytest.raises(CheckpointError, match="tied to embed.weight"):
+        tensor_parallel_spec(_tp1_tree({"vocab_parallel_lm_head": True}, other), "m.pt", 1, local)
+
+
+def test_materialize_makes_one_tensor_of_a_tied_new_tensor():
+    from reshard.formats.torch_archive import NewTensor, materialize
+    owner = NewTensor(("module", 0, "module"), 6, "float32", True, (3, 2))
+    obj, roles = materialize({"embed.weight": owner, "lm_head.weight": owner, "up.weight": NewTensor(("m", 1), 4, "float32")})
+    assert obj["embed.weight"] is obj["lm_head.weight"] and obj["up.weight"] is not obj["embed.weight"]
+    assert sorted(roles.values()) == [("m", 1), ("module", 0, "module")]

@@ -7,13 +7,16 @@
 DeepSpeed 0.19.8 writes, in every `mp_rank_XX_model_states.pt`, `universal_checkpoint_info`
 (module_inject/layers.py `collect_autotp_universal_checkpoint_info`): pattern lists
 (`parameter_with_row_parallelism_patterns`, `tp_replicated_parameter_patterns`,
-`vocabulary_parameter_patterns`, `parameter_with_sub_params`,
+`vocabulary_parameter_patterns` with `original_vocab_size`, `parameter_with_sub_params`,
 `autotp_unsupported_parameter_patterns`) and an `affine_map` with each parameter's logical
 (global) shape and per-rank shard shapes. Each parameter's split is read from the pattern
-lists (row-parallel weights on dim 1, replicated whole, every other mapped parameter
-column-parallel on dim 0, as `LinearLayer` cuts it), and its shard shapes at the source TP
-size are checked against the rule reshard writes targets with (`reshard.layout_tensor.shard_sizes`),
-so a split sized some other way is refused rather than misread.
+lists (row-parallel weights on dim 1, replicated whole, vocabulary-parallel on dim 0, every other
+mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it), and its shard shapes at
+the source TP size are checked against the rule reshard writes targets with
+(`reshard.layout_tensor.shard_sizes`), so a split sized some other way is refused rather than
+misread. A tied alias of a trainable module tensor (`shared_params`, e.g. a vocabulary-parallel
+`lm_head.weight` tied to `embed.weight`) is the same view of the same storage in every TP rank's
+file; the target writes it as its owner's tensor.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ INFO = "universal_checkpoint_info"
 ROW = "parameter_with_row_parallelism_patterns"
 REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 VOCABULARY = "vocabulary_parameter_patterns"
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 SUB_PARAMS = "parameter_with_sub_params"
 UNSUPPORTED = "autotp_unsupported_parameter_patterns"
 
@@ -51,23 +55,25 @@ def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict,
         raise UnsupportedCheckpoint(model_path, f"has mp_world_size {tp} but no AutoTP {INFO} with an affine_map: "
                                                 "only DeepSpeed AutoTP (tensor_parallel.autotp_size) checkpoints "
                                                 "can be resharded across tensor parallelism")
-    for key, what in ((VOCABULARY, "vocabulary-parallel"), (SUB_PARAMS, "fused sub-parameter")):
-        if info.get(key):
-            raise UnsupportedCheckpoint(model_path, f"has {what} parameters ({key}: {list(info[key])[:4]}); "
-                                                    "resharding them is not supported yet")
+    if info.get(SUB_PARAMS):
+        raise UnsupportedCheckpoint(model_path, f"has fused sub-parameter parameters ({SUB_PARAMS}: "
+                                                f"{list(info[SUB_PARAMS])[:4]}); resharding them is not supported yet")
     if info.get(UNSUPPORTED):
         raise UnsupportedCheckpoint(model_path, f"has parameters AutoTP marks unsupported for conversion "
                                                 f"({UNSUPPORTED}: {dict(info[UNSUPPORTED])})")
     row = set(info.get(ROW) or ())
     replicated = set(info.get(REPLICATED_PATTERNS) or ())
+    vocabulary = set(info.get(VOCABULARY) or ())
+    mapped = info["affine_map"]["params"]
+    _check_vocabulary(info, mapped, vocabulary - row - replicated, model_path)
     by_name, patterns = {}, []
-    for pattern, entry in info["affine_map"]["params"].items():
+    for pattern, entry in mapped.items():
         name = _name_of(pattern)
         if name is None:
             raise UnsupportedCheckpoint(model_path, f"affine_map pattern {pattern!r} does not name one parameter")
         shape = tuple(int(d) for d in entry.get("logical_shape", ()))
         split = REPLICATED if pattern in replicated else TensorSplit("row", 1) if pattern in row else \
-            TensorSplit("column", 0)
+            TensorSplit("vocabulary", 0) if pattern in vocabulary else TensorSplit("column", 0)
         if split.dim is not None and len(shape) <= split.dim:
             raise UnsupportedCheckpoint(model_path, f"{name} of shape {list(shape)} is {split.kind}-parallel on "
                                                     f"dimension {split.dim}, which it does not have")
@@ -81,6 +87,46 @@ def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict,
         by_name[name] = (split, shape)
         patterns.append((pattern, split, shape))
     return by_name, patterns
+
+
+def _check_vocabulary(info: dict, mapped: dict, vocabulary: set, model_path: str) -> None:
+    """Vocabulary-parallel parameters are mapped dim-0 splits, and `original_vocab_size` is the
+    row count of one of them. AutoTP (module_inject/layers.py `collect_autotp_universal_checkpoint_info`)
+    takes it from the first one's unsharded shape, so it never pads; `ds_to_universal.py`
+    (`merge_tp_slices`) cuts every vocabulary parameter to it. A smaller value means padded rows,
+    whose size for another TP reshard cannot know."""
+    if not vocabulary:
+        return
+    missing = sorted(vocabulary - set(mapped))
+    if missing:
+        raise UnsupportedCheckpoint(model_path, f"vocabulary-parallel parameters {missing[:4]} have no affine_map entry")
+    rows = {int((mapped[p].get("logical_shape") or [0])[0]) for p in vocabulary}
+    original = info.get(ORIGINAL_VOCAB_SIZE)
+    if original is not None and int(original) not in rows:
+        raise UnsupportedCheckpoint(model_path, f"{ORIGINAL_VOCAB_SIZE} {original} is not the row count of a "
+                                                f"vocabulary-parallel parameter ({sorted(rows)}): a padded "
+                                                "vocabulary, which AutoTP does not write, is not supported")
+
+
+def _vocabulary_head(config: dict, shapes: dict, aliases: dict, model_path: str) -> list[str]:
+    """At TP 1, the module tensors a TP > 1 engine would split over the vocabulary with
+    `tensor_parallel.vocab_parallel_lm_head`: the weight (and bias) of the `nn.Linear` whose
+    last name segment is `lm_head` or `embed_out` (module_inject/auto_tp.py `_is_lm_head_name`),
+    the weight under its owner's name when tied (`shared_params`: the embedding then becomes a
+    `VocabParallelEmbedding` sharing the shard)."""
+    tp_config = config.get("tensor_parallel") or {}
+    if tp_config.get("vocab_parallel_lm_head") is not True:
+        return []
+    heads = [n for n in list(shapes) + list(aliases) if n.endswith(".weight")
+             and n[:-len(".weight")].split(".")[-1] in ("lm_head", "embed_out")]
+    if len(heads) != 1:
+        raise UnsupportedCheckpoint(model_path, f"has vocab_parallel_lm_head but {len(heads)} lm_head/embed_out "
+                                                f"weights ({heads[:4]}); DeepSpeed builds exactly one")
+    weight = aliases.get(heads[0], heads[0])
+    if len(shapes.get(weight, ())) != 2:
+        raise UnsupportedCheckpoint(model_path, f"vocabulary-parallel head {heads[0]} is not a 2-D weight")
+    bias = heads[0][:-len("weight")] + "bias"
+    return [weight] + ([bias] if bias in shapes else [])
 
 
 def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, dict, list]:
@@ -105,11 +151,19 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
             raise UnsupportedCheckpoint(model_path, f"layer spec {spec} uses shape, model_types or partition_dim; "
                                                     "not supported yet")
     buffers = set(model_tree.get("buffer_names") or ())
+    aliases = dict(model_tree.get("shared_params") or {})
     module = model_tree.get("module") or {}
-    shapes = {name: tuple(ref.shape) for name, ref in module.items() if isinstance(ref, TensorRef) and name not in buffers}
+    # DeepSpeed names each tensor once, by its owner (`collect_autotp_universal_checkpoint_info`)
+    shapes = {name: tuple(ref.shape) for name, ref in module.items()
+              if isinstance(ref, TensorRef) and name not in buffers and name not in aliases}
     kinds = {}
+    vocabulary = _vocabulary_head(config, shapes, aliases, model_path)
+    for name in vocabulary:  # it supersedes a layer spec on the head (auto_tp.py `_warn_overridden_lm_head_spec`)
+        # layers.py `collect_autotp_universal_checkpoint_info`: a 2-D dim-0 split named *embed* or *lm_head*
+        named = len(shapes[name]) == 2 and ("embed" in name or "lm_head" in name)
+        kinds[name] = TensorSplit("vocabulary" if named else "column", 0)
     for name, shape in shapes.items():
-        if not name.endswith(".weight"):
+        if not name.endswith(".weight") or name in kinds:
             continue
         spec = next((s for s in specs if any(re.match(p, name) for p in s.get("patterns", ()))), None)
         kind = str(spec.get("partition_type", "column")).lower() if spec else "skip"
@@ -128,7 +182,11 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     info = {"universal_checkpoint_version": 0.4,
             ROW: sorted(p for p, split, _ in patterns if split.kind == "row"),
             REPLICATED_PATTERNS: sorted(p for p, split, _ in patterns if split.dim is None),
-            VOCABULARY: [], SUB_PARAMS: [], UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+            VOCABULARY: sorted(p for p, split, _ in patterns if split.kind == "vocabulary"),
+            SUB_PARAMS: [], UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+    first = next((shape for _, split, shape in patterns if split.kind == "vocabulary"), None)
+    if first is not None:
+        info[ORIGINAL_VOCAB_SIZE] = first[0]
     by_name = {_name_of(p): (split, shape) for p, split, shape in patterns}
     return info, by_name, patterns
 
@@ -181,21 +239,32 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
     names = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in trainable]
     module_params = TensorParallelParams(tuple(names), tuple(by_name[n][1] for n in names),
                                          tuple(by_name[n][0] for n in names), grain)
-    check_module_tree(model_tree, model_path, module_params, tp, 0)
+    aliases = tuple((alias, owner) for alias, owner in (model_tree.get("shared_params") or {}).items()
+                    if owner in names and alias in module)
+    check_module_tree(model_tree, model_path, module_params, tp, 0, aliases)
     frozen = [name for name, ref in module.items() if isinstance(ref, TensorRef) and name in by_name
               and name not in trainable and by_name[name][0].dim is not None]
     if frozen:
         raise UnsupportedCheckpoint(model_path, f"frozen parameters {frozen[:4]} are tensor-parallel; resharding "
                                                 "split frozen parameters is not supported yet")
-    return TensorParallelSpec(params, module_params, info, tuple(patterns)), global_params
+    return TensorParallelSpec(params, module_params, info, tuple(patterns), aliases), global_params
 
 
 def check_module_tree(model_tree: dict, model_path: str, module: TensorParallelParams, tp: int,
-                      tp_rank: int) -> dict:
+                      tp_rank: int, aliases: tuple[tuple[str, str], ...] = ()) -> dict:
     """Check the trainable module tensors of TP rank `tp_rank`'s model-states file; return
     {("module", j, "module"): TensorRef}. They are views of the flat lp buffers of the param
-    groups; no other tensor of the file may share those buffers (they are not rewritten)."""
+    groups; no other tensor of the file may share those buffers (they are not rewritten), except
+    the tied `aliases` (alias, owner), each the very view its owner is."""
     tensors = model_tree.get("module") or {}
+    for alias, owner in aliases:
+        ref, mine = tensors.get(alias), tensors.get(owner)
+        if not (isinstance(ref, TensorRef) and isinstance(mine, TensorRef) and
+                (ref.storage_key, ref.storage_offset, tuple(ref.shape), tuple(ref.stride)) ==
+                (mine.storage_key, mine.storage_offset, tuple(mine.shape), tuple(mine.stride))):
+            raise CheckpointError(model_path, f"module tensor {alias} is tied to {owner} (shared_params) but is not "
+                                              "the same tensor in this file")
+    tied = {id(tensors[alias]) for alias, _ in aliases}
     refs = {}
     for j, name in enumerate(module.names):
         ref = tensors.get(name)
@@ -208,7 +277,7 @@ def check_module_tree(model_tree: dict, model_path: str, module: TensorParallelP
             raise UnsupportedCheckpoint(model_path, f"module tensor {name} is not contiguous")
         refs[("module", j, "module")] = ref
     storages = {ref.storage_key for ref in refs.values()}
-    mine = {id(ref) for ref in refs.values()}
+    mine = {id(ref) for ref in refs.values()} | tied
     for ref in refs_in(model_tree):
         if isinstance(ref, TensorRef) and ref.storage_key in storages and id(ref) not in mine:
             raise UnsupportedCheckpoint(model_path, f"a tensor other than the trainable module weights shares their "

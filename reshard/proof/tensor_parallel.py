@@ -68,7 +68,38 @@ class TensorParallelModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
-def ds_config(tp: int, stage: int, precision: str) -> dict:
+def causal_lm_loss(logits, labels=None, **_):
+    """Next-token cross-entropy, as DeepSpeed's `VocabParallelCausalLMLoss` computes it over the
+    vocabulary shards (sequence/cross_entropy.py): labels shifted left by one, mean over tokens."""
+    return F.cross_entropy(logits[..., :-1, :].float().flatten(0, -2), labels[..., 1:].flatten())
+
+
+class VocabParallelModel(TensorParallelModel):
+    """The same body with an `nn.Linear` named `lm_head` tied to the embedding, and a writable
+    `loss_function` hook: with `tensor_parallel.vocab_parallel_lm_head` AutoTP (TP > 1) makes
+    the head a `VocabParallelLinear` (no-gather, dim 0 over the vocabulary), the tied embedding a
+    `VocabParallelEmbedding` sharing its shard, and installs its vocabulary-parallel loss in
+    `loss_function` (runtime/engine.py `_apply_autotp_partitioning`, `finalize_autotp`). VOCAB
+    (11) divides by none of TP 2, 3, 4, so the shards are uneven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.head
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.loss_function = causal_lm_loss
+
+    def forward(self, tokens, targets):
+        hidden = self.norm(self.embed(tokens))
+        hidden = hidden + self.down(F.gelu(self.up(hidden)))
+        hidden = hidden + 0.5 * self.frozen(hidden)
+        return self.loss_function(self.lm_head(hidden), labels=targets)
+
+
+MODELS = {"base": TensorParallelModel, "vocab": VocabParallelModel}
+
+
+def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -78,6 +109,8 @@ def ds_config(tp: int, stage: int, precision: str) -> dict:
         "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
                                                                       "layer_specs": LAYER_SPECS}},
     }
+    if model == "vocab":
+        config["tensor_parallel"]["vocab_parallel_lm_head"] = True
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
     if precision in ("bf16", "bf16_optimizer"):
@@ -93,19 +126,20 @@ def batch(seed: int, step: int, dp_rank: int, size: int = MICRO_BATCH):
     return tokens, (3 * tokens + 1) % VOCAB
 
 
-def build_engine(tp: int, stage: int, precision: str, seed: int):
+def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "base"):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     if precision == "fp16":  # DeepSpeed's CPU accelerator refuses fp16; torch runs it (DESIGN.md section 4)
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(seed)
-    model = TensorParallelModel()
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    module = MODELS[model]()
+    decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim < 2]
     optimizer = torch.optim.AdamW([dict(params=decay, lr=1e-2, weight_decay=0.1),
                                    dict(params=no_decay, lr=2e-2, weight_decay=0.0)], betas=(0.9, 0.95))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(tp, stage, precision))
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                      config=ds_config(tp, stage, precision, model))
     return engine
 
 
@@ -200,7 +234,7 @@ def cmd_train(args) -> None:
     import deepspeed.comm as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    engine = build_engine(args.tp, args.stage, args.precision, args.seed)
+    engine = build_engine(args.tp, args.stage, args.precision, args.seed, args.model)
     train_steps(engine, args.seed, 0, args.steps)
     engine.save_checkpoint(args.save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
     dist.barrier()
@@ -208,7 +242,7 @@ def cmd_train(args) -> None:
              "frozen": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()
                         if not p.requires_grad},
              "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
-             "precision": args.precision}
+             "precision": args.precision, "model": args.model}
     if dist.get_rank() == 0:
         torch.save(truth, args.truth[0] + ".tmp")
         os.replace(args.truth[0] + ".tmp", args.truth[0])
@@ -245,7 +279,7 @@ def cmd_check(args) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
-    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100)
+    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100, model=args.model)
     vias = args.load_via + ["native"] * (len(args.load_dir) - len(args.load_via))
     for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias):
         truth = torch.load(truth_path, weights_only=False)
@@ -255,6 +289,10 @@ def cmd_check(args) -> None:
         else:
             engine.load_checkpoint(load_dir)
         problems = judge(engine, truth)
+        if truth.get("model", "base") != args.model:
+            problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
+        if args.model == "vocab" and engine.module.lm_head.weight is not engine.module.embed.weight:
+            problems.append("lm_head.weight is no longer tied to embed.weight")
         loss = eval_loss(engine)
         tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
         if abs(loss - truth["eval_loss"]) > tolerance:
@@ -278,6 +316,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "bf16_optimizer"])
+    parser.add_argument("--model", default="base", choices=sorted(MODELS),
+                        help="base: column, row and replicated parameters; vocab: + a vocabulary-parallel "
+                             "lm_head tied to the embedding")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-dir")
@@ -291,23 +332,24 @@ def main(argv=None) -> None:
     (cmd_train if args.command == "train" else cmd_check)(args)
 
 
-def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600):
-    """Train at (tp, dp) under torchrun, save to save_dir, write the truth."""
+def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600,
+                     model: str = "base"):
+    """Train `model` at (tp, dp) under torchrun, save to save_dir, write the truth."""
     from reshard.proof.launch import run_torchrun
     run_torchrun("reshard.proof.tensor_parallel", tp * dp,
-                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--save-dir", save_dir,
-                  "--truth", truth], timeout=timeout, expect_files=[truth])
+                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model,
+                  "--save-dir", save_dir, "--truth", truth], timeout=timeout, expect_files=[truth])
 
 
-def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600
-                      ) -> list[dict]:
+def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600,
+                      model: str = "base") -> list[dict]:
     """Load each (directory, truth[, "native" or "in-job"]) of `loads` in one engine at (tp, dp);
     the verdicts, in order."""
     from pathlib import Path
 
     from reshard.proof.launch import run_torchrun
     verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
-    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision]
+    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model]
     for (load_dir, truth, *via), verdict in zip(loads, verdicts):
         args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict, "--load-via", (via or ["native"])[0]]
     run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
