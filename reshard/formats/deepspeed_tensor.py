@@ -20,6 +20,7 @@ file; the target writes it as its owner's tensor.
 """
 from __future__ import annotations
 
+import math
 import re
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
@@ -30,6 +31,7 @@ from reshard.layout_tensor import (
     TensorParallelParams,
     TensorParallelSpec,
     TensorSplit,
+    affine_map,
 )
 
 INFO = "universal_checkpoint_info"
@@ -38,6 +40,7 @@ REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 VOCABULARY = "vocabulary_parameter_patterns"
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 SUB_PARAMS = "parameter_with_sub_params"
+SUB_PARAM_WIDTHS = "sub_param_shard_widths"
 UNSUPPORTED = "autotp_unsupported_parameter_patterns"
 
 
@@ -49,15 +52,57 @@ def _name_of(pattern: str) -> str | None:
     return name if re.fullmatch(pattern, name) else None
 
 
-def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict, list]:
-    """{name: (split, global shape)} and [(pattern, split, shape)] from `universal_checkpoint_info`."""
+def _sub_param_dims(info: dict, model_path: str) -> dict[str, int]:
+    """{pattern: partition dim} of `parameter_with_sub_params` (layers.py
+    `collect_autotp_universal_checkpoint_info`: one entry per parameter, its view `shape` with the
+    sub-parameter sizes at `partition_dim`)."""
+    found = {}
+    for entry in info.get(SUB_PARAMS) or ():
+        if not isinstance(entry, dict) or not isinstance(entry.get("partition_dim"), int):
+            raise UnsupportedCheckpoint(model_path, f"{SUB_PARAMS} entry {entry!r} has no partition_dim")
+        for pattern in entry.get("patterns") or ():
+            found[pattern] = entry["partition_dim"]
+    return found
+
+
+def _sub_param_split(info: dict, pattern: str, entry: dict, dim: int, ndim: int | None, model_path: str, tp: int,
+                     grain: int) -> tuple[TensorSplit, tuple[int, ...]]:
+    """The split of a fused sub-parameter parameter and its global shape. The affine map's
+    logical shape is the view the layer spec's `shape` gives (layers.py `_infer_subparam_logical_shapes`);
+    the parameter itself is that view as (leading, last) for a weight, flat for a bias. The
+    saved map must be the one reshard writes for these sub-parameter sizes (checkpoint/affine.py
+    `sub_param_map` over `get_shard_size` widths), else the split is refused, not misread."""
+    name = _name_of(pattern)
+    view = tuple(int(d) for d in entry.get("logical_shape", ()))
+    widths = (info.get(SUB_PARAM_WIDTHS) or {}).get(pattern)
+    if not widths or not 0 <= dim < len(view) or ndim not in (1, 2):
+        raise UnsupportedCheckpoint(model_path, f"{name}: fused sub-parameters without {SUB_PARAM_WIDTHS}, or a "
+                                                f"partition dim {dim} its logical shape {list(view)} does not have")
+    split = TensorSplit("sub-parameter", dim, view, tuple(sum(int(w) for w in per_rank) for per_rank in widths))
+    shape = (math.prod(view),) if ndim == 1 else (math.prod(view[:-1]), view[-1])
+    if sum(split.parts) != view[dim] or _plain(entry) != affine_map(split, shape, tp, grain):
+        raise UnsupportedCheckpoint(model_path, f"{name}: fused sub-parameter shards {widths} at {tp} TP ranks are "
+                                                "not the per-sub-parameter split reshard applies; splits sized by "
+                                                "attention heads are not supported yet")
+    return split, shape
+
+
+def _plain(value):
+    """A saved affine map with its rank keys as ints and its tuples as lists, as reshard writes it."""
+    if isinstance(value, dict):
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _splits_from_info(info, model_path: str, tp: int, grain: int, ndims: dict) -> tuple[dict, list]:
+    """{name: (split, global shape)} and [(pattern, split, shape)] from `universal_checkpoint_info`;
+    `ndims`: {module tensor name: its number of dimensions}."""
     if not isinstance(info, dict) or not isinstance((info.get("affine_map") or {}).get("params"), dict):
         raise UnsupportedCheckpoint(model_path, f"has mp_world_size {tp} but no AutoTP {INFO} with an affine_map: "
                                                 "only DeepSpeed AutoTP (tensor_parallel.autotp_size) checkpoints "
                                                 "can be resharded across tensor parallelism")
-    if info.get(SUB_PARAMS):
-        raise UnsupportedCheckpoint(model_path, f"has fused sub-parameter parameters ({SUB_PARAMS}: "
-                                                f"{list(info[SUB_PARAMS])[:4]}); resharding them is not supported yet")
     if info.get(UNSUPPORTED):
         raise UnsupportedCheckpoint(model_path, f"has parameters AutoTP marks unsupported for conversion "
                                                 f"({UNSUPPORTED}: {dict(info[UNSUPPORTED])})")
@@ -66,12 +111,19 @@ def _splits_from_info(info, model_path: str, tp: int, grain: int) -> tuple[dict,
     vocabulary = set(info.get(VOCABULARY) or ())
     mapped = info["affine_map"]["params"]
     _check_vocabulary(info, mapped, vocabulary - row - replicated, model_path)
+    sub_params = _sub_param_dims(info, model_path)
     by_name, patterns = {}, []
     for pattern, entry in mapped.items():
         name = _name_of(pattern)
         if name is None:
             raise UnsupportedCheckpoint(model_path, f"affine_map pattern {pattern!r} does not name one parameter")
         shape = tuple(int(d) for d in entry.get("logical_shape", ()))
+        if pattern in sub_params and pattern not in replicated:
+            split, shape = _sub_param_split(info, pattern, entry, sub_params[pattern], ndims.get(name), model_path,
+                                            tp, grain)
+            by_name[name] = (split, shape)
+            patterns.append((pattern, split, shape))
+            continue
         split = REPLICATED if pattern in replicated else TensorSplit("row", 1) if pattern in row else \
             TensorSplit("vocabulary", 0) if pattern in vocabulary else TensorSplit("column", 0)
         if split.dim is not None and len(shape) <= split.dim:
@@ -129,6 +181,41 @@ def _vocabulary_head(config: dict, shapes: dict, aliases: dict, model_path: str)
     return [weight] + ([bias] if bias in shapes else [])
 
 
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _shape_spec_view(weight: tuple[int, ...], spec_shape, dim: int, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(logical view, sub-parameter sizes) of a weight under a layer spec's `shape`, as
+    module_inject/layers.py `_infer_subparam_logical_shapes` resolves them: at `dim` a tuple of
+    sizes, a sub-parameter count or -1 (one); elsewhere sizes or -1, one -1 inferred from the
+    element count, several taken from the weight's own dimensions when the ranks agree."""
+    shape = _tuples(spec_shape)
+    if not isinstance(shape, tuple) or not 0 <= dim < len(shape):
+        raise UnsupportedCheckpoint(where, f"layer spec shape {spec_shape} with partition_dim {dim} is not valid")
+    at, count, sizes = shape[dim], None, None
+    if isinstance(at, tuple):
+        sizes = tuple(int(v) for v in at)
+    elif isinstance(at, int) and at > 0:
+        count = at
+    dims = [None if i == dim or d == -1 else int(d) for i, d in enumerate(shape)]
+    if sizes is not None:
+        dims[dim] = sum(sizes)
+    total, known = math.prod(weight), math.prod(d for d in dims if d is not None)
+    unknown = [i for i, d in enumerate(dims) if d is None]
+    if len(unknown) == 1 and known and total % known == 0:
+        dims[unknown[0]] = total // known
+    elif len(unknown) > 1 and len(shape) == len(weight):
+        for i in unknown:
+            dims[i] = weight[i]
+    view = tuple(dims)
+    if None in view or math.prod(view) != total or view[-1] != weight[-1] or \
+            (count is not None and view[dim] % count):
+        raise UnsupportedCheckpoint(where, f"layer spec shape {spec_shape} does not fit the weight {list(weight)}")
+    parts = sizes or ((view[dim] // count,) * count if count else (view[dim],))
+    return view, parts
+
+
 def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, dict, list]:
     """At TP 1 DeepSpeed saves no `universal_checkpoint_info`, but the ds_config it saves holds the
     `tensor_parallel.partition_config.layer_specs` a TP > 1 engine applies. Mirrors
@@ -147,16 +234,17 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
                                                 "reshard follows only explicit layer_specs with use_default_specs false")
     specs = partition["layer_specs"]
     for spec in specs:
-        if spec.get("shape") is not None or spec.get("model_types") or spec.get("partition_dim") is not None:
-            raise UnsupportedCheckpoint(model_path, f"layer spec {spec} uses shape, model_types or partition_dim; "
-                                                    "not supported yet")
+        if spec.get("model_types") or (spec.get("partition_dim") is not None and spec.get("shape") is None):
+            raise UnsupportedCheckpoint(model_path, f"layer spec {spec} uses model_types, or partition_dim without "
+                                                    "shape: at TP 1, where DeepSpeed saves no universal_checkpoint_info, "
+                                                    "reshard does not derive such splits yet (from TP > 1 it does)")
     buffers = set(model_tree.get("buffer_names") or ())
     aliases = dict(model_tree.get("shared_params") or {})
     module = model_tree.get("module") or {}
     # DeepSpeed names each tensor once, by its owner (`collect_autotp_universal_checkpoint_info`)
     shapes = {name: tuple(ref.shape) for name, ref in module.items()
               if isinstance(ref, TensorRef) and name not in buffers and name not in aliases}
-    kinds = {}
+    kinds, rows, published = {}, set(), {}
     vocabulary = _vocabulary_head(config, shapes, aliases, model_path)
     for name in vocabulary:  # it supersedes a layer spec on the head (auto_tp.py `_warn_overridden_lm_head_spec`)
         # layers.py `collect_autotp_universal_checkpoint_info`: a 2-D dim-0 split named *embed* or *lm_head*
@@ -173,6 +261,21 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
             raise UnsupportedCheckpoint(model_path, f"{name} of shape {list(shape)} matches a {kind} layer spec; "
                                                     "only nn.Linear weights (2-D) are supported")
         bias = name[:-len("weight")] + "bias"
+        if kind == "row":
+            rows.add(name)
+        if spec.get("shape") is not None:  # auto_tp.py: SubParamLinearLayer / SubParamLinearAllreduce
+            dim = spec.get("partition_dim")
+            dim = (0 if kind == "column" else 1) if dim is None else int(dim)  # TPLayerSpec.get_partition_dim
+            view, parts = _shape_spec_view(shape, spec["shape"], dim, f"{model_path}: {name}")
+            kinds[name] = TensorSplit("sub-parameter", dim, view, parts)
+            published[name] = [_tuples(d) for d in spec["shape"]]
+            published[name][dim] = parts
+            if bias in shapes and kind == "column" and dim < len(view) - 1:  # layers.py `_bias_subparam_shape_spec`
+                kinds[bias] = TensorSplit("sub-parameter", dim, view[:-1], parts)
+                published[bias] = [*view[:dim], parts, *view[dim + 1:-1]]
+            elif bias in shapes:
+                kinds[bias] = REPLICATED
+            continue
         kinds[name] = TensorSplit(kind, 0 if kind == "column" else 1)
         if bias in shapes:
             kinds[bias] = TensorSplit("column", 0) if kind == "column" else REPLICATED
@@ -180,10 +283,14 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     untouched = [n for n in shapes if n not in kinds]
     patterns = [(rf"^{re.escape(n)}$", kinds.get(n, REPLICATED), shapes[n]) for n in layer_owned + untouched]
     info = {"universal_checkpoint_version": 0.4,
-            ROW: sorted(p for p, split, _ in patterns if split.kind == "row"),
+            ROW: sorted(rf"^{re.escape(n)}$" for n in rows),
             REPLICATED_PATTERNS: sorted(p for p, split, _ in patterns if split.dim is None),
             VOCABULARY: sorted(p for p, split, _ in patterns if split.kind == "vocabulary"),
-            SUB_PARAMS: [], UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+            SUB_PARAMS: [{"patterns": [rf"^{re.escape(n)}$"], "shape": published[n], "partition_dim": kinds[n].dim}
+                         for n in layer_owned if n in published],
+            UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
+    if published:  # recomputed for each target TP (`TensorParallelSpec.universal_info`)
+        info[SUB_PARAM_WIDTHS] = {rf"^{re.escape(n)}$": [] for n in layer_owned if n in published}
     first = next((shape for _, split, shape in patterns if split.kind == "vocabulary"), None)
     if first is not None:
         info[ORIGINAL_VOCAB_SIZE] = first[0]
@@ -220,7 +327,9 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int,
     if info is None and tp == 1:
         info, by_name, patterns = splits_from_layer_specs(model_tree, model_path)
     else:
-        by_name, patterns = _splits_from_info(info, model_path, tp, grain)
+        ndims = {name: len(ref.shape) for name, ref in (model_tree.get("module") or {}).items()
+                 if isinstance(ref, TensorRef)}
+        by_name, patterns = _splits_from_info(info, model_path, tp, grain, ndims)
     missing = [p.name for p in local_params if p.name not in by_name]
     if missing:
         raise UnsupportedCheckpoint(model_path, f"trainable parameters {missing[:4]} have no entry in the affine_map "

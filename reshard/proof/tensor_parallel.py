@@ -96,7 +96,34 @@ class VocabParallelModel(TensorParallelModel):
         return self.loss_function(self.lm_head(hidden), labels=targets)
 
 
-MODELS = {"base": TensorParallelModel, "vocab": VocabParallelModel}
+FUSED = 5
+FUSED_LAYER_SPECS = [
+    {"patterns": [r"^gate_up\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0},
+    {"patterns": [r"^fused_down\.weight$"], "partition_type": "row"},
+]
+
+
+class FusedSubParamModel(VocabParallelModel):
+    """The vocabulary-parallel model plus a fused gate/up projection (`gate_up`, 2 x 5 outputs)
+    whose layer spec has `shape: [2, -1]`: AutoTP's `SubParamLinearLayer` cuts each half on its
+    own (3 + 2 rows of each at TP 2), so a rank holds [its gate rows, its up rows]; then a
+    row-parallel `fused_down`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(HIDDEN, 2 * FUSED)
+        self.fused_down = nn.Linear(FUSED, HIDDEN)
+
+    def forward(self, tokens, targets):
+        hidden = self.norm(self.embed(tokens))
+        hidden = hidden + self.down(F.gelu(self.up(hidden)))
+        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
+        hidden = hidden + self.fused_down(F.silu(gate) * up)
+        hidden = hidden + 0.5 * self.frozen(hidden)
+        return self.loss_function(self.lm_head(hidden), labels=targets)
+
+
+MODELS = {"base": TensorParallelModel, "vocab": VocabParallelModel, "fused": FusedSubParamModel}
 
 
 def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
@@ -109,8 +136,10 @@ def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
         "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
                                                                       "layer_specs": LAYER_SPECS}},
     }
-    if model == "vocab":
+    if model in ("vocab", "fused"):
         config["tensor_parallel"]["vocab_parallel_lm_head"] = True
+    if model == "fused":
+        config["tensor_parallel"]["partition_config"]["layer_specs"] = LAYER_SPECS + FUSED_LAYER_SPECS
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
     if precision in ("bf16", "bf16_optimizer"):
@@ -175,13 +204,20 @@ def eval_loss(engine) -> float:
     return loss
 
 
-def partition_of(param) -> tuple[int | None, tuple[int, ...] | None]:
-    """(partition dim, per-TP-rank sizes) of an AutoTP parameter, None for one left whole."""
+def partition_of(param) -> tuple | None:
+    """(logical shape, partition dim, per-sub-parameter per-TP-rank widths) of an AutoTP
+    parameter, None for one left whole. A plain column/row/vocabulary split is one
+    sub-parameter over the parameter's own shape; a `shape` layer spec (SubParamLinearLayer)
+    views the parameter as `logical_shape` and cuts each sub-parameter on its own
+    (`sub_param_shard_widths`, module_inject/layers.py `_partition_logical_tensor`)."""
     meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None) or {}
     conversion = meta.get("conversion") or {}
     if conversion.get("replicated") or conversion.get("partition_dim") is None:
-        return None, None
-    return int(conversion["partition_dim"]), tuple(int(s) for s in meta.get("partition_sizes") or ())
+        return None
+    widths = meta.get("sub_param_shard_widths") or [meta.get("partition_sizes")]
+    logical = meta.get("logical_shape") or meta.get("original_shape")
+    return (tuple(int(d) for d in logical), int(conversion["partition_dim"]),
+            [[int(w) for w in per_rank] for per_rank in widths])
 
 
 def local_state(engine) -> dict:
@@ -201,7 +237,7 @@ def local_state(engine) -> dict:
 
 
 def full_state(engine) -> dict:
-    """Every trainable parameter unsharded: TP shards all-gathered and joined on their dim."""
+    """Every trainable parameter unsharded: TP shards all-gathered and joined (`join_shards`)."""
     import deepspeed.comm as dist
 
     group, _, _ = _groups()
@@ -210,23 +246,40 @@ def full_state(engine) -> dict:
     params = dict(engine.module.named_parameters())
     full = {}
     for name, entry in local.items():
-        dim, sizes = partition_of(params[name])
+        layout = partition_of(params[name])
 
         def join(tensor):
-            if dim is None or tp_size == 1:
+            if layout is None or tp_size == 1:
                 return tensor
             shards = [None] * tp_size
             dist.all_gather_object(shards, tensor, group=group)
-            return torch.cat(shards, dim=dim)
+            return join_shards(shards, *layout)
         full[name] = {"fp32": join(entry["fp32"]), "state": {k: join(v) for k, v in entry["state"].items()},
                       "module": join(entry["module"])}
     return full
 
 
-def slice_for(tensor, dim, sizes, tp_rank):
-    if dim is None:
+def join_shards(shards, logical, dim, widths):
+    """The full parameter from its TP shards: each shard viewed in the logical shape, cut into
+    its piece of every sub-parameter, the pieces of each sub-parameter joined in rank order."""
+    pieces = []
+    for rank, shard in enumerate(shards):
+        view = list(logical)
+        view[dim] = sum(w[rank] for w in widths)
+        pieces.append(shard.reshape(view).split([w[rank] for w in widths], dim=dim))
+    joined = [torch.cat([pieces[rank][s] for rank in range(len(shards))], dim=dim) for s in range(len(widths))]
+    whole = torch.cat(joined, dim=dim)
+    return whole.reshape(-1) if shards[0].dim() == 1 else whole.reshape(-1, whole.shape[-1])
+
+
+def slice_for(tensor, layout, tp_rank, local_shape):
+    """TP rank `tp_rank`'s shard of the full `tensor` (the inverse of `join_shards`)."""
+    if layout is None:
         return tensor
-    return tensor.split(list(sizes), dim=dim)[tp_rank]
+    logical, dim, widths = layout
+    subs = tensor.reshape(logical).split([sum(w) for w in widths], dim=dim)
+    mine = [sub.split(w, dim=dim)[tp_rank] for sub, w in zip(subs, widths)]
+    return torch.cat(mine, dim=dim).reshape(local_shape)
 
 
 def cmd_train(args) -> None:
@@ -255,13 +308,16 @@ def judge(engine, truth: dict) -> list[str]:
     params = dict(engine.module.named_parameters())
     problems = []
     for name, entry in local_state(engine).items():
-        dim, sizes = partition_of(params[name])
+        layout = partition_of(params[name])
         want = truth["params"][name]
         pairs = [("fp32", entry["fp32"], want["fp32"])] + \
             [(k, entry["state"][k], want["state"][k]) for k in entry["state"]] + \
             [("module", entry["module"], want["module"])]
         for what, got, full in pairs:
-            expected = slice_for(full, dim, sizes, tp_rank)
+            try:
+                expected = slice_for(full, layout, tp_rank, got.shape)
+            except RuntimeError:  # the loaded shard has another element count
+                expected = full
             if got.shape != expected.shape or not torch.equal(got, expected):
                 problems.append(f"{name} {what}: tp rank {tp_rank} differs (shape {tuple(got.shape)} vs "
                                 f"{tuple(expected.shape)})")
@@ -291,7 +347,7 @@ def cmd_check(args) -> None:
         problems = judge(engine, truth)
         if truth.get("model", "base") != args.model:
             problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
-        if args.model == "vocab" and engine.module.lm_head.weight is not engine.module.embed.weight:
+        if args.model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
             problems.append("lm_head.weight is no longer tied to embed.weight")
         loss = eval_loss(engine)
         tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
