@@ -5,7 +5,10 @@
 
 End to end, (tp, dp) notation: ZeRO-2 fp32 (2,2) -> (1,3) and (4,1), offline and in-job
 (`reshard.deepspeed.load_checkpoint` in the same check launches); ZeRO-1 bf16 (2,1) -> (1,2)
-and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); W differs from both world sizes in each.
+and (1,2) -> (2,1), (2,2) -> (1,3), (4,1) -> (1,3) and (2,2) (offline and in-job);
+BF16_Optimizer (2,1) -> (1,2); ZeRO-2 fp16 with a vocabulary-parallel tied lm_head/embedding
+and fused gate/up sub-parameters (2,1) -> (1,2), (3,1) (offline and in-job) and (1,2) -> (3,1);
+W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
 weights is compared with the truth resliced for that rank (reshard/proof/tensor_parallel.py),

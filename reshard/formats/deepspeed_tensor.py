@@ -11,10 +11,11 @@ DeepSpeed 0.19.8 writes, in every `mp_rank_XX_model_states.pt`, `universal_check
 `autotp_unsupported_parameter_patterns`) and an `affine_map` with each parameter's logical
 (global) shape and per-rank shard shapes. Each parameter's split is read from the pattern
 lists (row-parallel weights on dim 1, replicated whole, vocabulary-parallel on dim 0, every other
-mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it), and its shard shapes at
-the source TP size are checked against the rule reshard writes targets with
-(`reshard.layout_tensor.shard_sizes`), so a split sized some other way is refused rather than
-misread. A tied alias of a trainable module tensor (`shared_params`, e.g. a vocabulary-parallel
+mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it; a fused sub-parameter
+parameter over its affine map's logical view, each sub-parameter cut on its own, its
+`sub_param_shard_widths`), and its shard shapes at the source TP size are checked against the
+rule reshard writes targets with (`reshard.layout_tensor.shard_sizes`), so a split sized some
+other way is refused rather than misread. A tied alias of a trainable module tensor (`shared_params`, e.g. a vocabulary-parallel
 `lm_head.weight` tied to `embed.weight`) is the same view of the same storage in every TP rank's
 file; the target writes it as its owner's tensor.
 """
@@ -220,8 +221,10 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     """At TP 1 DeepSpeed saves no `universal_checkpoint_info`, but the ds_config it saves holds the
     `tensor_parallel.partition_config.layer_specs` a TP > 1 engine applies. Mirrors
     module_inject/auto_tp.py `_replace` (a spec matches `<module>.weight` with re.match; column:
-    weight and bias on dim 0; row: weight on dim 1, bias replicated) for modules with a 2-D
-    weight (nn.Linear); returns (info without an affine map, by_name, patterns)."""
+    weight and bias on dim 0; row: weight on dim 1, bias replicated; a spec with `shape`: the
+    sub-parameter layers, `_shape_spec_view`) for modules with a 2-D weight (nn.Linear), and
+    `vocab_parallel_lm_head` (`_vocabulary_head`); returns (info without an affine map, by_name,
+    patterns)."""
     config = model_tree.get("ds_config") or {}
     tp_config = config.get("tensor_parallel") if isinstance(config, dict) else None
     partition = (tp_config or {}).get("partition_config") if isinstance(tp_config, dict) else None
@@ -247,9 +250,7 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
     kinds, rows, published = {}, set(), {}
     vocabulary = _vocabulary_head(config, shapes, aliases, model_path)
     for name in vocabulary:  # it supersedes a layer spec on the head (auto_tp.py `_warn_overridden_lm_head_spec`)
-        # layers.py `collect_autotp_universal_checkpoint_info`: a 2-D dim-0 split named *embed* or *lm_head*
-        named = len(shapes[name]) == 2 and ("embed" in name or "lm_head" in name)
-        kinds[name] = TensorSplit("vocabulary" if named else "column", 0)
+        kinds[name] = TensorSplit("column", 0)
     for name, shape in shapes.items():
         if not name.endswith(".weight") or name in kinds:
             continue
@@ -279,21 +280,27 @@ def splits_from_layer_specs(model_tree: dict, model_path: str) -> tuple[dict, di
         kinds[name] = TensorSplit(kind, 0 if kind == "column" else 1)
         if bias in shapes:
             kinds[bias] = TensorSplit("column", 0) if kind == "column" else REPLICATED
+    for name, split in kinds.items():
+        # layers.py `collect_autotp_universal_checkpoint_info`: a 2-D dim-0 split named *embed* or *lm_head*
+        if split.kind == "column" and len(shapes[name]) == 2 and ("embed" in name or "lm_head" in name):
+            kinds[name] = TensorSplit("vocabulary", 0)
+    vocabulary = [n for n, split in kinds.items() if split.dim == 0 and len(shapes[n]) == 2
+                  and ("embed" in n or "lm_head" in n)]
     layer_owned = [n for n in shapes if n in kinds]
     untouched = [n for n in shapes if n not in kinds]
     patterns = [(rf"^{re.escape(n)}$", kinds.get(n, REPLICATED), shapes[n]) for n in layer_owned + untouched]
     info = {"universal_checkpoint_version": 0.4,
             ROW: sorted(rf"^{re.escape(n)}$" for n in rows),
             REPLICATED_PATTERNS: sorted(p for p, split, _ in patterns if split.dim is None),
-            VOCABULARY: sorted(p for p, split, _ in patterns if split.kind == "vocabulary"),
+            VOCABULARY: sorted(rf"^{re.escape(n)}$" for n in vocabulary),
             SUB_PARAMS: [{"patterns": [rf"^{re.escape(n)}$"], "shape": published[n], "partition_dim": kinds[n].dim}
                          for n in layer_owned if n in published],
             UNSUPPORTED: {}, "affine_map": {"version": 1, "params": {}}}
     if published:  # recomputed for each target TP (`TensorParallelSpec.universal_info`)
         info[SUB_PARAM_WIDTHS] = {rf"^{re.escape(n)}$": [] for n in layer_owned if n in published}
-    first = next((shape for _, split, shape in patterns if split.kind == "vocabulary"), None)
+    first = next((n for n in shapes if n in vocabulary), None)  # the first in module order
     if first is not None:
-        info[ORIGINAL_VOCAB_SIZE] = first[0]
+        info[ORIGINAL_VOCAB_SIZE] = shapes[first][0]
     by_name = {_name_of(p): (split, shape) for p, split, shape in patterns}
     return info, by_name, patterns
 

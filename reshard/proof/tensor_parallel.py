@@ -10,10 +10,14 @@
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
 every TP rank (embedding, layer norm, head, a frozen linear); two optimizer param groups.
-The TP split comes from `tensor_parallel.partition_config.layer_specs`.
+The TP split comes from `tensor_parallel.partition_config.layer_specs`. `--model vocab` ties an
+`lm_head` to the embedding and turns on `vocab_parallel_lm_head` (both split over a vocabulary
+of 11); `--model fused` adds to that a fused gate/up linear whose layer spec has `shape`
+(each half cut on its own) and a row-parallel `fused_down`.
 
 Truth (written by global rank 0 after the save): every trainable parameter's full, unsharded
-fp32 master and optimizer states (TP shards joined along their partition dimension), module
+fp32 master and optimizer states (TP shards joined along their partition dimension, per
+sub-parameter for a fused one: `join_shards`, from the parameter's AutoTP metadata), module
 values, frozen values, counters and the eval loss. `check` builds an engine at its own
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
