@@ -11,13 +11,13 @@ DeepSpeed 0.19.8 writes, in every `mp_rank_XX_model_states.pt`, `universal_check
 `autotp_unsupported_parameter_patterns`) and an `affine_map` with each parameter's logical
 (global) shape and per-rank shard shapes. Each parameter's split is read from the pattern
 lists (row-parallel weights on dim 1, replicated whole, vocabulary-parallel on dim 0, every other
-mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it; a fused sub-parameter
-parameter over its affine map's logical view, each sub-parameter cut on its own, its
+mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it; a parameter of fused
+sub-parameters over its affine map's logical view, each sub-parameter cut on its own, its
 `sub_param_shard_widths`), and its shard shapes at the source TP size are checked against the
 rule reshard writes targets with (`reshard.layout_tensor.shard_sizes`), so a split sized some
-other way is refused rather than misread. A tied alias of a trainable module tensor (`shared_params`, e.g. a vocabulary-parallel
-`lm_head.weight` tied to `embed.weight`) is the same view of the same storage in every TP rank's
-file; the target writes it as its owner's tensor.
+other way is refused rather than misread. A tied alias of a trainable module tensor
+(`shared_params`, e.g. a vocabulary-parallel `lm_head.weight` tied to `embed.weight`) is the
+same view of the same storage in every TP rank's file; the target writes it as its owner's tensor.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _sub_param_dims(info: dict, model_path: str) -> dict[str, int]:
 
 def _sub_param_split(info: dict, pattern: str, entry: dict, dim: int, ndim: int | None, model_path: str, tp: int,
                      grain: int) -> tuple[TensorSplit, tuple[int, ...]]:
-    """The split of a fused sub-parameter parameter and its global shape. The affine map's
+    """The split of a parameter of fused sub-parameters, and its global shape. The affine map's
     logical shape is the view the layer spec's `shape` gives (layers.py `_infer_subparam_logical_shapes`);
     the parameter itself is that view as (leading, last) for a weight, flat for a bias. The
     saved map must be the one reshard writes for these sub-parameter sizes (checkpoint/affine.py
