@@ -347,8 +347,14 @@ def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_an
     from reshard.proof.tensor_parallel import check_checkpoints
     source, truth = autotp("fused_z2_fp16_tp2_dp1")
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
-    to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=2)
+    to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=4)
     via_tp1 = _reshard(to_1x2, tmp_path / "via-tp1", 3, 1, workers=1)
+    from trained import reshard_cli
+    shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout + shown.stderr
+    assert "vocabulary (1): embed.weight" in text and "sub-parameter (2): gate_up.weight, gate_up.bias" in text
+    assert "row (2): down.weight, fused_down.weight" in text
     states = [torch.load(to_3x1 / "global_step3" / f"mp_rank_0{t}_model_states.pt", weights_only=False)
               for t in range(3)]
     for t, state in enumerate(states):
