@@ -13,8 +13,9 @@ source side every copy is mapped to the bytes of source TP rank 0, which are rea
 copy (the other source TP ranks' copies are not read).
 
 Each (dp, tp) rank's pieces come from the ZeRO rules over its TP-local shapes and the dp
-size (`reshard.layout`), then are lowered from the rank's local space to the global one
-(`reshard.local_to_global`); a piece's rank is the global rank, tp fastest
+size (`reshard.layout`), are cut where a local tensor of a fused sub-parameter split passes
+from one sub-parameter's piece to the next, then are lowered from the rank's local space to
+the global one (`reshard.local_to_global`); a piece's rank is the global rank, tp fastest
 (`reshard.topology`). The same holds under ZeRO-3 (`reshard.layout.Zero3Layout`: each TP rank's
 local parameters chunked over its dp group, engine.py `_get_zero_ckpt_name` names the file by
 (dp, tp)), and for its partitioned frozen parameters (`frozen_param_fragments`), which AutoTP
@@ -69,6 +70,37 @@ def _bases_for(params: TensorParallelParams, space: GlobalSpace, side: str, tp_r
     return result
 
 
+def _placements(params: TensorParallelParams, space: GlobalSpace, side: str, tp: int, tp_rank: int,
+                local_bases: np.ndarray) -> tuple[np.ndarray, list]:
+    """The rank's local space cut into pieces each one box of a global parameter (a parameter
+    of a plain split is one; a sub-parameter split several): their local starts and their
+    `globalize` placements."""
+    starts, placements = [], []
+    for p, copies in enumerate(_bases_for(params, space, side, tp_rank)):
+        for offset, box, shape in params.local_pieces(p, tp, tp_rank):
+            starts.append(int(local_bases[p]) + offset)
+            placements.append((box, shape, copies))
+    return np.asarray(starts, dtype=np.int64), placements
+
+
+def _cut_at(cuts: np.ndarray, start, rank, buffer, offset, length) -> tuple[np.ndarray, ...]:
+    """ZeRO pieces (start, rank, buffer, offset, length) of a local space, cut wherever one of
+    the sorted local positions `cuts` falls strictly inside one, so each lies in one box."""
+    start, rank, buffer, offset, length = (np.asarray(c, dtype=np.int64) for c in (start, rank, buffer, offset, length))
+    end = start + length
+    first = np.searchsorted(cuts, start, side="right")       # the first cut after each start
+    inner = np.searchsorted(cuts, end, side="left") - first  # cuts strictly inside each piece
+    if not inner.any():
+        return start, rank, buffer, offset, length
+    counts = inner + 1
+    item = np.repeat(np.arange(len(start)), counts)
+    k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    top = max(len(cuts) - 1, 0)
+    left = np.where(k == 0, start[item], cuts[np.minimum(first[item] + k - 1, top)])
+    right = np.where(k == counts[item] - 1, end[item], cuts[np.minimum(first[item] + k, top)])
+    return left, rank[item], buffer[item], offset[item] + left - start[item], right - left
+
+
 def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: Topology,
                   layout_of: Callable[[int], Zero12Layout | Zero3Layout], side: str) -> PieceTable:
     """Pieces of every (dp, tp) rank of `topology` over `space`; `layout_of(t)` is TP rank t's
@@ -77,11 +109,10 @@ def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: To
     for t in range(topology.tp):
         layout = layout_of(t)
         pieces = layout.pieces
-        local_bases = logical_bases([p.numel for p in layout.params])
-        placements = [(params.local_box(p, topology.tp, t), params.shapes[p], bases)
-                      for p, bases in enumerate(_bases_for(params, space, side, t))]
-        start, dp_rank, buffer, offset = globalize(pieces.start, pieces.rank, pieces.buffer, pieces.offset,
-                                                   pieces.length, local_bases, placements)
+        local_bases, placements = _placements(params, space, side, topology.tp, t,
+                                              logical_bases([p.numel for p in layout.params]))
+        start, dp_rank, buffer, offset = globalize(*_cut_at(local_bases, pieces.start, pieces.rank, pieces.buffer,
+                                                            pieces.offset, pieces.length), local_bases, placements)
         columns.append((start, dp_rank * topology.tp + t, buffer, offset))
     return table_from_columns(columns, space.total)
 
@@ -117,13 +148,13 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
     for t in range(topology.tp):
         numels = np.asarray([numel(module.local_shape(j, topology.tp, t)) for j in range(len(module.names))],
                             dtype=np.int64)
-        local_bases = logical_bases(numels)
+        tensor_bases = logical_bases(numels)
         keep = numels > 0
-        placements = [(module.local_box(j, topology.tp, t), module.shapes[j], bases)
-                      for j, bases in enumerate(_bases_for(module, space, side, t))]
+        local_bases, placements = _placements(module, space, side, topology.tp, t, tensor_bases)
         count = int(keep.sum())
-        start, _, buffer, offset = globalize(local_bases[keep], np.zeros(count), np.flatnonzero(keep),
-                                             np.zeros(count), numels[keep], local_bases, placements)
+        start, _, buffer, offset = globalize(*_cut_at(local_bases, tensor_bases[keep], np.zeros(count, np.int64),
+                                                      np.flatnonzero(keep), np.zeros(count, np.int64), numels[keep]),
+                                             local_bases, placements)
         columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset))
     return table_from_columns(columns, space.total)
 

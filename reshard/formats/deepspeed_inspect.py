@@ -719,7 +719,7 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
         _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
-            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp).items()})
+            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))

@@ -233,6 +233,11 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
         shape = module.local_shape(j, target.tp, tp_rank)
         tensors[name] = NewTensor(("module", j, "module"), math.prod(shape), spec.lp_dtype,
                                   tensors[name].requires_grad, tuple(shape))
+    for alias, owner in spec.tensor.aliases:  # a tied alias is its owner's tensor (one storage)
+        tensors[alias] = tensors[owner]
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only: (dp 0, tp 0)
+    if tp_rank != 0 and isinstance(tree.get("shared_params"), dict):
+        tree["shared_params"] = {}
     _set_tensor_parallel_metadata(tree, spec, target)
 
 
