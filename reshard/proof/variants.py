@@ -71,6 +71,8 @@ class Variant:
     moe: bool = False
     """Train the native DeepSpeed MoE model (reshard.proof.moe_model) at an expert-parallel size
     given at launch (reshard.proof.moe_run --ep), instead of the proof model."""
+    load_universal: bool = False
+    """checkpoint.load_universal: load_checkpoint reads a ds_to_universal.py output (the oracle)."""
 
     def ds_config(self) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
@@ -111,6 +113,8 @@ class Variant:
             config["zero_allow_untested_optimizer"] = True
         if self.node_local_storage:
             config["checkpoint"] = {"use_node_local_storage": True}
+        if self.load_universal:
+            config.setdefault("checkpoint", {})["load_universal"] = True
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
