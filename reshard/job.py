@@ -403,6 +403,9 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         writer.wait_for_copies()
         copied = {} if site is not None else copy_file_share(staging, source.tag_dir, _copy_sizes(source, start),
                                                              transport.rank, transport.size)
+        copied_bytes = sum(entry["bytes"] for entry in copied.values())
+        reader.bytes_read += copied_bytes
+        writer.bytes_carried += copied_bytes
         clock.lap("exchange+write")
         clock.move(writer.sync_seconds, "exchange+write", "fsync")
         hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it

@@ -433,6 +433,7 @@ def test_target_ep_needs_experts(trained, tmp_path):
 # Its own load already works at another dp (nothing checks it) and fails at another ep (torch's
 # "parameter group that doesn't match the size"); reshard regroups the per-parameter tensors.
 ZERO0 = {("moe_z0_fp32", 2, 2): [(1, 2, 3), (2, 4, 3)], ("moe_z0_bf16", 1, 2): [(2, 2, 3)]}
+ZERO0_IN_JOB = {("moe_z0_fp32", 2, 2): [(1, 2)], ("moe_z0_bf16", 1, 2): [(2, 2)]}  # reshard.deepspeed, same launches
 
 
 @pytest.mark.e2e
@@ -460,12 +461,14 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         a.rename(a.with_suffix(".tmp")), b.rename(a), a.with_suffix(".tmp").rename(b)
         negative = (swapped, tmp_path / "swapped.json")
         by_job[(2, 4)].append(negative)
+    for ep, world in ZERO0_IN_JOB[source_key]:
+        by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
     for (ep, world), loads in by_job.items():
-        for (load_dir, _), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
+        for (load_dir, _, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
             if negative is not None and load_dir == negative[0]:
                 assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert moments"
                 continue
-            assert (verdict["world_size"], verdict["ep"]) == (world, ep)
+            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
             _assert_ok(verdict)
 
 

@@ -26,6 +26,7 @@ tensors regrouped (reshard.zero0_expert_groups), saved with torch.save.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -274,27 +275,42 @@ def _check_same_groups(source: Zero0MoeSource, optimizer: dict, path: str) -> No
                                     f"{list(source.group_lengths)} (file of another checkpoint?)")
 
 
+class _SourceOptimizers:
+    """The source EP ranks' optimizer dicts, each loaded (memory-mapped) and checked once."""
+
+    def __init__(self, source: Zero0MoeSource, trust_pickle: bool):
+        self.source, self.trust_pickle = source, trust_pickle
+        self.loaded: dict[int, dict] = {}
+        self.read: list[str] = []
+
+    def __getitem__(self, rank: int) -> dict:
+        if rank not in self.loaded:
+            path = self.source.expp_path(rank)
+            optimizer = _optimizer_of(_load(path, self.trust_pickle), path)
+            _check_same_groups(self.source, optimizer, path)
+            self.read.append(path)
+            self.loaded[rank] = optimizer
+        return self.loaded[rank]
+
+    def target(self, target: Topology, ep_rank: int) -> dict:
+        ranks = source_ranks_for(self.source, target, ep_rank)
+        return target_optimizer(self.source, {r: self[r] for r in ranks}, target, ep_rank)
+
+
+def target_optimizers(source: Zero0MoeSource, target: Topology, ep_ranks, *, trust_pickle: bool = False) -> dict:
+    """{EP rank: its optimizer dict at `target`} for the given target EP ranks (in-job loads)."""
+    sources = _SourceOptimizers(source, trust_pickle)
+    return {e: sources.target(target, e) for e in ep_ranks}
+
+
 def write_target_files(source: Zero0MoeSource, target: Topology, tag_dir: str, names: list[str], *,
                        trust_pickle: bool = False) -> tuple[list[str], list[str]]:
     """Write the named target files (expp_rank_* of `target`, and the model-states file) into
     `tag_dir`. Reads only the source files they draw on, memory-mapped. Returns the paths
     written and the source paths read."""
-    loaded: dict[int, dict] = {}
-    read: list[str] = []
-
-    def source_optimizer(rank: int) -> dict:
-        if rank not in loaded:
-            path = source.expp_path(rank)
-            optimizer = _optimizer_of(_load(path, trust_pickle), path)
-            read.append(path)
-            _check_same_groups(source, optimizer, path)
-            loaded[rank] = optimizer
-        return loaded[rank]
-
-    def optimizer_of(ep_rank: int) -> dict:
-        return target_optimizer(source, {r: source_optimizer(r) for r in source_ranks_for(source, target, ep_rank)},
-                                target, ep_rank)
-
+    sources = _SourceOptimizers(source, trust_pickle)
+    read = sources.read
+    optimizer_of = functools.partial(sources.target, target)
     paths = []
     for name in names:
         path = os.path.join(tag_dir, name)
