@@ -494,6 +494,13 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     assert "ZeRO-0 native MoE" in text and "EP rank 3: experts 3-3" in text and not (tmp_path / "dry").exists()
     with pytest.raises(OptionError, match="ep=3 does not divide"):
         reshard_checkpoint(str(source), str(tmp_path / "x"), 3, target_ep=3, quiet=True)
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    missing = broken / "global_step3" / "expp_rank_1_mp_rank_00_optim_states.pt"
+    missing.unlink()
+    with pytest.raises(CheckpointError, match="is missing: the expert param groups are named ep_size_2") as error:
+        reshard_checkpoint(str(broken), str(tmp_path / "y"), 2, quiet=True)
+    assert str(missing) in str(error.value)
 
 
 @pytest.mark.e2e

@@ -185,6 +185,15 @@ def inspect_zero0_moe(save_dir: str, tag: str, *, trust_pickle: bool = False) ->
         raise UnsupportedCheckpoint(path0, "holds FP16_Optimizer's flat fp32 groups (fp32_groups_flat, fused Adam); "
                                            "only the unfused optimizer's per-parameter masters are supported")
     inner = _inner(optimizer, path0)
+    named = {int(m[1]) for g in inner["param_groups"] if g.get("moe")
+             for m in [re.fullmatch(r"ep_size_(\d+)", str(g.get("name")))] if m}
+    if named and named != {ep}:  # moe/utils.py names expert groups after their process group, ep_size_{ep}
+        wanted = max(named)
+        missing = os.path.join(tag_dir, expp_file_name(ep)) if wanted > ep else path0
+        raise CheckpointError(missing, f"is missing: the expert param groups are named ep_size_{wanted}, so "
+                                       f"{wanted} expp_rank files are expected, {ep} are present"
+                              if wanted > ep else
+                              f"names its expert param groups {sorted(named)}, but {ep} expp_rank files are present")
     local_counts = [ExpertPlacement(count, ep).local_count for count in num_experts]
     orders = []
     for g, group in enumerate(inner["param_groups"]):
