@@ -37,8 +37,8 @@ from reshard.destination import STAGING, Staging, check_empty, check_paths, writ
 from reshard.errors import OptionError, PeerFailure, ReshardError, TopologyError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
-from reshard.file_shares import file_shares
 from reshard.expert_layout import expert_placement_lines
+from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
@@ -401,8 +401,9 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     def flush(reader, writer) -> dict:
         writer.wait_for_copies()
-        copied = {} if site is not None else copy_file_share(staging, source.tag_dir, _copy_sizes(source, start),
-                                                             transport.rank, transport.size)
+        # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
+        copied = {} if site is not None else staging.copy_in_hashed(
+            source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
         copied_bytes = sum(entry["bytes"] for entry in copied.values())
         reader.bytes_read += copied_bytes
         writer.bytes_carried += copied_bytes
@@ -465,7 +466,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
 def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
              carried: list[str], site=None) -> None:
-    # Every worker copied its share of the other files (`copy_file_share`); a node's leader all of its node's.
+    # Every worker copied its share of the other files (`flush`); a node's leader all of its node's.
     here = source.other_files if site is not None else ()
     staging.copy_in(source.tag_dir, here, source.other_dirs)
     staged = save_dir_files.staging_dir(staging.tag_dir)
@@ -497,15 +498,6 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
 def _copy_sizes(source: SourceCheckpoint, start: _Start) -> dict[str, int]:
     """Bytes of each file copied whole (expert files, other files), from worker 0's survey."""
     return {name: start.identity[name]["bytes"] for name in source.other_files}
-
-
-def copy_file_share(staging: Staging, tag_dir: str, sizes: dict[str, int], worker: int, workers: int) -> dict:
-    """Copy this worker's share (reshard.file_shares) of the files that travel whole into staging;
-    returns {name: {"bytes", "blake3"}} of what it copied."""
-    share = file_shares(sizes, workers)[worker]
-    staging.copy_in(tag_dir, share)
-    return {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
-                   "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in share}
 
 
 def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, views) -> tuple:

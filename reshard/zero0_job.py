@@ -27,6 +27,7 @@ from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import OptionError, TopologyError
 from reshard.expert_layout import ExpertParams, expert_placement_lines
+from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_zero0_moe import (
     MODEL,
@@ -96,7 +97,6 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
         result.seconds = time.perf_counter() - started
         return result
 
-    from reshard.job import copy_file_share  # the same share rule as every other job
     staging = Staging(unit.destination, source.tag)
     lock = DestinationLock(unit.destination)
 
@@ -130,7 +130,7 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
             hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
         report.bytes_written = sum(h["bytes"] for h in hashes.values())
         sizes = {name: identity[name]["bytes"] for name in (*source.expert_files, *source.other_files)}
-        copied = copy_file_share(staging, source.tag_dir, sizes, transport.rank, transport.size)
+        copied = staging.copy_in_hashed(source.tag_dir, file_shares(sizes, transport.size)[transport.rank])
         report.bytes_carried = sum(h["bytes"] for h in copied.values())
         report.bytes_read += report.bytes_carried
         hashes.update(copied)

@@ -37,6 +37,7 @@ from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.torch_archive import TensorRef, load_structure, portable
 from reshard.topology import Topology
 from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
@@ -123,8 +124,6 @@ def _position_shapes(optimizer: dict, inner: dict, group: int) -> list[tuple[int
 
 def inspect_zero0_moe(save_dir: str, tag: str, *, trust_pickle: bool = False) -> Zero0MoeSource:
     """Read the pickles of a ZeRO-0 MoE tag directory (no tensor bytes) and check them."""
-    from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents
-
     save_dir = os.path.abspath(save_dir)
     tag_dir = os.path.join(save_dir, tag)
     roles = {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
