@@ -11,7 +11,9 @@ partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces an
 from their piece tables (`reshard.plan`); ZeRO-3 layouts are evenly chunked and planned per
 worker by arithmetic (`reshard.chunked_plan`). Tensor-parallel (AutoTP) ZeRO-1/2 checkpoints
 are planned over the global parameters (`reshard.tensor_pieces`), with a second space for the
-split module weights of their model-states files.
+split module weights of their model-states files; AutoTP ZeRO-3 checkpoints likewise, from
+piece tables (O(params x dp x tp) pieces), with their partitioned frozen parameters as the
+second space.
 """
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ import numpy as np
 from reshard.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layout import buffer_numels, logical_bases
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_pieces, zero12_pieces
+from reshard.layout import zero3_chunk
+from reshard.tensor_pieces import (
+    GlobalSpace,
+    module_buffer_numels,
+    module_pieces,
+    replicated,
+    zero3_frozen_pieces,
+    zero12_pieces,
+)
 from reshard.topology import Topology
 
 
@@ -59,8 +69,9 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
 
 
 def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
-    """ZeRO-1/2 under AutoTP: the optimizer space over global parameters (TP shards resliced and
-    DP partitions recut in one plan), then the module tensors of the model-states files."""
+    """AutoTP: the optimizer space over global parameters (TP shards resliced and DP partitions
+    recut in one plan), then the module tensors of the ZeRO-1/2 model-states files, or the
+    ZeRO-3 frozen fragments."""
     params, source = spec.tensor.params, spec.topology
     space = GlobalSpace.of(params, target.tp)
     old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
@@ -74,4 +85,10 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
                                  module_pieces(module, module_space, target, "target"),
                                  spec.module_streams, module_buffer_numels(module, target.tp), ownership,
                                  budget_bytes, round_offset=spaces[0].rounds))
+    if spec.frozen:  # ZeRO-3 only
+        frozen_space = GlobalSpace.of(replicated(spec.frozen), target.tp)
+        spaces.append(plan_space("frozen", zero3_frozen_pieces(spec.frozen, frozen_space, source, "source"),
+                                 zero3_frozen_pieces(spec.frozen, frozen_space, target, "target"),
+                                 spec.frozen_streams, tuple(zero3_chunk(p.numel, target.dp) for p in spec.frozen),
+                                 ownership, budget_bytes, round_offset=spaces[-1].rounds + spaces[-1].round_offset))
     return tuple(spaces)

@@ -114,13 +114,13 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     n = model_meta["dp_world_size"]
     if not isinstance(n, int) or n < 1:
         raise CheckpointError(model_path, f"has dp_world_size {n!r}, expected a positive integer")
-    tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks, stage3)
+    tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks)
     for t in range(tp):
         _check_rank_files(tag_dir, n, {k: v for k, v in optim.items() if v.mp_rank == t}, "optim",
                           lambda r: schema.optim_file_name(r, bf16_prefix, t), not node_local)
         if stage3:
-            _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
-                              lambda r: schema.model_file_name(3, r), not node_local)
+            _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model" and v.mp_rank == t},
+                              "model", lambda r: schema.model_file_name(3, r, t), not node_local)
         elif not os.path.isfile(os.path.join(tag_dir, schema.model_file_name(1, 0, t))):
             raise CheckpointError(os.path.join(tag_dir, schema.model_file_name(1, 0, t)),
                                   f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
@@ -185,7 +185,7 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
-def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set, stage3: bool) -> int:
+def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set) -> int:
     """`mp_world_size` of the checkpoint, checked against the mp_rank_XX files present."""
     tp = model_meta.get("mp_world_size", 1)
     if not isinstance(tp, int) or tp < 1:
@@ -193,21 +193,21 @@ def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ra
     if mp_ranks != set(range(tp)):
         raise CheckpointError(tag_dir, f"has files of tensor-parallel ranks {sorted(mp_ranks)}, but mp_world_size "
                                        f"is {tp} (files of another save mixed in?)")
-    if tp > 1 and stage3:
-        raise UnsupportedCheckpoint(model_path, f"is a ZeRO-3 checkpoint with tensor parallelism (mp_world_size "
-                                                f"{tp}); resharding it is not supported yet (ZeRO-1/2 and BF16_Optimizer are)")
     return tp
 
 
 def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path: str, tp: int) -> CheckpointSpec:
-    """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split."""
-    if spec.stage == 3:
-        raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 AutoTP checkpoint; resharding it is not supported "
-                                                "yet (ZeRO-1/2 and BF16_Optimizer are)")
+    """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split.
+
+    Under ZeRO-3 each TP rank's local parameters are ZeRO-3-partitioned over its dp group
+    (`zero_pp_rank_{dp}_mp_rank_{tp:02d}_*` files, engine.py `_get_ckpt_name`, `_get_zero_ckpt_name`),
+    `param_shapes` list TP-local shapes per sub-group, and `module` holds empty placeholders
+    (stage3.py: the partitioned parameters' `.data`), so there are no module weights to reslice."""
     if spec.round_robin:
         raise UnsupportedCheckpoint(model_path, "uses round_robin_gradients with tensor parallelism; not "
                                                 "supported yet")
-    tensor, params = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp, spec.params)
+    tensor, params = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp, spec.params,
+                                                           module_weights=spec.stage < 3)
     dtype = deepspeed_tensor.module_dtype(model_tree, model_path, tensor.module)
     if dtype not in (None, spec.lp_dtype):
         raise UnsupportedCheckpoint(model_path, f"split module tensors are {dtype}, the model is {spec.lp_dtype}")
@@ -632,15 +632,17 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
     _check_same_counters(tree, source, path)
-    if spec.tensor is not None and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
+    if spec.tensor is not None and spec.stage < 3 and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
         _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
-            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp).items()})
+            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        if spec.tensor is not None:
+            _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
     return found
 
@@ -648,7 +650,9 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
 def _check_local_param_shapes(tree, path: str, layout) -> None:
     shapes = [[(name, tuple(int(d) for d in size)) for name, size in group.items()]
               for group in (tree.get("param_shapes") or [])]
-    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in g.flat_order] for g in layout.groups]
+    order = [sg.params for sg in layout.sub_groups] if hasattr(layout, "sub_groups") else \
+        [g.flat_order for g in layout.groups]  # ZeRO-3: per sub-group; ZeRO-1/2: per group, flat order
+    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in ids] for ids in order]
     if shapes != wanted:
         raise CheckpointError(path, f"param_shapes {_short(shapes)} are not this TP rank's shards {_short(wanted)}")
 

@@ -12,7 +12,8 @@ exchange), `partition_count`, `group_paddings`, `param_alignment_paddings`,
 `param_slice_mappings`, `param_shapes` (flat order / sub-groups), ZeRO-3 sub-group ids,
 `frozen_param_fragments` and `dp_world_size`. Under AutoTP each (dp, tp) rank's files follow
 from its TP-local shapes; the model-states file of each TP rank gets its module weights
-resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`).
+resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`); under ZeRO-3 every
+(dp, tp) rank's model-states file gets the TP metadata (`_set_tensor_parallel_metadata`).
 """
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
                         _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
-        files.append(TargetFile(schema.model_file_name_of(target, rank, 3), _zero3_model_tree(source, layout, at.dp),
-                                source.model_name(0)))
+        tree = _zero3_model_tree(source, layout, rank)
+        if spec.tensor is not None:
+            _set_tensor_parallel_metadata(tree, spec, target)
+        files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0 if model_states is None else model_states:
         tree = _zero12_model_tree(source, layout)
         if spec.tensor is not None:
@@ -212,6 +215,18 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
         shape = module.local_shape(j, target.tp, tp_rank)
         tensors[name] = NewTensor(("module", j, "module"), math.prod(shape), spec.lp_dtype,
                                   tensors[name].requires_grad, tuple(shape))
+    for alias, owner in spec.tensor.aliases:  # a tied alias is its owner's tensor (one storage)
+        tensors[alias] = tensors[owner]
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only: (dp 0, tp 0)
+    if tp_rank != 0 and isinstance(tree.get("shared_params"), dict):
+        tree["shared_params"] = {}
+    _set_tensor_parallel_metadata(tree, spec, target)
+
+
+def _set_tensor_parallel_metadata(tree: dict, spec, target: Topology) -> None:
+    """What a model-states file of an AutoTP engine says about the TP size (engine.py
+    `_save_checkpoint`, ZeRO-1/2 and ZeRO-3 alike): `mp_world_size`, `checkpoint_parallel_dimensions`,
+    `universal_checkpoint_info` (affine maps recomputed for the target TP size)."""
     tree["mp_world_size"] = target.tp
     if isinstance(tree.get("checkpoint_parallel_dimensions"), dict):
         tree["checkpoint_parallel_dimensions"]["tp_degree"] = target.tp
@@ -223,6 +238,8 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
 
 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
+    """The ZeRO-3 model-states file of global target rank `rank` (param_shapes of its TP-local
+    shapes per sub-group, frozen fragments of its dp chunk)."""
     spec = source.spec
     tree = copy.deepcopy(source.model_template)
     tree["param_shapes"] = [_shapes(layout, sg.params) for sg in layout.sub_groups]
@@ -232,7 +249,7 @@ def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
         tree["frozen_param_fragments"] = OrderedDict(
             (p.name, _new(("frozen", j, "frozen"), -(-p.numel // layout.world_size), old[p.name], spec.frozen_dtype))
             for j, p in enumerate(spec.frozen))
-    # engine.py `_get_shared_params` fills the alias table on global rank 0 only.
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only (dp 0 and tp 0).
     if rank != 0 and isinstance(tree.get("shared_params"), dict):
         tree["shared_params"] = {}
     return tree
