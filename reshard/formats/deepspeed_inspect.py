@@ -219,8 +219,9 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
         if role.kind == "expert" and not schema.expert_file_index(name):
             if name.startswith("expp_rank_"):  # reshard.zero0_job reshards these, offline only
                 raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is the expert optimizer file of a ZeRO-0 "
-                                                                         "MoE checkpoint; with node-local storage it "
-                                                                         "is not supported (one shared save directory is)")
+                                                                         "MoE checkpoint; the offline job and "
+                                                                         "reshard.deepspeed.load_checkpoint reshard it, "
+                                                                         "but not node-local, verify --against or exports")
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file of DeepSpeed's "
                                                                      "old layout (no layer index); reshard reshards "
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
