@@ -398,14 +398,16 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
                 assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
                 continue
             if deepspeed_universal is not None and verdict_path == deepspeed_universal[1]:
-                # load_universal drops buffers and keeps the source's expert group name `ep_size_2`
-                assert verdict["load_error"] is None and verdict["checked_tensors"] >= 150
-                assert sorted(m.split(":")[0] for m in verdict["mismatches"]) == [
+                # every master and moment right; load_universal drops buffers and keeps the source's
+                # expert group name `ep_size_2`
+                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+                assert sorted(m.split(":")[0] for m in verdict["beyond_masters"]) == [
                     "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
                 continue
             if z3_universal is not None and verdict_path == z3_universal[1]:
-                assert verdict["load_error"] is None and verdict["checked_tensors"] >= 150
-                assert all(m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["mismatches"])
+                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+                assert verdict["beyond_masters"] and all(
+                    m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["beyond_masters"])
                 continue
             assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
             _assert_ok(verdict)
