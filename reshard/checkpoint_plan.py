@@ -62,14 +62,14 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     """ZeRO-1/2 under AutoTP: the optimizer space over global parameters (TP shards resliced and
     DP partitions recut in one plan), then the module tensors of the model-states files."""
     params, source = spec.tensor.params, spec.topology
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
     new = zero12_pieces(params, space, target, lambda t: spec.layout(target.dp, target.tp, t), "target")
     sizes = np.max([buffer_numels(spec.layout(target.dp, target.tp, t)) for t in range(target.tp)], axis=0)
     spaces = [plan_space("optim", old, new, spec.streams, tuple(int(n) for n in sizes), ownership, budget_bytes)]
     module = spec.tensor.module
     if module.names:
-        module_space = GlobalSpace.of(module, target.tp)
+        module_space = GlobalSpace.of(module, source_tp=source.tp, target_tp=target.tp)
         spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"),
                                  module_pieces(module, module_space, target, "target"),
                                  spec.module_streams, module_buffer_numels(module, target.tp), ownership,

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from reshard.boxes import Box, row_major_strides
 
 KINDS = ("column", "row", "replicated")
@@ -49,6 +51,18 @@ def shard_sizes(total: int, tp: int, grain: int = 1) -> tuple[int, ...]:
         else:
             sizes.append(total // tp + (1 if rank < total % tp else 0))
     return tuple(sizes)
+
+
+def shard_bounds(totals, tp: int, grain: int = 1) -> np.ndarray:
+    """`shard_sizes` of many dimensions at once, as boundaries: row i is 0, then the end of each
+    rank's shard, for a dimension of totals[i] elements ([len(totals), tp + 1])."""
+    totals = np.asarray(totals, dtype=np.int64).reshape(-1, 1)
+    rank = np.arange(tp, dtype=np.int64).reshape(1, -1)
+    grains, remainder = totals // grain, totals % grain
+    coarse = (grains // tp + (rank < grains % tp)) * grain + np.where(rank == tp - 1, remainder, 0)
+    fine = totals // tp + (rank < totals % tp)
+    sizes = np.where(totals >= grain, coarse, fine)
+    return np.concatenate((np.zeros((len(totals), 1), np.int64), np.cumsum(sizes, axis=1)), axis=1)
 
 
 @dataclass(frozen=True)

@@ -1,103 +1,155 @@
-"""Map ranges of a rank's local tensor (a box of a global parameter) to runs of the global one. Pure.
+"""Lower ranges of a rank's local tensors (TP shards of global parameters) to pieces of the global space. Pure.
 
-    from reshard.boxes import Box
-    from reshard.local_to_global import box_runs
-    box = Box(0, offsets=(0, 5), sizes=(8, 4))           # a row-parallel shard of an (8, 9) weight
-    item, local, glob, length = box_runs(box, (8, 9), starts=[0], lengths=[32])
-    # 8 runs of 4: local 0, 4, 8...; global 5, 14, 23...
+    from reshard.local_to_global import ShardGrid, globalize
+    grid = ShardGrid.of(shapes=[(8, 9)], dims=[1], source_tp=2, target_tp=3)   # a row-parallel weight
+    grid.strips(0)                    # [(0, 3), (3, 5), (5, 6), (6, 9)]: columns between both sides' cuts
+    columns = globalize(start=[0], rank=[0], buffer=[0], offset=[0], length=[40], local_bases=np.array([0]),
+                        grid=grid, side="source", tp_rank=0, copy_base=np.array([0]), copy_count=np.array([1]))
+    # 2 strided pieces (strips (0, 3) and (3, 5)), not 8 rows: (start, rank, buffer, offset, col, width, stride)
 
-A parallel layout (tensor parallelism, later expert parallelism) gives each rank local
-tensors that are boxes of global parameters; ZeRO then cuts each rank's local tensors into
-1-D ranges of its flat buffers. To plan with the 1-D core (`reshard.layout.PieceTable`,
-`reshard.plan`), every local range is lowered here to runs of the global parameter in
-row-major order: a box that spans whole inner dimensions (column-parallel, replicated, an
-expert's slab) gives one run per range; a box that cuts an inner dimension (row-parallel)
-gives one run per row it touches. Vectorised per parameter with numpy.
+A parallel layout gives each rank local tensors that are blocks of global parameters; ZeRO
+then cuts each rank's local tensors into 1-D ranges of its flat buffers. To plan with the 1-D
+core (`reshard.layout.PieceTable`, `reshard.plan`), every local range becomes pieces of ONE
+logical space shared by source and target:
 
-Scale follow-up (issue 8): a row-parallel shard becomes one piece per row and ZeRO range,
-O(rows); a compact strided form (run length, count, stride, as `reshard.boxes.Move`) would
-keep the table at O(ranges).
+- a parameter that no TP rank cuts inside a row (replicated, split on its first dimension,
+  or whole on both sides) keeps its row-major order; a local range is one contiguous piece;
+- a parameter split on dimension k >= 1 is seen as a matrix [outer, row] (outer: the product
+  of the dimensions before k), in which every TP shard is a column block. The columns are cut
+  into *strips* at the shard boundaries of BOTH sides, and the logical order of the parameter
+  is strip by strip, each strip row-major. A local range (a partial row, whole rows, a partial
+  row of its block) is then one contiguous piece of each strip of its block it touches,
+  strided in the buffer (`reshard.strided_runs`): O(ranges x strips per block), not O(rows).
+
+Both sides must be lowered with the same grid (it holds both sides' cuts); the order never
+leaves the planner (sources and sinks see buffer offsets only). Vectorised over every
+parameter and range at once.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from reshard.boxes import Box, row_major_strides
+from reshard.layout_tensor import shard_bounds
+from reshard.strided_runs import CONTIGUOUS
+
+SIDES = ("source", "target")
 
 
-def _run_dimension(box: Box, shape: Sequence[int]) -> int:
-    """The outermost dimension of a contiguous run: every dimension after it the box spans whole."""
-    inner = len(shape) - 1
-    while inner > 0 and box.sizes[inner] == shape[inner]:
-        inner -= 1
-    return inner
+@dataclass(frozen=True, eq=False)
+class ShardGrid:
+    """Every parameter's TP blocks on both sides, as columns of its matrix view, and its strips."""
+
+    numels: np.ndarray
+    outer: np.ndarray
+    """Product of the dimensions before the split one (1 when not split): rows of the matrix view."""
+    blocks: dict
+    """side -> (first column [P, tp], end column [P, tp]) of each TP rank's block."""
+    strided: np.ndarray
+    """[P] the logical order is strip by strip (split inside rows, with more than one strip)."""
+    cuts: np.ndarray
+    """[P, K] both sides' block boundaries, sorted (rows of strided parameters only are used)."""
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], dims: Sequence[int | None], source_tp: int, target_tp: int,
+           grain: int = 1) -> "ShardGrid":
+        """The grid of AutoTP shards (`reshard.layout_tensor.shard_sizes`) at both TP sizes."""
+        extent = np.asarray([int(shape[dim]) if dim is not None else 1 for shape, dim in zip(shapes, dims)],
+                            dtype=np.int64)
+        return cls.from_bounds(shapes, dims, shard_bounds(extent, source_tp, grain),
+                               shard_bounds(extent, target_tp, grain))
+
+    @classmethod
+    def from_bounds(cls, shapes: Sequence[Sequence[int]], dims: Sequence[int | None], source_bounds: np.ndarray,
+                    target_bounds: np.ndarray) -> "ShardGrid":
+        """The grid of any shards: `*_bounds[p]` are 0, then the end of each TP rank's shard along
+        dimension dims[p] ([P, tp + 1] per side; ignored where dims[p] is None: replicated)."""
+        count = len(shapes)
+        numels, outer, inner = (np.ones(count, np.int64) for _ in range(3))
+        split = np.zeros(count, bool)
+        for p, (shape, dim) in enumerate(zip(shapes, dims)):
+            n = 1
+            for d in shape:
+                n *= int(d)
+            numels[p] = n
+            if dim is not None and n:
+                split[p] = True
+                before = 1
+                for d in shape[:dim]:
+                    before *= int(d)
+                outer[p], inner[p] = before, n // (before * int(shape[dim]))
+        row = numels // np.maximum(outer, 1)
+        blocks = {}
+        for side, bounds in zip(SIDES, (source_bounds, target_bounds)):
+            bounds = np.asarray(bounds, dtype=np.int64).reshape(count, -1) * inner[:, None]
+            lo = np.where(split[:, None], bounds[:, :-1], 0)
+            hi = np.where(split[:, None], bounds[:, 1:], row[:, None])
+            blocks[side] = (lo, hi)
+        cuts = np.sort(np.concatenate((blocks["source"][0], blocks["target"][0], row[:, None]), axis=1), axis=1)
+        distinct = (np.diff(cuts, axis=1) > 0).sum(axis=1)
+        strided = split & (outer > 1) & (distinct > 1)
+        return cls(numels, outer, blocks, strided, cuts)
+
+    def strips(self, param: int) -> list[tuple[int, int]]:
+        """(first column, end column) of each strip of a parameter (one for a row-major one)."""
+        if not self.strided[param]:
+            return [(0, int(self.numels[param] // self.outer[param]))]
+        cuts = self.cuts[param].tolist()
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def contiguous_run(box: Box, shape: Sequence[int]) -> int:
-    """Elements of the box that are contiguous in the global parameter, row-major: the product
-    of the box's sizes from the outermost dimension after which the box spans every dimension whole."""
-    return math.prod(box.sizes[_run_dimension(box, shape):]) if shape else 1
+def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid: ShardGrid, side: str,
+              tp_rank: int, copy_base: np.ndarray, copy_count: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Pieces of TP rank `tp_rank`'s local space (its local parameters end to end, at
+    `local_bases`), each inside one local parameter, as pieces of the global space.
 
-
-def box_runs(box: Box, shape: Sequence[int], starts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Lower local ranges [starts[i], starts[i] + lengths[i]) of `box` (element offsets in the
-    box's row-major order) to global runs. Returns (item, local start, global start, length)
-    per run, `item` the index of the range it came from; runs of one range are in order."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    shape = tuple(int(d) for d in shape)
-    run = contiguous_run(box, shape)
-    first = starts // run
-    counts = (starts + lengths - 1) // run - first + 1
-    item = np.repeat(np.arange(len(starts)), counts)
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    q = first[item] + within                      # which run of the box
-    lo = np.maximum(starts[item], q * run)
-    hi = np.minimum(starts[item] + lengths[item], (q + 1) * run)
-    # global start of run q: unravel q over the box's outer dimensions, offset, ravel globally
-    global_strides = row_major_strides(shape)
-    inner = _run_dimension(box, shape)
-    run_start = np.full(len(q), sum(o * s for o, s in zip(box.offsets[inner:], global_strides[inner:])), np.int64)
-    rest = q.copy()
-    for d in range(inner - 1, -1, -1):
-        index = rest % box.sizes[d]
-        rest //= box.sizes[d]
-        run_start += (box.offsets[d] + index) * global_strides[d]
-    return item, lo, run_start + (lo - q * run), hi - lo
-
-
-def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray,
-              placements: Sequence[tuple[Box, Sequence[int], Sequence[int]]]) -> tuple[np.ndarray, ...]:
-    """Pieces of a rank-local space (local parameters end to end, at `local_bases`), each inside
-    one local parameter, as pieces of a global space.
-
-    `placements[p]`: (box of local parameter p in its global parameter, global shape, global
-    bases) where `global bases` are the starts in the global space of every copy this local
-    parameter fills (empty: the parameter is not taken from this side; several: a replicated
-    parameter read once and written to several copies). Returns columns (start, rank, buffer,
-    offset) for `reshard.layout.PieceTable.from_unsorted`.
+    Local parameter p is the block of global parameter p that `grid` gives `side` at
+    `tp_rank`; it fills `copy_count[p]` copies in the global space, the first at
+    `copy_base[p]`, the next ones `grid.numels[p]` further each (0: not taken from this side;
+    several: a replicated parameter read once for several target copies). Returns columns
+    (start, rank, buffer, offset, col, width, stride) for `reshard.layout.PieceTable.from_unsorted`.
     """
     start, rank, buffer, offset, length = (np.asarray(c, dtype=np.int64) for c in (start, rank, buffer, offset, length))
     param = np.searchsorted(local_bases, start, side="right") - 1
-    out = [[], [], [], []]
-    order = np.argsort(param, kind="stable")
-    bounds = np.flatnonzero(np.diff(param[order])) + 1
-    for members in np.split(order, bounds) if len(order) else []:
-        p = int(param[members[0]])
-        box, shape, copies = placements[p]
-        if not len(copies):
-            continue
-        item, local, glob, run_length = box_runs(box, shape, start[members] - local_bases[p], length[members])
-        moved = local - (start[members] - local_bases[p])[item]
-        for base in copies:
-            out[0].append(base + glob)
-            out[1].append(rank[members][item])
-            out[2].append(buffer[members][item])
-            out[3].append(offset[members][item] + moved)
-    if not out[0]:
+    copies = copy_count[param]
+    item = np.repeat(np.arange(len(start)), copies)
+    copy = np.arange(len(item)) - np.repeat(np.cumsum(copies) - copies, copies)
+    param = param[item]
+    base = copy_base[param] + copy * grid.numels[param]
+    s = start[item] - local_bases[param]
+    e = s + length[item]
+    rank, buffer, offset = rank[item], buffer[item], offset[item]
+    lo, hi = (edge[:, tp_rank] for edge in grid.blocks[side])
+    c0, width = lo[param], hi[param] - lo[param]
+    out = []
+    plain = ~grid.strided[param]
+    if plain.any():
+        n = int(plain.sum())
+        out.append((base[plain] + grid.outer[param[plain]] * c0[plain] + s[plain], rank[plain], buffer[plain],
+                    offset[plain], np.zeros(n, np.int64), np.full(n, CONTIGUOUS, np.int64),
+                    np.full(n, CONTIGUOUS, np.int64)))
+    strided = np.flatnonzero(~plain)
+    if len(strided):
+        p = param[strided]
+        cuts = grid.cuts[p]
+        a = cuts[:, :-1] - c0[strided, None]          # strip columns relative to the block
+        b = cuts[:, 1:] - c0[strided, None]
+        bw = width[strided, None]
+        i, j = np.nonzero((a >= 0) & (b <= bw) & (b > a))
+        a, w, bw = a[i, j], (b - a)[i, j], width[strided][i]
+        k = strided[i]
+        rs, cs = np.divmod(s[k], bw)
+        re, ce = np.divmod(e[k], bw)
+        i0 = rs * w + np.clip(cs - a, 0, w)            # the range's part of the strip, in strip order
+        i1 = re * w + np.clip(ce - a, 0, w)
+        keep = i1 > i0
+        k, a, w, bw, i0, i1, j = k[keep], a[keep], w[keep], bw[keep], i0[keep], i1[keep], j[keep]
+        first = (i0 // w) * bw + a + i0 % w            # its first element in the local tensor
+        out.append((base[k] + grid.outer[param[k]] * grid.cuts[param[k], j] + i0, rank[k], buffer[k],
+                    offset[k] + first - s[k], i0 % w, w, bw))
+    if not out:
         empty = np.zeros(0, np.int64)
-        return empty, empty, empty, empty
-    return tuple(np.concatenate(c) for c in out)
+        return (empty,) * 7
+    return tuple(np.concatenate(c) for c in zip(*out))

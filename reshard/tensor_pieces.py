@@ -1,12 +1,15 @@
 """Piece tables of tensor-parallel ZeRO checkpoints over one global space. Pure, no torch.
 
     from reshard.tensor_pieces import GlobalSpace, zero12_pieces
-    space = GlobalSpace.of(spec.tensor.params, target_tp=1)
+    space = GlobalSpace.of(spec.tensor.params, source_tp=spec.topology.tp, target_tp=1)
     source = zero12_pieces(spec.tensor.params, space, spec.topology, lambda t: spec.layout(2, 2, t), "source")
 
-The logical space is the GLOBAL (unsharded) parameters laid end to end, each row-major, so
-it does not depend on either TP size and the 1-D core (`reshard.plan`) intersects a source
-and a target of any (tp, dp). A replicated parameter is held by every TP rank: the space
+The logical space is the GLOBAL (unsharded) parameters laid end to end, so the 1-D core
+(`reshard.plan`) intersects a source and a target of any (tp, dp). Each parameter is
+row-major, except one split inside its rows (row-parallel): that one is taken strip by strip
+between both sides' shard boundaries, so a ZeRO range of a shard is one strided piece per
+strip, not one piece per row (`reshard.local_to_global`); the space is built for one pair of
+TP sizes. A replicated parameter is held by every TP rank: the space
 gives it one copy per TARGET TP rank (copy t is what target TP rank t writes); on the
 source side every copy is mapped to the bytes of source TP rank 0, which are read for each
 copy (the other source TP ranks' copies are not read).
@@ -29,39 +32,52 @@ import numpy as np
 
 from reshard.layout import PieceTable, Zero12Layout, table_from_columns, logical_bases
 from reshard.layout_tensor import TensorParallelParams, numel
-from reshard.local_to_global import globalize
+from reshard.local_to_global import ShardGrid, globalize
 from reshard.topology import Topology
 
 
 @dataclass(frozen=True, eq=False)
 class GlobalSpace:
-    """Global parameters end to end; a replicated parameter once per target TP rank."""
+    """Global parameters end to end; a replicated parameter once per target TP rank; each
+    parameter in the order `reshard.local_to_global` gives it for these two TP sizes."""
 
     numels: np.ndarray
     copies: np.ndarray
     bases: np.ndarray
     """Start of copy 0 of each parameter; copy c starts at bases + c * numels."""
     total: int
+    grid: ShardGrid
+    replicated: np.ndarray
+    """[P] held whole by every TP rank."""
 
     @classmethod
-    def of(cls, params: TensorParallelParams, target_tp: int) -> "GlobalSpace":
-        numels = np.asarray([numel(s) for s in params.shapes], dtype=np.int64)
-        copies = np.asarray([target_tp if split.dim is None else 1 for split in params.splits], dtype=np.int64)
+    def of(cls, params: TensorParallelParams, *, source_tp: int, target_tp: int) -> "GlobalSpace":
+        grid = ShardGrid.of(params.shapes, [split.dim for split in params.splits], source_tp, target_tp, params.grain)
+        numels = grid.numels
+        replicated = np.asarray([split.dim is None for split in params.splits], dtype=bool)
+        copies = np.where(replicated, target_tp, 1).astype(np.int64)
         sizes = numels * copies
-        return cls(numels, copies, logical_bases(sizes), int(sizes.sum()))
+        return cls(numels, copies, logical_bases(sizes), int(sizes.sum()), grid, replicated)
 
+    def copies_from(self, side: str, tp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first copy's start, number of copies) each parameter of `side`'s TP rank `tp_rank` fills.
 
-def _bases_for(params: TensorParallelParams, space: GlobalSpace, side: str, tp_rank: int) -> list[list[int]]:
-    result = []
-    for p, split in enumerate(params.splits):
-        base, size = int(space.bases[p]), int(space.numels[p])
-        if split.dim is not None:
-            result.append([base])
-        elif side == "target":
-            result.append([base + tp_rank * size])
-        else:  # replicated: source TP rank 0 serves every target copy
-            result.append([base + c * size for c in range(int(space.copies[p]))] if tp_rank == 0 else [])
-    return result
+        Split parameters fill their one copy; a replicated parameter fills copy t on target TP rank
+        t, and every copy from source TP rank 0 (the other source TP ranks' copies are not read)."""
+        replicated = self.replicated
+        base, count = self.bases, np.ones(len(self.bases), np.int64)
+        if side == "target":
+            base = np.where(replicated, self.bases + tp_rank * self.numels, self.bases)
+        else:
+            count = np.where(replicated, self.copies if tp_rank == 0 else 0, 1)
+        return base, count
+
+    def table(self, columns) -> PieceTable:
+        """A piece table of `globalize` columns; the stride columns are kept only when some
+        parameter is strided (otherwise every piece is contiguous, the plain 1-D case)."""
+        if not self.grid.strided.any():
+            columns = [c[:4] for c in columns]
+        return table_from_columns(columns, self.total)
 
 
 def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: Topology,
@@ -73,12 +89,11 @@ def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: To
         layout = layout_of(t)
         pieces = layout.pieces
         local_bases = logical_bases([p.numel for p in layout.params])
-        placements = [(params.local_box(p, topology.tp, t), params.shapes[p], bases)
-                      for p, bases in enumerate(_bases_for(params, space, side, t))]
-        start, dp_rank, buffer, offset = globalize(pieces.start, pieces.rank, pieces.buffer, pieces.offset,
-                                                   pieces.length, local_bases, placements)
-        columns.append((start, dp_rank * topology.tp + t, buffer, offset))
-    return table_from_columns(columns, space.total)
+        start, dp_rank, buffer, offset, *strides = globalize(
+            pieces.start, pieces.rank, pieces.buffer, pieces.offset, pieces.length, local_bases, space.grid, side, t,
+            *space.copies_from(side, t))
+        columns.append((start, dp_rank * topology.tp + t, buffer, offset, *strides))
+    return space.table(columns)
 
 
 def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str) -> PieceTable:
@@ -90,13 +105,12 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
                             dtype=np.int64)
         local_bases = logical_bases(numels)
         keep = numels > 0
-        placements = [(module.local_box(j, topology.tp, t), module.shapes[j], bases)
-                      for j, bases in enumerate(_bases_for(module, space, side, t))]
         count = int(keep.sum())
-        start, _, buffer, offset = globalize(local_bases[keep], np.zeros(count), np.flatnonzero(keep),
-                                             np.zeros(count), numels[keep], local_bases, placements)
-        columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset))
-    return table_from_columns(columns, space.total)
+        start, _, buffer, offset, *strides = globalize(
+            local_bases[keep], np.zeros(count), np.flatnonzero(keep), np.zeros(count), numels[keep], local_bases,
+            space.grid, side, t, *space.copies_from(side, t))
+        columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset, *strides))
+    return space.table(columns)
 
 
 def module_buffer_numels(module: TensorParallelParams, tp: int) -> tuple[int, ...]:

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from reshard.boxes import Box
 from reshard.layout import ParamSpec, zero12_layout
 from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
-from reshard.local_to_global import box_runs
 from reshard.plan import intersect
 from reshard.tensor_pieces import GlobalSpace, module_pieces, zero12_pieces
 from reshard.topology import Topology
+from strided_check import segment_elements
 
 # --- pure: DeepSpeed's rules ------------------------------------------------------------------
 
@@ -50,21 +50,6 @@ def test_affine_map_matches_deepspeed():
     assert affine_map(TensorSplit("row", 1), (8, 9), 2) == contiguous_split_map((8, 9), shard_sizes(9, 2), 1).to_dict()
     assert affine_map(TensorSplit("column", 0), (9,), 4) == contiguous_split_map((9,), shard_sizes(9, 4), 0).to_dict()
     assert affine_map(REPLICATED, (11, 8), 3) == replicated_map((11, 8), 3).to_dict()
-
-
-@given(rows=st.integers(1, 6), cols=st.integers(1, 6), data=st.data())
-@settings(max_examples=60, deadline=None)
-def test_box_runs_agree_with_numpy(rows, cols, data):
-    r0 = data.draw(st.integers(0, rows - 1))
-    c0 = data.draw(st.integers(0, cols - 1))
-    box = Box(0, (r0, c0), (data.draw(st.integers(1, rows - r0)), data.draw(st.integers(1, cols - c0))))
-    global_index = np.arange(rows * cols).reshape(rows, cols)[r0:r0 + box.sizes[0], c0:c0 + box.sizes[1]].ravel()
-    start = data.draw(st.integers(0, box.numel - 1))
-    length = data.draw(st.integers(1, box.numel - start))
-    item, local, glob, run = box_runs(box, (rows, cols), [start], [length])
-    assert np.all(item == 0) and run.sum() == length and local[0] == start
-    for lo, g, n in zip(local, glob, run):
-        assert np.array_equal(global_index[lo:lo + n], np.arange(g, g + n))
 
 
 # --- pure: the planner moves every element to where the target layout wants it ------------------
@@ -122,12 +107,11 @@ def _zero_buffers(params, groups, topology):
 def _run(segments, sources, targets_like):
     written = {key: np.full(len(v), -1, dtype=np.int64) for key, v in targets_like.items()}
     count = {key: np.zeros(len(v), dtype=np.int64) for key, v in targets_like.items()}
-    for s in range(len(segments)):
+    for s, src_index, dst_index in segment_elements(segments):
         src = sources[(int(segments.src_rank[s]), int(segments.src_buffer[s]))]
         key = (int(segments.dst_rank[s]), int(segments.dst_buffer[s]))
-        so, do, n = int(segments.src_offset[s]), int(segments.dst_offset[s]), int(segments.length[s])
-        written[key][do:do + n] = src[so:so + n]
-        count[key][do:do + n] += 1
+        written[key][dst_index] = src[src_index]
+        np.add.at(count[key], dst_index, 1)
     return written, count
 
 
@@ -135,7 +119,7 @@ def _run(segments, sources, targets_like):
 @settings(max_examples=120, deadline=None)
 def test_optimizer_space_moves_every_element_once_to_its_place(model):
     params, groups, source, target = model
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     old = zero12_pieces(params, space, source, lambda t: _layout(params, groups, source, t), "source")
     new = zero12_pieces(params, space, target, lambda t: _layout(params, groups, target, t), "target")
     assert old.total == new.total == space.total
@@ -157,7 +141,7 @@ def test_optimizer_space_moves_every_element_once_to_its_place(model):
 @settings(max_examples=60, deadline=None)
 def test_module_space_reslices_every_tensor(model):
     params, _, source, target = model
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     segments = intersect(module_pieces(params, space, source, "source"), module_pieces(params, space, target, "target"))
 
     def tensors(topology):
@@ -169,10 +153,13 @@ def test_module_space_reslices_every_tensor(model):
         assert np.array_equal(written[key], want) and np.all(count[key] == 1), key
 
 
-def test_row_parallel_shard_lowers_to_one_run_per_row():
+def test_row_parallel_shard_is_one_strided_piece_not_one_per_row():
     params = TensorParallelParams(("w",), ((8, 9),), (TensorSplit("row", 1),))
-    pieces = module_pieces(params, GlobalSpace.of(params, 1), Topology(dp=1, tp=2), "source")
-    assert len(pieces) == 16 and set(pieces.length.tolist()) == {5, 4} and pieces.total == 72
+    pieces = module_pieces(params, GlobalSpace.of(params, source_tp=2, target_tp=1), Topology(dp=1, tp=2), "source")
+    assert len(pieces) == 2 and pieces.length.tolist() == [40, 32] and pieces.total == 72
+    assert pieces.width.tolist() == [5, 4] and pieces.stride.tolist() == [5, 4]   # each shard is its strip
+    target = module_pieces(params, GlobalSpace.of(params, source_tp=2, target_tp=1), Topology(dp=1, tp=1), "target")
+    assert len(target) == 2 and target.stride.tolist() == [9, 9]   # the whole weight, read strip by strip
 
 
 # --- end to end -----------------------------------------------------------------------------
