@@ -20,7 +20,7 @@ import numpy as np
 from reshard.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layout import buffer_numels, logical_bases
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_pieces, zero12_pieces
+from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_pieces, shared_layouts, zero12_pieces
 from reshard.topology import Topology
 
 
@@ -63,15 +63,17 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     DP partitions recut in one plan), then the module tensors of the model-states files."""
     params, source = spec.tensor.params, spec.topology
     space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
-    old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
-    new = zero12_pieces(params, space, target, lambda t: spec.layout(target.dp, target.tp, t), "target")
-    sizes = np.max([buffer_numels(spec.layout(target.dp, target.tp, t)) for t in range(target.tp)], axis=0)
+    old_layouts = shared_layouts(space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
+    new_layouts = shared_layouts(space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
+    old = zero12_pieces(params, space, source, old_layouts.__getitem__, "source")
+    new = zero12_pieces(params, space, target, new_layouts.__getitem__, "target")
+    sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
     spaces = [plan_space("optim", old, new, spec.streams, tuple(int(n) for n in sizes), ownership, budget_bytes)]
     module = spec.tensor.module
     if module.names:
         module_space = GlobalSpace.of(module, source_tp=source.tp, target_tp=target.tp)
         spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"),
                                  module_pieces(module, module_space, target, "target"),
-                                 spec.module_streams, module_buffer_numels(module, target.tp), ownership,
+                                 spec.module_streams, module_buffer_numels(module_space, target.tp), ownership,
                                  budget_bytes, round_offset=spaces[0].rounds))
     return tuple(spaces)

@@ -168,7 +168,13 @@ class TensorParallelParams:
         return self.splits[index].local_box(index, self.shapes[index], tp, tp_rank, self.grain)
 
     def local_shapes(self, tp: int, tp_rank: int) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.local_shape(i, tp, tp_rank) for i in range(len(self.names)))
+        """Every parameter's local shape on TP rank `tp_rank` (vectorised: `shard_bounds` once)."""
+        dims = [split.dim for split in self.splits]
+        extents = [shape[dim] if dim is not None else 1 for shape, dim in zip(self.shapes, dims)]
+        bounds = shard_bounds(extents, tp, self.grain)
+        sizes = (bounds[:, tp_rank + 1] - bounds[:, tp_rank]).tolist()
+        return tuple(shape if dim is None else (*shape[:dim], size, *shape[dim + 1:])
+                     for shape, dim, size in zip(self.shapes, dims, sizes))
 
     def check_target(self, tp: int, where: str) -> str | None:
         """Why AutoTP could not build this model at `tp` ranks (a split dimension smaller than

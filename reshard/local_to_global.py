@@ -92,6 +92,11 @@ class ShardGrid:
         strided = split & (outer > 1) & (distinct > 1)
         return cls(numels, outer, blocks, strided, cuts)
 
+    def local_numels(self, side: str, tp_rank: int) -> np.ndarray:
+        """[P] elements of each parameter's block on `side`'s TP rank `tp_rank`."""
+        lo, hi = self.blocks[side]
+        return (hi[:, tp_rank] - lo[:, tp_rank]) * self.outer
+
     def strips(self, param: int) -> list[tuple[int, int]]:
         """(first column, end column) of each strip of a parameter (one for a row-major one)."""
         if not self.strided[param]:

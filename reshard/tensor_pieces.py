@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from reshard.layout import PieceTable, Zero12Layout, table_from_columns, logical_bases
-from reshard.layout_tensor import TensorParallelParams, numel
+from reshard.layout_tensor import TensorParallelParams
 from reshard.local_to_global import ShardGrid, globalize
 from reshard.topology import Topology
 
@@ -80,15 +80,28 @@ class GlobalSpace:
         return table_from_columns(columns, self.total)
 
 
+def shared_layouts(space: GlobalSpace, side: str, tp: int, layout_of: Callable[[int], Zero12Layout]) -> list:
+    """`layout_of(t)` for every TP rank t of `side`, built once per distinct set of local shapes
+    (TP ranks of even shards share one layout: it depends on the local shapes only)."""
+    built: dict[bytes, Zero12Layout] = {}
+    layouts = []
+    for t in range(tp):
+        key = space.grid.local_numels(side, t).tobytes()
+        if key not in built:
+            built[key] = layout_of(t)
+        layouts.append(built[key])
+    return layouts
+
+
 def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: Topology,
                   layout_of: Callable[[int], Zero12Layout], side: str) -> PieceTable:
     """Pieces of every (dp, tp) rank of `topology` over `space`; `layout_of(t)` is TP rank t's
-    ZeRO layout over its local shapes at `topology.dp` ranks."""
-    columns = []
-    for t in range(topology.tp):
-        layout = layout_of(t)
-        pieces = layout.pieces
-        local_bases = logical_bases([p.numel for p in layout.params])
+    ZeRO layout over its local shapes at `topology.dp` ranks (asked once per distinct layout)."""
+    columns, local = [], {}
+    for t, layout in enumerate(shared_layouts(space, side, topology.tp, layout_of)):
+        if id(layout) not in local:
+            local[id(layout)] = (layout.pieces, logical_bases(layout.numels))
+        pieces, local_bases = local[id(layout)]
         start, dp_rank, buffer, offset, *strides = globalize(
             pieces.start, pieces.rank, pieces.buffer, pieces.offset, pieces.length, local_bases, space.grid, side, t,
             *space.copies_from(side, t))
@@ -101,8 +114,7 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
     buffer j of global rank (dp 0, tp t), from element 0; replicated ones as in `zero12_pieces`."""
     columns = []
     for t in range(topology.tp):
-        numels = np.asarray([numel(module.local_shape(j, topology.tp, t)) for j in range(len(module.names))],
-                            dtype=np.int64)
+        numels = space.grid.local_numels(side, t)
         local_bases = logical_bases(numels)
         keep = numels > 0
         count = int(keep.sum())
@@ -113,6 +125,8 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
     return space.table(columns)
 
 
-def module_buffer_numels(module: TensorParallelParams, tp: int) -> tuple[int, ...]:
-    """Largest shard of each split module tensor over the TP ranks (round windows need a bound)."""
-    return tuple(max(numel(module.local_shape(j, tp, t)) for t in range(tp)) for j in range(len(module.names)))
+def module_buffer_numels(space: GlobalSpace, tp: int) -> tuple[int, ...]:
+    """Largest shard of each split module tensor over the target's TP ranks (round windows need a bound)."""
+    if not tp or not len(space.numels):
+        return tuple(int(n) for n in space.numels)
+    return tuple(np.max([space.grid.local_numels("target", t) for t in range(tp)], axis=0).tolist())
