@@ -169,7 +169,9 @@ def make_spec(model: str, stage: int, count: int, source: int, tp: int = 1, ep: 
     params, groups = moe_params(count) if model == "moe" else synthetic_params(count)
     if tp > 1:
         return TensorParallelSyntheticSpec(params, groups, source, tp)
-    if ep > 1:
+    if ep > 1:  # whole MoE layers only: DeepSpeed places every layer's experts alike
+        per_layer = 7 + 3 * 256
+        params, groups = moe_params(count // per_layer * per_layer)
         return ExpertSyntheticSpec(params, groups, source, ep)
     return SyntheticSpec(stage, params, groups, source)
 
@@ -205,7 +207,7 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rounds_seconds = t3 - t2
     projected = rounds_seconds * plan.rounds / rounds_done if rounds_done else 0.0
-    return {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": count, "elements": int(sum(p.numel for p in params)), "source_ranks": source,
+    return {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": len(params), "elements": int(sum(p.numel for p in params)), "source_ranks": source,
             "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
             "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
             "plan_segments": sum(len(getattr(space, "segments", ())) for space in plan.spaces),

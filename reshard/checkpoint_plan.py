@@ -72,8 +72,10 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     module = spec.tensor.module
     if module.names:
         module_space = GlobalSpace.of(module, source_tp=source.tp, target_tp=target.tp)
-        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"),
-                                 module_pieces(module, module_space, target, "target"),
+        targets = module_pieces(module, module_space, target, "target")
+        # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
+        holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
+        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"), targets,
                                  spec.module_streams, module_buffer_numels(module_space, target.tp), ownership,
-                                 budget_bytes, round_offset=spaces[0].rounds))
+                                 budget_bytes, round_offset=spaces[0].rounds, receiving_ranks=int(holders.max())))
     return tuple(spaces)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -49,9 +49,12 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
 
-    @functools.cached_property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        # set once, not a functools.cached_property: that one takes a lock on every first read
+        # (Python 3.11), which dominated laying out 10^5 parameters
+        object.__setattr__(self, "numel", math.prod(self.shape))
+
+    numel: int = field(init=False, repr=False, compare=False, default=0)
 
 
 @dataclass(frozen=True, eq=False)

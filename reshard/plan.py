@@ -293,12 +293,17 @@ def _split_at_windows(seg: Segments, position: np.ndarray, window: int) -> tuple
 
 
 def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership: Ownership,
-                  bytes_per_element: int, budget_bytes: int) -> Segments:
-    """Cut segments into rounds in which no worker sends or receives more than `round_cap(budget)` bytes."""
+                  bytes_per_element: int, budget_bytes: int, receiving_ranks: int | None = None) -> Segments:
+    """Cut segments into rounds in which no worker sends or receives more than `round_cap(budget)` bytes.
+
+    `receiving_ranks`: the most target ranks of one worker that receive anything in this space,
+    when fewer than it owns (a space only some ranks hold, as the TP module tensors on dp rank
+    0): windows are then as wide as the budget allows for those."""
     if len(seg) == 0:
         return seg
     cap = max(round_cap(budget_bytes), bytes_per_element)
-    window = max(1, cap // (bytes_per_element * ownership.max_target_ranks_per_worker))
+    receivers = ownership.max_target_ranks_per_worker if receiving_ranks is None else max(1, receiving_ranks)
+    window = max(1, cap // (bytes_per_element * receivers))
     bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
     if seg.strided:
         cut, window_index = _split_strided_at_windows(seg, bases[seg.dst_buffer], window)
@@ -460,10 +465,11 @@ class TableWorkerRounds:
 
 def plan_space(name: str, source: PieceTable, target: PieceTable, streams: Sequence[Stream],
                target_buffer_numels: Sequence[int], ownership: Ownership, budget_bytes: int,
-               round_offset: int = 0) -> SpacePlan:
+               round_offset: int = 0, receiving_ranks: int | None = None) -> SpacePlan:
     segments = intersect(source, target)
     bpe = sum(s.itemsize for s in streams)
-    segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes) if bpe else segments
+    segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes,
+                             receiving_ranks) if bpe else segments
     rounds = int(segments.round.max()) + 1 if len(segments) else 0
     return SpacePlan(name, tuple(streams), segments, rounds, round_offset)
 
