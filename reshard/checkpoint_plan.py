@@ -65,10 +65,11 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     old_layouts = shared_layouts(space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
     new_layouts = shared_layouts(space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
-    old = zero12_pieces(params, space, source, old_layouts.__getitem__, "source")
-    new = zero12_pieces(params, space, target, new_layouts.__getitem__, "target")
     sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
-    spaces = [plan_space("optim", old, new, spec.streams, tuple(int(n) for n in sizes), ownership, budget_bytes)]
+    spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
+                         zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
+                         tuple(int(n) for n in sizes), ownership, budget_bytes)]
+    del old_layouts, new_layouts
     module = spec.tensor.module
     if module.names:
         module_space = GlobalSpace.of(module, source_tp=source.tp, target_tp=target.tp)

@@ -467,6 +467,7 @@ def plan_space(name: str, source: PieceTable, target: PieceTable, streams: Seque
                target_buffer_numels: Sequence[int], ownership: Ownership, budget_bytes: int,
                round_offset: int = 0, receiving_ranks: int | None = None) -> SpacePlan:
     segments = intersect(source, target)
+    del source, target  # freed here when the caller passed them without keeping them
     bpe = sum(s.itemsize for s in streams)
     segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes,
                              receiving_ranks) if bpe else segments
