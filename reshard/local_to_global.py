@@ -68,18 +68,25 @@ class ShardGrid:
         dimension dims[p] ([P, tp + 1] per side; ignored where dims[p] is None: replicated)."""
         count = len(shapes)
         numels, outer, inner = (np.ones(count, np.int64) for _ in range(3))
-        split = np.zeros(count, bool)
-        for p, (shape, dim) in enumerate(zip(shapes, dims)):
-            n = 1
-            for d in shape:
-                n *= int(d)
-            numels[p] = n
-            if dim is not None and n:
-                split[p] = True
-                before = 1
-                for d in shape[:dim]:
-                    before *= int(d)
-                outer[p], inner[p] = before, n // (before * int(shape[dim]))
+        dim_of = np.asarray([-1 if d is None else d for d in dims], dtype=np.int64)
+        ndims = np.fromiter((len(shape) for shape in shapes), dtype=np.int64, count=count)
+        for ndim in np.unique(ndims).tolist():  # vectorised per number of dimensions
+            members = np.flatnonzero(ndims == ndim)
+            if ndim == 0:
+                continue
+            sizes = np.asarray([shapes[i] for i in members.tolist()], dtype=np.int64).reshape(len(members), ndim)
+            running = np.cumprod(sizes, axis=1)
+            numels[members] = running[:, -1]
+            dim = dim_of[members]
+            cut = dim >= 0
+            at = np.where(cut, dim, 0)
+            before = np.where(at > 0, running[np.arange(len(members)), np.maximum(at - 1, 0)], 1)
+            extent = sizes[np.arange(len(members)), at]
+            outer[members] = np.where(cut, before, 1)
+            inner[members] = np.where(cut & (extent > 0), numels[members] // np.maximum(before * extent, 1), 1)
+        split = (dim_of >= 0) & (numels > 0)
+        outer = np.where(split, outer, 1)
+        inner = np.where(split, inner, 1)
         row = numels // np.maximum(outer, 1)
         blocks = {}
         for side, bounds in zip(SIDES, (source_bounds, target_bounds)):
