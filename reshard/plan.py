@@ -240,10 +240,11 @@ def _merge_contiguous(cols: dict) -> Segments:
                      & (cols["dst_rank"][1:] == cols["dst_rank"][:-1])
                      & (cols["dst_buffer"][1:] == cols["dst_buffer"][:-1])
                      & (cols["dst_offset"][1:] == end_dst))
-        if "width" in cols:
+        if "width" in cols:  # the same strip geometry, the next element's column too
             continues &= ((cols["width"][1:] == cols["width"][:-1])
                           & (cols["src_stride"][1:] == cols["src_stride"][:-1])
-                          & (cols["dst_stride"][1:] == cols["dst_stride"][:-1]))
+                          & (cols["dst_stride"][1:] == cols["dst_stride"][:-1])
+                          & (cols["col"][1:] == (cols["col"][:-1] + cols["length"][:-1]) % cols["width"][:-1]))
         new_run[1:] = ~continues
     starts = np.flatnonzero(new_run)
     merged = {k: v[starts] for k, v in cols.items() if k != "length"}
@@ -372,9 +373,10 @@ def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = N
                  & (seg.src_offset[1:] == end_src[:-1])
                  & (seg.dst_rank[1:] == seg.dst_rank[:-1]) & (seg.dst_buffer[1:] == seg.dst_buffer[:-1])
                  & (seg.dst_offset[1:] == end_dst[:-1]))
-    if seg.strided:
+    if seg.strided:  # the same strip geometry, the next element's column too
         joins[1:] &= ((seg.width[1:] == seg.width[:-1]) & (seg.src_stride[1:] == seg.src_stride[:-1])
-                      & (seg.dst_stride[1:] == seg.dst_stride[:-1]))
+                      & (seg.dst_stride[1:] == seg.dst_stride[:-1])
+                      & (seg.col[1:] == (seg.col[:-1] + seg.length[:-1]) % seg.width[:-1]))
     if joins.any():
         starts = np.flatnonzero(~joins)
         length = np.add.reduceat(seg.length, starts)
