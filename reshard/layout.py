@@ -31,7 +31,6 @@ Rules mirrored, by DeepSpeed 0.19.8 file and function:
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence

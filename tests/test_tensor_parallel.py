@@ -22,7 +22,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.boxes import Box
 from reshard.layout import ParamSpec, zero12_layout
 from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
 from reshard.plan import intersect
