@@ -72,7 +72,9 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     del old_layouts, new_layouts
     module = spec.tensor.module
     if module.names:
-        module_space = GlobalSpace.of(module, source_tp=source.tp, target_tp=target.tp)
+        # the module tensors are usually the trainable parameters themselves: one grid for both
+        module_space = space if module == params else GlobalSpace.of(module, source_tp=source.tp,
+                                                                      target_tp=target.tp)
         targets = module_pieces(module, module_space, target, "target")
         # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
         holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
