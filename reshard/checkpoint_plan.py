@@ -11,7 +11,9 @@ partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces an
 from their piece tables (`reshard.plan`); ZeRO-3 layouts are evenly chunked and planned per
 worker by arithmetic (`reshard.chunked_plan`). Tensor-parallel (AutoTP) ZeRO-1/2 checkpoints
 are planned over the global parameters (`reshard.tensor_pieces`), with a second space for the
-split module weights of their model-states files.
+split module weights of their model-states files; AutoTP ZeRO-3 checkpoints likewise, from
+piece tables (O(params x dp x tp) pieces), with their partitioned frozen parameters as the
+second space.
 """
 from __future__ import annotations
 
@@ -20,7 +22,16 @@ import numpy as np
 from reshard.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layout import buffer_numels, logical_bases
 from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.tensor_pieces import GlobalSpace, module_buffer_numels, module_pieces, shared_layouts, zero12_pieces
+from reshard.layout import zero3_chunk
+from reshard.tensor_pieces import (
+    GlobalSpace,
+    module_buffer_numels,
+    module_pieces,
+    replicated,
+    shared_layouts,
+    zero3_frozen_pieces,
+    zero12_pieces,
+)
 from reshard.topology import Topology
 
 
@@ -38,7 +49,7 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology), spec.layout(target)
-    if spec.stage == 3 and not tabulated:
+    if spec.stage == 3 and not tabulated and spec.experts is None:  # AutoEP ZeRO-3: from its piece tables
         bases = logical_bases([p.numel for p in spec.params])
         spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,
                                      bases, ownership, budget_bytes)]
@@ -59,12 +70,13 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
 
 
 def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
-    """ZeRO-1/2 under AutoTP: the optimizer space over global parameters (TP shards resliced and
-    DP partitions recut in one plan), then the module tensors of the model-states files."""
+    """AutoTP: the optimizer space over global parameters (TP shards resliced and DP partitions
+    recut in one plan), then the module tensors of the ZeRO-1/2 model-states files, or the
+    ZeRO-3 frozen fragments."""
     params, source = spec.tensor.params, spec.topology
     space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
-    old_layouts = shared_layouts(space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
-    new_layouts = shared_layouts(space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
+    old_layouts = shared_layouts(params, space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
+    new_layouts = shared_layouts(params, space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
     sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
     spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
                          zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
@@ -79,6 +91,13 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
         # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
         holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
         spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"), targets,
-                                 spec.module_streams, module_buffer_numels(module_space, target.tp), ownership,
-                                 budget_bytes, round_offset=spaces[0].rounds, receiving_ranks=int(holders.max())))
+                                 spec.module_streams, module_buffer_numels(module, module_space, target.tp),
+                                 ownership, budget_bytes, round_offset=spaces[0].rounds,
+                                 receiving_ranks=int(holders.max())))
+    if spec.frozen:  # ZeRO-3 only
+        frozen_space = GlobalSpace.of(replicated(spec.frozen), source_tp=source.tp, target_tp=target.tp)
+        spaces.append(plan_space("frozen", zero3_frozen_pieces(spec.frozen, frozen_space, source, "source"),
+                                 zero3_frozen_pieces(spec.frozen, frozen_space, target, "target"),
+                                 spec.frozen_streams, tuple(zero3_chunk(p.numel, target.dp) for p in spec.frozen),
+                                 ownership, budget_bytes, round_offset=spaces[-1].rounds + spaces[-1].round_offset))
     return tuple(spaces)

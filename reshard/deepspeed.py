@@ -12,13 +12,14 @@ budget, and each rank builds its new partition in memory; DeepSpeed's own
 `load_checkpoint` then loads those objects, so the engine ends in exactly the state a
 native load of the offline-resharded checkpoint gives. No resharded copy is written.
 
-Tensor parallelism (AutoTP, ZeRO-1/2): the engine's TP size is its model-parallel size
+Tensor parallelism (AutoTP, ZeRO-1/2 and ZeRO-3): the engine's TP size is its model-parallel size
 (engine.py `_configure_distributed_model`: `mp_world_size`, `checkpoint_mp_rank`, the numbers
 in the file names DeepSpeed loads), its DP size `dp_world_size`; the job must hold exactly
 tp x dp ranks, numbered as reshard numbers them (tp fastest, utils/groups.py). The module
 weights of each TP rank's model-states file are resliced in the same plan (never the source
 file served); the rank owning (dp 0, tp t) builds that object and broadcasts it to the other
 dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
+Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -111,9 +112,13 @@ class _ServedCheckpointEngine:
 
 
 def _engine_ep(engine) -> int:
-    """The expert-parallel size of the engine's native MoE layers (1 without any)."""
+    """The expert-parallel size of the engine's native MoE or AutoEP layers (1 without any)."""
     from deepspeed.moe.layer import MoE
-    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, MoE)}
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:  # a DeepSpeed without AutoEP
+        AutoEPMoELayer = MoE
+    sizes = {module.ep_size for module in engine.module.modules() if isinstance(module, (MoE, AutoEPMoELayer))}
     return max(sizes) if sizes else 1
 
 
@@ -124,7 +129,7 @@ def _data_parallel_size(engine) -> int:
 def _engine_topology(engine) -> Topology:
     """(dp, tp, ep) of the engine: tp is its model-parallel size, the mp index of the files it loads
     (engine.py `_configure_distributed_model`; AutoTP sets the mpu to its TP groups); ep that of its
-    native MoE layers."""
+    native MoE or AutoEP layers."""
     return Topology(dp=_data_parallel_size(engine), tp=int(getattr(engine, "mp_world_size", 1) or 1),
                     ep=_engine_ep(engine))
 
@@ -183,7 +188,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
                                      load_checkpoint_kwargs)
     plan = plan_reshard(source.spec, target, transport.size, memory_budget)
     objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
-    if source.spec.tensor is not None:
+    if source.spec.tensor is not None and source.spec.stage < 3:  # ZeRO-3: every rank writes its own
         _share_model_states(source, target, plan.ownership, objects, transport)
     result = _load_served(engine, source, target, objects, transport.rank, load_checkpoint_kwargs)
     if transport.rank == 0:
@@ -231,12 +236,14 @@ def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: di
         if spec.stage < 3 and spec.tensor is None:
             name = schema.model_file_name(spec.stage)
             served[os.path.join(tag_dir, name)] = _zero12_model_states(source, target)
-        if spec.stage < 3 and spec.tensor is not None:
-            # engine.py `_get_all_ckpt_names` globs mp_rank_*, and state_dict_factory.py
-            # `check_ckpt_list` reads `mp_world_size` from the first: the other TP ranks' names
-            # serve a stub holding only that (no `module`: loading one would fail loudly)
+        if spec.tensor is not None:
+            # engine.py `_get_all_ckpt_names` globs mp_rank_* (ZeRO-3: zero_pp_rank_{dp}_mp_rank_*),
+            # and state_dict_factory.py `check_ckpt_list` reads `mp_world_size` from the first: the
+            # other TP ranks' names serve a stub holding only that (no `module`: loading one would
+            # fail loudly)
+            dp_rank = target.coordinates(rank).dp if spec.stage == 3 else 0
             for t in range(target.tp):
-                path = os.path.join(tag_dir, schema.model_file_name_of(target, target.rank_of(0, t), spec.stage))
+                path = os.path.join(tag_dir, schema.model_file_name_of(target, target.rank_of(dp_rank, t), spec.stage))
                 served.setdefault(path, {"mp_world_size": target.tp})
         # MoE expert files are named by global expert id, the same at any (dp, ep): each rank
         # reads its own experts from the source, as DeepSpeed's `load_moe_state_dict` picks them.
@@ -288,6 +295,7 @@ def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: i
     try:
         destination = os.path.join(root, "checkpoint")
         reshard_checkpoint(source.save_dir, destination, _data_parallel_size(engine), tag=source.tag,
+                           target_tp=_engine_topology(engine).tp if source.spec.tensor is not None else None,
                            memory_budget=budget, quiet=True, trust_pickle=trust_pickle, transport=transport)
         load_path, client_state = engine.load_checkpoint(destination, source.tag, **kwargs)
         transport.barrier()

@@ -17,6 +17,13 @@ source and target layouts describe the same space whatever their ep. The rules
   expert-data-parallel group (dp // ep ranks, `Topology.expert_dp_rank_of`);
 - names in the rank's metadata (slice mappings, param_shapes) are the LOCAL names.
 Every element still has exactly one holder, so the 1-D planner (`reshard.plan`) moves it as is.
+
+AutoEP checkpoints (`ExpertParams.autoep`) use the same rules with one more: a rank's experts of
+one weight are one fused parameter, `experts.w1 [n_local, ...]` (module_inject/auto_ep_layer.py).
+The logical parameters are the per-expert slices `experts.w1.{G}`, listed weight by weight and
+expert by expert, so each EP rank's slices of one weight sit next to each other in its flat
+group exactly where DeepSpeed puts the fused tensor; the metadata merges them back under the
+fused name (slice mappings, param_shapes [n_local, ...]).
 """
 from __future__ import annotations
 
@@ -26,7 +33,13 @@ from typing import Sequence
 
 import numpy as np
 
-from reshard.expert_placement import ExpertPlacement, expert_name_parts, with_expert_index
+from reshard.expert_placement import (
+    ExpertPlacement,
+    autoep_fused_name,
+    autoep_name_parts,
+    expert_name_parts,
+    with_expert_index,
+)
 from reshard.layout import (
     ParamSpec,
     PieceTable,
@@ -51,16 +64,20 @@ class ExpertParams:
     """Name prefix of each MoE layer's experts, through `deepspeed_experts.`."""
     expert_of: tuple[tuple[int, int] | None, ...]
     """Per parameter: (MoE layer, global expert), or None for a dense parameter."""
+    autoep: bool = False
+    """AutoEP: parameters are per-expert slices `...experts.w1.{G}` of fused local tensors;
+    native MoE (False): `...deepspeed_experts.{j}....` modules."""
 
     @classmethod
     def of(cls, params: Sequence[ParamSpec], expert_groups: Sequence[bool], num_experts: Sequence[int],
-           layer_prefixes: Sequence[str]) -> "ExpertParams":
+           layer_prefixes: Sequence[str], autoep: bool = False) -> "ExpertParams":
         layer_of = {prefix: layer for layer, prefix in enumerate(layer_prefixes)}
+        parse = autoep_name_parts if autoep else expert_name_parts
         expert_of = []
         for param in params:
-            parts = expert_name_parts(param.name)
+            parts = parse(param.name)
             expert_of.append(None if parts is None else (layer_of[parts[0]], parts[1]))
-        return cls(tuple(expert_groups), tuple(num_experts), tuple(layer_prefixes), tuple(expert_of))
+        return cls(tuple(expert_groups), tuple(num_experts), tuple(layer_prefixes), tuple(expert_of), autoep)
 
     def placement(self, layer: int, ep: int) -> ExpertPlacement:
         return ExpertPlacement(self.num_experts[layer], ep)
@@ -73,8 +90,26 @@ class ExpertParams:
         """The name DeepSpeed's module gives parameter `pid` on its EP rank at `ep`."""
         if self.expert_of[pid] is None:
             return param.name
+        if self.autoep:
+            return autoep_fused_name(param.name)
         layer, expert = self.expert_of[pid]
         return with_expert_index(param.name, self.placement(layer, ep).local_of(expert))
+
+    def local_param_shapes(self, params: Sequence[ParamSpec], pids: Sequence[int], ep: int
+                           ) -> list[tuple[str, tuple[int, ...]]]:
+        """(local name, local shape) of the parameters `pids` as one EP rank's module holds them
+        (engine.py `_get_zero_param_shapes`): AutoEP slices of one fused tensor become one entry
+        of shape [n_local, ...]."""
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        for pid in pids:
+            name, shape = self.local_name(params[pid], pid, ep), tuple(params[pid].shape)
+            if self.autoep and self.expert_of[pid] is not None:
+                if shapes and shapes[-1][0] == name:
+                    shapes[-1] = (name, (shapes[-1][1][0] + 1, *shape))
+                    continue
+                shape = (1, *shape)
+            shapes.append((name, shape))
+        return shapes
 
     def ep_problem(self, ep: int) -> str | None:
         """Why DeepSpeed could not build these layers at `ep` (moe/layer.py asserts), or None."""
@@ -118,6 +153,9 @@ class ExpertZero12Layout:
 
     def name_on_rank(self, pid: int, rank: int) -> str:
         return self.experts.local_name(self.params[pid], pid, self.topology.ep)
+
+    def param_shapes_on_rank(self, pids: Sequence[int], rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        return self.experts.local_param_shapes(self.params, pids, self.topology.ep)
 
     @functools.cached_property
     def pieces(self) -> PieceTable:
@@ -180,3 +218,145 @@ def expert_placement_lines(experts: ExpertParams, topology: Topology) -> list[st
     lines.append(f"expert-data-parallel groups (ranks partitioning one EP rank's experts, {topology.expert_dp} each): "
                  + " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8]) + (" ..." if len(groups) > 8 else ""))
     return lines
+
+
+@dataclass(frozen=True)
+class ExpertZero3SubGroup:
+    """A ZeRO-3 sub-group of an AutoEP checkpoint: what each rank holds of its partitioned
+    parameters (`units`: one logical parameter, or the run of expert slices of a fused tensor)."""
+
+    group: int
+    units: tuple[tuple[int, ...], ...]
+    chunk_numels: tuple[int, ...]
+    """ceil(numel / partition size) per unit: what each rank of the partition group holds of it."""
+    is_expert: bool
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        return tuple(pid for unit in self.units for pid in unit)
+
+    @property
+    def partition_numel(self) -> int:
+        return sum(self.chunk_numels)
+
+    @property
+    def chunk_offsets(self) -> tuple[int, ...]:
+        return tuple(np.concatenate(([0], np.cumsum(self.chunk_numels, dtype=np.int64)))[:-1].tolist())
+
+
+@dataclass(frozen=True)
+class ExpertZero3Layout:
+    """An AutoEP ZeRO-3 checkpoint at one topology (DeepSpeed's `zero3_partitioned` format).
+
+    runtime/engine.py `_partition_autoep_zero3_experts` partitions each fused expert tensor of EP
+    rank e over e's expert-data-parallel group (ceil(n / (dp/ep)) per rank), dense parameters over
+    all dp ranks; stage3.py `_create_fp16_sub_groups` then cuts each param group into sub-groups
+    by those chunk sizes, so every EP rank has the same sub-groups, over its own experts."""
+
+    params: tuple[ParamSpec, ...]
+    experts: ExpertParams
+    topology: Topology
+    groups: tuple[tuple[int, ...], ...]
+    sub_groups_by_ep_rank: tuple[tuple[ExpertZero3SubGroup, ...], ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def sub_groups(self) -> tuple[ExpertZero3SubGroup, ...]:
+        """EP rank 0's sub-groups (sizes are the same on every EP rank; names of rank 0's files)."""
+        return self.sub_groups_by_ep_rank[0]
+
+    def name_on_rank(self, pid: int, rank: int) -> str:
+        return self.experts.local_name(self.params[pid], pid, self.topology.ep)
+
+    def param_shapes_on_rank(self, pids: Sequence[int], rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        return self.experts.local_param_shapes(self.params, pids, self.topology.ep)
+
+    def partition_groups(self, rank: int, ep_group_name: str) -> list[dict]:
+        """stage3.py `_zero3_partition_group_metadata` of `rank` (`ds_zero_partition_groups`)."""
+        topology = self.topology
+        ep_rank, expert_dp_rank = topology.expert_parallel_rank(rank), topology.expert_data_parallel_rank(rank)
+        out = []
+        for sg_id, sg in enumerate(self.sub_groups_by_ep_rank[ep_rank]):
+            if sg.is_expert:
+                ranks = [topology.expert_dp_rank_of(ep_rank, d) for d in range(topology.expert_dp)]
+                out.append({"sub_group": sg_id, "partition_count": topology.expert_dp, "partition_rank": expert_dp_rank,
+                            "partition_ranks": ranks, "families": ["autoep_expert"], "group_names": [ep_group_name]})
+            else:
+                out.append({"sub_group": sg_id, "partition_count": topology.dp, "partition_rank": rank,
+                            "partition_ranks": list(range(topology.dp)), "families": ["replicated"],
+                            "group_names": ["replicated"]})
+        return out
+
+    @functools.cached_property
+    def pieces(self) -> PieceTable:
+        numels = np.asarray([p.numel for p in self.params], dtype=np.int64)
+        bases = logical_bases([p.numel for p in self.params])
+        starts, ranks, buffers, offsets = [], [], [], []
+        for ep_rank, sub_groups in enumerate(self.sub_groups_by_ep_rank):
+            for sg_id, sg in enumerate(sub_groups):
+                if not sg.is_expert and ep_rank > 0:
+                    continue  # dense sub-groups are the same on every EP rank: count them once
+                for unit, chunk, offset in zip(sg.units, sg.chunk_numels, sg.chunk_offsets):
+                    numel = int(numels[list(unit)].sum())
+                    for r in range(-(-numel // chunk) if chunk else 0):
+                        starts.append(int(bases[unit[0]]) + r * chunk)
+                        ranks.append(self.topology.expert_dp_rank_of(ep_rank, r) if sg.is_expert else r)
+                        buffers.append(sg_id)
+                        offsets.append(offset)
+        columns = [tuple(np.asarray(c, dtype=np.int64) for c in (starts, ranks, buffers, offsets))] if starts else []
+        return table_from_columns(columns, int(numels.sum()))
+
+
+def _units(pids: Sequence[int], params: Sequence[ParamSpec], experts: ExpertParams, ep: int) -> list[tuple[int, ...]]:
+    """The partitioned parameters of a group: runs of one local name (AutoEP's fused experts)."""
+    units: list[list[int]] = []
+    last = None
+    for pid in pids:
+        name = experts.local_name(params[pid], pid, ep)
+        if units and name == last and experts.expert_of[pid] is not None:
+            units[-1].append(pid)
+        else:
+            units.append([pid])
+        last = name
+    return [tuple(u) for u in units]
+
+
+def _sub_groups(group: int, units: list[tuple[int, ...]], numels: Sequence[int], world: int, sub_group_size: int,
+                is_expert: bool) -> list[ExpertZero3SubGroup]:
+    """stage3.py `_create_fp16_sub_groups` over the units' chunk sizes (as layout.zero3_sub_groups)."""
+    chunks = [-(-sum(numels[p] for p in unit) // world) for unit in units]
+    if sub_group_size >= sum(chunks):
+        return [ExpertZero3SubGroup(group, tuple(units), tuple(chunks), is_expert)]
+    out, members, member_chunks, accumulated = [], [], [], 0
+    for index, (unit, chunk) in enumerate(zip(units, chunks)):
+        members.append(unit)
+        member_chunks.append(chunk)
+        accumulated += chunk
+        if accumulated >= sub_group_size or index == len(units) - 1:
+            out.append(ExpertZero3SubGroup(group, tuple(members), tuple(member_chunks), is_expert))
+            members, member_chunks, accumulated = [], [], 0
+    return out
+
+
+def expert_zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
+                        topology: Topology, sub_group_size: int) -> ExpertZero3Layout:
+    """Lay out an AutoEP ZeRO-3 checkpoint at `topology` (see ExpertZero3Layout)."""
+    problem = experts.ep_problem(topology.ep)
+    if problem:
+        raise ValueError(problem)
+    if not experts.autoep:
+        raise ValueError("native DeepSpeed MoE has no ZeRO-3 layout (DeepSpeed refuses MoE at stage 3)")
+    numels = [p.numel for p in params]
+    by_ep_rank = []
+    for ep_rank in range(topology.ep):
+        sub_groups: list[ExpertZero3SubGroup] = []
+        for g, ids in enumerate(groups):
+            is_expert = experts.expert_groups[g]
+            mine = [pid for pid in ids if not is_expert or experts.ep_rank_of(pid, topology.ep) == ep_rank]
+            sub_groups += _sub_groups(g, _units(mine, params, experts, topology.ep), numels,
+                                      topology.expert_dp if is_expert else topology.dp, sub_group_size, is_expert)
+        by_ep_rank.append(tuple(sub_groups))
+    return ExpertZero3Layout(tuple(params), experts, topology, tuple(tuple(g) for g in groups), tuple(by_ep_rank))

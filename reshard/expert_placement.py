@@ -18,6 +18,13 @@ DeepSpeed 0.19.8 rules mirrored here:
 Only the expert index of a name changes between local and global; the rest of the name is the
 module path. This is the whole local -> global mapping of expert parallelism: a contiguous block
 of global experts per EP rank, named by an offset.
+
+AutoEP (module_inject/auto_ep_layer.py `AutoEPMoELayer`) places experts the same way (its
+`legacy_uniform_autoep_placement_descriptor`: EP rank e holds e*n .. e*n+n-1) but FUSES a rank's
+experts into one tensor per weight, `{layer}.experts.w1 [n, ...]` (w2, w3 alike). Its expert
+files key expert G's slice as `{layer}.experts.w1.{G}` (engine.py `_save_moe_checkpoint`); reshard
+names each global expert's slice that way too (`autoep_name_parts`), so the fused tensor of EP
+rank e is the run of slices e*n .. e*n+n-1, in order.
 """
 from __future__ import annotations
 
@@ -32,6 +39,21 @@ def expert_name_parts(name: str) -> tuple[str, int, str] | None:
     """(layer prefix through the slot, expert index, rest) of an expert parameter name, else None."""
     match = _EXPERT_NAME.match(name)
     return (match[1], int(match[2]), match[3]) if match else None
+
+
+_AUTOEP_NAME = re.compile(r"^(.*\.experts\.|experts\.)(w[123])\.([0-9]+)$")
+
+
+def autoep_name_parts(name: str) -> tuple[str, int, str] | None:
+    """(layer prefix through `experts.`, global expert, weight name) of an AutoEP expert slice
+    name `...experts.w2.5`, else None."""
+    match = _AUTOEP_NAME.match(name)
+    return (match[1], int(match[3]), match[2]) if match else None
+
+
+def autoep_fused_name(name: str) -> str:
+    """The fused parameter an AutoEP expert slice belongs to: `...experts.w2.5` -> `...experts.w2`."""
+    return name.rpartition(".")[0]
 
 
 def with_expert_index(name: str, index: int) -> str:

@@ -250,7 +250,8 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
             source.spec.tensor.params.names, source.spec.tensor.params.splits).items()]
     if source.spec.experts is not None:
         counts = sorted(set(source.spec.experts.num_experts))
-        notes.append(f"native MoE, {len(source.spec.experts.num_experts)} layers of {'/'.join(map(str, counts))} "
+        moe_kind = "AutoEP (fused experts)" if source.spec.experts.autoep else "native MoE"
+        notes.append(f"{moe_kind}, {len(source.spec.experts.num_experts)} layers of {'/'.join(map(str, counts))} "
                      f"experts at ep={source.spec.topology.ep}: reshard writes any --target-ep that divides both the "
                      "target dp and the experts of every layer")
         formats = []  # the exports do not read MoE checkpoints yet

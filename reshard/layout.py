@@ -415,6 +415,6 @@ def frozen_pieces(frozen: Sequence[ParamSpec], world_size: int) -> PieceTable:
 
 def buffer_numels(layout: Zero12Layout | Zero3Layout) -> tuple[int, ...]:
     """Padded size of each flat buffer (param group or sub-group); the same on every rank."""
-    if isinstance(layout, Zero3Layout):
+    if hasattr(layout, "sub_groups"):  # Zero3Layout, reshard.expert_layout.ExpertZero3Layout
         return tuple(sg.partition_numel for sg in layout.sub_groups)
     return tuple(g.partition_numel for g in layout.groups)

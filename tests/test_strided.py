@@ -15,6 +15,7 @@ worker sends or receives more than a round's cap.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -147,7 +148,7 @@ def _space(params, groups, source, target, bounds):
     dims = [s.dim for s in params.splits]
     grid = ShardGrid.from_bounds(params.shapes, dims, bounds["source"], bounds["target"])
     space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
-    space = GlobalSpace(space.numels, space.copies, space.bases, space.total, grid, space.replicated)
+    space = dataclasses.replace(space, grid=grid)
     old = zero12_pieces(params, space, source, lambda t: _layout(params, groups, bounds["source"], source, t),
                         "source")
     new = zero12_pieces(params, space, target, lambda t: _layout(params, groups, bounds["target"], target, t),

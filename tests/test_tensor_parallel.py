@@ -1,11 +1,15 @@
 """Tensor-parallel (AutoTP) resharding: pure planner properties, then real checkpoints end to end.
 
     python -m pytest -q tests/test_tensor_parallel.py -m "not e2e"     # planner, seconds
-    python -m pytest -q tests/test_tensor_parallel.py                  # + AutoTP runs, ~3-4 min idle
+    python -m pytest -q tests/test_tensor_parallel.py                  # + AutoTP runs, ~4-5 min idle
 
 End to end, (tp, dp) notation: ZeRO-2 fp32 (2,2) -> (1,3) and (4,1), offline and in-job
 (`reshard.deepspeed.load_checkpoint` in the same check launches); ZeRO-1 bf16 (2,1) -> (1,2)
-and (1,2) -> (2,1); BF16_Optimizer (2,1) -> (1,2); W differs from both world sizes in each.
+and (1,2) -> (2,1), (2,2) -> (1,3), (4,1) -> (1,3) and (2,2) (offline and in-job);
+BF16_Optimizer (2,1) -> (1,2); ZeRO-2 fp16 with a vocabulary-parallel tied lm_head/embedding
+and fused gate/up sub-parameters (2,1) -> (1,2), (3,1) (offline and in-job) and (1,2) -> (3,1);
+ZeRO-3 fp32 (2,2) -> (1,3) and (4,1), offline and in-job; ZeRO-3 bf16 (2,1) -> (1,2), offline
+and in-job; W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
 weights is compared with the truth resliced for that rank (reshard/proof/tensor_parallel.py),
@@ -22,10 +26,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.layout import ParamSpec, zero12_layout
+from reshard.boxes import Box
+from reshard.layout import ParamSpec, zero3_layout, zero12_layout
 from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
+from reshard.local_to_global import box_runs
 from reshard.plan import intersect
-from reshard.tensor_pieces import GlobalSpace, module_pieces, zero12_pieces
+from reshard.tensor_pieces import GlobalSpace, module_pieces, replicated, zero3_frozen_pieces, zero12_pieces
 from reshard.topology import Topology
 from strided_check import segment_elements
 
@@ -51,6 +57,44 @@ def test_affine_map_matches_deepspeed():
     assert affine_map(REPLICATED, (11, 8), 3) == replicated_map((11, 8), 3).to_dict()
 
 
+def test_sub_parameter_split_matches_deepspeed():
+    """Shards, shard shapes and affine maps of fused sub-parameter splits as DeepSpeed cuts and
+    describes them (layers.py `_partition_logical_tensor`, checkpoint/affine.py `sub_param_map`)."""
+    import torch
+    from deepspeed.checkpoint.affine import sub_param_map
+    from deepspeed.module_inject.layers import _partition_logical_tensor
+    cases = [((10, 8), (10, 8), 0, (5, 5)), ((10,), (10,), 0, (5, 5)), ((9, 4), (3, 3, 4), 1, (1, 2)),
+             ((8, 7), (8, 7), 1, (3, 4)), ((12, 3), (12, 3), 0, (2, 4, 6))]
+    for shape, view, dim, parts in cases:
+        split = TensorSplit("sub-parameter", dim, view, parts)
+        full = torch.arange(int(np.prod(shape))).reshape(shape)
+        for tp in (1, 2, 3, 4):
+            widths = split.widths(tp)
+            assert affine_map(split, shape, tp) == sub_param_map(view, list(parts), [list(w) for w in widths],
+                                                                 dim).to_dict(), (shape, tp)
+            for rank in range(tp):
+                theirs = _partition_logical_tensor(full.reshape(view), dim, tp, rank, widths, parts)
+                local = theirs.reshape(-1) if len(shape) == 1 else theirs.reshape(-1, theirs.shape[-1])
+                assert split.local_shape(shape, tp, rank) == tuple(local.shape)
+                ids = _element_ids(TensorParallelParams(("w",), (shape,), (split,)), 0, tp, rank)
+                assert np.array_equal(ids, theirs.reshape(-1).numpy()), (shape, tp, rank)
+
+
+@given(rows=st.integers(1, 6), cols=st.integers(1, 6), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_box_runs_agree_with_numpy(rows, cols, data):
+    r0 = data.draw(st.integers(0, rows - 1))
+    c0 = data.draw(st.integers(0, cols - 1))
+    box = Box(0, (r0, c0), (data.draw(st.integers(1, rows - r0)), data.draw(st.integers(1, cols - c0))))
+    global_index = np.arange(rows * cols).reshape(rows, cols)[r0:r0 + box.sizes[0], c0:c0 + box.sizes[1]].ravel()
+    start = data.draw(st.integers(0, box.numel - 1))
+    length = data.draw(st.integers(1, box.numel - start))
+    item, local, glob, run = box_runs(box, (rows, cols), [start], [length])
+    assert np.all(item == 0) and run.sum() == length and local[0] == start
+    for lo, g, n in zip(local, glob, run):
+        assert np.array_equal(global_index[lo:lo + n], np.arange(g, g + n))
+
+
 # --- pure: the planner moves every element to where the target layout wants it ------------------
 
 @st.composite
@@ -62,11 +106,20 @@ def tp_models(draw):
     for i in range(count):
         ndim = draw(st.integers(1, 2))
         shape = tuple(draw(st.integers(low, low + 5)) for _ in range(ndim))
-        kinds = ["column", "replicated"] + (["row"] if ndim == 2 else [])
+        kinds = ["column", "replicated", "sub-parameter"] + (["row"] if ndim == 2 else [])
         kind = draw(st.sampled_from(kinds))
         names.append(f"p{i}")
+        if kind == "sub-parameter":  # fused parts along dim of a view: (P,), (P, c), (r, P) or (a, P, c)
+            parts = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+            form = draw(st.integers(0, 3))
+            a, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+            view, dim = [((sum(parts),), 0), ((sum(parts), c), 0), ((a, sum(parts)), 1),
+                         ((a, sum(parts), c), 1)][form]
+            shape = (sum(parts),) if len(view) == 1 else (int(np.prod(view[:-1])), view[-1])
+            splits.append(TensorSplit("sub-parameter", dim, view, parts))
+        else:
+            splits.append(REPLICATED if kind == "replicated" else TensorSplit(kind, 0 if kind == "column" else 1))
         shapes.append(shape)
-        splits.append(REPLICATED if kind == "replicated" else TensorSplit(kind, 0 if kind == "column" else 1))
     cut = draw(st.integers(0, count))
     groups = tuple(g for g in (tuple(range(cut)), tuple(range(cut, count))) if g)
     params = TensorParallelParams(tuple(names), tuple(shapes), tuple(splits))
@@ -82,9 +135,13 @@ def _layout(params, groups, topology, t):
 
 def _element_ids(params, p, tp, t):
     """Global identity (param, row-major global index) of every element of TP rank t's tensor p."""
-    box = params.local_box(p, tp, t)
-    coords = np.unravel_index(np.arange(box.numel), box.sizes)
-    glob = np.ravel_multi_index(tuple(c + o for c, o in zip(coords, box.offsets)), params.shapes[p])
+    found = []
+    for local, box, shape in params.local_pieces(p, tp, t):
+        assert local == sum(len(f) for f in found)  # pieces tile the local tensor in order
+        coords = np.unravel_index(np.arange(box.numel), box.sizes)
+        found.append(np.ravel_multi_index(tuple(c + o for c, o in zip(coords, box.offsets)), shape))
+    glob = np.concatenate(found) if found else np.zeros(0, np.int64)
+    assert len(glob) == int(np.prod(params.local_shape(p, tp, t)))
     return p * 10_000 + glob
 
 
@@ -136,6 +193,72 @@ def test_optimizer_space_moves_every_element_once_to_its_place(model):
             assert source.coordinates(int(segments.src_rank[s])).tp == 0
 
 
+def _zero3_buffers(params, groups, topology, sub_group_size):
+    """(global rank, sub-group) -> element identities of that rank's ZeRO-3 flat buffer; -1 where
+    the chunk of a parameter is padded (stage3.py: p = ceil(n / dp), chunks end to end)."""
+    buffers = {}
+    for t in range(topology.tp):
+        local = [ParamSpec(n, params.local_shape(i, topology.tp, t)) for i, n in enumerate(params.names)]
+        layout = zero3_layout(local, groups, topology.dp, sub_group_size)
+        for sg_id, sg in enumerate(layout.sub_groups):
+            for d in range(topology.dp):
+                parts = []
+                for p, chunk in zip(sg.params, sg.chunk_numels):
+                    ids = _element_ids(params, p, topology.tp, t)[d * chunk:(d + 1) * chunk]
+                    parts.append(np.concatenate((ids, np.full(chunk - len(ids), -1, np.int64))))
+                buffers[(topology.rank_of(d, t), sg_id)] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return buffers
+
+
+@given(tp_models(), st.integers(1, 40))
+@settings(max_examples=80, deadline=None)
+def test_zero3_optimizer_space_moves_every_element_once_to_its_place(model, sub_group_size):
+    """ZeRO-3 under AutoTP: each TP rank's local parameters chunked over dp, sub-groups cut by
+    sub_group_size over the TP-LOCAL chunk sizes (so they can differ between TP ranks)."""
+    params, groups, source, target = model
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
+
+    def layout_of(topology):
+        return lambda t: zero3_layout([ParamSpec(n, params.local_shape(i, topology.tp, t))
+                                       for i, n in enumerate(params.names)], groups, topology.dp, sub_group_size)
+    segments = intersect(zero12_pieces(params, space, source, layout_of(source), "source"),
+                         zero12_pieces(params, space, target, layout_of(target), "target"))
+    sources = _zero3_buffers(params, groups, source, sub_group_size)
+    expected = _zero3_buffers(params, groups, target, sub_group_size)
+    written, count = _run(segments, sources, expected)
+    for key, want in expected.items():
+        assert np.array_equal(written[key], want), key
+        assert np.array_equal(count[key], (want >= 0).astype(np.int64)), key
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 4)), min_size=1, max_size=3),
+       st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_zero3_frozen_fragments_fill_every_tp_rank(shapes, tp_src, dp_src, tp_dst, dp_dst):
+    """Frozen ZeRO-3 parameters (AutoTP leaves them whole): every target (dp, tp) rank gets its dp
+    chunk, read from source TP rank 0 only."""
+    frozen = tuple(ParamSpec(f"f{i}", s) for i, s in enumerate(shapes))
+    source, target = Topology(dp=dp_src, tp=tp_src), Topology(dp=dp_dst, tp=tp_dst)
+    space = GlobalSpace.of(replicated(frozen), source_tp=source.tp, target_tp=target.tp)
+    segments = intersect(zero3_frozen_pieces(frozen, space, source, "source"),
+                         zero3_frozen_pieces(frozen, space, target, "target"))
+
+    def chunks(topology):
+        out = {}
+        for j, p in enumerate(frozen):
+            c = -(-p.numel // topology.dp)
+            for d in range(topology.dp):
+                for t in range(topology.tp):
+                    ids = j * 10_000 + np.arange(p.numel)[d * c:(d + 1) * c]
+                    out[(topology.rank_of(d, t), j)] = np.concatenate((ids, np.full(c - len(ids), -1, np.int64)))
+        return out
+    expected = chunks(target)
+    written, count = _run(segments, chunks(source), expected)
+    for key, want in expected.items():
+        assert np.array_equal(written[key], want) and np.array_equal(count[key], (want >= 0).astype(np.int64)), key
+    assert all(source.coordinates(int(r)).tp == 0 for r in segments.src_rank)
+
+
 @given(tp_models())
 @settings(max_examples=60, deadline=None)
 def test_module_space_reslices_every_tensor(model):
@@ -163,11 +286,16 @@ def test_row_parallel_shard_is_one_strided_piece_not_one_per_row():
 
 # --- end to end -----------------------------------------------------------------------------
 
-E2E_SOURCES = {  # name: (tp, dp, stage, precision)
+E2E_SOURCES = {  # name: (tp, dp, stage, precision[, harness model])
     "z2_fp32_tp2_dp2": (2, 2, 2, "fp32"),
     "z1_bf16_tp2_dp1": (2, 1, 1, "bf16"),
     "z1_bf16_tp1_dp2": (1, 2, 1, "bf16"),
+    "z1_bf16_tp2_dp2": (2, 2, 1, "bf16"),
+    "z1_bf16_tp4_dp1": (4, 1, 1, "bf16"),
     "bf16_optimizer_tp2_dp1": (2, 1, 1, "bf16_optimizer"),
+    "z3_fp32_tp2_dp2": (2, 2, 3, "fp32"),
+    "z3_bf16_tp2_dp1": (2, 1, 3, "bf16"),
+    "fused_z2_fp16_tp2_dp1": (2, 1, 2, "fp16", "fused"),
 }
 
 
@@ -179,9 +307,9 @@ def autotp(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            tp, dp, stage, precision = E2E_SOURCES[name]
+            tp, dp, stage, precision, *model = E2E_SOURCES[name]
             save_dir, truth = root / name, root / f"{name}.truth.pt"
-            train_checkpoint(tp, dp, stage, precision, save_dir, truth)
+            train_checkpoint(tp, dp, stage, precision, save_dir, truth, model=(model or ["base"])[0])
             cache[name] = (save_dir, truth)
         return cache[name]
     return get
@@ -218,7 +346,7 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert _universal(source, tmp_path / "u-source") == _universal(tmp_path / "tp4dp1", tmp_path / "u-output")
 
 
-def _universal(save_dir, out) -> dict:
+def _universal(save_dir, out, trainable: int = 8, files_per_param: int = 4) -> dict:
     """{param/file: tensor bytes} of `ds_to_universal.py` on the checkpoint.
 
     DeepSpeed 0.19.8 merges every trainable parameter, then fails on its own AutoTP checkpoints
@@ -236,7 +364,8 @@ def _universal(save_dir, out) -> dict:
         value = torch.load(path, weights_only=False)
         tensor = value["param"] if isinstance(value, dict) else value
         found[str(path.relative_to(out))] = (tuple(tensor.shape), tensor.detach().float().numpy().tobytes())
-    assert len(found) == 8 * 4  # 8 trainable parameters x (fp32, exp_avg, exp_avg_sq, step)
+    # trainable parameters x (fp32, exp_avg, exp_avg_sq, step); under ZeRO-3 DeepSpeed writes no step file
+    assert len(found) == trainable * files_per_param
     return found
 
 
@@ -257,12 +386,126 @@ def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(autotp, tmp_path):
 
 
 @pytest.mark.e2e
+def test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2(autotp, tmp_path):
+    """Two real sources, three outputs, two check launches: (2,2) -> (1,3); (4,1) -> (1,3) and
+    (2,2), offline and in-job; W differs from both world sizes each time."""
+    from reshard.proof.tensor_parallel import check_checkpoints
+    square, square_truth = autotp("z1_bf16_tp2_dp2")
+    wide, wide_truth = autotp("z1_bf16_tp4_dp1")
+    square_1x3 = _reshard(square, tmp_path / "square-tp1dp3", 1, 3, workers=2)
+    wide_1x3 = _reshard(wide, tmp_path / "wide-tp1dp3", 1, 3, workers=2)
+    wide_2x2 = _reshard(wide, tmp_path / "wide-tp2dp2", 2, 2, workers=3)
+    verdicts = check_checkpoints(1, 3, 1, "bf16", [(square_1x3, square_truth), (wide_1x3, wide_truth)], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
+    # negative control last but one: the (2, 2) source is a valid checkpoint at (2, 2), but not the
+    # (4, 1) source's state; then the (4, 1) source resharded in the job
+    verdicts = check_checkpoints(2, 2, 1, "bf16", [(wide_2x2, wide_truth), (square, wide_truth),
+                                                   (wide, wide_truth, "in-job")], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert not verdicts[1]["ok"] and any("fp32" in p for p in verdicts[1]["problems"])
+    assert verdicts[2]["ok"], verdicts[2]["problems"]
+
+
+@pytest.mark.e2e
+def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1(autotp, tmp_path):
+    """The harness's "fused" model, ZeRO-2 fp16: `vocab_parallel_lm_head` (lm_head tied to the
+    embedding, split over a vocabulary of 11: 6 + 5 rows at TP 2, 4 + 4 + 3 at TP 3; AutoTP pads
+    nothing) and a fused gate/up weight and bias (`shape: [2, -1]`, each half of 5 cut on its own:
+    3 + 2 at TP 2, 2 + 2 + 1 at TP 3). To (1, 2), to (3, 1) offline and in-job, and from the
+    (1, 2) output (no universal_checkpoint_info: the splits come from the saved
+    `vocab_parallel_lm_head` and layer specs) on to (3, 1)."""
+    import torch
+
+    from reshard.proof.tensor_parallel import check_checkpoints
+    source, truth = autotp("fused_z2_fp16_tp2_dp1")
+    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
+    to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=4)
+    via_tp1 = _reshard(to_1x2, tmp_path / "via-tp1", 3, 1, workers=1)
+    from trained import reshard_cli
+    shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout + shown.stderr
+    assert "vocabulary (1): embed.weight" in text and "sub-parameter (2): gate_up.weight, gate_up.bias" in text
+    assert "row (2): down.weight, fused_down.weight" in text
+    states = [torch.load(to_3x1 / "global_step3" / f"mp_rank_0{t}_model_states.pt", weights_only=False)
+              for t in range(3)]
+    for t, state in enumerate(states):
+        module = state["module"]
+        assert module["embed.weight"].shape == ((4, 8), (4, 8), (3, 8))[t]
+        assert module["gate_up.weight"].shape == ((4, 8), (4, 8), (2, 8))[t]
+        assert module["lm_head.weight"].data_ptr() == module["embed.weight"].data_ptr()  # still one tensor
+        assert state["shared_params"] == ({"lm_head.weight": "embed.weight"} if t == 0 else {})
+        info = state["universal_checkpoint_info"]
+        assert info["vocabulary_parameter_patterns"] == [r"^embed\.weight$"] and info["original_vocab_size"] == 11
+        assert info["sub_param_shard_widths"][r"^gate_up\.weight$"] == [[2, 2, 1], [2, 2, 1]]
+    again = torch.load(via_tp1 / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
+    assert again["universal_checkpoint_info"] == states[1]["universal_checkpoint_info"]
+    verdicts = check_checkpoints(1, 2, 2, "fp16", [(to_1x2, truth)], tmp_path, model="fused")
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    verdicts = check_checkpoints(3, 1, 2, "fp16", [(to_3x1, truth), (source, truth, "in-job"), (via_tp1, truth)],
+                                 tmp_path, model="fused")
+    for verdict in verdicts:
+        assert verdict["ok"], verdict["problems"]
+    # DeepSpeed's converter merges the vocabulary and sub-parameter shards of the output as of the source
+    assert _universal(source, tmp_path / "u-source", 11) == _universal(to_3x1, tmp_path / "u-output", 11)
+
+
+@pytest.mark.e2e
 def test_bf16_optimizer_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
     from reshard.proof.tensor_parallel import check_checkpoints
     source, truth = autotp("bf16_optimizer_tp2_dp1")
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     verdicts = check_checkpoints(1, 2, 1, "bf16_optimizer", [(to_1x2, truth)], tmp_path)
     assert verdicts[0]["ok"], verdicts[0]["problems"]
+
+
+@pytest.mark.e2e
+def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
+    """ZeRO-3 under AutoTP: each TP rank's local parameters partitioned over its dp group, files
+    zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt, frozen parameters partitioned too."""
+    import torch
+    from reshard.proof.tensor_parallel import check_checkpoints
+    from trained import reshard_cli
+    source, truth = autotp("z3_fp32_tp2_dp2")
+    to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
+    done = reshard_cli(source, tmp_path / "tp4dp1", "--target-dp", "1", "--target-tp", "4", "--workers", "3", "--quiet")
+    assert done.returncode == 0, done.stderr
+    to_4x1 = tmp_path / "tp4dp1"
+    names = sorted(p.name for p in (to_4x1 / "global_step3").iterdir() if p.name.endswith(".pt"))
+    assert names == sorted(f"zero_pp_rank_0_mp_rank_0{t}_{kind}_states.pt" for t in range(4) for kind in ("model", "optim"))
+    states = torch.load(to_4x1 / "global_step3" / "zero_pp_rank_0_mp_rank_03_model_states.pt", weights_only=False)
+    assert states["mp_world_size"] == 4 and states["checkpoint_parallel_dimensions"]["tp_degree"] == 4
+    up = states["universal_checkpoint_info"]["affine_map"]["params"][r"^up\.weight$"]["ranks"]
+    assert [up[t]["shard_shape"] for t in range(4)] == [[3, 8], [2, 8], [2, 8], [2, 8]]
+    assert {n: list(s) for group in states["param_shapes"] for n, s in group.items()}["down.weight"] == [8, 2]
+    # each launch loads the offline output, then resumes from the source itself in-job
+    for (tp, dp), output in (((1, 3), to_1x3), ((4, 1), to_4x1)):
+        verdicts = check_checkpoints(tp, dp, 3, "fp32", [(output, truth), (source, truth, "in-job")], tmp_path)
+        assert verdicts[0]["ok"], (tp, dp, verdicts[0]["problems"])
+        assert verdicts[1]["ok"], (tp, dp, verdicts[1]["problems"])
+    # DeepSpeed's zero_to_fp32 is not TP-aware (it expects one optim file per dp rank and reads
+    # mp_rank_00 only): it refuses the TP 2 source, and reads the TP 1 output whole
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with pytest.raises(ValueError, match=r"Expected 2 of .* but found 4 files"):
+        get_fp32_state_dict_from_zero_checkpoint(str(source))
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(to_1x3))
+    expected = torch.load(truth, weights_only=False)
+    want = {**{n: e["fp32"] for n, e in expected["params"].items()}, **expected["frozen"]}
+    assert sorted(consolidated) == sorted(want)
+    assert all(torch.equal(consolidated[n].float(), want[n]) for n in want)
+    # DeepSpeed's own converter reads the output's ZeRO-3 files and affine maps as it reads the source's
+    assert _universal(source, tmp_path / "u-source", files_per_param=3) == _universal(to_4x1, tmp_path / "u-output", files_per_param=3)
+
+
+@pytest.mark.e2e
+def test_zero3_bf16_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
+    from reshard.proof.tensor_parallel import check_checkpoints
+    source, truth = autotp("z3_bf16_tp2_dp1")
+    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
+    verdicts = check_checkpoints(1, 2, 3, "bf16", [(to_1x2, truth), (source, truth, "in-job")], tmp_path)
+    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    assert verdicts[1]["ok"], verdicts[1]["problems"]
 
 
 @pytest.mark.e2e
@@ -322,8 +565,13 @@ def _model_tree(info_overrides=None, up_shards=None):
 
 @pytest.mark.parametrize("overrides, shards, message", [
     ({}, None, None),
-    ({"vocabulary_parameter_patterns": [r"^lm_head\.weight$"]}, None, "vocabulary-parallel"),
-    ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"]}]}, None, "fused sub-parameter"),
+    ({"vocabulary_parameter_patterns": [r"^lm_head\.weight$"]}, None, "have no affine_map entry"),
+    ({"vocabulary_parameter_patterns": [r"^up\.weight$"], "original_vocab_size": 8}, None, "padded vocabulary"),
+    ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"]}]}, None, "has no partition_dim"),
+    ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"], "partition_dim": 0}]}, None,
+     "without sub_param_shard_widths"),
+    ({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"], "partition_dim": 0}],
+      "sub_param_shard_widths": {r"^up\.weight$": [[3, 2], [2, 2]]}}, None, "not the per-sub-parameter split"),
     ({"autotp_unsupported_parameter_patterns": {r"^x$": "odd"}}, None, "marks unsupported"),
     ({}, (6, 3), "splits sized by attention heads"),
 ])
@@ -340,11 +588,124 @@ def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
             tensor_parallel_spec(tree, "m.pt", 2, local)
 
 
-def test_tensor_parallel_size_checks_files_and_refuses_zero3():
-    from reshard.errors import CheckpointError, UnsupportedCheckpoint
+def test_tensor_parallel_size_checks_files():
+    from reshard.errors import CheckpointError
     from reshard.formats.deepspeed_inspect import _tensor_parallel_size
-    assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=False) == 2
+    assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}) == 2
     with pytest.raises(CheckpointError, match=r"tensor-parallel ranks \[0, 1, 2\], but mp_world_size is 2"):
-        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2}, stage3=False)
-    with pytest.raises(UnsupportedCheckpoint, match="ZeRO-3 checkpoint with tensor parallelism"):
-        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}, stage3=True)
+        _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2})
+
+
+def test_zero3_tp1_split_comes_from_layer_specs_and_param_shapes():
+    """At TP 1 DeepSpeed saves no universal_checkpoint_info, and under ZeRO-3 `module` holds empty
+    placeholders: the split follows the saved layer_specs, the shapes param_shapes."""
+    from reshard.formats.deepspeed_tensor import splits_from_layer_specs, tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    empty = TensorRef(0, 0, "float32", (0,), (1,), 0, False)
+    specs = [{"patterns": [r"^up\.weight$"], "partition_type": "column"},
+             {"patterns": [r"^down\.weight$"], "partition_type": "row"}]
+    tree = {"module": {n: empty for n in ("up.weight", "up.bias", "down.weight", "down.bias", "frozen.weight")},
+            "param_shapes": [{"up.weight": (9, 8), "down.weight": (8, 9)}, {"up.bias": (9,), "down.bias": (8,)}],
+            "frozen_param_shapes": {"frozen.weight": (8, 8)}, "buffer_names": [],
+            "ds_config": {"tensor_parallel": {"partition_config": {"use_default_specs": False, "layer_specs": specs}}}}
+    _, by_name, _ = splits_from_layer_specs(tree, "m.pt")
+    assert by_name["up.weight"] == (TensorSplit("column", 0), (9, 8))
+    assert by_name["down.weight"] == (TensorSplit("row", 1), (8, 9)) and by_name["down.bias"] == (REPLICATED, (8,))
+    assert by_name["frozen.weight"] == (REPLICATED, (8, 8))
+    local = tuple(ParamSpec(n, s) for group in tree["param_shapes"] for n, s in group.items())
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 1, local, module_weights=False)
+    assert tensor.module.names == () and [p.shape for p in params] == [(9, 8), (8, 9), (9,), (8,)]
+    assert tensor.params.local_shapes(2, 1) == ((4, 8), (8, 4), (4,), (8,))
+
+
+def test_vocabulary_parallel_metadata_is_read_and_carried():
+    """A vocabulary-parallel weight splits on dim 0 (uneven, unpadded); the pattern list and
+    original_vocab_size do not depend on TP and are written unchanged for the target."""
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    tree = _model_tree({"vocabulary_parameter_patterns": [r"^up\.weight$"], "original_vocab_size": 9})
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 2, (ParamSpec("up.weight", (5, 8)),))
+    assert params == (ParamSpec("up.weight", (9, 8)),) and tensor.params.splits == (TensorSplit("vocabulary", 0),)
+    info = tensor.universal_info(4)
+    assert info["vocabulary_parameter_patterns"] == [r"^up\.weight$"] and info["original_vocab_size"] == 9
+    assert [info["affine_map"]["params"][r"^up\.weight$"]["ranks"][r]["shard_shape"][0] for r in range(4)] == [3, 2, 2, 2]
+
+
+def _tp1_tree(config_tp, alias_view=None):
+    """TP 1 model states (no universal_checkpoint_info): embed.weight, its tied alias
+    lm_head.weight, up (a column layer spec)."""
+    from reshard.formats.torch_archive import TensorRef
+    embed = TensorRef(0, 400, "float32", (11, 8), (8, 1), 0, False)
+    alias = alias_view or embed
+    up_w = TensorRef(0, 400, "float32", (9, 8), (8, 1), 88, False)
+    specs = {"use_default_specs": False, "layer_specs": [{"patterns": [r"^up\.weight$"], "partition_type": "column"}]}
+    return {"module": {"embed.weight": embed, "up.weight": up_w, "lm_head.weight": alias},
+            "shared_params": {"lm_head.weight": "embed.weight"},
+            "ds_config": {"tensor_parallel": {"autotp_size": 1, "partition_config": specs, **config_tp}}}
+
+
+def test_vocabulary_split_at_tp1_comes_from_vocab_parallel_lm_head():
+    """At TP 1 DeepSpeed saves no universal_checkpoint_info: with `vocab_parallel_lm_head` the
+    tied embedding (the owner of lm_head.weight) is vocabulary-parallel, named once, by its owner."""
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
+    tensor, _ = tensor_parallel_spec(_tp1_tree({"vocab_parallel_lm_head": True}), "m.pt", 1, local)
+    assert tensor.params.splits == (TensorSplit("vocabulary", 0), TensorSplit("column", 0))
+    assert tensor.aliases == (("lm_head.weight", "embed.weight"),)
+    info = tensor.universal_info(3)
+    assert info["vocabulary_parameter_patterns"] == [r"^embed\.weight$"] and info["original_vocab_size"] == 11
+    assert r"^lm_head\.weight$" not in info["affine_map"]["params"]
+    assert info["affine_map"]["params"][r"^embed\.weight$"]["ranks"][2]["shard_shape"] == [3, 8]
+    # without the flag the embedding stays whole
+    tensor, _ = tensor_parallel_spec(_tp1_tree({}), "m.pt", 1, local)
+    assert tensor.params.splits == (REPLICATED, TensorSplit("column", 0))
+
+
+def test_tied_alias_must_be_its_owners_view():
+    from reshard.errors import CheckpointError
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
+    other = TensorRef(0, 400, "float32", (11, 8), (8, 1), 8, False)
+    with pytest.raises(CheckpointError, match="tied to embed.weight"):
+        tensor_parallel_spec(_tp1_tree({"vocab_parallel_lm_head": True}, other), "m.pt", 1, local)
+
+
+def test_materialize_makes_one_tensor_of_a_tied_new_tensor():
+    from reshard.formats.torch_archive import NewTensor, materialize
+    owner = NewTensor(("module", 0, "module"), 6, "float32", True, (3, 2))
+    obj, roles = materialize({"embed.weight": owner, "lm_head.weight": owner, "up.weight": NewTensor(("m", 1), 4, "float32")})
+    assert obj["embed.weight"] is obj["lm_head.weight"] and obj["up.weight"] is not obj["embed.weight"]
+    assert sorted(roles.values()) == [("m", 1), ("module", 0, "module")]
+
+
+def test_sub_parameter_metadata_is_read_and_recomputed():
+    """A fused gate/up weight (two halves of 5 rows, each cut on its own) read from DeepSpeed's
+    metadata; for another TP its affine map and sub_param_shard_widths are recomputed."""
+    from deepspeed.checkpoint.affine import sub_param_map
+    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.torch_archive import TensorRef
+    fused = TensorSplit("sub-parameter", 0, (10, 8), (5, 5))
+    tree = _model_tree({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"], "shape": [(5, 5), -1],
+                                                       "partition_dim": 0}],
+                        "sub_param_shard_widths": {r"^up\.weight$": [[3, 2], [3, 2]]}})
+    tree["universal_checkpoint_info"]["affine_map"]["params"][r"^up\.weight$"] = affine_map(fused, (10, 8), 2)
+    tree["module"]["up.weight"] = TensorRef(0, 6 * 8 * 4, "float32", (6, 8), (8, 1), 0, False)
+    tensor, params = tensor_parallel_spec(tree, "m.pt", 2, (ParamSpec("up.weight", (6, 8)),))
+    assert params == (ParamSpec("up.weight", (10, 8)),) and tensor.params.splits == (fused,)
+    info = tensor.universal_info(3)
+    assert info["sub_param_shard_widths"] == {r"^up\.weight$": [[2, 2, 1], [2, 2, 1]]}
+    assert info["affine_map"]["params"][r"^up\.weight$"] == sub_param_map((10, 8), [5, 5], [[2, 2, 1], [2, 2, 1]],
+                                                                           0).to_dict()
+    assert info["parameter_with_sub_params"] == tree["universal_checkpoint_info"]["parameter_with_sub_params"]
+
+
+@pytest.mark.parametrize("weight, spec, dim", [((10, 8), [2, -1], 0), ((10, 8), [[4, 6], -1], 0), ((10, 8), [-1, 8], 0),
+                                               ((12, 4), [3, -1, 4], 1), ((12, 4), [2, [2, 4], 4], 1),
+                                               ((8, 6), [-1, [2, 4]], 1)])
+def test_layer_spec_shape_resolves_as_deepspeed(weight, spec, dim):
+    """At TP 1 the view and sub-parameter sizes come from the saved layer spec's `shape`
+    (layers.py `_infer_subparam_logical_shapes`)."""
+    from deepspeed.module_inject.layers import _infer_subparam_logical_shapes
+    from reshard.formats.deepspeed_tensor import _shape_spec_view, _tuples
+    logical, _, sizes, _ = _infer_subparam_logical_shapes(weight, _tuples(spec), dim)
+    assert _shape_spec_view(weight, spec, dim, "m.pt") == (tuple(logical), tuple(sizes or (logical[dim],)))

@@ -28,6 +28,7 @@ from reshard.formats.deepspeed_spec import (
 )
 from reshard.expert_layout import ExpertParams
 from reshard.expert_placement import expert_name_parts
+from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
 from reshard.formats.torch_archive import (
     TensorRef,
     load_structure,
@@ -114,13 +115,13 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     n = model_meta["dp_world_size"]
     if not isinstance(n, int) or n < 1:
         raise CheckpointError(model_path, f"has dp_world_size {n!r}, expected a positive integer")
-    tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks, stage3)
+    tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks)
     for t in range(tp):
         _check_rank_files(tag_dir, n, {k: v for k, v in optim.items() if v.mp_rank == t}, "optim",
                           lambda r: schema.optim_file_name(r, bf16_prefix, t), not node_local)
         if stage3:
-            _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model"}, "model",
-                              lambda r: schema.model_file_name(3, r), not node_local)
+            _check_rank_files(tag_dir, n, {k: v for k, v in roles.items() if v.kind == "zero3_model" and v.mp_rank == t},
+                              "model", lambda r: schema.model_file_name(3, r, t), not node_local)
         elif not os.path.isfile(os.path.join(tag_dir, schema.model_file_name(1, 0, t))):
             raise CheckpointError(os.path.join(tag_dir, schema.model_file_name(1, 0, t)),
                                   f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
@@ -130,10 +131,10 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     optim_tree, model_tree = portable(optim_meta), portable(model_meta)
     expert_files = {name: schema.expert_file_index(name) for name, role in roles.items() if role.kind == "expert"}
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
-                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle))
+                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3))
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         if spec.experts is not None:
-            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native MoE experts; "
+            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; "
                                                     "resharding TP and EP together is not supported yet")
         spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
@@ -185,7 +186,7 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
-def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set, stage3: bool) -> int:
+def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set) -> int:
     """`mp_world_size` of the checkpoint, checked against the mp_rank_XX files present."""
     tp = model_meta.get("mp_world_size", 1)
     if not isinstance(tp, int) or tp < 1:
@@ -193,21 +194,21 @@ def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ra
     if mp_ranks != set(range(tp)):
         raise CheckpointError(tag_dir, f"has files of tensor-parallel ranks {sorted(mp_ranks)}, but mp_world_size "
                                        f"is {tp} (files of another save mixed in?)")
-    if tp > 1 and stage3:
-        raise UnsupportedCheckpoint(model_path, f"is a ZeRO-3 checkpoint with tensor parallelism (mp_world_size "
-                                                f"{tp}); resharding it is not supported yet (ZeRO-1/2 and BF16_Optimizer are)")
     return tp
 
 
 def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path: str, tp: int) -> CheckpointSpec:
-    """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split."""
-    if spec.stage == 3:
-        raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 AutoTP checkpoint; resharding it is not supported "
-                                                "yet (ZeRO-1/2 and BF16_Optimizer are)")
+    """The spec of an AutoTP checkpoint: global parameter shapes, each parameter's split.
+
+    Under ZeRO-3 each TP rank's local parameters are ZeRO-3-partitioned over its dp group
+    (`zero_pp_rank_{dp}_mp_rank_{tp:02d}_*` files, engine.py `_get_ckpt_name`, `_get_zero_ckpt_name`),
+    `param_shapes` list TP-local shapes per sub-group, and `module` holds empty placeholders
+    (stage3.py: the partitioned parameters' `.data`), so there are no module weights to reslice."""
     if spec.round_robin:
         raise UnsupportedCheckpoint(model_path, "uses round_robin_gradients with tensor parallelism; not "
                                                 "supported yet")
-    tensor, params = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp, spec.params)
+    tensor, params = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp, spec.params,
+                                                           module_weights=spec.stage < 3)
     dtype = deepspeed_tensor.module_dtype(model_tree, model_path, tensor.module)
     if dtype not in (None, spec.lp_dtype):
         raise UnsupportedCheckpoint(model_path, f"split module tensors are {dtype}, the model is {spec.lp_dtype}")
@@ -251,11 +252,13 @@ def _zero_config(model_tree: dict) -> dict:
 
 
 def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str,
-                   trust_pickle: bool) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
-    """(num_experts, name prefix) of each MoE layer from `num_experts` and the expert files, or
-    None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
+                   trust_pickle: bool, stage3: bool = False) -> tuple[tuple[int, ...], tuple[str, ...], int | None] | None:
+    """(num_experts, name prefix of each MoE layer, AutoEP's ep or None for native MoE) from
+    `num_experts` and the expert files, or None without experts. engine.py `_save_moe_checkpoint` numbers MoE layers in module order and
     writes layer_{L}_expert_{G}_mp_rank_00_model_states.pt per global expert G."""
     num_experts = model_tree.get("num_experts") if isinstance(model_tree, dict) else None
+    if isinstance(model_tree, dict) and model_tree.get(AUTOEP_LAYERS_KEY) is not None:
+        return _autoep_expert_layers(tag_dir, expert_files, model_tree, model_path, num_experts, trust_pickle, stage3)
     if not expert_files:
         if num_experts and any(n != 1 for n in num_experts):
             raise CheckpointError(model_path, f"says num_experts {num_experts}, but the tag directory holds no "
@@ -281,7 +284,42 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
             raise UnsupportedCheckpoint(path, "does not hold the parameters of exactly global expert 0 of one "
                                               "native DeepSpeed MoE layer (keys ...deepspeed_experts.0....)")
         prefixes.append(next(iter(parts))[0])
-    return tuple(num_experts), tuple(prefixes)
+    return tuple(num_experts), tuple(prefixes), None
+
+
+def _autoep_expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_path: str, num_experts,
+                          trust_pickle: bool, stage3: bool):
+    """(num_experts, prefixes, ep) of an AutoEP checkpoint, from `ds_autoep_layers`. ZeRO-1/2:
+    expert files key global expert G's slices `{prefix}w1.{G}`, w2, w3 (engine.py
+    `_save_moe_checkpoint`); ZeRO-3 (`zero3_partitioned`) writes no expert files."""
+    if model_tree.get("folding") is not None:
+        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint folded with AutoTP (folding metadata); "
+                                                "resharding TP and EP together is not supported yet")
+    layers = read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)
+    if not isinstance(num_experts, list) or list(layers.num_experts) != list(num_experts):
+        raise CheckpointError(model_path, f"says num_experts {num_experts!r} but {AUTOEP_LAYERS_KEY} has "
+                                          f"{list(layers.num_experts)}")
+    if layers.zero3 != stage3:
+        raise CheckpointError(model_path, f"is a ZeRO-{'3' if stage3 else '1/2'} checkpoint whose AutoEP layers are "
+                                          f"in the {'zero3_partitioned' if layers.zero3 else 'per_expert_files'} format")
+    if stage3:
+        if expert_files:
+            raise CheckpointError(os.path.join(tag_dir, sorted(expert_files)[0]),
+                                  "should not exist: ZeRO-3 AutoEP keeps experts in the ZeRO partitions only")
+        return layers.num_experts, layers.prefixes, layers.ep
+    wanted = {(layer, expert) for layer, count in enumerate(num_experts) for expert in range(count)}
+    found = set(expert_files.values())
+    for layer, expert in sorted(wanted ^ found):
+        raise CheckpointError(os.path.join(tag_dir, schema.expert_file_name(layer, expert)),
+                              f"is {'missing' if (layer, expert) in wanted else 'unexpected'}: num_experts is "
+                              f"{num_experts}")
+    for layer, prefix in enumerate(layers.prefixes):
+        path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
+        keys = load_structure(path, schema.safe_globals(), trust_pickle)
+        if not isinstance(keys, dict) or sorted(keys) != [f"{prefix}{w}.0" for w in ("w1", "w2", "w3")]:
+            raise UnsupportedCheckpoint(path, f"does not hold exactly {prefix}w1.0, w2.0 and w3.0 (AutoEP global "
+                                              "expert 0)")
+    return layers.num_experts, layers.prefixes, layers.ep
 
 
 def _global_expert_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
@@ -290,7 +328,9 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
     Rank 0 is EP rank 0, whose local expert j is global expert j, so its LOCAL names in
     param_shapes are global names of experts 0..n_local-1; the other experts' parameters have
     the same shapes under their own index (moe/experts.py deep-copies one expert)."""
-    num_experts, prefixes = layers
+    num_experts, prefixes, autoep_ep = layers
+    if autoep_ep is not None:
+        return _global_autoep_groups(names_per_group, expert_groups, layers, path, n)
     layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
     local_counts = {}
     parsed = []
@@ -345,6 +385,45 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
     return ep, result
 
 
+def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
+    """The source ep and, per param group, its parameters under GLOBAL names: each fused AutoEP
+    weight `{prefix}w1 [n_local, ...]` becomes its experts' slices `{prefix}w1.{G}`, G = 0..E-1,
+    in place (reshard.expert_layout)."""
+    num_experts, prefixes, _ = layers
+    layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
+    local_counts, result = set(), []
+    for g, items in enumerate(names_per_group):
+        fused = [(name, shape) for name, shape in items if name.rpartition(".")[0] + "." in layer_of]
+        if not expert_groups[g]:
+            if fused:
+                raise UnsupportedCheckpoint(path, f"param group {g} is not an expert group (no moe flag) but holds "
+                                                  f"AutoEP expert parameter {fused[0][0]}")
+            result.append(items)
+            continue
+        expanded = []
+        for name, shape in items:
+            prefix = name.rpartition(".")[0] + "."
+            if prefix not in layer_of or name.rpartition(".")[2] not in ("w1", "w2", "w3") or len(shape) < 2:
+                raise UnsupportedCheckpoint(path, f"expert param group {g} holds {name} {tuple(shape)}, which is not "
+                                                  "a fused AutoEP expert weight of a layer in ds_autoep_layers")
+            local_counts.add((layer_of[prefix], int(shape[0])))
+            expanded += [(f"{name}.{expert}", tuple(shape[1:])) for expert in range(num_experts[layer_of[prefix]])]
+        if len({name for name, _ in expanded}) != len(expanded):
+            raise UnsupportedCheckpoint(path, f"expert param group {g} lists an AutoEP weight twice")
+        result.append(expanded)
+    eps = {num_experts[layer] // count for layer, count in local_counts if count and num_experts[layer] % count == 0}
+    if len(eps) != 1 or len({count for _, count in local_counts}) != 1:
+        raise UnsupportedCheckpoint(path, f"AutoEP layers hold {sorted(local_counts)} (layer, local experts) of "
+                                          f"{list(num_experts)}: not one expert-parallel size for all layers")
+    ep = eps.pop()
+    if ep != layers[2]:
+        raise CheckpointError(path, f"holds {num_experts[0] // ep} local experts per layer (ep={ep}), but "
+                                    f"ds_autoep_layers says ep_size {layers[2]}")
+    if n % ep:
+        raise CheckpointError(path, f"has ep={ep} expert groups that do not divide dp_world_size {n}")
+    return ep, result
+
+
 def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
                          expert_layers=None) -> CheckpointSpec:
     osd = optim_tree.get(OPT) if isinstance(optim_tree, dict) else None
@@ -384,13 +463,13 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
             names_per_group = [undo_round_robin(items, n) for items in names_per_group]
     ep, expert_groups = 1, None
     if expert_layers:
-        if stage == 3:
+        if stage == 3 and expert_layers[2] is None:
             raise UnsupportedCheckpoint(model_path, "is a ZeRO-3 checkpoint with native MoE expert files; DeepSpeed "
                                                     "0.19.8 does not train native MoE at stage 3")
         if (model_tree.get("ds_config") or {}).get("use_data_before_expert_parallel_"):
             raise UnsupportedCheckpoint(model_path, "was saved with use_data_before_expert_parallel_ (D+E rank "
                                                     "order of expert groups); not supported yet")
-        base_groups = (osd.get("base_optimizer_state") or {}).get("param_groups") or []
+        base_groups = ((osd.get(OPT) if stage == 3 else osd.get("base_optimizer_state")) or {}).get("param_groups") or []
         expert_groups = [bool(group.get("moe")) for group in base_groups]
         if len(expert_groups) != len(names_per_group) or not any(expert_groups):
             raise CheckpointError(optim_path, f"has {len(expert_groups)} optimizer param groups "
@@ -403,8 +482,11 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         params.extend(ParamSpec(name, tuple(int(d) for d in size)) for name, size in items)
     if not params:
         raise CheckpointError(model_path, "lists no trainable parameters in param_shapes")
-    experts = (ExpertParams.of(params, expert_groups, expert_layers[0], expert_layers[1])
-               if expert_layers else None)
+    experts = (ExpertParams.of(params, expert_groups, expert_layers[0], expert_layers[1],
+                               autoep=expert_layers[2] is not None) if expert_layers else None)
+    if experts is not None and experts.autoep and zero.get("parameter_alignment") and optimizer == "zero":
+        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint saved with parameter_alignment (padding "
+                                                "inside fused expert tensors); not supported yet")
     first_dense = next((p for i, p in enumerate(params) if experts is None or experts.expert_of[i] is None), params[0])
     lp_ref = module.get(first_dense.name)
     if not isinstance(lp_ref, TensorRef):
@@ -426,7 +508,8 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
                           round_robin, param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype, experts=experts)
     layout = spec.layout(spec.topology)
     if stage == 3:
-        expected = [[params[p].name for p in sg.params] for sg in layout.sub_groups]
+        expected = [[name for name, _ in layout.param_shapes_on_rank(sg.params, 0)] if experts is not None
+                     else [params[p].name for p in sg.params] for sg in layout.sub_groups]
         found = [list(s.keys()) for s in shapes]
         if expected != found:
             raise CheckpointError(model_path, f"sub-groups in param_shapes ({len(found)}) do not follow from "
@@ -489,6 +572,8 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
     meta = rank_metadata(spec, layout, rank)
     if spec.stage == 3:
         _expect(path, "partition_count", osd.get("partition_count"), meta.partition_count)
+        if meta.partition_groups is not None or "ds_zero_partition_groups" in osd:
+            _expect(path, "ds_zero_partition_groups", osd.get("ds_zero_partition_groups"), meta.partition_groups)
     else:
         _expect(path, "partition_count", list(osd.get("partition_count", [])), meta.partition_count)
         _check_rank_identity(osd, path, spec, layout, rank)
@@ -629,15 +714,17 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
     _check_same_counters(tree, source, path)
-    if spec.tensor is not None and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
+    if spec.tensor is not None and spec.stage < 3 and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
         _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
-            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp).items()})
+            mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        if spec.tensor is not None:
+            _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
     return found
 
@@ -645,7 +732,9 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
 def _check_local_param_shapes(tree, path: str, layout) -> None:
     shapes = [[(name, tuple(int(d) for d in size)) for name, size in group.items()]
               for group in (tree.get("param_shapes") or [])]
-    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in g.flat_order] for g in layout.groups]
+    order = [sg.params for sg in layout.sub_groups] if hasattr(layout, "sub_groups") else \
+        [g.flat_order for g in layout.groups]  # ZeRO-3: per sub-group; ZeRO-1/2: per group, flat order
+    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in ids] for ids in order]
     if shapes != wanted:
         raise CheckpointError(path, f"param_shapes {_short(shapes)} are not this TP rank's shards {_short(wanted)}")
 

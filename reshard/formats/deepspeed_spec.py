@@ -15,7 +15,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.expert_layout import ExpertParams, ExpertZero12Layout, expert_zero12_layout
+from reshard.expert_layout import (
+    ExpertParams,
+    ExpertZero3Layout,
+    ExpertZero12Layout,
+    expert_zero3_layout,
+    expert_zero12_layout,
+)
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.torch_archive import dtype_of
 from reshard.layout import (
@@ -77,13 +83,15 @@ class CheckpointSpec:
         return tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
 
     def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0
-               ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout:
+               ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout | ExpertZero3Layout:
         """ZeRO layout over `world` (a Topology, or a dp size) of the TP-local parameters of TP rank
         `tp_rank` of `tp` (default: the source's TP size). An MoE checkpoint's layout depends on ep,
         so it takes a Topology."""
         if self.experts is not None:
             if not isinstance(world, Topology):
                 raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
+            if self.stage == 3:
+                return expert_zero3_layout(self.params, self.groups, self.experts, world, self.sub_group_size)
             return expert_zero12_layout(self.params, self.groups, self.experts, world, round_robin=self.round_robin,
                                         param_alignment=self.param_alignment)
         world_size = world.dp if isinstance(world, Topology) else world
@@ -120,7 +128,7 @@ class CheckpointSpec:
                                          ("parameter alignment", self.param_alignment > 1)) if on]
         ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
         if self.experts is not None:
-            ranks += (f", MoE {len(self.experts.num_experts)} layers x "
+            ranks += (f", {'AutoEP' if self.experts.autoep else 'MoE'} {len(self.experts.num_experts)} layers x "
                       f"{'/'.join(map(str, sorted(set(self.experts.num_experts))))} experts at ep={self.topology.ep}")
         return (f"{kind} {self.lp_dtype}, {ranks}, {len(self.groups)} param groups, "
                 f"{len(self.params)} trainable params ({self.total_elements:,} elements)"

@@ -12,7 +12,8 @@ exchange), `partition_count`, `group_paddings`, `param_alignment_paddings`,
 `param_slice_mappings`, `param_shapes` (flat order / sub-groups), ZeRO-3 sub-group ids,
 `frozen_param_fragments` and `dp_world_size`. Under AutoTP each (dp, tp) rank's files follow
 from its TP-local shapes; the model-states file of each TP rank gets its module weights
-resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`).
+resliced and its TP metadata recomputed (`_reslice_tensor_parallel_model`); under ZeRO-3 every
+(dp, tp) rank's model-states file gets the TP metadata (`_set_tensor_parallel_metadata`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -64,8 +66,10 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
     files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
                         _optim_tree(source, layout, at.dp), source.optim_name(0))]
     if spec.stage == 3:
-        files.append(TargetFile(schema.model_file_name_of(target, rank, 3), _zero3_model_tree(source, layout, at.dp),
-                                source.model_name(0)))
+        tree = _zero3_model_tree(source, layout, rank)
+        if spec.tensor is not None:
+            _set_tensor_parallel_metadata(tree, spec, target)
+        files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0 if model_states is None else model_states:
         tree = _zero12_model_tree(source, layout)
         if spec.tensor is not None:
@@ -84,7 +88,7 @@ def _optim_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     tree = copy.deepcopy(source.optim_template)
     osd = tree[OPT]
     if spec.stage == 3:
-        _fill_zero3_optim(osd, source, layout)
+        _fill_zero3_optim(osd, source, layout, rank)
         return tree
     states = osd["base_optimizer_state"]["state"]
     fp32 = osd["single_partition_of_fp32_groups"]
@@ -147,12 +151,13 @@ def _rename_expert_groups(osd: dict, spec, layout) -> None:
     if spec.experts is None or layout.topology.ep == spec.topology.ep:
         return
     old_name, new_name = f"ep_size_{spec.topology.ep}", f"ep_size_{layout.topology.ep}"
-    for group, is_expert in zip(osd["base_optimizer_state"]["param_groups"], spec.experts.expert_groups):
+    torch_state = osd[OPT] if spec.stage == 3 else osd["base_optimizer_state"]
+    for group, is_expert in zip(torch_state["param_groups"], spec.experts.expert_groups):
         if is_expert and group.get("name") == old_name:
             group["name"] = new_name  # one object for every group, as DeepSpeed's (pickled once)
 
 
-def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
+def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout, rank: int) -> None:
     spec = source.spec
     stream_names = {s.name for s in spec.streams}
     source_layout = spec.layout(spec.topology)
@@ -172,9 +177,12 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
                                else own_storage(value, used, ("optim", sg_id, key)))
                          for key, value in template.items()}
     inner["state"] = states
-    meta = rank_metadata(spec, layout, 0)  # ZeRO-3 metadata is the same on every rank
+    meta = rank_metadata(spec, layout, rank)  # the same on every rank, but AutoEP's partition groups
     for param_group, ids in zip(inner["param_groups"], meta.sub_group_ids):
         param_group["params"] = ids
+    if meta.partition_groups is not None:
+        osd["ds_zero_partition_groups"] = meta.partition_groups
+    _rename_expert_groups(osd, spec, layout)
     fp32 = next(s for s in spec.streams if s.name == "fp32")
     osd["fp32_flat_groups"] = [_new(("optim", i, "fp32"), size, like_fp32, fp32.dtype)
                                for i, size in enumerate(meta.fp32_numels)]
@@ -182,6 +190,8 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout) -> None:
 
 
 def _shapes(layout, param_ids, shape_type=torch.Size) -> OrderedDict:
+    if hasattr(layout, "param_shapes_on_rank"):  # MoE: local names, AutoEP's fused expert tensors
+        return OrderedDict((name, shape_type(shape)) for name, shape in layout.param_shapes_on_rank(param_ids, 0))
     return OrderedDict((layout.name_on_rank(p, 0), shape_type(layout.params[p].shape)) for p in param_ids)
 
 
@@ -193,7 +203,18 @@ def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size
     tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
+    if source.spec.experts is not None and source.spec.experts.autoep:
+        _retarget_autoep_layers(tree, layout.topology)
     return tree
+
+
+def _retarget_autoep_layers(tree: dict, target: Topology, rank: int = 0) -> None:
+    """engine.py `_save_moe_checkpoint` stores one list under both keys."""
+    layers = target_autoep_layers(tree[AUTOEP_LAYERS_KEY], target, rank)
+    tree[AUTOEP_LAYERS_KEY] = layers
+    info = tree.get("universal_checkpoint_info")
+    if isinstance(info, dict) and AUTOEP_LAYERS_KEY in info:
+        info[AUTOEP_LAYERS_KEY] = layers
 
 
 def _plain_tuple_shapes(shapes) -> bool:
@@ -212,6 +233,18 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
         shape = module.local_shape(j, target.tp, tp_rank)
         tensors[name] = NewTensor(("module", j, "module"), math.prod(shape), spec.lp_dtype,
                                   tensors[name].requires_grad, tuple(shape))
+    for alias, owner in spec.tensor.aliases:  # a tied alias is its owner's tensor (one storage)
+        tensors[alias] = tensors[owner]
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only: (dp 0, tp 0)
+    if tp_rank != 0 and isinstance(tree.get("shared_params"), dict):
+        tree["shared_params"] = {}
+    _set_tensor_parallel_metadata(tree, spec, target)
+
+
+def _set_tensor_parallel_metadata(tree: dict, spec, target: Topology) -> None:
+    """What a model-states file of an AutoTP engine says about the TP size (engine.py
+    `_save_checkpoint`, ZeRO-1/2 and ZeRO-3 alike): `mp_world_size`, `checkpoint_parallel_dimensions`,
+    `universal_checkpoint_info` (affine maps recomputed for the target TP size)."""
     tree["mp_world_size"] = target.tp
     if isinstance(tree.get("checkpoint_parallel_dimensions"), dict):
         tree["checkpoint_parallel_dimensions"]["tp_degree"] = target.tp
@@ -223,16 +256,21 @@ def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: 
 
 
 def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
+    """The ZeRO-3 model-states file of global target rank `rank` (param_shapes of its TP-local
+    shapes per sub-group, frozen fragments of its dp chunk)."""
     spec = source.spec
     tree = copy.deepcopy(source.model_template)
-    tree["param_shapes"] = [_shapes(layout, sg.params) for sg in layout.sub_groups]
+    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size  # as in ZeRO-1/2
+    tree["param_shapes"] = [_shapes(layout, sg.params, shape_type) for sg in layout.sub_groups]
     tree["dp_world_size"] = layout.world_size
     if spec.frozen:
         old = tree["frozen_param_fragments"]
         tree["frozen_param_fragments"] = OrderedDict(
             (p.name, _new(("frozen", j, "frozen"), -(-p.numel // layout.world_size), old[p.name], spec.frozen_dtype))
             for j, p in enumerate(spec.frozen))
-    # engine.py `_get_shared_params` fills the alias table on global rank 0 only.
+    # engine.py `_get_shared_params` fills the alias table on global rank 0 only (dp 0 and tp 0).
     if rank != 0 and isinstance(tree.get("shared_params"), dict):
         tree["shared_params"] = {}
+    if spec.experts is not None and spec.experts.autoep:
+        _retarget_autoep_layers(tree, layout.topology, rank)  # every rank writes its own (engine.py)
     return tree

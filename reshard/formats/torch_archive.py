@@ -220,15 +220,20 @@ def refs_in(tree: Any) -> list:
 def materialize(tree: Any) -> tuple[Any, dict]:
     """Turn a tree of TensorRef/NewTensor into real CPU tensors with untouched storages.
 
-    Tensors that shared a storage in the source share one here. Returns the object and
+    Tensors that shared a storage in the source share one here, and NewTensors of one slot (a
+    tied alias) are one tensor. Returns the object and
     {storage identity: TensorRef storage key (int) or NewTensor slot (tuple)}.
     """
     storages: dict[int, torch.UntypedStorage] = {}
     roles: dict[int, Any] = {}
+    made: dict[tuple, torch.Tensor] = {}
 
     def build(ref):
         if isinstance(ref, NewTensor):
-            tensor = torch.empty(ref.numel if ref.shape is None else ref.shape, dtype=dtype_of(ref.dtype))
+            if ref.slot in made:
+                return made[ref.slot]
+            tensor = made[ref.slot] = torch.empty(ref.numel if ref.shape is None else ref.shape,
+                                                 dtype=dtype_of(ref.dtype))
             roles[_identity(tensor)] = ref.slot
         else:
             storage = storages.get(ref.storage_key)

@@ -40,7 +40,7 @@ def node_path(path: str) -> str:
 
 def build_engine(variant: Variant, seed: int, ep: int = 1):
     """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config
-    (MoE variants: experts sharded over `ep` expert-parallel ranks)."""
+    (MoE and AutoEP variants: experts sharded over `ep` expert-parallel ranks)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -54,12 +54,38 @@ def build_engine(variant: Variant, seed: int, ep: int = 1):
         from reshard.proof.moe_model import MoEProofModel, build_moe_param_groups
         model = MoEProofModel(ep)
         optimizer = variant.build_optimizer(build_moe_param_groups(model))
+    elif variant.autoep:
+        return _build_autoep_engine(variant, ep)
     else:
         model = ProofModel()
         optimizer = variant.build_optimizer(build_param_groups(model))
     lr_scheduler = variant.build_lr_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                           config=variant.ds_config())
+                                           config=variant.ds_config(ep))
+    return _checked(engine, variant)
+
+
+def _build_autoep_engine(variant: Variant, ep: int):
+    """AutoEP replaces the MoE blocks inside deepspeed.initialize, and ZeRO then wants an expert
+    group (`moe: True`) in the optimizer: the optimizer and scheduler are callables, which
+    DeepSpeed calls after the replacement with the remapped decay / no_decay groups
+    (engine.py `_remap_model_parameters_after_module_replacement`), and the experts are split
+    into `ep_size_{ep}` groups by DeepSpeed's own helper."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from reshard.proof.moe_model import AutoEPProofModel, build_autoep_param_groups
+
+    model = AutoEPProofModel()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=build_autoep_param_groups(model),
+        optimizer=lambda groups: variant.build_optimizer(split_params_into_different_moe_groups_for_optimizer(
+            [dict(group) for group in groups])),
+        lr_scheduler=variant.build_lr_scheduler, config=variant.ds_config(ep))
+    return _checked(engine, variant)
+
+
+def _checked(engine, variant: Variant):
     actual = type(engine.optimizer).__name__
     if actual != variant.expected_optimizer:
         raise RuntimeError(f"variant {variant.name}: DeepSpeed chose {actual}, expected {variant.expected_optimizer}")

@@ -1,4 +1,4 @@
-"""A tiny native DeepSpeed mixture-of-experts model, for expert-parallel checkpoints.
+"""Tiny mixture-of-experts models, for expert-parallel checkpoints: native DeepSpeed MoE and AutoEP.
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
@@ -9,6 +9,12 @@ top-2 routing and the expert-parallel size `ep` the engine is built at. Expert s
 expert-data-parallel size. The optimizer groups are "decay" and "no_decay", then
 `split_params_into_different_moe_groups_for_optimizer` moves the expert parameters into two
 more groups (named `ep_size_{ep}`, `moe: True`): four param groups in all.
+
+`AutoEPProofModel` is the same idea for AutoEP (`"expert_parallel": {"enabled": true,
+"autoep_size": ep, "preset_model": "mixtral"}`, variants `autoep_*`): a plain module whose
+`model.layers.{i}.mlp` has a router `gate` and fused experts `gate_up_proj [E, 2F, H]`,
+`down_proj [E, H, F]`, which DeepSpeed's engine replaces by `AutoEPMoELayer`s holding this EP
+rank's experts as `experts.w1/w2/w3 [E/ep, ...]` (module_inject/auto_ep.py, mixtral preset).
 """
 
 import torch
@@ -93,3 +99,81 @@ def build_moe_param_groups(model: nn.Module) -> list[dict]:
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return split_params_into_different_moe_groups_for_optimizer(
         [dict(DECAY_GROUP, params=decay), dict(NO_DECAY_GROUP, params=no_decay)])
+
+
+AUTOEP_HIDDEN = 8
+"""AutoEP computes experts with torch._grouped_mm, which needs 16-byte strides: H and F are
+multiples of 8 so that bf16 works too."""
+AUTOEP_FFN = 16
+
+
+class AutoEPProofConfig:
+    """The `model.config` attributes the mixtral preset reads (auto_ep.py `ep_parser`)."""
+
+    num_local_experts = NUM_EXPERTS
+    num_experts_per_tok = TOP_K
+    model_type = "reshard_proof"
+
+
+class FusedExperts(nn.Module):
+    """Mixtral-style fused experts: AutoEP splits gate_up_proj into w1 (gate) and w3 (up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(NUM_EXPERTS, 2 * AUTOEP_FFN, AUTOEP_HIDDEN) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(NUM_EXPERTS, AUTOEP_HIDDEN, AUTOEP_FFN) * 0.3)
+
+
+class SparseBlock(nn.Module):
+    """Matched by the mixtral preset and replaced whole by AutoEP; never run itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(AUTOEP_HIDDEN, NUM_EXPERTS, bias=False)
+        self.experts = FusedExperts()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("AutoEPProofModel needs deepspeed.initialize with expert_parallel enabled")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(AUTOEP_HIDDEN)
+        self.mlp = SparseBlock()
+
+
+class AutoEPProofModel(nn.Module):
+    """forward(tokens, targets) -> mean cross-entropy: embed -> dense -> 2 AutoEP MoE layers -> head.
+
+    Every expert starts different (torch.randn over all E experts before the engine slices them),
+    and AutoEP routes without noise, so the eval loss is a function of the weights only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = AutoEPProofConfig()
+        self.embed = nn.Embedding(VOCAB_SIZE, AUTOEP_HIDDEN)
+        self.dense = nn.Linear(AUTOEP_HIDDEN, AUTOEP_HIDDEN)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(DecoderLayer() for _ in range(2))
+        self.head = nn.Linear(AUTOEP_HIDDEN, VOCAB_SIZE)
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        hidden = hidden + F.gelu(self.dense(hidden))
+        for layer in self.model.layers:
+            out = layer.mlp(layer.norm(hidden))
+            hidden = hidden + (out[0] if isinstance(out, tuple) else out)
+        if self.training:
+            with torch.no_grad():
+                self.num_updates.add_(1)
+        logits = self.head(hidden)
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def build_autoep_param_groups(model: nn.Module) -> list[dict]:
+    """decay / no_decay; the engine moves the AutoEP experts into an `ep_size_{ep}` group of its own."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [dict(DECAY_GROUP, params=decay), dict(NO_DECAY_GROUP, params=no_decay)]

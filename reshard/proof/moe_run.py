@@ -1,4 +1,4 @@
-"""Train a native DeepSpeed MoE checkpoint at (world, ep), or judge loads of it at another (world, ep).
+"""Train an MoE checkpoint (native DeepSpeed MoE or AutoEP) at (world, ep), or judge loads of it at another (world, ep).
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
@@ -6,13 +6,16 @@
         --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
+        [--universal-load-dir /tmp/uni --universal-verdict /tmp/v4.json]   # DeepSpeed's load_universal
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
 expert index to the GLOBAL one (local expert j on EP rank e is global expert e * n_local + j,
 moe/experts.py + engine.py `_save_moe_checkpoint`), and the views of all ranks are merged: a
 name held by several ranks (dense parameters, expert-data-parallel replicas) must agree bit for
-bit. `check` builds a fresh engine from another seed per load directory (several loads per
+bit. AutoEP holds a rank's experts fused, `experts.w1 [E/ep, F, H]`: each fused parameter is
+cut into its experts, named `experts.w1.{global id}` as in DeepSpeed's expert files (engine.py
+`_save_moe_checkpoint`; module_inject/auto_ep_layer.py: EP rank e holds experts e*E/ep ..). `check` builds a fresh engine from another seed per load directory (several loads per
 launch), loads with plain `engine.load_checkpoint`, and compares the merged view with the truth:
 every element of the fp32 masters and optimizer states, module values, counters, scheduler,
 hyperparameters (expert groups are named `ep_size_{ep}` by DeepSpeed, so the name is expected
@@ -66,14 +69,53 @@ def _globalize(names: dict, renames: dict[str, str]) -> dict:
     return {(pattern.sub(lambda m: renames[m[1]], name) if pattern else name): value for name, value in names.items()}
 
 
+def autoep_fused_experts(engine) -> dict[str, tuple[int, int]]:
+    """{fused expert parameter name: (first global expert, local experts)} of this rank's AutoEP layers."""
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:
+        return {}
+    fused = {}
+    for name, module in engine.module.named_modules():
+        if isinstance(module, AutoEPMoELayer):
+            prefix = f"{name}." if name else ""
+            for wname in ("w1", "w2", "w3"):
+                fused[f"{prefix}experts.{wname}"] = (module.ep_rank * module.num_local_experts,
+                                                      module.num_local_experts)
+    return fused
+
+
+def _split_fused(values: dict, fused: dict[str, tuple[int, int]]) -> dict:
+    """Fused AutoEP entries (a tensor, or a master {"fp32", "state", "scalars"}) cut per global expert."""
+    out = {}
+    for name, value in values.items():
+        if name not in fused:
+            out[name] = value
+            continue
+        first, count = fused[name]
+        for local in range(count):
+            if isinstance(value, dict):
+                out[f"{name}.{first + local}"] = {"fp32": value["fp32"][local].clone(),
+                                                  "state": {k: v[local].clone() for k, v in value["state"].items()},
+                                                  "scalars": value["scalars"]}
+            else:
+                out[f"{name}.{first + local}"] = value[local].clone()
+    return out
+
+
 def merged_engine_state(engine) -> dict:
     """This job's view of the engine under global expert names, merged over every rank. Collective."""
     import deepspeed.comm as dist
 
     state = capture_engine_state(engine, master_from=MASTER_FROM_GETTERS)
     renames = global_expert_names(engine)
+    fused = autoep_fused_experts(engine)
     for key in ("master", "module"):
-        state[key] = _globalize(state[key], renames)
+        state[key] = _split_fused(_globalize(state[key], renames), fused)
+    # AutoEPMoELayer counts the tokens each rank routed in a non-persistent buffer
+    # (auto_ep_layer.py, `tokens_per_expert`): per-rank traffic statistics, never saved.
+    state["non_persistent_buffers"] = {name: value for name, value in state["non_persistent_buffers"].items()
+                                       if not (fused and name.endswith(".tokens_per_expert"))}
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, state)
     merged = dict(views[0])
@@ -118,11 +160,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     check.add_argument("--in-job-load-dir", action="append", default=[],
                        help="load with reshard.deepspeed.load_checkpoint (resharding in the job) instead")
     check.add_argument("--in-job-verdict", action="append", default=[])
+    check.add_argument("--universal-load-dir", action="append", default=[],
+                       help="a ds_to_universal output, loaded with checkpoint.load_universal (DeepSpeed's path)")
+    check.add_argument("--universal-verdict", action="append", default=[])
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--extra-steps", type=int, default=1)
     args = parser.parse_args(argv)
     if args.mode == "check" and (len(args.load_dir) != len(args.verdict)
-                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)):
+                                 or len(args.in_job_load_dir) != len(args.in_job_verdict)
+                                 or len(args.universal_load_dir) != len(args.universal_verdict)):
         parser.error("give one --verdict per --load-dir and one --in-job-verdict per --in-job-load-dir")
     return args
 
@@ -155,9 +201,13 @@ def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
     return [dict(group, name=f"ep_size_{ep}") if group.get("moe") else group for group in truth_groups]
 
 
-def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
+def check_one(variant, args, truth: dict, load_dir: str, in_job: bool, universal: bool = False) -> dict:
+    import dataclasses
+
     import deepspeed.comm as dist
 
+    if universal:
+        variant = dataclasses.replace(variant, load_universal=True)
     engine = build_engine(variant, args.seed, ep=args.ep)
     load_error, started = None, time.perf_counter()
     try:
@@ -189,6 +239,7 @@ def check_one(variant, args, truth: dict, load_dir: str, in_job: bool) -> dict:
             comparison.mismatches.append(f"extra steps gave non-finite losses {extra}")
     return {"ok": not load_errors and not comparison.mismatches, "variant": variant.name,
             "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job,
+            "universal": universal,
             "source_world_size": truth["meta"]["world_size"], "source_ep": truth["meta"]["ep"],
             "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
             "mismatch_count": len(comparison.mismatches),
@@ -203,10 +254,11 @@ def check(args) -> None:
 
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)
-    loads = [(d, v, False) for d, v in zip(args.load_dir, args.verdict)]
-    loads += [(d, v, True) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
-    for load_dir, verdict_path, in_job in loads:
-        verdict = check_one(variant, args, truth, load_dir, in_job)
+    loads = [(d, v, False, False) for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(d, v, True, False) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    loads += [(d, v, False, True) for d, v in zip(args.universal_load_dir, args.universal_verdict)]
+    for load_dir, verdict_path, in_job, universal in loads:
+        verdict = check_one(variant, args, truth, load_dir, in_job, universal)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.
         if dist.get_rank() == 0:

@@ -10,11 +10,15 @@
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
 every TP rank (embedding, layer norm, head, a frozen linear); two optimizer param groups.
-The TP split comes from `tensor_parallel.partition_config.layer_specs`.
+The TP split comes from `tensor_parallel.partition_config.layer_specs`. `--model vocab` ties an
+`lm_head` to the embedding and turns on `vocab_parallel_lm_head` (both split over a vocabulary
+of 11); `--model fused` adds to that a fused gate/up linear whose layer spec has `shape`
+(each half cut on its own) and a row-parallel `fused_down`.
 
 Truth (written by global rank 0 after the save): every trainable parameter's full, unsharded
-fp32 master and optimizer states (TP shards joined along their partition dimension), module
-values, frozen values, counters and the eval loss. `check` builds an engine at its own
+fp32 master and optimizer states (TP shards joined along their partition dimension, per
+sub-parameter for a fused one: `join_shards`, from the parameter's AutoTP metadata), module
+values, frozen values (under ZeRO-3 gathered over the dp group first), counters and the eval loss. `check` builds an engine at its own
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
@@ -68,7 +72,65 @@ class TensorParallelModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
-def ds_config(tp: int, stage: int, precision: str) -> dict:
+def causal_lm_loss(logits, labels=None, **_):
+    """Next-token cross-entropy, as DeepSpeed's `VocabParallelCausalLMLoss` computes it over the
+    vocabulary shards (sequence/cross_entropy.py): labels shifted left by one, mean over tokens."""
+    return F.cross_entropy(logits[..., :-1, :].float().flatten(0, -2), labels[..., 1:].flatten())
+
+
+class VocabParallelModel(TensorParallelModel):
+    """The same body with an `nn.Linear` named `lm_head` tied to the embedding, and a writable
+    `loss_function` hook: with `tensor_parallel.vocab_parallel_lm_head` AutoTP (TP > 1) makes
+    the head a `VocabParallelLinear` (no-gather, dim 0 over the vocabulary), the tied embedding a
+    `VocabParallelEmbedding` sharing its shard, and installs its vocabulary-parallel loss in
+    `loss_function` (runtime/engine.py `_apply_autotp_partitioning`, `finalize_autotp`). VOCAB
+    (11) divides by none of TP 2, 3, 4, so the shards are uneven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.head
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.loss_function = causal_lm_loss
+
+    def forward(self, tokens, targets):
+        hidden = self.norm(self.embed(tokens))
+        hidden = hidden + self.down(F.gelu(self.up(hidden)))
+        hidden = hidden + 0.5 * self.frozen(hidden)
+        return self.loss_function(self.lm_head(hidden), labels=targets)
+
+
+FUSED = 5
+FUSED_LAYER_SPECS = [
+    {"patterns": [r"^gate_up\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0},
+    {"patterns": [r"^fused_down\.weight$"], "partition_type": "row"},
+]
+
+
+class FusedSubParamModel(VocabParallelModel):
+    """The vocabulary-parallel model plus a fused gate/up projection (`gate_up`, 2 x 5 outputs)
+    whose layer spec has `shape: [2, -1]`: AutoTP's `SubParamLinearLayer` cuts each half on its
+    own (3 + 2 rows of each at TP 2), so a rank holds [its gate rows, its up rows]; then a
+    row-parallel `fused_down`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(HIDDEN, 2 * FUSED)
+        self.fused_down = nn.Linear(FUSED, HIDDEN)
+
+    def forward(self, tokens, targets):
+        hidden = self.norm(self.embed(tokens))
+        hidden = hidden + self.down(F.gelu(self.up(hidden)))
+        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
+        hidden = hidden + self.fused_down(F.silu(gate) * up)
+        hidden = hidden + 0.5 * self.frozen(hidden)
+        return self.loss_function(self.lm_head(hidden), labels=targets)
+
+
+MODELS = {"base": TensorParallelModel, "vocab": VocabParallelModel, "fused": FusedSubParamModel}
+
+
+def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -78,6 +140,10 @@ def ds_config(tp: int, stage: int, precision: str) -> dict:
         "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
                                                                       "layer_specs": LAYER_SPECS}},
     }
+    if model in ("vocab", "fused"):
+        config["tensor_parallel"]["vocab_parallel_lm_head"] = True
+    if model == "fused":
+        config["tensor_parallel"]["partition_config"]["layer_specs"] = LAYER_SPECS + FUSED_LAYER_SPECS
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}
     if precision in ("bf16", "bf16_optimizer"):
@@ -93,19 +159,20 @@ def batch(seed: int, step: int, dp_rank: int, size: int = MICRO_BATCH):
     return tokens, (3 * tokens + 1) % VOCAB
 
 
-def build_engine(tp: int, stage: int, precision: str, seed: int):
+def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "base"):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     if precision == "fp16":  # DeepSpeed's CPU accelerator refuses fp16; torch runs it (DESIGN.md section 4)
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(seed)
-    model = TensorParallelModel()
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    module = MODELS[model]()
+    decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim < 2]
     optimizer = torch.optim.AdamW([dict(params=decay, lr=1e-2, weight_decay=0.1),
                                    dict(params=no_decay, lr=2e-2, weight_decay=0.0)], betas=(0.9, 0.95))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(tp, stage, precision))
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                      config=ds_config(tp, stage, precision, model))
     return engine
 
 
@@ -141,13 +208,32 @@ def eval_loss(engine) -> float:
     return loss
 
 
-def partition_of(param) -> tuple[int | None, tuple[int, ...] | None]:
-    """(partition dim, per-TP-rank sizes) of an AutoTP parameter, None for one left whole."""
+def partition_of(param) -> tuple | None:
+    """(logical shape, partition dim, per-sub-parameter per-TP-rank widths) of an AutoTP
+    parameter, None for one left whole. A plain column/row/vocabulary split is one
+    sub-parameter over the parameter's own shape; a `shape` layer spec (SubParamLinearLayer)
+    views the parameter as `logical_shape` and cuts each sub-parameter on its own
+    (`sub_param_shard_widths`, module_inject/layers.py `_partition_logical_tensor`)."""
     meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None) or {}
     conversion = meta.get("conversion") or {}
     if conversion.get("replicated") or conversion.get("partition_dim") is None:
-        return None, None
-    return int(conversion["partition_dim"]), tuple(int(s) for s in meta.get("partition_sizes") or ())
+        return None
+    widths = meta.get("sub_param_shard_widths") or [meta.get("partition_sizes")]
+    logical = meta.get("logical_shape") or meta.get("original_shape")
+    return (tuple(int(d) for d in logical), int(conversion["partition_dim"]),
+            [[int(w) for w in per_rank] for per_rank in widths])
+
+
+def module_values(engine) -> dict:
+    """{name: value} of every parameter of this rank's TP-local module, trainable and frozen;
+    under ZeRO-3 each is gathered over its dp group first (a partitioned param holds nothing)."""
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if not engine.zero_optimization_partition_weights():
+        return {name: param.detach().float().clone() for name, param in params}
+    with deepspeed.zero.GatheredParameters([param for _, param in params], modifier_rank=None):
+        return {name: param.detach().float().clone() for name, param in params}
 
 
 def local_state(engine) -> dict:
@@ -155,6 +241,7 @@ def local_state(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     relink_optimizer_fragments(engine)
+    values = module_values(engine)
     found = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
@@ -162,12 +249,12 @@ def local_state(engine) -> dict:
         found[name] = {"fp32": safe_get_full_fp32_param(param).detach().float().clone(),
                        "state": {k: safe_get_full_optimizer_state(param, k).detach().float().clone()
                                  for k in ("exp_avg", "exp_avg_sq")},
-                       "module": param.detach().float().clone()}
+                       "module": values[name]}
     return found
 
 
 def full_state(engine) -> dict:
-    """Every trainable parameter unsharded: TP shards all-gathered and joined on their dim."""
+    """Every trainable parameter unsharded: TP shards all-gathered and joined (`join_shards`)."""
     import deepspeed.comm as dist
 
     group, _, _ = _groups()
@@ -176,23 +263,40 @@ def full_state(engine) -> dict:
     params = dict(engine.module.named_parameters())
     full = {}
     for name, entry in local.items():
-        dim, sizes = partition_of(params[name])
+        layout = partition_of(params[name])
 
         def join(tensor):
-            if dim is None or tp_size == 1:
+            if layout is None or tp_size == 1:
                 return tensor
             shards = [None] * tp_size
             dist.all_gather_object(shards, tensor, group=group)
-            return torch.cat(shards, dim=dim)
+            return join_shards(shards, *layout)
         full[name] = {"fp32": join(entry["fp32"]), "state": {k: join(v) for k, v in entry["state"].items()},
                       "module": join(entry["module"])}
     return full
 
 
-def slice_for(tensor, dim, sizes, tp_rank):
-    if dim is None:
+def join_shards(shards, logical, dim, widths):
+    """The full parameter from its TP shards: each shard viewed in the logical shape, cut into
+    its piece of every sub-parameter, the pieces of each sub-parameter joined in rank order."""
+    pieces = []
+    for rank, shard in enumerate(shards):
+        view = list(logical)
+        view[dim] = sum(w[rank] for w in widths)
+        pieces.append(shard.reshape(view).split([w[rank] for w in widths], dim=dim))
+    joined = [torch.cat([pieces[rank][s] for rank in range(len(shards))], dim=dim) for s in range(len(widths))]
+    whole = torch.cat(joined, dim=dim)
+    return whole.reshape(-1) if shards[0].dim() == 1 else whole.reshape(-1, whole.shape[-1])
+
+
+def slice_for(tensor, layout, tp_rank, local_shape):
+    """TP rank `tp_rank`'s shard of the full `tensor` (the inverse of `join_shards`)."""
+    if layout is None:
         return tensor
-    return tensor.split(list(sizes), dim=dim)[tp_rank]
+    logical, dim, widths = layout
+    subs = tensor.reshape(logical).split([sum(w) for w in widths], dim=dim)
+    mine = [sub.split(w, dim=dim)[tp_rank] for sub, w in zip(subs, widths)]
+    return torch.cat(mine, dim=dim).reshape(local_shape)
 
 
 def cmd_train(args) -> None:
@@ -200,15 +304,15 @@ def cmd_train(args) -> None:
     import deepspeed.comm as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    engine = build_engine(args.tp, args.stage, args.precision, args.seed)
+    engine = build_engine(args.tp, args.stage, args.precision, args.seed, args.model)
     train_steps(engine, args.seed, 0, args.steps)
     engine.save_checkpoint(args.save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
     dist.barrier()
+    params = dict(engine.module.named_parameters())
     truth = {"params": full_state(engine), "eval_loss": eval_loss(engine),
-             "frozen": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()
-                        if not p.requires_grad},
+             "frozen": {n: v for n, v in module_values(engine).items() if not params[n].requires_grad},
              "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
-             "precision": args.precision}
+             "precision": args.precision, "model": args.model}
     if dist.get_rank() == 0:
         torch.save(truth, args.truth[0] + ".tmp")
         os.replace(args.truth[0] + ".tmp", args.truth[0])
@@ -221,18 +325,24 @@ def judge(engine, truth: dict) -> list[str]:
     params = dict(engine.module.named_parameters())
     problems = []
     for name, entry in local_state(engine).items():
-        dim, sizes = partition_of(params[name])
+        layout = partition_of(params[name])
         want = truth["params"][name]
         pairs = [("fp32", entry["fp32"], want["fp32"])] + \
             [(k, entry["state"][k], want["state"][k]) for k in entry["state"]] + \
             [("module", entry["module"], want["module"])]
         for what, got, full in pairs:
-            expected = slice_for(full, dim, sizes, tp_rank)
+            if full.numel() == 0:  # a check of nothing (a partitioned ZeRO-3 param read as is) must not pass
+                problems.append(f"{name} {what}: the truth is empty")
+            try:
+                expected = slice_for(full, layout, tp_rank, got.shape)
+            except RuntimeError:  # the loaded shard has another element count
+                expected = full
             if got.shape != expected.shape or not torch.equal(got, expected):
                 problems.append(f"{name} {what}: tp rank {tp_rank} differs (shape {tuple(got.shape)} vs "
                                 f"{tuple(expected.shape)})")
+    values = module_values(engine)
     for name, param in params.items():
-        if not param.requires_grad and not torch.equal(param.detach().float(), truth["frozen"][name]):
+        if not param.requires_grad and not torch.equal(values[name], truth["frozen"][name]):
             problems.append(f"frozen {name} differs")
     if engine.global_steps != truth["global_steps"]:
         problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
@@ -245,7 +355,7 @@ def cmd_check(args) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
-    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100)
+    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100, model=args.model)
     vias = args.load_via + ["native"] * (len(args.load_dir) - len(args.load_via))
     for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias):
         truth = torch.load(truth_path, weights_only=False)
@@ -255,6 +365,10 @@ def cmd_check(args) -> None:
         else:
             engine.load_checkpoint(load_dir)
         problems = judge(engine, truth)
+        if truth.get("model", "base") != args.model:
+            problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
+        if args.model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
+            problems.append("lm_head.weight is no longer tied to embed.weight")
         loss = eval_loss(engine)
         tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
         if abs(loss - truth["eval_loss"]) > tolerance:
@@ -278,6 +392,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "bf16_optimizer"])
+    parser.add_argument("--model", default="base", choices=sorted(MODELS),
+                        help="base: column, row and replicated parameters; vocab: + a vocabulary-parallel "
+                             "lm_head tied to the embedding")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-dir")
@@ -291,23 +408,24 @@ def main(argv=None) -> None:
     (cmd_train if args.command == "train" else cmd_check)(args)
 
 
-def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600):
-    """Train at (tp, dp) under torchrun, save to save_dir, write the truth."""
+def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600,
+                     model: str = "base"):
+    """Train `model` at (tp, dp) under torchrun, save to save_dir, write the truth."""
     from reshard.proof.launch import run_torchrun
     run_torchrun("reshard.proof.tensor_parallel", tp * dp,
-                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--save-dir", save_dir,
-                  "--truth", truth], timeout=timeout, expect_files=[truth])
+                 ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model,
+                  "--save-dir", save_dir, "--truth", truth], timeout=timeout, expect_files=[truth])
 
 
-def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600
-                      ) -> list[dict]:
+def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600,
+                      model: str = "base") -> list[dict]:
     """Load each (directory, truth[, "native" or "in-job"]) of `loads` in one engine at (tp, dp);
     the verdicts, in order."""
     from pathlib import Path
 
     from reshard.proof.launch import run_torchrun
     verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
-    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision]
+    args = ["check", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model]
     for (load_dir, truth, *via), verdict in zip(loads, verdicts):
         args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict, "--load-via", (via or ["native"])[0]]
     run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)

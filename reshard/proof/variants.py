@@ -71,9 +71,14 @@ class Variant:
     moe: bool = False
     """Train the native DeepSpeed MoE model (reshard.proof.moe_model) at an expert-parallel size
     given at launch (reshard.proof.moe_run --ep), instead of the proof model."""
+    autoep: bool = False
+    """Train reshard.proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
+    load_universal: bool = False
+    """checkpoint.load_universal: the engine loads DeepSpeed's universal checkpoints (an oracle)."""
 
-    def ds_config(self) -> dict:
-        """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W."""
+    def ds_config(self, ep: int = 1) -> dict:
+        """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W.
+        `ep`: AutoEP's autoep_size (AutoEP variants only)."""
         zero: dict = {"stage": self.zero_stage}
         if self.zero_stage == 3:
             # Partition every parameter, however small; the default threshold (1e5) would keep
@@ -109,8 +114,12 @@ class Variant:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
         if self.optimizer != "adamw":
             config["zero_allow_untested_optimizer"] = True
+        if self.load_universal:
+            config.setdefault("checkpoint", {})["load_universal"] = True
+        if self.autoep:
+            config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}
         if self.node_local_storage:
-            config["checkpoint"] = {"use_node_local_storage": True}
+            config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
@@ -169,6 +178,12 @@ def _registry() -> dict[str, Variant]:
         _plain(2, "fp32", name="moe_z2_fp32", moe=True),
         _plain(2, "bf16", name="moe_z2_bf16", moe=True),
         Variant("moe_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, moe=True),
+        # AutoEP (also reshard.proof.moe_run): decay, no_decay and the engine's `ep_size_{ep}` group.
+        _plain(2, "fp32", name="autoep_z2_fp32", autoep=True, scheduler="lambda"),
+        _plain(1, "bf16", name="autoep_z1_bf16", autoep=True, scheduler="lambda"),  # checked by hand, not in CI
+        _plain(3, "fp32", name="autoep_z3_fp32", autoep=True, scheduler="lambda"),
+        Variant("autoep_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, autoep=True,
+                scheduler="lambda"),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]

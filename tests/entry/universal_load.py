@@ -23,8 +23,8 @@ from reshard.proof.variants import Variant, get_variant
 class UniversalLoad(Variant):
     """The variant's config with DeepSpeed's universal-checkpoint loading switched on."""
 
-    def ds_config(self) -> dict:
-        config = super().ds_config()
+    def ds_config(self, ep: int = 1) -> dict:
+        config = super().ds_config(ep)
         config["checkpoint"] = {"load_universal": True}
         return config
 
