@@ -161,6 +161,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         raise ReshardError("reshard.deepspeed.load_checkpoint needs the job's torch.distributed process group "
                            "(call it after deepspeed.initialize)")
     transport = TorchDistributedTransport()
+    zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
+    if zero0 is not None:
+        return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
     source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
     target = _engine_topology(engine)
     target_dp = target.dp
@@ -198,6 +201,57 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         print(f"reshard: resharded {source.tag_dir} from {sizes} in-job in {time.perf_counter() - started:.2f} s",
               flush=True)
     return result
+
+
+def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):
+    """The ZeRO-0 MoE checkpoint in `load_dir` (reshard.formats.deepspeed_zero0_moe), else None."""
+    from reshard.formats.deepspeed_inspect import resolve_tag
+    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe, is_zero0_moe
+    tag = resolve_tag(os.path.abspath(load_dir), tag)
+    if not is_zero0_moe(os.path.join(load_dir, tag)):
+        return None
+    return inspect_zero0_moe(load_dir, tag, trust_pickle=trust_pickle)
+
+
+def _load_zero0_moe(engine, source, transport, trust_pickle: bool, kwargs: dict):
+    """A ZeRO-0 MoE checkpoint: DeepSpeed loads it at any dp as it is; at another ep every rank
+    builds its own EP rank's optimizer file (and the model states, which hold EP rank 0's) in
+    memory from the source files, memory-mapped, and DeepSpeed's load reads them from there."""
+    from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name, target_optimizers
+    target = _engine_topology(engine)
+    problem = source.expert_problem(target)
+    if target.tp != 1 or problem:
+        raise UnsupportedCheckpoint(source.model_path(), f"cannot be loaded by this engine ({target}): "
+                                                         f"{problem or 'ZeRO-0 MoE with tensor parallelism'}")
+    if target.ep == source.topology.ep:
+        return engine.load_checkpoint(source.save_dir, source.tag, **kwargs)
+    started = time.perf_counter()
+    ep_rank = target.expert_parallel_rank(transport.rank)
+    optimizers = target_optimizers(source, target, sorted({0, ep_rank}), trust_pickle=trust_pickle)
+    torch.serialization.add_safe_globals(schema.safe_globals())
+    model = torch.load(source.model_path(), map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    model.update(optimizer=optimizers[0], dp_world_size=target.dp)
+    root = tempfile.mkdtemp(prefix="reshard-injob-")
+    try:
+        tag_dir = os.path.join(root, source.tag)
+        os.makedirs(tag_dir)
+        served = {os.path.join(tag_dir, MODEL): classes.to_deepspeed(model),
+                  os.path.join(tag_dir, expp_file_name(ep_rank)): {"optimizer": optimizers[ep_rank]}}
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.expert_files}
+        for path in [*served, *redirected]:
+            open(path, "wb").close()  # DeepSpeed checks the files exist before loading them
+        inner = engine.checkpoint_engine
+        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served, redirected)
+        try:
+            load_path, client_state = engine.load_checkpoint(root, source.tag, **kwargs)
+        finally:
+            engine.checkpoint_engine = inner
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if transport.rank == 0:
+        print(f"reshard: resharded {source.tag_dir} from {source.topology.describe()} to {target.describe()} "
+              f"in-job in {time.perf_counter() - started:.2f} s", flush=True)
+    return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 
 
 def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transport, trust_pickle: bool) -> dict:

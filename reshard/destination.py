@@ -16,6 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from reshard.byte_io import hash_file
 from reshard.errors import OptionError
 from reshard.formats import deepspeed_schema as schema
 from reshard.manifest import JOURNAL_NAME
@@ -113,6 +114,12 @@ class Staging:
                 with os.fdopen(fd, "wb") as out:
                     shutil.copyfileobj(src, out, 1 << 20)
             shutil.copystat(os.path.join(directory, name), target)
+
+    def copy_in_hashed(self, directory: str, names) -> dict:
+        """`copy_in` for files, then {name: {"bytes", "blake3"}} of each copy (its manifest entry)."""
+        self.copy_in(directory, names)
+        return {name: {"bytes": os.path.getsize(os.path.join(self.tag_dir, name)),
+                       "blake3": hash_file(os.path.join(self.tag_dir, name))} for name in names}
 
     def publish(self, latest: str | None, scripts: bool = True) -> None:
         """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).

@@ -38,10 +38,12 @@ from reshard.errors import OptionError, PeerFailure, ReshardError, TopologyError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
 from reshard.expert_layout import expert_placement_lines
+from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -317,6 +319,9 @@ def _target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
               ) -> CheckpointResult:
     """`views`: what every worker sees of SRC in a node-local job (reshard.node_local), else None."""
+    if views is None and is_zero0_moe(os.path.join(unit.source, unit.tag)):  # whole tensors, no rounds
+        from reshard.zero0_job import run_zero0_unit
+        return run_zero0_unit(opts, unit, transport, clock)
     started = time.perf_counter()
 
     def inspect():
@@ -398,12 +403,18 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     def flush(reader, writer) -> dict:
         writer.wait_for_copies()
+        # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
+        copied = {} if site is not None else staging.copy_in_hashed(
+            source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
+        copied_bytes = sum(entry["bytes"] for entry in copied.values())
+        reader.bytes_read += copied_bytes
+        writer.bytes_carried += copied_bytes
         clock.lap("exchange+write")
         clock.move(writer.sync_seconds, "exchange+write", "fsync")
         hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it
         clock.lap("fsync")
         clock.move(writer.hash_seconds, "fsync", "hash")
-        return hashes
+        return {**hashes, **copied}
 
     def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
@@ -458,10 +469,12 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
 def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
              carried: list[str], site=None) -> None:
-    staging.copy_in(source.tag_dir, source.other_files, source.other_dirs)
+    # Every worker copied its share of the other files (`flush`); a node's leader all of its node's.
+    here = source.other_files if site is not None else ()
+    staging.copy_in(source.tag_dir, here, source.other_dirs)
     staged = save_dir_files.staging_dir(staging.tag_dir)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
-                    "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in source.other_files}
+                    "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in here}
     for hashes in worker_hashes:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
@@ -483,6 +496,11 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
         save_dir_files.publish(staged, carried, unit.destination)
     # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
     staging.publish(unit.latest, scripts=site is None or site.node == 0)
+
+
+def _copy_sizes(source: SourceCheckpoint, start: _Start) -> dict[str, int]:
+    """Bytes of each file copied whole (expert files, other files), from worker 0's survey."""
+    return {name: start.identity[name]["bytes"] for name in source.other_files}
 
 
 def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, views) -> tuple:

@@ -125,12 +125,13 @@ class CheckpointResult:
                  f"  source : {self.description}",
                  f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
                  f"  target : {self.target_dp} dp ranks{tp}; {self.workers} worker(s) over {self.transport}; "
-                 f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget"]
+                 + (f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget" if self.plan is not None
+                    else "whole files, no exchange rounds")]
         lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:
             lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "
                          f"{'receive':>10} {'write':>10}")
-            for t in self.plan.traffic():
+            for t in (self.plan.traffic() if self.plan is not None else []):
                 lines.append(f"  {t.worker:>6} {_ranks(t.source_ranks):>14} {_ranks(t.target_ranks):>14} "
                              f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
                              f"{_human(t.bytes_written):>10}")

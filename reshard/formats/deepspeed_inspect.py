@@ -218,10 +218,14 @@ def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path:
 def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
     for name, role in roles.items():
         if role.kind == "expert" and not schema.expert_file_index(name):
-            what = ("is the expert optimizer file of a ZeRO-0 MoE checkpoint" if name.startswith("expp_rank_")
-                    else "is a mixture-of-experts file of DeepSpeed's old layout (no layer index)")
-            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), f"{what}; reshard reshards native MoE "
-                                                                     "checkpoints of ZeRO-1/2 only")
+            if name.startswith("expp_rank_"):  # reshard.zero0_job reshards these, offline only
+                raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is the expert optimizer file of a ZeRO-0 "
+                                                                         "MoE checkpoint; the offline job and "
+                                                                         "reshard.deepspeed.load_checkpoint reshard it, "
+                                                                         "but not node-local, verify --against or exports")
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file of DeepSpeed's "
+                                                                     "old layout (no layer index); reshard reshards "
+                                                                     "native MoE checkpoints of ZeRO-0/1/2 only")
         if role.kind == "pipeline":
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; pipeline "
                                                                      "checkpoints are not supported yet")

@@ -77,7 +77,8 @@ def capture_master_state(engine, master_from: str) -> dict:
 
 
 def _basic_optimizer(engine) -> torch.optim.Optimizer:
-    return engine.optimizer.optimizer
+    """The torch optimizer under DeepSpeed's wrapper (ZeRO-0 in fp32 has none: it is the client's)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
 def _trainable_names(engine) -> dict[int, str]:
@@ -193,6 +194,8 @@ def relink_optimizer_fragments(engine) -> None:
 def _master_from_getters(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    if not engine.zero_optimization():
+        return _master_unpartitioned(engine)
     relink_optimizer_fragments(engine)
     names = _trainable_names(engine)
     optimizer_state = _basic_optimizer(engine).state
@@ -206,6 +209,33 @@ def _master_from_getters(engine) -> dict:
             "fp32": safe_get_full_fp32_param(param).detach().cpu().clone(),
             "state": {key: safe_get_full_optimizer_state(param, key).detach().cpu().clone() for key in keys},
             "scalars": _scalars(optimizer_state, holder[id(param)]),
+        }
+    return master
+
+
+def _master_unpartitioned(engine) -> dict:
+    """ZeRO-0: every rank holds whole masters of its own parameters (its EP rank's experts and
+    every dense one), and DeepSpeed's getters return None. fp32: the client optimizer steps the
+    module's parameters themselves; bf16/fp16: FP16_UnfusedOptimizer (fp16/unfused_optimizer.py)
+    keeps an fp32 copy per parameter, `fp32_groups[g][i]` beside `fp16_groups[g][i]`. No collectives."""
+    names = _trainable_names(engine)
+    optimizer = engine.optimizer
+    master_of = {id(param): param for group in _basic_optimizer(engine).param_groups for param in group["params"]}
+    if hasattr(optimizer, "fp32_groups"):
+        master_of = {id(lp): hp for lp_group, hp_group in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                     for lp, hp in zip(lp_group, hp_group)}
+    optimizer_state = _basic_optimizer(engine).state
+    master = {}
+    for name, param in engine.module.named_parameters():
+        if id(param) not in names:
+            continue
+        hp = master_of[id(param)]
+        entry = optimizer_state.get(hp, {})
+        master[name] = {
+            "fp32": hp.detach().float().cpu().clone(),
+            "state": {key: value.detach().cpu().clone() for key, value in sorted(entry.items())
+                      if torch.is_tensor(value) and value.shape == hp.shape},
+            "scalars": _scalars(optimizer_state, hp),
         }
     return master
 

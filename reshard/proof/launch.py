@@ -217,11 +217,12 @@ def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path
 def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
                     timeout: float = 600) -> list[dict]:
     """Load each (load_dir, verdict_path[, how]) in one job of `world` ranks at `ep`; returns the
-    verdicts in that order. how: True (or "in_job") loads with reshard.deepspeed.load_checkpoint,
-    "universal" with DeepSpeed's checkpoint.load_universal (a ds_to_universal output)."""
+    verdicts in that order. how: True or "in_job" (reshard.deepspeed.load_checkpoint), "universal"
+    (a ds_to_universal.py output with load_universal), else plain engine.load_checkpoint."""
     args = ["check", "--variant", variant, "--ep", ep, "--truth", truth_path]
+    flags = {True: "--in-job-", "in_job": "--in-job-", "universal": "--universal-"}
     for load_dir, verdict_path, *how in loads:
-        flag = {True: "--in-job-", "in_job": "--in-job-", "universal": "--universal-"}.get(how[0] if how else None, "--")
+        flag = flags.get(how[0], "--") if how else "--"
         args += [f"{flag}load-dir", load_dir, f"{flag}verdict", verdict_path]
     run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[load[1] for load in loads])
     verdicts = []

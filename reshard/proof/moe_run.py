@@ -6,7 +6,7 @@
         --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
-        [--universal-load-dir /tmp/uni --universal-verdict /tmp/v4.json]   # DeepSpeed's load_universal
+        [--universal-load-dir /tmp/u --universal-verdict /tmp/v4.json]  # ds_to_universal output, load_universal
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
@@ -21,6 +21,9 @@ every element of the fp32 masters and optimizer states, module values, counters,
 hyperparameters (expert groups are named `ep_size_{ep}` by DeepSpeed, so the name is expected
 to follow the engine's ep), buffers and client_state; the eval loss must be close (the expert
 all-to-all changes summation order across ep sizes), then one more step must be finite.
+A universal load (DeepSpeed's `load_universal` of a ds_to_universal.py output, the oracle) is
+judged on the fp32 masters and optimizer states only: DeepSpeed's universal path does not
+restore buffers or client_state.
 """
 
 import argparse
@@ -161,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="load with reshard.deepspeed.load_checkpoint (resharding in the job) instead")
     check.add_argument("--in-job-verdict", action="append", default=[])
     check.add_argument("--universal-load-dir", action="append", default=[],
-                       help="a ds_to_universal output, loaded with checkpoint.load_universal (DeepSpeed's path)")
+                       help="a ds_to_universal.py output, loaded with checkpoint.load_universal")
     check.add_argument("--universal-verdict", action="append", default=[])
     check.add_argument("--seed", type=int, default=1)
     check.add_argument("--extra-steps", type=int, default=1)
@@ -169,7 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.mode == "check" and (len(args.load_dir) != len(args.verdict)
                                  or len(args.in_job_load_dir) != len(args.in_job_verdict)
                                  or len(args.universal_load_dir) != len(args.universal_verdict)):
-        parser.error("give one --verdict per --load-dir and one --in-job-verdict per --in-job-load-dir")
+        parser.error("give one --verdict per --load-dir, --in-job-verdict per --in-job-load-dir and "
+                     "--universal-verdict per --universal-load-dir")
     return args
 
 
@@ -201,14 +205,15 @@ def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
     return [dict(group, name=f"ep_size_{ep}") if group.get("moe") else group for group in truth_groups]
 
 
-def check_one(variant, args, truth: dict, load_dir: str, in_job: bool, universal: bool = False) -> dict:
+def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
+    """`how`: "native" (engine.load_checkpoint), "in_job" (reshard.deepspeed.load_checkpoint) or
+    "universal" (engine.load_checkpoint with checkpoint.load_universal)."""
     import dataclasses
 
     import deepspeed.comm as dist
 
-    if universal:
-        variant = dataclasses.replace(variant, load_universal=True)
-    engine = build_engine(variant, args.seed, ep=args.ep)
+    in_job, universal = how == "in_job", how == "universal"
+    engine = build_engine(dataclasses.replace(variant, load_universal=universal), args.seed, ep=args.ep)
     load_error, started = None, time.perf_counter()
     try:
         if in_job:
@@ -227,9 +232,12 @@ def check_one(variant, args, truth: dict, load_dir: str, in_job: bool, universal
     if not load_errors:
         state = merged_engine_state(engine)
         expected = dict(truth["engine"], param_groups=_expected_param_groups(truth["engine"]["param_groups"], args.ep))
-        comparison = compare_trees(expected, state, "engine")
-        loaded = {key: (client_state or {}).get(key, "<missing>") for key in truth["client_state"]}
-        comparison.absorb(compare_trees(truth["client_state"], loaded, "client_state"))
+        if universal:
+            comparison = compare_trees(expected["master"], state["master"], "engine.master")
+        else:
+            comparison = compare_trees(expected, state, "engine")
+            loaded = {key: (client_state or {}).get(key, "<missing>") for key in truth["client_state"]}
+            comparison.absorb(compare_trees(truth["client_state"], loaded, "client_state"))
         loss = float(eval_loss(engine))
         truth_loss = float(truth["eval_loss"])
         if not math.isclose(loss, truth_loss, rel_tol=EVAL_LOSS_RTOL[variant.precision]):
@@ -238,8 +246,7 @@ def check_one(variant, args, truth: dict, load_dir: str, in_job: bool, universal
         if not all_finite(extra):
             comparison.mismatches.append(f"extra steps gave non-finite losses {extra}")
     return {"ok": not load_errors and not comparison.mismatches, "variant": variant.name,
-            "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job,
-            "universal": universal,
+            "world_size": dist.get_world_size(), "ep": args.ep, "load_dir": load_dir, "in_job": in_job, "how": how,
             "source_world_size": truth["meta"]["world_size"], "source_ep": truth["meta"]["ep"],
             "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
             "mismatch_count": len(comparison.mismatches),
@@ -254,11 +261,11 @@ def check(args) -> None:
 
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)
-    loads = [(d, v, False, False) for d, v in zip(args.load_dir, args.verdict)]
-    loads += [(d, v, True, False) for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
-    loads += [(d, v, False, True) for d, v in zip(args.universal_load_dir, args.universal_verdict)]
-    for load_dir, verdict_path, in_job, universal in loads:
-        verdict = check_one(variant, args, truth, load_dir, in_job, universal)
+    loads = [(d, v, "native") for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(d, v, "in_job") for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    loads += [(d, v, "universal") for d, v in zip(args.universal_load_dir, args.universal_verdict)]
+    for load_dir, verdict_path, how in loads:
+        verdict = check_one(variant, args, truth, load_dir, how)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.
         if dist.get_rank() == 0:

@@ -42,8 +42,8 @@ class Variant:
 
     name: str
     """Registry key, also written into truth and verdict files."""
-    zero_stage: Literal[1, 2, 3]
-    """zero_optimization.stage."""
+    zero_stage: Literal[0, 1, 2, 3]
+    """zero_optimization.stage (0: no ZeRO, for native MoE only)."""
     precision: Literal["fp32", "fp16", "bf16"]
     """Module dtype; fp16 uses dynamic loss scaling."""
     expected_optimizer: str
@@ -184,6 +184,11 @@ def _registry() -> dict[str, Variant]:
         _plain(3, "fp32", name="autoep_z3_fp32", autoep=True, scheduler="lambda"),
         Variant("autoep_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, autoep=True,
                 scheduler="lambda"),
+        # ZeRO-0 MoE: the client torch optimizer as is (fp32), or wrapped by FP16_UnfusedOptimizer
+        # in bf16 (engine.py `_do_optimizer_sanity_check`: DDP_BFLOAT16); DeepSpeed writes one
+        # optimizer file per EP rank (`expp_rank_{e}_mp_rank_00_optim_states.pt`).
+        Variant("moe_z0_fp32", 0, "fp32", "AdamW", moe=True),
+        Variant("moe_z0_bf16", 0, "bf16", "FP16_UnfusedOptimizer", moe=True),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]

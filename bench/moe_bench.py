@@ -1,0 +1,239 @@
+"""The MoE row: a native DeepSpeed MoE ZeRO-2 checkpoint, (ep 1, dp 2) -> (ep 1, dp 1).
+
+    python bench/moe_bench.py [--cache-dir bench/.cache] [--workers 2]
+
+A model of token embedding, one dense layer, three `deepspeed.moe.layer.MoE` layers of 8 experts
+(320 -> 1280 -> 320 MLPs, top-2 routing) and an untied head, about 25M parameters, four param
+groups (decay / no_decay, each split into dense and expert groups by DeepSpeed's
+`split_params_into_different_moe_groups_for_optimizer`), trained one fp32 AdamW step at ZeRO-2
+on 2 CPU ranks at ep 1 and saved (about 400 MB, cached). ep 1 -> ep 1 is where DeepSpeed's own
+path works for native MoE: `ds_to_universal.py` crashes on an ep > 1 source ("shape '[7, 9]' is
+invalid", the expert parameters' local shapes), and its ep 1 output loaded at ep 2 gives EP rank
+1 the experts of EP rank 0 without a word (both checked with reshard.proof.moe_run on
+CPU, DeepSpeed 0.19.8). Each contender is watched for wall time, peak RSS of its largest process
+and of its whole tree, and the disk it added:
+  reshard    python -m reshard SRC DST --target-dp 1 --workers W, then engine.load_checkpoint(DST) at 1
+  in-job     reshard.deepspeed.load_checkpoint(engine, SRC) at 1: no copy on disk
+  universal  ds_to_universal.py on SRC, then load_checkpoint with load_universal at 1
+Each load rank reports the float64 sums of its fp32 master partitions and Adam moments, so the
+loads can be compared. JSON in bench/results/moe-*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from make_checkpoint import child_env, torchrun_command, tree_bytes, versions  # noqa: E402
+from tp_bench import watched  # noqa: E402
+
+SOURCE = (1, 2)  # (ep, dp)
+TARGET = (1, 1)
+TAG = "global_step1"
+MODEL = {"vocab": 8192, "hidden": 320, "ffn": 1280, "experts": 8, "moe_layers": 3, "micro_batch": 4, "seq_len": 64}
+
+
+def build_engine(ep: int, universal: bool = False):
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from torch import nn
+
+    m = MODEL
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(m["hidden"], m["ffn"]), nn.Linear(m["ffn"], m["hidden"])
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x)))
+
+    class MoEBenchModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(m["vocab"], m["hidden"])
+            self.dense = nn.Linear(m["hidden"], m["hidden"])
+            self.moe = nn.ModuleList(MoE(m["hidden"], Expert(), num_experts=m["experts"], ep_size=ep, k=2,
+                                         min_capacity=4, drop_tokens=False) for _ in range(m["moe_layers"]))
+            self.head = nn.Linear(m["hidden"], m["vocab"])
+
+        def forward(self, tokens, targets):
+            hidden = self.embed(tokens)
+            hidden = hidden + F.gelu(self.dense(hidden))
+            aux = 0.0
+            for layer in self.moe:
+                out, layer_aux, _ = layer(hidden)
+                hidden, aux = hidden + out, aux + layer_aux
+            return F.cross_entropy(self.head(hidden).flatten(0, -2), targets.flatten()) + 0.01 * aux
+
+    torch.manual_seed(0)
+    model = MoEBenchModel()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"name": "decay", "params": decay, "weight_decay": 0.1}, {"name": "no_decay", "params": no_decay,
+                                                                    "weight_decay": 0.0}])
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    config = {"train_micro_batch_size_per_gpu": m["micro_batch"], "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "steps_per_print": 1_000_000,
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def rank_train(args) -> None:
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = build_engine(args.ep)
+    generator = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
+    tokens = torch.randint(0, MODEL["vocab"], (MODEL["micro_batch"], MODEL["seq_len"] + 1), generator=generator)
+    loss = engine(tokens[:, :-1], tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(args.dir, tag=TAG)
+    torch.distributed.barrier()
+
+
+def rank_load(args) -> None:
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = build_engine(args.ep, universal=args.how == "universal")
+    torch.distributed.barrier()
+    started = time.perf_counter()
+    if args.how == "in-job":
+        import reshard.deepspeed
+        reshard.deepspeed.load_checkpoint(engine, args.dir)
+    else:
+        engine.load_checkpoint(args.dir)
+    seconds = time.perf_counter() - started
+    optimizer = engine.optimizer
+    sums = {"fp32": [float(p.detach().double().sum()) for p in optimizer.single_partition_of_fp32_groups]}
+    for key in ("exp_avg", "exp_avg_sq"):
+        sums[key] = [float(optimizer.optimizer.state[p][key].double().sum())
+                     for p in optimizer.single_partition_of_fp32_groups]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, {"seconds": seconds, "sums": sums})
+    if torch.distributed.get_rank() == 0:
+        with open(args.json, "w") as handle:
+            json.dump({"seconds": max(r["seconds"] for r in everyone), "ranks": everyone}, handle)
+
+
+def load(how, directory, out, name) -> dict:
+    ep, dp = TARGET
+    result_json = os.path.join(out, f"{name}.json")
+    found = watched(torchrun_command(dp, "moe_bench.py", "_load", "--ep", ep, "--dir", directory, "--how", how,
+                                     "--json", result_json), os.path.join(out, f"{name}.log"), out)
+    if found["returncode"] == 0:
+        with open(result_json) as handle:
+            found["load"] = json.load(handle)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="run", choices=["run", "_train", "_load"])
+    parser.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ep", type=int)
+    parser.add_argument("--dir")
+    parser.add_argument("--how", choices=["native", "universal", "in-job"])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.command == "_train":
+        return rank_train(args)
+    if args.command == "_load":
+        return rank_load(args)
+
+    key = hashlib.sha256(json.dumps([MODEL, SOURCE, versions()], sort_keys=True).encode()).hexdigest()[:12]
+    root = os.path.join(args.cache_dir, f"moe-{key}")
+    source, out = os.path.join(root, "source"), os.path.join(root, "run")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    if not os.path.exists(os.path.join(source, "latest")):
+        shutil.rmtree(source, ignore_errors=True)
+        started = time.perf_counter()
+        subprocess.run(torchrun_command(SOURCE[1], "moe_bench.py", "_train", "--ep", SOURCE[0], "--dir", source),
+                       env=child_env(), check=True, capture_output=True)
+        print(f"trained and saved the (ep, dp) = {SOURCE} source in {time.perf_counter() - started:.0f} s")
+    result = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "note": "shared 2-core machine, ~5 other agents running: timings are noisy"},
+              "versions": versions(), "model": MODEL, "source_ep_dp": SOURCE, "target_ep_dp": TARGET,
+              "workers": args.workers, "source_bytes": tree_bytes(source)}
+
+    destination = os.path.join(out, "resharded")
+    result["reshard"] = watched([sys.executable, "-m", "reshard", source, destination, "--target-dp", TARGET[1],
+                                 "--target-ep", TARGET[0], "--workers", args.workers, "--quiet"],
+                                os.path.join(out, "reshard.log"), out)
+    result["reshard"]["output_bytes"] = tree_bytes(destination) if os.path.isdir(destination) else None
+    result["reshard_native_load"] = load("native", destination, out, "native")
+    shutil.rmtree(destination, ignore_errors=True)
+    result["in_job"] = load("in-job", source, out, "in_job")
+
+    universal = os.path.join(out, "universal")
+    result["ds_to_universal"] = watched(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(source, TAG),
+         "--output_folder", os.path.join(universal, TAG), "--num_extract_workers", args.workers,
+         "--num_merge_workers", args.workers, "--inject_missing_state"],
+        os.path.join(out, "ds_to_universal.log"), out)
+    if result["ds_to_universal"]["returncode"] == 0:
+        result["ds_to_universal"]["output_bytes"] = tree_bytes(universal)
+        with open(os.path.join(universal, "latest_universal"), "w") as handle:
+            handle.write(TAG)
+        result["universal_load"] = load("universal", universal, out, "universal")
+    shutil.rmtree(universal, ignore_errors=True)
+
+    # as tp_bench.py: command wall of the conversion + the load's own seconds inside the ranks
+    ours = result["reshard"]["wall_seconds"] + result["reshard_native_load"]["load"]["seconds"]
+    summary = {"reshard_plus_native_load_s": round(ours, 2),
+               "in_job_reshard_plus_load_s": result["in_job"].get("load", {}).get("seconds"),
+               "reshard_wall_s": result["reshard"]["wall_seconds"],
+               "reshard_peak_rss_largest_process_bytes": result["reshard"]["peak_rss_largest_process_bytes"],
+               "reshard_peak_rss_tree_bytes": result["reshard"]["peak_rss_tree_bytes"],
+               "reshard_extra_disk_bytes": result["reshard"]["output_bytes"]}
+    if result.get("universal_load", {}).get("returncode") == 0:
+        theirs = result["ds_to_universal"]["wall_seconds"] + result["universal_load"]["load"]["seconds"]
+        summary.update({"universal_plus_load_s": round(theirs, 2), "speed_up": round(theirs / ours, 2),
+                        "ds_to_universal_wall_s": result["ds_to_universal"]["wall_seconds"],
+                        "universal_peak_rss_largest_process_bytes":
+                            result["ds_to_universal"]["peak_rss_largest_process_bytes"],
+                        "universal_peak_rss_tree_bytes": result["ds_to_universal"]["peak_rss_tree_bytes"],
+                        "universal_extra_disk_bytes": result["ds_to_universal"]["output_bytes"],
+                        "universal_peak_disk_added_bytes": result["ds_to_universal"]["peak_disk_added_bytes"]})
+        mine, theirs_sums = (result[k]["load"]["ranks"] for k in ("reshard_native_load", "universal_load"))
+        summary["native_vs_universal_sums_equal"] = [a["sums"] == b["sums"] for a, b in zip(mine, theirs_sums)]
+    else:
+        failed = result.get("universal_load") or result["ds_to_universal"]
+        summary["universal_failed"] = (failed.get("failure_tail") or "")[-800:]
+    if result["in_job"]["returncode"] == 0 and result["reshard_native_load"]["returncode"] == 0:
+        summary["in_job_vs_native_sums_equal"] = [
+            a["sums"] == b["sums"] for a, b in zip(result["in_job"]["load"]["ranks"],
+                                                   result["reshard_native_load"]["load"]["ranks"])]
+    result["summary"] = summary
+    print(json.dumps(summary, indent=1))
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", f"moe-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json")
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
