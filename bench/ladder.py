@@ -86,7 +86,9 @@ def run_reshard(src: str, dst: str, workers: int, launcher: str, scratch: str) -
     phases = {name: float(seconds) for name, seconds in re.findall(r"([a-z+-]+) (\d+\.\d+) s", found[1])} \
         if found else {}
     budget = BUDGET_RE.search(text)
-    table = text[text.find("peak RSS"):] if "peak RSS" in text else ""
+    # the summary's per-worker column: "peak anon" (anonymous memory) now, "peak RSS" before
+    header = "peak anon" if "peak anon" in text else "peak RSS"
+    table = text[text.find(header):] if header in text else ""
     return {"wall_seconds": run.wall_seconds, "phases": phases, "peak_tree_rss_bytes": run.peak_tree_rss_bytes,
             "peak_process_anon_rss_bytes": run.peak_process_anon_rss_bytes,
             "memory_budget_bytes": int(float(budget[1]) * UNITS[budget[2]]) if budget else None,

@@ -80,6 +80,9 @@ def moe_params(count: int, hidden: int = 7168, expert_hidden: int = 2048, expert
 class SyntheticSpec:
     """The parts of a CheckpointSpec the planner reads (topology, layout rules, streams)."""
 
+    tensor = None
+    experts = None
+
     def __init__(self, stage: int, params, groups, source: int):
         from reshard.plan import Stream
         from reshard.topology import Topology
@@ -88,25 +91,104 @@ class SyntheticSpec:
                         Stream("exp_avg_sq", "float32", 4))
         self.frozen = ()
 
-    def layout(self, world: int):
+    def layout(self, world):
         from reshard.layout import zero3_layout, zero12_layout
+        world = getattr(world, "dp", world)
         return zero3_layout(self.params, self.groups, world) if self.stage == 3 else \
             zero12_layout(self.params, self.groups, world)
 
 
+def megatron_splits(params):
+    """AutoTP-like splits of the synthetic model: matrices alternate column-parallel (dim 0, as
+    qkv and fc1) and row-parallel (dim 1, as o and fc2); the first vector after a column matrix
+    is its bias (column), the others are replicated (norms, a row-parallel layer's bias)."""
+    from reshard.layout_tensor import REPLICATED, TensorSplit
+    splits, column_next, previous = [], True, None
+    for p in params:
+        if len(p.shape) == 2:
+            previous = "column" if column_next else "row"
+            column_next = not column_next
+            splits.append(TensorSplit(previous, 0 if previous == "column" else 1))
+        else:
+            splits.append(TensorSplit("column", 0) if previous == "column" else REPLICATED)
+            previous = None
+    return tuple(splits)
+
+
+class TensorParallelSyntheticSpec(SyntheticSpec):
+    """A ZeRO-1/2 AutoTP checkpoint of the synthetic model at `source` ranks, `tp` of them per TP
+    group; the model-states module tensors are the same parameters (as AutoTP's lp weights)."""
+
+    def __init__(self, params, groups, source: int, tp: int):
+        from reshard.layout_tensor import TensorParallelParams, TensorParallelSpec
+        from reshard.plan import Stream
+        from reshard.topology import Topology
+        super().__init__(2, params, groups, source)
+        self.topology = Topology(dp=source // tp, tp=tp)
+        split = TensorParallelParams(tuple(p.name for p in params), tuple(p.shape for p in params),
+                                     megatron_splits(params))
+        self.tensor = TensorParallelSpec(split, split, {}, ())
+        self.module_streams = (Stream("module", "bfloat16", 2),)
+
+    def layout(self, world, tp=None, tp_rank=0):
+        from reshard.layout import ParamSpec, zero12_layout
+        shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
+        return zero12_layout([ParamSpec(p.name, s) for p, s in zip(self.params, shapes)], self.groups,
+                             getattr(world, "dp", world))
+
+
+class ExpertSyntheticSpec(SyntheticSpec):
+    """A native-MoE ZeRO-1/2 checkpoint of the moe model: every expert matrix in an expert param
+    group (`moe: True`), experts placed over `ep` expert-parallel ranks."""
+
+    def __init__(self, params, groups, source: int, ep: int):
+        from reshard.expert_layout import ExpertParams
+        from reshard.topology import Topology
+        super().__init__(2, params, groups, source)
+        self.topology = Topology(dp=source, ep=ep)
+        expert_of, layers = [], {}
+        for p in params:
+            parts = p.name.split(".")
+            if parts[1].startswith("e") and parts[1][1:].isdigit():
+                layer = layers.setdefault(parts[0], len(layers))
+                expert_of.append((layer, int(parts[1][1:])))
+            else:
+                expert_of.append(None)
+        dense = [tuple(i for i in g if expert_of[i] is None) for g in groups]
+        experts = tuple(i for g in groups for i in g if expert_of[i] is not None)
+        self.groups = [*dense, experts]
+        counts = [256] * len(layers)
+        self.experts = ExpertParams((False,) * len(dense) + (True,), tuple(counts), tuple(layers), tuple(expert_of))
+
+    def layout(self, world):
+        from reshard.expert_layout import expert_zero12_layout
+        return expert_zero12_layout(self.params, self.groups, self.experts, world)
+
+
+def make_spec(model: str, stage: int, count: int, source: int, tp: int = 1, ep: int = 1):
+    params, groups = moe_params(count) if model == "moe" else synthetic_params(count)
+    if tp > 1:
+        return TensorParallelSyntheticSpec(params, groups, source, tp)
+    if ep > 1:  # whole MoE layers only: DeepSpeed places every layer's experts alike
+        per_layer = 7 + 3 * 256
+        params, groups = moe_params(count // per_layer * per_layer)
+        return ExpertSyntheticSpec(params, groups, source, ep)
+    return SyntheticSpec(stage, params, groups, source)
+
+
 def run_case(stage: int, count: int, source: int, target: int, workers: int, budget: int, worker: int = 0,
-             round_seconds: float = 60.0, model: str = "mixed") -> dict:
+             round_seconds: float = 60.0, model: str = "mixed", tp: int = 1, ep: int = 1) -> dict:
     """Time and measure one worker's planning in this process: the plan every worker derives
     (`plan_reshard`), then that worker's blocks round by round, as the exchange asks for them.
     Rounds stop after `round_seconds`; the rest is projected from the mean round."""
     from reshard.checkpoint_plan import plan_reshard
     from reshard.topology import Topology
-    params, groups = moe_params(count) if model == "moe" else synthetic_params(count)
-    spec = SyntheticSpec(stage, params, groups, source)
+    spec = make_spec(model, stage, count, source, tp, ep)
+    params = spec.params
     rss_start = current_rss()
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    plan = plan_reshard(spec, Topology(target), workers, budget)
+    plan = plan_reshard(spec, Topology(dp=target // tp, tp=tp, ep=ep), workers, budget)
     t1 = time.perf_counter()
     view = plan.worker_view(worker)
     send_buffer, receive_buffer = view.buffer_bytes()
@@ -125,9 +207,10 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rounds_seconds = t3 - t2
     projected = rounds_seconds * plan.rounds / rounds_done if rounds_done else 0.0
-    return {"model": model, "stage": stage, "params": count, "elements": int(sum(p.numel for p in params)), "source_ranks": source,
+    return {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": len(params), "elements": int(sum(p.numel for p in params)), "source_ranks": source,
             "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
             "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
+            "plan_segments": sum(len(getattr(space, "segments", ())) for space in plan.spaces),
             "worker_segments_timed": segments, "worker_elements_timed": elements,
             "send_buffer_bytes": send_buffer, "receive_buffer_bytes": receive_buffer,
             "plan_seconds": t1 - t0, "worker_setup_seconds": t2 - t1, "first_round_seconds": first_round or 0.0,
@@ -138,27 +221,38 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
 
 
 SUITE = [
-    # (model, stage, params, source N, target M, workers W); stage 1 lays out as stage 2
-    ("mixed", 2, 100_000, 4096, 8192, 1024),
-    ("mixed", 2, 100_000, 4096, 8192, 8),
-    ("mixed", 3, 100_000, 4096, 8192, 1024),
-    ("mixed", 3, 100_000, 4096, 8192, 8),
-    ("moe", 2, 100_000, 4096, 8192, 1024),
-    ("moe", 3, 100_000, 4096, 8192, 1024),
-    ("moe", 3, 100_000, 4096, 8192, 8),
-    ("mixed", 3, 100_000, 64, 128, 32),
-    ("mixed", 3, 1_000, 4096, 8192, 512),
+    # (model, stage, params, source N, target M, workers W, tp, ep); stage 1 lays out as stage 2;
+    # N and M count every rank (dp * tp)
+    ("mixed", 2, 100_000, 4096, 8192, 1024, 1, 1),
+    ("mixed", 2, 100_000, 4096, 8192, 8, 1, 1),
+    ("mixed", 3, 100_000, 4096, 8192, 1024, 1, 1),
+    ("mixed", 3, 100_000, 4096, 8192, 8, 1, 1),
+    ("moe", 2, 100_000, 4096, 8192, 1024, 1, 1),
+    ("moe", 3, 100_000, 4096, 8192, 1024, 1, 1),
+    ("moe", 3, 100_000, 4096, 8192, 8, 1, 1),
+    ("mixed", 3, 100_000, 64, 128, 32, 1, 1),
+    ("mixed", 3, 1_000, 4096, 8192, 512, 1, 1),
+]
+TOPOLOGY_SUITE = [  # `--suite topology`: TP 8 (ZeRO-1/2 AutoTP) and EP 64 (native MoE ZeRO-1/2)
+    ("mixed", 2, 100_000, 4096, 8192, 1024, 8, 1),
+    ("mixed", 2, 100_000, 4096, 8192, 8, 8, 1),
+    ("moe", 2, 100_000, 4096, 8192, 1024, 1, 64),
+    # W = 8 at 100k MoE parameters (1.4e12 elements) cuts ~2.6e8 segments at the round windows of
+    # the ZeRO-1/2 table planner (1024 target ranks per worker: 5461-element windows) and needs
+    # > 23 GB, DP or EP alike; two whole MoE layers (1,550 parameters, 2.2e10 elements) instead
+    ("moe", 2, 1_550, 4096, 8192, 8, 1, 64),
 ]
 
 
-def run_suite(budget: int, round_seconds: float) -> list[dict]:
+def run_suite(budget: int, round_seconds: float, suite=SUITE) -> list[dict]:
     """Each case in a fresh process, so every peak RSS is that case's own."""
     results = []
-    for model, stage, count, source, target, workers in SUITE:
-        case = {"model": model, "stage": stage, "params": count, "source_ranks": source, "target_ranks": target, "workers": workers}
+    for model, stage, count, source, target, workers, tp, ep in suite:
+        case = {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": count, "source_ranks": source,
+                "target_ranks": target, "workers": workers}
         command = [sys.executable, os.path.abspath(__file__), "--case", "--stage", str(stage), "--params", str(count),
                    "--source", str(source), "--target", str(target), "--workers", str(workers), "--budget", str(budget),
-                   "--round-seconds", str(round_seconds), "--model", model]
+                   "--round-seconds", str(round_seconds), "--model", model, "--tp", str(tp), "--ep", str(ep)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             results.append({**case, "failed": done.stderr[-2000:]})
@@ -168,7 +262,8 @@ def run_suite(budget: int, round_seconds: float) -> list[dict]:
 
 
 def describe(result: dict) -> str:
-    head = (f"{result.get('model', 'mixed'):>5} ZeRO-{result['stage']} {result['params']:>7,} params N={result['source_ranks']:>5} "
+    head = (f"{result.get('model', 'mixed'):>5} ZeRO-{result['stage']} tp={result.get('tp', 1)} ep={result.get('ep', 1):<2} "
+            f"{result['params']:>7,} params N={result['source_ranks']:>5} "
             f"M={result['target_ranks']:>5} W={result['workers']:>4}")
     if "skipped" in result:
         return f"{head}: skipped, {result['skipped']}"
@@ -193,6 +288,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1024)
     parser.add_argument("--model", choices=("mixed", "moe"), default="mixed",
                         help="mixed: matrices and vectors of random sizes; moe: DeepSeek-V3-like layers and experts")
+    parser.add_argument("--tp", type=int, default=1, help="AutoTP size of both sides (ZeRO-1/2; N and M count tp)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of both sides (--model moe, ZeRO-1/2)")
+    parser.add_argument("--suite", choices=("data", "topology"), default="data",
+                        help="data: the data-parallel cases; topology: TP 8 and EP 64")
     parser.add_argument("--worker", type=int, default=0, help="the worker whose share is timed")
     parser.add_argument("--round-seconds", type=float, default=60.0,
                         help="time this long of round-by-round planning, project the rest")
@@ -201,9 +300,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(args.stage, args.params, args.source, args.target, args.workers, args.budget,
-                                  args.worker, args.round_seconds, args.model)))
+                                  args.worker, args.round_seconds, args.model, args.tp, args.ep)))
         return
-    results = run_suite(args.budget, args.round_seconds)
+    results = run_suite(args.budget, args.round_seconds, TOPOLOGY_SUITE if args.suite == "topology" else SUITE)
     for result in results:
         print(describe(result))
     if args.json:

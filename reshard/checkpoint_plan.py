@@ -28,6 +28,7 @@ from reshard.tensor_pieces import (
     module_buffer_numels,
     module_pieces,
     replicated,
+    shared_layouts,
     zero3_frozen_pieces,
     zero12_pieces,
 )
@@ -73,20 +74,28 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
     recut in one plan), then the module tensors of the ZeRO-1/2 model-states files, or the
     ZeRO-3 frozen fragments."""
     params, source = spec.tensor.params, spec.topology
-    space = GlobalSpace.of(params, target.tp)
-    old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
-    new = zero12_pieces(params, space, target, lambda t: spec.layout(target.dp, target.tp, t), "target")
-    sizes = np.max([buffer_numels(spec.layout(target.dp, target.tp, t)) for t in range(target.tp)], axis=0)
-    spaces = [plan_space("optim", old, new, spec.streams, tuple(int(n) for n in sizes), ownership, budget_bytes)]
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
+    old_layouts = shared_layouts(params, space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
+    new_layouts = shared_layouts(params, space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
+    sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
+    spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
+                         zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
+                         tuple(int(n) for n in sizes), ownership, budget_bytes)]
+    del old_layouts, new_layouts
     module = spec.tensor.module
     if module.names:
-        module_space = GlobalSpace.of(module, target.tp)
-        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"),
-                                 module_pieces(module, module_space, target, "target"),
-                                 spec.module_streams, module_buffer_numels(module, target.tp), ownership,
-                                 budget_bytes, round_offset=spaces[0].rounds))
+        # the module tensors are usually the trainable parameters themselves: one grid for both
+        module_space = space if module == params else GlobalSpace.of(module, source_tp=source.tp,
+                                                                      target_tp=target.tp)
+        targets = module_pieces(module, module_space, target, "target")
+        # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
+        holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
+        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"), targets,
+                                 spec.module_streams, module_buffer_numels(module, module_space, target.tp),
+                                 ownership, budget_bytes, round_offset=spaces[0].rounds,
+                                 receiving_ranks=int(holders.max())))
     if spec.frozen:  # ZeRO-3 only
-        frozen_space = GlobalSpace.of(replicated(spec.frozen), target.tp)
+        frozen_space = GlobalSpace.of(replicated(spec.frozen), source_tp=source.tp, target_tp=target.tp)
         spaces.append(plan_space("frozen", zero3_frozen_pieces(spec.frozen, frozen_space, source, "source"),
                                  zero3_frozen_pieces(spec.frozen, frozen_space, target, "target"),
                                  spec.frozen_streams, tuple(zero3_chunk(p.numel, target.dp) for p in spec.frozen),

@@ -7,7 +7,8 @@ Every worker calls `run_rounds` with the same plan; each round is one collective
 workers step through the rounds together. In a round a worker packs what it sends into one
 byte buffer (block per destination worker; per stream; segments in source order), and
 unpacks what it receives walking its own blocks the same way: the plan is the protocol.
-Runs of segments contiguous in a file become a single pread or pwrite.
+Runs of segments contiguous in a file become a single pread or pwrite; a strided segment (a
+row-parallel shard) is walked row by row on each side.
 
 A reader thread fills the send buffer of the next round while the current round is in
 flight and being written, so disk reads overlap the exchange and the writes. Buffers are
@@ -30,6 +31,7 @@ import torch
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock
+from reshard.strided_runs import row_runs
 
 
 def _runs(rank: np.ndarray, buffer: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
@@ -42,17 +44,28 @@ def _runs(rank: np.ndarray, buffer: np.ndarray, offset: np.ndarray, length: np.n
     return list(zip(starts.tolist(), np.append(starts[1:], len(rank)).tolist()))
 
 
+def _side(seg, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, buffer, offset, length) of the contiguous pieces of `side` ("src" or "dst") of
+    segments, in the segments' element order: a strided segment gives one piece per row it
+    touches on that side (`reshard.strided_runs.row_runs`)."""
+    rank, buffer, offset = (seg.src_rank, seg.src_buffer, seg.src_offset) if side == "src" else \
+        (seg.dst_rank, seg.dst_buffer, seg.dst_offset)
+    if not seg.strided:
+        return rank, buffer, offset, seg.length
+    stride = seg.src_stride if side == "src" else seg.dst_stride
+    item, _, offset, length = row_runs(offset, seg.col, seg.width, stride, seg.length)
+    return rank[item], buffer[item], offset, length
+
+
 def _walk(blocks: list[RoundBlock], space, side: str):
     """Yield (byte position in the packed buffer, rank, slot, first element, elements, itemsize) per run."""
     position = 0
     for block in blocks:
-        seg = block.segments
-        rank, buffer, offset = (seg.src_rank, seg.src_buffer, seg.src_offset) if side == "src" else \
-            (seg.dst_rank, seg.dst_buffer, seg.dst_offset)
-        runs = _runs(rank, buffer, offset, seg.length)
+        rank, buffer, offset, length = _side(block.segments, side)
+        runs = _runs(rank, buffer, offset, length)
         for stream in space.streams:
             for start, stop in runs:
-                count = int(seg.length[start:stop].sum())
+                count = int(length[start:stop].sum())
                 slot = (space.name, int(buffer[start]), stream.name)
                 yield position, int(rank[start]), slot, int(offset[start]), count, stream.itemsize
                 position += count * stream.itemsize

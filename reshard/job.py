@@ -63,6 +63,7 @@ from reshard.resources import (
     files_per_worker,
     is_disk_full,
     output_bytes,
+    PeakAnonymousMemory,
 )
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
@@ -343,6 +344,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
             plan_reshard(source.spec, target, transport.size, opts.memory_budget,
                          ownership=None if site is None else site.ownership))
+    memory = PeakAnonymousMemory()  # after planning: the plan's tables are at their largest
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
                               plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
@@ -441,7 +443,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
                         opening="opening source files and creating target files", opened=opened,
                         finish=flush, finishing="flushing target files", after=publish,
                         start_round=start.rounds_done, durable_every_bytes=opts.durable_every, on_durable=journal,
-                        on_round=progress.update)
+                        on_round=lambda *done: (progress.update(*done), memory.sample()))
     except BaseException as error:
         removed_destination = False
         if leader:
@@ -457,6 +459,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         lock.release()
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_anonymous_bytes = memory.sample()
     clock.lap("publish")
     report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)

@@ -31,9 +31,8 @@ Rules mirrored, by DeepSpeed 0.19.8 file and function:
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -49,9 +48,12 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
 
-    @functools.cached_property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        # set once, not a functools.cached_property: that one takes a lock on every first read
+        # (Python 3.11), which dominated laying out 10^5 parameters
+        object.__setattr__(self, "numel", math.prod(self.shape))
+
+    numel: int = field(init=False, repr=False, compare=False, default=0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +64,11 @@ class PieceTable:
     pieces are sorted and tile the space exactly, because a ZeRO data-parallel group keeps
     each element on exactly one rank. The piece sits in flat buffer `buffer[i]` of rank
     `rank[i]`, beginning at element `offset[i]` of that buffer.
+
+    Strided pieces (tensor-parallel shards that cut an inner dimension, see
+    `reshard.strided_runs`) carry three more columns: `col`, `width` and `stride`; element e
+    of piece i is then at `strided_runs.advance(offset, col, width, stride, e)`. Tables
+    without them (every data-parallel layout) are contiguous: element e is at offset + e.
     """
 
     start: np.ndarray
@@ -69,19 +76,36 @@ class PieceTable:
     buffer: np.ndarray
     offset: np.ndarray
     total: int
+    col: np.ndarray | None = None
+    width: np.ndarray | None = None
+    stride: np.ndarray | None = None
 
     @property
     def length(self) -> np.ndarray:
         return np.diff(np.append(self.start, self.total))
 
+    @property
+    def strided(self) -> bool:
+        return self.width is not None
+
+    def stride_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(col, width, stride), contiguous ones for a table without them."""
+        if self.width is not None:
+            return self.col, self.width, self.stride
+        from reshard.strided_runs import CONTIGUOUS
+        return (np.zeros(len(self.start), np.int64), np.full(len(self.start), CONTIGUOUS, np.int64),
+                np.full(len(self.start), CONTIGUOUS, np.int64))
+
     def __len__(self) -> int:
         return len(self.start)
 
     @classmethod
-    def from_unsorted(cls, start, rank, buffer, offset, total: int) -> "PieceTable":
+    def from_unsorted(cls, start, rank, buffer, offset, total: int, col=None, width=None, stride=None
+                      ) -> "PieceTable":
         order = np.argsort(start, kind="stable")
+        extra = () if width is None else tuple(np.asarray(c, np.int64)[order] for c in (col, width, stride))
         table = cls(np.asarray(start, np.int64)[order], np.asarray(rank, np.int64)[order],
-                    np.asarray(buffer, np.int64)[order], np.asarray(offset, np.int64)[order], int(total))
+                    np.asarray(buffer, np.int64)[order], np.asarray(offset, np.int64)[order], int(total), *extra)
         table.check_tiling()
         return table
 
@@ -93,10 +117,14 @@ class PieceTable:
         assert len(self.start) and self.start[0] == 0, "space does not start at 0"
         assert np.all(np.diff(self.start) > 0), "overlapping or empty pieces"
 
+    def select(self, mask) -> "PieceTable":
+        """Some pieces only (they no longer tile the space)."""
+        extra = () if self.width is None else (self.col[mask], self.width[mask], self.stride[mask])
+        return PieceTable(self.start[mask], self.rank[mask], self.buffer[mask], self.offset[mask], self.total, *extra)
+
     def pieces_of_rank(self, rank: int) -> "PieceTable":
         """This rank's pieces only (they no longer tile the space)."""
-        mask = self.rank == rank
-        return PieceTable(self.start[mask], self.rank[mask], self.buffer[mask], self.offset[mask], self.total)
+        return self.select(self.rank == rank)
 
 
 def logical_bases(numels: Sequence[int]) -> np.ndarray:
@@ -322,8 +350,8 @@ def table_from_columns(columns, total: int) -> PieceTable:
     if not columns:
         empty = np.zeros(0, dtype=np.int64)
         return PieceTable(empty, empty, empty, empty, total)
-    start, rank, buffer, offset = (np.concatenate(c) for c in zip(*columns))
-    return PieceTable.from_unsorted(start, rank, buffer, offset, total)
+    joined = [np.concatenate(c) for c in zip(*columns)]  # 4 columns, or 7 with strides
+    return PieceTable.from_unsorted(*joined[:4], total, *joined[4:])
 
 
 @dataclass(frozen=True)

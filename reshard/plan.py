@@ -27,10 +27,15 @@ from typing import Sequence
 import numpy as np
 
 from reshard.layout import PieceTable
+from reshard.strided_runs import advance, split_at_windows
 from reshard.topology import Topology
 
 SEGMENT_COLUMNS = ("logical", "src_rank", "src_buffer", "src_offset", "dst_rank", "dst_buffer",
                    "dst_offset", "length", "round")
+STRIDE_COLUMNS = ("col", "width", "src_stride", "dst_stride")
+"""Extra columns of strided segments (tensor-parallel shards cut inside rows): element e of a
+segment sits at `strided_runs.advance(src_offset, col, width, src_stride, e)` in the source
+buffer and likewise in the target one. Segments of contiguous spaces have none of them."""
 
 
 @dataclass(frozen=True)
@@ -148,12 +153,31 @@ class Segments:
     dst_offset: np.ndarray
     length: np.ndarray
     round: np.ndarray
+    col: np.ndarray | None = None
+    width: np.ndarray | None = None
+    src_stride: np.ndarray | None = None
+    dst_stride: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.logical)
 
+    @property
+    def strided(self) -> bool:
+        return self.width is not None
+
+    def strides(self) -> tuple:
+        """The stride columns, or () for contiguous segments."""
+        return tuple(getattr(self, c) for c in STRIDE_COLUMNS) if self.width is not None else ()
+
     def select(self, index) -> "Segments":
-        return Segments(*(getattr(self, c)[index] for c in SEGMENT_COLUMNS))
+        return Segments(*(getattr(self, c)[index] for c in SEGMENT_COLUMNS), *(c[index] for c in self.strides()))
+
+    def end_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) buffer offset where each segment's next element would be."""
+        if self.width is None:
+            return self.src_offset + self.length, self.dst_offset + self.length
+        return (advance(self.src_offset, self.col, self.width, self.src_stride, self.length)[0],
+                advance(self.dst_offset, self.col, self.width, self.dst_stride, self.length)[0])
 
 
 def intersect(source: PieceTable, target: PieceTable) -> Segments:
@@ -171,6 +195,13 @@ def intersect(source: PieceTable, target: PieceTable) -> Segments:
                 src_offset=source.offset[i] + bounds - source.start[i], dst_rank=target.rank[j],
                 dst_buffer=target.buffer[j], dst_offset=target.offset[j] + bounds - target.start[j],
                 length=length)
+    if source.strided or target.strided:
+        (s_col, s_width, s_stride), (t_col, t_width, t_stride) = source.stride_columns(), target.stride_columns()
+        if np.any(s_width[i] != t_width[j]):
+            raise ValueError("source and target pieces of one strip disagree on its width (built from different grids)")
+        cols["src_offset"], col = advance(source.offset[i], s_col[i], s_width[i], s_stride[i], bounds - source.start[i])
+        cols["dst_offset"], _ = advance(target.offset[j], t_col[j], t_width[j], t_stride[j], bounds - target.start[j])
+        cols.update(col=col, width=s_width[i], src_stride=s_stride[i], dst_stride=t_stride[j])
     return _merge_contiguous(cols)
 
 
@@ -196,14 +227,24 @@ def _merge_contiguous(cols: dict) -> Segments:
     n = len(cols["logical"])
     new_run = np.ones(n, dtype=bool)
     if n > 1:
-        end_src = cols["src_offset"][:-1] + cols["length"][:-1]
-        end_dst = cols["dst_offset"][:-1] + cols["length"][:-1]
+        if "width" in cols:
+            ends = Segments(*(cols[c] if c != "round" else None for c in SEGMENT_COLUMNS),
+                            *(cols[c] for c in STRIDE_COLUMNS)).end_offsets()
+            end_src, end_dst = ends[0][:-1], ends[1][:-1]
+        else:
+            end_src = cols["src_offset"][:-1] + cols["length"][:-1]
+            end_dst = cols["dst_offset"][:-1] + cols["length"][:-1]
         continues = ((cols["src_rank"][1:] == cols["src_rank"][:-1])
                      & (cols["src_buffer"][1:] == cols["src_buffer"][:-1])
                      & (cols["src_offset"][1:] == end_src)
                      & (cols["dst_rank"][1:] == cols["dst_rank"][:-1])
                      & (cols["dst_buffer"][1:] == cols["dst_buffer"][:-1])
                      & (cols["dst_offset"][1:] == end_dst))
+        if "width" in cols:  # the same strip geometry, the next element's column too
+            continues &= ((cols["width"][1:] == cols["width"][:-1])
+                          & (cols["src_stride"][1:] == cols["src_stride"][:-1])
+                          & (cols["dst_stride"][1:] == cols["dst_stride"][:-1])
+                          & (cols["col"][1:] == (cols["col"][:-1] + cols["length"][:-1]) % cols["width"][:-1]))
         new_run[1:] = ~continues
     starts = np.flatnonzero(new_run)
     merged = {k: v[starts] for k, v in cols.items() if k != "length"}
@@ -224,6 +265,19 @@ def round_cap(budget_bytes: int) -> int:
     return min(budget_bytes // 3, ROUND_BYTES_MAX)
 
 
+def _split_strided_at_windows(seg: Segments, dst_base: np.ndarray, window: int) -> tuple[Segments, np.ndarray]:
+    """`_split_at_windows` for strided segments: cut where an element's target position (its
+    buffer's base plus its offset) crosses a multiple of `window`."""
+    item, first, length, k = split_at_windows(dst_base + seg.dst_offset, seg.col, seg.width, seg.dst_stride,
+                                              seg.length, window)
+    col, width, s_stride, d_stride = (c[item] for c in seg.strides())
+    src_offset, new_col = advance(seg.src_offset[item], col, width, s_stride, first)
+    dst_offset, _ = advance(seg.dst_offset[item], col, width, d_stride, first)
+    cut = Segments(seg.logical[item] + first, seg.src_rank[item], seg.src_buffer[item], src_offset,
+                   seg.dst_rank[item], seg.dst_buffer[item], dst_offset, length, k, new_col, width, s_stride, d_stride)
+    return cut, k
+
+
 def _split_at_windows(seg: Segments, position: np.ndarray, window: int) -> tuple[Segments, np.ndarray]:
     """Cut segments where `position` (a per-segment start coordinate) crosses a multiple of `window`."""
     first = position // window
@@ -240,22 +294,30 @@ def _split_at_windows(seg: Segments, position: np.ndarray, window: int) -> tuple
 
 
 def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership: Ownership,
-                  bytes_per_element: int, budget_bytes: int) -> Segments:
-    """Cut segments into rounds in which no worker sends or receives more than `round_cap(budget)` bytes."""
+                  bytes_per_element: int, budget_bytes: int, receiving_ranks: int | None = None) -> Segments:
+    """Cut segments into rounds in which no worker sends or receives more than `round_cap(budget)` bytes.
+
+    `receiving_ranks`: the most target ranks of one worker that receive anything in this space,
+    when fewer than it owns (a space only some ranks hold, as the TP module tensors on dp rank
+    0): windows are then as wide as the budget allows for those."""
     if len(seg) == 0:
         return seg
     cap = max(round_cap(budget_bytes), bytes_per_element)
-    window = max(1, cap // (bytes_per_element * ownership.max_target_ranks_per_worker))
+    receivers = ownership.max_target_ranks_per_worker if receiving_ranks is None else max(1, receiving_ranks)
+    window = max(1, cap // (bytes_per_element * receivers))
     bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
-    position = bases[seg.dst_buffer] + seg.dst_offset
-    cut, window_index = _split_at_windows(seg, position, window)
+    if seg.strided:
+        cut, window_index = _split_strided_at_windows(seg, bases[seg.dst_buffer], window)
+    else:
+        cut, window_index = _split_at_windows(seg, bases[seg.dst_buffer] + seg.dst_offset, window)
     sender, receiver = ownership.readers(cut.src_rank), ownership.writers(cut.dst_rank)
     nbytes = cut.length * bytes_per_element
     sub = _pack_overfull_windows(window_index, sender, receiver, nbytes, cut.logical, ownership.workers, cap)
     rounds = _dense_ranks(window_index * (int(sub.max()) + 1) + sub)
     order = np.argsort(cut.logical, kind="stable")
     result = cut.select(order)
-    return Segments(*(getattr(result, c) for c in SEGMENT_COLUMNS[:-1]), rounds[order].astype(np.int64))
+    return Segments(*(getattr(result, c) for c in SEGMENT_COLUMNS[:-1]), rounds[order].astype(np.int64),
+                    *result.strides())
 
 
 def _pack_overfull_windows(window, sender, receiver, nbytes, logical, workers: int, cap: int) -> np.ndarray:
@@ -305,16 +367,21 @@ def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = N
         order = np.lexsort((seg.src_offset, seg.src_buffer, seg.src_rank, peer))
     seg, peer = seg.select(order), peer[order]
     joins = np.zeros(len(seg), dtype=bool)
+    end_src, end_dst = seg.end_offsets()
     joins[1:] = ((peer[1:] == peer[:-1]) & (seg.src_rank[1:] == seg.src_rank[:-1])
                  & (seg.src_buffer[1:] == seg.src_buffer[:-1])
-                 & (seg.src_offset[1:] == seg.src_offset[:-1] + seg.length[:-1])
+                 & (seg.src_offset[1:] == end_src[:-1])
                  & (seg.dst_rank[1:] == seg.dst_rank[:-1]) & (seg.dst_buffer[1:] == seg.dst_buffer[:-1])
-                 & (seg.dst_offset[1:] == seg.dst_offset[:-1] + seg.length[:-1]))
+                 & (seg.dst_offset[1:] == end_dst[:-1]))
+    if seg.strided:  # the same strip geometry, the next element's column too
+        joins[1:] &= ((seg.width[1:] == seg.width[:-1]) & (seg.src_stride[1:] == seg.src_stride[:-1])
+                      & (seg.dst_stride[1:] == seg.dst_stride[:-1])
+                      & (seg.col[1:] == (seg.col[:-1] + seg.length[:-1]) % seg.width[:-1]))
     if joins.any():
         starts = np.flatnonzero(~joins)
         length = np.add.reduceat(seg.length, starts)
         seg = seg.select(starts)
-        seg = Segments(*(getattr(seg, c) for c in SEGMENT_COLUMNS[:-2]), length, seg.round)
+        seg = Segments(*(getattr(seg, c) for c in SEGMENT_COLUMNS[:-2]), length, seg.round, *seg.strides())
         peer = peer[starts]
     boundaries = np.flatnonzero(np.diff(peer)) + 1
     return [RoundBlock(int(peer[b[0]]), seg.select(b)) for b in np.split(np.arange(len(seg)), boundaries)]
@@ -400,10 +467,12 @@ class TableWorkerRounds:
 
 def plan_space(name: str, source: PieceTable, target: PieceTable, streams: Sequence[Stream],
                target_buffer_numels: Sequence[int], ownership: Ownership, budget_bytes: int,
-               round_offset: int = 0) -> SpacePlan:
+               round_offset: int = 0, receiving_ranks: int | None = None) -> SpacePlan:
     segments = intersect(source, target)
+    del source, target  # freed here when the caller passed them without keeping them
     bpe = sum(s.itemsize for s in streams)
-    segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes) if bpe else segments
+    segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes,
+                             receiving_ranks) if bpe else segments
     rounds = int(segments.round.max()) + 1 if len(segments) else 0
     return SpacePlan(name, tuple(streams), segments, rounds, round_offset)
 

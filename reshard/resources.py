@@ -1,8 +1,10 @@
-"""What a job needs from the machine, checked before it starts: disk space on DST, open files.
+"""What a job needs from the machine: disk space on DST and open files (checked before it
+starts), and the memory it held (measured while it runs).
 
-    from reshard.resources import check_free_space, ensure_open_files, output_bytes
+    from reshard.resources import check_free_space, ensure_open_files, output_bytes, PeakAnonymousMemory
     check_free_space(dst, output_bytes(source, target_dp))   # OptionError "no space left on DST ..."
     ensure_open_files(files_needed=1200)                    # raises the soft limit, or explains
+    memory = PeakAnonymousMemory(); ...; memory.sample()    # peak anonymous RSS, page cache left out
 
 Both are estimates made from the source's file sizes (pickles only, no tensors): the output of a
 reshard holds the same partitioned bytes as its source, plus one pickle structure per target
@@ -57,6 +59,33 @@ def _recovery_script_sizes() -> list[int]:
     folder = os.path.join(package.submodule_search_locations[0], "utils")
     return [os.path.getsize(os.path.join(folder, name)) for name in RECOVERY_SCRIPTS
             if os.path.isfile(os.path.join(folder, name))]
+
+
+def anonymous_rss_bytes() -> int:
+    """Resident anonymous memory of this process (`RssAnon` of /proc/self/status; 0 where there
+    is none). Unlike ru_maxrss it leaves out file pages mapped into the process: the page cache
+    of a file hashed through a memory map (`byte_io.hash_file`) is not memory the job holds."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakAnonymousMemory:
+    """The largest `anonymous_rss_bytes` seen at the moments `sample` is called (after planning,
+    after every round, at the end): Linux keeps a peak of all resident pages (VmHWM) but none of
+    anonymous ones alone, so the peak is sampled."""
+
+    def __init__(self) -> None:
+        self.peak = anonymous_rss_bytes()
+
+    def sample(self, *_) -> int:
+        self.peak = max(self.peak, anonymous_rss_bytes())
+        return self.peak
 
 
 def free_bytes(path: str) -> int:

@@ -71,6 +71,10 @@ class WorkerReport:
     bytes_written: int = 0
     bytes_carried: int = 0
     peak_rss_bytes: int = 0
+    """ru_maxrss: every resident page, file pages mapped for hashing included."""
+    peak_anonymous_bytes: int = 0
+    """Anonymous resident memory at its largest sample (`reshard.resources.PeakAnonymousMemory`):
+    what the job held, to compare with --memory-budget."""
     phases: dict[str, float] = field(default_factory=dict)
     """Wall seconds per phase (see PHASES) on this worker."""
 
@@ -140,11 +144,14 @@ class CheckpointResult:
         lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
                      f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
         lines.append(f"  phases : {_phase_line(self.phases)} (slowest worker each)")
-        lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} {'peak RSS':>10}")
+        lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} "
+                     f"{'peak anon':>10}")
         for r in self.reports:
             lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
                          f"{_human(r.bytes_read):>10} {_human(r.bytes_written + r.bytes_carried):>10} "
-                         f"{_human(r.peak_rss_bytes):>10}")
+                         f"{_human(r.peak_anonymous_bytes):>10}")
+        lines.append("  (peak anon: anonymous resident memory, sampled after planning and every round; the page "
+                     "cache of files mapped for hashing is not counted)")
         return "\n".join(lines)
 
 
@@ -179,6 +186,7 @@ class ReshardResult:
                 m.bytes_written += r.bytes_written
                 m.bytes_carried += r.bytes_carried
                 m.peak_rss_bytes = max(m.peak_rss_bytes, r.peak_rss_bytes)
+                m.peak_anonymous_bytes = max(m.peak_anonymous_bytes, r.peak_anonymous_bytes)
                 for phase, seconds in r.phases.items():
                     m.phases[phase] = m.phases.get(phase, 0.0) + seconds
         return [merged[w] for w in sorted(merged)]

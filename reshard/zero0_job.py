@@ -39,6 +39,7 @@ from reshard.formats.deepspeed_zero0_moe import (
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import JOURNAL_NAME, Manifest, output_fingerprint, source_identity, write_journal
 from reshard.options import ReshardOptions
+from reshard.resources import anonymous_rss_bytes
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
@@ -168,6 +169,7 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
     if transport.rank == 0:
         lock.release()
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_anonymous_bytes = anonymous_rss_bytes()  # whole-file copies: no rounds to sample between
     clock.lap("publish")
     report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)

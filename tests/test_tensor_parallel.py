@@ -33,6 +33,7 @@ from reshard.local_to_global import box_runs
 from reshard.plan import intersect
 from reshard.tensor_pieces import GlobalSpace, module_pieces, replicated, zero3_frozen_pieces, zero12_pieces
 from reshard.topology import Topology
+from strided_check import segment_elements
 
 # --- pure: DeepSpeed's rules ------------------------------------------------------------------
 
@@ -162,12 +163,11 @@ def _zero_buffers(params, groups, topology):
 def _run(segments, sources, targets_like):
     written = {key: np.full(len(v), -1, dtype=np.int64) for key, v in targets_like.items()}
     count = {key: np.zeros(len(v), dtype=np.int64) for key, v in targets_like.items()}
-    for s in range(len(segments)):
+    for s, src_index, dst_index in segment_elements(segments):
         src = sources[(int(segments.src_rank[s]), int(segments.src_buffer[s]))]
         key = (int(segments.dst_rank[s]), int(segments.dst_buffer[s]))
-        so, do, n = int(segments.src_offset[s]), int(segments.dst_offset[s]), int(segments.length[s])
-        written[key][do:do + n] = src[so:so + n]
-        count[key][do:do + n] += 1
+        written[key][dst_index] = src[src_index]
+        np.add.at(count[key], dst_index, 1)
     return written, count
 
 
@@ -175,7 +175,7 @@ def _run(segments, sources, targets_like):
 @settings(max_examples=120, deadline=None)
 def test_optimizer_space_moves_every_element_once_to_its_place(model):
     params, groups, source, target = model
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     old = zero12_pieces(params, space, source, lambda t: _layout(params, groups, source, t), "source")
     new = zero12_pieces(params, space, target, lambda t: _layout(params, groups, target, t), "target")
     assert old.total == new.total == space.total
@@ -216,7 +216,7 @@ def test_zero3_optimizer_space_moves_every_element_once_to_its_place(model, sub_
     """ZeRO-3 under AutoTP: each TP rank's local parameters chunked over dp, sub-groups cut by
     sub_group_size over the TP-LOCAL chunk sizes (so they can differ between TP ranks)."""
     params, groups, source, target = model
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
 
     def layout_of(topology):
         return lambda t: zero3_layout([ParamSpec(n, params.local_shape(i, topology.tp, t))
@@ -239,7 +239,7 @@ def test_zero3_frozen_fragments_fill_every_tp_rank(shapes, tp_src, dp_src, tp_ds
     chunk, read from source TP rank 0 only."""
     frozen = tuple(ParamSpec(f"f{i}", s) for i, s in enumerate(shapes))
     source, target = Topology(dp=dp_src, tp=tp_src), Topology(dp=dp_dst, tp=tp_dst)
-    space = GlobalSpace.of(replicated(frozen), target.tp)
+    space = GlobalSpace.of(replicated(frozen), source_tp=source.tp, target_tp=target.tp)
     segments = intersect(zero3_frozen_pieces(frozen, space, source, "source"),
                          zero3_frozen_pieces(frozen, space, target, "target"))
 
@@ -263,7 +263,7 @@ def test_zero3_frozen_fragments_fill_every_tp_rank(shapes, tp_src, dp_src, tp_ds
 @settings(max_examples=60, deadline=None)
 def test_module_space_reslices_every_tensor(model):
     params, _, source, target = model
-    space = GlobalSpace.of(params, target.tp)
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
     segments = intersect(module_pieces(params, space, source, "source"), module_pieces(params, space, target, "target"))
 
     def tensors(topology):
@@ -275,10 +275,13 @@ def test_module_space_reslices_every_tensor(model):
         assert np.array_equal(written[key], want) and np.all(count[key] == 1), key
 
 
-def test_row_parallel_shard_lowers_to_one_run_per_row():
+def test_row_parallel_shard_is_one_strided_piece_not_one_per_row():
     params = TensorParallelParams(("w",), ((8, 9),), (TensorSplit("row", 1),))
-    pieces = module_pieces(params, GlobalSpace.of(params, 1), Topology(dp=1, tp=2), "source")
-    assert len(pieces) == 16 and set(pieces.length.tolist()) == {5, 4} and pieces.total == 72
+    pieces = module_pieces(params, GlobalSpace.of(params, source_tp=2, target_tp=1), Topology(dp=1, tp=2), "source")
+    assert len(pieces) == 2 and pieces.length.tolist() == [40, 32] and pieces.total == 72
+    assert pieces.width.tolist() == [5, 4] and pieces.stride.tolist() == [5, 4]   # each shard is its strip
+    target = module_pieces(params, GlobalSpace.of(params, source_tp=2, target_tp=1), Topology(dp=1, tp=1), "target")
+    assert len(target) == 2 and target.stride.tolist() == [9, 9]   # the whole weight, read strip by strip
 
 
 # --- end to end -----------------------------------------------------------------------------
