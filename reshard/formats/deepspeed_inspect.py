@@ -115,6 +115,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     n = model_meta["dp_world_size"]
     if not isinstance(n, int) or n < 1:
         raise CheckpointError(model_path, f"has dp_world_size {n!r}, expected a positive integer")
+    _refuse_tensor_and_expert_parallel(model_meta, model_path, tag_dir, roles)
     tp = _tensor_parallel_size(model_meta, model_path, tag_dir, mp_ranks)
     for t in range(tp):
         _check_rank_files(tag_dir, n, {k: v for k, v in optim.items() if v.mp_rank == t}, "optim",
@@ -134,8 +135,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
                                 _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3))
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         if spec.experts is not None:
-            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; "
-                                                    "resharding TP and EP together is not supported yet")
+            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; " + TP_WITH_EP)
         spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
@@ -186,6 +186,34 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
+TP_WITH_EP = "resharding tensor and expert parallelism together is not supported yet"
+
+
+def _refuse_tensor_and_expert_parallel(model_meta: dict, model_path: str, tag_dir: str, roles: dict) -> None:
+    """Refuse a checkpoint whose experts were trained under tensor parallelism.
+
+    DeepSpeed 0.19.8 trains and saves AutoEP folded with AutoTP (`expert_parallel` with
+    `tensor_parallel.autotp_size` > 1) at ZeRO-1, 2 and 3: every file then carries `folding`
+    metadata (engine.py `_make_autoep_folding_metadata`; checkpoint/autoep_universal.py
+    `make_folding_metadata`) that its loader validates against the engine's sizes, and the expert
+    files are named after the saving rank's TP rank (engine.py `_get_expert_ckpt_name`:
+    `layer_{L}_expert_{G}_mp_rank_{tp:02d}`). Expert files of a TP rank above 0 without that
+    metadata are refused by name as well (experts saved under some other model-parallel mpu)."""
+    folding = model_meta.get("folding") if isinstance(model_meta, dict) else None
+    if folding is not None:
+        sizes = (f"tp_size {folding.get('tp_size')!r}, ep_size {folding.get('ep_size')!r}"
+                 if isinstance(folding, dict) else "unreadable")
+        raise UnsupportedCheckpoint(model_path, f"is an AutoEP checkpoint folded with AutoTP (folding metadata: "
+                                                f"{sizes}; expert_parallel with tensor_parallel.autotp_size > 1); "
+                                                + TP_WITH_EP)
+    for name in sorted(roles):
+        mp_rank = schema.expert_file_mp_rank(name)
+        if mp_rank:
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name),
+                                        f"is an expert file of tensor-parallel rank {mp_rank}: the experts were saved "
+                                        "with tensor parallelism; " + TP_WITH_EP)
+
+
 def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set) -> int:
     """`mp_world_size` of the checkpoint, checked against the mp_rank_XX files present."""
     tp = model_meta.get("mp_world_size", 1)
@@ -217,6 +245,8 @@ def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path:
 
 def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
     for name, role in roles.items():
+        if role.kind == "expert" and (schema.expert_file_mp_rank(name) or 0) > 0:
+            continue  # refused by _refuse_tensor_and_expert_parallel, which reads the model file first
         if role.kind == "expert" and not schema.expert_file_index(name):
             if name.startswith("expp_rank_"):  # reshard.zero0_job reshards these, offline only
                 raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is the expert optimizer file of a ZeRO-0 "
@@ -296,9 +326,6 @@ def _autoep_expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, mo
     """(num_experts, prefixes, ep) of an AutoEP checkpoint, from `ds_autoep_layers`. ZeRO-1/2:
     expert files key global expert G's slices `{prefix}w1.{G}`, w2, w3 (engine.py
     `_save_moe_checkpoint`); ZeRO-3 (`zero3_partitioned`) writes no expert files."""
-    if model_tree.get("folding") is not None:
-        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint folded with AutoTP (folding metadata); "
-                                                "resharding TP and EP together is not supported yet")
     layers = read_autoep_layers(model_tree[AUTOEP_LAYERS_KEY], model_path)
     if not isinstance(num_experts, list) or list(layers.num_experts) != list(num_experts):
         raise CheckpointError(model_path, f"says num_experts {num_experts!r} but {AUTOEP_LAYERS_KEY} has "

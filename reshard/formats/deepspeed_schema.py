@@ -51,6 +51,7 @@ _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.p
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_RE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
 _LAYER_EXPERT_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+_LAYER_EXPERT_MP_RE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_(\d+)_model_states\.pt$")
 _PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
 
 
@@ -83,6 +84,13 @@ def expert_file_index(name: str) -> tuple[int, int] | None:
     """(MoE layer, global expert) of a native MoE expert file (engine.py `_get_expert_ckpt_name`)."""
     match = _LAYER_EXPERT_RE.match(name)
     return (int(match[1]), int(match[2])) if match else None
+
+
+def expert_file_mp_rank(name: str) -> int | None:
+    """The tensor-parallel rank in a per-layer expert file's name, layer_{L}_expert_{G}_mp_rank_{XX}_...
+    (engine.py `_get_expert_ckpt_name`: the saving rank's model-parallel rank), or None."""
+    match = _LAYER_EXPERT_MP_RE.match(name)
+    return int(match[1]) if match else None
 
 
 def expert_file_name(layer: int, expert: int) -> str:

@@ -167,7 +167,7 @@ def inspect_zero0_moe(save_dir: str, tag: str, *, trust_pickle: bool = False) ->
     layers = _expert_layers(tag_dir, expert_files, model, model_path, trust_pickle)
     if layers is None:
         raise CheckpointError(model_path, "has expp_rank_* optimizer files but no layer_*_expert_* files")
-    num_experts, _ = layers
+    num_experts = layers[0]
     if n % ep or any(count % ep for count in num_experts):
         raise CheckpointError(model_path, f"{ep} expp_rank files (ep={ep}) do not divide dp_world_size {n} "
                                           f"and num_experts {list(num_experts)}")

@@ -23,7 +23,8 @@ to follow the engine's ep), buffers and client_state; the eval loss must be clos
 all-to-all changes summation order across ep sizes), then one more step must be finite.
 A universal load (DeepSpeed's `load_universal` of a ds_to_universal.py output, the oracle) is
 judged on the fp32 masters and optimizer states only: DeepSpeed's universal path does not
-restore buffers or client_state.
+restore buffers or client_state. What else differs from the truth is reported as
+`beyond_masters` in its verdict.
 """
 
 import argparse
@@ -228,12 +229,14 @@ def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, load_error)
     load_errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    comparison, loss, extra = Comparison(), float("nan"), []
+    comparison, loss, extra, beyond_masters = Comparison(), float("nan"), [], []
     if not load_errors:
         state = merged_engine_state(engine)
         expected = dict(truth["engine"], param_groups=_expected_param_groups(truth["engine"]["param_groups"], args.ep))
         if universal:
             comparison = compare_trees(expected["master"], state["master"], "engine.master")
+            # what DeepSpeed's universal path does not restore, reported beside the verdict
+            beyond_masters = compare_trees(expected, state, "engine").mismatches
         else:
             comparison = compare_trees(expected, state, "engine")
             loaded = {key: (client_state or {}).get(key, "<missing>") for key in truth["client_state"]}
@@ -251,6 +254,7 @@ def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
             "checked_tensors": comparison.checked_tensors, "checked_elements": comparison.checked_elements,
             "mismatch_count": len(comparison.mismatches),
             "mismatches": comparison.mismatches[:MAX_REPORTED_MISMATCHES],
+            "beyond_masters": beyond_masters[:MAX_REPORTED_MISMATCHES],
             "load_error": "\n".join(load_errors) or None, "eval_loss": loss if math.isfinite(loss) else None,
             "truth_eval_loss": float(truth["eval_loss"]), "extra_step_losses": extra,
             "load_seconds": round(time.perf_counter() - started, 3)}
