@@ -5,7 +5,7 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard.proof.tensor_parallel \
         check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
         --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...] \
-        [--load-via native --load-via in-job ...]
+        [--load-via native --load-via in-job --load-via universal ...]
 
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
@@ -24,7 +24,13 @@ the truth for its TP rank as DeepSpeed sizes the shards, and compares every elem
 trains one more step. Several directories per launch share one start-up (each with its own
 truth, or all with one). `--load-via in-job` loads that directory with
 `reshard.deepspeed.load_checkpoint` instead (a checkpoint at another (tp, dp), resharded in the
-job). `train_checkpoint` and `check_checkpoints` run these under torchrun.
+job); `--load-via universal` loads a `ds_to_universal.py` output (a folder with
+`latest_universal`) with `engine.load_checkpoint` in a second engine built with
+`checkpoint.load_universal` (DeepSpeed's own path, the oracle: it restores masters and moments
+from `zero/`, module weights from the masters, never the module states, so frozen parameters
+keep their init, which is the truth here). Each verdict gives per rank the number of tensors
+compared and a digest of the fp32 masters and moments, so two loads can be compared rank by
+rank. `train_checkpoint` and `check_checkpoints` run these under torchrun.
 """
 from __future__ import annotations
 
@@ -130,7 +136,7 @@ class FusedSubParamModel(VocabParallelModel):
 MODELS = {"base": TensorParallelModel, "vocab": VocabParallelModel, "fused": FusedSubParamModel}
 
 
-def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
+def ds_config(tp: int, stage: int, precision: str, model: str = "base", load_universal: bool = False) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -140,6 +146,8 @@ def ds_config(tp: int, stage: int, precision: str, model: str = "base") -> dict:
         "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
                                                                       "layer_specs": LAYER_SPECS}},
     }
+    if load_universal:  # engine.load_checkpoint reads a ds_to_universal.py output (runtime/config.py)
+        config["checkpoint"] = {"load_universal": True}
     if model in ("vocab", "fused"):
         config["tensor_parallel"]["vocab_parallel_lm_head"] = True
     if model == "fused":
@@ -159,7 +167,7 @@ def batch(seed: int, step: int, dp_rank: int, size: int = MICRO_BATCH):
     return tokens, (3 * tokens + 1) % VOCAB
 
 
-def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "base"):
+def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "base", load_universal: bool = False):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -172,7 +180,7 @@ def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "b
     optimizer = torch.optim.AdamW([dict(params=decay, lr=1e-2, weight_decay=0.1),
                                    dict(params=no_decay, lr=2e-2, weight_decay=0.0)], betas=(0.9, 0.95))
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                      config=ds_config(tp, stage, precision, model))
+                                      config=ds_config(tp, stage, precision, model, load_universal))
     return engine
 
 
@@ -319,16 +327,19 @@ def cmd_train(args) -> None:
     dist.barrier()
 
 
-def judge(engine, truth: dict) -> list[str]:
-    """Mismatches of this rank's loaded state against the truth, sliced for its TP rank."""
+def judge(engine, truth: dict) -> tuple[list[str], int, str]:
+    """Mismatches of this rank's loaded state against the truth, sliced for its TP rank; the number
+    of tensors compared; a digest of this rank's fp32 masters and moments (to compare two loads)."""
+    import hashlib
+
     _, tp_rank, _ = _groups()
     params = dict(engine.module.named_parameters())
-    problems = []
-    for name, entry in local_state(engine).items():
+    problems, checked, digest = [], 0, hashlib.sha256()
+    for name, entry in sorted(local_state(engine).items()):
         layout = partition_of(params[name])
         want = truth["params"][name]
         pairs = [("fp32", entry["fp32"], want["fp32"])] + \
-            [(k, entry["state"][k], want["state"][k]) for k in entry["state"]] + \
+            [(k, entry["state"][k], want["state"][k]) for k in sorted(entry["state"])] + \
             [("module", entry["module"], want["module"])]
         for what, got, full in pairs:
             if full.numel() == 0:  # a check of nothing (a partitioned ZeRO-3 param read as is) must not pass
@@ -337,6 +348,10 @@ def judge(engine, truth: dict) -> list[str]:
                 expected = slice_for(full, layout, tp_rank, got.shape)
             except RuntimeError:  # the loaded shard has another element count
                 expected = full
+            checked += 1
+            if what != "module":
+                digest.update(f"{name} {what} {tuple(got.shape)}".encode())
+                digest.update(got.contiguous().numpy().tobytes())
             if got.shape != expected.shape or not torch.equal(got, expected):
                 problems.append(f"{name} {what}: tp rank {tp_rank} differs (shape {tuple(got.shape)} vs "
                                 f"{tuple(expected.shape)})")
@@ -346,7 +361,22 @@ def judge(engine, truth: dict) -> list[str]:
             problems.append(f"frozen {name} differs")
     if engine.global_steps != truth["global_steps"]:
         problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
-    return problems
+    return problems, checked, digest.hexdigest()
+
+
+def load_one(engine, load_dir: str, via: str) -> str | None:
+    """Load `load_dir` into `engine` as `via` says; the traceback of a failure, else None."""
+    import traceback
+
+    try:
+        if via == "in-job":
+            import reshard.deepspeed
+            load_path, _ = reshard.deepspeed.load_checkpoint(engine, load_dir)
+        else:  # native, or universal (an engine built with checkpoint.load_universal)
+            load_path, _ = engine.load_checkpoint(load_dir)
+        return None if load_path is not None else f"load_checkpoint returned no path for {load_dir}"
+    except Exception:
+        return traceback.format_exc(limit=8)
 
 
 def cmd_check(args) -> None:
@@ -355,33 +385,42 @@ def cmd_check(args) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
-    engine = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100, model=args.model)
     vias = args.load_via + ["native"] * (len(args.load_dir) - len(args.load_via))
+    engines = {}  # load_universal is read at initialize: a universal load gets an engine of its own
     for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias):
+        universal = via == "universal"
+        if universal not in engines:
+            engines[universal] = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100,
+                                              model=args.model, load_universal=universal)
+        engine = engines[universal]
         truth = torch.load(truth_path, weights_only=False)
-        if via == "in-job":
-            import reshard.deepspeed
-            reshard.deepspeed.load_checkpoint(engine, load_dir)
-        else:
-            engine.load_checkpoint(load_dir)
-        problems = judge(engine, truth)
-        if truth.get("model", "base") != args.model:
-            problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
-        if args.model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
-            problems.append("lm_head.weight is no longer tied to embed.weight")
-        loss = eval_loss(engine)
-        tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
-        if abs(loss - truth["eval_loss"]) > tolerance:
-            problems.append(f"eval loss {loss} vs truth {truth['eval_loss']}")
-        losses = train_steps(engine, args.seed, 100, 1)
-        if not all(map(lambda x: x == x and abs(x) < 1e6, losses)):
-            problems.append(f"training did not continue: {losses}")
+        error = load_one(engine, load_dir, via)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        load_errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        problems, checked, digest, loss = [], 0, None, float("nan")
+        if not load_errors:
+            problems, checked, digest = judge(engine, truth)
+            if truth.get("model", "base") != args.model:
+                problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
+            if args.model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
+                problems.append("lm_head.weight is no longer tied to embed.weight")
+            loss = eval_loss(engine)
+            tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
+            if abs(loss - truth["eval_loss"]) > tolerance:
+                problems.append(f"eval loss {loss} vs truth {truth['eval_loss']}")
+            losses = train_steps(engine, args.seed, 100, 1)
+            if not all(map(lambda x: x == x and abs(x) < 1e6, losses)):
+                problems.append(f"training did not continue: {losses}")
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
+        dist.all_gather_object(everyone, (problems, checked, digest))
         if dist.get_rank() == 0:
-            flat = [p for rank_problems in everyone for p in rank_problems]
+            flat = load_errors + [p for rank_problems, _, _ in everyone for p in rank_problems]
             with open(verdict_path + ".tmp", "w") as handle:
-                json.dump({"ok": not flat, "problems": flat[:50], "eval_loss": loss}, handle)
+                json.dump({"ok": not flat, "how": via, "problems": flat[:50], "load_error": "\n".join(load_errors) or None,
+                           "eval_loss": loss if loss == loss else None,
+                           "checked_per_rank": [c for _, c, _ in everyone],
+                           "digest_per_rank": [d for _, _, d in everyone]}, handle)
             os.replace(verdict_path + ".tmp", verdict_path)
         dist.barrier()
 
@@ -402,8 +441,9 @@ def main(argv=None) -> None:
                         help="train: the truth file to write; check: one per --load-dir, or one for all")
     parser.add_argument("--load-dir", action="append", default=[])
     parser.add_argument("--verdict", action="append", default=[])
-    parser.add_argument("--load-via", action="append", default=[], choices=["native", "in-job"],
-                        help="check: per --load-dir, plain engine.load_checkpoint (default) or reshard's in-job load")
+    parser.add_argument("--load-via", action="append", default=[], choices=["native", "in-job", "universal"],
+                        help="check: per --load-dir, plain engine.load_checkpoint (default), reshard's in-job "
+                             "load, or DeepSpeed's load_universal of a ds_to_universal.py output")
     args = parser.parse_args(argv)
     (cmd_train if args.command == "train" else cmd_check)(args)
 
@@ -419,7 +459,8 @@ def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, tru
 
 def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600,
                       model: str = "base") -> list[dict]:
-    """Load each (directory, truth[, "native" or "in-job"]) of `loads` in one engine at (tp, dp);
+    """Load each (directory, truth[, "native", "in-job" or "universal"]) of `loads` at (tp, dp),
+    one engine for the plain loads and one (checkpoint.load_universal) for the universal ones;
     the verdicts, in order."""
     from pathlib import Path
 
