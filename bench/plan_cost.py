@@ -129,12 +129,15 @@ class TensorParallelSyntheticSpec(SyntheticSpec):
                                      megatron_splits(params))
         self.tensor = TensorParallelSpec(split, split, {}, ())
         self.module_streams = (Stream("module", "bfloat16", 2),)
+        self.local_params = {}
 
     def layout(self, world, tp=None, tp_rank=0):
         from reshard.layout import ParamSpec, zero12_layout
-        shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
-        return zero12_layout([ParamSpec(p.name, s) for p, s in zip(self.params, shapes)], self.groups,
-                             getattr(world, "dp", world))
+        key = (self.topology.tp if tp is None else tp, tp_rank)
+        if key not in self.local_params:  # memoised as CheckpointSpec.local_params
+            shapes = self.tensor.params.local_shapes(*key)
+            self.local_params[key] = tuple(ParamSpec(p.name, s) for p, s in zip(self.params, shapes))
+        return zero12_layout(self.local_params[key], self.groups, getattr(world, "dp", world))
 
 
 class ExpertSyntheticSpec(SyntheticSpec):

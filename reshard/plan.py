@@ -247,6 +247,8 @@ def _merge_contiguous(cols: dict) -> Segments:
                           & (cols["col"][1:] == (cols["col"][:-1] + cols["length"][:-1]) % cols["width"][:-1]))
         new_run[1:] = ~continues
     starts = np.flatnonzero(new_run)
+    if len(starts) == n:  # nothing joins (the columns are the caller's own): no copies
+        return Segments(**cols, round=np.zeros(n, dtype=np.int64))
     merged = {k: v[starts] for k, v in cols.items() if k != "length"}
     merged["length"] = np.add.reduceat(cols["length"], starts) if n else cols["length"]
     return Segments(**merged, round=np.zeros(len(starts), dtype=np.int64))
@@ -314,6 +316,11 @@ def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     nbytes = cut.length * bytes_per_element
     sub = _pack_overfull_windows(window_index, sender, receiver, nbytes, cut.logical, ownership.workers, cap)
     rounds = _dense_ranks(window_index * (int(sub.max()) + 1) + sub)
+    del window_index, sub, sender, receiver, nbytes
+    if len(cut) < 2 or bool((cut.logical[1:] >= cut.logical[:-1]).all()):
+        # cutting keeps the logical order (a segment's parts in order, segments sorted), so
+        # the stable sort below is the identity: skip it and its copy of every column
+        return Segments(*(getattr(cut, c) for c in SEGMENT_COLUMNS[:-1]), rounds, *cut.strides())
     order = np.argsort(cut.logical, kind="stable")
     result = cut.select(order)
     return Segments(*(getattr(result, c) for c in SEGMENT_COLUMNS[:-1]), rounds[order].astype(np.int64),

@@ -547,7 +547,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
                                               f"sub_group_size={sub_group_size} at {n} ranks ({len(expected)}); "
                                               "was ds_config edited after the save?")
     streams = _discover_streams(osd, optim_path, spec, layout)
-    return CheckpointSpec(**{**spec.__dict__, "streams": streams})
+    return dataclasses.replace(spec, streams=streams)
 
 
 def _refuse(path, problem):

@@ -39,6 +39,9 @@ from reshard.plan import Stream
 from reshard.topology import Topology
 
 
+_LOCAL_PARAMS_CACHE = "_local_params_cache"
+
+
 @dataclass(frozen=True)
 class CheckpointSpec:
     """What a ZeRO checkpoint holds, independent of world size and of where its bytes are."""
@@ -79,8 +82,17 @@ class CheckpointSpec:
         """Trainable parameters with the shapes TP rank `tp_rank` of `tp` holds (default: the source's TP)."""
         if self.tensor is None:
             return self.params
-        shapes = self.tensor.params.local_shapes(self.topology.tp if tp is None else tp, tp_rank)
-        return tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
+        key = (self.topology.tp if tp is None else tp, tp_rank)
+        # memoised: planning lays out the source and the target from the same local shapes
+        # whenever their TP sizes agree (10^5 ParamSpecs cost ~0.3 s to build); kept out of pickles
+        cache = self.__dict__.setdefault(_LOCAL_PARAMS_CACHE, {})
+        if key not in cache:
+            shapes = self.tensor.params.local_shapes(*key)
+            cache[key] = tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
+        return cache[key]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != _LOCAL_PARAMS_CACHE}
 
     def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0
                ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout | ExpertZero3Layout:
