@@ -131,10 +131,15 @@ def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid
     start, rank, buffer, offset, length = (np.asarray(c, dtype=np.int64) for c in (start, rank, buffer, offset, length))
     param = np.searchsorted(local_bases, start, side="right") - 1
     copies = copy_count[param]
-    item = np.repeat(np.arange(len(start)), copies)
-    copy = np.arange(len(item)) - np.repeat(np.cumsum(copies) - copies, copies)
-    param = param[item]
-    base = copy_base[param] + copy * grid.numels[param]
+    if len(copies) and copies.max() > 1:
+        item = np.repeat(np.arange(len(start)), copies)
+        copy = np.arange(len(item)) - np.repeat(np.cumsum(copies) - copies, copies)
+        param = param[item]
+        base = copy_base[param] + copy * grid.numels[param]
+    else:  # at most one copy each (every TP rank but the one read for replicated tensors): no expansion
+        item = np.flatnonzero(copies)
+        param = param[item]
+        base = copy_base[param]
     s = start[item] - local_bases[param]
     e = s + length[item]
     rank, buffer, offset = rank[item], buffer[item], offset[item]

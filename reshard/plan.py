@@ -191,17 +191,20 @@ def intersect(source: PieceTable, target: PieceTable) -> Segments:
     i = np.searchsorted(source.start, bounds, side="right") - 1
     j = np.searchsorted(target.start, bounds, side="right") - 1
     length = np.diff(np.append(bounds, source.total))
-    cols = dict(logical=bounds, src_rank=source.rank[i], src_buffer=source.buffer[i],
-                src_offset=source.offset[i] + bounds - source.start[i], dst_rank=target.rank[j],
-                dst_buffer=target.buffer[j], dst_offset=target.offset[j] + bounds - target.start[j],
-                length=length)
+    into_source, into_target = bounds - source.start[i], bounds - target.start[j]
+    cols = dict(logical=bounds, src_rank=source.rank[i], src_buffer=source.buffer[i], src_offset=None,
+                dst_rank=target.rank[j], dst_buffer=target.buffer[j], dst_offset=None, length=length)
     if source.strided or target.strided:
         (s_col, s_width, s_stride), (t_col, t_width, t_stride) = source.stride_columns(), target.stride_columns()
-        if np.any(s_width[i] != t_width[j]):
+        width = s_width[i]
+        if np.any(width != t_width[j]):
             raise ValueError("source and target pieces of one strip disagree on its width (built from different grids)")
-        cols["src_offset"], col = advance(source.offset[i], s_col[i], s_width[i], s_stride[i], bounds - source.start[i])
-        cols["dst_offset"], _ = advance(target.offset[j], t_col[j], t_width[j], t_stride[j], bounds - target.start[j])
-        cols.update(col=col, width=s_width[i], src_stride=s_stride[i], dst_stride=t_stride[j])
+        cols["src_offset"], col = advance(source.offset[i], s_col[i], width, s_stride[i], into_source)
+        cols["dst_offset"], _ = advance(target.offset[j], t_col[j], width, t_stride[j], into_target)
+        cols.update(col=col, width=width, src_stride=s_stride[i], dst_stride=t_stride[j])
+    else:
+        cols["src_offset"], cols["dst_offset"] = source.offset[i] + into_source, target.offset[j] + into_target
+    del i, j, into_source, into_target
     return _merge_contiguous(cols)
 
 

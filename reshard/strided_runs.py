@@ -33,15 +33,15 @@ CONTIGUOUS = 1 << 62
 
 def advance(offset, col, width, stride, delta):
     """(buffer offset, column) of element `delta` of ranges starting at `offset`, column `col`."""
-    c = col + delta
-    return offset + (c // width) * stride + (c % width) - col, c % width
+    row, c = divmod(col + delta, width)       # one division pass for both
+    return offset + row * stride + c - col, c
 
 
 def first_at_or_after(offset, col, width, stride, position) -> np.ndarray:
     """Index of the first element whose buffer offset is >= `position` (0 when the first already is;
     may exceed a range's length when none is)."""
     rel = position - (offset - col)           # from the start of the first element's row
-    row, c = rel // stride, rel % stride
+    row, c = divmod(rel, stride)
     return np.maximum(np.where(c >= width, (row + 1) * width, row * width + c) - col, 0)
 
 
