@@ -138,6 +138,8 @@ def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid
         base = copy_base[param] + copy * grid.numels[param]
     else:  # at most one copy each (every TP rank but the one read for replicated tensors): no expansion
         item = np.flatnonzero(copies)
+        if len(item) == len(start):
+            item = slice(None)  # every piece, once: views, not gathers
         param = param[item]
         base = copy_base[param]
     s = start[item] - local_bases[param]
@@ -168,12 +170,15 @@ def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid
         i1 = re * w + np.clip(ce - a, 0, w)
         keep = i1 > i0
         k, a, w, bw, i0, i1, j = k[keep], a[keep], w[keep], bw[keep], i0[keep], i1[keep], j[keep]
-        first = (i0 // w) * bw + a + i0 % w            # its first element in the local tensor
+        row, col = np.divmod(i0, w)
+        first = row * bw + a + col                     # its first element in the local tensor
         out.append((base[k] + grid.outer[param[k]] * grid.cuts[param[k], j] + i0, rank[k], buffer[k],
-                    offset[k] + first - s[k], i0 % w, w, bw))
+                    offset[k] + first - s[k], col, w, bw))
     if not out:
         empty = np.zeros(0, np.int64)
         return (empty,) * 7
+    if len(out) == 1:
+        return out[0]
     return tuple(np.concatenate(c) for c in zip(*out))
 
 

@@ -375,7 +375,8 @@ def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = N
         return []
     if order is None:
         order = np.lexsort((seg.src_offset, seg.src_buffer, seg.src_rank, peer))
-    seg, peer = seg.select(order), peer[order]
+    if len(order) != len(seg) or not bool((order[1:] > order[:-1]).all()):  # else the identity: no copy
+        seg, peer = seg.select(order), peer[order]
     joins = np.zeros(len(seg), dtype=bool)
     end_src, end_dst = seg.end_offsets()
     joins[1:] = ((peer[1:] == peer[:-1]) & (seg.src_rank[1:] == seg.src_rank[:-1])
@@ -393,8 +394,8 @@ def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = N
         seg = seg.select(starts)
         seg = Segments(*(getattr(seg, c) for c in SEGMENT_COLUMNS[:-2]), length, seg.round, *seg.strides())
         peer = peer[starts]
-    boundaries = np.flatnonzero(np.diff(peer)) + 1
-    return [RoundBlock(int(peer[b[0]]), seg.select(b)) for b in np.split(np.arange(len(seg)), boundaries)]
+    bounds = [0, *(np.flatnonzero(np.diff(peer)) + 1).tolist(), len(seg)]
+    return [RoundBlock(int(peer[a]), seg.select(slice(a, b))) for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass(frozen=True, eq=False)
@@ -462,7 +463,11 @@ class TableWorkerRounds:
             rounds = seg.round[chosen]
             table = {}
             for part in np.split(chosen, np.flatnonzero(np.diff(rounds)) + 1) if len(chosen) else []:
-                table[int(seg.round[part[0]])] = blocks_by_peer(seg.select(part), peer_of[part])
+                # blocks_by_peer's order, taken here: one gather of the round's segments, not two
+                peer = peer_of[part]
+                part = part[np.lexsort((seg.src_offset[part], seg.src_buffer[part], seg.src_rank[part], peer))]
+                table[int(seg.round[part[0]])] = blocks_by_peer(seg.select(part), peer_of[part],
+                                                                order=np.arange(len(part)))
             tables.append(table)
         return cls(*tables)
 

@@ -149,6 +149,8 @@ def _lower(params: TensorParallelParams, space: GlobalSpace, side: str, tp: int,
         s, r, b, o = globalize_boxes(*cut, box_starts, placements)
         columns.append((s, r, b, o, np.zeros(len(s), np.int64), np.full(len(s), CONTIGUOUS, np.int64),
                         np.full(len(s), CONTIGUOUS, np.int64)))
+    if len(columns) == 1:  # no fused parameters: the columns as they are, not a copy
+        return columns[0]
     return tuple(np.concatenate(c) for c in zip(*columns))
 
 
