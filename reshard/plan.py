@@ -275,6 +275,8 @@ def _split_strided_at_windows(seg: Segments, dst_base: np.ndarray, window: int) 
     buffer's base plus its offset) crosses a multiple of `window`."""
     item, first, length, k = split_at_windows(dst_base + seg.dst_offset, seg.col, seg.width, seg.dst_stride,
                                               seg.length, window)
+    if len(item) == len(seg):  # no range cut (each has one non-empty part): views, not gathers
+        item = slice(None)
     col, width, s_stride, d_stride = (c[item] for c in seg.strides())
     src_offset, new_col = advance(seg.src_offset[item], col, width, s_stride, first)
     dst_offset, _ = advance(seg.dst_offset[item], col, width, d_stride, first)

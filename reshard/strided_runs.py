@@ -71,9 +71,18 @@ def split_at_windows(offset, col, width, stride, length, window: int
     first_window, last_window = offset // window, last // window
     item, within = _expand(last_window - first_window + 1)
     k = first_window[item] + within
-    args = (offset[item], col[item], width[item], stride[item])
-    lo = np.where(within == 0, 0, first_at_or_after(*args, k * window))
-    hi = np.where(k == last_window[item], length[item], first_at_or_after(*args, (k + 1) * window))
+    # the first part of a range starts at its element 0 and its last part ends at its length;
+    # only the parts between look their bounds up (most ranges lie in one window)
+    lo = np.zeros(len(item), np.int64)
+    hi = length[item]
+    inner = np.flatnonzero(within)
+    if len(inner):
+        at = item[inner]
+        lo[inner] = first_at_or_after(offset[at], col[at], width[at], stride[at], k[inner] * window)
+    inner = np.flatnonzero(k != last_window[item])
+    if len(inner):
+        at = item[inner]
+        hi[inner] = first_at_or_after(offset[at], col[at], width[at], stride[at], (k[inner] + 1) * window)
     hi = np.minimum(hi, length[item])
     keep = hi > lo
     return item[keep], lo[keep], (hi - lo)[keep], k[keep]
