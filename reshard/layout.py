@@ -299,7 +299,11 @@ class Zero12Layout:
 
     @property
     def numels(self) -> tuple[int, ...]:
-        return tuple(p.numel for p in self.params)
+        # kept after the first read (planning asks several times of 10^5 parameters); a plain
+        # dict entry, as ParamSpec.numel, not a functools.cached_property
+        if "_numels" not in self.__dict__:
+            self.__dict__["_numels"] = tuple(p.numel for p in self.params)
+        return self.__dict__["_numels"]
 
     @property
     def pieces(self) -> PieceTable:
