@@ -118,7 +118,8 @@ class ShardGrid:
 
 
 def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid: ShardGrid, side: str,
-              tp_rank: int, copy_base: np.ndarray, copy_count: np.ndarray) -> tuple[np.ndarray, ...]:
+              tp_rank: int, copy_base: np.ndarray, copy_count: np.ndarray, param: np.ndarray | None = None
+              ) -> tuple[np.ndarray, ...]:
     """Pieces of TP rank `tp_rank`'s local space (its local parameters end to end, at
     `local_bases`), each inside one local parameter, as pieces of the global space.
 
@@ -127,9 +128,12 @@ def globalize(start, rank, buffer, offset, length, local_bases: np.ndarray, grid
     `copy_base[p]`, the next ones `grid.numels[p]` further each (0: not taken from this side;
     several: a replicated parameter read once for several target copies). Returns columns
     (start, rank, buffer, offset, col, width, stride) for `reshard.layout.PieceTable.from_unsorted`.
+    `param`: each piece's local parameter, when the caller already has it (TP ranks that share
+    one layout share it); found in `local_bases` otherwise.
     """
     start, rank, buffer, offset, length = (np.asarray(c, dtype=np.int64) for c in (start, rank, buffer, offset, length))
-    param = np.searchsorted(local_bases, start, side="right") - 1
+    if param is None:
+        param = np.searchsorted(local_bases, start, side="right") - 1
     copies = copy_count[param]
     if len(copies) and copies.max() > 1:
         item = np.repeat(np.arange(len(start)), copies)

@@ -135,13 +135,14 @@ def _cut_at(cuts: np.ndarray, start, rank, buffer, offset, length) -> tuple[np.n
 
 
 def _lower(params: TensorParallelParams, space: GlobalSpace, side: str, tp: int, tp_rank: int, local_bases,
-           start, rank, buffer, offset, length) -> tuple[np.ndarray, ...]:
+           start, rank, buffer, offset, length, param=None) -> tuple[np.ndarray, ...]:
     """`globalize` the pieces of one TP rank's local space (its parameters end to end at
-    `local_bases`), each inside one parameter; fused parameters box by box."""
+    `local_bases`), each inside one parameter; fused parameters box by box. `param`: each
+    piece's local parameter, when known."""
     start, rank, buffer, offset, length = (np.asarray(c, dtype=np.int64) for c in (start, rank, buffer, offset, length))
     base, count = space.copies_from(side, tp_rank)
     columns = [globalize(start, rank, buffer, offset, length, local_bases, space.grid, side, tp_rank, base,
-                         np.where(space.fused, 0, count))]
+                         np.where(space.fused, 0, count), param)]
     if space.fused.any():
         mine = space.fused[np.searchsorted(local_bases, start, side="right") - 1]
         box_starts, placements = _fused_placements(params, space, side, tp, tp_rank, local_bases)
@@ -175,12 +176,14 @@ def zero12_pieces(params: TensorParallelParams, space: GlobalSpace, topology: To
     distinct layout)."""
     columns, local = [], {}
     for t, layout in enumerate(shared_layouts(params, space, side, topology.tp, layout_of)):
-        if id(layout) not in local:
-            local[id(layout)] = (layout.pieces, logical_bases([p.numel for p in layout.params]))
-        pieces, local_bases = local[id(layout)]
+        if id(layout) not in local:  # TP ranks of one layout share its pieces and their parameters
+            pieces, local_bases = layout.pieces, logical_bases([p.numel for p in layout.params])
+            local[id(layout)] = (pieces, local_bases, pieces.length,
+                                 np.searchsorted(local_bases, pieces.start, side="right") - 1)
+        pieces, local_bases, length, param = local[id(layout)]
         start, dp_rank, buffer, offset, *strides = _lower(params, space, side, topology.tp, t, local_bases,
                                                           pieces.start, pieces.rank, pieces.buffer, pieces.offset,
-                                                          pieces.length)
+                                                          length, param)
         columns.append((start, dp_rank * topology.tp + t, buffer, offset, *strides))
     return space.table(columns)
 
