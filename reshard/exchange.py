@@ -8,7 +8,9 @@ workers step through the rounds together. In a round a worker packs what it send
 byte buffer (block per destination worker; per stream; segments in source order), and
 unpacks what it receives walking its own blocks the same way: the plan is the protocol.
 Runs of segments contiguous in a file become a single pread or pwrite; a strided segment (a
-row-parallel shard) is walked row by row on each side.
+row-parallel shard) is walked row by row on each side. Source bytes a round packs more than
+once (a replicated TP parameter, one copy per target TP rank) are read once and copied inside
+the send buffer (`reshard.read_once`).
 
 A reader thread fills the send buffer of the next round while the current round is in
 flight and being written, so disk reads overlap the exchange and the writes. Buffers are
@@ -31,6 +33,7 @@ import torch
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock
+from reshard.read_once import reads_and_copies
 from reshard.strided_runs import row_runs
 
 
@@ -111,10 +114,13 @@ class _RoundReader:
                 recv_counts = _counts(receives, workers, space.bytes_per_element)
                 if sum(send_counts) > len(buffer):
                     raise AssertionError(f"round {r} sends {sum(send_counts)} bytes, buffers hold {len(buffer)}")
+                reads, copies = reads_and_copies(list(_walk(sends, space, "src")))
                 memory = memoryview(buffer)
-                for position, rank, slot, element, count, itemsize in _walk(sends, space, "src"):
+                for position, rank, slot, element, count, itemsize in reads:
                     self.reader.read_into(rank, slot, element, itemsize, memory[position:position + count * itemsize])
                 del memory
+                for to, start, nbytes in copies:  # replicated copies: bytes this round already read
+                    buffer[to:to + nbytes] = buffer[start:start + nbytes]
             except Exception as error:  # reported after the collective, so peers do not hang
                 failure = error
                 buffer[:sum(send_counts)] = 0
