@@ -171,6 +171,7 @@ class _Arrays:
         n = len(out) // itemsize
         np.frombuffer(out, dtype=data.dtype)[:] = data[element:element + n]
         self.count[(rank, slot[2], slot[1])][element:element + n] += 1
+        self.bytes_read += len(out)
 
     def write(self, rank, slot, element, itemsize, data):
         target = self.buffers[(rank, slot[2], slot[1])]
