@@ -10,9 +10,9 @@ filled with the logical identity (parameter, global row-major index) of every el
 plan's rounds are run through the real exchange (`reshard.exchange.run_rounds`, W worker
 threads) into target buffers, and every target element must be written exactly once, from
 the element with the same identity; each source element is read once per round that packs
-it (a replicated one: once in all when its target TP copies share a round, at most once per
-copy otherwise, and only from source TP rank 0); padding is never touched; no worker sends
-or receives more than a round's cap.
+it and not the round before (a replicated one: once in all when its target TP copies are in
+one round or consecutive rounds, and only from source TP rank 0); padding is never touched;
+no worker sends or receives more than a round's cap.
 """
 from __future__ import annotations
 
@@ -236,8 +236,10 @@ def test_strided_plan_moves_every_element_once_through_the_exchange(model):
         assert np.all(reads[once] == 1) and np.all(reads[ids < 0] == 0), (rank, buffer)
         copies = target.tp if source.coordinates(rank).tp == 0 else 0
         assert np.all(reads[is_replicated] <= copies), (rank, buffer)
-        # a replicated element is read once per round that packs any of its copies (reshard.read_once)
-        assert np.array_equal(reads, [len(r) for r in rounds_reading[(rank, buffer)]]), (rank, buffer)
+        # a replicated element is read once per stretch of consecutive rounds packing its copies
+        # (reshard.read_once: from the source, then from this round's or the previous round's buffer)
+        assert np.array_equal(reads, [sum(r - 1 not in rounds for r in rounds)
+                                      for rounds in rounds_reading[(rank, buffer)]]), (rank, buffer)
 
 
 @given(tp_layouts())
