@@ -8,7 +8,9 @@ workers step through the rounds together. In a round a worker packs what it send
 byte buffer (block per destination worker; per stream; segments in source order), and
 unpacks what it receives walking its own blocks the same way: the plan is the protocol.
 Runs of segments contiguous in a file become a single pread or pwrite; a strided segment (a
-row-parallel shard) is walked row by row on each side.
+row-parallel shard) is walked row by row on each side. Source bytes packed more than once (a
+replicated TP parameter, one copy per target TP rank) are read once and copied from where this
+round or the previous one already packed them (`reshard.read_once`).
 
 A reader thread fills the send buffer of the next round while the current round is in
 flight and being written, so disk reads overlap the exchange and the writes. Buffers are
@@ -31,6 +33,7 @@ import torch
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
 from reshard.plan import ReshardPlan, RoundBlock
+from reshard.read_once import reads_and_copies
 from reshard.strided_runs import row_runs
 
 
@@ -87,6 +90,9 @@ class _RoundReader:
         for _ in range(2):
             self.free.put(np.empty(size, dtype=np.uint8))
         self.ready: queue.Queue = queue.Queue()
+        self.last: tuple = (None, [])
+        """(buffer, runs) of the round filled last: intact while this one fills, as the reader
+        takes one buffer at a time and the collective only reads a send buffer"""
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._fill, name="reshard-reader", daemon=True)
         self.thread.start()
@@ -111,12 +117,19 @@ class _RoundReader:
                 recv_counts = _counts(receives, workers, space.bytes_per_element)
                 if sum(send_counts) > len(buffer):
                     raise AssertionError(f"round {r} sends {sum(send_counts)} bytes, buffers hold {len(buffer)}")
+                runs = list(_walk(sends, space, "src"))
+                last_buffer, last_runs = self.last if self.last[0] is not buffer else (None, [])
+                reads, copies = reads_and_copies(runs, last_runs)
                 memory = memoryview(buffer)
-                for position, rank, slot, element, count, itemsize in _walk(sends, space, "src"):
+                for position, rank, slot, element, count, itemsize in reads:
                     self.reader.read_into(rank, slot, element, itemsize, memory[position:position + count * itemsize])
                 del memory
+                for to, start, nbytes, from_last in copies:  # replicated copies: bytes already packed
+                    buffer[to:to + nbytes] = (last_buffer if from_last else buffer)[start:start + nbytes]
+                self.last = (buffer, runs)
             except Exception as error:  # reported after the collective, so peers do not hang
                 failure = error
+                self.last = (None, [])
                 buffer[:sum(send_counts)] = 0
             self.ready.put((r, buffer, failure, space, receives, send_counts, recv_counts))
 

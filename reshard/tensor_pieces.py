@@ -13,8 +13,9 @@ between both sides' shard boundaries, so a ZeRO range of a shard is one strided 
 strip, not one piece per row (`reshard.local_to_global`); the space is built for one pair of
 TP sizes. A replicated parameter is held by every TP rank: the space gives it one copy per
 TARGET TP rank (copy t is what target TP rank t writes); on the source side every copy is
-mapped to the bytes of source TP rank 0, which are read for each copy (the other source TP
-ranks' copies are not read).
+mapped to the bytes of source TP rank 0 (the other source TP ranks' copies are not read). The
+exchange reads those bytes once and serves the other copies from its send buffers (same or
+previous round, `reshard.read_once`); copies more than a round apart read them again.
 
 Each (dp, tp) rank's pieces come from the ZeRO rules over its TP-local shapes and the dp
 size (`reshard.layout`), then are lowered from the rank's local space to the global one
