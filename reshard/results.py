@@ -136,7 +136,6 @@ class CheckpointResult:
                              f"{_human(t.bytes_read):>10} {_human(t.bytes_sent):>10} {_human(t.bytes_received):>10} "
                              f"{_human(t.bytes_written):>10}")
             lines.append("  (partitioned state only; the unpartitioned parts are copied as they are)")
-            lines += [f"  note   : {note}" for note in self.notes]
             return "\n".join(lines)
         if not self.reports:
             return "\n".join(lines)

@@ -61,3 +61,13 @@ def test_dry_run_prints_both_topologies(trained, tmp_path):
     done = reshard_cli(source, tmp_path / "dst", "--target-dp", "6", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "source dp=2 tp=1 ep=1 -> target dp=6 tp=1 ep=1" in done.stdout
+
+
+def test_dry_run_summary_prints_each_note_once():
+    """A dry run's summary lists the notes (MoE placement, TP splits) once, above the traffic table."""
+    from reshard.results import CheckpointResult
+    note = "MoE layer 0 (4 experts) at ep=2: EP rank 0: experts 0-1, EP rank 1: experts 2-3"
+    result = CheckpointResult("src", "dst", "global_step3", "ZeRO-2 float32", Topology(dp=2), Topology(dp=4, ep=2),
+                              2, "gloo", 0, 0.0, True, None, notes=[note])
+    summary = result.summary()
+    assert summary.count(note) == 1 and "source dp=2 tp=1 ep=1 -> target dp=4 tp=1 ep=2" in summary
