@@ -95,6 +95,20 @@ class MemoryTargetWriter:
         pass  # the objects are the result: they stay until the load has used them
 
 
+def _load_with_served_files(engine, root: str, tag: str, served: dict, redirected: dict, kwargs: dict):
+    """engine.load_checkpoint(root, tag) with `served` paths answered from memory and `redirected`
+    paths read from elsewhere (`_ServedCheckpointEngine`); the engine's own checkpoint engine is
+    put back afterwards. Placeholders are created first: DeepSpeed checks the files exist."""
+    for path in [*served, *redirected]:
+        open(path, "wb").close()
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = _ServedCheckpointEngine(inner, served, redirected)
+    try:
+        return engine.load_checkpoint(root, tag, **kwargs)
+    finally:
+        engine.checkpoint_engine = inner
+
+
 class _ServedCheckpointEngine:
     """Wraps DeepSpeed's checkpoint engine: named paths come from memory, the rest from disk."""
 
@@ -238,14 +252,7 @@ def _load_zero0_moe(engine, source, transport, trust_pickle: bool, kwargs: dict)
         served = {os.path.join(tag_dir, MODEL): classes.to_deepspeed(model),
                   os.path.join(tag_dir, expp_file_name(ep_rank)): {"optimizer": optimizers[ep_rank]}}
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.expert_files}
-        for path in [*served, *redirected]:
-            open(path, "wb").close()  # DeepSpeed checks the files exist before loading them
-        inner = engine.checkpoint_engine
-        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served, redirected)
-        try:
-            load_path, client_state = engine.load_checkpoint(root, source.tag, **kwargs)
-        finally:
-            engine.checkpoint_engine = inner
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if transport.rank == 0:
@@ -303,14 +310,7 @@ def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: di
         # reads its own experts from the source, as DeepSpeed's `load_moe_state_dict` picks them.
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name)
                       for name in source.other_files if schema.expert_file_index(name)}
-        for path in [*served, *redirected]:
-            open(path, "wb").close()  # DeepSpeed checks the files exist before loading them
-        inner = engine.checkpoint_engine
-        engine.checkpoint_engine = _ServedCheckpointEngine(inner, served, redirected)
-        try:
-            load_path, client_state = engine.load_checkpoint(placeholder_root, source.tag, **kwargs)
-        finally:
-            engine.checkpoint_engine = inner
+        load_path, client_state = _load_with_served_files(engine, placeholder_root, source.tag, served, redirected, kwargs)
         return _as_source_path(source, load_path), client_state
     finally:
         shutil.rmtree(placeholder_root, ignore_errors=True)

@@ -34,7 +34,7 @@ from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
-from reshard.errors import OptionError, PeerFailure, ReshardError, TopologyError
+from reshard.errors import OptionError, PeerFailure, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
 from reshard.expert_layout import expert_placement_lines
@@ -306,14 +306,7 @@ def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_t
 
 def _target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
     """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
-    try:
-        target = opts.target_for(source.spec.topology)
-    except TopologyError as error:
-        raise OptionError(f"{source.model_path(0)}: cannot reshard for --target-dp {opts.target_dp}: {error}") from None
-    problem = source.expert_problem(target)
-    if problem:
-        raise OptionError(f"{source.model_path(0)}: cannot reshard for {target.describe()}: {problem}")
-    return target
+    return opts.checked_target(source.spec.topology, source.expert_problem, source.model_path(0))
 
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None

@@ -164,6 +164,20 @@ class ReshardOptions:
         return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp,
                         ep=source.ep if self.target_ep is None else self.target_ep)
 
+    def checked_target(self, source: Topology, expert_problem, path: str) -> Topology:
+        """`target_for(source)`, refused naming `path` where DeepSpeed could not build it: a
+        topology that does not validate, or one whose ep `expert_problem(target)` (a checkpoint's
+        own check: None when its experts fit) says cannot hold the experts."""
+        from reshard.errors import TopologyError
+        try:
+            target = self.target_for(source)
+        except TopologyError as error:
+            raise OptionError(f"{path}: cannot reshard for --target-dp {self.target_dp}: {error}") from None
+        problem = expert_problem(target)
+        if problem:
+            raise OptionError(f"{path}: cannot reshard for {target.describe()}: {problem}")
+        return target
+
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "ReshardOptions":
         import yaml

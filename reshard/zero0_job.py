@@ -25,7 +25,7 @@ from reshard import __version__
 from reshard.byte_io import hash_file
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths
-from reshard.errors import OptionError, TopologyError
+from reshard.errors import OptionError
 from reshard.expert_layout import ExpertParams, expert_placement_lines
 from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
@@ -67,14 +67,7 @@ def _target(opts: ReshardOptions, source: Zero0MoeSource) -> Topology:
                           "metadata; only its dp and ep change")
     if opts.node_local:
         raise OptionError(f"{model}: --node-local is not supported for ZeRO-0 MoE checkpoints")
-    try:
-        target = opts.target_for(source.topology)
-    except TopologyError as error:
-        raise OptionError(f"{model}: cannot reshard for --target-dp {opts.target_dp}: {error}") from None
-    problem = source.expert_problem(target)
-    if problem:
-        raise OptionError(f"{model}: cannot reshard for {target.describe()}: {problem}")
-    return target
+    return opts.checked_target(source.topology, source.expert_problem, model)
 
 
 def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
