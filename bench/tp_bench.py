@@ -37,6 +37,7 @@ from bench_model import QUICK, ModelConfig, build_model, config_from_json, confi
 from make_checkpoint import child_env, torchrun_command, tree_bytes, versions  # noqa: E402
 from page_cache import drop_page_cache  # noqa: E402
 from process_tree import run_watched  # noqa: E402
+from path_comparison import summarize, write_result  # noqa: E402
 
 SOURCE = (2, 2)  # (tp, dp)
 TARGET = (1, 4)
@@ -197,33 +198,8 @@ def main() -> None:
     shutil.rmtree(universal, ignore_errors=True)
 
     # as bench/run.py `speedup`: command wall of the conversion + the load's own seconds inside the ranks
-    ours = result["reshard"]["wall_seconds"] + result["reshard_native_load"]["load"]["seconds"]
-    summary = {"reshard_plus_native_load_s": round(ours, 2),
-               "in_job_reshard_plus_load_s": result["in_job"]["load"]["seconds"],
-               "reshard_peak_rss_per_worker_bytes": result["reshard"]["peak_rss_largest_process_bytes"],
-               "reshard_extra_disk_bytes": result["reshard"]["output_bytes"]}
-    if result.get("universal_load", {}).get("returncode") == 0:
-        theirs = result["ds_to_universal"]["wall_seconds"] + result["universal_load"]["load"]["seconds"]
-        summary.update({"universal_plus_load_s": round(theirs, 2), "speed_up": round(theirs / ours, 2),
-                        "universal_peak_rss_largest_process_bytes":
-                            result["ds_to_universal"]["peak_rss_largest_process_bytes"],
-                        "universal_extra_disk_bytes": result["ds_to_universal"]["output_bytes"]})
-        mine, theirs_sums = (result[k]["load"]["ranks"] for k in ("reshard_native_load", "universal_load"))
-        summary["native_vs_universal_sums_equal"] = [a["sums"] == b["sums"] for a, b in zip(mine, theirs_sums)]
-    else:
-        failed = result.get("universal_load") or result["ds_to_universal"]
-        summary["universal_failed"] = (failed.get("failure_tail") or "")[-800:]
-    if result["in_job"]["returncode"] == 0 and result["reshard_native_load"]["returncode"] == 0:
-        summary["in_job_vs_native_sums_equal"] = [
-            a["sums"] == b["sums"] for a, b in zip(result["in_job"]["load"]["ranks"],
-                                                   result["reshard_native_load"]["load"]["ranks"])]
-    result["summary"] = summary
-    print(json.dumps(summary, indent=1))
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"tp-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json")
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
-    print(f"wrote {path}")
+    result["summary"] = summarize(result)
+    write_result(result, "tp")
 
 
 if __name__ == "__main__":
