@@ -199,6 +199,12 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
     torch.save({"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}, path)
     with pytest.raises(NeedsTorch, match="argparse.Namespace"):
         torch_pickle.read_portable(path)
+    for name, obj, problem in [("bare.pt", {"s": torch.ones(3).untyped_storage()}, "UntypedStorage"),
+                               ("typed.pt", {"s": torch.ones(3).storage(), "t": torch.ones(1)}, "outside any tensor"),
+                               ("conj.pt", {"c": torch.ones(2, dtype=torch.complex64).conj()}, "metadata")]:
+        torch.save(obj, tmp_path / name)
+        with pytest.raises(NeedsTorch, match=problem):
+            torch_pickle.read_portable(tmp_path / name)
     # torch decides instead: refused under the allowlist, read when trusted
     from reshard.errors import CheckpointError
     with pytest.raises(CheckpointError, match="allowlist"):
