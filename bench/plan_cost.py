@@ -213,7 +213,7 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     return {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": len(params), "elements": int(sum(p.numel for p in params)), "source_ranks": source,
             "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
             "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
-            "plan_segments": sum(len(getattr(space, "segments", ())) for space in plan.spaces),
+            "plan_segments": sum(len(getattr(space, "table", ())) for space in plan.spaces),  # uncut table rows
             "worker_segments_timed": segments, "worker_elements_timed": elements,
             "send_buffer_bytes": send_buffer, "receive_buffer_bytes": receive_buffer,
             "plan_seconds": t1 - t0, "worker_setup_seconds": t2 - t1, "first_round_seconds": first_round or 0.0,

@@ -1,0 +1,40 @@
+"""Test helper: a worker's blocks of a table space taken from the whole cut table, the way the
+planner made them before it cut rounds lazily (every segment cut, then selected per worker).
+
+    sends, receives = reference_blocks(space, ownership, worker)   # {local round: [RoundBlock]}
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from reshard.plan import blocks_by_peer
+
+
+def reference_blocks(space, ownership, worker: int) -> tuple[dict, dict]:
+    seg = space.segments
+    src, dst = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
+    tables = []
+    for mine, peer_of in ((src == worker, dst), (dst == worker, src)):
+        chosen = np.flatnonzero(mine)
+        chosen = chosen[np.argsort(seg.round[chosen], kind="stable")]
+        table = {}
+        for part in np.split(chosen, np.flatnonzero(np.diff(seg.round[chosen])) + 1) if len(chosen) else []:
+            part = part[np.lexsort((seg.src_offset[part], seg.src_buffer[part], seg.src_rank[part], peer_of[part]))]
+            table[int(seg.round[part[0]])] = blocks_by_peer(seg.select(part), peer_of[part], order=np.arange(len(part)))
+        tables.append(table)
+    return tables[0], tables[1]
+
+
+def same_blocks(a: list, b: list) -> bool:
+    """Blocks equal peer by peer and column by column."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.peer != y.peer or x.segments.strided != y.segments.strided:
+            return False
+        cols = [c for c in ("logical", "src_rank", "src_buffer", "src_offset", "dst_rank", "dst_buffer",
+                            "dst_offset", "length", "round", "col", "width", "src_stride", "dst_stride")
+                if getattr(x.segments, c) is not None]
+        if not all(np.array_equal(getattr(x.segments, c), getattr(y.segments, c)) for c in cols):
+            return False
+    return True
