@@ -16,8 +16,18 @@ intersecting the two layouts' sorted piece tables: O(pieces), vectorised.
 Rounds bound memory: in one round a worker sends at most a third of the budget and receives
 at most a third. The exchange reads the next round while the current one is in flight, so a
 worker holds two send buffers and one receive buffer: never more than the budget. Rounds cut
-the target ranks' buffers into equal windows, so every worker receives an equal share in
-every round; a round whose senders turn out unbalanced is split further for those senders.
+the target ranks' buffers (laid end to end per rank) into equal windows, so every worker
+receives an equal share in every round; a window whose senders turn out unbalanced is split
+further for those senders (packed in logical order into sub-rounds).
+
+Nobody cuts the whole plan (at 10^12 elements over 8192 ranks that would be ~10^8 window
+segments). `plan_space` keeps the uncut segment table and decides the rounds from per-window
+totals (`round_windows`: a difference array per worker, O(segments + windows x workers)); only
+windows found overfull are cut, to pack them. Round r is then the r-th (window, sub-round)
+that holds elements, the same on every worker. Each worker keeps the uncut segments it sends
+or receives, sorted by (target rank, position) (`_WindowIndex`), and cuts a round's segments
+when the exchange asks for it (`TableWorkerRounds.blocks`): O(target ranks + segments of the
+round). `SpacePlan.segments` still gives the whole cut table, for tests and small plans.
 """
 from __future__ import annotations
 
@@ -647,20 +657,28 @@ class SpacePlan:
 
 
 class _WindowIndex:
-    """Uncut segments sorted by (target rank, first target position), so that the segments with
-    elements in one window are found by two binary searches per target rank."""
+    """Uncut segments in (target rank, first target position) order, so that the segments with
+    elements in one window are found by two binary searches per target rank. Holds the
+    segments (not copied) and three integers per segment."""
 
     def __init__(self, seg: Segments, windows: RoundWindows):
-        self.windows = windows
+        self.seg, self.windows = seg, windows
         start, end, _ = _target_span(seg, windows.bases)
-        order = np.lexsort((start, seg.dst_rank))
-        self.seg, self.end = seg.select(order), end[order]
-        key = self.seg.dst_rank * windows.span
-        self.key_start = key + start[order]
+        key = seg.dst_rank * windows.span
+        start += key
+        end += key
+        del key
+        order = np.argsort(start, kind="stable")
+        self.order = None if len(order) < 2 or bool((order[1:] > order[:-1]).all()) else order
+        if self.order is not None:
+            start, end = start[order], end[order]
+        del order
+        self.key_start = start
         # strided segments of one rank may interleave: the running maximum of ends keeps a
         # sorted key, and a window's candidates start where it first passes the window
-        self.key_end = np.maximum.accumulate(key + self.end) if len(key) else key
-        self.rank_keys = np.unique(key)
+        self.key_end = np.maximum.accumulate(end) if len(end) else end
+        del end
+        self.rank_keys = np.unique(seg.dst_rank) * windows.span
 
     def window(self, k: int) -> Segments:
         """Every segment's part in window k (`_clip_to_window`), in this index's order."""
@@ -669,7 +687,8 @@ class _WindowIndex:
         hi = np.searchsorted(self.key_start, self.rank_keys + min((k + 1) * w, span), side="left")
         counts = np.maximum(hi - lo, 0)
         index = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-        index = index[self.end[index] > k * w]
+        if self.order is not None:
+            index = self.order[index]
         return _clip_to_window(self.seg.select(index), self.windows.bases, w, k)
 
 
@@ -680,10 +699,15 @@ class TableWorkerRounds:
     def __init__(self, space: SpacePlan, ownership: Ownership, worker: int):
         self.space, self.ownership = space, ownership
         seg = space.table
-        sends = seg.select(np.flatnonzero(ownership.readers(seg.src_rank) == worker))
-        receives = seg.select(np.flatnonzero(ownership.writers(seg.dst_rank) == worker))
-        self._tables = (sends, receives)
-        self._indexes = (_WindowIndex(sends, space.windows), _WindowIndex(receives, space.windows))
+        indexes = []
+        for owner in (ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)):
+            mine = owner == worker
+            del owner
+            if mine.all() and indexes and indexes[0].seg is seg:  # one worker holds the space: one index
+                indexes.append(indexes[0])
+                continue
+            indexes.append(_WindowIndex(seg if mine.all() else seg.select(np.flatnonzero(mine)), space.windows))
+        self._indexes = tuple(indexes)
 
     def blocks(self, local_round: int) -> tuple[list, list]:
         windows, own = self.space.windows, self.ownership
@@ -702,7 +726,8 @@ class TableWorkerRounds:
 
     def largest_round_bytes(self, bytes_per_element: int) -> tuple[int, int]:
         windows = self.space.windows
-        send, receive = (int(windows.round_elements(t).max(initial=0)) * bytes_per_element for t in self._tables)
+        send, receive = (int(windows.round_elements(index.seg).max(initial=0)) * bytes_per_element
+                         for index in self._indexes)
         return send, receive
 
 

@@ -38,3 +38,21 @@ def same_blocks(a: list, b: list) -> bool:
         if not all(np.array_equal(getattr(x.segments, c), getattr(y.segments, c)) for c in cols):
             return False
     return True
+
+
+def assert_lazy_rounds_match(space, ownership) -> None:
+    """Every worker's lazily cut rounds, buffer sizes and the space's round bytes equal what the
+    whole cut table (`space.segments`) gives."""
+    seg = space.segments
+    per_round = np.bincount(seg.round, weights=seg.length, minlength=space.rounds) if len(seg) else np.zeros(0)
+    assert space.round_bytes() == [int(x) * space.bytes_per_element for x in per_round]
+    for worker in range(ownership.workers):
+        sends, receives = reference_blocks(space, ownership, worker)
+        lazy = space.worker_rounds(ownership, worker)
+        for r in range(space.rounds):
+            got_sends, got_receives = lazy.blocks(r)
+            assert same_blocks(got_sends, sends.get(r, [])), (worker, r, "sends")
+            assert same_blocks(got_receives, receives.get(r, [])), (worker, r, "receives")
+        largest = [max((sum(b.elements for b in blocks) for blocks in table.values()), default=0)
+                   * space.bytes_per_element for table in (sends, receives)]
+        assert list(lazy.largest_round_bytes(space.bytes_per_element)) == largest
