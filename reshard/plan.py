@@ -362,35 +362,42 @@ _PARTS_PER_PASS = 1 << 22
 """Window parts of gapped (target-strided) segments counted in one pass of `_window_elements`."""
 
 
-def _window_elements(seg: Segments, bases: np.ndarray, window: int, windows: int,
-                     group: np.ndarray | None = None, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(elements, present): elements[k, g] of the segments of group g (a worker) that fall in
-    window k, and whether window k holds any element at all; without cutting the segments.
+def _window_elements(seg: Segments, bases: np.ndarray, window: int, windows: int, groupings=((None, 1),),
+                     span: tuple | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """([elements per grouping], present): for each (group, groups) of `groupings`, elements[k, g]
+    of the segments of group g (a worker; `None`: one group) that fall in window k; and whether
+    window k holds any element at all; without cutting the segments. `span`: `_target_span`'s
+    result, when the caller has it.
 
     A segment without gaps in its target positions gives its first and last window their
     partial counts and every window between the full `window` (a difference array); a gapped
     one is cut, a bounded number of parts per pass."""
-    counts = np.zeros(windows * groups + groups, dtype=np.float64)   # one spare row for the differences
-    steps = np.zeros(windows * groups + groups, dtype=np.float64)
-    cover = np.zeros(windows + 1, dtype=np.int64)
-    present_gapped = np.zeros(windows, dtype=bool)
+    start, end, gapped = span if span is not None else _target_span(seg, bases)
+    present = np.zeros(windows, dtype=bool)
+    groups_of = [(np.zeros(len(seg), dtype=np.int64) if g is None else np.asarray(g, dtype=np.int64), n)
+                 for g, n in groupings]
+    counts = [np.zeros((windows + 1) * n, dtype=np.float64) for _, n in groups_of]  # a spare row for steps
     if len(seg) == 0:
-        return np.zeros((windows, groups), dtype=np.int64), present_gapped
-    g = np.zeros(len(seg), dtype=np.int64) if group is None else np.asarray(group, dtype=np.int64)
-    start, end, gapped = _target_span(seg, bases)
+        return [c[:windows * n].astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)], present
     plain = slice(None) if gapped is None else np.flatnonzero(~gapped)
-    p, e, gp = start[plain], end[plain], g[plain]
+    p, e = start[plain], end[plain]
     k0, k1 = p // window, (e - 1) // window
-    one = k0 == k1
-    counts += np.bincount(k0 * groups + gp, weights=np.where(one, e - p, (k0 + 1) * window - p),
-                          minlength=len(counts))
-    many = np.flatnonzero(~one)
-    counts += np.bincount(k1[many] * groups + gp[many], weights=e[many] - k1[many] * window, minlength=len(counts))
-    steps += np.bincount((k0[many] + 1) * groups + gp[many], minlength=len(counts)) * float(window)
-    steps -= np.bincount(k1[many] * groups + gp[many], minlength=len(counts)) * float(window)
-    np.add.at(cover, k0, 1)
-    np.add.at(cover, k1 + 1, -1)
-    del p, e, gp, k0, k1, one, many
+    first = np.where(k0 == k1, e - p, (k0 + 1) * window - p)
+    many = np.flatnonzero(k0 != k1)
+    last = e[many] - k1[many] * window
+    k0_many, k1_many = k0[many], k1[many]
+    for c, (g, n) in zip(counts, groups_of):
+        gp = g[plain]
+        size = len(c)
+        c += np.bincount(k0 * n + gp, weights=first, minlength=size)
+        gm = gp[many]
+        c += np.bincount(k1_many * n + gm, weights=last, minlength=size)
+        steps = (np.bincount((k0_many + 1) * n + gm, minlength=size)
+                 - np.bincount(k1_many * n + gm, minlength=size)).astype(np.float64) * float(window)
+        c += np.cumsum(steps.reshape(-1, n), axis=0).ravel()
+    cover = np.bincount(k0, minlength=windows + 1) - np.bincount(k1 + 1, minlength=windows + 1)
+    present |= np.cumsum(cover)[:windows] > 0
+    del p, e, k0, k1, first, many, last, k0_many, k1_many, cover
     if gapped is not None and gapped.any():
         ids = np.flatnonzero(gapped)
         parts = (end[ids] - 1) // window - start[ids] // window + 1
@@ -400,11 +407,10 @@ def _window_elements(seg: Segments, bases: np.ndarray, window: int, windows: int
                 continue
             item, _, length, k = split_at_windows(start[chunk], seg.col[chunk], seg.width[chunk],
                                                   seg.dst_stride[chunk], seg.length[chunk], window)
-            counts += np.bincount(k * groups + g[chunk][item], weights=length, minlength=len(counts))
-            present_gapped[k] = True
-    counts += np.cumsum(steps.reshape(-1, groups), axis=0).ravel()
-    present = (np.cumsum(cover)[:windows] > 0) | present_gapped
-    return np.rint(counts[:windows * groups]).astype(np.int64).reshape(windows, groups), present
+            for c, (g, n) in zip(counts, groups_of):
+                c += np.bincount(k * n + g[chunk][item], weights=length, minlength=len(c))
+            present[k] = True
+    return [np.rint(c[:windows * n]).astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)], present
 
 
 @dataclass(frozen=True, eq=False)
@@ -458,7 +464,7 @@ class RoundWindows:
         totals = np.zeros(self.rounds, dtype=np.int64)
         if len(table) == 0 or self.rounds == 0:
             return totals
-        per_window = _window_elements(table, self.bases, self.window, int(self.present[-1]) + 1)[0][:, 0]
+        per_window = _window_elements(table, self.bases, self.window, int(self.present[-1]) + 1)[0][0][:, 0]
         totals[self.first_round[:-1]] = per_window[self.present]
         for w, (starts, subs, _) in self.packed.items():
             part = _clip_to_window(table, self.bases, self.window, w)
@@ -481,7 +487,8 @@ def round_windows(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     none = np.zeros(0, dtype=np.int64)
     if len(seg) == 0:
         return RoundWindows(NO_WINDOW, bases, 1, none, np.zeros(1, dtype=np.int64))
-    span = int(_target_span(seg, bases)[1].max()) + 1
+    spans = _target_span(seg, bases)
+    span = int(spans[1].max()) + 1
     if not bytes_per_element:
         return RoundWindows(NO_WINDOW, bases, span, np.zeros(1, dtype=np.int64), np.arange(2, dtype=np.int64))
     cap = max(round_cap(budget_bytes), bytes_per_element)
@@ -490,8 +497,9 @@ def round_windows(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     windows = (span - 1) // window + 1
     workers = ownership.workers
     sender, receiver = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
-    sent, present = _window_elements(seg, bases, window, windows, sender, workers)
-    got, _ = _window_elements(seg, bases, window, windows, receiver, workers)
+    (sent, got), present = _window_elements(seg, bases, window, windows, ((sender, workers), (receiver, workers)),
+                                            spans)
+    del spans, sender, receiver
     overfull = np.flatnonzero((sent.max(axis=1) * bytes_per_element > cap)
                               | (got.max(axis=1) * bytes_per_element > cap))
     del sent, got
