@@ -5,7 +5,7 @@
     space = plan_space("optimizer", src_layout.pieces, dst_layout.pieces,
                        streams=(Stream("fp32", "float32", 4),), target_buffer_numels=(80,),
                        ownership=own, budget_bytes=1 << 20)
-    space.segments.length.sum()   # every element of the space, exactly once
+    space.table.length.sum()      # every element of the space, exactly once (uncut segments)
 
 Every worker computes the same plan from the same inputs (no I/O, no randomness), so
 workers agree on every transfer without exchanging the plan. A *segment* is a run of
