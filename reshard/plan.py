@@ -227,14 +227,6 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return merged[keep]
 
 
-def _dense_ranks(values: np.ndarray) -> np.ndarray:
-    """0, 1, 2... in the sorted order of the distinct values (np.unique's inverse, by sorting)."""
-    order = np.argsort(values, kind="stable")
-    ranks = np.empty(len(values), dtype=np.int64)
-    ranks[order] = np.concatenate(([0], np.cumsum(np.diff(values[order]) != 0)))
-    return ranks
-
-
 def _merge_contiguous(cols: dict) -> Segments:
     """Join neighbours that continue each other in both buffers (e.g. adjacent parameters)."""
     n = len(cols["logical"])
@@ -432,8 +424,8 @@ class RoundWindows:
     first_round: np.ndarray
     """Local round of each present window's first sub-round, and the round count at the end."""
     packed: dict = field(default_factory=dict)
-    """Window -> (logical starts of its parts, ascending; their sub-rounds; their lengths) for
-    windows split per sender."""
+    """Window -> (logical starts of its parts, ascending; their sub-rounds) for windows split per
+    sender."""
 
     @property
     def rounds(self) -> int:
@@ -448,7 +440,7 @@ class RoundWindows:
         """Sub-round of window parts starting at `logical` (0 outside packed windows)."""
         if window not in self.packed:
             return np.zeros(len(logical), dtype=np.int64)
-        starts, subs, _ = self.packed[window]
+        starts, subs = self.packed[window]
         return subs[np.searchsorted(starts, logical)]
 
     def rounds_of(self, k: np.ndarray, logical: np.ndarray) -> np.ndarray:
@@ -466,8 +458,9 @@ class RoundWindows:
             return totals
         per_window = _window_elements(table, self.bases, self.window, int(self.present[-1]) + 1)[0][0][:, 0]
         totals[self.first_round[:-1]] = per_window[self.present]
-        for w, (starts, subs, _) in self.packed.items():
-            part = _clip_to_window(table, self.bases, self.window, w)
+        finder = _WindowIndex(table, self) if len(self.packed) > 2 else None
+        for w, (starts, subs) in self.packed.items():
+            part = _clip_to_window(table, self.bases, self.window, w) if finder is None else finder.window(w)
             index = np.searchsorted(self.present, w)
             totals[self.first_round[index]:self.first_round[index + 1]] = np.bincount(
                 subs[np.searchsorted(starts, part.logical)], weights=part.length,
@@ -506,14 +499,17 @@ def round_windows(seg: Segments, target_buffer_numels: Sequence[int], ownership:
     present = np.flatnonzero(present)
     subs = np.ones(len(present), dtype=np.int64)
     packed = {}
+    # an overfull window's parts: by a scan of the table, or by an index when there are several
+    index = _WindowIndex(seg, RoundWindows(window, bases, span, present, np.zeros(1, np.int64))) \
+        if len(overfull) > 2 else None
     for w in overfull.tolist():
-        part = _clip_to_window(seg, bases, window, w)
+        part = _clip_to_window(seg, bases, window, w) if index is None else index.window(w)
         order = np.argsort(part.logical, kind="stable")
         part = part.select(order)
         sub = _pack_overfull_windows(np.zeros(len(part), dtype=np.int64), ownership.readers(part.src_rank),
                                      ownership.writers(part.dst_rank), part.length * bytes_per_element,
                                      part.logical, workers, cap)
-        packed[w] = (part.logical, sub, part.length)
+        packed[w] = (part.logical, sub)
         subs[np.searchsorted(present, w)] = int(sub.max()) + 1
     first_round = np.concatenate(([0], np.cumsum(subs))).astype(np.int64)
     return RoundWindows(window, bases, span, present, first_round, packed)
