@@ -353,7 +353,8 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
         raise
     source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.table.src_rank)})
     report.source_ranks = tuple(source_ranks)
-    rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)  # with data
+    # rounds with data
+    rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
     hashes, report_read = execute(
         share, LocalTransport(),
         open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle),

@@ -402,7 +402,8 @@ def _window_elements(seg: Segments, bases: np.ndarray, window: int, windows: int
             for c, (g, n) in zip(counts, groups_of):
                 c += np.bincount(k * n + g[chunk][item], weights=length, minlength=len(c))
             present[k] = True
-    return [np.rint(c[:windows * n]).astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)], present
+    totals = [np.rint(c[:windows * n]).astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)]
+    return totals, present
 
 
 @dataclass(frozen=True, eq=False)
