@@ -18,6 +18,14 @@ source and target layouts describe the same space whatever their ep. The rules
 - names in the rank's metadata (slice mappings, param_shapes) are the LOCAL names.
 Every element still has exactly one holder, so the 1-D planner (`reshard.plan`) moves it as is.
 
+AutoEP folded with AutoTP (`Topology.folded`, see `reshard.topology` for DeepSpeed's groups):
+the layout of TP rank t holds t's TP-LOCAL dense parameters, ZeRO-partitioned over the dp
+ranks of t's lane, and the experts whole, each EP rank's over its S // ep expert-DP ranks,
+which are global ranks of any lane (`rank_groups` takes the dp rank, as for every layout, and
+finds the global rank from `tp_rank`). The planner moves the two families as two spaces side
+by side (`dense_pieces`: lowered to global tensors by `reshard.tensor_pieces`; `expert_pieces`:
+global ranks already), see `reshard.checkpoint_plan.plan_folded_space`.
+
 AutoEP checkpoints (`ExpertParams.autoep`) use the same rules with one more: a rank's experts of
 one weight are one fused parameter, `experts.w1 [n_local, ...]` (module_inject/auto_ep_layer.py).
 The logical parameters are the per-expert slices `experts.w1.{G}`, listed weight by weight and
@@ -129,6 +137,8 @@ class ExpertZero12Layout:
     topology: Topology
     groups_by_ep_rank: tuple[tuple[Zero12Group, ...], ...]
     """[EP rank][param group]: dense groups span all dp ranks, expert groups that EP rank's experts."""
+    tp_rank: int = 0
+    """The TP rank whose local parameters `params` are (folded layouts; 0 otherwise)."""
 
     @property
     def world_size(self) -> int:
@@ -145,9 +155,10 @@ class ExpertZero12Layout:
         return tuple(p.numel for p in self.params)
 
     def rank_groups(self, rank: int) -> list[tuple[Zero12Group, int]]:
-        """Each param group as `rank` holds it, with `rank`'s index inside that group."""
-        ep_rank = self.topology.expert_parallel_rank(rank)
-        expert_dp_rank = self.topology.expert_data_parallel_rank(rank)
+        """Each param group as dp rank `rank` (of TP rank `tp_rank`) holds it, with its index inside that group."""
+        global_rank = self.topology.rank_of(rank, self.tp_rank)
+        ep_rank = self.topology.expert_parallel_rank(global_rank)
+        expert_dp_rank = self.topology.expert_data_parallel_rank(global_rank)
         return [(group, expert_dp_rank if is_expert else rank)
                 for group, is_expert in zip(self.groups_by_ep_rank[ep_rank], self.experts.expert_groups)]
 
@@ -176,9 +187,42 @@ class ExpertZero12Layout:
         return table_from_columns(columns, int(numels.sum()))
 
 
+    def _family_columns(self, expert: bool):
+        """(numels, bases) of the space of one family: the other family's parameters take no room."""
+        is_expert = np.asarray([e is not None for e in self.experts.expert_of], dtype=bool)
+        numels = np.where(is_expert == expert, np.asarray(self.numels, dtype=np.int64), 0)
+        return numels, logical_bases(numels.tolist())
+
+    @functools.cached_property
+    def dense_pieces(self) -> PieceTable:
+        """Pieces of the dense parameters only (over their local space, end to end in the spec's
+        order), rank = dp rank, buffer = param group: what `reshard.tensor_pieces` lowers per TP rank."""
+        numels, bases = self._family_columns(expert=False)
+        columns = [cols for buffer, (group, is_expert) in enumerate(zip(self.groups, self.experts.expert_groups))
+                   if not is_expert and (cols := zero12_group_columns(group, buffer, numels, bases)) is not None]
+        return table_from_columns(columns, int(numels.sum()))
+
+    @functools.cached_property
+    def dense_params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p, e in zip(self.params, self.experts.expert_of) if e is None)
+
+    @functools.cached_property
+    def expert_pieces(self) -> PieceTable:
+        """Pieces of the expert parameters only (their space end to end), rank = GLOBAL rank."""
+        numels, bases = self._family_columns(expert=True)
+        columns = []
+        for ep_rank, groups in enumerate(self.groups_by_ep_rank):
+            for buffer, (group, is_expert) in enumerate(zip(groups, self.experts.expert_groups)):
+                cols = zero12_group_columns(group, buffer, numels, bases) if is_expert else None
+                if cols is not None:
+                    start, rank, buffers, offset = cols
+                    columns.append((start, self.topology.expert_dp_rank_of(ep_rank, rank), buffers, offset))
+        return table_from_columns(columns, int(numels.sum()))
+
+
 def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
-                         topology: Topology, *, round_robin: bool = False, param_alignment: int = 1
-                         ) -> ExpertZero12Layout:
+                         topology: Topology, *, round_robin: bool = False, param_alignment: int = 1,
+                         tp_rank: int = 0) -> ExpertZero12Layout:
     """Lay out every param group of an MoE checkpoint at `topology` (see the module docstring)."""
     problem = experts.ep_problem(topology.ep)
     if problem:
@@ -202,7 +246,7 @@ def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[
     if len(sizes) != 1:
         raise ValueError(f"EP ranks would hold experts of different sizes ({sorted(sizes)}): DeepSpeed's MoE "
                          "deep-copies one expert, so this is not a native MoE layout")
-    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank)
+    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank, tp_rank)
 
 
 def expert_placement_lines(experts: ExpertParams, topology: Topology) -> list[str]:

@@ -44,6 +44,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -399,6 +400,10 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
         copied = {} if site is not None else staging.copy_in_hashed(
             source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
+        if rewrites_expert_files(source):  # AutoEP with AutoTP layers: TP rank and folding per file
+            copied.update(write_expert_files(source, target, staging.tag_dir,
+                                             sorted(target_expert_files(source, target))[transport.rank::transport.size],
+                                             trust_pickle=opts.trust_pickle))
         copied_bytes = sum(entry["bytes"] for entry in copied.values())
         reader.bytes_read += copied_bytes
         writer.bytes_carried += copied_bytes
