@@ -238,9 +238,10 @@ def _set_model_folding(tree: dict, target: Topology, tp_rank: int) -> None:
     _retarget_autoep_layers(tree, target, tp_rank)
     info = tree.get("universal_checkpoint_info")
     if info is None:  # tp 1: what engine.py `_save_moe_checkpoint` writes for AutoEP alone
-        tree["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4,
-                                             "expert_parameter_patterns": [r".*\.experts\.w[123]$"],
-                                             AUTOEP_LAYERS_KEY: tree[AUTOEP_LAYERS_KEY]}
+        info = tree["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4}
+    # engine.py `_save_moe_checkpoint` adds these to AutoTP's info (absent when it came from layer specs)
+    info.setdefault("expert_parameter_patterns", [r".*\.experts\.w[123]$"])
+    info[AUTOEP_LAYERS_KEY] = tree[AUTOEP_LAYERS_KEY]
     tree.pop(FOLDING_KEY, None)
     if target.folded:
         tree[FOLDING_KEY] = model_folding(target, tp_rank, list(tree["module"]))
