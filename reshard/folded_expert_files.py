@@ -40,21 +40,25 @@ def target_expert_files(source: SourceCheckpoint, target: Topology) -> dict[str,
             for name, (layer, expert, tp_rank, writer) in expert_files(spec.experts.num_experts, target).items()}
 
 
+def expert_file_state(source: SourceCheckpoint, target: Topology, name: str, *, trust_pickle: bool = False) -> dict:
+    """The contents of target expert file `name`: the source weights, `folding` for the target."""
+    source_name, tp_rank, writer = target_expert_files(source, target)[name]
+    path = os.path.join(source.tag_dir, source_name)
+    with torch.serialization.safe_globals(schema.safe_globals()):
+        state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    state.pop(FOLDING_KEY, None)
+    folding = expert_folding(target, tp_rank, writer)
+    if folding is not None:
+        state[FOLDING_KEY] = folding  # engine.py `_save_moe_checkpoint`: after the weights
+    return state
+
+
 def write_expert_files(source: SourceCheckpoint, target: Topology, tag_dir: str, names, *,
                        trust_pickle: bool = False) -> dict:
     """Write target expert files `names` into `tag_dir`; {name: {"bytes", "blake3"}} of each."""
-    plan = target_expert_files(source, target)
     out = {}
     for name in names:
-        source_name, tp_rank, writer = plan[name]
-        path = os.path.join(source.tag_dir, source_name)
-        with torch.serialization.safe_globals(schema.safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-        state.pop(FOLDING_KEY, None)
-        folding = expert_folding(target, tp_rank, writer)
-        if folding is not None:
-            state[FOLDING_KEY] = folding  # engine.py `_save_moe_checkpoint`: after the weights
         destination = os.path.join(tag_dir, name)
-        torch.save(state, destination)
+        torch.save(expert_file_state(source, target, name, trust_pickle=trust_pickle), destination)
         out[name] = {"bytes": os.path.getsize(destination), "blake3": hash_file(destination)}
     return out

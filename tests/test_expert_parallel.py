@@ -858,8 +858,8 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
     builds: folded at another world (tp2 ep2 world 2, through the CLI), unfolded (tp1 ep2 world 2)
     and folded with EP groups across TP lanes (tp2 ep4 world 4); each loaded with plain
     `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
-    global id), then one more step. The source is untouched; the expert files are named and
-    stamped as DeepSpeed writes them."""
+    global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
+    The source is untouched; the expert files are named and stamped as DeepSpeed writes them."""
     from trained import reshard_cli
 
     from reshard.formats.deepspeed_folding import expert_file_names
@@ -888,6 +888,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
     _judge_folded(2, 2, 2, tmp_path / "w2", truth, tmp_path / "v_w2.json")
     _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json")
     _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json")
+    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job")  # reshard.deepspeed.load_checkpoint
 
 
 @pytest.mark.e2e
