@@ -56,8 +56,14 @@ class FoldedProofModel(AutoEPProofModel):
         return F.cross_entropy(self.head(hidden).float().flatten(0, -2), targets.flatten())
 
 
-def ds_config(stage: int, tp: int, ep: int) -> dict:
+def ds_config(stage: int, tp: int, ep: int, precision: str = "fp32") -> dict:
+    """`precision`: fp32, bf16 (DeepSpeedZeroOptimizer) or bf16_optimizer (BF16_Optimizer: bf16
+    at ZeRO-1 with fp32 gradient accumulation)."""
+    extra = {} if precision == "fp32" else {"bf16": {"enabled": True}}
+    if precision == "bf16_optimizer":
+        extra["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
@@ -68,7 +74,7 @@ def ds_config(stage: int, tp: int, ep: int) -> dict:
     }
 
 
-def build_engine(stage: int, tp: int, ep: int, seed: int):
+def build_engine(stage: int, tp: int, ep: int, seed: int, precision: str = "fp32"):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -78,7 +84,7 @@ def build_engine(stage: int, tp: int, ep: int, seed: int):
         model=model, model_parameters=build_autoep_param_groups(model),
         optimizer=lambda groups: torch.optim.AdamW(
             split_params_into_different_moe_groups_for_optimizer([dict(group) for group in groups])),
-        config=ds_config(stage, tp, ep))
+        config=ds_config(stage, tp, ep, precision))
     return engine
 
 
@@ -161,6 +167,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--ep", type=int, required=True)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "bf16_optimizer"], default="fp32")
     parser.add_argument("--save-dir")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--truth")
@@ -172,7 +179,7 @@ def main() -> None:
     init_distributed()
     rank = torch.distributed.get_rank()
     if args.check is None:
-        engine = build_engine(args.stage, args.tp, args.ep, seed=0)
+        engine = build_engine(args.stage, args.tp, args.ep, seed=0, precision=args.precision)
         train_steps(engine, args.tp, 0, args.steps)
         engine.save_checkpoint(args.save_dir)
         if args.truth:
@@ -181,7 +188,7 @@ def main() -> None:
                 torch.save({"params": view, "global_steps": engine.global_steps, "steps": args.steps}, args.truth)
         finish_and_exit()
     truth = torch.load(args.truth, weights_only=False)
-    engine = build_engine(args.stage, args.tp, args.ep, seed=1)
+    engine = build_engine(args.stage, args.tp, args.ep, seed=1, precision=args.precision)
     error, problems, checked, extra = None, [], 0, []
     try:
         if args.in_job:
