@@ -302,6 +302,8 @@ class ExpertZero3Layout:
     topology: Topology
     groups: tuple[tuple[int, ...], ...]
     sub_groups_by_ep_rank: tuple[tuple[ExpertZero3SubGroup, ...], ...]
+    tp_rank: int = 0
+    """The TP rank whose local parameters `params` are (folded layouts; 0 otherwise)."""
 
     @property
     def world_size(self) -> int:
@@ -319,9 +321,12 @@ class ExpertZero3Layout:
         return self.experts.local_param_shapes(self.params, pids, self.topology.ep)
 
     def partition_groups(self, rank: int, ep_group_name: str) -> list[dict]:
-        """stage3.py `_zero3_partition_group_metadata` of `rank` (`ds_zero_partition_groups`)."""
+        """stage3.py `_zero3_partition_group_metadata` of dp rank `rank` of TP rank `tp_rank`
+        (`ds_zero_partition_groups`; its ranks are global: a folded dense group is a TP lane)."""
         topology = self.topology
-        ep_rank, expert_dp_rank = topology.expert_parallel_rank(rank), topology.expert_data_parallel_rank(rank)
+        global_rank = topology.rank_of(rank, self.tp_rank)
+        ep_rank = topology.expert_parallel_rank(global_rank)
+        expert_dp_rank = topology.expert_data_parallel_rank(global_rank)
         out = []
         for sg_id, sg in enumerate(self.sub_groups_by_ep_rank[ep_rank]):
             if sg.is_expert:
@@ -330,7 +335,8 @@ class ExpertZero3Layout:
                             "partition_ranks": ranks, "families": ["autoep_expert"], "group_names": [ep_group_name]})
             else:
                 out.append({"sub_group": sg_id, "partition_count": topology.dp, "partition_rank": rank,
-                            "partition_ranks": list(range(topology.dp)), "families": ["replicated"],
+                            "partition_ranks": [topology.rank_of(d, self.tp_rank) for d in range(topology.dp)],
+                            "families": ["replicated"],
                             "group_names": ["replicated"]})
         return out
 
@@ -352,6 +358,39 @@ class ExpertZero3Layout:
                         offsets.append(offset)
         columns = [tuple(np.asarray(c, dtype=np.int64) for c in (starts, ranks, buffers, offsets))] if starts else []
         return table_from_columns(columns, int(numels.sum()))
+
+    def _family_pieces(self, expert: bool) -> PieceTable:
+        """Pieces of one family only, over its own space (the other family takes no room): dense
+        ranks are dp ranks, expert ranks global ranks (as ExpertZero12Layout's)."""
+        is_expert = np.asarray([e is not None for e in self.experts.expert_of], dtype=bool)
+        numels = np.where(is_expert == expert, np.asarray([p.numel for p in self.params], dtype=np.int64), 0)
+        bases = logical_bases(numels.tolist())
+        starts, ranks, buffers, offsets = [], [], [], []
+        for ep_rank, sub_groups in enumerate(self.sub_groups_by_ep_rank):
+            for sg_id, sg in enumerate(sub_groups):
+                if sg.is_expert != expert or (not expert and ep_rank > 0):
+                    continue
+                for unit, chunk, offset in zip(sg.units, sg.chunk_numels, sg.chunk_offsets):
+                    numel = int(numels[list(unit)].sum())
+                    for r in range(-(-numel // chunk) if chunk else 0):
+                        starts.append(int(bases[unit[0]]) + r * chunk)
+                        ranks.append(self.topology.expert_dp_rank_of(ep_rank, r) if expert else r)
+                        buffers.append(sg_id)
+                        offsets.append(offset)
+        columns = [tuple(np.asarray(c, dtype=np.int64) for c in (starts, ranks, buffers, offsets))] if starts else []
+        return table_from_columns(columns, int(numels.sum()))
+
+    @functools.cached_property
+    def dense_pieces(self) -> PieceTable:
+        return self._family_pieces(expert=False)
+
+    @functools.cached_property
+    def dense_params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p, e in zip(self.params, self.experts.expert_of) if e is None)
+
+    @functools.cached_property
+    def expert_pieces(self) -> PieceTable:
+        return self._family_pieces(expert=True)
 
 
 def _units(pids: Sequence[int], params: Sequence[ParamSpec], experts: ExpertParams, ep: int) -> list[tuple[int, ...]]:
@@ -386,7 +425,7 @@ def _sub_groups(group: int, units: list[tuple[int, ...]], numels: Sequence[int],
 
 
 def expert_zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
-                        topology: Topology, sub_group_size: int) -> ExpertZero3Layout:
+                        topology: Topology, sub_group_size: int, tp_rank: int = 0) -> ExpertZero3Layout:
     """Lay out an AutoEP ZeRO-3 checkpoint at `topology` (see ExpertZero3Layout)."""
     problem = experts.ep_problem(topology.ep)
     if problem:
@@ -403,4 +442,5 @@ def expert_zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[i
             sub_groups += _sub_groups(g, _units(mine, params, experts, topology.ep), numels,
                                       topology.expert_dp if is_expert else topology.dp, sub_group_size, is_expert)
         by_ep_rank.append(tuple(sub_groups))
-    return ExpertZero3Layout(tuple(params), experts, topology, tuple(tuple(g) for g in groups), tuple(by_ep_rank))
+    return ExpertZero3Layout(tuple(params), experts, topology, tuple(tuple(g) for g in groups), tuple(by_ep_rank),
+                             tp_rank)

@@ -33,6 +33,8 @@ def rewrites_expert_files(source: SourceCheckpoint) -> bool:
 def target_expert_files(source: SourceCheckpoint, target: Topology) -> dict[str, tuple[str, int, int]]:
     """Target expert file name -> (source file name, its TP rank in the target, writer rank)."""
     spec = source.spec
+    if spec.stage == 3:  # `zero3_partitioned`: the experts live in the ZeRO partitions only
+        return {}
     by_expert = {}
     for name, (layer, expert, _, _) in expert_files(spec.experts.num_experts, spec.topology).items():
         by_expert.setdefault((layer, expert), name)  # the lowest source TP rank's copy

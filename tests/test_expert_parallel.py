@@ -806,44 +806,40 @@ def test_folded_topology_and_expert_file_names():
         Topology(dp=3, tp=2, ep=4)
 
 
-def test_folded_zero3_and_unmarked_tp_experts_are_refused_naming_the_file(tmp_path):
-    """Folded AutoEP+AutoTP at ZeRO-3 is refused from its `folding` metadata, naming the model file
-    and the sizes; without that metadata, expert files of a TP rank above 0 are refused by name.
-    Never the misleading "old layout" message that an mp_rank_01 expert file used to get."""
+def test_unknown_folding_and_unmarked_tp_experts_are_refused_naming_the_file(tmp_path):
+    """Folded AutoEP+AutoTP of a folding version reshard does not know (or with expert tensor
+    parallelism) is refused from its `folding` metadata, naming the model file and the sizes;
+    without that metadata, expert files of a TP rank above 0 are refused by name. Never the
+    misleading "old layout" message that an mp_rank_01 expert file used to get."""
     from reshard.job import reshard_checkpoint
     tag = tmp_path / "src" / "global_step2"
     tag.mkdir(parents=True)
     (tmp_path / "src" / "latest").write_text("global_step2")
-    for d in range(2):
-        for t in range(2):
-            torch.save({}, tag / f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
-            torch.save({"dp_world_size": 2, "mp_world_size": 2, "num_experts": [4, 4],
-                        "folding": {"version": 1, "tp_size": 2, "tp_rank": t, "ep_size": 4, "etp_size": 1}},
-                       tag / f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt")
+    for name in _folded_save_names(tp=2, ep=4, dp=2):
+        torch.save({}, tag / name)
+    for t in range(2):
+        torch.save({"dp_world_size": 2, "mp_world_size": 2, "num_experts": [4, 4],
+                    "folding": {"version": 2, "tp_size": 2, "tp_rank": t, "ep_size": 4, "etp_size": 1}},
+                   tag / f"mp_rank_{t:02d}_model_states.pt")
     before = {p.name: p.read_bytes() for p in tag.iterdir()}
     with pytest.raises(UnsupportedCheckpoint, match="folded with AutoTP") as error:
         reshard_checkpoint(str(tmp_path / "src"), str(tmp_path / "a"), 2, target_ep=2, dry_run=True, quiet=True)
-    assert str(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt") in str(error.value)
-    assert "tp_size 2, ep_size 4" in str(error.value) and "ZeRO-3" in str(error.value)
+    assert str(tag / "mp_rank_00_model_states.pt") in str(error.value)
+    assert "tp_size 2, ep_size 4" in str(error.value) and "folding version 2" in str(error.value)
 
-    unmarked = tmp_path / "unmarked" / "global_step2"
-    unmarked.mkdir(parents=True)
-    (tmp_path / "unmarked" / "latest").write_text("global_step2")
-    for name in _folded_save_names(tp=2, ep=4, dp=2):
-        torch.save({}, unmarked / name)
     for t in range(2):
         torch.save({"dp_world_size": 2, "mp_world_size": 2, "num_experts": [4, 4]},
-                   unmarked / f"mp_rank_{t:02d}_model_states.pt")
+                   tag / f"mp_rank_{t:02d}_model_states.pt")
     with pytest.raises(UnsupportedCheckpoint, match="expert file of tensor-parallel rank 1") as error:
-        reshard_checkpoint(str(tmp_path / "unmarked"), str(tmp_path / "b"), 2, target_ep=2, dry_run=True, quiet=True)
-    assert str(unmarked / "layer_0_expert_1_mp_rank_01_model_states.pt") in str(error.value)
+        reshard_checkpoint(str(tmp_path / "src"), str(tmp_path / "b"), 2, target_ep=2, dry_run=True, quiet=True)
+    assert str(tag / "layer_0_expert_1_mp_rank_01_model_states.pt") in str(error.value)
     assert "old layout" not in str(error.value)
     assert sorted(p.name for p in tag.iterdir()) == sorted(before) and not (tmp_path / "a").exists()
 
 
-def _judge_folded(nproc: int, tp: int, ep: int, load_dir, truth, verdict, *extra: str) -> dict:
+def _judge_folded(nproc: int, tp: int, ep: int, load_dir, truth, verdict, *extra: str, stage: int = 2) -> dict:
     from reshard.proof.launch import run_torchrun
-    run_torchrun("reshard.proof.folded_tp_ep", nproc, ["--stage", "2", "--tp", str(tp), "--ep", str(ep), "--check",
+    run_torchrun("reshard.proof.folded_tp_ep", nproc, ["--stage", str(stage), "--tp", str(tp), "--ep", str(ep), "--check",
                                                        load_dir, "--truth", truth, "--verdict", verdict, *extra],
                  expect_files=[verdict])
     result = json.loads(Path(verdict).read_text())
@@ -902,3 +898,22 @@ def test_unfolded_autoep_with_layer_specs_reshards_to_folded(tmp_path):
                                                    "--truth", truth], expect_files=[save / "latest", truth])
     reshard_checkpoint(str(save), str(tmp_path / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
     _judge_folded(4, 2, 2, tmp_path / "folded", truth, tmp_path / "v.json")
+
+
+@pytest.mark.e2e
+def test_folded_tp_ep_zero3_reshards(tmp_path):
+    """A real AutoEP+AutoTP ZeRO-3 save (fp32, tp 2, ep 2, world 4; experts in the ZeRO partitions,
+    `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
+    unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
+    every value equal to the truth; and in-job at tp2 ep2 world 2."""
+    from reshard.job import reshard_checkpoint
+    from reshard.proof.launch import run_torchrun
+    save, truth = tmp_path / "z3", tmp_path / "z3.truth.pt"
+    run_torchrun("reshard.proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,
+                                                   "--truth", truth], expect_files=[save / "latest", truth])
+    reshard_checkpoint(str(save), str(tmp_path / "tp1"), 2, target_tp=1, target_ep=2, quiet=True)
+    reshard_checkpoint(str(save), str(tmp_path / "ep4"), 2, target_tp=2, target_ep=4, quiet=True)
+    assert not [n for n in os.listdir(tmp_path / "ep4" / "global_step2") if n.startswith("layer_")]
+    _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json", stage=3)
+    _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json", stage=3)
+    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job", stage=3)

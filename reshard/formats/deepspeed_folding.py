@@ -77,21 +77,24 @@ def folding_metadata(topology: Topology, *, tp_rank: int, ep_rank: int, group: s
     return metadata
 
 
-def model_folding(topology: Topology, tp_rank: int, module_keys: Sequence[str]) -> dict:
-    """The `folding` of TP rank `tp_rank`'s model-states file (written by global rank tp_rank)."""
-    return folding_metadata(topology, tp_rank=tp_rank, ep_rank=topology.expert_parallel_rank(tp_rank),
-                            group="dense_dp", partition_rank=0, partition_count=topology.dp, family="dense",
+def model_folding(topology: Topology, rank: int, module_keys: Sequence[str]) -> dict:
+    """The `folding` of the model-states file global rank `rank` writes (ZeRO-1/2: rank t, dp 0,
+    writes TP rank t's file; ZeRO-3: every rank its own)."""
+    at = topology.coordinates(rank)
+    return folding_metadata(topology, tp_rank=at.tp, ep_rank=topology.expert_parallel_rank(rank),
+                            group="dense_dp", partition_rank=at.dp, partition_count=topology.dp, family="dense",
                             param_families={key: _non_expert_family(key) for key in module_keys})
 
 
-def optim_folding(topology: Topology, rank: int, param_shapes: Sequence[Sequence[str]],
+def optim_folding(topology: Topology, rank: int, param_shapes: Sequence[Sequence[str]] | None,
                   expert_groups: Sequence[bool]) -> dict:
     """The `folding` of global rank `rank`'s optim-states file; `param_shapes`: the local names of
-    each param group, as its model states list them."""
+    each param group, as its model states list them (None at ZeRO-3, where DeepSpeed records the
+    partitions in `ds_zero_partition_groups` instead: `_autoep_zero_optimizer_param_families`)."""
     at = topology.coordinates(rank)
     expert_dp_rank = topology.expert_data_parallel_rank(rank)
-    families = {}
-    for names, is_expert in zip(param_shapes, expert_groups):
+    families = None if param_shapes is None else {}
+    for names, is_expert in zip(param_shapes or (), expert_groups):
         for name in names:
             family = family_of(name)
             routed = family == "routed_expert"

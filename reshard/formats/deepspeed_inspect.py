@@ -193,7 +193,7 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
-TP_WITH_EP = "resharding tensor and expert parallelism together is supported for AutoEP folded with AutoTP at ZeRO-1/2 only"
+TP_WITH_EP = "resharding tensor and expert parallelism together is supported for AutoEP folded with AutoTP only"
 
 
 def _refuse_tensor_and_expert_parallel(model_meta: dict, model_path: str, tag_dir: str, roles: dict) -> None:
@@ -205,9 +205,8 @@ def _refuse_tensor_and_expert_parallel(model_meta: dict, model_path: str, tag_di
     metadata (engine.py `_make_autoep_folding_metadata`; checkpoint/autoep_universal.py
     `make_folding_metadata`) that its loader validates against the engine's sizes, and the expert
     files are named after the saving rank's TP rank (engine.py `_get_expert_ckpt_name`:
-    `layer_{L}_expert_{G}_mp_rank_{tp:02d}`). reshard reads those at ZeRO-1/2
-    (`_with_folded_tensor_parallelism`); refused here: ZeRO-3 folded saves, a folding version or
-    expert-tensor-parallel size it does not know, and expert files of a TP rank above 0 without
+    `layer_{L}_expert_{G}_mp_rank_{tp:02d}`). reshard reads those (`_with_folded_tensor_parallelism`);
+    refused here: a folding version or expert-tensor-parallel size it does not know, and expert files of a TP rank above 0 without
     that metadata (experts saved under some other model-parallel mpu)."""
     folding = model_meta.get("folding") if isinstance(model_meta, dict) else None
     if folding is not None:
@@ -219,8 +218,6 @@ def _refuse_tensor_and_expert_parallel(model_meta: dict, model_path: str, tag_di
         elif folding.get("version") != 1 or folding.get("etp_size", 1) != 1:
             problem = (f"folding version {folding.get('version')!r} with etp_size {folding.get('etp_size')!r} "
                        "(reshard knows version 1 with etp_size 1)")
-        elif any(role.kind == "zero3_model" for role in roles.values()):
-            problem = "it is a ZeRO-3 save"
         if problem:
             raise UnsupportedCheckpoint(model_path, f"is an AutoEP checkpoint folded with AutoTP (folding metadata: "
                                                     f"{sizes}; expert_parallel with tensor_parallel.autotp_size > 1) "
@@ -246,19 +243,19 @@ def _with_folded_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, mode
     if not experts.autoep:
         raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native DeepSpeed MoE experts; "
                                                 + TP_WITH_EP)
-    if spec.stage == 3:
-        raise UnsupportedCheckpoint(model_path, "is an AutoEP checkpoint with AutoTP layers at ZeRO-3; " + TP_WITH_EP)
     topology = spec.topology
     if tp > 1:
         check_folding_metadata(model_tree, model_path, topology, tp_rank=0)
-    wanted = set(expert_file_names(experts.num_experts, topology))
+    # ZeRO-3 (`zero3_partitioned`) keeps the experts in the ZeRO partitions only
+    wanted = set(expert_file_names(experts.num_experts, topology)) if spec.stage < 3 else set()
     for name in sorted(set(expert_files) ^ wanted):
         raise CheckpointError(os.path.join(tag_dir, name),
                               f"is {'missing' if name in wanted else 'unexpected'}: a save at {topology.describe()} "
                               "(AutoEP with AutoTP) writes each expert under the TP rank of every rank that loads it")
     dense = [i for i, e in enumerate(experts.expert_of) if e is None]
     tensor, dense_global = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp,
-                                                                 tuple(spec.params[i] for i in dense))
+                                                                 tuple(spec.params[i] for i in dense),
+                                                                 module_weights=spec.stage < 3)
     dtype = deepspeed_tensor.module_dtype(model_tree, model_path, tensor.module)
     if dtype not in (None, spec.lp_dtype):
         raise UnsupportedCheckpoint(model_path, f"split module tensors are {dtype}, the model is {spec.lp_dtype}")

@@ -107,7 +107,8 @@ class CheckpointSpec:
             if not isinstance(world, Topology):
                 raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
             if self.stage == 3:
-                return expert_zero3_layout(self.params, self.groups, self.experts, world, self.sub_group_size)
+                return expert_zero3_layout(self.local_params(world.tp, tp_rank), self.groups, self.experts, world,
+                                           self.sub_group_size, tp_rank)
             return expert_zero12_layout(self.local_params(world.tp, tp_rank), self.groups, self.experts, world,
                                         round_robin=self.round_robin, param_alignment=self.param_alignment,
                                         tp_rank=tp_rank)

@@ -72,13 +72,15 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
         tree = _zero3_model_tree(source, layout, rank)
         if spec.tensor is not None:
             _set_tensor_parallel_metadata(tree, spec, target)
+        if spec.tensor is not None and spec.experts is not None:
+            _set_model_folding(tree, target, rank)
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0 if model_states is None else model_states:
         tree = _zero12_model_tree(source, layout)
         if spec.tensor is not None:
             _reslice_tensor_parallel_model(tree, spec, target, at.tp)
         if spec.tensor is not None and spec.experts is not None:
-            _set_model_folding(tree, target, at.tp)
+            _set_model_folding(tree, target, target.rank_of(0, at.tp))
         files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0)))
     return files
 
@@ -227,15 +229,16 @@ def _set_optim_folding(tree: dict, spec, layout, target: Topology, rank: int) ->
     unfolded (reshard.formats.deepspeed_folding; engine.py `_save_zero_checkpoint`)."""
     tree.pop(FOLDING_KEY, None)
     if target.folded:
-        names = [[name for name, _ in layout.param_shapes_on_rank(g.flat_order, 0)] for g in layout.groups]
+        names = None if spec.stage == 3 else \
+            [[name for name, _ in layout.param_shapes_on_rank(g.flat_order, 0)] for g in layout.groups]
         tree[FOLDING_KEY] = optim_folding(target, rank, names, spec.experts.expert_groups)
 
 
-def _set_model_folding(tree: dict, target: Topology, tp_rank: int) -> None:
-    """AutoEP with AutoTP layers: the model file of TP rank `tp_rank` (written by global rank
-    tp_rank) says that writer's EP placement, and its `folding` (engine.py `_save_moe_checkpoint`);
-    an unfolded target keeps AutoEP's own `universal_checkpoint_info` keys only."""
-    _retarget_autoep_layers(tree, target, tp_rank)
+def _set_model_folding(tree: dict, target: Topology, rank: int) -> None:
+    """AutoEP with AutoTP layers: the model file written by global rank `rank` says that writer's
+    EP placement, and its `folding` (engine.py `_save_moe_checkpoint`); an unfolded target keeps
+    AutoEP's own `universal_checkpoint_info` keys only."""
+    _retarget_autoep_layers(tree, target, rank)
     info = tree.get("universal_checkpoint_info")
     if info is None:  # tp 1: what engine.py `_save_moe_checkpoint` writes for AutoEP alone
         info = tree["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4}
@@ -244,7 +247,7 @@ def _set_model_folding(tree: dict, target: Topology, tp_rank: int) -> None:
     info[AUTOEP_LAYERS_KEY] = tree[AUTOEP_LAYERS_KEY]
     tree.pop(FOLDING_KEY, None)
     if target.folded:
-        tree[FOLDING_KEY] = model_folding(target, tp_rank, list(tree["module"]))
+        tree[FOLDING_KEY] = model_folding(target, rank, list(tree["module"]))
 
 
 def _plain_tuple_shapes(shapes) -> bool:
