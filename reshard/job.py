@@ -189,6 +189,10 @@ def _check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
                           "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
+    if spec.tensor is not None and spec.experts is not None and target.tp > 1 and target.ep == 1:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp} --target-ep 1: DeepSpeed folds AutoEP "
+                          "with AutoTP only for autoep_size > 1 (module_inject/auto_ep_folding.py "
+                          "`validate_folding_global`), so no engine could load that target")
     if spec.tensor is not None:
         problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
         if problem:
@@ -511,6 +515,10 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
     def inspect(carry_model_bytes):
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
                                     read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
+        if rewrites_expert_files(source):
+            from reshard.errors import UnsupportedCheckpoint
+            raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
+                                                              "resharding of it is not supported yet")
         return source, _preflight(opts, source, [], ranks=seen)
 
     source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)

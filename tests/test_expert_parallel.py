@@ -879,6 +879,8 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
         assert experts == expert_file_names((4, 4), topology)
         stamp = torch.load(tmp_path / out / "global_step2" / experts[-1], weights_only=False).get("folding")
         assert (stamp is None) if topology.tp == 1 else (stamp["ep_size"], stamp["tp_size"]) == (topology.ep, 2)
+    refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
+    assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
 
     _judge_folded(2, 2, 2, tmp_path / "w2", truth, tmp_path / "v_w2.json")
