@@ -170,6 +170,8 @@ class ExpertZero12Layout:
 
     @functools.cached_property
     def pieces(self) -> PieceTable:
+        if self.topology.tp > 1:  # dense ranks would be dp ranks, expert ranks global ones
+            raise ValueError("a folded layout is planned family by family (dense_pieces, expert_pieces)")
         numels = np.asarray(self.numels, dtype=np.int64)
         bases = logical_bases(self.numels)
         columns = []

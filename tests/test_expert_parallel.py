@@ -879,6 +879,18 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
         assert experts == expert_file_names((4, 4), topology)
         stamp = torch.load(tmp_path / out / "global_step2" / experts[-1], weights_only=False).get("folding")
         assert (stamp is None) if topology.tp == 1 else (stamp["ep_size"], stamp["tp_size"]) == (topology.ep, 2)
+    # the metadata reshard recomputes is DeepSpeed's own: an identity reshard writes every file's
+    # `folding` and `ds_autoep_layers` as the save did (an expert file's zero_partition_rank is
+    # whichever of its several writers saved last, unchecked on load: left out)
+    reshard_checkpoint(str(save), str(tmp_path / "same"), 2, target_tp=2, target_ep=2, quiet=True)
+    assert sorted(n for n in os.listdir(tmp_path / "same" / "global_step2") if n != "reshard_manifest.json") == names
+    for name in names:
+        ours = torch.load(tmp_path / "same" / "global_step2" / name, weights_only=False)
+        theirs = torch.load(save / "global_step2" / name, weights_only=False)
+        if name.startswith("layer_"):
+            ours["folding"].pop("zero_partition_rank"), theirs["folding"].pop("zero_partition_rank")
+        assert ours["folding"] == theirs["folding"], name
+        assert ours.get("ds_autoep_layers") == theirs.get("ds_autoep_layers"), name
     refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
