@@ -210,6 +210,8 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
     with pytest.raises(CheckpointError, match="allowlist"):
         load_portable(path, SAFE)
     assert load_portable(path, SAFE, trust_pickle=True)["args"].lr == 0.1
+    from reshard.formats import torch_archive
+    assert (str(path), "NeedsTorch: pickled global argparse.Namespace") in torch_archive.torch_fallbacks
     # a dtype without a legacy storage class: torch writes it
     tree = {"f8": NewTensor(("x",), 4, "float8_e4m3fn")}
     with pytest.raises(NeedsTorch):
@@ -249,7 +251,10 @@ def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, v
     assert files
     for path in files:
         _same_tree_as_torch(path)
+    from reshard.formats.torch_archive import torch_fallbacks
+    before = len(torch_fallbacks)
     source = inspect_checkpoint(save_dir)
+    assert torch_fallbacks[before:] == []  # inspection read every file without torch
     for m in (1, 3):
         for rank in range(m):
             for target in target_files(source, Topology(dp=m), rank):
@@ -270,7 +275,10 @@ def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(tmp_path):
     tag_dir = save_dir / (save_dir / "latest").read_text()
     for path in sorted(tag_dir.glob("*.pt")):
         _same_tree_as_torch(path)
+    from reshard.formats.torch_archive import torch_fallbacks
+    before = len(torch_fallbacks)
     source = inspect_checkpoint(save_dir)
+    assert torch_fallbacks[before:] == []
     for topology in (Topology(dp=2, tp=1), Topology(dp=2, tp=2)):
         for rank in range(topology.dp * topology.tp):
             for target in target_files(source, topology, rank):

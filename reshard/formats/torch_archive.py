@@ -311,6 +311,13 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
 
 # -- without torch where the content allows (torch_pickle), with torch otherwise ---------------
 
+torch_fallbacks: list[tuple[str, str]] = []
+"""(path, why) of every file this process read or wrote with torch after trying without it."""
+
+
+def _fell_back(path, error: BaseException) -> None:
+    torch_fallbacks.append((os.fspath(path), f"{type(error).__name__}: {error}"[:200]))
+
 def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
     """`portable(load_structure(path, safe_globals, trust_pickle))`, read without importing torch
     when the file is within torch_pickle's subset (every DeepSpeed file reshard knows is).
@@ -321,8 +328,8 @@ def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pi
         from reshard.formats import torch_pickle
         try:
             return torch_pickle.read_portable(path, torch_pickle.deepspeed_globals(safe_globals))
-        except Exception:  # NeedsTorch, or a file torch should judge
-            pass
+        except Exception as error:  # NeedsTorch, or a file torch should judge
+            _fell_back(path, error)
     return portable(load_structure(path, safe_globals, trust_pickle))
 
 
@@ -332,8 +339,8 @@ def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> di
     from reshard.formats import deepspeed_classes, torch_pickle
     try:
         return torch_pickle.write_skeleton_tree(path, tree)
-    except NeedsTorch:
-        pass
+    except NeedsTorch as error:
+        _fell_back(path, error)
     obj, roles = materialize(tree)
     return write_skeleton(path, obj, roles, deepspeed_classes, safe_globals)
 
@@ -345,7 +352,7 @@ def locate_tree_storages(path: str, tree: Any, safe_globals: Iterable = ()) -> d
         return torch_pickle.storage_offsets_of(path, tree, torch_pickle.deepspeed_globals(safe_globals))
     except ValueError:
         raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)") from None
-    except Exception:  # NeedsTorch, or a damaged file: torch's reading says what is wrong
-        pass
+    except Exception as error:  # NeedsTorch, or a damaged file: torch's reading says what is wrong
+        _fell_back(path, error)
     obj, roles = materialize(tree)
     return locate_storages(path, obj, roles, safe_globals)
