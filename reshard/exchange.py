@@ -28,7 +28,6 @@ import threading
 from typing import Callable
 
 import numpy as np
-import torch
 
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
@@ -168,15 +167,14 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
             assert ready_round == r
             failpoint("kill", round=r, worker=transport.rank)
             failpoint("stall", round=r, worker=transport.rank)
-            out = torch.from_numpy(incoming_buffer[:sum(recv_counts)])
-            received = transport.all_to_all(torch.from_numpy(packed[:sum(send_counts)]), send_counts, recv_counts,
-                                            out=out)
+            out = incoming_buffer[:sum(recv_counts)]
+            received = transport.all_to_all(packed[:sum(send_counts)], send_counts, recv_counts, out=out)
             ahead.recycle(packed)
             since_durable += moved_per_round[r]
             durable = durable_every_bytes > 0 and (since_durable >= durable_every_bytes or r == plan.rounds - 1)
             if failure is None:
                 try:
-                    incoming = memoryview(received.numpy())
+                    incoming = memoryview(received)
                     for position, rank, slot, element, count, itemsize in _walk(receives, space, "dst"):
                         writer.write(rank, slot, element, itemsize, incoming[position:position + count * itemsize])
                     del incoming
