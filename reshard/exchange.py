@@ -83,11 +83,11 @@ def _counts(blocks: list[RoundBlock], workers: int, bytes_per_element: int) -> l
 class _RoundReader:
     """Makes each round's blocks and fills its send buffer ahead of the collective, in a thread."""
 
-    def __init__(self, plan: ReshardPlan, view, rounds: range, reader, size: int):
+    def __init__(self, plan: ReshardPlan, view, rounds: range, reader, size: int, buffers: list | None = None):
         self.plan, self.view, self.rounds, self.reader = plan, view, rounds, reader
         self.free: queue.Queue = queue.Queue()
-        for _ in range(2):
-            self.free.put(np.empty(size, dtype=np.uint8))
+        for buffer in buffers or [np.empty(size, dtype=np.uint8) for _ in range(2)]:
+            self.free.put(buffer)
         self.ready: queue.Queue = queue.Queue()
         self.last: tuple = (None, [])
         """(buffer, runs) of the round filled last: intact while this one fills, as the reader
@@ -159,7 +159,9 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
         return
     largest_send, largest_receive = view.buffer_bytes()
     incoming_buffer = np.empty(largest_receive, dtype=np.uint8)
-    ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send)
+    shared = getattr(transport, "send_buffers", None)  # the forked transport's: packed where peers read
+    ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send,
+                         shared(2, largest_send) if shared is not None else None)
     since_durable = 0
     try:
         for r in range(start_round, plan.rounds):
