@@ -26,6 +26,8 @@ import pickle
 from dataclasses import dataclass
 from enum import Enum
 
+from reshard.formats.torch_classes import TorchGlobal
+
 
 class LossScaler:
     """Stand-in for deepspeed.runtime.fp16.loss_scaler.LossScaler: attributes only."""
@@ -71,10 +73,18 @@ def safe_global_names() -> set[str]:
 
 
 class Pickler(pickle._Pickler):
-    """pickle's own Pickler, writing each stand-in class as the DeepSpeed class it stands for."""
+    """pickle's own Pickler, writing each stand-in class as the DeepSpeed class it stands for,
+    and each torch stand-in (torch_classes.TorchGlobal: dtypes, torch.Size, storage classes) as
+    the torch global it stands for."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[TorchGlobal] = lambda self, obj: self.save_global(obj)
 
     def save_global(self, obj, name=None):
-        dotted = DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
+        if type(obj) is TorchGlobal:
+            dotted = obj.name
+        else:
+            dotted = DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
         if dotted is None:
             return super().save_global(obj, name)
         module, _, qualname = dotted.rpartition(".")

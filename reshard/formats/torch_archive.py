@@ -26,13 +26,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import torch
-from torch.serialization import skip_data
-
 from reshard.errors import CheckpointError
+from reshard.formats.torch_classes import ITEMSIZE, NeedsTorch
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,8 @@ class TensorRef:
 
     @property
     def itemsize(self) -> int:
-        return dtype_of(self.dtype).itemsize
+        size = ITEMSIZE.get(self.dtype)
+        return dtype_of(self.dtype).itemsize if size is None else size
 
     @property
     def is_contiguous(self) -> bool:
@@ -86,14 +86,16 @@ class NewTensor:
     whole by a ZeRO stage change)."""
 
 
-def dtype_of(name: str) -> torch.dtype:
+def dtype_of(name: str) -> "torch.dtype":
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"not a torch dtype: {name}")
     return dtype
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: "torch.dtype") -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -103,6 +105,8 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     Loads with weights_only=True and the given allowlist unless `trust_pickle`; anything else
     is refused with a message naming the class and the file.
     """
+    import torch
+
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -134,6 +138,8 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
 
 
 def _unsafe_globals(path: str) -> list[str]:
+    import torch
+
     try:
         from reshard.formats.deepspeed_schema import safe_global_names
         return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in safe_global_names()]
@@ -166,7 +172,8 @@ class _Replacer(pickle.Unpickler):
 
 
 def _is_tensor(obj) -> bool:
-    return isinstance(obj, torch.Tensor)
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def leaves_in_order(obj: Any, is_leaf: Callable[[Any], bool] = _is_tensor) -> list:
@@ -194,7 +201,7 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     return _Replacer(out.getvalue(), replacements).load()
 
 
-def tensor_ref(tensor: torch.Tensor) -> TensorRef:
+def tensor_ref(tensor: "torch.Tensor") -> TensorRef:
     """Where a meta-loaded tensor's bytes are in its file."""
     storage = tensor.untyped_storage()
     key = getattr(storage, "_checkpoint_offset", None)
@@ -224,6 +231,8 @@ def materialize(tree: Any) -> tuple[Any, dict]:
     tied alias) are one tensor. Returns the object and
     {storage identity: TensorRef storage key (int) or NewTensor slot (tuple)}.
     """
+    import torch
+
     storages: dict[int, torch.UntypedStorage] = {}
     roles: dict[int, Any] = {}
     made: dict[tuple, torch.Tensor] = {}
@@ -248,7 +257,7 @@ def materialize(tree: Any) -> tuple[Any, dict]:
     return map_leaves(tree, build, is_ref), roles
 
 
-def _identity(tensor: torch.Tensor) -> int:
+def _identity(tensor: "torch.Tensor") -> int:
     return tensor.untyped_storage()._cdata
 
 
@@ -258,6 +267,9 @@ def write_skeleton(path: str, obj: Any, roles: dict, pickle_module=None, safe_gl
     `pickle_module` (default: pickle) pickles the structure, `safe_globals` reloads it (see
     `locate_storages`).
     """
+    import torch
+    from torch.serialization import skip_data
+
     with skip_data():
         torch.save(obj, path, **({"pickle_module": pickle_module} if pickle_module is not None else {}))
     return locate_storages(path, obj, roles, safe_globals)
@@ -288,3 +300,45 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
         if offsets.setdefault(role, offset) != offset:
             raise AssertionError(f"{path}: one source storage was saved twice")
     return offsets
+
+
+# -- without torch where the content allows (torch_pickle), with torch otherwise ---------------
+
+def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
+    """`portable(load_structure(path, safe_globals, trust_pickle))`, read without importing torch
+    when the file is within torch_pickle's subset (every DeepSpeed file reshard knows is).
+
+    torch reads the rest, and damaged files (its messages are the ones users see), and every
+    file under `trust_pickle` (real DeepSpeed classes, not stand-ins, as torch gives them)."""
+    if not trust_pickle:
+        from reshard.formats import torch_pickle
+        try:
+            return torch_pickle.read_portable(path, torch_pickle.deepspeed_globals(safe_globals))
+        except Exception:  # NeedsTorch, or a file torch should judge
+            pass
+    return portable(load_structure(path, safe_globals, trust_pickle))
+
+
+def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
+    """`write_skeleton(path, *materialize(tree), deepspeed_classes, safe_globals)`: the same bytes
+    and offsets, written without torch unless the tree needs it (torch_pickle.NeedsTorch)."""
+    from reshard.formats import deepspeed_classes, torch_pickle
+    try:
+        return torch_pickle.write_skeleton_tree(path, tree)
+    except NeedsTorch:
+        pass
+    obj, roles = materialize(tree)
+    return write_skeleton(path, obj, roles, deepspeed_classes, safe_globals)
+
+
+def locate_tree_storages(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
+    """`locate_storages(path, *materialize(tree), safe_globals)` without torch where the file allows."""
+    from reshard.formats import torch_pickle
+    try:
+        return torch_pickle.storage_offsets_of(path, tree, torch_pickle.deepspeed_globals(safe_globals))
+    except ValueError:
+        raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)") from None
+    except Exception:  # NeedsTorch, or a damaged file: torch's reading says what is wrong
+        pass
+    obj, roles = materialize(tree)
+    return locate_storages(path, obj, roles, safe_globals)

@@ -1,0 +1,91 @@
+"""torch's pickled names, by name, without importing torch: stand-ins for reading and writing.
+
+    from reshard.formats.torch_classes import TORCH_GLOBALS, TorchSize, NeedsTorch
+    TORCH_GLOBALS["torch.float16"]          # the stand-in written as GLOBAL 'torch float16'
+    TorchSize((2, 3))                       # written as torch.Size((2, 3)) is
+
+A torch.save pickle names torch objects by module and name (torch/serialization.py `_save`
+pickles at protocol 2 with a `persistent_id` for storages; torch/_tensor.py
+`_reduce_ex_internal` reduces a tensor to `torch._utils._rebuild_tensor_v2`). Each such name
+has one `TorchGlobal` here: a callable (so pickle can REDUCE it) that builds what reshard
+keeps of it, e.g. a TensorRef for `_rebuild_tensor_v2`, and that picklers write back as the
+same GLOBAL (deepspeed_classes.Pickler). A name not here raises `NeedsTorch`: the caller then
+reads or writes that file with torch itself.
+"""
+from __future__ import annotations
+
+
+class NeedsTorch(Exception):
+    """The content is outside what reshard reads and writes without torch: use torch for this file."""
+
+
+class TorchGlobal:
+    """A global of torch's namespace, by its dotted name; calling it builds reshard's stand-in."""
+
+    __slots__ = ("name", "build", "dtype", "__weakref__")
+
+    def __init__(self, name: str, build=None, dtype: str | None = None):
+        self.name, self.build, self.dtype = name, build, dtype
+
+    def __call__(self, *args):
+        if self.build is None:
+            raise NeedsTorch(f"{self.name} called with {len(args)} arguments")
+        return self.build(*args)
+
+    def __reduce__(self):  # pickled as itself in memory copies (torch_archive.map_leaves)
+        return (torch_global, (self.name,))
+
+    def __repr__(self):
+        return self.name
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+TORCH_GLOBALS: dict[str, TorchGlobal] = {}
+
+
+def torch_global(name: str) -> TorchGlobal:
+    return TORCH_GLOBALS[name]
+
+
+def _register(name: str, build=None, dtype: str | None = None) -> TorchGlobal:
+    TORCH_GLOBALS[name] = TorchGlobal(name, build, dtype)
+    return TORCH_GLOBALS[name]
+
+
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+"""Bytes per element of the dtypes torch pickles with a legacy storage class."""
+
+STORAGE_TYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+                 "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+                 "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+                 "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
+"""torch/storage.py `_dtype_to_storage_type_map` without the quantized types: storage class -> dtype."""
+
+STORAGE_OF_DTYPE = {dtype: name for name, dtype in STORAGE_TYPES.items()}
+
+for _storage, _dtype in STORAGE_TYPES.items():
+    _register(f"torch.{_storage}", dtype=_dtype)
+    _register(f"torch.{_dtype}", dtype=_dtype)  # the dtype itself (torch.dtype.__reduce__ gives its name)
+_register("torch.UntypedStorage", dtype="uint8")
+_register("torch.Tensor")
+
+
+class TorchSize(tuple):
+    """Stand-in for torch.Size: a tuple, pickled as torch.Size((...)) (its `__reduce__`)."""
+
+    def __reduce__(self):
+        return (SIZE, (tuple(self),))
+
+    def __repr__(self):
+        return f"torch.Size({list(self)})"
+
+
+SIZE = _register("torch.Size", lambda values=(): TorchSize(values))
