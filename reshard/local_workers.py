@@ -47,7 +47,7 @@ def run_local_workers(options, started: float | None) -> int:
     workers = options.workers
     over_gloo = options.transport == "torch"
     if over_gloo:
-        import torch.distributed  # noqa: F401  (once, before forking)
+        import torch.distributed  # noqa: F401  (imported once, before forking)
     store_dir = tempfile.mkdtemp(prefix="reshard-workers-") if over_gloo else None
     links = None if over_gloo else ForkedLinks.create(workers)
     sys.stdout.flush()

@@ -300,7 +300,7 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     import copy
     import dataclasses
 
-    from reshard.formats.torch_archive import load_structure, portable
+    from reshard.formats.torch_archive import load_portable
     name = source.model_name(0)
     writes = site.model_states_ranks is not None and any(r in site.model_states_ranks for r in target_ranks)
     if not writes:
@@ -308,7 +308,7 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     template = source.model_template
     if name not in source.carried:
         path = source.model_path(0)
-        own = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+        own = load_portable(path, schema.safe_globals(), trust_pickle)
         for key in ("dp_world_size", "global_steps", "param_shapes", "buffer_names"):
             if not isinstance(own, dict) or own.get(key) != template.get(key):
                 raise CheckpointError(path, f"differs from the model-states file of the node that holds source "

@@ -36,10 +36,9 @@ from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
-    locate_storages,
-    materialize,
+    locate_tree_storages,
     refs_in,
-    write_skeleton,
+    write_tree_skeleton,
 )
 
 from reshard.topology import Topology
@@ -101,17 +100,15 @@ class TargetWriter:
         return writer
 
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
-        obj, roles = materialize(target.tree)
         if os.path.islink(path):  # never write through a link left in staging
             os.unlink(path)
-        try:
-            offsets = locate_storages(path, obj, roles, classes.safe_globals()) if reuse_existing else \
-                write_skeleton(path, obj, roles, classes, classes.safe_globals())
+        try:  # without torch where the tree allows (reshard.formats.torch_pickle), else with it
+            offsets = locate_tree_storages(path, target.tree, classes.safe_globals()) if reuse_existing else \
+                write_tree_skeleton(path, target.tree, classes.safe_globals())
         except OSError as error:
             raise WriteFailed(path, error) from None
         except RuntimeError as error:  # torch.save reports a failed write this way
             raise WriteFailed(path, OSError(0, str(error).splitlines()[0])) from None
-        del obj
         self.paths.append(path)
         fd = self.fds[path] = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         for role, offset in offsets.items():

@@ -36,9 +36,8 @@ from reshard.formats.torch_archive import (
     TensorRef,
     is_ref,
     leaves_in_order,
-    load_structure,
+    load_portable,
     map_leaves,
-    portable,
 )
 from reshard.manifest import Manifest
 from reshard.source_reader import SourceReader
@@ -182,7 +181,7 @@ def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, t
         if not os.path.isfile(path):
             problems.append(f"{path}: missing")
             continue
-        actual = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+        actual = load_portable(path, schema.safe_globals(), trust_pickle)
         expected_leaves = leaves_in_order(target.tree, is_ref)
         if len(leaves_in_order(actual, is_ref)) != len(expected_leaves):
             problems.append(f"{path}: holds a different number of tensors than the source implies")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import read_storages
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import TensorRef, load_structure, map_leaves, portable, refs_in
+from reshard.formats.torch_archive import TensorRef, load_portable, map_leaves, refs_in
 
 DEEPSPEED_MODEL_KEYS = frozenset({
     # engine.py `_common_checkpoint_state`, `_checkpoint_parallel_metadata`, `_save_checkpoint`
@@ -47,7 +47,7 @@ def differing_client_state(source: SourceCheckpoint, *, trust_pickle: bool = Fal
     differing = set()
     for rank in (range(1, spec.dp_world_size) if ranks is None else sorted(set(ranks) - {0})):
         path = source.model_path(rank)
-        tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+        tree = load_portable(path, schema.safe_globals(), trust_pickle)
         if not isinstance(tree, dict):
             continue
         mine = _comparable(tree, [k for k in tree if k not in DEEPSPEED_MODEL_KEYS], path, read_tensors)

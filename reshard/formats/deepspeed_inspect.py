@@ -31,8 +31,7 @@ from reshard.expert_placement import expert_name_parts
 from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
 from reshard.formats.torch_archive import (
     TensorRef,
-    load_structure,
-    portable,
+    load_portable,
     refs_in,
 )
 from reshard.layout import (
@@ -109,7 +108,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     model_path = os.path.join(tag_dir, model_name)
     if not os.path.isfile(model_path):
         raise CheckpointError(model_path, "is missing: every ZeRO checkpoint has this model-states file")
-    model_meta = load_structure(model_path, schema.safe_globals(), trust_pickle)
+    model_meta = load_portable(model_path, schema.safe_globals(), trust_pickle)
     if not isinstance(model_meta, dict) or "dp_world_size" not in model_meta:
         raise CheckpointError(model_path, "is not a DeepSpeed model-states file (no dp_world_size)")
     n = model_meta["dp_world_size"]
@@ -128,8 +127,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
                                   f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
 
     optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
-    optim_meta = load_structure(optim_path, schema.safe_globals(), trust_pickle)
-    optim_tree, model_tree = portable(optim_meta), portable(model_meta)
+    optim_tree, model_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle), model_meta
     expert_files = {name: schema.expert_file_index(name) for name, role in roles.items() if role.kind == "expert"}
     spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
                                 _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3))
@@ -312,7 +310,7 @@ def _expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, model_pat
     prefixes = []
     for layer in range(len(num_experts)):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
-        keys = load_structure(path, schema.safe_globals(), trust_pickle)
+        keys = load_portable(path, schema.safe_globals(), trust_pickle)
         parts = {expert_name_parts(key)[:2] if expert_name_parts(key) else None for key in (keys or {})}
         if len(parts) != 1 or None in parts or next(iter(parts))[1] != 0:
             raise UnsupportedCheckpoint(path, "does not hold the parameters of exactly global expert 0 of one "
@@ -346,7 +344,7 @@ def _autoep_expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, mo
                               f"{num_experts}")
     for layer, prefix in enumerate(layers.prefixes):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
-        keys = load_structure(path, schema.safe_globals(), trust_pickle)
+        keys = load_portable(path, schema.safe_globals(), trust_pickle)
         if not isinstance(keys, dict) or sorted(keys) != [f"{prefix}{w}.0" for w in ("w1", "w2", "w3")]:
             raise UnsupportedCheckpoint(path, f"does not hold exactly {prefix}w1.0, w2.0 and w3.0 (AutoEP global "
                                               "expert 0)")
@@ -742,18 +740,18 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     at = spec.topology.coordinates(rank)
     layout = spec.layout(spec.topology, tp_rank=at.tp)
     path = source.optim_path(rank)
-    tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+    tree = load_portable(path, schema.safe_globals(), trust_pickle)
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
     _check_same_counters(tree, source, path)
     if spec.tensor is not None and spec.stage < 3 and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
         mpath = source.model_path(rank)
-        mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
         _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
             mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
     if spec.stage == 3:
         mpath = source.model_path(rank)
-        mtree = portable(load_structure(mpath, schema.safe_globals(), trust_pickle))
+        mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
         if spec.tensor is not None:
             _check_local_param_shapes(mtree, mpath, layout)
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})

@@ -36,7 +36,7 @@ from reshard.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
-from reshard.formats.torch_archive import TensorRef, load_structure, portable
+from reshard.formats.torch_archive import TensorRef, load_portable
 from reshard.topology import Topology
 from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
@@ -146,7 +146,7 @@ def inspect_zero0_moe(save_dir: str, tag: str, *, trust_pickle: bool = False) ->
     model_path = os.path.join(tag_dir, MODEL)
     if not os.path.isfile(model_path):
         raise CheckpointError(model_path, "is missing: every ZeRO-0 MoE checkpoint has this model-states file")
-    model = portable(load_structure(model_path, schema.safe_globals(), trust_pickle))
+    model = load_portable(model_path, schema.safe_globals(), trust_pickle)
     if not isinstance(model, dict) or not isinstance(model.get("dp_world_size"), int):
         raise CheckpointError(model_path, "is not a DeepSpeed model-states file (no dp_world_size)")
     if model.get("mp_world_size", 1) != 1:
@@ -172,11 +172,11 @@ def inspect_zero0_moe(save_dir: str, tag: str, *, trust_pickle: bool = False) ->
     layer_shapes = []
     for layer in range(len(num_experts)):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
-        tree = portable(load_structure(path, schema.safe_globals(), trust_pickle))
+        tree = load_portable(path, schema.safe_globals(), trust_pickle)
         layer_shapes.append([tuple(ref.shape) for ref in tree.values() if isinstance(ref, TensorRef)])
 
     path0 = os.path.join(tag_dir, expp[0])
-    optimizer = _optimizer_of(portable(load_structure(path0, schema.safe_globals(), trust_pickle)), path0)
+    optimizer = _optimizer_of(load_portable(path0, schema.safe_globals(), trust_pickle), path0)
     wrapped = INNER in optimizer
     if wrapped and "fp32_groups" not in optimizer:
         raise UnsupportedCheckpoint(path0, "holds FP16_Optimizer's flat fp32 groups (fp32_groups_flat, fused Adam); "
