@@ -22,8 +22,10 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 
 from reshard.errors import ReshardError
 
@@ -37,6 +39,31 @@ def _gloo_transport(store_dir: str, rank: int, workers: int, timeout: float):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=workers,
                             timeout=datetime.timedelta(seconds=timeout))
     return TorchDistributedTransport(owns_group=True)
+
+
+STOP_SECONDS = 10.0
+"""After a failure, how long worker 0 waits for the other workers to stop before killing them
+(one that hangs, e.g. in a write to a dead disk, would otherwise keep the command waiting)."""
+
+
+def _reap(children: list[int], patience: float | None):
+    """Yield (pid, exit status) of each child; with `patience`, kill those still running after that long."""
+    deadline = None if patience is None else time.monotonic() + patience
+    waiting = list(children)
+    while waiting:
+        for pid in list(waiting):
+            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+            if done:
+                waiting.remove(pid)
+                yield pid, os.waitstatus_to_exitcode(status)
+        if waiting and deadline is not None:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            for pid in waiting:
+                print(f"reshard: worker process {pid} did not stop after the job failed; killing it", file=sys.stderr)
+                os.kill(pid, signal.SIGKILL)
+            deadline = None
 
 
 def run_local_workers(options, started: float | None) -> int:
@@ -88,9 +115,7 @@ def run_local_workers(options, started: float | None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    for pid in children:
-        _, status = os.waitpid(pid, 0)
-        child_code = os.waitstatus_to_exitcode(status)
+    for pid, child_code in _reap(children, patience=None if code == 0 else STOP_SECONDS):
         if child_code != 0 and code == 0:
             print(f"reshard: worker process {pid} exited with status {child_code}", file=sys.stderr)
             code = 1 if child_code < 0 else child_code

@@ -27,9 +27,9 @@ from synthetic_checkpoint import MODELS, write_checkpoint  # noqa: E402
 TORCH_FREE = "  io     : torch-free (no worker imported torch)"
 
 
-def _run(*args, blocked: Path | None = None) -> subprocess.CompletedProcess:
+def _run(*args, blocked: Path | None = None, **environment) -> subprocess.CompletedProcess:
     path = [str(blocked)] if blocked is not None else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(REPO)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(REPO)]), **environment)
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=300)
 
@@ -80,3 +80,20 @@ def test_forked_workers_without_torch_with_its_fallback_and_over_gloo_write_the_
     assert "over torch.distributed/gloo" in gloo.stdout
     for other in ("trusted", "gloo"):
         _same_files(tmp_path / "free", tmp_path / other)
+
+
+@pytest.mark.parametrize("failure", ["kill", "stall"])
+def test_a_forked_worker_that_dies_or_hangs_fails_the_command_and_leaves_no_process(tmp_path, failure):
+    """Worker 1 killed (SIGKILL) or hanging at round 3: worker 0 names it (at once, or after
+    --timeout), the command exits 1, no worker process is left behind, and nothing is published."""
+    source = tmp_path / "src"
+    write_checkpoint(str(source), MODELS["tiny"], 2, 2)
+    done = _run("-m", "reshard", source, tmp_path / "dst", "--target-dp", "3", "--workers", "2", "--memory-budget",
+                "4K", "--quiet", "--timeout", "2", RESHARD_FAILPOINTS=f"{failure}@round=3,worker=1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    expected = "worker 1 exited or died during a round" if failure == "kill" else \
+        "waited more than 2s for worker(s) 1"
+    assert "reshard: error: worker 0: " in done.stderr and expected in done.stderr, done.stderr
+    assert not (tmp_path / "dst" / "latest").exists()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "dst")], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout
