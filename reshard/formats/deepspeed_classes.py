@@ -86,7 +86,15 @@ class Pickler(pickle._Pickler):
         else:
             dotted = DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
         if dotted is None:
-            return super().save_global(obj, name)
+            dotted = _torch_or_deepspeed_name(obj, name)
+            if dotted is None:
+                return super().save_global(obj, name)
+        # A stand-in and the real object it stands for (torch.Size and torch_classes' SIZE in one
+        # tree) are one global: written once, then fetched from the memo, as one object would be.
+        seen = self._names.get(dotted) if hasattr(self, "_names") else None
+        if seen is not None:
+            self.write(self.get(seen))  # not memoized again: memo indices count entries
+            return
         module, _, qualname = dotted.rpartition(".")
         # As pickle._Pickler.save_global writes a top-level class found in its module.
         if self.proto >= 4:
@@ -96,6 +104,20 @@ class Pickler(pickle._Pickler):
         else:
             self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + qualname.encode("ascii") + b"\n")
         self.memoize(obj)
+        if not hasattr(self, "_names"):
+            self._names = {}
+        self._names[dotted] = self.memo[id(obj)][0]
+
+
+def _torch_or_deepspeed_name(obj, name) -> str | None:
+    """The dotted name of a real torch or DeepSpeed global (torch.Size, a dtype, a DeepSpeed class)."""
+    qualname = name or getattr(obj, "__qualname__", None)
+    if not isinstance(qualname, str) or "." in qualname:
+        return None
+    module = pickle.whichmodule(obj, qualname)
+    if module == "torch" or module.startswith(("torch.", "deepspeed.")):
+        return f"{module}.{qualname}"
+    return None
 
 
 def to_deepspeed(obj):

@@ -28,10 +28,13 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from reshard.errors import CheckpointError
 from reshard.formats.torch_classes import ITEMSIZE, NeedsTorch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats.torch_archive import NewTensor, TensorRef, is_ref, map_leaves
 from reshard.formats.torch_classes import (
     ITEMSIZE,
-    SIZE,
     STORAGE_OF_DTYPE,
     TORCH_GLOBALS,
     NeedsTorch,
@@ -242,6 +241,8 @@ def _skeleton_object(tree: Any) -> tuple[Any, list]:
     tensors: list[_Tensor] = []
 
     def build(ref):
+        if ref.dtype not in STORAGE_OF_DTYPE:
+            raise NeedsTorch(f"dtype {ref.dtype} has no legacy storage class")
         if isinstance(ref, NewTensor):
             if ref.slot in made:
                 return made[ref.slot]
