@@ -35,8 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from make_checkpoint import child_env, torchrun_command, tree_bytes, versions  # noqa: E402
-from tp_bench import watched  # noqa: E402
-from path_comparison import summarize, write_result  # noqa: E402
+from path_comparison import summarize, timed_load, watched, write_result  # noqa: E402
 
 SOURCE = (1, 2)  # (ep, dp)
 TARGET = (1, 1)
@@ -112,28 +111,10 @@ def rank_train(args) -> None:
 
 
 def rank_load(args) -> None:
+    """One rank: build the engine at the target EP, time one load, report checksums; rank 0 writes JSON."""
     import deepspeed
-    import torch
     deepspeed.init_distributed(dist_backend="gloo")
-    engine = build_engine(args.ep, universal=args.how == "universal")
-    torch.distributed.barrier()
-    started = time.perf_counter()
-    if args.how == "in-job":
-        import reshard.deepspeed
-        reshard.deepspeed.load_checkpoint(engine, args.dir)
-    else:
-        engine.load_checkpoint(args.dir)
-    seconds = time.perf_counter() - started
-    optimizer = engine.optimizer
-    sums = {"fp32": [float(p.detach().double().sum()) for p in optimizer.single_partition_of_fp32_groups]}
-    for key in ("exp_avg", "exp_avg_sq"):
-        sums[key] = [float(optimizer.optimizer.state[p][key].double().sum())
-                     for p in optimizer.single_partition_of_fp32_groups]
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, {"seconds": seconds, "sums": sums})
-    if torch.distributed.get_rank() == 0:
-        with open(args.json, "w") as handle:
-            json.dump({"seconds": max(r["seconds"] for r in everyone), "ranks": everyone}, handle)
+    timed_load(build_engine(args.ep, universal=args.how == "universal"), args.how, args.dir, args.json)
 
 
 def load(how, directory, out, name) -> dict:

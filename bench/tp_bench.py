@@ -35,9 +35,7 @@ sys.path.insert(0, HERE)
 
 from bench_model import QUICK, ModelConfig, build_model, config_from_json, config_to_json, param_groups  # noqa: E402
 from make_checkpoint import child_env, torchrun_command, tree_bytes, versions  # noqa: E402
-from page_cache import drop_page_cache  # noqa: E402
-from process_tree import run_watched  # noqa: E402
-from path_comparison import summarize, write_result  # noqa: E402
+from path_comparison import summarize, timed_load, watched, write_result  # noqa: E402
 
 SOURCE = (2, 2)  # (tp, dp)
 TARGET = (1, 4)
@@ -90,41 +88,9 @@ def rank_train(args) -> None:
 def rank_load(args) -> None:
     """One rank: build the engine at (tp, dp), time one load, report checksums; rank 0 writes JSON."""
     import deepspeed
-    import torch
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = config_from_json(args.config_json)
-    engine = build_tp_engine(cfg, args.tp, universal=args.how == "universal")
-    torch.distributed.barrier()
-    started = time.perf_counter()
-    if args.how == "in-job":
-        import reshard.deepspeed
-        reshard.deepspeed.load_checkpoint(engine, args.dir)
-    else:
-        engine.load_checkpoint(args.dir)
-    seconds = time.perf_counter() - started
-    optimizer = engine.optimizer
-    sums = {"fp32": sum(float(p.double().sum()) for p in optimizer.single_partition_of_fp32_groups)}
-    for key in ("exp_avg", "exp_avg_sq"):
-        sums[key] = sum(float(s[key].double().sum()) for s in optimizer.optimizer.state.values() if key in s)
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, {"seconds": seconds, "sums": sums})
-    if torch.distributed.get_rank() == 0:
-        with open(args.json, "w") as handle:
-            json.dump({"seconds": max(r["seconds"] for r in everyone), "ranks": everyone}, handle)
-
-
-def watched(command, log, disk_path, timeout=1800) -> dict:
-    """Run one contender from a dropped page cache (page_cache.py), its process tree sampled."""
-    found = {"page_cache": drop_page_cache([disk_path])}
-    run = run_watched([str(c) for c in command], env=child_env(), cwd=os.path.dirname(HERE), log_path=log,
-                      disk_path=disk_path, timeout=timeout)
-    found.update({"wall_seconds": round(run.wall_seconds, 2), "returncode": run.returncode,
-                  "peak_rss_largest_process_bytes": run.peak_process_rss_bytes,
-                  "peak_rss_tree_bytes": run.peak_tree_rss_bytes, "peak_disk_added_bytes": run.peak_disk_bytes})
-    if run.returncode != 0:
-        with open(log, errors="replace") as handle:
-            found["failure_tail"] = handle.read()[-2500:]
-    return found
+    engine = build_tp_engine(config_from_json(args.config_json), args.tp, universal=args.how == "universal")
+    timed_load(engine, args.how, args.dir, args.json)
 
 
 def load(cfg, how, directory, out, name) -> dict:
