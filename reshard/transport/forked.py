@@ -53,6 +53,8 @@ class ForkedLinks:
 
     @classmethod
     def create(cls, workers: int) -> "ForkedLinks":
+        from reshard.resources import ensure_open_files
+        ensure_open_files(workers * workers)  # every socket pair's two ends and the memfds, until the fork
         segments = [os.memfd_create(f"reshard-worker{k}", os.MFD_CLOEXEC) for k in range(workers)]
         sockets = {}
         for a in range(workers):
