@@ -76,11 +76,11 @@ class ReshardOptions:
     """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
     transport: str = "auto"
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
-    started the process and torchrun did not)."""
+    started the process and torchrun did not; with `workers` > 1, shared memory between the forked
+    workers, and torch means gloo between them)."""
     workers: int = 1
     """Worker processes `python -m reshard` starts on this host (forked after the imports; shared
-    memory, or gloo with transport "torch");
-    under torchrun the launcher starts them instead."""
+    memory, or gloo with transport "torch"); under torchrun the launcher starts them instead."""
     node_local: bool = False
     """SRC and DST are node-local paths, the same on every node (DeepSpeed's use_node_local_storage):
     each node reads what it sees and receives its target ranks' files (reshard.node_local)."""
