@@ -196,6 +196,8 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     view = plan.worker_view(worker)
     send_buffer, receive_buffer = view.buffer_bytes()
     t2 = time.perf_counter()
+    upfront_cpu = time.process_time() - cpu0
+    upfront_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     segments = elements = rounds_done = 0
     first_round = None
     while rounds_done < plan.rounds and time.perf_counter() - t2 < round_seconds:
@@ -213,10 +215,11 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     return {"model": model, "stage": stage, "tp": tp, "ep": ep, "params": len(params), "elements": int(sum(p.numel for p in params)), "source_ranks": source,
             "target_ranks": target, "workers": workers, "worker": worker, "budget_bytes": budget,
             "planner": type(plan.spaces[0]).__name__, "rounds": plan.rounds, "rounds_timed": rounds_done,
-            "plan_segments": sum(len(getattr(space, "segments", ())) for space in plan.spaces),
+            "plan_segments": sum(len(getattr(space, "table", ())) for space in plan.spaces),  # uncut table rows
             "worker_segments_timed": segments, "worker_elements_timed": elements,
             "send_buffer_bytes": send_buffer, "receive_buffer_bytes": receive_buffer,
-            "plan_seconds": t1 - t0, "worker_setup_seconds": t2 - t1, "first_round_seconds": first_round or 0.0,
+            "plan_seconds": t1 - t0, "upfront_cpu_seconds": upfront_cpu,
+            "upfront_peak_rss_delta_bytes": upfront_peak - rss_start, "worker_setup_seconds": t2 - t1, "first_round_seconds": first_round or 0.0,
             "rounds_seconds": rounds_seconds, "all_rounds_projected_seconds": projected,
             "worker_share_seconds": (t2 - t0) + projected, "cpu_seconds_timed": cpu,
             "cpu_share_projected_seconds": cpu * ((t2 - t0) + projected) / max(t3 - t0, 1e-9), "rss_before_bytes": rss_start, "peak_rss_bytes": peak,
@@ -231,6 +234,7 @@ SUITE = [
     ("mixed", 3, 100_000, 4096, 8192, 1024, 1, 1),
     ("mixed", 3, 100_000, 4096, 8192, 8, 1, 1),
     ("moe", 2, 100_000, 4096, 8192, 1024, 1, 1),
+    ("moe", 2, 100_000, 4096, 8192, 8, 1, 1),
     ("moe", 3, 100_000, 4096, 8192, 1024, 1, 1),
     ("moe", 3, 100_000, 4096, 8192, 8, 1, 1),
     ("mixed", 3, 100_000, 64, 128, 32, 1, 1),
@@ -240,9 +244,10 @@ TOPOLOGY_SUITE = [  # `--suite topology`: TP 8 (ZeRO-1/2 AutoTP) and EP 64 (nati
     ("mixed", 2, 100_000, 4096, 8192, 1024, 8, 1),
     ("mixed", 2, 100_000, 4096, 8192, 8, 8, 1),
     ("moe", 2, 100_000, 4096, 8192, 1024, 1, 64),
-    # W = 8 at 100k MoE parameters (1.4e12 elements) cuts ~2.6e8 segments at the round windows of
-    # the ZeRO-1/2 table planner (1024 target ranks per worker: 5461-element windows) and needs
-    # > 23 GB, DP or EP alike; two whole MoE layers (1,550 parameters, 2.2e10 elements) instead
+    ("moe", 2, 100_000, 4096, 8192, 8, 1, 64),
+    # before rounds were cut per worker and per round, W = 8 at 100k MoE parameters (1.4e12
+    # elements) cut ~2.6e8 window segments up front and needed > 23 GB; two whole MoE layers
+    # (1,550 parameters, 2.2e10 elements) were the largest that ran
     ("moe", 2, 1_550, 4096, 8192, 8, 1, 64),
 ]
 
@@ -274,7 +279,8 @@ def describe(result: dict) -> str:
         return f"{head}: FAILED {result['failed'].splitlines()[-1]}"
     projected = "" if result["rounds_timed"] == result["rounds"] else \
         f" ({result['rounds_timed']} timed, the rest projected)"
-    return (f"{head}: {result['rounds']:>5} rounds; plan {result['plan_seconds']:6.2f} s, worker setup "
+    return (f"{head}: {result['rounds']:>5} rounds; up-front CPU {result.get('upfront_cpu_seconds', 0):.2f} s, "
+            f"+{result.get('upfront_peak_rss_delta_bytes', 0) / 1e6:.0f} MB; plan {result['plan_seconds']:6.2f} s, worker setup "
             f"{result['worker_setup_seconds']:5.2f} s, first round {result['first_round_seconds']:5.2f} s, "
             f"worker share {result['worker_share_seconds']:7.2f} s{projected} "
             f"(CPU {result['cpu_share_projected_seconds']:.2f} s), "

@@ -144,11 +144,11 @@ def restrict_to_files(plan: ReshardPlan, locations) -> ReshardPlan:
             if missing:
                 raise ReshardError(f"target rank {rank}: states {sorted(missing)} of {space.name} buffer {buffer} "
                                    "are in another file; array tasks cannot split them")
-        seg = space.segments
+        seg = space.table
         width = int(seg.dst_buffer.max()) + 1 if len(seg) else 1
         wanted = np.asarray([rank * width + buffer for rank, buffer in keys if buffer < width], dtype=np.int64)
         keep = np.isin(seg.dst_rank * width + seg.dst_buffer, wanted)
-        spaces.append(SpacePlan(space.name, space.streams, seg.select(keep), space.rounds, space.round_offset))
+        spaces.append(space.restricted(keep))
     return ReshardPlan(plan.ownership, tuple(spaces), plan.budget_bytes)
 
 
@@ -351,9 +351,10 @@ def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str,
     except BaseException:
         writer.close()
         raise
-    source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.segments.src_rank)})
+    source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.table.src_rank)})
     report.source_ranks = tuple(source_ranks)
-    rounds = sum(len(np.unique(space.segments.round)) for space in share.spaces)  # rounds with data
+    # rounds with data
+    rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
     hashes, report_read = execute(
         share, LocalTransport(),
         open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle),

@@ -17,10 +17,12 @@ second space.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from reshard.chunked_plan import ChunkedSide, plan_chunked_space
-from reshard.layout import buffer_numels, logical_bases
+from reshard.layout import PieceTable, buffer_numels, logical_bases, table_from_columns
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.layout import zero3_chunk
 from reshard.tensor_pieces import (
@@ -69,19 +71,57 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     return ReshardPlan(ownership, tuple(spaces), budget_bytes)
 
 
+@dataclass(frozen=True)
+class _DenseView:
+    """The dense family of a folded layout, shaped as `zero12_pieces` reads a layout."""
+
+    params: tuple
+    pieces: PieceTable
+
+
+def _folded_pieces(spec, topology: Topology, space: GlobalSpace, side: str) -> PieceTable:
+    """Pieces of an AutoEP checkpoint with AutoTP layers at `topology` (folded when tp > 1,
+    `reshard.topology`): the dense parameters over the global tensors of `space` (TP shards
+    lowered per TP rank, `reshard.tensor_pieces`), then every expert slice once, after them.
+    Ranks are global; buffers are the param groups of the optim-states files."""
+    layouts = [spec.layout(topology, topology.tp, t) for t in range(topology.tp)]
+    dense = zero12_pieces(spec.tensor.params, space, topology,
+                          lambda t: _DenseView(layouts[t].dense_params, layouts[t].dense_pieces), side)
+    experts = layouts[0].expert_pieces  # experts are whole on every TP rank: global ranks already
+    columns = [(dense.start, dense.rank, dense.buffer, dense.offset, *dense.stride_columns()),
+               (experts.start + space.total, experts.rank, experts.buffer, experts.offset,
+                *experts.stride_columns())]
+    if not dense.strided:
+        columns = [c[:4] for c in columns]
+    return table_from_columns(columns, space.total + experts.total)
+
+
+def plan_folded_optim_space(spec, target: Topology, space: GlobalSpace, ownership: Ownership, budget_bytes: int):
+    """The optimizer space of AutoEP with AutoTP layers: dense and expert families side by side."""
+    sizes = np.max([buffer_numels(spec.layout(target, target.tp, t)) for t in range(target.tp)], axis=0)
+    return plan_space("optim", _folded_pieces(spec, spec.topology, space, "source"),
+                      _folded_pieces(spec, target, space, "target"), spec.streams, tuple(int(n) for n in sizes),
+                      ownership, budget_bytes)
+
+
 def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
     """AutoTP: the optimizer space over global parameters (TP shards resliced and DP partitions
     recut in one plan), then the module tensors of the ZeRO-1/2 model-states files, or the
     ZeRO-3 frozen fragments."""
     params, source = spec.tensor.params, spec.topology
     space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
-    old_layouts = shared_layouts(params, space, "source", source.tp, lambda t: spec.layout(source.dp, source.tp, t))
-    new_layouts = shared_layouts(params, space, "target", target.tp, lambda t: spec.layout(target.dp, target.tp, t))
-    sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
-    spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
-                         zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
-                         tuple(int(n) for n in sizes), ownership, budget_bytes)]
-    del old_layouts, new_layouts
+    if spec.experts is not None:
+        spaces = [plan_folded_optim_space(spec, target, space, ownership, budget_bytes)]
+    else:
+        old_layouts = shared_layouts(params, space, "source", source.tp,
+                                     lambda t: spec.layout(source.dp, source.tp, t))
+        new_layouts = shared_layouts(params, space, "target", target.tp,
+                                     lambda t: spec.layout(target.dp, target.tp, t))
+        sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
+        spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
+                             zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
+                             tuple(int(n) for n in sizes), ownership, budget_bytes)]
+        del old_layouts, new_layouts
     module = spec.tensor.module
     if module.names:
         # the module tensors are usually the trainable parameters themselves: one grid for both

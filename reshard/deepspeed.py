@@ -41,6 +41,7 @@ import torch
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import on_rank0
 from reshard.errors import ReshardError, UnsupportedCheckpoint
+from reshard.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
 from reshard.execute import execute
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
@@ -310,6 +311,9 @@ def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: di
         # reads its own experts from the source, as DeepSpeed's `load_moe_state_dict` picks them.
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name)
                       for name in source.other_files if schema.expert_file_index(name)}
+        if rewrites_expert_files(source):  # AutoEP with AutoTP layers: TP rank and folding per file
+            for name in target_expert_files(source, target):
+                served[os.path.join(tag_dir, name)] = expert_file_state(source, target, name)
         load_path, client_state = _load_with_served_files(engine, placeholder_root, source.tag, served, redirected, kwargs)
         return _as_source_path(source, load_path), client_state
     finally:

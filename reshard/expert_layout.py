@@ -18,6 +18,14 @@ source and target layouts describe the same space whatever their ep. The rules
 - names in the rank's metadata (slice mappings, param_shapes) are the LOCAL names.
 Every element still has exactly one holder, so the 1-D planner (`reshard.plan`) moves it as is.
 
+AutoEP folded with AutoTP (`Topology.folded`, see `reshard.topology` for DeepSpeed's groups):
+the layout of TP rank t holds t's TP-LOCAL dense parameters, ZeRO-partitioned over the dp
+ranks of t's lane, and the experts whole, each EP rank's over its S // ep expert-DP ranks,
+which are global ranks of any lane (`rank_groups` takes the dp rank, as for every layout, and
+finds the global rank from `tp_rank`). The planner moves the two families as two spaces side
+by side (`dense_pieces`: lowered to global tensors by `reshard.tensor_pieces`; `expert_pieces`:
+global ranks already), see `reshard.checkpoint_plan.plan_folded_space`.
+
 AutoEP checkpoints (`ExpertParams.autoep`) use the same rules with one more: a rank's experts of
 one weight are one fused parameter, `experts.w1 [n_local, ...]` (module_inject/auto_ep_layer.py).
 The logical parameters are the per-expert slices `experts.w1.{G}`, listed weight by weight and
@@ -129,6 +137,8 @@ class ExpertZero12Layout:
     topology: Topology
     groups_by_ep_rank: tuple[tuple[Zero12Group, ...], ...]
     """[EP rank][param group]: dense groups span all dp ranks, expert groups that EP rank's experts."""
+    tp_rank: int = 0
+    """The TP rank whose local parameters `params` are (folded layouts; 0 otherwise)."""
 
     @property
     def world_size(self) -> int:
@@ -145,9 +155,10 @@ class ExpertZero12Layout:
         return tuple(p.numel for p in self.params)
 
     def rank_groups(self, rank: int) -> list[tuple[Zero12Group, int]]:
-        """Each param group as `rank` holds it, with `rank`'s index inside that group."""
-        ep_rank = self.topology.expert_parallel_rank(rank)
-        expert_dp_rank = self.topology.expert_data_parallel_rank(rank)
+        """Each param group as dp rank `rank` (of TP rank `tp_rank`) holds it, with its index inside that group."""
+        global_rank = self.topology.rank_of(rank, self.tp_rank)
+        ep_rank = self.topology.expert_parallel_rank(global_rank)
+        expert_dp_rank = self.topology.expert_data_parallel_rank(global_rank)
         return [(group, expert_dp_rank if is_expert else rank)
                 for group, is_expert in zip(self.groups_by_ep_rank[ep_rank], self.experts.expert_groups)]
 
@@ -159,6 +170,8 @@ class ExpertZero12Layout:
 
     @functools.cached_property
     def pieces(self) -> PieceTable:
+        if self.topology.tp > 1:  # dense ranks would be dp ranks, expert ranks global ones
+            raise ValueError("a folded layout is planned family by family (dense_pieces, expert_pieces)")
         numels = np.asarray(self.numels, dtype=np.int64)
         bases = logical_bases(self.numels)
         columns = []
@@ -176,9 +189,42 @@ class ExpertZero12Layout:
         return table_from_columns(columns, int(numels.sum()))
 
 
+    def _family_columns(self, expert: bool):
+        """(numels, bases) of the space of one family: the other family's parameters take no room."""
+        is_expert = np.asarray([e is not None for e in self.experts.expert_of], dtype=bool)
+        numels = np.where(is_expert == expert, np.asarray(self.numels, dtype=np.int64), 0)
+        return numels, logical_bases(numels.tolist())
+
+    @functools.cached_property
+    def dense_pieces(self) -> PieceTable:
+        """Pieces of the dense parameters only (over their local space, end to end in the spec's
+        order), rank = dp rank, buffer = param group: what `reshard.tensor_pieces` lowers per TP rank."""
+        numels, bases = self._family_columns(expert=False)
+        columns = [cols for buffer, (group, is_expert) in enumerate(zip(self.groups, self.experts.expert_groups))
+                   if not is_expert and (cols := zero12_group_columns(group, buffer, numels, bases)) is not None]
+        return table_from_columns(columns, int(numels.sum()))
+
+    @functools.cached_property
+    def dense_params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p, e in zip(self.params, self.experts.expert_of) if e is None)
+
+    @functools.cached_property
+    def expert_pieces(self) -> PieceTable:
+        """Pieces of the expert parameters only (their space end to end), rank = GLOBAL rank."""
+        numels, bases = self._family_columns(expert=True)
+        columns = []
+        for ep_rank, groups in enumerate(self.groups_by_ep_rank):
+            for buffer, (group, is_expert) in enumerate(zip(groups, self.experts.expert_groups)):
+                cols = zero12_group_columns(group, buffer, numels, bases) if is_expert else None
+                if cols is not None:
+                    start, rank, buffers, offset = cols
+                    columns.append((start, self.topology.expert_dp_rank_of(ep_rank, rank), buffers, offset))
+        return table_from_columns(columns, int(numels.sum()))
+
+
 def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
-                         topology: Topology, *, round_robin: bool = False, param_alignment: int = 1
-                         ) -> ExpertZero12Layout:
+                         topology: Topology, *, round_robin: bool = False, param_alignment: int = 1,
+                         tp_rank: int = 0) -> ExpertZero12Layout:
     """Lay out every param group of an MoE checkpoint at `topology` (see the module docstring)."""
     problem = experts.ep_problem(topology.ep)
     if problem:
@@ -202,7 +248,7 @@ def expert_zero12_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[
     if len(sizes) != 1:
         raise ValueError(f"EP ranks would hold experts of different sizes ({sorted(sizes)}): DeepSpeed's MoE "
                          "deep-copies one expert, so this is not a native MoE layout")
-    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank)
+    return ExpertZero12Layout(tuple(params), experts, topology, by_ep_rank, tp_rank)
 
 
 def expert_placement_lines(experts: ExpertParams, topology: Topology) -> list[str]:
@@ -258,6 +304,8 @@ class ExpertZero3Layout:
     topology: Topology
     groups: tuple[tuple[int, ...], ...]
     sub_groups_by_ep_rank: tuple[tuple[ExpertZero3SubGroup, ...], ...]
+    tp_rank: int = 0
+    """The TP rank whose local parameters `params` are (folded layouts; 0 otherwise)."""
 
     @property
     def world_size(self) -> int:
@@ -275,9 +323,12 @@ class ExpertZero3Layout:
         return self.experts.local_param_shapes(self.params, pids, self.topology.ep)
 
     def partition_groups(self, rank: int, ep_group_name: str) -> list[dict]:
-        """stage3.py `_zero3_partition_group_metadata` of `rank` (`ds_zero_partition_groups`)."""
+        """stage3.py `_zero3_partition_group_metadata` of dp rank `rank` of TP rank `tp_rank`
+        (`ds_zero_partition_groups`; its ranks are global: a folded dense group is a TP lane)."""
         topology = self.topology
-        ep_rank, expert_dp_rank = topology.expert_parallel_rank(rank), topology.expert_data_parallel_rank(rank)
+        global_rank = topology.rank_of(rank, self.tp_rank)
+        ep_rank = topology.expert_parallel_rank(global_rank)
+        expert_dp_rank = topology.expert_data_parallel_rank(global_rank)
         out = []
         for sg_id, sg in enumerate(self.sub_groups_by_ep_rank[ep_rank]):
             if sg.is_expert:
@@ -286,7 +337,8 @@ class ExpertZero3Layout:
                             "partition_ranks": ranks, "families": ["autoep_expert"], "group_names": [ep_group_name]})
             else:
                 out.append({"sub_group": sg_id, "partition_count": topology.dp, "partition_rank": rank,
-                            "partition_ranks": list(range(topology.dp)), "families": ["replicated"],
+                            "partition_ranks": [topology.rank_of(d, self.tp_rank) for d in range(topology.dp)],
+                            "families": ["replicated"],
                             "group_names": ["replicated"]})
         return out
 
@@ -308,6 +360,39 @@ class ExpertZero3Layout:
                         offsets.append(offset)
         columns = [tuple(np.asarray(c, dtype=np.int64) for c in (starts, ranks, buffers, offsets))] if starts else []
         return table_from_columns(columns, int(numels.sum()))
+
+    def _family_pieces(self, expert: bool) -> PieceTable:
+        """Pieces of one family only, over its own space (the other family takes no room): dense
+        ranks are dp ranks, expert ranks global ranks (as ExpertZero12Layout's)."""
+        is_expert = np.asarray([e is not None for e in self.experts.expert_of], dtype=bool)
+        numels = np.where(is_expert == expert, np.asarray([p.numel for p in self.params], dtype=np.int64), 0)
+        bases = logical_bases(numels.tolist())
+        starts, ranks, buffers, offsets = [], [], [], []
+        for ep_rank, sub_groups in enumerate(self.sub_groups_by_ep_rank):
+            for sg_id, sg in enumerate(sub_groups):
+                if sg.is_expert != expert or (not expert and ep_rank > 0):
+                    continue
+                for unit, chunk, offset in zip(sg.units, sg.chunk_numels, sg.chunk_offsets):
+                    numel = int(numels[list(unit)].sum())
+                    for r in range(-(-numel // chunk) if chunk else 0):
+                        starts.append(int(bases[unit[0]]) + r * chunk)
+                        ranks.append(self.topology.expert_dp_rank_of(ep_rank, r) if expert else r)
+                        buffers.append(sg_id)
+                        offsets.append(offset)
+        columns = [tuple(np.asarray(c, dtype=np.int64) for c in (starts, ranks, buffers, offsets))] if starts else []
+        return table_from_columns(columns, int(numels.sum()))
+
+    @functools.cached_property
+    def dense_pieces(self) -> PieceTable:
+        return self._family_pieces(expert=False)
+
+    @functools.cached_property
+    def dense_params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p, e in zip(self.params, self.experts.expert_of) if e is None)
+
+    @functools.cached_property
+    def expert_pieces(self) -> PieceTable:
+        return self._family_pieces(expert=True)
 
 
 def _units(pids: Sequence[int], params: Sequence[ParamSpec], experts: ExpertParams, ep: int) -> list[tuple[int, ...]]:
@@ -342,7 +427,7 @@ def _sub_groups(group: int, units: list[tuple[int, ...]], numels: Sequence[int],
 
 
 def expert_zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[int]], experts: ExpertParams,
-                        topology: Topology, sub_group_size: int) -> ExpertZero3Layout:
+                        topology: Topology, sub_group_size: int, tp_rank: int = 0) -> ExpertZero3Layout:
     """Lay out an AutoEP ZeRO-3 checkpoint at `topology` (see ExpertZero3Layout)."""
     problem = experts.ep_problem(topology.ep)
     if problem:
@@ -359,4 +444,5 @@ def expert_zero3_layout(params: Sequence[ParamSpec], groups: Sequence[Sequence[i
             sub_groups += _sub_groups(g, _units(mine, params, experts, topology.ep), numels,
                                       topology.expert_dp if is_expert else topology.dp, sub_group_size, is_expert)
         by_ep_rank.append(tuple(sub_groups))
-    return ExpertZero3Layout(tuple(params), experts, topology, tuple(tuple(g) for g in groups), tuple(by_ep_rank))
+    return ExpertZero3Layout(tuple(params), experts, topology, tuple(tuple(g) for g in groups), tuple(by_ep_rank),
+                             tp_rank)

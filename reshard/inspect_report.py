@@ -253,7 +253,7 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
         moe_kind = "AutoEP (fused experts)" if source.spec.experts.autoep else "native MoE"
         notes.append(f"{moe_kind}, {len(source.spec.experts.num_experts)} layers of {'/'.join(map(str, counts))} "
                      f"experts at ep={source.spec.topology.ep}: reshard writes any --target-ep that divides both the "
-                     "target dp and the experts of every layer")
+                     "target dp (dp x tp with AutoTP) and the experts of every layer")
         formats = []  # the exports do not read MoE checkpoints yet
     return {"reshard_dp": sizes, "batch_config": why, "export_formats": formats, "notes": notes}
 

@@ -44,6 +44,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -188,6 +189,10 @@ def _check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
                           "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
+    if spec.tensor is not None and spec.experts is not None and target.tp > 1 and target.ep == 1:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp} --target-ep 1: DeepSpeed folds AutoEP "
+                          "with AutoTP only for autoep_size > 1 (module_inject/auto_ep_folding.py "
+                          "`validate_folding_global`), so no engine could load that target")
     if spec.tensor is not None:
         problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
         if problem:
@@ -400,6 +405,10 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
         copied = {} if site is not None else staging.copy_in_hashed(
             source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
+        if rewrites_expert_files(source):  # AutoEP with AutoTP layers: TP rank and folding per file
+            copied.update(write_expert_files(source, target, staging.tag_dir,
+                                             sorted(target_expert_files(source, target))[transport.rank::transport.size],
+                                             trust_pickle=opts.trust_pickle))
         copied_bytes = sum(entry["bytes"] for entry in copied.values())
         reader.bytes_read += copied_bytes
         writer.bytes_carried += copied_bytes
@@ -508,6 +517,10 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
     def inspect(carry_model_bytes):
         source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
                                     read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
+        if rewrites_expert_files(source):
+            from reshard.errors import UnsupportedCheckpoint
+            raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
+                                                              "resharding of it is not supported yet")
         return source, _preflight(opts, source, [], ranks=seen)
 
     source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)

@@ -5,7 +5,7 @@
     space = plan_space("optimizer", src_layout.pieces, dst_layout.pieces,
                        streams=(Stream("fp32", "float32", 4),), target_buffer_numels=(80,),
                        ownership=own, budget_bytes=1 << 20)
-    space.segments.length.sum()   # every element of the space, exactly once
+    space.table.length.sum()      # every element of the space, exactly once (uncut segments)
 
 Every worker computes the same plan from the same inputs (no I/O, no randomness), so
 workers agree on every transfer without exchanging the plan. A *segment* is a run of
@@ -16,8 +16,18 @@ intersecting the two layouts' sorted piece tables: O(pieces), vectorised.
 Rounds bound memory: in one round a worker sends at most a third of the budget and receives
 at most a third. The exchange reads the next round while the current one is in flight, so a
 worker holds two send buffers and one receive buffer: never more than the budget. Rounds cut
-the target ranks' buffers into equal windows, so every worker receives an equal share in
-every round; a round whose senders turn out unbalanced is split further for those senders.
+the target ranks' buffers (laid end to end per rank) into equal windows, so every worker
+receives an equal share in every round; a window whose senders turn out unbalanced is split
+further for those senders (packed in logical order into sub-rounds).
+
+Nobody cuts the whole plan (at 10^12 elements over 8192 ranks that would be ~10^8 window
+segments). `plan_space` keeps the uncut segment table and decides the rounds from per-window
+totals (`round_windows`: a difference array per worker, O(segments + windows x workers)); only
+windows found overfull are cut, to pack them. Round r is then the r-th (window, sub-round)
+that holds elements, the same on every worker. Each worker keeps the uncut segments it sends
+or receives, sorted by (target rank, position) (`_WindowIndex`), and cuts a round's segments
+when the exchange asks for it (`TableWorkerRounds.blocks`): O(target ranks + segments of the
+round). `SpacePlan.segments` still gives the whole cut table, for tests and small plans.
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from reshard.layout import PieceTable
-from reshard.strided_runs import advance, split_at_windows
+from reshard.strided_runs import advance, first_at_or_after, split_at_windows
 from reshard.topology import Topology
 
 SEGMENT_COLUMNS = ("logical", "src_rank", "src_buffer", "src_offset", "dst_rank", "dst_buffer",
@@ -217,14 +227,6 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return merged[keep]
 
 
-def _dense_ranks(values: np.ndarray) -> np.ndarray:
-    """0, 1, 2... in the sorted order of the distinct values (np.unique's inverse, by sorting)."""
-    order = np.argsort(values, kind="stable")
-    ranks = np.empty(len(values), dtype=np.int64)
-    ranks[order] = np.concatenate(([0], np.cumsum(np.diff(values[order]) != 0)))
-    return ranks
-
-
 def _merge_contiguous(cols: dict) -> Segments:
     """Join neighbours that continue each other in both buffers (e.g. adjacent parameters)."""
     n = len(cols["logical"])
@@ -300,36 +302,236 @@ def _split_at_windows(seg: Segments, position: np.ndarray, window: int) -> tuple
     return cut, k
 
 
-def assign_rounds(seg: Segments, target_buffer_numels: Sequence[int], ownership: Ownership,
-                  bytes_per_element: int, budget_bytes: int, receiving_ranks: int | None = None) -> Segments:
-    """Cut segments into rounds in which no worker sends or receives more than `round_cap(budget)` bytes.
+def _with_rounds(seg: Segments, rounds) -> Segments:
+    return Segments(*(getattr(seg, c) for c in SEGMENT_COLUMNS[:-1]),
+                    np.broadcast_to(np.asarray(rounds, dtype=np.int64), (len(seg),)).copy(), *seg.strides())
+
+
+NO_WINDOW = 1 << 60
+"""Window of a space that moves no bytes (no streams): one round holds everything, uncut."""
+
+
+def _target_span(seg: Segments, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(first, last + 1) target position of each segment (its buffer's base plus its offset), and
+    which segments have gaps between their target rows (None when none can): only those may
+    skip positions between the two."""
+    start = bases[seg.dst_buffer] + seg.dst_offset
+    if not seg.strided:
+        return start, start + seg.length, None
+    last = advance(start, seg.col, seg.width, seg.dst_stride, seg.length - 1)[0]
+    return start, last + 1, (seg.dst_stride != seg.width) & (seg.col + seg.length > seg.width)
+
+
+def _clip_to_window(seg: Segments, bases: np.ndarray, window: int, k: int) -> Segments:
+    """Each segment's part in target positions [k*window, (k+1)*window), the empty ones dropped:
+    the same parts `_split_at_windows` / `_split_strided_at_windows` cut (rounds left 0)."""
+    if window >= NO_WINDOW:
+        return seg
+    start = bases[seg.dst_buffer] + seg.dst_offset
+    lo_pos, hi_pos = k * window, (k + 1) * window
+    if not seg.strided:
+        first = np.maximum(start, lo_pos)
+        length = np.minimum(start + seg.length, hi_pos) - first
+        keep = np.flatnonzero(length > 0)
+        shift = (first - start)[keep]
+        return Segments(seg.logical[keep] + shift, seg.src_rank[keep], seg.src_buffer[keep],
+                        seg.src_offset[keep] + shift, seg.dst_rank[keep], seg.dst_buffer[keep],
+                        seg.dst_offset[keep] + shift, length[keep], np.zeros(len(keep), dtype=np.int64))
+    col, width, s_stride, d_stride = seg.strides()
+    lo = np.minimum(first_at_or_after(start, col, width, d_stride, lo_pos), seg.length)
+    hi = np.minimum(first_at_or_after(start, col, width, d_stride, hi_pos), seg.length)
+    keep = np.flatnonzero(hi > lo)
+    first = lo[keep]
+    col, width, s_stride, d_stride = col[keep], width[keep], s_stride[keep], d_stride[keep]
+    src_offset, new_col = advance(seg.src_offset[keep], col, width, s_stride, first)
+    dst_offset, _ = advance(seg.dst_offset[keep], col, width, d_stride, first)
+    return Segments(seg.logical[keep] + first, seg.src_rank[keep], seg.src_buffer[keep], src_offset,
+                    seg.dst_rank[keep], seg.dst_buffer[keep], dst_offset, (hi - lo)[keep],
+                    np.zeros(len(keep), dtype=np.int64), new_col, width, s_stride, d_stride)
+
+
+_PARTS_PER_PASS = 1 << 22
+"""Window parts of gapped (target-strided) segments counted in one pass of `_window_elements`."""
+
+
+def _window_elements(seg: Segments, bases: np.ndarray, window: int, windows: int, groupings=((None, 1),),
+                     span: tuple | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """([elements per grouping], present): for each (group, groups) of `groupings`, elements[k, g]
+    of the segments of group g (a worker; `None`: one group) that fall in window k; and whether
+    window k holds any element at all; without cutting the segments. `span`: `_target_span`'s
+    result, when the caller has it.
+
+    A segment without gaps in its target positions gives its first and last window their
+    partial counts and every window between the full `window` (a difference array); a gapped
+    one is cut, a bounded number of parts per pass."""
+    start, end, gapped = span if span is not None else _target_span(seg, bases)
+    present = np.zeros(windows, dtype=bool)
+    groups_of = [(np.zeros(len(seg), dtype=np.int64) if g is None else np.asarray(g, dtype=np.int64), n)
+                 for g, n in groupings]
+    counts = [np.zeros((windows + 1) * n, dtype=np.float64) for _, n in groups_of]  # a spare row for steps
+    if len(seg) == 0:
+        return [c[:windows * n].astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)], present
+    plain = slice(None) if gapped is None else np.flatnonzero(~gapped)
+    p, e = start[plain], end[plain]
+    k0, k1 = p // window, (e - 1) // window
+    first = np.where(k0 == k1, e - p, (k0 + 1) * window - p)
+    many = np.flatnonzero(k0 != k1)
+    last = e[many] - k1[many] * window
+    k0_many, k1_many = k0[many], k1[many]
+    for c, (g, n) in zip(counts, groups_of):
+        gp = g[plain]
+        size = len(c)
+        c += np.bincount(k0 * n + gp, weights=first, minlength=size)
+        gm = gp[many]
+        c += np.bincount(k1_many * n + gm, weights=last, minlength=size)
+        steps = (np.bincount((k0_many + 1) * n + gm, minlength=size)
+                 - np.bincount(k1_many * n + gm, minlength=size)).astype(np.float64) * float(window)
+        c += np.cumsum(steps.reshape(-1, n), axis=0).ravel()
+    cover = np.bincount(k0, minlength=windows + 1) - np.bincount(k1 + 1, minlength=windows + 1)
+    present |= np.cumsum(cover)[:windows] > 0
+    del p, e, k0, k1, first, many, last, k0_many, k1_many, cover
+    if gapped is not None and gapped.any():
+        ids = np.flatnonzero(gapped)
+        parts = (end[ids] - 1) // window - start[ids] // window + 1
+        stops = np.searchsorted(np.cumsum(parts), np.arange(_PARTS_PER_PASS, int(parts.sum()), _PARTS_PER_PASS))
+        for chunk in np.split(ids, stops):
+            if len(chunk) == 0:
+                continue
+            item, _, length, k = split_at_windows(start[chunk], seg.col[chunk], seg.width[chunk],
+                                                  seg.dst_stride[chunk], seg.length[chunk], window)
+            for c, (g, n) in zip(counts, groups_of):
+                c += np.bincount(k * n + g[chunk][item], weights=length, minlength=len(c))
+            present[k] = True
+    totals = [np.rint(c[:windows * n]).astype(np.int64).reshape(windows, n) for c, (_, n) in zip(counts, groups_of)]
+    return totals, present
+
+
+@dataclass(frozen=True, eq=False)
+class RoundWindows:
+    """How a table space is cut into rounds, decided from global sizes and the uncut table alone,
+    so that every worker numbers the rounds alike and can cut any one round by itself.
+
+    Round numbers go through the windows that hold elements in ascending order; a window is
+    one round, or several where it was packed per sender (`packed`)."""
+
+    window: int
+    """Target-buffer elements per rank in one window (`NO_WINDOW`: one round, uncut)."""
+    bases: np.ndarray
+    """Position of each target buffer when a rank's buffers are laid end to end."""
+    span: int
+    """More than any target position: ranks' positions kept apart in one sort key."""
+    present: np.ndarray
+    """Windows holding elements, ascending."""
+    first_round: np.ndarray
+    """Local round of each present window's first sub-round, and the round count at the end."""
+    packed: dict = field(default_factory=dict)
+    """Window -> (logical starts of its parts, ascending; their sub-rounds) for windows split per
+    sender."""
+
+    @property
+    def rounds(self) -> int:
+        return int(self.first_round[-1])
+
+    def locate(self, local_round: int) -> tuple[int, int]:
+        """(window, sub-round in it) of `local_round`."""
+        i = int(np.searchsorted(self.first_round, local_round, side="right")) - 1
+        return int(self.present[i]), local_round - int(self.first_round[i])
+
+    def sub_rounds(self, window: int, logical: np.ndarray) -> np.ndarray:
+        """Sub-round of window parts starting at `logical` (0 outside packed windows)."""
+        if window not in self.packed:
+            return np.zeros(len(logical), dtype=np.int64)
+        starts, subs = self.packed[window]
+        return subs[np.searchsorted(starts, logical)]
+
+    def rounds_of(self, k: np.ndarray, logical: np.ndarray) -> np.ndarray:
+        """Local round of window parts in windows `k` starting at `logical`."""
+        rounds = self.first_round[np.searchsorted(self.present, k)]
+        for w in self.packed:
+            at = np.flatnonzero(k == w)
+            rounds[at] += self.sub_rounds(w, logical[at])
+        return rounds
+
+    def round_elements(self, table: Segments) -> np.ndarray:
+        """Elements of `table` (all or a part of the space's uncut table) moved in each round."""
+        totals = np.zeros(self.rounds, dtype=np.int64)
+        if len(table) == 0 or self.rounds == 0:
+            return totals
+        per_window = _window_elements(table, self.bases, self.window, int(self.present[-1]) + 1)[0][0][:, 0]
+        totals[self.first_round[:-1]] = per_window[self.present]
+        finder = _WindowIndex(table, self) if len(self.packed) > 2 else None
+        for w, (starts, subs) in self.packed.items():
+            part = _clip_to_window(table, self.bases, self.window, w) if finder is None else finder.window(w)
+            index = np.searchsorted(self.present, w)
+            totals[self.first_round[index]:self.first_round[index + 1]] = np.bincount(
+                subs[np.searchsorted(starts, part.logical)], weights=part.length,
+                minlength=self.first_round[index + 1] - self.first_round[index])
+        return totals
+
+
+def round_windows(seg: Segments, target_buffer_numels: Sequence[int], ownership: Ownership,
+                  bytes_per_element: int, budget_bytes: int, receiving_ranks: int | None = None) -> RoundWindows:
+    """The rounds of a table space, in which no worker sends or receives more than `round_cap(budget)` bytes.
 
     `receiving_ranks`: the most target ranks of one worker that receive anything in this space,
     when fewer than it owns (a space only some ranks hold, as the TP module tensors on dp rank
-    0): windows are then as wide as the budget allows for those."""
+    0): windows are then as wide as the budget allows for those. O(segments + windows x workers);
+    only a window that turns out overfull is cut (and packed, `_pack_overfull_windows`)."""
+    bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
+    none = np.zeros(0, dtype=np.int64)
     if len(seg) == 0:
-        return seg
+        return RoundWindows(NO_WINDOW, bases, 1, none, np.zeros(1, dtype=np.int64))
+    spans = _target_span(seg, bases)
+    span = int(spans[1].max()) + 1
+    if not bytes_per_element:
+        return RoundWindows(NO_WINDOW, bases, span, np.zeros(1, dtype=np.int64), np.arange(2, dtype=np.int64))
     cap = max(round_cap(budget_bytes), bytes_per_element)
     receivers = ownership.max_target_ranks_per_worker if receiving_ranks is None else max(1, receiving_ranks)
     window = max(1, cap // (bytes_per_element * receivers))
-    bases = np.concatenate(([0], np.cumsum(np.asarray(target_buffer_numels, dtype=np.int64))))[:-1]
+    windows = (span - 1) // window + 1
+    workers = ownership.workers
+    sender, receiver = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
+    (sent, got), present = _window_elements(seg, bases, window, windows, ((sender, workers), (receiver, workers)),
+                                            spans)
+    del spans, sender, receiver
+    overfull = np.flatnonzero((sent.max(axis=1) * bytes_per_element > cap)
+                              | (got.max(axis=1) * bytes_per_element > cap))
+    del sent, got
+    present = np.flatnonzero(present)
+    subs = np.ones(len(present), dtype=np.int64)
+    packed = {}
+    # an overfull window's parts: by a scan of the table, or by an index when there are several
+    index = _WindowIndex(seg, RoundWindows(window, bases, span, present, np.zeros(1, np.int64))) \
+        if len(overfull) > 2 else None
+    for w in overfull.tolist():
+        part = _clip_to_window(seg, bases, window, w) if index is None else index.window(w)
+        order = np.argsort(part.logical, kind="stable")
+        part = part.select(order)
+        sub = _pack_overfull_windows(np.zeros(len(part), dtype=np.int64), ownership.readers(part.src_rank),
+                                     ownership.writers(part.dst_rank), part.length * bytes_per_element,
+                                     part.logical, workers, cap)
+        packed[w] = (part.logical, sub)
+        subs[np.searchsorted(present, w)] = int(sub.max()) + 1
+    first_round = np.concatenate(([0], np.cumsum(subs))).astype(np.int64)
+    return RoundWindows(window, bases, span, present, first_round, packed)
+
+
+def cut_at_windows(seg: Segments, windows: RoundWindows) -> Segments:
+    """Every segment of an uncut table cut into its window parts, each with its round, sorted by
+    `logical`: the whole plan at once, O(all window parts). Workers never build it (they cut
+    round by round, `TableWorkerRounds`); tests and array tasks' counts read it."""
+    if len(seg) == 0 or windows.window >= NO_WINDOW:
+        return seg
     if seg.strided:
-        cut, window_index = _split_strided_at_windows(seg, bases[seg.dst_buffer], window)
+        cut, window_index = _split_strided_at_windows(seg, windows.bases[seg.dst_buffer], windows.window)
     else:
-        cut, window_index = _split_at_windows(seg, bases[seg.dst_buffer] + seg.dst_offset, window)
-    sender, receiver = ownership.readers(cut.src_rank), ownership.writers(cut.dst_rank)
-    nbytes = cut.length * bytes_per_element
-    sub = _pack_overfull_windows(window_index, sender, receiver, nbytes, cut.logical, ownership.workers, cap)
-    rounds = _dense_ranks(window_index * (int(sub.max()) + 1) + sub)
-    del window_index, sub, sender, receiver, nbytes
+        cut, window_index = _split_at_windows(seg, windows.bases[seg.dst_buffer] + seg.dst_offset, windows.window)
+    rounds = windows.rounds_of(window_index, cut.logical)
     if len(cut) < 2 or bool((cut.logical[1:] >= cut.logical[:-1]).all()):
-        # cutting keeps the logical order (a segment's parts in order, segments sorted), so
-        # the stable sort below is the identity: skip it and its copy of every column
-        return Segments(*(getattr(cut, c) for c in SEGMENT_COLUMNS[:-1]), rounds, *cut.strides())
+        # cutting keeps the logical order (a segment's parts in order, segments sorted)
+        return _with_rounds(cut, rounds)
     order = np.argsort(cut.logical, kind="stable")
-    result = cut.select(order)
-    return Segments(*(getattr(result, c) for c in SEGMENT_COLUMNS[:-1]), rounds[order].astype(np.int64),
-                    *result.strides())
+    return _with_rounds(cut.select(order), rounds[order])
 
 
 def _pack_overfull_windows(window, sender, receiver, nbytes, logical, workers: int, cap: int) -> np.ndarray:
@@ -402,10 +604,11 @@ def blocks_by_peer(seg: Segments, peer: np.ndarray, order: np.ndarray | None = N
 
 @dataclass(frozen=True, eq=False)
 class SpacePlan:
-    """The transfers of one logical space (optimizer state, or ZeRO-3 frozen parameters), from
-    one table of every segment. Used where that table is small: ZeRO-1/2 have O(params + ranks)
-    pieces. Evenly chunked layouts (ZeRO-3) use `reshard.chunked_plan.ChunkedSpacePlan`, which
-    answers the same questions per worker without the table.
+    """The transfers of one logical space (optimizer state, TP module tensors, ZeRO-3 frozen
+    parameters) from its table of uncut segments: O(params + ranks) rows for ZeRO-1/2 (times
+    the TP degree for TP layouts). Rounds are windows of that table (`RoundWindows`), cut by
+    each worker for itself when the exchange asks for a round. Evenly chunked layouts (ZeRO-3)
+    use `reshard.chunked_plan.ChunkedSpacePlan`, which needs no table at all.
 
     Both kinds answer: `rounds`, `worker_rounds(ownership, worker)` (that worker's blocks per
     round), `round_bytes()` (bytes all workers move per round, for progress and durable
@@ -414,29 +617,40 @@ class SpacePlan:
 
     name: str
     streams: tuple[Stream, ...]
-    segments: Segments
-    rounds: int
+    table: Segments
+    """Every uncut segment, sorted by `logical` (round column 0)."""
+    windows: RoundWindows
     round_offset: int = 0
     """Global number of this space's round 0 (spaces run one after another)."""
+
+    @property
+    def rounds(self) -> int:
+        return self.windows.rounds
+
+    @property
+    def segments(self) -> Segments:
+        """Every segment cut at the round windows, with its round: O(all rounds), made on each
+        call (`cut_at_windows`); workers use `worker_rounds` instead."""
+        return cut_at_windows(self.table, self.windows)
 
     @property
     def bytes_per_element(self) -> int:
         return sum(s.itemsize for s in self.streams)
 
+    def restricted(self, keep) -> "SpacePlan":
+        """The space keeping only the table rows `keep` (an array task's target files), same rounds."""
+        return SpacePlan(self.name, self.streams, self.table.select(keep), self.windows, self.round_offset)
+
     def worker_rounds(self, ownership: Ownership, worker: int) -> "TableWorkerRounds":
-        return TableWorkerRounds.build(self, ownership, worker)
+        return TableWorkerRounds(self, ownership, worker)
 
     def round_bytes(self) -> list[int]:
-        seg = self.segments
-        # a space restricted to some files (an array task's share) may keep its rounds, empty
-        per_round = np.bincount(seg.round, weights=seg.length, minlength=self.rounds) if len(seg) else \
-            [0] * self.rounds
-        return [int(x) * self.bytes_per_element for x in per_round]
+        return [int(x) * self.bytes_per_element for x in self.windows.round_elements(self.table)]
 
     def traffic(self, ownership: Ownership) -> np.ndarray:
         """(workers, 4) bytes: read, sent to other workers, received from them, written."""
         totals = np.zeros((ownership.workers, 4), dtype=np.int64)
-        seg = self.segments
+        seg = self.table
         nbytes = seg.length * self.bytes_per_element
         src, dst = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
         remote = src != dst
@@ -447,51 +661,91 @@ class SpacePlan:
         return totals
 
 
-@dataclass(frozen=True, eq=False)
+class _WindowIndex:
+    """Uncut segments in (target rank, first target position) order, so that the segments with
+    elements in one window are found by two binary searches per target rank. Holds the
+    segments (not copied) and three integers per segment."""
+
+    def __init__(self, seg: Segments, windows: RoundWindows):
+        self.seg, self.windows = seg, windows
+        start, end, _ = _target_span(seg, windows.bases)
+        key = seg.dst_rank * windows.span
+        start += key
+        end += key
+        del key
+        order = np.argsort(start, kind="stable")
+        self.order = None if len(order) < 2 or bool((order[1:] > order[:-1]).all()) else order
+        if self.order is not None:
+            start, end = start[order], end[order]
+        del order
+        self.key_start = start
+        # strided segments of one rank may interleave: the running maximum of ends keeps a
+        # sorted key, and a window's candidates start where it first passes the window
+        self.key_end = np.maximum.accumulate(end) if len(end) else end
+        del end
+        self.rank_keys = np.unique(seg.dst_rank) * windows.span
+
+    def window(self, k: int) -> Segments:
+        """Every segment's part in window k (`_clip_to_window`), in this index's order."""
+        w, span = self.windows.window, self.windows.span
+        lo = np.searchsorted(self.key_end, self.rank_keys + min(k * w, span), side="right")
+        hi = np.searchsorted(self.key_start, self.rank_keys + min((k + 1) * w, span), side="left")
+        counts = np.maximum(hi - lo, 0)
+        index = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        if self.order is not None:
+            index = self.order[index]
+        return _clip_to_window(self.seg.select(index), self.windows.bases, w, k)
+
+
 class TableWorkerRounds:
-    """One worker's blocks of a table space, per local round, computed once."""
+    """One worker's blocks of a table space, cut round by round on request: the worker keeps
+    only the uncut segments it sends or receives (two `_WindowIndex`es), never the whole plan."""
 
-    sends: dict
-    receives: dict
-
-    @classmethod
-    def build(cls, space: SpacePlan, ownership: Ownership, worker: int) -> "TableWorkerRounds":
-        seg = space.segments
-        src, dst = ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)
-        tables = []
-        for mine, peer_of in ((src == worker, dst), (dst == worker, src)):
-            chosen = np.flatnonzero(mine)
-            chosen = chosen[np.argsort(seg.round[chosen], kind="stable")]
-            rounds = seg.round[chosen]
-            table = {}
-            for part in np.split(chosen, np.flatnonzero(np.diff(rounds)) + 1) if len(chosen) else []:
-                # blocks_by_peer's order, taken here: one gather of the round's segments, not two
-                peer = peer_of[part]
-                part = part[np.lexsort((seg.src_offset[part], seg.src_buffer[part], seg.src_rank[part], peer))]
-                table[int(seg.round[part[0]])] = blocks_by_peer(seg.select(part), peer_of[part],
-                                                                order=np.arange(len(part)))
-            tables.append(table)
-        return cls(*tables)
+    def __init__(self, space: SpacePlan, ownership: Ownership, worker: int):
+        self.space, self.ownership = space, ownership
+        seg = space.table
+        indexes = []
+        for owner in (ownership.readers(seg.src_rank), ownership.writers(seg.dst_rank)):
+            mine = owner == worker
+            del owner
+            if mine.all() and indexes and indexes[0].seg is seg:  # one worker holds the space: one index
+                indexes.append(indexes[0])
+                continue
+            indexes.append(_WindowIndex(seg if mine.all() else seg.select(np.flatnonzero(mine)), space.windows))
+        self._indexes = tuple(indexes)
 
     def blocks(self, local_round: int) -> tuple[list, list]:
-        return self.sends.get(local_round, []), self.receives.get(local_round, [])
+        windows, own = self.space.windows, self.ownership
+        k, sub = windows.locate(local_round)
+        found = []
+        for index, sending in zip(self._indexes, (True, False)):
+            seg = index.window(k)
+            if k in windows.packed:
+                seg = seg.select(np.flatnonzero(windows.sub_rounds(k, seg.logical) == sub))
+            seg = _with_rounds(seg, local_round)
+            peer = own.writers(seg.dst_rank) if sending else own.readers(seg.src_rank)
+            # blocks_by_peer's order; ties (one source place sent to several targets) in logical order
+            order = np.lexsort((seg.logical, seg.src_offset, seg.src_buffer, seg.src_rank, peer))
+            found.append(blocks_by_peer(seg, peer, order))
+        return found[0], found[1]
 
     def largest_round_bytes(self, bytes_per_element: int) -> tuple[int, int]:
-        def largest(table):
-            return max((sum(b.elements for b in blocks) for blocks in table.values()), default=0) * bytes_per_element
-        return largest(self.sends), largest(self.receives)
+        windows = self.space.windows
+        send, receive = (int(windows.round_elements(index.seg).max(initial=0)) * bytes_per_element
+                         for index in self._indexes)
+        return send, receive
 
 
 def plan_space(name: str, source: PieceTable, target: PieceTable, streams: Sequence[Stream],
                target_buffer_numels: Sequence[int], ownership: Ownership, budget_bytes: int,
                round_offset: int = 0, receiving_ranks: int | None = None) -> SpacePlan:
+    """The table space moving `source`'s pieces to `target`'s: its uncut segments and its round
+    windows; nobody cuts the rounds here."""
     segments = intersect(source, target)
     del source, target  # freed here when the caller passed them without keeping them
     bpe = sum(s.itemsize for s in streams)
-    segments = assign_rounds(segments, target_buffer_numels, ownership, bpe, budget_bytes,
-                             receiving_ranks) if bpe else segments
-    rounds = int(segments.round.max()) + 1 if len(segments) else 0
-    return SpacePlan(name, tuple(streams), segments, rounds, round_offset)
+    windows = round_windows(segments, target_buffer_numels, ownership, bpe, budget_bytes, receiving_ranks)
+    return SpacePlan(name, tuple(streams), segments, windows, round_offset)
 
 
 @dataclass(frozen=True)

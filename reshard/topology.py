@@ -4,19 +4,38 @@
     Topology(dp=4).describe()            # "dp=4 tp=1 ep=1"
     Topology(dp=8, ep=4).world_size      # 8: expert parallelism splits the dp ranks, it adds none
     Topology(dp=6, ep=4)                 # TopologyError: ep=4 does not divide dp=6
+    Topology(dp=2, tp=2, ep=2).folded    # True: AutoEP folded with AutoTP (EP groups cross TP lanes)
 
 Sizes, as DeepSpeed defines them (runtime/engine.py, utils/groups.py):
 - `dp`: data-parallel ranks, the ZeRO partition count of dense parameters;
 - `tp`: tensor-parallel ranks (the `mp_rank_XX` index of DeepSpeed's file names);
 - `ep`: expert-parallel ranks; experts are sharded over `ep` ranks carved out of the `dp`
   ranks (utils/groups.py `_create_expert_and_data_parallel`), so `ep` divides `dp` and expert
-  parameters are ZeRO-partitioned over `dp // ep` expert-data-parallel ranks;
+  parameters are ZeRO-partitioned over `dp // ep` expert-data-parallel ranks. With tp > 1
+  (AutoEP folded with AutoTP, the only way DeepSpeed 0.19.8 combines them) see below;
 - `pp`: pipeline stages (room for later; reshard refuses pipeline checkpoints today).
 
 The world is `dp * tp * pp` ranks. reshard numbers a rank by its coordinates with tp fastest,
 then dp, then pp, as DeepSpeed lays out its groups (utils/groups.py `_init_tp_groups_with_new_group`:
 TP group of data rank d is ranks d*tp .. d*tp+tp-1; `_init_tp_mesh_device` builds the mesh
 (dp, tp), tp fastest, too); with tp = pp = 1 the rank is the dp rank.
+
+Expert parallelism is laid over the GLOBAL ranks of a pipeline stage, which with tp = 1 are the
+dp ranks, so one rule serves plain and folded layouts. DeepSpeed's folding
+(module_inject/auto_ep_folding.py `build_folding_spec`, `expected_folding_group_tables`; the
+engine builds its groups from those tables, runtime/engine.py `_configure_distributed_model`
+with `FoldingGroupHandles`), for a stage of S = dp * tp consecutive ranks:
+- TP groups: runs of tp consecutive ranks (dp rank d holds ranks d*tp .. d*tp+tp-1);
+- dense DP groups: the ranks of one TP lane, tp apart (t, t+tp, ...): dense parameters (and the
+  router gates, family `router_gate_replicated`) are ZeRO-partitioned over these dp ranks;
+- EP groups: runs of ep consecutive ranks, which may cross TP lanes (ep need not divide dp,
+  only S): rank r is EP rank r % ep;
+- expert-DP (EDP) groups: the ranks at one position of every EP group, ep apart: routed
+  experts (family `routed_expert`) are ZeRO-partitioned over these S // ep ranks, rank r being
+  EDP rank r // ep.
+Experts are never split by TP (each rank holds its EP rank's experts whole). With tp = 1 these
+are exactly the plain AutoEP groups above; DeepSpeed refuses ep = 1 with tp > 1 when folding
+(`validate_folding_global`), and reshard has no experts then.
 """
 from __future__ import annotations
 
@@ -42,7 +61,7 @@ class Topology:
     tp: int = 1
     """Tensor-parallel ranks."""
     ep: int = 1
-    """Expert-parallel ranks, taken from the data-parallel ranks (divides dp)."""
+    """Expert-parallel ranks, taken from the ranks of a stage (divides dp * tp; dp when tp = 1)."""
     pp: int = 1
     """Pipeline stages."""
 
@@ -51,9 +70,13 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"topology size {name} must be an integer >= 1, got {value!r}")
-        if self.dp % self.ep:
+        if self.tp == 1 and self.dp % self.ep:
             raise TopologyError(f"ep={self.ep} does not divide dp={self.dp}: expert parallelism splits the "
                                 "data-parallel ranks into groups of ep")
+        if (self.dp * self.tp) % self.ep:
+            raise TopologyError(f"ep={self.ep} does not divide the {self.dp * self.tp} ranks (dp={self.dp} x "
+                                f"tp={self.tp}) of a stage: folded expert parallelism splits them into groups of ep "
+                                "(module_inject/auto_ep_folding.py `build_folding_spec`)")
 
     @property
     def world_size(self) -> int:
@@ -62,8 +85,13 @@ class Topology:
 
     @property
     def expert_dp(self) -> int:
-        """Ranks each expert parameter is ZeRO-partitioned over (dp // ep)."""
-        return self.dp // self.ep
+        """Ranks each expert parameter is ZeRO-partitioned over (dp * tp // ep; dp // ep when tp = 1)."""
+        return self.dp * self.tp // self.ep
+
+    @property
+    def folded(self) -> bool:
+        """AutoEP folded with AutoTP: experts spread over EP groups that cross TP lanes."""
+        return self.tp > 1 and self.ep > 1
 
     def coordinates(self, rank: int) -> RankCoordinates:
         """The (dp, tp, pp) coordinates of global rank `rank` (tp fastest, then dp, then pp)."""
@@ -72,19 +100,26 @@ class Topology:
         tp, rest = rank % self.tp, rank // self.tp
         return RankCoordinates(dp=rest % self.dp, tp=tp, pp=rest // self.dp)
 
+    def _stage_rank(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside a world of {self.world_size} ({self.describe()})")
+        return rank % (self.dp * self.tp)
+
     def expert_parallel_rank(self, rank: int) -> int:
         """EP rank of global rank `rank`: which block of experts it holds. DeepSpeed's legacy
-        E+D ordering (utils/groups.py `_create_expert_and_data_parallel`, mp 1): EP groups are
-        runs of `ep` consecutive dp ranks, so the EP rank is dp rank % ep."""
-        return self.coordinates(rank).dp % self.ep
+        E+D ordering (utils/groups.py `_create_expert_and_data_parallel`, mp 1) and its folding
+        (auto_ep_folding.py `expected_folding_group_tables`) alike: EP groups are runs of `ep`
+        consecutive ranks, so the EP rank is rank % ep (dp rank % ep when tp = 1)."""
+        return self._stage_rank(rank) % self.ep
 
     def expert_data_parallel_rank(self, rank: int) -> int:
-        """Rank of `rank` in its expert-data-parallel group (ranks ep apart): dp rank // ep, the
+        """Rank of `rank` in its expert-data-parallel group (ranks ep apart): rank // ep, the
         ZeRO partition of its experts it holds."""
-        return self.coordinates(rank).dp // self.ep
+        return self._stage_rank(rank) // self.ep
 
     def expert_dp_rank_of(self, ep_rank: int, expert_dp_rank: int) -> int:
-        """The dp rank at (EP rank, expert-data-parallel rank): the inverse of the two above."""
+        """The global rank at (EP rank, expert-data-parallel rank): the inverse of the two above
+        (the dp rank when tp = 1)."""
         return expert_dp_rank * self.ep + ep_rank
 
     def rank_of(self, dp: int, tp: int = 0, pp: int = 0) -> int:

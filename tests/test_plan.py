@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.exchange import _counts, _walk
+from table_rounds_reference import assert_lazy_rounds_match
 from reshard.layout import (
     ParamSpec,
     buffer_numels,
@@ -171,6 +172,16 @@ def test_plan_is_deterministic_and_traffic_adds_up(case):
     total = sum(p.numel for p in params) * 8
     assert sum(t.bytes_read for t in traffic) == total == sum(t.bytes_written for t in traffic)
     assert sum(t.bytes_sent for t in traffic) == sum(t.bytes_received for t in traffic)
+
+
+@given(cases())
+@settings(max_examples=80, deadline=None)
+def test_rounds_cut_per_worker_match_the_whole_cut_table(case):
+    """Workers cut their rounds lazily from the uncut table (`TableWorkerRounds`): the same blocks,
+    buffer sizes and round bytes as the whole table cut at once, packed (overfull) windows too."""
+    params, src, dst, own, budget = case
+    space = plan_space("optim", src.pieces, dst.pieces, STREAMS[:2], buffer_numels(dst), own, budget)
+    assert_lazy_rounds_match(space, own)
 
 
 def test_contiguous_neighbours_merge_into_one_segment():

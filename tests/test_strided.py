@@ -32,6 +32,7 @@ from reshard.strided_runs import CONTIGUOUS, advance, first_at_or_after, row_run
 from reshard.tensor_pieces import GlobalSpace, zero12_pieces
 from reshard.topology import Topology
 from strided_check import segment_elements
+from table_rounds_reference import assert_lazy_rounds_match
 from threaded_transport import run_workers
 
 # --- the arithmetic, against its definition ------------------------------------------------------
@@ -240,6 +241,24 @@ def test_strided_plan_moves_every_element_once_through_the_exchange(model):
         # (reshard.read_once: from the source, then from this round's or the previous round's buffer)
         assert np.array_equal(reads, [sum(r - 1 not in rounds for r in rounds)
                                       for rounds in rounds_reading[(rank, buffer)]]), (rank, buffer)
+
+
+@given(tp_layouts())
+@settings(max_examples=80, deadline=None)
+def test_strided_rounds_cut_per_worker_match_the_whole_cut_table(model):
+    """Lazily cut rounds of strided spaces (strips with gaps between target rows, replicated
+    copies) equal the whole table cut at once."""
+    params, groups, source, target, bounds, workers, budget = model
+    grid, old, new = _space(params, groups, source, target, bounds)
+    sizes = np.max([buffer_numels(_layout(params, groups, bounds["target"], target, t)) for t in range(target.tp)],
+                   axis=0)
+    ownership = Ownership.between(source, target, workers)
+    space = plan_space("optim", old, new, STREAMS, tuple(int(n) for n in sizes), ownership, budget)
+    event(f"packed windows: {bool(space.windows.packed)}")
+    gapped = new.strided and bool(((space.table.dst_stride != space.table.width)
+                                   & (space.table.col + space.table.length > space.table.width)).any())
+    event(f"segments with gaps between target rows: {gapped}")
+    assert_lazy_rounds_match(space, ownership)
 
 
 @given(tp_layouts())

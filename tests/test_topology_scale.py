@@ -135,3 +135,47 @@ def test_expert_parallel_plan_at_thousands_of_ranks():
     expert_sources = np.unique(space.segments.src_rank[space.segments.logical >= params[0].numel + params[1].numel])
     assert len(expert_sources) == 2048     # every source rank holds a share of some EP rank's experts
     assert time.perf_counter() - started < 120
+
+
+class _DataParallelSpec:
+    """The parts of a plain ZeRO-2 CheckpointSpec the planner reads."""
+
+    stage, tensor, experts, frozen = 2, None, None, ()
+    streams = STREAMS
+
+    def __init__(self, params, topology):
+        self.params, self.groups, self.topology = params, [tuple(range(len(params)))], topology
+
+    def layout(self, topology):
+        return zero12_layout(self.params, self.groups, topology.dp)
+
+
+def test_table_rounds_are_cut_per_worker_and_round_not_up_front(monkeypatch):
+    """16 parameters of 2^26 elements, 4,096 -> 8,192 ranks, W = 8, a budget that gives 64-element
+    windows: ~2,000 rounds of 8,192 window parts each (1.7e7 segments) if cut up front. Planning
+    cuts nothing (`cut_at_windows` is never called); a worker cuts its own rounds one by one and
+    they add up to its traffic."""
+    import reshard.plan
+
+    def cut_up_front(*args):
+        raise AssertionError("the whole plan was cut")
+    monkeypatch.setattr(reshard.plan, "cut_at_windows", cut_up_front)
+    params = tuple(ParamSpec(f"w{i}", (1 << 13, 1 << 13)) for i in range(16))
+    spec = _DataParallelSpec(params, Topology(dp=4096))
+    budget = 3 * 12 * 1024 * 64
+    plan = plan_reshard(spec, Topology(dp=8192), workers=8, budget_bytes=budget)
+    (space,) = plan.spaces
+    assert space.windows.window == 64 and plan.rounds >= 2000 and not space.windows.packed
+    total = sum(p.numel for p in params)
+    assert sum(plan.round_bytes()) == total * 12 and len(space.table) < 20_000
+    traffic = space.traffic(plan.ownership)
+    view = plan.worker_view(5)
+    largest = view.buffer_bytes()
+    sent = received = 0
+    for r in range(plan.rounds):
+        _, sends, receives = view.round(r)
+        s, g = sum(b.elements for b in sends) * 12, sum(b.elements for b in receives) * 12
+        assert s <= budget // 3 and g <= budget // 3
+        sent, received = sent + s, received + g
+    assert (sent, received) == (traffic[5][0], traffic[5][3])
+    assert largest == (budget // 3, budget // 3)

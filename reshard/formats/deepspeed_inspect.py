@@ -20,6 +20,7 @@ from reshard.byte_io import pread_exact
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats import deepspeed_tensor
+from reshard.formats.deepspeed_folding import FOLDING_KEY
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_spec import (
     CheckpointSpec,
@@ -128,13 +129,16 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
 
     optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
     optim_tree, model_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle), model_meta
-    expert_files = {name: schema.expert_file_index(name) for name, role in roles.items() if role.kind == "expert"}
-    spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
-                                _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3))
+    expert_files = {name: schema.expert_file_index(name) or schema.expert_file_index_any_mp(name)
+                    for name, role in roles.items() if role.kind == "expert"}
+    layers = _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3)
+    spec = _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n, layers,
+                                tp=tp if layers else 1)
     if tp > 1 or deepspeed_tensor.is_autotp(model_tree):
         if spec.experts is not None:
-            raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with MoE experts; " + TP_WITH_EP)
-        spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
+            spec = _with_folded_tensor_parallelism(spec, model_tree, model_path, tp, tag_dir, expert_files)
+        else:
+            spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
@@ -147,7 +151,10 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     others, other_dirs = _other_contents(tag_dir, roles)
     # Expert model-states files are named and keyed by GLOBAL expert id: the same at any (dp, ep),
     # so they travel whole and unchanged (engine.py `load_moe_state_dict` picks its own).
-    others = tuple(sorted(others + tuple(expert_files)))
+    # AutoEP with AutoTP: the expert files carry the TP rank and `folding` metadata of their
+    # writer, so they are rewritten for the target (reshard.formats.deepspeed_folding), not copied.
+    if spec.tensor is None:
+        others = tuple(sorted(others + tuple(expert_files)))
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others, other_dirs)
 
 
@@ -184,32 +191,76 @@ def _other_contents(tag_dir: str, roles: dict) -> tuple[tuple[str, ...], tuple[s
     return tuple(files), tuple(directories)
 
 
-TP_WITH_EP = "resharding tensor and expert parallelism together is not supported yet"
+TP_WITH_EP = "resharding tensor and expert parallelism together is supported for AutoEP folded with AutoTP only"
 
 
 def _refuse_tensor_and_expert_parallel(model_meta: dict, model_path: str, tag_dir: str, roles: dict) -> None:
-    """Refuse a checkpoint whose experts were trained under tensor parallelism.
+    """Refuse a checkpoint whose experts were trained under tensor parallelism in a way reshard
+    does not read.
 
     DeepSpeed 0.19.8 trains and saves AutoEP folded with AutoTP (`expert_parallel` with
     `tensor_parallel.autotp_size` > 1) at ZeRO-1, 2 and 3: every file then carries `folding`
     metadata (engine.py `_make_autoep_folding_metadata`; checkpoint/autoep_universal.py
     `make_folding_metadata`) that its loader validates against the engine's sizes, and the expert
     files are named after the saving rank's TP rank (engine.py `_get_expert_ckpt_name`:
-    `layer_{L}_expert_{G}_mp_rank_{tp:02d}`). Expert files of a TP rank above 0 without that
-    metadata are refused by name as well (experts saved under some other model-parallel mpu)."""
+    `layer_{L}_expert_{G}_mp_rank_{tp:02d}`). reshard reads those (`_with_folded_tensor_parallelism`);
+    refused here: a folding version or expert-tensor-parallel size it does not know, and expert files of a TP rank above 0 without
+    that metadata (experts saved under some other model-parallel mpu)."""
     folding = model_meta.get("folding") if isinstance(model_meta, dict) else None
     if folding is not None:
         sizes = (f"tp_size {folding.get('tp_size')!r}, ep_size {folding.get('ep_size')!r}"
                  if isinstance(folding, dict) else "unreadable")
-        raise UnsupportedCheckpoint(model_path, f"is an AutoEP checkpoint folded with AutoTP (folding metadata: "
-                                                f"{sizes}; expert_parallel with tensor_parallel.autotp_size > 1); "
-                                                + TP_WITH_EP)
+        problem = None
+        if not isinstance(folding, dict):
+            problem = "its folding metadata is not a dict"
+        elif folding.get("version") != 1 or folding.get("etp_size", 1) != 1:
+            problem = (f"folding version {folding.get('version')!r} with etp_size {folding.get('etp_size')!r} "
+                       "(reshard knows version 1 with etp_size 1)")
+        if problem:
+            raise UnsupportedCheckpoint(model_path, f"is an AutoEP checkpoint folded with AutoTP (folding metadata: "
+                                                    f"{sizes}; expert_parallel with tensor_parallel.autotp_size > 1) "
+                                                    f"and {problem}; " + TP_WITH_EP)
+        return
     for name in sorted(roles):
         mp_rank = schema.expert_file_mp_rank(name)
         if mp_rank:
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name),
-                                        f"is an expert file of tensor-parallel rank {mp_rank}: the experts were saved "
-                                        "with tensor parallelism; " + TP_WITH_EP)
+                                        f"is an expert file of tensor-parallel rank {mp_rank} but the model states "
+                                        "carry no folding metadata: the experts were saved with tensor parallelism "
+                                        "outside AutoEP folding; " + TP_WITH_EP)
+
+
+def _with_folded_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path: str, tp: int, tag_dir: str,
+                                    expert_files: dict) -> CheckpointSpec:
+    """The spec of an AutoEP checkpoint with AutoTP layers: folded (tp > 1, `reshard.topology`) or
+    AutoTP-ready at tp 1 (layer specs in ds_config). The TP spec covers the dense parameters
+    (experts are never TP-split); the folding metadata must agree with the file's sizes, and the
+    expert files must be the ones DeepSpeed writes and loads (`deepspeed_folding`)."""
+    from reshard.formats.deepspeed_folding import check_folding_metadata, expert_file_names
+    experts = spec.experts
+    if not experts.autoep:
+        raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native DeepSpeed MoE experts; "
+                                                + TP_WITH_EP)
+    topology = spec.topology
+    if tp > 1:
+        check_folding_metadata(model_tree, model_path, topology, tp_rank=0)
+    # ZeRO-3 (`zero3_partitioned`) keeps the experts in the ZeRO partitions only
+    wanted = set(expert_file_names(experts.num_experts, topology)) if spec.stage < 3 else set()
+    for name in sorted(set(expert_files) ^ wanted):
+        raise CheckpointError(os.path.join(tag_dir, name),
+                              f"is {'missing' if name in wanted else 'unexpected'}: a save at {topology.describe()} "
+                              "(AutoEP with AutoTP) writes each expert under the TP rank of every rank that loads it")
+    dense = [i for i, e in enumerate(experts.expert_of) if e is None]
+    tensor, dense_global = deepspeed_tensor.tensor_parallel_spec(model_tree, model_path, tp,
+                                                                 tuple(spec.params[i] for i in dense),
+                                                                 module_weights=spec.stage < 3)
+    dtype = deepspeed_tensor.module_dtype(model_tree, model_path, tensor.module)
+    if dtype not in (None, spec.lp_dtype):
+        raise UnsupportedCheckpoint(model_path, f"split module tensors are {dtype}, the model is {spec.lp_dtype}")
+    params = list(spec.params)
+    for i, p in zip(dense, dense_global):
+        params[i] = p
+    return dataclasses.replace(spec, params=tuple(params), tensor=tensor)
 
 
 def _tensor_parallel_size(model_meta: dict, model_path: str, tag_dir: str, mp_ranks: set) -> int:
@@ -345,13 +396,14 @@ def _autoep_expert_layers(tag_dir: str, expert_files: dict, model_tree: dict, mo
     for layer, prefix in enumerate(layers.prefixes):
         path = os.path.join(tag_dir, schema.expert_file_name(layer, 0))
         keys = load_portable(path, schema.safe_globals(), trust_pickle)
-        if not isinstance(keys, dict) or sorted(keys) != [f"{prefix}{w}.0" for w in ("w1", "w2", "w3")]:
+        names = sorted(k for k in keys if k != FOLDING_KEY) if isinstance(keys, dict) else None  # folded: + metadata
+        if names != [f"{prefix}{w}.0" for w in ("w1", "w2", "w3")]:
             raise UnsupportedCheckpoint(path, f"does not hold exactly {prefix}w1.0, w2.0 and w3.0 (AutoEP global "
                                               "expert 0)")
     return layers.num_experts, layers.prefixes, layers.ep
 
 
-def _global_expert_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
+def _global_expert_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int, tp: int = 1):
     """The source ep and, per param group, its parameters under GLOBAL names in layer, expert order.
 
     Rank 0 is EP rank 0, whose local expert j is global expert j, so its LOCAL names in
@@ -359,7 +411,7 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
     the same shapes under their own index (moe/experts.py deep-copies one expert)."""
     num_experts, prefixes, autoep_ep = layers
     if autoep_ep is not None:
-        return _global_autoep_groups(names_per_group, expert_groups, layers, path, n)
+        return _global_autoep_groups(names_per_group, expert_groups, layers, path, n, tp)
     layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
     local_counts = {}
     parsed = []
@@ -414,7 +466,7 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
     return ep, result
 
 
-def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int):
+def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int, tp: int = 1):
     """The source ep and, per param group, its parameters under GLOBAL names: each fused AutoEP
     weight `{prefix}w1 [n_local, ...]` becomes its experts' slices `{prefix}w1.{G}`, G = 0..E-1,
     in place (reshard.expert_layout)."""
@@ -448,13 +500,14 @@ def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], laye
     if ep != layers[2]:
         raise CheckpointError(path, f"holds {num_experts[0] // ep} local experts per layer (ep={ep}), but "
                                     f"ds_autoep_layers says ep_size {layers[2]}")
-    if n % ep:
-        raise CheckpointError(path, f"has ep={ep} expert groups that do not divide dp_world_size {n}")
+    if (n * tp) % ep:
+        raise CheckpointError(path, f"has ep={ep} expert groups that do not divide dp_world_size {n}"
+                                    + (f" x mp_world_size {tp}" if tp > 1 else ""))
     return ep, result
 
 
 def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_prefix, stage3, n,
-                         expert_layers=None) -> CheckpointSpec:
+                         expert_layers=None, tp: int = 1) -> CheckpointSpec:
     osd = optim_tree.get(OPT) if isinstance(optim_tree, dict) else None
     if not isinstance(osd, dict):
         raise CheckpointError(optim_path, f"is not a DeepSpeed optim-states file (no {OPT!r})")
@@ -504,7 +557,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
             raise CheckpointError(optim_path, f"has {len(expert_groups)} optimizer param groups "
                                               f"({sum(expert_groups)} with moe=True) for {len(names_per_group)} "
                                               "param_shapes groups; an MoE checkpoint has expert groups")
-        ep, names_per_group = _global_expert_groups(names_per_group, expert_groups, expert_layers, model_path, n)
+        ep, names_per_group = _global_expert_groups(names_per_group, expert_groups, expert_layers, model_path, n, tp)
     params, groups = [], []
     for items in names_per_group:
         groups.append(tuple(range(len(params), len(params) + len(items))))
@@ -533,7 +586,7 @@ def _spec_from_templates(optim_tree, model_tree, optim_path, model_path, bf16_pr
         dtypes = {ref.dtype for ref in fragments.values()}
         frozen_dtype = dtypes.pop() if len(dtypes) == 1 else _refuse(model_path, "frozen fragments of mixed dtypes")
 
-    spec = CheckpointSpec(stage, optimizer, bf16_prefix, Topology(dp=n, ep=ep), tuple(params), tuple(groups),
+    spec = CheckpointSpec(stage, optimizer, bf16_prefix, Topology(dp=n, tp=tp, ep=ep), tuple(params), tuple(groups),
                           round_robin, param_alignment, sub_group_size, lp_dtype, (), frozen, frozen_dtype, experts=experts)
     layout = spec.layout(spec.topology)
     if stage == 3:
@@ -763,7 +816,10 @@ def _check_local_param_shapes(tree, path: str, layout) -> None:
               for group in (tree.get("param_shapes") or [])]
     order = [sg.params for sg in layout.sub_groups] if hasattr(layout, "sub_groups") else \
         [g.flat_order for g in layout.groups]  # ZeRO-3: per sub-group; ZeRO-1/2: per group, flat order
-    wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in ids] for ids in order]
+    if hasattr(layout, "param_shapes_on_rank"):  # AutoEP with AutoTP: fused local expert names
+        wanted = [[(name, tuple(shape)) for name, shape in layout.param_shapes_on_rank(ids, 0)] for ids in order]
+    else:
+        wanted = [[(layout.params[p].name, tuple(layout.params[p].shape)) for p in ids] for ids in order]
     if shapes != wanted:
         raise CheckpointError(path, f"param_shapes {_short(shapes)} are not this TP rank's shards {_short(wanted)}")
 

@@ -51,7 +51,7 @@ _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.p
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_RE = re.compile(r"^(expp_rank_\d+_mp_rank_\d+_optim_states|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states)\.pt$")
 _LAYER_EXPERT_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
-_LAYER_EXPERT_MP_RE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_(\d+)_model_states\.pt$")
+_LAYER_EXPERT_MP_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
 
 
@@ -90,11 +90,18 @@ def expert_file_mp_rank(name: str) -> int | None:
     """The tensor-parallel rank in a per-layer expert file's name, layer_{L}_expert_{G}_mp_rank_{XX}_...
     (engine.py `_get_expert_ckpt_name`: the saving rank's model-parallel rank), or None."""
     match = _LAYER_EXPERT_MP_RE.match(name)
-    return int(match[1]) if match else None
+    return int(match[3]) if match else None
 
 
-def expert_file_name(layer: int, expert: int) -> str:
-    return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+def expert_file_index_any_mp(name: str) -> tuple[int, int] | None:
+    """(MoE layer, global expert) of a per-layer expert file of any TP rank (AutoEP folded with
+    AutoTP writes them under the writer's TP rank, reshard.formats.deepspeed_folding)."""
+    match = _LAYER_EXPERT_MP_RE.match(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def optim_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:

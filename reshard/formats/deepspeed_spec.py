@@ -71,7 +71,9 @@ class CheckpointSpec:
     """ZeRO-3 frozen parameters, partitioned in the model-states files."""
     frozen_dtype: str | None = None
     tensor: TensorParallelSpec | None = None
-    """AutoTP split of every parameter (None: no tensor parallelism); `params` then hold global shapes."""
+    """AutoTP split of every parameter (None: no tensor parallelism); `params` then hold global shapes.
+    With experts too (AutoEP folded with AutoTP) it covers the DENSE parameters only, in `params`'
+    order: experts are never split by TP (`reshard.topology`)."""
     experts: ExpertParams | None = None
     """Native DeepSpeed MoE: which params are experts (params then hold every GLOBAL expert)."""
 
@@ -88,8 +90,10 @@ class CheckpointSpec:
         # whenever their TP sizes agree (10^5 ParamSpecs cost ~0.3 s to build); kept out of pickles
         cache = self.__dict__.setdefault(_LOCAL_PARAMS_CACHE, {})
         if key not in cache:
-            shapes = self.tensor.params.local_shapes(*key)
-            cache[key] = tuple(ParamSpec(p.name, shape) for p, shape in zip(self.params, shapes))
+            shapes = iter(self.tensor.params.local_shapes(*key))
+            dense = [True] * len(self.params) if self.experts is None else \
+                [e is None for e in self.experts.expert_of]  # folded: experts whole on every TP rank
+            cache[key] = tuple(ParamSpec(p.name, next(shapes)) if d else p for p, d in zip(self.params, dense))
         return cache[key]
 
     def __getstate__(self) -> dict:
@@ -104,9 +108,11 @@ class CheckpointSpec:
             if not isinstance(world, Topology):
                 raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
             if self.stage == 3:
-                return expert_zero3_layout(self.params, self.groups, self.experts, world, self.sub_group_size)
-            return expert_zero12_layout(self.params, self.groups, self.experts, world, round_robin=self.round_robin,
-                                        param_alignment=self.param_alignment)
+                return expert_zero3_layout(self.local_params(world.tp, tp_rank), self.groups, self.experts, world,
+                                           self.sub_group_size, tp_rank)
+            return expert_zero12_layout(self.local_params(world.tp, tp_rank), self.groups, self.experts, world,
+                                        round_robin=self.round_robin, param_alignment=self.param_alignment,
+                                        tp_rank=tp_rank)
         world_size = world.dp if isinstance(world, Topology) else world
         params = self.local_params(tp, tp_rank)
         if self.stage == 3:
@@ -140,6 +146,8 @@ class CheckpointSpec:
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
         ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
+        if self.tensor is not None and self.experts is not None:
+            ranks += " (AutoEP folded with AutoTP)" if self.topology.folded else ""
         if self.experts is not None:
             ranks += (f", {'AutoEP' if self.experts.autoep else 'MoE'} {len(self.experts.num_experts)} layers x "
                       f"{'/'.join(map(str, sorted(set(self.experts.num_experts))))} experts at ep={self.topology.ep}")

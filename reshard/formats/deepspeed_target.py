@@ -25,6 +25,7 @@ from typing import Any
 
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
+from reshard.formats.deepspeed_folding import FOLDING_KEY, model_folding, optim_folding
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -61,17 +62,23 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
         return stage_target_files(source, target, rank, stage)
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp)
-    files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix),
-                        _optim_tree(source, layout, at.dp), source.optim_name(0))]
+    optim_tree = _optim_tree(source, layout, at.dp)
+    if spec.experts is not None and spec.tensor is not None:
+        _set_optim_folding(optim_tree, spec, layout, target, rank)
+    files = [TargetFile(schema.optim_file_name_of(target, rank, spec.bf16_prefix), optim_tree, source.optim_name(0))]
     if spec.stage == 3:
         tree = _zero3_model_tree(source, layout, rank)
         if spec.tensor is not None:
             _set_tensor_parallel_metadata(tree, spec, target)
+        if spec.tensor is not None and spec.experts is not None:
+            _set_model_folding(tree, target, rank)
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0 if model_states is None else model_states:
         tree = _zero12_model_tree(source, layout)
         if spec.tensor is not None:
             _reslice_tensor_parallel_model(tree, spec, target, at.tp)
+        if spec.tensor is not None and spec.experts is not None:
+            _set_model_folding(tree, target, target.rank_of(0, at.tp))
         files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0)))
     return files
 
@@ -223,6 +230,32 @@ def _retarget_autoep_layers(tree: dict, target: Topology, rank: int = 0) -> None
     info = tree.get("universal_checkpoint_info")
     if isinstance(info, dict) and AUTOEP_LAYERS_KEY in info:
         info[AUTOEP_LAYERS_KEY] = layers
+
+
+def _set_optim_folding(tree: dict, spec, layout, target: Topology, rank: int) -> None:
+    """AutoEP with AutoTP layers: the optim file's `folding` for global rank `rank`, or none
+    unfolded (reshard.formats.deepspeed_folding; engine.py `_save_zero_checkpoint`)."""
+    tree.pop(FOLDING_KEY, None)
+    if target.folded:
+        names = None if spec.stage == 3 else \
+            [[name for name, _ in layout.param_shapes_on_rank(g.flat_order, 0)] for g in layout.groups]
+        tree[FOLDING_KEY] = optim_folding(target, rank, names, spec.experts.expert_groups)
+
+
+def _set_model_folding(tree: dict, target: Topology, rank: int) -> None:
+    """AutoEP with AutoTP layers: the model file written by global rank `rank` says that writer's
+    EP placement, and its `folding` (engine.py `_save_moe_checkpoint`); an unfolded target keeps
+    AutoEP's own `universal_checkpoint_info` keys only."""
+    _retarget_autoep_layers(tree, target, rank)
+    info = tree.get("universal_checkpoint_info")
+    if info is None:  # tp 1: what engine.py `_save_moe_checkpoint` writes for AutoEP alone
+        info = tree["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4}
+    # engine.py `_save_moe_checkpoint` adds these to AutoTP's info (absent when it came from layer specs)
+    info.setdefault("expert_parameter_patterns", [r".*\.experts\.w[123]$"])
+    info[AUTOEP_LAYERS_KEY] = tree[AUTOEP_LAYERS_KEY]
+    tree.pop(FOLDING_KEY, None)
+    if target.folded:
+        tree[FOLDING_KEY] = model_folding(target, rank, list(tree["module"]))
 
 
 def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: int) -> None:

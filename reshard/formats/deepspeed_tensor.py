@@ -345,6 +345,8 @@ def tensor_parallel_spec(model_tree: dict, model_path: str, tp: int, local_param
     empty placeholders of the partitioned parameters, so no module tensor is resliced."""
     grain = _grain(model_tree)
     info = model_tree.get(INFO)
+    if isinstance(info, dict) and set(info) <= _AUTOEP_ONLY_INFO and tp == 1:
+        info = None  # AutoEP's own keys only (engine.py `_save_moe_checkpoint`): the split is in the layer specs
     if info is None and tp == 1:
         info, by_name, patterns = splits_from_layer_specs(model_tree, model_path)
     else:

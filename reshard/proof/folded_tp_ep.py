@@ -1,16 +1,26 @@
-"""Train and save a DeepSpeed AutoEP checkpoint folded with AutoTP (tensor and expert parallelism together).
+"""Train and save a DeepSpeed AutoEP checkpoint folded with AutoTP (tensor and expert parallelism together), or judge loads of one.
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.folded_tp_ep \
-        --stage 2 --tp 2 --ep 2 --save-dir /tmp/folded
+        --stage 2 --tp 2 --ep 2 --save-dir /tmp/folded [--truth /tmp/folded.truth.pt]
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.folded_tp_ep \
+        --stage 2 --tp 2 --ep 2 --check /tmp/out --truth /tmp/folded.truth.pt --verdict /tmp/v.json [--in-job]
 
-reshard refuses these checkpoints (formats/deepspeed_inspect.py `_refuse_tensor_and_expert_parallel`);
-this trains the real thing that the refusal is tested on. DeepSpeed 0.19.8 trains and saves it on
+reshard reads and writes these at ZeRO-1/2 (reshard.formats.deepspeed_folding) and refuses them
+at ZeRO-3 (formats/deepspeed_inspect.py `_refuse_tensor_and_expert_parallel`). DeepSpeed 0.19.8 trains and saves it on
 CPU ranks at ZeRO-1, 2 and 3 (module_inject/auto_ep_folding.py `build_folding_spec`: TP groups of
 consecutive ranks, dense DP strided over TP lanes, EP groups of consecutive ranks that may cross TP
 lanes, expert DP across EP groups). The model is `AutoEPProofModel` (two AutoEP MoE layers) with a
 column-parallel `up` and a row-parallel `down` AutoTP splits, so that the save holds TP shards as
 well as experts. The ranks of a TP group train on the same micro-batch (AutoTP replicates the
 activations over the TP group), chosen by the dense data-parallel rank.
+
+Truth (`--truth`, written by rank 0 after the save): every trainable parameter's full fp32
+master, exp_avg, exp_avg_sq and module value (DeepSpeed's safe getters on every rank, TP shards
+joined as reshard.proof.tensor_parallel does, fused AutoEP experts cut per GLOBAL expert as
+reshard.proof.moe_run does; ranks holding one value must agree bit for bit) and the step
+counters. `--check DIR` builds an engine at (tp, ep) from another seed, loads DIR with plain
+`engine.load_checkpoint` (`--in-job`: `reshard.deepspeed.load_checkpoint`), compares every
+element with the truth, trains one more step and writes a JSON verdict.
 """
 from __future__ import annotations
 
@@ -46,8 +56,14 @@ class FoldedProofModel(AutoEPProofModel):
         return F.cross_entropy(self.head(hidden).float().flatten(0, -2), targets.flatten())
 
 
-def ds_config(stage: int, tp: int, ep: int) -> dict:
+def ds_config(stage: int, tp: int, ep: int, precision: str = "fp32") -> dict:
+    """`precision`: fp32, bf16 (DeepSpeedZeroOptimizer) or bf16_optimizer (BF16_Optimizer: bf16
+    at ZeRO-1 with fp32 gradient accumulation)."""
+    extra = {} if precision == "fp32" else {"bf16": {"enabled": True}}
+    if precision == "bf16_optimizer":
+        extra["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
@@ -58,38 +74,145 @@ def ds_config(stage: int, tp: int, ep: int) -> dict:
     }
 
 
-def main() -> None:
+def build_engine(stage: int, tp: int, ep: int, seed: int, precision: str = "fp32"):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
+    torch.manual_seed(seed)
+    model = FoldedProofModel()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=build_autoep_param_groups(model),
+        optimizer=lambda groups: torch.optim.AdamW(
+            split_params_into_different_moe_groups_for_optimizer([dict(group) for group in groups])),
+        config=ds_config(stage, tp, ep, precision))
+    return engine
+
+
+def train_steps(engine, tp: int, first: int, count: int, seed: int = 0) -> list[float]:
     from reshard.proof.batches import train_batch
+
+    dense_dp_rank = torch.distributed.get_rank() // tp  # auto_ep_folding.py `expected_folding_group_tables`
+    losses = []
+    for step in range(first, first + count):
+        tokens, targets = train_batch(seed=seed, step=step, rank=dense_dp_rank, batch_size=2)
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        if not torch.isfinite(loss.detach()):
+            raise RuntimeError(f"loss {loss.item()} at step {step}")
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def full_view(engine, tp: int) -> dict:
+    """{name: {"fp32", "state", "module"}} of every trainable parameter, whole, experts by global id. Collective."""
+    import deepspeed.comm as dist
+
+    from reshard.proof.moe_run import autoep_fused_experts
+    from reshard.proof.tensor_parallel import join_shards, local_state, partition_of
+
+    params = dict(engine.module.named_parameters())
+    fused = autoep_fused_experts(engine)
+    mine = {}
+    for name, entry in local_state(engine).items():
+        if name in fused:
+            first, count = fused[name]
+            for local in range(count):
+                mine[f"{name}.{first + local}"] = (None, {"fp32": entry["fp32"][local], "module": entry["module"][local],
+                                                          "state": {k: v[local] for k, v in entry["state"].items()}})
+        else:
+            mine[name] = (partition_of(params[name]), entry)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    full = {}
+    for name in sorted({n for view in views for n in view}):
+        layout = views[0][name][0] if name in views[0] else None
+        if layout is not None and tp > 1:  # TP shards: ranks 0..tp-1 are TP ranks 0..tp-1 of dp rank 0
+            shards = [views[r][name][1] for r in range(tp)]
+            join = lambda key: join_shards([s[key] for s in shards], *layout)  # noqa: E731
+            full[name] = {"fp32": join("fp32"), "module": join("module"),
+                          "state": {k: join_shards([s["state"][k] for s in shards], *layout)
+                                    for k in shards[0]["state"]}}
+            continue
+        holders = [view[name][1] for view in views if name in view]
+        for other in holders[1:]:
+            same = torch.equal(other["fp32"], holders[0]["fp32"]) and all(
+                torch.equal(other["state"][k], v) for k, v in holders[0]["state"].items())
+            if not same:
+                raise RuntimeError(f"ranks holding {name} disagree")
+        full[name] = holders[0]
+    return full
+
+
+def compare(truth: dict, view: dict) -> tuple[list[str], int]:
+    problems, checked = [], 0
+    if sorted(truth) != sorted(view):
+        problems.append(f"parameters differ: {sorted(set(truth) ^ set(view))[:6]}")
+    for name in sorted(set(truth) & set(view)):
+        pairs = [("fp32", truth[name]["fp32"], view[name]["fp32"]), ("module", truth[name]["module"], view[name]["module"])]
+        pairs += [(k, v, view[name]["state"][k]) for k, v in truth[name]["state"].items()]
+        for key, want, got in pairs:
+            checked += 1
+            if want.shape != got.shape or not torch.equal(want, got):
+                problems.append(f"{name}.{key} differs")
+    return problems, checked
+
+
+def main() -> None:
+    import json
+
     from reshard.proof.engine_setup import finish_and_exit, init_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--ep", type=int, required=True)
-    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "bf16_optimizer"], default="fp32")
+    parser.add_argument("--save-dir")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--truth")
+    parser.add_argument("--check", help="load this directory and judge it against --truth")
+    parser.add_argument("--verdict")
+    parser.add_argument("--in-job", action="store_true", help="load with reshard.deepspeed.load_checkpoint")
     args = parser.parse_args()
 
     init_distributed()
-    torch.manual_seed(0)
-    model = FoldedProofModel()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=build_autoep_param_groups(model),
-        optimizer=lambda groups: torch.optim.AdamW(
-            split_params_into_different_moe_groups_for_optimizer([dict(group) for group in groups])),
-        config=ds_config(args.stage, args.tp, args.ep))
-    dense_dp_rank = torch.distributed.get_rank() // args.tp  # auto_ep_folding.py `expected_folding_group_tables`
-    for step in range(args.steps):
-        tokens, targets = train_batch(seed=0, step=step, rank=dense_dp_rank, batch_size=2)
-        loss = engine(tokens, targets)
-        engine.backward(loss)
-        engine.step()
-        if not torch.isfinite(loss.detach()):
-            raise RuntimeError(f"loss {loss.item()} at step {step}")
-    engine.save_checkpoint(args.save_dir)
+    rank = torch.distributed.get_rank()
+    if args.check is None:
+        engine = build_engine(args.stage, args.tp, args.ep, seed=0, precision=args.precision)
+        train_steps(engine, args.tp, 0, args.steps)
+        engine.save_checkpoint(args.save_dir)
+        if args.truth:
+            view = full_view(engine, args.tp)
+            if rank == 0:
+                torch.save({"params": view, "global_steps": engine.global_steps, "steps": args.steps}, args.truth)
+        finish_and_exit()
+    truth = torch.load(args.truth, weights_only=False)
+    engine = build_engine(args.stage, args.tp, args.ep, seed=1, precision=args.precision)
+    error, problems, checked, extra = None, [], 0, []
+    try:
+        if args.in_job:
+            from reshard.deepspeed import load_checkpoint
+            path, _ = load_checkpoint(engine, args.check)
+        else:
+            path, _ = engine.load_checkpoint(args.check)
+        if path is None:
+            error = f"load_checkpoint returned no path for {args.check}"
+    except Exception as failure:  # judged below, on every rank
+        error = f"{type(failure).__name__}: {failure}"
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if not errors:
+        problems, checked = compare(truth["params"], full_view(engine, args.tp))
+        if engine.global_steps != truth["global_steps"]:
+            problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
+        extra = train_steps(engine, args.tp, truth["steps"], 1, seed=0)
+    if rank == 0:
+        with open(args.verdict, "w") as fd:
+            json.dump({"ok": not errors and not problems and checked > 0, "load_error": errors, "mismatches": problems[:20],
+                       "checked_tensors": checked, "extra_step_losses": extra, "world_size":
+                       torch.distributed.get_world_size(), "tp": args.tp, "ep": args.ep}, fd)
     finish_and_exit()
 
 
