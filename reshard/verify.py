@@ -39,6 +39,7 @@ from reshard.formats.torch_archive import (
     load_portable,
     map_leaves,
 )
+from reshard.formats.torch_classes import as_stand_in
 from reshard.manifest import Manifest
 from reshard.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
@@ -122,7 +123,9 @@ def _normalise(tree, expected_kinds: list, digest) -> object:
 
 
 def _same(a, b) -> bool:
-    """Structural equality of normalised trees (NaN equals NaN, dict order matters)."""
+    """Structural equality of normalised trees (NaN equals NaN, dict order matters; torch.Size and
+    dtypes equal their stand-ins, torch_classes.as_stand_in)."""
+    a, b = as_stand_in(a), as_stand_in(b)
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):

@@ -242,23 +242,46 @@ def test_a_destination_without_space_is_refused_before_writing(world, monkeypatc
         small.rmdir()
 
 
-def test_a_disk_that_fills_while_skeletons_are_written_says_what_was_kept(world, monkeypatch):
-    """torch.save reports a full disk as "unexpected pos ..."; the message names the cause, and
-    says truthfully that nothing was kept (the failure came before the rounds)."""
+@pytest.mark.parametrize("writer", ["torch_free", "torch"])
+def test_a_disk_that_fills_while_skeletons_are_written_says_what_was_kept(world, monkeypatch, writer):
+    """A full disk while skeletons are written (torch.save reports it as "unexpected pos ...",
+    reshard's own archive writer as ENOSPC); the message names the cause, and says truthfully
+    that nothing was kept (the failure came before the rounds)."""
     import torch
 
-    import reshard.formats.torch_archive as archive
+    import reshard.formats.torch_pickle as torch_pickle
+    import reshard.formats.torch_zip as torch_zip
     import reshard.resources as resources
-    real_save, saves = torch.save, {"count": 0}
+    saves = {"count": 0}
 
-    def full_after_one(obj, path, *args, **kwargs):
+    def full_after_one():
         saves["count"] += 1
         if saves["count"] > 1:
             monkeypatch.setattr(resources, "free_bytes", lambda path: 0)
-            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 9792 vs 9696")
-        return real_save(obj, path, *args, **kwargs)
+            return True
+        return False
 
-    monkeypatch.setattr(archive.torch, "save", full_after_one)
+    if writer == "torch":
+        real_save = torch.save
+
+        def torch_save(obj, path, *args, **kwargs):
+            if full_after_one():
+                raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 9792 vs 9696")
+            return real_save(obj, path, *args, **kwargs)
+
+        def needs_torch(path, tree):
+            raise torch_pickle.NeedsTorch("forced by the test")
+        monkeypatch.setattr(torch, "save", torch_save)
+        monkeypatch.setattr(torch_pickle, "write_skeleton_tree", needs_torch)
+    else:
+        real_finish = torch_zip.ArchiveWriter.finish
+
+        def finish(self):
+            if full_after_one():
+                self.close()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+            return real_finish(self)
+        monkeypatch.setattr(torch_zip.ArchiveWriter, "finish", finish)
     world["seal"]()
     from reshard.errors import ReshardError
     with pytest.raises(ReshardError) as failed:

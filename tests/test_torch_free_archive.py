@@ -199,6 +199,12 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
     torch.save({"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}, path)
     with pytest.raises(NeedsTorch, match="argparse.Namespace"):
         torch_pickle.read_portable(path)
+    for name, obj, problem in [("bare.pt", {"s": torch.ones(3).untyped_storage()}, "UntypedStorage"),
+                               ("typed.pt", {"s": torch.ones(3).storage(), "t": torch.ones(1)}, "outside any tensor"),
+                               ("conj.pt", {"c": torch.ones(2, dtype=torch.complex64).conj()}, "metadata")]:
+        torch.save(obj, tmp_path / name)
+        with pytest.raises(NeedsTorch, match=problem):
+            torch_pickle.read_portable(tmp_path / name)
     # torch decides instead: refused under the allowlist, read when trusted
     from reshard.errors import CheckpointError
     with pytest.raises(CheckpointError, match="allowlist"):
@@ -248,3 +254,24 @@ def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, v
         for rank in range(m):
             for target in target_files(source, Topology(dp=m), rank):
                 _same_skeleton_as_torch(target.tree, tmp_path / f"m{m}", target.name)
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(tmp_path):
+    """AutoTP files (universal_checkpoint_info, per-TP-rank model and optim states), to TP 1 and
+    to TP 2 at two DP ranks."""
+    from reshard.formats.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_target import target_files
+    from reshard.proof.tensor_parallel import train_checkpoint
+    from reshard.topology import Topology
+
+    save_dir = tmp_path / "src"
+    train_checkpoint(2, 1, 1, "bf16", save_dir, tmp_path / "truth.pt")
+    tag_dir = save_dir / (save_dir / "latest").read_text()
+    for path in sorted(tag_dir.glob("*.pt")):
+        _same_tree_as_torch(path)
+    source = inspect_checkpoint(save_dir)
+    for topology in (Topology(dp=2, tp=1), Topology(dp=2, tp=2)):
+        for rank in range(topology.dp * topology.tp):
+            for target in target_files(source, topology, rank):
+                _same_skeleton_as_torch(target.tree, tmp_path / f"dp{topology.dp}tp{topology.tp}", target.name)

@@ -128,7 +128,8 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
                                   f"is missing: mp_world_size is {tp}, every TP rank has a model-states file")
 
     optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16_prefix))
-    optim_tree, model_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle), model_meta
+    optim_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle)
+    model_tree = model_meta
     expert_files = {name: schema.expert_file_index(name) or schema.expert_file_index_any_mp(name)
                     for name, role in roles.items() if role.kind == "expert"}
     layers = _expert_layers(tag_dir, expert_files, model_tree, model_path, trust_pickle, stage3)

@@ -1,21 +1,25 @@
 """torch.save files without reading or holding their tensors: structure, byte offsets, skeletons.
 
-    from reshard.formats.torch_archive import load_structure, portable, write_skeleton
-    meta = load_structure("zero_pp_rank_0_mp_rank_00_optim_states.pt")   # pickle only
-    tree = portable(meta)          # every tensor replaced by a TensorRef (where its bytes are)
-    offsets = write_skeleton("out.pt", materialize(tree, ...)[0])   # structure, no data
+    from reshard.formats.torch_archive import load_portable, write_tree_skeleton
+    tree = load_portable("zero_pp_rank_0_mp_rank_00_optim_states.pt", safe_globals)  # TensorRefs
+    offsets = write_tree_skeleton("out.pt", target_tree)   # structure, no data: {role: byte offset}
 
-How reshard reads: `torch.load(map_location="meta")` reads only the pickle; every storage
-then carries `_checkpoint_offset`, the byte offset of its data in the file, and slices are
-read with `os.pread` at offsets the plan names. Unlike an mmap, pread leaves nothing mapped
-in the process, so resident memory stays at what the plan holds.
+Without torch first: `load_portable`, `write_tree_skeleton` and `locate_tree_storages` read and
+write with reshard.formats.torch_pickle / torch_zip (no `import torch`, the same trees and
+the same bytes as below, see torch_pickle for the subset), and fall back to torch for content
+outside that subset (torch_classes.NeedsTorch), damaged files and --trust-pickle.
 
-How reshard writes (torch >= 2.6): the target object is built with `torch.empty` storages
-(never touched, so never resident) and saved under `torch.serialization.skip_data()`, which
-writes the whole structure and reserves each storage's bytes (they read back as zeros).
-Reloading that skeleton with `map_location="meta"` gives each storage's offset; the data
-then goes there with `os.pwrite` / `os.copy_file_range` as it arrives. The result is a
-normal torch file.
+With torch (`load_structure`, `portable`, `materialize`, `write_skeleton`, `locate_storages`):
+`torch.load(map_location="meta")` reads only the pickle; every storage then carries
+`_checkpoint_offset`, the byte offset of its data in the file, and slices are read with
+`os.pread` at offsets the plan names. Unlike an mmap, pread leaves nothing mapped in the
+process, so resident memory stays at what the plan holds.
+
+Writing (torch >= 2.6): the target object is built with `torch.empty` storages (never touched,
+so never resident) and saved under `torch.serialization.skip_data()`, which writes the whole
+structure and reserves each storage's bytes (they read back as zeros). Reloading that
+skeleton with `map_location="meta"` gives each storage's offset; the data then goes there
+with `os.pwrite` / `os.copy_file_range` as it arrives. The result is a normal torch file.
 
 Tensors are found the way torch.save finds them: by pickling the object with a
 `persistent_id` hook. That reaches tensors anywhere, inside custom classes included, and

@@ -89,3 +89,16 @@ class TorchSize(tuple):
 
 
 SIZE = _register("torch.Size", lambda values=(): TorchSize(values))
+
+
+def as_stand_in(value):
+    """`value` with a real torch.Size or torch dtype replaced by its stand-in (anything else as
+    is), so that trees read with and without torch compare equal (reshard.verify)."""
+    kind = type(value)
+    if kind.__module__ != "torch":
+        return value
+    if kind.__name__ == "Size":
+        return TorchSize(value)
+    if kind.__name__ == "dtype":
+        return TORCH_GLOBALS.get(str(value), value)
+    return value

@@ -60,15 +60,18 @@ __all__ = ["NeedsTorch", "read_portable", "write_skeleton_tree", "storage_offset
 # -- reading -----------------------------------------------------------------------------------
 
 class _StorageRef:
-    __slots__ = ("offset", "nbytes", "dtype")
+    """One persistent id as loaded: where the storage's bytes are; `used` once a tensor took it."""
+
+    __slots__ = ("offset", "nbytes", "dtype", "used")
 
     def __init__(self, offset: int, nbytes: int, dtype: str):
-        self.offset, self.nbytes, self.dtype = offset, nbytes, dtype
+        self.offset, self.nbytes, self.dtype, self.used = offset, nbytes, dtype, False
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
     if not isinstance(storage, _StorageRef) or backward_hooks or metadata:
         raise NeedsTorch("a tensor with hooks, conj/neg metadata or no file storage")
+    storage.used = True
     return TensorRef(storage.offset, storage.nbytes, storage.dtype, tuple(size), tuple(stride),
                      storage_offset, bool(requires_grad))
 
@@ -109,8 +112,8 @@ class _Reader(pickle.Unpickler):
     def __init__(self, data: bytes, archive: ArchiveReader, extra_globals: dict):
         super().__init__(io.BytesIO(data))
         self.archive, self.extra_globals = archive, extra_globals
-        self.storages: dict[str, _StorageRef] = {}
-        self.bare = 0
+        self.storages: dict[str, tuple[int, int, str]] = {}
+        self.loaded: list[_StorageRef] = []
 
     def find_class(self, module, name):
         found = _READ_GLOBALS.get((module, name)) or self.extra_globals.get(f"{module}.{name}")
@@ -125,15 +128,17 @@ class _Reader(pickle.Unpickler):
         if not (isinstance(storage_type, TorchGlobal) and storage_type.dtype and isinstance(key, str)
                 and isinstance(location, str) and isinstance(numel, int)):
             raise NeedsTorch(f"persistent id {pid!r:.80}")
-        storage = self.storages.get(key)
-        if storage is None:
+        known = self.storages.get(key)
+        if known is None:
             record = f"data/{key}"
             nbytes = numel * ITEMSIZE[storage_type.dtype]
             if record not in self.archive.infos or self.archive.size(record) != nbytes:
                 raise NeedsTorch(f"storage record {record} missing or not {nbytes} bytes")
-            storage = self.storages[key] = _StorageRef(self.archive.offset(record), nbytes, storage_type.dtype)
-        elif storage.dtype != storage_type.dtype:
+            known = self.storages[key] = (self.archive.offset(record), nbytes, storage_type.dtype)
+        elif known[2] != storage_type.dtype:
             raise NeedsTorch(f"storage {key} viewed as two dtypes")
+        storage = _StorageRef(*known)  # one per persistent id: torch writes one per tensor
+        self.loaded.append(storage)
         return storage
 
 
@@ -148,7 +153,10 @@ def read_portable(path: str | os.PathLike, extra_globals: dict | None = None) ->
         if "byteorder" in archive.infos and archive.read("byteorder") != b"little":
             raise NeedsTorch("big-endian storages")
         reader = _Reader(archive.read("data.pkl"), archive, extra_globals or {})
-        return reader.load()
+        tree = reader.load()
+        if not all(storage.used for storage in reader.loaded):
+            raise NeedsTorch("a storage outside any tensor")
+        return tree
 
 
 def deepspeed_globals(safe_globals) -> dict:
