@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SLURM array mode, no collectives: this task's index, 0..K-1 (with --array-tasks)")
     parser.add_argument("--array-tasks", type=int, metavar="K", help="SLURM array mode: number of tasks")
     parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
-                        help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher)")
+                        help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher; "
+                             "with --workers, shared memory without torch, and torch means gloo)")
     parser.add_argument("--workers", type=int,
                         help="worker processes to start on this host, without torchrun (default 1)")
     parser.add_argument("--node-local", action="store_true", default=None,

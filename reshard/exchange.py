@@ -28,7 +28,6 @@ import threading
 from typing import Callable
 
 import numpy as np
-import torch
 
 from reshard.collective import check_peers
 from reshard.failpoints import failpoint
@@ -84,11 +83,11 @@ def _counts(blocks: list[RoundBlock], workers: int, bytes_per_element: int) -> l
 class _RoundReader:
     """Makes each round's blocks and fills its send buffer ahead of the collective, in a thread."""
 
-    def __init__(self, plan: ReshardPlan, view, rounds: range, reader, size: int):
+    def __init__(self, plan: ReshardPlan, view, rounds: range, reader, size: int, buffers: list | None = None):
         self.plan, self.view, self.rounds, self.reader = plan, view, rounds, reader
         self.free: queue.Queue = queue.Queue()
-        for _ in range(2):
-            self.free.put(np.empty(size, dtype=np.uint8))
+        for buffer in buffers or [np.empty(size, dtype=np.uint8) for _ in range(2)]:
+            self.free.put(buffer)
         self.ready: queue.Queue = queue.Queue()
         self.last: tuple = (None, [])
         """(buffer, runs) of the round filled last: intact while this one fills, as the reader
@@ -160,7 +159,9 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
         return
     largest_send, largest_receive = view.buffer_bytes()
     incoming_buffer = np.empty(largest_receive, dtype=np.uint8)
-    ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send)
+    shared = getattr(transport, "send_buffers", None)  # the forked transport's: packed where peers read
+    ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send,
+                         shared(2, largest_send) if shared is not None else None)
     since_durable = 0
     try:
         for r in range(start_round, plan.rounds):
@@ -168,15 +169,14 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
             assert ready_round == r
             failpoint("kill", round=r, worker=transport.rank)
             failpoint("stall", round=r, worker=transport.rank)
-            out = torch.from_numpy(incoming_buffer[:sum(recv_counts)])
-            received = transport.all_to_all(torch.from_numpy(packed[:sum(send_counts)]), send_counts, recv_counts,
-                                            out=out)
+            out = incoming_buffer[:sum(recv_counts)]
+            received = transport.all_to_all(packed[:sum(send_counts)], send_counts, recv_counts, out=out)
             ahead.recycle(packed)
             since_durable += moved_per_round[r]
             durable = durable_every_bytes > 0 and (since_durable >= durable_every_bytes or r == plan.rounds - 1)
             if failure is None:
                 try:
-                    incoming = memoryview(received.numpy())
+                    incoming = memoryview(received)
                     for position, rank, slot, element, count, itemsize in _walk(receives, space, "dst"):
                         writer.write(rank, slot, element, itemsize, incoming[position:position + count * itemsize])
                     del incoming

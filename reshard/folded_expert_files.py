@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from reshard.byte_io import hash_file
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_folding import FOLDING_KEY, expert_files, expert_folding
@@ -46,6 +44,8 @@ def expert_file_state(source: SourceCheckpoint, target: Topology, name: str, *, 
     """The contents of target expert file `name`: the source weights, `folding` for the target."""
     source_name, tp_rank, writer = target_expert_files(source, target)[name]
     path = os.path.join(source.tag_dir, source_name)
+    import torch  # only for the expert files of a TP-involved AutoEP target, loaded whole
+
     with torch.serialization.safe_globals(schema.safe_globals()):
         state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     state.pop(FOLDING_KEY, None)
@@ -58,6 +58,8 @@ def expert_file_state(source: SourceCheckpoint, target: Topology, name: str, *, 
 def write_expert_files(source: SourceCheckpoint, target: Topology, tag_dir: str, names, *,
                        trust_pickle: bool = False) -> dict:
     """Write target expert files `names` into `tag_dir`; {name: {"bytes", "blake3"}} of each."""
+    import torch  # whole files, as DeepSpeed saves them
+
     out = {}
     for name in names:
         destination = os.path.join(tag_dir, name)

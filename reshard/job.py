@@ -354,6 +354,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     if stage:
         result.notes.append(stage_change_note(source.spec, stage))
     if opts.dry_run:
+        result.planner_imported_torch = "torch" in sys.modules
         result.seconds = time.perf_counter() - started
         return result
 
@@ -462,6 +463,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report.peak_anonymous_bytes = memory.sample()
+    report.torch_imported = "torch" in sys.modules
     clock.lap("publish")
     report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)

@@ -3,13 +3,16 @@
     from reshard.local_workers import run_local_workers
     code = run_local_workers(options, started)   # the process exit status; worker 0 prints the summary
 
-The command's process imports torch and reshard once, then forks W-1 workers, which start
-with everything imported (torchrun starts an agent that imports torch, then W workers that
-each import it again). The W processes join a gloo group through a FileStore in a private
-temporary directory, run the same job as under torchrun, and the parent (worker 0) waits for
-the others. A worker that fails makes its peers fail at the next agreement point (see
+The command's process imports reshard once, then forks W-1 workers, which start with
+everything imported (torchrun starts an agent that imports torch, then W workers that each
+import it again). The workers talk through shared memory and socket pairs the parent made
+before forking (reshard.transport.forked), so no worker imports torch unless the job's files
+need it (reshard.formats.torch_archive decides that at inspection). `--transport torch` keeps
+the earlier way: the W processes join a gloo group through a FileStore in a private temporary
+directory. Either way they run the same job as under torchrun, and the parent (worker 0) waits
+for the others. A worker that fails makes its peers fail at the next agreement point (see
 reshard.collective), or at the latest when `--timeout` runs out; a worker killed outright
-closes its gloo connections, which its peers see at once.
+closes its connections, which its peers see at once.
 
 Forking is safe here because nothing has started a thread or a process group yet: this runs
 before the job creates its reader, copier and hashing threads.
@@ -19,21 +22,61 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 
 from reshard.errors import ReshardError
 
 
-def run_local_workers(options, started: float | None) -> int:
-    """Run the job of `options` with `options.workers` forked processes; return the exit status."""
+def _gloo_transport(store_dir: str, rank: int, workers: int, timeout: float):
+    """torch.distributed over gloo, joined through a FileStore in `store_dir` (`--transport torch`)."""
     import torch.distributed as dist
 
+    from reshard.transport.torch_distributed import TorchDistributedTransport
+    store = dist.FileStore(os.path.join(store_dir, "store"), workers)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=workers,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return TorchDistributedTransport(owns_group=True)
+
+
+STOP_SECONDS = 10.0
+"""After a failure, how long worker 0 waits for the other workers to stop before killing them
+(one that hangs, e.g. in a write to a dead disk, would otherwise keep the command waiting)."""
+
+
+def _reap(children: list[int], patience: float | None):
+    """Yield (pid, exit status) of each child; with `patience`, kill those still running after that long."""
+    deadline = None if patience is None else time.monotonic() + patience
+    waiting = list(children)
+    while waiting:
+        for pid in list(waiting):
+            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+            if done:
+                waiting.remove(pid)
+                yield pid, os.waitstatus_to_exitcode(status)
+        if waiting and deadline is not None:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            for pid in waiting:
+                print(f"reshard: worker process {pid} did not stop after the job failed; killing it", file=sys.stderr)
+                os.kill(pid, signal.SIGKILL)
+            deadline = None
+
+
+def run_local_workers(options, started: float | None) -> int:
+    """Run the job of `options` with `options.workers` forked processes; return the exit status."""
     from reshard.job import run_job
-    from reshard.transport import TorchDistributedTransport
+    from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
     workers = options.workers
-    store_dir = tempfile.mkdtemp(prefix="reshard-workers-")
+    over_gloo = options.transport == "torch"
+    if over_gloo:
+        import torch.distributed  # noqa: F401  (imported once, before forking)
+    store_dir = tempfile.mkdtemp(prefix="reshard-workers-") if over_gloo else None
+    links = None if over_gloo else ForkedLinks.create(workers)
     sys.stdout.flush()
     sys.stderr.flush()
     children = []
@@ -46,10 +89,8 @@ def run_local_workers(options, started: float | None) -> int:
         children.append(pid)
     code = 1
     try:
-        store = dist.FileStore(os.path.join(store_dir, "store"), workers)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=workers,
-                                timeout=datetime.timedelta(seconds=options.timeout))
-        transport = TorchDistributedTransport(owns_group=True)
+        transport = _gloo_transport(store_dir, rank, workers, options.timeout) if over_gloo else \
+            ForkedTransport(links, rank, options.timeout)
         try:
             result = run_job(options, transport, started=started)
             code = 0
@@ -57,6 +98,9 @@ def run_local_workers(options, started: float | None) -> int:
             if rank == 0:
                 print(f"reshard: error: {error}", file=sys.stderr)
             code = 2
+        except WorkerLost as error:  # every worker that saw it says so: the lost one may have said nothing
+            print(f"reshard: error: {error}", file=sys.stderr)
+            code = 1
         finally:
             transport.close()
         if rank == 0 and code == 0:
@@ -71,11 +115,10 @@ def run_local_workers(options, started: float | None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    for pid in children:
-        _, status = os.waitpid(pid, 0)
-        child_code = os.waitstatus_to_exitcode(status)
+    for pid, child_code in _reap(children, patience=None if code == 0 else STOP_SECONDS):
         if child_code != 0 and code == 0:
             print(f"reshard: worker process {pid} exited with status {child_code}", file=sys.stderr)
             code = 1 if child_code < 0 else child_code
-    shutil.rmtree(store_dir, ignore_errors=True)
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
     return code

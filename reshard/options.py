@@ -76,10 +76,11 @@ class ReshardOptions:
     """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
     transport: str = "auto"
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
-    started the process and torchrun did not)."""
+    started the process and torchrun did not; with `workers` > 1, shared memory between the forked
+    workers, and torch means gloo between them)."""
     workers: int = 1
-    """Worker processes `python -m reshard` starts on this host (forked after the imports, gloo);
-    under torchrun the launcher starts them instead."""
+    """Worker processes `python -m reshard` starts on this host (forked after the imports; shared
+    memory, or gloo with transport "torch"); under torchrun the launcher starts them instead."""
     node_local: bool = False
     """SRC and DST are node-local paths, the same on every node (DeepSpeed's use_node_local_storage):
     each node reads what it sees and receives its target ranks' files (reshard.node_local)."""
@@ -126,7 +127,7 @@ class ReshardOptions:
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
             raise OptionError(f"--workers must be an integer >= 1, got {self.workers!r}")
         if self.workers > 1 and (self.transport == "mpi" or self.array_tasks is not None):
-            raise OptionError("--workers starts local gloo workers; it does not combine with --transport mpi "
+            raise OptionError("--workers starts local workers; it does not combine with --transport mpi "
                               "or --array-task (the MPI launcher or the array starts the processes)")
         if self.node_local or self.target_ranks_per_node is not None:
             self._validate_node_local()

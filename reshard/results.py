@@ -77,6 +77,9 @@ class WorkerReport:
     what the job held, to compare with --memory-budget."""
     phases: dict[str, float] = field(default_factory=dict)
     """Wall seconds per phase (see PHASES) on this worker."""
+    torch_imported: bool | None = None
+    """Whether this worker's process had imported torch by the end of its job (None: not recorded):
+    `python -m reshard --workers W` reads and writes without it where the files allow."""
 
 
 @dataclass
@@ -97,6 +100,8 @@ class CheckpointResult:
     plan: ReshardPlan | None = field(default=None, repr=False)
     reports: list[WorkerReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    planner_imported_torch: bool | None = None
+    """A dry run's io marker: whether worker 0, which inspected the source, imported torch."""
 
     @property
     def source_dp(self) -> int:
@@ -109,6 +114,16 @@ class CheckpointResult:
     @property
     def bytes_read(self) -> int:
         return sum(r.bytes_read for r in self.reports)
+
+    def io_line(self) -> str:
+        """"torch-free" when no worker imported torch, else "torch" and which workers did ("" when not
+        recorded). A dry run records worker 0, which did all of its reading."""
+        flags = [r.torch_imported for r in self.reports] if self.reports else [self.planner_imported_torch]
+        if not flags or None in flags:
+            return ""
+        if not any(flags):
+            return "torch-free (no worker imported torch)"
+        return f"torch (imported by worker(s) {', '.join(str(i) for i, f in enumerate(flags) if f)})"
 
     @property
     def bytes_written(self) -> int:
@@ -127,6 +142,9 @@ class CheckpointResult:
                  f"  target : {self.target_dp} dp ranks{tp}; {self.workers} worker(s) over {self.transport}; "
                  + (f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget" if self.plan is not None
                     else "whole files, no exchange rounds")]
+        io = self.io_line()
+        if io:
+            lines.append(f"  io     : {io}")
         lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:
             lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "

@@ -41,7 +41,6 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-import torch
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_classes as classes
@@ -49,7 +48,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
-from reshard.formats.deepspeed_target import TargetFile, own_storage
+from reshard.formats.deepspeed_target import TargetFile, own_storage, shape_type
 from reshard.formats.torch_archive import NewTensor, TensorRef
 from reshard.layout import ParamSpec, PieceTable, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
 from reshard.plan import Ownership, ReshardPlan, Stream, plan_space
@@ -290,8 +289,9 @@ def _fp32_requires_grad(source: SourceCheckpoint) -> bool:
     return bool(flats and isinstance(flats[0], TensorRef) and flats[0].requires_grad)
 
 
-def _shapes(spec: CheckpointSpec, param_ids) -> OrderedDict:
-    return OrderedDict((spec.params[p].name, torch.Size(spec.params[p].shape)) for p in param_ids)
+def _shapes(spec: CheckpointSpec, param_ids, size: type) -> OrderedDict:
+    """`size`: the source's shape type (torch.Size or its torch-free stand-in; deepspeed_target.shape_type)."""
+    return OrderedDict((spec.params[p].name, size(spec.params[p].shape)) for p in param_ids)
 
 
 def _model_common(source: SourceCheckpoint, new_spec: CheckpointSpec, layout) -> dict:
@@ -314,12 +314,13 @@ def _zero3_model_tree(source: SourceCheckpoint, new_spec: CheckpointSpec, layout
         for name, value in module.items():
             if name not in buffers and isinstance(value, (TensorRef, NewTensor)):
                 module[name] = NewTensor(("empty", name), 0, value.dtype, False)
-    tree["param_shapes"] = [_shapes(new_spec, sg.params) for sg in layout.sub_groups]
+    size = shape_type(source.model_template)
+    tree["param_shapes"] = [_shapes(new_spec, sg.params, size) for sg in layout.sub_groups]
     frozen, dtype = frozen_params(source)
     # A ZeRO-2 save with exclude_frozen_parameters has None here, and so has a ZeRO-3 one. A
     # ZeRO-1 save never has them (stage 1 does not save them), so its module tells.
     if spec.stage == 1 or tree.get("frozen_param_shapes") is not None:
-        tree["frozen_param_shapes"] = OrderedDict((p.name, torch.Size(p.shape)) for p in frozen)
+        tree["frozen_param_shapes"] = OrderedDict((p.name, size(p.shape)) for p in frozen)
         tree["frozen_param_fragments"] = OrderedDict(
             (p.name, NewTensor(("frozen", j, "frozen"), zero3_chunk(p.numel, layout.world_size), dtype))
             for j, p in enumerate(frozen))
@@ -335,7 +336,8 @@ def _zero12_model_tree(source: SourceCheckpoint, new_spec: CheckpointSpec, layou
     `frozen_param_fragments` (the whole frozen parameters, the module's own tensors)."""
     spec = source.spec
     tree = _model_common(source, new_spec, layout)
-    tree["param_shapes"] = [_shapes(new_spec, g.flat_order) for g in layout.groups]
+    size = shape_type(source.model_template)
+    tree["param_shapes"] = [_shapes(new_spec, g.flat_order, size) for g in layout.groups]
     module = tree.get("module")
     frozen, dtype = frozen_params(source)
     casts = {}
@@ -358,6 +360,6 @@ def _zero12_model_tree(source: SourceCheckpoint, new_spec: CheckpointSpec, layou
     if new_spec.stage == 1:
         tree["frozen_param_shapes"] = tree["frozen_param_fragments"] = None
     elif spec.stage == 1 or tree.get("frozen_param_shapes") is not None:
-        tree["frozen_param_shapes"] = OrderedDict((p.name, torch.Size(p.shape)) for p in frozen)
+        tree["frozen_param_shapes"] = OrderedDict((p.name, size(p.shape)) for p in frozen)
         tree["frozen_param_fragments"] = OrderedDict((p.name, module[p.name]) for p in frozen)
     return tree, casts

@@ -27,17 +27,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from reshard.byte_io import copy_bytes, hash_file, pwrite_exact
 from reshard.errors import ReshardError
+from reshard.float_casts import ITEMSIZE, cast_bytes
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
-    dtype_of,
     locate_tree_storages,
     refs_in,
     write_tree_skeleton,
@@ -104,7 +102,7 @@ class TargetWriter:
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         if os.path.islink(path):  # never write through a link left in staging
             os.unlink(path)
-        try:  # without torch where the tree allows (torch_pickle), byte-identical either way
+        try:  # without torch where the tree allows (reshard.formats.torch_pickle), else with it
             offsets = locate_tree_storages(path, target.tree, classes.safe_globals()) if reuse_existing else \
                 write_tree_skeleton(path, target.tree, classes.safe_globals())
         except OSError as error:
@@ -200,8 +198,8 @@ class TargetWriter:
         fd, base, path = self.locations[(rank, slot)]
         cast = self.casts.get((rank, slot))
         if cast is not None:  # round to nearest, as DeepSpeed's own copy_ into the low-precision params
-            converted = torch.frombuffer(data, dtype=dtype_of(cast[0])).to(dtype_of(cast[1]))
-            itemsize, data = converted.element_size(), memoryview(converted.view(torch.uint8).numpy())
+            data = memoryview(cast_bytes(data, cast[0], cast[1]))
+            itemsize = ITEMSIZE[cast[1]]
         try:
             pwrite_exact(fd, data, base + element * itemsize)
         except OSError as error:

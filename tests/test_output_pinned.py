@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import textwrap
 
 import pytest
 import torch
-from trained import reshard_in_threads
+from trained import REPO, reshard_cli, reshard_in_threads
 
 pytestmark = pytest.mark.e2e
 
@@ -112,3 +113,31 @@ def test_output_bytes_are_pinned(trained, tmp_path, variant, n, m):
         destination = tmp_path / f"w{workers}-b{budget}"
         reshard_in_threads(source, destination, m, workers, memory_budget=budget)
         assert output_hashes(destination) == PINNED[(variant, n, m)], (workers, budget)
+
+
+TORCH_FREE = "  io     : torch-free (no worker imported torch)"
+
+
+@pytest.mark.parametrize("variant,n,m", [("z2_fp32", 2, 3), ("z3_bf16", 3, 2)], ids=["z2_fp32-2to3", "z3_bf16-3to2"])
+def test_forked_workers_write_the_pinned_bytes_without_torch(trained, tmp_path, variant, n, m):
+    """`python -m reshard ... --workers 2`: torch is never imported, in the command's process or its
+    forked workers (a `torch` package that refuses to import comes first on their path, and every
+    worker reports its sys.modules in the summary), and the files are the pinned bytes."""
+    source, truth = trained(variant, n)
+    if truth_digest(truth) != TRUTH_DIGESTS[(variant, n)]:
+        pytest.skip(f"{variant} trained at {n} ranks to other values on this machine than where the hashes "
+                    f"were recorded (CPU or torch build); the pin cannot judge it")
+    blocker = tmp_path / "no-torch" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(textwrap.dedent("""\
+        import os, traceback
+        traceback.print_stack()
+        raise ImportError(f"torch imported by process {os.getpid()} of a torch-free run")
+    """))
+    destination = tmp_path / "forked"
+    done = reshard_cli(source, destination, "--target-dp", str(m), "--workers", "2", "--memory-budget", "64K",
+                       "--quiet", env={"PYTHONPATH": os.pathsep.join([str(blocker.parent), str(REPO)])})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert TORCH_FREE in done.stdout.splitlines(), done.stdout
+    assert "torch imported" not in done.stderr
+    assert output_hashes(destination) == PINNED[(variant, n, m)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 
-import torch
+import numpy as np
 
 
 class _Board:
@@ -36,13 +36,16 @@ class ThreadTransport:
 
     def all_to_all(self, send, send_counts, recv_counts, out=None):
         offsets = [sum(send_counts[:p]) for p in range(self.size)]
-        posted = self._exchange((send.clone(), offsets, list(send_counts)))
+        posted = self._exchange((send.copy(), offsets, list(send_counts)))
         parts = []
         for peer, (buffer, peer_offsets, peer_counts) in enumerate(posted):
             assert peer_counts[self.rank] == recv_counts[peer], "send and receive counts disagree"
             parts.append(buffer[peer_offsets[self.rank]:peer_offsets[self.rank] + peer_counts[self.rank]])
-        result = torch.cat(parts) if parts else send[:0].clone()
-        return out.copy_(result) if out is not None else result
+        result = np.concatenate(parts) if parts else send[:0].copy()
+        if out is None:
+            return result
+        out[...] = result
+        return out
 
     def broadcast_object(self, obj, src=0):
         return copy.deepcopy(self._exchange(obj)[src])

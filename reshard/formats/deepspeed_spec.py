@@ -24,6 +24,7 @@ from reshard.expert_layout import (
 )
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.torch_archive import dtype_of
+from reshard.formats.torch_classes import ITEMSIZE
 from reshard.layout import (
     ParamSpec,
     PieceTable,
@@ -216,7 +217,8 @@ def refuse_experts(source: SourceCheckpoint, doing: str) -> None:
 
 
 def itemsize(dtype: str) -> int:
-    return dtype_of(dtype).itemsize
+    size = ITEMSIZE.get(dtype)  # the dtypes torch pickles by name: no torch needed
+    return dtype_of(dtype).itemsize if size is None else size
 
 
 def refuse_tensor_parallel(source: SourceCheckpoint, what: str) -> None:

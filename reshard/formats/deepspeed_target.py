@@ -23,8 +23,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
 from reshard.formats.deepspeed_folding import FOLDING_KEY, model_folding, optim_folding
@@ -196,7 +194,20 @@ def _fill_zero3_optim(osd: dict, source: SourceCheckpoint, layout, rank: int) ->
     osd["partition_count"] = meta.partition_count
 
 
-def _shapes(layout, param_ids, shape_type=torch.Size) -> OrderedDict:
+def shape_type(tree: dict) -> type:
+    """The type of the shapes in a source model-states tree's `param_shapes`: torch.Size (as torch.load
+    gives it, or the stand-in the torch-free reader gives for it, which saves as torch.Size), or
+    plain tuples where DeepSpeed's MoE save ran the state through checkpoint/utils.py
+    `clone_tensors_for_torch_save` (which rebuilds tuples). Targets keep the source's type."""
+    for table in [*(tree.get("param_shapes") or []), tree.get("frozen_param_shapes") or {}]:
+        if isinstance(table, dict):
+            for value in table.values():
+                return type(value)
+    import torch  # a source without a single shape: DeepSpeed's own type
+    return torch.Size
+
+
+def _shapes(layout, param_ids, shape_type: type) -> OrderedDict:
     if hasattr(layout, "param_shapes_on_rank"):  # MoE: local names, AutoEP's fused expert tensors
         return OrderedDict((name, shape_type(shape)) for name, shape in layout.param_shapes_on_rank(param_ids, 0))
     return OrderedDict((layout.name_on_rank(p, 0), shape_type(layout.params[p].shape)) for p in param_ids)
@@ -205,10 +216,7 @@ def _shapes(layout, param_ids, shape_type=torch.Size) -> OrderedDict:
 def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
     tree = copy.deepcopy(source.model_template)
     # Rank 0's names: LOCAL names of EP rank 0 in an MoE checkpoint (engine.py `_get_zero_param_shapes`).
-    # Shapes keep the source's type: torch.Size, or plain tuples where DeepSpeed's MoE save ran the
-    # state through checkpoint/utils.py `clone_tensors_for_torch_save` (which rebuilds tuples).
-    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size
-    tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type) for g in layout.groups]
+    tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type(tree)) for g in layout.groups]
     tree["dp_world_size"] = layout.world_size
     if source.spec.experts is not None and source.spec.experts.autoep:
         _retarget_autoep_layers(tree, layout.topology)
@@ -250,11 +258,6 @@ def _set_model_folding(tree: dict, target: Topology, rank: int) -> None:
         tree[FOLDING_KEY] = model_folding(target, rank, list(tree["module"]))
 
 
-def _plain_tuple_shapes(shapes) -> bool:
-    first = next((v for group in shapes or [] if isinstance(group, dict) for v in group.values()), None)
-    return type(first) is tuple
-
-
 def _reslice_tensor_parallel_model(tree: dict, spec, target: Topology, tp_rank: int) -> None:
     """A ZeRO-1/2 model-states file of TP rank `tp_rank` under AutoTP: every trainable module
     weight a new tensor of its local shape (filled from the "module" space), and what depends
@@ -293,8 +296,7 @@ def _zero3_model_tree(source: SourceCheckpoint, layout, rank: int) -> Any:
     shapes per sub-group, frozen fragments of its dp chunk)."""
     spec = source.spec
     tree = copy.deepcopy(source.model_template)
-    shape_type = tuple if _plain_tuple_shapes(tree.get("param_shapes")) else torch.Size  # as in ZeRO-1/2
-    tree["param_shapes"] = [_shapes(layout, sg.params, shape_type) for sg in layout.sub_groups]
+    tree["param_shapes"] = [_shapes(layout, sg.params, shape_type(tree)) for sg in layout.sub_groups]
     tree["dp_world_size"] = layout.world_size
     if spec.frozen:
         old = tree["frozen_param_fragments"]

@@ -31,8 +31,6 @@ import os
 import re
 from dataclasses import dataclass
 
-import torch
-
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
@@ -225,6 +223,7 @@ def _optimizer_of(tree, path: str) -> dict:
 
 
 def _load(path: str, trust_pickle: bool):
+    import torch  # a ZeRO-0 MoE job loads whole files: the torch path
     torch.serialization.add_safe_globals(schema.safe_globals())
     return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
 
@@ -332,6 +331,7 @@ def write_target_files(source: Zero0MoeSource, target: Topology, tag_dir: str, n
             if not match:
                 raise ValueError(f"{name} is not a ZeRO-0 MoE target file")
             tree = {"optimizer": optimizer_of(int(match[1]))}
+        import torch
         torch.save(tree, path, pickle_module=classes)
         paths.append(path)
     return paths, read

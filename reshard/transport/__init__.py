@@ -4,22 +4,24 @@
     transport = transport_from_environment()      # torchrun: torch.distributed; mpiexec: MPI; else one worker
     received = transport.all_to_all(send_bytes, send_counts, recv_counts)
 
-The exchange only needs `all_to_all` (uneven splits of a uint8 buffer) and the job needs
+The exchange only needs `all_to_all` (uneven splits of a uint8 numpy buffer) and the job needs
 `broadcast_object`/`all_gather_object`/`barrier`; any transport offering these works:
-torch.distributed (gloo on CPU, NCCL on GPU; `torch_distributed.py`), MPI through mpi4py
-(`mpi.py`), or one worker alone (`local.py`).
+torch.distributed (gloo on CPU, NCCL on GPU; `torch_distributed.py`, which wraps the numpy
+buffers as tensors at its edge), MPI through mpi4py (`mpi.py`), workers forked by
+`python -m reshard --workers W` (`forked.py`: shared memory, no torch), or one worker alone
+(`local.py`). Only the torch.distributed transport imports torch.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any, Protocol
 
-import torch
+import numpy as np
 
 from reshard.errors import OptionError
 from reshard.transport.local import LocalTransport
-from reshard.transport.torch_distributed import TorchDistributedTransport
 
 TRANSPORTS = ("auto", "torch", "mpi")
 MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -34,12 +36,13 @@ class Transport(Protocol):
     size: int
     name: str
 
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """Send `send[sum(send_counts[:p]):...]` to peer p; return what each peer sent, in peer order.
+    def all_to_all(self, send: np.ndarray, send_counts: list[int], recv_counts: list[int],
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Send `send[sum(send_counts[:p]):...]` (a uint8 numpy array) to peer p; return what each
+        peer sent, in peer order.
 
-        The result is `out` when given (a CPU tensor of sum(recv_counts) bytes); `send` may be
-        reused as soon as this returns."""
+        The result is `out` when given (a uint8 numpy array of sum(recv_counts) bytes); `send`
+        may be reused as soon as this returns."""
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
@@ -48,6 +51,13 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def __getattr__(name: str):
+    if name == "TorchDistributedTransport":  # imports torch: only when asked for
+        from reshard.transport.torch_distributed import TorchDistributedTransport
+        return TorchDistributedTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def launched_with_workers() -> bool:
@@ -73,16 +83,22 @@ def is_first_worker() -> bool:
 
 def _choose(kind: str) -> str:
     """"torch", "mpi" or "local" for `--transport kind`, from how the process was started."""
-    import torch.distributed as dist
     if kind not in TRANSPORTS:
         raise OptionError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    if (dist.is_available() and dist.is_initialized()) or started_by_torchrun():
+    if _torch_group_initialised() or started_by_torchrun():
         return "torch"
     if started_by_mpi():
         return "mpi"
     return "torch"
+
+
+def _torch_group_initialised() -> bool:
+    """Whether this process already joined a torch.distributed group (never imports torch to find out:
+    a process that has not imported it has none)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def transport_from_environment(backend: str = "auto", timeout_seconds: float = 600, kind: str = "auto") -> Transport:
@@ -94,14 +110,17 @@ def transport_from_environment(backend: str = "auto", timeout_seconds: float = 6
     `timeout_seconds` bounds every collective: a worker whose peer died fails (torch) or aborts
     the MPI job (mpi) instead of hanging.
     """
-    import torch.distributed as dist
     if _choose(kind) == "mpi":
         from reshard.transport.mpi import MPITransport
         return MPITransport(timeout_seconds=timeout_seconds, owns_process=True)
+    if not launched_with_workers() and not _torch_group_initialised():
+        return LocalTransport()  # one worker alone: torch is not needed
+    import torch
+    import torch.distributed as dist
+
+    from reshard.transport.torch_distributed import TorchDistributedTransport
     if dist.is_available() and dist.is_initialized():
         return TorchDistributedTransport()
-    if not launched_with_workers():
-        return LocalTransport()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -17,8 +17,9 @@ class LocalTransport:
     def all_to_all(self, send, send_counts, recv_counts, out=None):
         assert send_counts == recv_counts, (send_counts, recv_counts)
         if out is None:
-            return send.clone()
-        return out.copy_(send)
+            return send.copy()
+        out[...] = send
+        return out
 
     def broadcast_object(self, obj, src=0):
         return obj

@@ -24,7 +24,6 @@ import time
 import traceback
 
 import numpy as np
-import torch
 
 from reshard.errors import OptionError
 
@@ -110,8 +109,8 @@ class MPITransport:
         self.abort(1)
 
     def all_to_all(self, send, send_counts, recv_counts, out=None):
-        result = out if out is not None else torch.empty(sum(recv_counts), dtype=torch.uint8)
-        send_view, recv_view = send.numpy().view(np.uint8), result.numpy().view(np.uint8)
+        result = out if out is not None else np.empty(sum(recv_counts), dtype=np.uint8)
+        send_view, recv_view = send.view(np.uint8), result.view(np.uint8)
         send_displacements = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int64)
         recv_displacements = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(np.int64)
         byte = self.MPI.BYTE

@@ -3,10 +3,13 @@
     import torch.distributed as dist
     dist.init_process_group("gloo")
     transport = TorchDistributedTransport()           # the default group, or group=...
-    received = transport.all_to_all(send, send_counts, recv_counts)
+    received = transport.all_to_all(send, send_counts, recv_counts)   # numpy uint8 arrays in and out
+
+The Transport protocol moves numpy buffers; they are wrapped as tensors here (no copy on CPU).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -26,12 +29,14 @@ class TorchDistributedTransport:
 
     def all_to_all(self, send, send_counts, recv_counts, out=None):
         on_device = self.device.type != "cpu"
-        result = out if out is not None and not on_device else \
-            torch.empty(sum(recv_counts), dtype=send.dtype, device=self.device)
-        self.dist.all_to_all_single(result, send.to(self.device), recv_counts, send_counts, group=self.group)
+        host = out if out is not None else np.empty(sum(recv_counts), dtype=np.uint8)
+        result = torch.empty(sum(recv_counts), dtype=torch.uint8, device=self.device) if on_device \
+            else torch.from_numpy(host)
+        self.dist.all_to_all_single(result, torch.from_numpy(send).to(self.device), recv_counts, send_counts,
+                                    group=self.group)
         if on_device:
-            return out.copy_(result) if out is not None else result.cpu()
-        return result
+            torch.from_numpy(host).copy_(result)
+        return host
 
     def broadcast_object(self, obj, src=0):
         box = [obj]
