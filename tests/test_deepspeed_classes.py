@@ -69,3 +69,17 @@ def test_inspecting_and_writing_a_checkpoint_does_not_import_deepspeed(trained, 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "dst" / "latest").is_file()
+
+
+def test_objects_for_a_live_engine_get_torchs_own_dtype_and_size():
+    """Read without torch, a loss scaler's dtype is a stand-in; DeepSpeed must get torch.float16."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from reshard.formats.torch_classes import TorchSize, torch_global
+    scaler = classes.DynamicLossScaler()
+    scaler.__dict__.update(cur_scale=65536.0, dtype=torch_global("torch.float16"))
+    real = classes.to_deepspeed({"loss_scaler": scaler, "shapes": [TorchSize((2, 3))], "dtype": torch_global("torch.bfloat16")})
+    assert type(real["loss_scaler"]) is DynamicLossScaler
+    assert real["loss_scaler"].dtype is torch.float16 and real["loss_scaler"].cur_scale == 65536.0
+    assert type(real["shapes"][0]) is torch.Size and real["shapes"][0] == torch.Size([2, 3])
+    assert real["dtype"] is torch.bfloat16

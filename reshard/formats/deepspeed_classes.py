@@ -123,23 +123,31 @@ def _torch_or_deepspeed_name(obj, name) -> str | None:
 def to_deepspeed(obj):
     """`obj` with every stand-in replaced by an instance of DeepSpeed's own class (imports DeepSpeed).
 
-    For objects handed to a live DeepSpeed engine, which calls the loss scaler's methods.
+    For objects handed to a live DeepSpeed engine, which calls the loss scaler's methods. torch's
+    own objects read without torch (torch_classes stand-ins: a dtype, torch.Size) become torch's.
     """
     import torch
 
     from reshard.formats.torch_archive import map_leaves
+    from reshard.formats.torch_classes import TorchSize, as_torch
     real = _real_classes()
 
     def convert(stand_in):
         if isinstance(stand_in, torch.Tensor):
             return stand_in  # the same tensor (its storage is being filled), never a copy
+        if isinstance(stand_in, (TorchGlobal, TorchSize)):
+            return as_torch(stand_in)  # torch's own dtype / Size, as torch.load would give
         cls = real[type(stand_in)]
         if isinstance(stand_in, Enum):
             return cls(stand_in.value)
         instance = cls.__new__(cls)
         instance.__dict__.update(vars(stand_in))
+        for name, value in vars(stand_in).items():  # e.g. the loss scaler's dtype
+            if isinstance(value, (TorchGlobal, TorchSize)):
+                instance.__dict__[name] = as_torch(value)
         return instance
-    return map_leaves(obj, convert, lambda leaf: type(leaf) in DEEPSPEED_NAMES or isinstance(leaf, torch.Tensor))
+    return map_leaves(obj, convert, lambda leaf: (type(leaf) in DEEPSPEED_NAMES or isinstance(leaf, torch.Tensor)
+                                                  or isinstance(leaf, (TorchGlobal, TorchSize))))
 
 
 def _real_classes() -> dict[type, type]:

@@ -91,6 +91,18 @@ class TorchSize(tuple):
 SIZE = _register("torch.Size", lambda values=(): TorchSize(values))
 
 
+def as_torch(value):
+    """The real torch object a stand-in stands for (torch.Size, a dtype, ...; imports torch), for
+    objects handed to a live engine (deepspeed_classes.to_deepspeed); anything else as is."""
+    if isinstance(value, TorchSize):
+        import torch
+        return torch.Size(value)
+    if isinstance(value, TorchGlobal):
+        import importlib
+        return getattr(importlib.import_module(value.module), value.qualname)
+    return value
+
+
 def as_stand_in(value):
     """`value` with a real torch.Size or torch dtype replaced by its stand-in (anything else as
     is), so that trees read with and without torch compare equal (reshard.verify)."""
