@@ -41,7 +41,7 @@ ENTRY_POINTS = {
     "  write_skeleton": ("torch_archive.py", "write_skeleton"),
     "  copy_bytes (copy_file_range)": ("torch_archive.py", "copy_bytes"),
     "run_rounds": ("exchange.py", "run_rounds"),
-    "  read_into (pread)": ("source_reader.py", "read_into"),
+    "  read_batch (pread)": ("source_reader.py", "read_batch"),
     "  all_to_all (incl. waiting for the peer)": ("transport.py", "all_to_all"),
     "  write (pwrite)": ("target_writer.py", "write"),
     "  sync (fsync)": ("target_writer.py", "sync"),

@@ -13,7 +13,9 @@ replicated TP parameter, one copy per target TP rank) are read once and copied f
 round or the previous one already packed them (`reshard.read_once`).
 
 A reader thread fills the send buffer of the next round while the current round is in
-flight and being written, so disk reads overlap the exchange and the writes. Buffers are
+flight and being written, so disk reads overlap the exchange and the writes; it hands the
+source the whole round's reads at once (`SliceSource.read_batch`), which keeps several
+in flight. Buffers are
 allocated once: two send buffers and one receive buffer, each at most a third of the memory
 budget (`reshard.plan.round_cap`).
 
@@ -120,8 +122,8 @@ class _RoundReader:
                 last_buffer, last_runs = self.last if self.last[0] is not buffer else (None, [])
                 reads, copies = reads_and_copies(runs, last_runs)
                 memory = memoryview(buffer)
-                for position, rank, slot, element, count, itemsize in reads:
-                    self.reader.read_into(rank, slot, element, itemsize, memory[position:position + count * itemsize])
+                self.reader.read_batch([(rank, slot, element, itemsize, memory[position:position + count * itemsize])
+                                        for position, rank, slot, element, count, itemsize in reads])
                 del memory
                 for to, start, nbytes, from_last in copies:  # replicated copies: bytes already packed
                     buffer[to:to + nbytes] = (last_buffer if from_last else buffer)[start:start + nbytes]

@@ -13,7 +13,7 @@ The offline job (`reshard.job`), the in-job load (`reshard.deepspeed`), `verify 
 
     plan (pure, identical on every worker)
       -> every worker opens its SliceSource and its SliceSink          (collective agreement)
-      -> exchange rounds: read_into ... all_to_all ... write, sync     (reshard.exchange)
+      -> exchange rounds: read_batch ... all_to_all ... write, sync     (reshard.exchange)
       -> every worker finishes its sink                                (collective agreement)
       -> both endpoints are closed in `finally`, on success and on failure alike
 
@@ -37,15 +37,17 @@ class SliceSource(Protocol):
     """Where a worker reads the source ranks it owns (`plan.ownership.source_ranks_of(worker)`).
 
     Call order, on every worker: created (opening and validating its files) before round 0;
-    `read_into` any number of times, from the exchange's reader thread only, never
-    concurrently with itself; `close` exactly once at the end, also after a failure, and it
-    must tolerate a half-opened state. A source never modifies what it reads.
+    `read_batch` once per round, from the exchange's reader thread only, never concurrently
+    with itself (it may read the batch's parts in parallel threads of its own; they fill
+    disjoint buffers); `close` exactly once at the end, also after a failure, and it must
+    tolerate a half-opened state. A source never modifies what it reads.
     """
 
     bytes_read: int
 
-    def read_into(self, rank: int, slot: Slot, element: int, itemsize: int, out: memoryview) -> None:
-        """Fill `out` with elements [element, element + len(out) // itemsize) of `slot` of source `rank`."""
+    def read_batch(self, reads: list[tuple[int, Slot, int, int, memoryview]]) -> None:
+        """For each (rank, slot, element, itemsize, out): fill `out` with elements
+        [element, element + len(out) // itemsize) of `slot` of source `rank`."""
 
     def close(self) -> None:
         """Release every file handle; idempotent."""

@@ -1,7 +1,7 @@
 """Reads partition slices from the source files one worker owns, at offsets, with pread.
 
     reader = SourceReader.open(source, ranks=[0, 1])
-    reader.read_into(rank=1, slot=("optim", 0, "exp_avg"), element=128, itemsize=4, out=view)
+    reader.read_batch([(1, ("optim", 0, "exp_avg"), 128, 4, view), ...])  # one round's reads
     reader.close()
 
 Opening a rank checks its files against the layout (see deepspeed_inspect.source_rank_tensors)
@@ -10,13 +10,15 @@ before any byte is moved. Files are opened read-only; nothing here can modify th
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from reshard.byte_io import pread_exact
 from reshard.formats.deepspeed_inspect import source_rank_tensors
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 
-
+READ_THREADS = 4
+READ_PIECE = 8 << 20
 
 @dataclass
 class SourceReader:
@@ -24,6 +26,7 @@ class SourceReader:
     """(rank, slot) -> (fd, byte offset of element 0, path)"""
     fds: dict = field(default_factory=dict)
     bytes_read: int = 0
+    _pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False, stage: int | None = None
@@ -45,12 +48,33 @@ class SourceReader:
             raise
         return reader
 
-    def read_into(self, rank: int, slot: tuple, element: int, itemsize: int, out: memoryview) -> None:
-        fd, base, path = self.locations[(rank, slot)]
-        pread_exact(fd, out, base + element * itemsize, path)
-        self.bytes_read += len(out)
+    def read_batch(self, reads) -> None:
+        """Fill the `out` of every (rank, slot, element, itemsize, out) of `reads` (a round's).
+
+        Reads go out in pieces of at most READ_PIECE bytes over READ_THREADS threads (pread
+        releases the GIL): a cold disk answers several reads in flight faster than one at a
+        time (2.5 GB in-job load, cold: 3.5-3.7 s against 4.9-6.5 s one read at a time;
+        bench/README.md).
+        """
+        pieces = []
+        for rank, slot, element, itemsize, out in reads:
+            fd, base, path = self.locations[(rank, slot)]
+            start = base + element * itemsize
+            pieces += [(fd, out[done:done + READ_PIECE], start + done, path) for done in range(0, len(out), READ_PIECE)]
+            self.bytes_read += len(out)
+        if len(pieces) < 2:
+            for piece in pieces:
+                pread_exact(*piece)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="reshard-pread")
+        for _ in self._pool.map(lambda piece: pread_exact(*piece), pieces):
+            pass
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

@@ -167,6 +167,10 @@ class _Arrays:
         self.count = {key: np.zeros(len(v), np.int64) for key, v in self.buffers.items()}
         self.bytes_read = 0
 
+    def read_batch(self, reads):
+        for rank, slot, element, itemsize, out in reads:
+            self.read_into(rank, slot, element, itemsize, out)
+
     def read_into(self, rank, slot, element, itemsize, out):
         data = self.buffers[(rank, slot[2], slot[1])]
         n = len(out) // itemsize
