@@ -3,6 +3,7 @@
     pip install -e '.[bench]'                       # matplotlib for the plot
     python bench/ladder.py                          # 100M 1G 2.5G 10G (sizes that fit the machine)
     python bench/ladder.py --sizes 100M 1G          # some sizes only
+    python bench/ladder.py --repeat 3               # every contender 3 times per size, medians compared
     python bench/ladder.py --plot-only bench/results/ladder.json
 
 For each size: a ZeRO-2 fp32 AdamW checkpoint of a `bench_model.LADDER` model trained one step
@@ -51,7 +52,7 @@ from bench_model import LADDER  # noqa: E402
 from io_floor import measure_io_floor  # noqa: E402
 from make_checkpoint import DEFAULT_CACHE, child_env, ensure_checkpoint, tree_bytes  # noqa: E402
 from process_tree import run_watched  # noqa: E402
-from run import Cold, log, machine_info, require_success, run_load, run_universal_conversion  # noqa: E402
+from run import Cold, log, machine_info, median_run, require_success, run_load, run_universal_conversion  # noqa: E402
 
 SOURCE_RANKS, TARGET_RANKS = 2, 1
 TRAIN_RSS_PER_BYTE = 2.8
@@ -183,15 +184,22 @@ def run_deepspeed_path(case: dict, cfg, src: str, tag: str, universal: str, scra
     if case["conversion_only"] and not wait_for_memory(need):
         case["conversion"] = {"skipped": f"not run: less than {need / 1e9:.0f} GB of memory available"}
         return
-    cold()
-    log(f"{label}: ds_to_universal ({case['checkpoint_bytes'] / 1e9:.2f} GB) ...")
-    case["conversion"] = run_universal_conversion(os.path.join(src, tag), universal, tag, args.workers, scratch)
-    log(f"  ds_to_universal: {case['conversion']['wall_seconds']:.1f} s, peak tree RSS "
-        f"{case['conversion']['peak_tree_rss_bytes'] / 1e9:.1f} GB")
-    if not case["conversion_only"]:
+    runs = []
+    for _ in range(args.repeat):
         cold()
-        case["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
-    shutil.rmtree(universal, ignore_errors=True)
+        log(f"{label}: ds_to_universal ({case['checkpoint_bytes'] / 1e9:.2f} GB) ...")
+        run = {"conversion": run_universal_conversion(os.path.join(src, tag), universal, tag, args.workers, scratch)}
+        run["seconds"] = run["conversion"]["wall_seconds"]
+        log(f"  ds_to_universal: {run['seconds']:.1f} s, peak tree RSS "
+            f"{run['conversion']['peak_tree_rss_bytes'] / 1e9:.1f} GB")
+        if not case["conversion_only"]:
+            cold()
+            run["universal_load"] = run_load(cfg, 2, TARGET_RANKS, universal, True, scratch)
+            run["seconds"] += run["universal_load"]["load_seconds"]
+        shutil.rmtree(universal, ignore_errors=True)
+        runs.append(run)
+    case["deepspeed_runs_seconds"] = [run["seconds"] for run in runs]
+    case.update({k: v for k, v in median_run(runs, "seconds").items() if k != "seconds"})
 
 
 def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scratch: str, args, cold: Cold) -> None:
@@ -207,11 +215,15 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
             runs.append(run_reshard(src, dst, args.workers, launcher, scratch))
             log(f"  reshard ({launcher}): {runs[-1]['wall_seconds']:.1f} s; {runs[-1]['phases']}")
         case[f"reshard_{launcher}_runs"] = runs
-        case[f"reshard_{launcher}"] = sorted(runs, key=lambda r: r["wall_seconds"])[(len(runs) - 1) // 2]
+        case[f"reshard_{launcher}"] = median_run(runs, "wall_seconds")
     case["target_bytes"] = tree_bytes(os.path.join(dst, tag))
     if not conversion_only:
-        cold()
-        case["native_load"] = run_load(cfg, 2, TARGET_RANKS, dst, False, scratch)
+        loads = []
+        for _ in range(args.repeat):
+            cold()
+            loads.append(run_load(cfg, 2, TARGET_RANKS, dst, False, scratch))
+        case["native_load_runs_seconds"] = [load["load_seconds"] for load in loads]
+        case["native_load"] = median_run(loads, "load_seconds")
     shutil.rmtree(dst, ignore_errors=True)
     floors = []
     for _ in range(args.repeat):
@@ -219,7 +231,7 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
         floors.append(measure_io_floor(os.path.join(src, tag), case["target_bytes"], args.workers,
                                        os.path.join(scratch, "floor")))
     case["io_floor_runs"] = floors
-    case["io_floor"] = sorted(floors, key=lambda f: f["wall_seconds"])[(len(floors) - 1) // 2]
+    case["io_floor"] = median_run(floors, "wall_seconds")
     workers = case["reshard_workers"]
     case["floor_ratio"] = workers["wall_seconds"] / case["io_floor"]["wall_seconds"]
     budget = workers["memory_budget_bytes"]
@@ -239,8 +251,12 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
         log(f"  {label} (conversion only): ds_to_universal {theirs:.1f} s, reshard --workers {offline:.1f} s "
             f"({theirs / offline:.2f}x), torchrun {torchrun:.1f} s ({theirs / torchrun:.2f}x)")
         return
-    cold()
-    case["in_job_load"] = run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30)
+    loads = []
+    for _ in range(args.repeat):
+        cold()
+        loads.append(run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30))
+    case["in_job_load_runs_seconds"] = [load["load_seconds"] for load in loads]
+    case["in_job_load"] = median_run(loads, "load_seconds")
 
     theirs = case["conversion"]["wall_seconds"] + case["universal_load"]["load_seconds"]
     offline = case["reshard_workers"]["wall_seconds"] + case["native_load"]["load_seconds"]
@@ -330,7 +346,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(LADDER), choices=list(LADDER))
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=1, help="reshard runs per launcher and I/O floor runs per size (median kept)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every contender per size (median kept; ratios compare medians)")
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE)
     parser.add_argument("--cache-drop", default="auto", choices=("auto", "proc", "fadvise"))
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results file")
