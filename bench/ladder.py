@@ -202,6 +202,15 @@ def run_deepspeed_path(case: dict, cfg, src: str, tag: str, universal: str, scra
     case.update({k: v for k, v in median_run(runs, "seconds").items() if k != "seconds"})
 
 
+def cold_runs(times: int, cold: Cold, run) -> list:
+    """`run()` `times` times, each after `cold()` (page cache dropped)."""
+    results = []
+    for _ in range(times):
+        cold()
+        results.append(run())
+    return results
+
+
 def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scratch: str, args, cold: Cold) -> None:
     """Every contender on one size. Conversion only: DeepSpeed's converter last, once memory allows."""
     label, conversion_only = case["size"], case["conversion_only"]
@@ -218,18 +227,12 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
         case[f"reshard_{launcher}"] = median_run(runs, "wall_seconds")
     case["target_bytes"] = tree_bytes(os.path.join(dst, tag))
     if not conversion_only:
-        loads = []
-        for _ in range(args.repeat):
-            cold()
-            loads.append(run_load(cfg, 2, TARGET_RANKS, dst, False, scratch))
+        loads = cold_runs(args.repeat, cold, lambda: run_load(cfg, 2, TARGET_RANKS, dst, False, scratch))
         case["native_load_runs_seconds"] = [load["load_seconds"] for load in loads]
         case["native_load"] = median_run(loads, "load_seconds")
     shutil.rmtree(dst, ignore_errors=True)
-    floors = []
-    for _ in range(args.repeat):
-        cold()
-        floors.append(measure_io_floor(os.path.join(src, tag), case["target_bytes"], args.workers,
-                                       os.path.join(scratch, "floor")))
+    floors = cold_runs(args.repeat, cold, lambda: measure_io_floor(os.path.join(src, tag), case["target_bytes"],
+                                                                   args.workers, os.path.join(scratch, "floor")))
     case["io_floor_runs"] = floors
     case["io_floor"] = median_run(floors, "wall_seconds")
     workers = case["reshard_workers"]
@@ -251,10 +254,8 @@ def measure(case: dict, cfg, src: str, tag: str, dst: str, universal: str, scrat
         log(f"  {label} (conversion only): ds_to_universal {theirs:.1f} s, reshard --workers {offline:.1f} s "
             f"({theirs / offline:.2f}x), torchrun {torchrun:.1f} s ({theirs / torchrun:.2f}x)")
         return
-    loads = []
-    for _ in range(args.repeat):
-        cold()
-        loads.append(run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30))
+    loads = cold_runs(args.repeat, cold,
+                      lambda: run_load(cfg, 2, TARGET_RANKS, src, False, scratch, in_job_budget=1 << 30))
     case["in_job_load_runs_seconds"] = [load["load_seconds"] for load in loads]
     case["in_job_load"] = median_run(loads, "load_seconds")
 
@@ -346,7 +347,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(LADDER), choices=list(LADDER))
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=1, help="runs of every contender per size (median kept; ratios compare medians)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of every contender per size (median kept; ratios compare medians)")
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE)
     parser.add_argument("--cache-drop", default="auto", choices=("auto", "proc", "fadvise"))
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results file")

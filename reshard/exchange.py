@@ -14,10 +14,9 @@ round or the previous one already packed them (`reshard.read_once`).
 
 A reader thread fills the send buffer of the next round while the current round is in
 flight and being written, so disk reads overlap the exchange and the writes; it hands the
-source the whole round's reads at once (`SliceSource.read_batch`), which keeps several
-in flight. Buffers are
-allocated once: two send buffers and one receive buffer, each at most a third of the memory
-budget (`reshard.plan.round_cap`).
+source the whole round's reads at once (`SliceSource.read_batch`), which keeps several in
+flight. Buffers are allocated once: two send buffers and one receive buffer, each at most a
+third of the memory budget (`reshard.plan.round_cap`).
 
 A worker that fails mid-round still takes part in that round's collective (sending zeros)
 and then reports; every worker sees the failure at the same round boundary and stops, so

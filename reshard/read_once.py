@@ -3,7 +3,8 @@ bytes already packed (this round's buffer, or the previous round's). Pure, no I/
 
     from reshard.read_once import reads_and_copies
     reads, copies = reads_and_copies(runs, previous=last_rounds_runs)
-    reader.read_batch([(rank, slot, element, itemsize, buffer view) for position, rank, slot, element, count, itemsize in reads])
+    reader.read_batch([(rank, slot, element, itemsize, view of buffer[position:...])
+                       for position, rank, slot, element, count, itemsize in reads])
     for to, start, nbytes, from_previous in copies:
         buffer[to:to + nbytes] = (last_buffer if from_previous else buffer)[start:start + nbytes]
 
