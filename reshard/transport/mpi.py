@@ -9,9 +9,10 @@ the exchange's uint8 buffers; no tensor is pickled); only the small agreement ob
 
 MPI collectives have no timeout, and a peer that died may leave the others blocked for
 ever. A watchdog thread therefore times every collective: when one waits longer than
-`timeout_seconds`, it calls `MPI.COMM_WORLD.Abort`, which ends every process of the job
-with a non-zero status. An exception that nothing handles (a bug on one worker, which its
-peers cannot know about) aborts the job the same way rather than leaving them waiting.
+`timeout_seconds`, it prints why and, two seconds later, calls `MPI.COMM_WORLD.Abort(3)`,
+which ends every process of the job; mpiexec exits with status 3. An exception that nothing
+handles (a bug on one worker, which its peers cannot know about) aborts the job the same way,
+with status 1, rather than leaving them waiting.
 Failures the job does handle go through `reshard.collective` as with torch.distributed:
 every worker learns of them at the same point and exits with the CLI's status.
 """
@@ -40,10 +41,14 @@ def import_mpi():
 
 
 class _Watchdog:
-    """Aborts the MPI job when a collective waits longer than the timeout."""
+    """Aborts the MPI job when a collective waits longer than the timeout.
 
-    def __init__(self, comm, timeout_seconds: float, abort):
-        self.comm, self.timeout, self.abort = comm, timeout_seconds, abort
+    The reason is printed `grace_seconds` before the abort: MPICH's launcher tears the job down on
+    MPI_Abort and may exit before it has forwarded what the processes wrote last (a CI run lost the
+    whole message that way), so the message is given time to reach the terminal first."""
+
+    def __init__(self, comm, timeout_seconds: float, abort, grace_seconds: float = 2.0):
+        self.comm, self.timeout, self.abort, self.grace = comm, timeout_seconds, abort, grace_seconds
         self.waiting: tuple[str, float] | None = None
         self.lock = threading.Condition()
         self.closed = False
@@ -61,7 +66,8 @@ class _Watchdog:
             with self.lock:
                 self.waiting = None
 
-    def _watch(self) -> None:
+    def _overdue(self) -> str | None:
+        """Blocks until a guarded collective is overdue (its name) or the watchdog is closed (None)."""
         with self.lock:
             while not self.closed:
                 if self.waiting is None:
@@ -69,13 +75,19 @@ class _Watchdog:
                     continue
                 what, deadline = self.waiting
                 left = deadline - time.monotonic()
-                if left > 0:
-                    self.lock.wait(timeout=min(left, 1.0))
-                    continue
-                print(f"reshard: worker {self.comm.Get_rank()}: {what} waited more than {self.timeout:g}s for its "
-                      "peers (one died or hangs); aborting the MPI job", file=sys.stderr, flush=True)
-                self.abort(3)
-                return
+                if left <= 0:
+                    return what
+                self.lock.wait(timeout=min(left, 1.0))
+        return None
+
+    def _watch(self) -> None:
+        what = self._overdue()
+        if what is None:
+            return
+        print(f"reshard: worker {self.comm.Get_rank()}: {what} waited more than {self.timeout:g}s for its "
+              "peers (one died or hangs); aborting the MPI job", file=sys.stderr, flush=True)
+        time.sleep(self.grace)
+        self.abort(3)
 
     def close(self) -> None:
         with self.lock:
@@ -106,6 +118,7 @@ class MPITransport:
         traceback.print_exception(kind, value, tb)
         print(f"reshard: worker {self.rank} failed; aborting the MPI job so that its peers do not wait",
               file=sys.stderr, flush=True)
+        time.sleep(self.watchdog.grace)  # let the launcher forward the traceback before it tears the job down
         self.abort(1)
 
     def all_to_all(self, send, send_counts, recv_counts, out=None):
