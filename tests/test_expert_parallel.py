@@ -856,7 +856,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
     `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
     global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
     The source is untouched; the expert files are named and stamped as DeepSpeed writes them."""
-    from trained import reshard_cli
+    from trained import reshard_cli, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
     from reshard.job import reshard_checkpoint
@@ -879,6 +879,8 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
         assert experts == expert_file_names((4, 4), topology)
         stamp = torch.load(tmp_path / out / "global_step2" / experts[-1], weights_only=False).get("folding")
         assert (stamp is None) if topology.tp == 1 else (stamp["ep_size"], stamp["tp_size"]) == (topology.ep, 2)
+        # the saved ds_config names the target's sizes (an engine built from it runs at the target)
+        assert saved_parallel_sizes(tmp_path / out / "global_step2") == {(topology.tp, topology.ep)}
     # the metadata reshard recomputes is DeepSpeed's own: an identity reshard writes every file's
     # `folding` and `ds_autoep_layers` as the save did (an expert file's zero_partition_rank is
     # whichever of its several writers saved last, unchecked on load: left out)
@@ -891,6 +893,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
             ours["folding"].pop("zero_partition_rank"), theirs["folding"].pop("zero_partition_rank")
         assert ours["folding"] == theirs["folding"], name
         assert ours.get("ds_autoep_layers") == theirs.get("ds_autoep_layers"), name
+        assert ours.get("ds_config") == theirs.get("ds_config"), name
     refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before

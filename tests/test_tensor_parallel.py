@@ -347,6 +347,11 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert done.returncode == 0, done.stderr
     names = sorted(p.name for p in (tmp_path / "tp4dp1" / "global_step3").iterdir())
     assert [n for n in names if n.startswith("mp_rank")] == [f"mp_rank_0{t}_model_states.pt" for t in range(4)]
+    # every file's saved ds_config names the target TP size (the source's said 2)
+    from trained import saved_parallel_sizes
+    assert saved_parallel_sizes(source / "global_step3") == {(2, None)}
+    assert saved_parallel_sizes(tmp_path / "tp4dp1" / "global_step3") == {(4, None)}
+    assert saved_parallel_sizes(to_1x3 / "global_step3") == {(1, None)}
     verdicts = check_checkpoints(4, 1, 2, "fp32", [(source, truth, "in-job"), (tmp_path / "tp4dp1", truth),
                                                    (tmp_path / "u-source", truth, "universal")], tmp_path)
     assert verdicts[0]["ok"], verdicts[0]["problems"]  # in-job (2, 2) -> (4, 1), fresh engine

@@ -111,3 +111,16 @@ def tree_state(root, skip=None) -> dict:
         else:
             found[path.relative_to(root)] = "dir"
     return found
+
+
+def saved_parallel_sizes(tag_dir) -> set[tuple]:
+    """{(tensor_parallel.autotp_size, expert_parallel.autoep_size)} over the ds_config of every
+    file in `tag_dir` that saves one (None where the config does not name the size)."""
+    import torch
+    sizes = set()
+    for path in sorted(Path(tag_dir).glob("*.pt")):
+        config = torch.load(path, weights_only=False, map_location="cpu").get("ds_config")
+        if isinstance(config, dict):
+            sizes.add(((config.get("tensor_parallel") or {}).get("autotp_size"),
+                       (config.get("expert_parallel") or {}).get("autoep_size")))
+    return sizes

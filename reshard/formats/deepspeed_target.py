@@ -80,7 +80,26 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
         if spec.tensor is not None and spec.experts is not None:
             _set_model_folding(tree, target, target.rank_of(0, at.tp))
         files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0)))
+    for file in files:
+        retarget_parallel_sizes(file.tree, spec.topology, target)
     return files
+
+
+def retarget_parallel_sizes(tree: Any, source: Topology, target: Topology) -> None:
+    """The saved ds_config (engine.py `_save_checkpoint` and `_save_zero_checkpoint` store the
+    engine's config dict as given) with the TP and AutoEP sizes it names set to the target's:
+    `tensor_parallel.autotp_size` (runtime/tensor_parallel/config.py `TPTrainingConfig`) and
+    `expert_parallel.autoep_size` (module_inject/auto_ep_config.py `parse_autoep_config`). DeepSpeed's
+    load does not read them; a script that builds its engine from the checkpoint's config does, and
+    would otherwise start at the source's sizes. A size the config does not name stays unnamed."""
+    config = tree.get("ds_config") if isinstance(tree, dict) else None
+    if not isinstance(config, dict):
+        return
+    for section, key, old, new in (("tensor_parallel", "autotp_size", source.tp, target.tp),
+                                   ("expert_parallel", "autoep_size", source.ep, target.ep)):
+        part = config.get(section)
+        if old != new and isinstance(part, dict) and key in part:
+            part[key] = new
 
 
 def _new(slot: tuple, numel: int, like: Any, dtype: str) -> NewTensor:
