@@ -12,7 +12,9 @@ tag from `latest`, and a tag directory only appears complete.
 """
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 
@@ -23,6 +25,10 @@ from reshard.manifest import JOURNAL_NAME
 from reshard.paths import check_tag, confined, is_inside, open_new_file
 
 STAGING = ".reshard-staging"
+ARRAY_SUFFIX = ".array"
+"""DST/.reshard-staging/TAG.array: the bookkeeping of a SLURM array job (reshard.array_job) for TAG."""
+ARRAY_RECORD = "record.json"
+ARRAY_DONE = "done"
 
 
 def check_paths(src: str, dst: str) -> None:
@@ -90,10 +96,14 @@ class Staging:
     def create(self) -> None:
         """A fresh, empty staging directory; an earlier run's staging there is removed first.
 
-        Something at that path without reshard's journal was not made by reshard: refused."""
+        An array job's staging for this tag is refused (its tasks finish it, or the user removes
+        it); anything else at that path without reshard's journal was not made by reshard: refused."""
         os.makedirs(self.destination, exist_ok=True)
         self._mkdir(self.root)
         confined(self.destination, self.tag_dir)
+        array = array_staging_of(self.destination, self.tag)
+        if array is not None:
+            raise OptionError(array)
         if os.path.lexists(self.tag_dir):
             if os.path.islink(self.tag_dir) or not os.path.isfile(os.path.join(self.tag_dir, JOURNAL_NAME)):
                 raise OptionError(f"{self.tag_dir}: exists but was not made by reshard (no "
@@ -154,6 +164,58 @@ class Staging:
                 _remove(confined(self.destination, self.tag_dir))
         if os.path.isdir(self.root) and not os.path.islink(self.root) and not os.listdir(self.root):
             os.rmdir(self.root)
+
+
+def array_staging_of(destination: str, tag: str) -> str | None:
+    """What a SLURM array job's staging of `tag` in `destination` is, and how to finish or remove it
+    (None when there is none)."""
+    array_dir = os.path.join(destination, STAGING, tag + ARRAY_SUFFIX)
+    try:
+        with open(os.path.join(array_dir, ARRAY_RECORD)) as fd:
+            record = json.load(fd)
+        tasks, files = int(record["tasks"]), len(record["owners"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    done_dir = os.path.join(array_dir, ARRAY_DONE)
+    done = len(os.listdir(done_dir)) if os.path.isdir(done_dir) else 0
+    tag_dir = os.path.join(destination, STAGING, tag)
+    return (f"{tag_dir}: holds the staging of a SLURM array job for tag {tag} ({array_dir}: {tasks} tasks, {done} of "
+            f"{files} files done), not of this job: finish it by running its remaining tasks (the same command with "
+            f"--array-task I --array-tasks {tasks}), then `python -m reshard publish {shlex.quote(destination)}`; or, "
+            f"once none of its tasks runs, remove it to start over: rm -rf {shlex.quote(tag_dir)} "
+            f"{shlex.quote(array_dir)}")
+
+
+def stale_staging_notes(destination: str, tags) -> list[str]:
+    """Lines naming what DST/.reshard-staging holds for tags other than `tags` (the tags this job
+    writes there), each with the command that removes it: the unfinished output of an interrupted
+    run for a tag SRC no longer names in `latest`, say, which nothing resumes unless that tag is
+    resharded again. Read-only: reshard never deletes staging it was not asked to write."""
+    root = os.path.join(destination, STAGING)
+    if not os.path.isdir(root) or os.path.islink(root):
+        return []
+    names = sorted(os.listdir(root))
+    mine = set(tags) | {tag + ARRAY_SUFFIX for tag in tags}
+    notes = []
+    for name in names:
+        path = os.path.join(root, name)
+        if name in mine or (name + ARRAY_SUFFIX in names and name + ARRAY_SUFFIX not in mine):
+            continue  # this job's own, or the tag directory of an array job named with its .array
+        if name.endswith(ARRAY_SUFFIX):
+            array = array_staging_of(destination, name[:-len(ARRAY_SUFFIX)])
+            if array is not None:
+                notes.append("stale staging: " + array)
+                continue
+        if os.path.isfile(os.path.join(path, JOURNAL_NAME)):
+            what = (f"the unfinished output of an interrupted run for tag {name}, which this job does not write "
+                    f"(it wrote {', '.join(sorted(tags)) or 'no tag'}); it resumes only if that tag is resharded "
+                    f"again (--tag {shlex.quote(name)})")
+        elif name.startswith("replaced-"):
+            what = f"the previous {os.path.join(destination, name[len('replaced-'):])}, left by an interrupted publish"
+        else:
+            what = "not made by reshard (no journal)"
+        notes.append(f"stale staging: {path} is {what}; remove it with: rm -rf {shlex.quote(path)}")
+    return notes
 
 
 def _remove(path: str) -> None:

@@ -33,7 +33,7 @@ from reshard.byte_io import hash_file
 from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
-from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
+from reshard.destination import STAGING, Staging, check_empty, check_paths, stale_staging_notes, write_latest
 from reshard.errors import OptionError, PeerFailure, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
@@ -124,6 +124,9 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
         for unit in units:
             result.checkpoints.append(_run_unit(opts, unit, transport, clock, views))
             clock = PhaseClock()
+        if transport.rank == 0:
+            for destination in dict.fromkeys(unit.destination for unit in units):
+                result.notes += stale_staging_notes(destination, [u.tag for u in units if u.destination == destination])
         result.seconds = time.perf_counter() - started
         return result
     finally:
