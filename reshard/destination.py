@@ -131,12 +131,13 @@ class Staging:
         return {name: {"bytes": os.path.getsize(os.path.join(self.tag_dir, name)),
                        "blake3": hash_file(os.path.join(self.tag_dir, name))} for name in names}
 
-    def publish(self, latest: str | None, scripts: bool = True) -> None:
+    def publish(self, latest: str | None, scripts: bool = True, latest_name: str = schema.LATEST) -> None:
         """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).
 
         `latest`: the tag to name in DST/latest, or None to leave it (a tag that is not the
         source's latest, resharded with --all-tags). `scripts`: copy the recovery scripts (DeepSpeed
-        writes them on global rank 0's node only; node-local outputs follow that).
+        writes them on global rank 0's node only; node-local outputs follow that). `latest_name`:
+        the pointer file (a universal checkpoint's is `latest_universal`).
         """
         _fsync_dir(self.tag_dir)
         final = confined(self.destination, os.path.join(self.destination, self.tag))
@@ -152,9 +153,31 @@ class Staging:
         for script in schema.RECOVERY_SCRIPTS if scripts else ():
             copy_recovery_script(script, self.destination)
         if latest is not None:
-            write_latest(self.destination, latest)
+            write_latest(self.destination, latest, latest_name)
         if old is not None:
             _remove(old)
+        self.discard()
+
+    def publish_files(self, last: str) -> None:
+        """Move every file of the staging directory into DST itself (sub-directories kept), each by
+        an atomic rename that replaces a file or link of its name, `last` (the file that marks the
+        output complete, e.g. a safetensors index) after all others; then remove the staging.
+
+        For outputs that are a directory of files rather than a tag directory: no single rename
+        can place them, so the marker goes last, and until it is there the output is incomplete."""
+        _fsync_dir(self.tag_dir)
+        names = []
+        for root, dirs, files in os.walk(self.tag_dir):
+            dirs.sort()
+            names += sorted(os.path.relpath(os.path.join(root, f), self.tag_dir) for f in files)
+        names = [n for n in names if n not in (JOURNAL_NAME, last)] + ([last] if last in names else [])
+        for name in names:
+            target = confined(self.destination, os.path.join(self.destination, name))
+            parent = os.path.dirname(target)
+            if parent != os.path.abspath(self.destination).rstrip(os.sep):
+                self._mkdir(parent)
+            os.replace(os.path.join(self.tag_dir, name), target)
+        _fsync_dir(self.destination)
         self.discard()
 
     def discard(self) -> None:
@@ -218,6 +241,36 @@ def stale_staging_notes(destination: str, tags) -> list[str]:
     return notes
 
 
+def clean_up_after_failure(staging: Staging, lock, keep_staging: bool, remove_destination: bool) -> bool:
+    """Release the lock (a `reshard.lock.DestinationLock`); keep staging for a resume once rounds
+    began, else remove it (and DST, when this run created it and nothing else is there). Returns
+    whether DST was removed."""
+    from reshard.lock import LOCK_NAME
+    removed = False
+    try:
+        if not keep_staging:
+            staging.discard()
+            if (remove_destination and os.path.isdir(staging.destination)
+                    and os.listdir(staging.destination) == [LOCK_NAME]):
+                lock.release()
+                os.rmdir(staging.destination)
+                removed = True
+    except OSError:
+        pass
+    lock.release()
+    return removed
+
+
+def what_was_kept(staging: Staging, kept: bool, removed_destination: bool) -> str:
+    """The end of a failed run's message: what stays on disk, and what re-running does."""
+    if kept:
+        return (f". The partial output stays in {staging.tag_dir} (no checkpoint is published); fix the "
+                "cause and re-run the same command to resume")
+    if removed_destination:
+        return f". Nothing was kept: {staging.destination} was created by this run and has been removed"
+    return f". Nothing was kept: the staging directory {staging.tag_dir} has been removed"
+
+
 def _remove(path: str) -> None:
     """Remove a file, a link (not its target) or a directory tree."""
     if os.path.islink(path) or not os.path.isdir(path):
@@ -226,9 +279,10 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
 
 
-def write_latest(destination: str, tag: str) -> None:
-    """`latest` names the tag (no newline, as DeepSpeed writes it); replaced atomically."""
-    latest = confined(destination, os.path.join(destination, schema.LATEST))
+def write_latest(destination: str, tag: str, name: str = schema.LATEST) -> None:
+    """`latest` (or the pointer file `name`) names the tag (no newline, as DeepSpeed writes it);
+    replaced atomically."""
+    latest = confined(destination, os.path.join(destination, name))
     if os.path.isfile(latest) and not os.path.islink(latest):
         with open(latest) as fd:
             if fd.read() == tag:
