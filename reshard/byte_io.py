@@ -78,9 +78,10 @@ def copy_bytes(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
                 _plain_copy_devices.add(devices)
                 break
             if n == 0:
-                # End of the source, or a filesystem that copies nothing (some return 0 early):
-                # the plain copy below tells them apart.
-                _plain_copy_devices.add(devices)
+                # End of the source (the plain copy below says "truncated"), or a filesystem that
+                # copies nothing although there is more (some return 0 early): not tried again.
+                if os.fstat(src_fd).st_size > src_offset + done:
+                    _plain_copy_devices.add(devices)
                 break
             done += n
     if done < count:

@@ -9,6 +9,12 @@
 Until `publish` renames the staging directory into place and writes `latest` (last, by
 atomic rename), DeepSpeed finds no loadable checkpoint in DST: `load_checkpoint` reads the
 tag from `latest`, and a tag directory only appears complete.
+
+Staging lies inside DST, so every rename here stays on DST's filesystem (atomic, never EXDEV)
+whatever filesystem SRC is on; bytes cross from SRC only by copying (`reshard.byte_io`). The
+reshard jobs and the exports (`reshard.export.runner`) share this lifecycle: `Staging`,
+`clean_up_after_failure` and `what_was_kept` after a failure, `stale_staging_notes` for what
+earlier runs left behind.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from reshard.byte_io import hash_file
 from reshard.errors import OptionError
 from reshard.formats import deepspeed_schema as schema
+from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import JOURNAL_NAME
 from reshard.paths import check_tag, confined, is_inside, open_new_file
 
@@ -241,11 +248,11 @@ def stale_staging_notes(destination: str, tags) -> list[str]:
     return notes
 
 
-def clean_up_after_failure(staging: Staging, lock, keep_staging: bool, remove_destination: bool) -> bool:
-    """Release the lock (a `reshard.lock.DestinationLock`); keep staging for a resume once rounds
+def clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool,
+                           remove_destination: bool) -> bool:
+    """Release the lock; keep staging for a resume once rounds
     began, else remove it (and DST, when this run created it and nothing else is there). Returns
     whether DST was removed."""
-    from reshard.lock import LOCK_NAME
     removed = False
     try:
         if not keep_staging:

@@ -463,7 +463,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         removed_destination = False
         if leader:
             removed_destination = clean_up_after_failure(staging, lock, keep_staging=rounds_started,
-                                                          remove_destination=start.created_destination)
+                                                         remove_destination=start.created_destination)
         if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
             error = WriteFailed(error.filename or staging.tag_dir, error)
         if isinstance(error, ReshardError):
@@ -563,7 +563,7 @@ def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, 
         if errors:
             if outcome is not None and outcome[0] == "ok" and outcome[1][1].mode != "complete":
                 clean_up_after_failure(Staging(lock.destination, tag), lock, keep_staging=False,
-                                        remove_destination=outcome[1][1].created_destination)
+                                       remove_destination=outcome[1][1].created_destination)
             raise errors[0]
         return dict(o[1] for o in outcomes if o is not None)
 
