@@ -44,7 +44,17 @@ import numpy as np
 from reshard import __version__, save_dir_files
 from reshard.byte_io import hash_file
 from reshard.checkpoint_plan import plan_reshard
-from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
+from reshard.destination import (
+    ARRAY_DONE,
+    ARRAY_RECORD,
+    ARRAY_SUFFIX,
+    STAGING,
+    Staging,
+    check_empty,
+    check_paths,
+    stale_staging_notes,
+    write_latest,
+)
 from reshard.errors import OptionError, ReshardError
 from reshard.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -72,11 +82,10 @@ from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.topology import Topology
 from reshard.transport.local import LocalTransport
 
-ARRAY_SUFFIX = ".array"
 SAVE_DIR_FILES = save_dir_files.STAGED
 """The item standing for every file of the save directory beside DeepSpeed's (reshard.save_dir_files)."""
-RECORD_NAME = "record.json"
-DONE_DIR = "done"
+RECORD_NAME = ARRAY_RECORD
+DONE_DIR = ARRAY_DONE
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,7 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
             same = [unit for unit in units if unit.destination == destination]
             latest = next((unit.latest for unit in same if unit.latest), None)
             result.notes += publish_ready(destination, tags=[unit.tag for unit in same], latest=latest)
+            result.notes += stale_staging_notes(destination, [unit.tag for unit in same])
     result.seconds = time.perf_counter() - started
     return result
 

@@ -33,7 +33,16 @@ from reshard.byte_io import hash_file
 from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
-from reshard.destination import STAGING, Staging, check_empty, check_paths, write_latest
+from reshard.destination import (
+    STAGING,
+    Staging,
+    check_empty,
+    check_paths,
+    clean_up_after_failure,
+    stale_staging_notes,
+    what_was_kept,
+    write_latest,
+)
 from reshard.errors import OptionError, PeerFailure, ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
@@ -124,6 +133,9 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
         for unit in units:
             result.checkpoints.append(_run_unit(opts, unit, transport, clock, views))
             clock = PhaseClock()
+        if transport.rank == 0:
+            for destination in dict.fromkeys(unit.destination for unit in units):
+                result.notes += stale_staging_notes(destination, [u.tag for u in units if u.destination == destination])
         result.seconds = time.perf_counter() - started
         return result
     finally:
@@ -265,7 +277,7 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
         staging.create()
         write_journal(staging.tag_dir, plan_fp, False, 0)
     except BaseException:
-        _clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
+        clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
         raise
     return start
 
@@ -450,8 +462,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     except BaseException as error:
         removed_destination = False
         if leader:
-            removed_destination = _clean_up_after_failure(staging, lock, keep_staging=rounds_started,
-                                                          remove_destination=start.created_destination)
+            removed_destination = clean_up_after_failure(staging, lock, keep_staging=rounds_started,
+                                                         remove_destination=start.created_destination)
         if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
             error = WriteFailed(error.filename or staging.tag_dir, error)
         if isinstance(error, ReshardError):
@@ -550,8 +562,8 @@ def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, 
         errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
         if errors:
             if outcome is not None and outcome[0] == "ok" and outcome[1][1].mode != "complete":
-                _clean_up_after_failure(Staging(lock.destination, tag), lock, keep_staging=False,
-                                        remove_destination=outcome[1][1].created_destination)
+                clean_up_after_failure(Staging(lock.destination, tag), lock, keep_staging=False,
+                                       remove_destination=outcome[1][1].created_destination)
             raise errors[0]
         return dict(o[1] for o in outcomes if o is not None)
 
@@ -565,25 +577,6 @@ def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, 
                    skeletons=mine.skeletons if site.node in starts else False)
 
 
-def _clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging: bool,
-                            remove_destination: bool) -> bool:
-    """Release the lock; keep staging for a resume once rounds began, else remove it (and DST,
-    when this run created it and nothing else is there). Returns whether DST was removed."""
-    removed = False
-    try:
-        if not keep_staging:
-            staging.discard()
-            if (remove_destination and os.path.isdir(staging.destination)
-                    and os.listdir(staging.destination) == [LOCK_NAME]):
-                lock.release()
-                os.rmdir(staging.destination)
-                removed = True
-    except OSError:
-        pass
-    lock.release()
-    return removed
-
-
 def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, removed_destination: bool,
                        needed: int) -> None:
     """Finish the message of a failed run with the truth about what stays on disk."""
@@ -591,14 +584,7 @@ def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, remove
     if isinstance(error, WriteFailed) and is_disk_full(error.error, error.path):
         text = (f"{error.path}: writing failed ({error.error.strerror or 'disk full'}): "
                 f"{disk_full_message(staging.destination, needed)}")
-    if kept:
-        text += (f". The partial output stays in {staging.tag_dir} (no checkpoint is published); fix the "
-                 "cause and re-run the same command to resume")
-    elif removed_destination:
-        text += f". Nothing was kept: {staging.destination} was created by this run and has been removed"
-    else:
-        text += f". Nothing was kept: the staging directory {staging.tag_dir} has been removed"
-    error.args = (text,)
+    error.args = (text + what_was_kept(staging, kept, removed_destination),)
 
 
 class _progress:

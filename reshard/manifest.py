@@ -20,9 +20,13 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from reshard.byte_io import hash_file
 from reshard.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from reshard.formats.deepspeed_spec import SourceCheckpoint
 
 MANIFEST_NAME = "reshard_manifest.json"
 JOURNAL_NAME = ".reshard-journal.json"
@@ -59,6 +63,15 @@ def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, 
     if target_ep is not None:
         fields["target_ep"] = target_ep
     return _digest(fields)
+
+
+def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
+    """Identifies an export's output: the source files (sizes, mtimes) and the export's options
+    (`export`: format, dtype, shard size...). Worker count and budget join in `plan_fingerprint`."""
+    names = {os.path.basename(path) for rank in range(source.spec.topology.world_size)
+             for path in source.source_files(rank)}
+    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(source.save_dir), "tag": source.tag,
+                    "files": source_identity(source.tag_dir, names), "export": export})
 
 
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:

@@ -126,8 +126,11 @@ def files_per_worker(stage: int, ownership, worker: int) -> int:
     return (per_rank * (len(sources) + len(targets)) + (stage < 3) * ((0 in sources) + (0 in targets)))
 
 
-def ensure_open_files(files_needed: int) -> None:
-    """Raise this process's soft RLIMIT_NOFILE as far as needed (up to the hard limit), or explain."""
+def ensure_open_files(files_needed: int, what: str | None = None, advice: str | None = None) -> None:
+    """Raise this process's soft RLIMIT_NOFILE as far as needed (up to the hard limit), or explain.
+
+    `what` says who opens the files and why (default: a worker's source and target files), `advice`
+    what to change besides the limit (default: more workers, each then holds fewer files)."""
     needed = files_needed + SPARE_FILE_HANDLES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if needed <= soft:
@@ -135,9 +138,16 @@ def ensure_open_files(files_needed: int) -> None:
     if hard == resource.RLIM_INFINITY or needed <= hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
         return
-    raise OptionError(f"this job keeps about {needed} files open per worker ({files_needed} source and target "
-                      f"files), but the open-file limit (RLIMIT_NOFILE) is {soft} (hard limit {hard}): run more "
-                      f"workers (each writes a share of the target files), or raise the limit (ulimit -n {needed})")
+    what = what or f"this job keeps about {needed} files open per worker ({files_needed} source and target files)"
+    advice = advice or "run more workers (each writes a share of the target files)"
+    raise OptionError(f"{what}, but the open-file limit (RLIMIT_NOFILE) is {soft} (hard limit {hard}): {advice}, "
+                      f"or raise the limit (ulimit -n {needed})")
+
+
+def open_file_limit() -> int | None:
+    """The hard RLIMIT_NOFILE (None when unlimited): how many files a process can be allowed to open."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return None if hard == resource.RLIM_INFINITY else hard
 
 
 def human(nbytes: int) -> str:

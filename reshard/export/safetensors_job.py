@@ -14,7 +14,9 @@ Steps, and which workers run them (the same skeleton as a reshard job, `reshard.
    source rank files to the worker that writes the output file, in rounds under the budget;
 3. each worker writes the headers of its files, runs the rounds, then copies the tensors
    stored whole in the model-states file (buffers, ZeRO-1/2 frozen parameters) in chunks;
-4. worker 0 writes `model.safetensors.index.json` last: a directory with the index is complete.
+4. worker 0 writes `model.safetensors.index.json` and publishes: the files are written in
+   OUT/.reshard-staging/TAG (`reshard.export.runner`: lock, journal, resume) and moved into OUT
+   with the index last, so a directory with the index is complete.
 
 Output is byte-identical whatever the number of workers and the budget.
 """
@@ -27,13 +29,15 @@ import time
 from dataclasses import dataclass, field
 
 from reshard.collective import on_rank0
-from reshard.destination import check_empty, check_paths
+from reshard.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import OptionError
 from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
-from reshard.export.runner import run_export
+from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
+from reshard.lock import LOCK_NAME
+from reshard.manifest import export_fingerprint
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -67,13 +71,14 @@ class ExportResult:
     seconds: float = 0.0
     peak_rss_bytes: list = field(default_factory=list)
     kept_for_tied: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
 
     def summary(self) -> str:
         tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
                 f"  {len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors; {self.workers} "
                 f"worker(s), {self.rounds} round(s), {self.seconds:.1f} s"
-                + (f"\n  tied: {tied}" if tied else ""))
+                + (f"\n  tied: {tied}" if tied else "") + "".join(f"\n  note: {note}" for note in self.notes))
 
 
 def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
@@ -95,7 +100,7 @@ def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, bu
 def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
                        tag: str | None = None, memory_budget: int = 1 << 30, trust_pickle: bool = False,
                        overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
-                       timeout: float = 600.0) -> ExportResult:
+                       timeout: float = 600.0, durable_every: int = 1 << 30) -> ExportResult:
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     max_shard_bytes = parse_shard_size(max_shard_size)
@@ -105,24 +110,21 @@ def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", ma
     transport = transport or transport_from_environment(backend, timeout)
     try:
         return _run(str(source), str(destination), DTYPES[dtype], max_shard_bytes, tag, memory_budget, trust_pickle,
-                    overwrite, transport)
+                    overwrite, durable_every, transport)
     finally:
         if own_transport:
             transport.close()
 
 
-def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust_pickle, overwrite, transport):
+def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust_pickle, overwrite, durable_every,
+         transport):
     started = time.perf_counter()
 
     def inspect():
         check_paths(source_dir, destination)
-        check_empty(destination, set(), overwrite)
+        check_empty(destination, {STAGING, LOCK_NAME}, overwrite)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the safetensors export")
-        os.makedirs(destination, exist_ok=True)
-        index = os.path.join(destination, INDEX_NAME)
-        if os.path.exists(index):
-            os.unlink(index)  # --overwrite: the old index must not vouch for new, half-written files
         return source
 
     source: SourceCheckpoint = on_rank0(transport, inspect)
@@ -131,22 +133,34 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
                      "frozen": source.spec.frozen_dtype}
     model_path = source.model_path(0)
+    output = ExportOutput(destination, source.tag, export_fingerprint(
+        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes}), overwrite,
+        durable_every)
 
-    def open_writer(files):
-        return SafetensorsWriter.create(layout, destination, files, stream_dtypes, model_path, budget)
+    def open_writer(files, staged, reuse_existing):
+        return SafetensorsWriter.create(layout, staged, files, stream_dtypes, model_path, budget, reuse_existing)
 
-    rss = run_export(transport, source, plan, open_writer, lambda: _write_index(destination, layout),
-                     trust_pickle=trust_pickle)
+    def publish(staging: Staging):
+        # the shards are in staging; the index (which makes the directory a model) is written there
+        # too, then every file moves into OUT, the index last
+        index = os.path.join(destination, INDEX_NAME)
+        if os.path.lexists(index):
+            os.unlink(index)  # --overwrite: the old index must not vouch for a mix of old and new shards
+        _write_index(staging.tag_dir, layout)
+        staging.publish_files(last=INDEX_NAME)
+
+    rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
-                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied)
+                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied,
+                          notes=output.notes)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _write_index(destination: str, layout: ExportLayout) -> None:
+def _write_index(directory: str, layout: ExportLayout) -> None:
     """`model.safetensors.index.json` as transformers' save_pretrained writes it, atomically."""
     index = {"metadata": {"total_size": layout.total_size}, "weight_map": layout.weight_map()}
-    path = os.path.join(destination, INDEX_NAME)
+    path = os.path.join(directory, INDEX_NAME)
     with open(path + ".partial", "w") as fd:
         json.dump(index, fd, indent=2, sort_keys=True)
         fd.write("\n")

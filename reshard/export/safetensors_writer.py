@@ -20,7 +20,7 @@ import torch
 from reshard.byte_io import pread_exact, pwrite_exact
 from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
 from reshard.formats.torch_archive import dtype_of
-from reshard.paths import open_new_file
+from reshard.paths import confined, open_new_file
 
 
 def _cast(data: memoryview, source_dtype: str, target_dtype: str) -> memoryview:
@@ -48,14 +48,17 @@ class SafetensorsWriter:
 
     @classmethod
     def create(cls, layout: ExportLayout, out_dir: str, files, stream_dtypes: dict, model_path: str,
-               budget_bytes: int) -> "SafetensorsWriter":
+               budget_bytes: int, reuse_existing: bool = False) -> "SafetensorsWriter":
+        """`reuse_existing`: resuming, keep what the files hold (the header, the same bytes, is rewritten)."""
         writer = cls(layout, out_dir, list(files), stream_dtypes=dict(stream_dtypes), model_path=model_path,
                      budget_bytes=budget_bytes)
         try:
             for f in writer.files:
                 export = layout.files[f]
                 header = safetensors_header(export)
-                fd = open_new_file(out_dir, os.path.join(out_dir, export.name), os.O_RDWR)
+                path = os.path.join(out_dir, export.name)
+                fd = (os.open(confined(out_dir, path), os.O_RDWR | os.O_NOFOLLOW) if reuse_existing
+                      else open_new_file(out_dir, path, os.O_RDWR))
                 writer.fds[f] = fd
                 pwrite_exact(fd, memoryview(header), 0)
                 os.ftruncate(fd, len(header) + export.data_bytes)

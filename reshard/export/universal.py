@@ -38,15 +38,17 @@ import torch
 
 from reshard.byte_io import pwrite_exact
 from reshard.collective import on_rank0
-from reshard.destination import check_empty, check_paths
+from reshard.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
-from reshard.export.runner import run_export
+from reshard.export.runner import ExportOutput, run_export
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import materialize, NewTensor, write_skeleton
+from reshard.formats.torch_archive import is_ref, locate_storages, materialize, NewTensor, write_skeleton
+from reshard.lock import LOCK_NAME
+from reshard.manifest import export_fingerprint
 from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -58,14 +60,40 @@ BUNDLES_PER_WORKER = 4
 _OPEN_FILES = 256
 
 
+OPTIMIZER_STATE = "optimizer_state.pt"
+"""The one file zero/ holds beside the parameters' directories."""
+
+
 def check_directory_name(name: str, source: SourceCheckpoint) -> str:
     """A parameter or buffer name becomes a directory under zero/ (as in ds_to_universal): it must be
-    one plain path component, so a crafted checkpoint cannot make reshard write outside OUT."""
+    one plain path component, so a crafted checkpoint cannot make reshard write outside OUT, and
+    not the name of the file zero/ holds."""
     problem = tag_problem(name)
+    if problem is None and name == OPTIMIZER_STATE:
+        problem = f"is the name of the file zero/{OPTIMIZER_STATE} the universal format writes"
     if problem is not None:
         raise UnsupportedCheckpoint(source.model_path(0), f"parameter name {name!r} {problem}: it cannot be a "
                                                           "directory of a universal checkpoint")
     return name
+
+
+def check_universal_names(source: SourceCheckpoint) -> None:
+    """Refuse, before anything is written, every name that cannot become a path of the output: the
+    directories of trainable parameters and (ZeRO-1/2) of the other module entries, and the
+    `<state>.pt` files in them, which must not be `step.pt` or `fp32.pt` written beside them."""
+    for p in source.spec.params:
+        check_directory_name(p.name, source)
+    for stream in source.spec.streams:
+        check_directory_name(stream.name, source)
+        if stream.name == "step":
+            raise UnsupportedCheckpoint(source.model_path(0), "optimizer state 'step' is partitioned here, but "
+                                                              "step.pt holds the param group's step counter")
+    if source.spec.stage != 3:
+        module = (source.model_template or {}).get("module") or {}
+        trainable = {p.name for p in source.spec.params}
+        for name, value in module.items():
+            if name not in trainable and is_ref(value):
+                check_directory_name(name, source)
 
 
 def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
@@ -101,7 +129,9 @@ class UniversalWriter:
     bytes_written: int = 0
 
     @classmethod
-    def create(cls, source: SourceCheckpoint, bundles: ExportLayout, zero_dir: str, owned) -> "UniversalWriter":
+    def create(cls, source: SourceCheckpoint, bundles: ExportLayout, zero_dir: str, owned,
+               reuse_existing: bool = False) -> "UniversalWriter":
+        """`reuse_existing`: resuming, the files exist already: locate their storages, write nothing."""
         writer = cls()
         spec = source.spec
         for b in owned:
@@ -110,7 +140,7 @@ class UniversalWriter:
                 for stream in spec.streams:
                     check_directory_name(stream.name, source)
                     path = confined(zero_dir, os.path.join(zero_dir, tensor.name, f"{stream.name}.pt"))
-                    if os.path.islink(path):
+                    if os.path.islink(path) and not reuse_existing:
                         os.unlink(path)
                     slot = (b, k, stream.name)
                     flat = NewTensor(slot, tensor.numel, stream.dtype)
@@ -118,7 +148,8 @@ class UniversalWriter:
                     obj, roles = materialize(tree)
                     if spec.stage != 3:
                         obj["param"] = obj["param"].view(tensor.shape)  # same storage, so the same role
-                    offsets = write_skeleton(path, obj, roles)
+                    offsets = (locate_storages(path, obj, roles) if reuse_existing
+                               else write_skeleton(path, obj, roles))
                     if slot in offsets:
                         writer.locations[slot] = (path, offsets[slot])
         return writer
@@ -213,53 +244,58 @@ class UniversalResult:
     rounds: int
     seconds: float = 0.0
     peak_rss_bytes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (DeepSpeed universal)\n"
                 f"  {self.params} parameters; {self.workers} worker(s), {self.rounds} round(s), {self.seconds:.1f} s; "
-                f"load with \"checkpoint\": {{\"load_universal\": true}}")
+                f"load with \"checkpoint\": {{\"load_universal\": true}}"
+                + "".join(f"\n  note: {note}" for note in self.notes))
 
 
 def export_universal(source: str, destination: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
                      trust_pickle: bool = False, overwrite: bool = False, transport: Transport | None = None,
-                     backend: str = "auto", timeout: float = 600.0) -> UniversalResult:
+                     backend: str = "auto", timeout: float = 600.0, durable_every: int = 1 << 30) -> UniversalResult:
     own_transport = transport is None
     transport = transport or transport_from_environment(backend, timeout)
     try:
-        return _run(str(source), str(destination), tag, memory_budget, trust_pickle, overwrite, transport)
+        return _run(str(source), str(destination), tag, memory_budget, trust_pickle, overwrite, durable_every,
+                    transport)
     finally:
         if own_transport:
             transport.close()
 
 
-def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, transport) -> UniversalResult:
+def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_every, transport) -> UniversalResult:
     started = time.perf_counter()
 
     def inspect():
         check_paths(source_dir, destination)
-        check_empty(destination, set(), overwrite)
+        check_empty(destination, {STAGING, LOCK_NAME}, overwrite)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the universal export")
-        latest = os.path.join(destination, LATEST_UNIVERSAL)
-        if os.path.exists(latest):
-            os.unlink(latest)  # --overwrite: the old pointer must not vouch for a half-written tag
-        os.makedirs(os.path.join(destination, source.tag, "zero"), exist_ok=True)
+        check_universal_names(source)
         return source
 
     source: SourceCheckpoint = on_rank0(transport, inspect)
     bundles = universal_bundles(source, transport.size)
     plan = plan_universal(source, bundles, transport.size, budget)
-    tag_dir = os.path.join(destination, source.tag)
+    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal"}), overwrite,
+                          durable_every)
 
-    def publish():
-        write_universal_metadata(source, tag_dir, trust_pickle)
-        with open(os.path.join(destination, LATEST_UNIVERSAL), "w") as fd:
-            fd.write(source.tag)
+    def publish(staging: Staging):
+        # the parameters' files are in staging/zero; the rest, then the tag directory into place by
+        # one rename, then latest_universal (replaced atomically) names it
+        write_universal_metadata(source, staging.tag_dir, trust_pickle)
+        staging.publish(source.tag, scripts=False, latest_name=LATEST_UNIVERSAL)
 
-    rss = run_export(transport, source, plan,
-                     lambda owned: UniversalWriter.create(source, bundles, os.path.join(tag_dir, "zero"), owned),
-                     publish, trust_pickle=trust_pickle)
+    def open_writer(owned, staged, reuse_existing):
+        zero_dir = os.path.join(staged, "zero")
+        os.makedirs(zero_dir, exist_ok=True)
+        return UniversalWriter.create(source, bundles, zero_dir, owned, reuse_existing)
+
+    rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     result = UniversalResult(source.save_dir, destination, source.tag, len(source.spec.params), transport.size,
-                             plan.rounds, peak_rss_bytes=rss)
+                             plan.rounds, peak_rss_bytes=rss, notes=output.notes)
     result.seconds = time.perf_counter() - started
     return result

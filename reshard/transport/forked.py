@@ -53,8 +53,19 @@ class ForkedLinks:
 
     @classmethod
     def create(cls, workers: int) -> "ForkedLinks":
-        from reshard.resources import ensure_open_files
-        ensure_open_files(workers * workers)  # every socket pair's two ends and the memfds, until the fork
+        import math
+
+        from reshard.resources import SPARE_FILE_HANDLES, ensure_open_files, open_file_limit
+        # Until the fork, this one process holds every socket pair's two ends and every memfd:
+        # W * (W - 1) + W = W * W files, however few each worker keeps afterwards.
+        limit = open_file_limit()
+        fits = workers if limit is None else max(1, math.isqrt(max(0, limit - SPARE_FILE_HANDLES)))
+        ensure_open_files(workers * workers,
+                          what=f"--workers {workers} makes this process open {workers * workers} files before it "
+                               f"starts the workers ({workers} shared-memory segments and a socket pair between "
+                               f"every two workers: workers x workers in all)",
+                          advice=f"use at most --workers {fits} here, or start the workers with torchrun (each "
+                                 "then opens only its own connections)")
         segments = [os.memfd_create(f"reshard-worker{k}", os.MFD_CLOEXEC) for k in range(workers)]
         sockets = {}
         for a in range(workers):
