@@ -879,8 +879,8 @@ def _check_same_as_rank0(found: dict, path: str, wanted: dict, rank0_path: str, 
     if difference is not None:
         where, here, there = difference
         raise CheckpointError(path, f"{where} is {here}, but {rank0_path} has {there}: DeepSpeed saves this value "
-                                    "alike on every rank and each rank loads its own, while every target rank "
-                                    "would get rank 0's (files of different saves mixed, or a file edited?)")
+                                    "alike on every rank, and every target rank would get rank 0's (files of "
+                                    "different saves mixed, or a file edited?)")
 
 
 def _tensor_bytes(storage: bytes, ref: TensorRef) -> bytes:

@@ -102,6 +102,9 @@ def compare(found: Any, wanted: Any) -> tuple[tuple[str, Any, Any] | None, list]
             if list(a) != list(b):
                 return (where, a, b), tensors
             stack += [(_join(where, key), a[key], b[key]) for key in reversed(list(a))]
+        elif isinstance(a, (list, tuple)) and all(type(x) is int for x in (*a, *b)):  # shapes: whole
+            if tuple(a) != tuple(b):
+                return (where, a, b), tensors
         elif isinstance(a, (list, tuple)):
             if len(a) != len(b):
                 return (where, a, b), tensors
