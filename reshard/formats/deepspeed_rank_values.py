@@ -125,7 +125,9 @@ def _join(where: str, key: Any) -> str:
 
 def describe(value: Any, limit: int = 120) -> str:
     """A value as a message shows it: stand-ins by their attributes, long values cut."""
-    if hasattr(value, "__dict__") and not isinstance(value, (type, TensorRef)):
+    if isinstance(value, tuple) and type(value) is not tuple and all(type(x) is int for x in value):
+        text = repr(list(value))  # torch.Size (the reader's stand-in) as a shape
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, TensorRef, Enum)):
         text = f"{type(value).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(value).items())})"
     elif isinstance(value, TensorRef):
         text = f"tensor {value.dtype} {list(value.shape)}"
