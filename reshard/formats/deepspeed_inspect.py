@@ -22,7 +22,14 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats import deepspeed_tensor
 from reshard.formats.deepspeed_folding import FOLDING_KEY
 from reshard.formats.deepspeed_metadata import rank_metadata
-from reshard.formats.deepspeed_rank_values import MODEL_VALUES, compare, describe, model_rank_values, optim_rank_values
+from reshard.formats.deepspeed_rank_values import (
+    MODEL_VALUES,
+    compare,
+    describe,
+    model_rank_values,
+    optim_rank_values,
+    refuse,
+)
 from reshard.formats.deepspeed_spec import (
     CheckpointSpec,
     SourceCheckpoint,
@@ -878,9 +885,7 @@ def _check_same_as_rank0(found: dict, path: str, wanted: dict, rank0_path: str, 
                 break
     if difference is not None:
         where, here, there = difference
-        raise CheckpointError(path, f"{where} is {here}, but {rank0_path} has {there}: DeepSpeed saves this value "
-                                    "alike on every rank, and every target rank would get rank 0's (files of "
-                                    "different saves mixed, or a file edited?)")
+        refuse(path, where, here, rank0_path, there)
 
 
 def _tensor_bytes(storage: bytes, ref: TensorRef) -> bytes:

@@ -31,9 +31,9 @@ rank's own file (so a difference is a damaged or mixed checkpoint, and refused):
 Not checked here, because they may differ per rank: what depends on the rank's partition (checked
 against the layout rules by deepspeed_inspect `validate_optim_tree`), `shared_params` (engine.py
 `_get_shared_params` fills it on global rank 0 only), AutoEP/AutoTP metadata (per rank by design),
-and client_state merged into a ZeRO-3 or TP model-states file (`state.update(client_state)`: the
-user's, and possibly per rank; a target rank gets rank 0's, as DeepSpeed's own
-ds_to_universal + load_universal does).
+and client_state merged into a ZeRO-3 model-states file (`state.update(client_state)`: the
+user's, possibly per rank, such as RNG states): a target rank gets rank 0's, and the job's summary
+names the keys that differ (reshard.formats.deepspeed_client_state).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def compare(found: Any, wanted: Any) -> tuple[tuple[str, Any, Any] | None, list]
     stride here; the caller compares the bytes of the returned pairs."""
     stack = [("", found, wanted)]
     seen: set[tuple[int, int]] = set()
-    tensors = []
+    tensors, alive = [], []
     while stack:
         where, a, b = stack.pop()
         if (id(a), id(b)) in seen:
@@ -112,11 +112,23 @@ def compare(found: Any, wanted: Any) -> tuple[tuple[str, Any, Any] | None, list]
         elif isinstance(a, float):
             if not (a == b or (math.isnan(a) and math.isnan(b))):
                 return (where, a, b), tensors
+        elif hasattr(a, "tolist") and hasattr(a, "dtype"):  # a torch tensor (whole-file torch loads)
+            pair = ((str(a.dtype), list(a.shape), a.tolist()), (str(b.dtype), list(b.shape), b.tolist()))
+            alive.append(pair)  # ids in `seen` must stay unique
+            stack.append((where, *pair))
         elif hasattr(a, "__dict__") and not isinstance(a, (type, Enum)):  # stand-ins of DeepSpeed's classes
             stack.append((where, vars(a), vars(b)))
         elif a != b:
             return (where, a, b), tensors
     return None, tensors
+
+
+def refuse(path: str, where: str, here: str, rank0_path: str, there: str):
+    """Raise the CheckpointError for a value `where` that is `here` in `path` and `there` in rank 0's."""
+    from reshard.errors import CheckpointError
+    raise CheckpointError(path, f"{where} is {here}, but {rank0_path} has {there}: DeepSpeed saves this value alike "
+                                "on every rank, and every target rank would get rank 0's (files of different saves "
+                                "mixed, or a file edited?)")
 
 
 def _join(where: str, key: Any) -> str:
