@@ -97,6 +97,20 @@ def test_a_value_ranks_save_alike_that_differs_is_refused(trained, tmp_path, cas
 
 
 @pytest.mark.e2e
+def test_a_tensor_value_is_compared_by_its_bytes(trained, tmp_path):
+    """torch optimizers take a tensor lr: both ranks' files get one, rank 1's of another value."""
+    from trained import reshard_cli
+    save_dir, tag_dir = _copy(trained, tmp_path, "z2_fp32")
+    for name, lr in ((OPTIM0, 0.25), (OPTIM1, 0.5)):
+        _edit(tag_dir / name, _set(OSD, "base_optimizer_state", "param_groups", 0, "lr", torch.tensor(lr)))
+    result = reshard_cli(save_dir, tmp_path / "dst", "--target-dp", "3")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"reshard: error: {tag_dir / OPTIM1}: {OSD}.base_optimizer_state.param_groups[0]"
+                                    f".lr is tensor float32 [] [0.5], but {tag_dir / OPTIM0} has tensor float32 [] "
+                                    "[0.25]"), result.stderr
+
+
+@pytest.mark.e2e
 def test_transposed_param_shapes_are_refused(trained, tmp_path):
     """The ZeRO-2 model file's param_shapes say [13, 9] for a [9, 13] weight: the same element count,
     so the partitions agree, but zero_to_fp32.py would reshape the parameter wrongly."""

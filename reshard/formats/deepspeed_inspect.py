@@ -902,7 +902,8 @@ def _tensor_text(storage: bytes, ref: TensorRef) -> str:
         values = np.frombuffer(data, dtype=np.dtype(ref.dtype)).tolist()
     except TypeError:  # bfloat16 and other dtypes numpy does not name
         values = data.hex()
-    return _short(f"tensor {ref.dtype} {list(ref.shape)} {values}", 120)
+    text = f"tensor {ref.dtype} {list(ref.shape)} {values}"
+    return text if len(text) <= 120 else text[:120] + "..."
 
 
 def _check_local_param_shapes(tree, path: str, layout) -> None:
