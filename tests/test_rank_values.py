@@ -215,3 +215,33 @@ def test_torch_fallback_reader_leaves_the_allowlist_as_it_found_it(tmp_path):
     assert errors == []
     assert [(r.numel, r.start) for r in results] == [(3, 0)] * 20
     assert set(torch.serialization.get_safe_globals()) == before
+
+
+def test_compare_finds_the_first_difference_by_key_path():
+    from reshard.formats.deepspeed_rank_values import compare
+    scaler0, scaler1 = classes.LossScaler(), classes.LossScaler()
+    scaler0.__dict__.update(cur_scale=1.0, dynamic=False)
+    scaler1.__dict__.update(cur_scale=1.0, dynamic=False)
+    rank0 = {"loss_scaler": scaler0, "groups": [{"lr": float("nan"), "betas": (0.9, 0.95)}], "shape": (9, 13)}
+    same = {"loss_scaler": scaler1, "groups": [{"lr": float("nan"), "betas": (0.9, 0.95)}], "shape": (9, 13)}
+    assert compare(same, rank0) == (None, [])  # NaN equals NaN; stand-ins by their attributes
+    scaler1.cur_scale = 2.0
+    assert compare(same, rank0)[0] == ("loss_scaler.cur_scale", 2.0, 1.0)
+    scaler1.cur_scale = 1.0
+    same["groups"][0]["betas"] = (0.9, 1)
+    assert compare(same, rank0)[0] == ("groups[0].betas[1]", 1, 0.95)  # types must agree
+    same["groups"][0]["betas"] = (0.9, 0.95)
+    same["shape"] = (13, 9)
+    assert compare(same, rank0)[0] == ("shape", (13, 9), (9, 13))  # shapes compare whole
+    assert compare({"overflow": True}, {"overflow": 1})[0] == ("overflow", True, 1)
+
+
+def test_compare_walks_shared_subtrees_once():
+    """A crafted pickle's nested shared tuples (2**200 leaves when expanded) compare at once."""
+    from reshard.formats.deepspeed_rank_values import compare
+    a, b = (1.0,), (1.0,)
+    for _ in range(200):
+        a, b = (a, a), (b, b)
+    started = time.perf_counter()
+    assert compare({"ds_config": a}, {"ds_config": b}) == (None, [])
+    assert time.perf_counter() - started < 1.0
