@@ -301,7 +301,11 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     import dataclasses
 
     from reshard.formats.deepspeed_inspect import check_param_shapes_against_module
-    from reshard.formats.deepspeed_rank_values import MODEL_VALUES, compare, model_rank_values
+    from reshard.formats.deepspeed_rank_values import (
+        MODEL_VALUES,
+        compare,
+        model_rank_values,
+    )
     from reshard.formats.torch_archive import load_portable
     name = source.model_name(0)
     writes = site.model_states_ranks is not None and any(r in site.model_states_ranks for r in target_ranks)

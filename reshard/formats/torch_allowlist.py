@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 _lock = threading.Lock()
 _holders: Counter = Counter()
