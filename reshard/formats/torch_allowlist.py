@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 _lock = threading.Lock()
 _holders: Counter = Counter()
