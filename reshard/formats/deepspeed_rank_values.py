@@ -8,8 +8,10 @@
 A target rank's files are built from rank 0's (reshard.formats.deepspeed_target): there is no
 source rank a target rank of another world size corresponds to, so a value that differs between
 source ranks has no right place to go, and carrying rank 0's would be a silent choice. Each value
-listed here is one DeepSpeed keeps the same on every rank, and reads back per rank from that
-rank's own file (so a difference is a damaged or mixed checkpoint, and refused):
+listed here is one DeepSpeed keeps the same on every rank (and, except ds_config, which no load
+reads, reads back per rank from that rank's own file), so a difference means a damaged or mixed
+checkpoint, and is refused. Where the check runs: deepspeed_inspect `source_rank_tensors`, by the
+worker that reads the rank's files anyway, against rank 0's trees every worker already holds.
 
 - optim files, every rank: `loss_scaler` (cur_scale, ...), `dynamic_loss_scale`, `overflow`
   (stage_1_and_2.py `state_dict`, stage3.py `_rigid_state_dict`; loaded by stage_1_and_2.py
