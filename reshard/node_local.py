@@ -300,6 +300,12 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     import copy
     import dataclasses
 
+    from reshard.formats.deepspeed_inspect import check_param_shapes_against_module
+    from reshard.formats.deepspeed_rank_values import (
+        MODEL_VALUES,
+        compare,
+        model_rank_values,
+    )
     from reshard.formats.torch_archive import load_portable
     name = source.model_name(0)
     writes = site.model_states_ranks is not None and any(r in site.model_states_ranks for r in target_ranks)
@@ -309,10 +315,13 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     if name not in source.carried:
         path = source.model_path(0)
         own = load_portable(path, schema.safe_globals(), trust_pickle)
-        for key in ("dp_world_size", "global_steps", "param_shapes", "buffer_names"):
-            if not isinstance(own, dict) or own.get(key) != template.get(key):
-                raise CheckpointError(path, f"differs from the model-states file of the node that holds source "
-                                            f"rank 0 in {key!r}: the nodes hold different saves")
+        keys = ("dp_world_size", "param_shapes", *MODEL_VALUES)  # what every rank saves alike
+        difference, _ = compare(model_rank_values(own, keys), model_rank_values(template, keys))
+        if not isinstance(own, dict) or difference is not None:
+            where = difference[0] if difference is not None else "its structure"
+            raise CheckpointError(path, f"differs from the model-states file of the node that holds source "
+                                        f"rank 0 in {where!r}: the nodes hold different saves")
+        check_param_shapes_against_module(own, path, experts=source.spec.experts is not None)
         template = own
     template = copy.copy(template)
     if isinstance(template.get("shared_params"), dict):

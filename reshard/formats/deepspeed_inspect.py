@@ -22,6 +22,14 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats import deepspeed_tensor
 from reshard.formats.deepspeed_folding import FOLDING_KEY
 from reshard.formats.deepspeed_metadata import rank_metadata
+from reshard.formats.deepspeed_rank_values import (
+    MODEL_VALUES,
+    compare,
+    describe,
+    model_rank_values,
+    optim_rank_values,
+    refuse,
+)
 from reshard.formats.deepspeed_spec import (
     CheckpointSpec,
     SourceCheckpoint,
@@ -140,6 +148,8 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
             spec = _with_folded_tensor_parallelism(spec, model_tree, model_path, tp, tag_dir, expert_files)
         else:
             spec = _with_tensor_parallelism(spec, model_tree, model_path, tp)
+    if spec.stage < 3:
+        check_param_shapes_against_module(model_tree, model_path, experts=spec.experts is not None)
     optim_parts = validate_optim_tree(optim_tree, optim_path, spec, spec.layout(spec.topology), 0)
     model_parts = validate_model_tree(model_tree, model_path, spec, 0) if spec.stage == 3 else {}
 
@@ -797,10 +807,18 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     tree = load_portable(path, schema.safe_globals(), trust_pickle)
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
     _check_same_counters(tree, source, path)
+    # Checked here, by the worker that owns this rank's files and has just read their pickles for
+    # the layout checks, against rank 0's trees, which inspect_checkpoint read once and every worker
+    # holds in its SourceCheckpoint: no file of another rank is opened, and no tensor bytes are read
+    # beyond this file's own small values (none at all in a checkpoint DeepSpeed wrote).
+    _check_same_as_rank0(optim_rank_values(tree), path, optim_rank_values(source.optim_template),
+                         source.optim_path(0), source.carried.get(source.optim_name(0), {}))
     if spec.tensor is not None and spec.stage < 3 and at.dp == 0:  # ZeRO-1/2: this TP rank's module weights
         mpath = source.model_path(rank)
         mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
         _check_local_param_shapes(mtree, mpath, layout)
+        check_param_shapes_against_module(mtree, mpath, experts=spec.experts is not None)
+        _check_same_model_values(mtree, mpath, source)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
             mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
     if spec.stage == 3:
@@ -808,8 +826,84 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
         mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
         if spec.tensor is not None:
             _check_local_param_shapes(mtree, mpath, layout)
+        _check_same_model_values(mtree, mpath, source, with_param_shapes=spec.tensor is None)
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
     return found
+
+
+def check_param_shapes_against_module(tree: dict, path: str, experts: bool = False) -> None:
+    """A ZeRO-1/2 model-states file: each shape in `param_shapes` and `frozen_param_shapes` is the
+    shape of the module tensor of that name (engine.py `_get_zero_param_shapes` and
+    `_get_zero_frozen_param_attributes` record the shapes of the very parameters whose weights
+    `module` holds whole, or TP-local under AutoTP). A shape that only keeps the element count (a
+    transposed [9, 13] -> [13, 9]) lays out the same partitions, but is what zero_to_fp32.py and
+    ds_to_universal.py reshape the parameter by, and the targets would carry it. Names missing from
+    `module` are left alone: expert weights sit in their own files (engine.py `_save_moe_checkpoint`),
+    and exclude_frozen_parameters leaves frozen ones out."""
+    module = tree.get("module") if isinstance(tree.get("module"), dict) else {}
+    tables = [*(tree.get("param_shapes") or []), tree.get("frozen_param_shapes") or {}]
+    for key, table in zip(["param_shapes"] * (len(tables) - 1) + ["frozen_param_shapes"], tables):
+        for name, size in (table.items() if isinstance(table, dict) else ()):
+            ref = module.get(name)
+            if not isinstance(ref, TensorRef):
+                if ref is None and (experts or key == "frozen_param_shapes"):
+                    continue
+                raise CheckpointError(path, f"{key} lists {name}, but module has no tensor of that name")
+            shape = tuple(int(d) for d in size)
+            if shape != tuple(ref.shape):
+                raise CheckpointError(path, f"{key} says {name} has shape {list(shape)}, but its tensor in module "
+                                            f"has shape {list(ref.shape)}: the checkpoint's record of the parameter "
+                                            "disagrees with its weights (file edited or damaged?)")
+
+
+def _check_same_model_values(tree, path: str, source: SourceCheckpoint, with_param_shapes: bool = False) -> None:
+    """A ZeRO-3 or TP model-states file of another rank: the values every rank saves alike
+    (deepspeed_rank_values) equal rank 0's; ZeRO-3 without TP: `param_shapes` too (engine.py
+    `_get_zero_param_shapes` lists the same parameters and shapes on every rank, and they are the
+    only record of a partitioned parameter's shape)."""
+    keys = MODEL_VALUES + (("param_shapes",) if with_param_shapes else ())
+    if path == source.model_path(0):
+        return
+    _check_same_as_rank0(model_rank_values(tree, keys), path, model_rank_values(source.model_template, keys),
+                         source.model_path(0), source.carried.get(source.model_name(0), {}))
+
+
+def _check_same_as_rank0(found: dict, path: str, wanted: dict, rank0_path: str, rank0_bytes: dict) -> None:
+    """Refuse a file whose value of a key DeepSpeed saves alike on every rank differs from rank 0's
+    (reshard.formats.deepspeed_rank_values): every target rank would get rank 0's."""
+    difference, tensors = compare(found, wanted)
+    if difference is not None:
+        difference = (difference[0], describe(difference[1]), describe(difference[2]))
+    elif tensors:
+        # tensors among those values (a tensor lr, say): by bytes, where rank 0's bytes were carried
+        stored = read_storages(path, [ref for _, ref, _ in tensors])
+        for where, ref, ref0 in tensors:
+            if ref0.storage_key in rank0_bytes and _tensor_bytes(stored[ref.storage_key], ref) != \
+                    _tensor_bytes(rank0_bytes[ref0.storage_key], ref0):
+                difference = (where, _tensor_text(stored[ref.storage_key], ref),
+                              _tensor_text(rank0_bytes[ref0.storage_key], ref0))
+                break
+    if difference is not None:
+        where, here, there = difference
+        refuse(path, where, here, rank0_path, there)
+
+
+def _tensor_bytes(storage: bytes, ref: TensorRef) -> bytes:
+    if ref.is_contiguous:
+        start = ref.storage_offset * ref.itemsize
+        return bytes(storage[start:start + ref.numel * ref.itemsize])
+    return bytes(storage)
+
+
+def _tensor_text(storage: bytes, ref: TensorRef) -> str:
+    import numpy as np
+    data = _tensor_bytes(storage, ref)
+    try:
+        values = np.frombuffer(data, dtype=np.dtype(ref.dtype)).tolist()
+    except TypeError:  # bfloat16 and other dtypes numpy does not name
+        values = data.hex()
+    text = f"tensor {ref.dtype} {list(ref.shape)} {values}"
+    return text if len(text) <= 120 else text[:120] + "..."
 
 
 def _check_local_param_shapes(tree, path: str, layout) -> None:

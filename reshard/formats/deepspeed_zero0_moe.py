@@ -36,6 +36,8 @@ from reshard.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
+from reshard.formats.deepspeed_rank_values import compare, describe, refuse
+from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import TensorRef, load_portable
 from reshard.topology import Topology
 from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
@@ -224,8 +226,8 @@ def _optimizer_of(tree, path: str) -> dict:
 
 def _load(path: str, trust_pickle: bool):
     import torch  # a ZeRO-0 MoE job loads whole files: the torch path
-    torch.serialization.add_safe_globals(schema.safe_globals())
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    with allowed_globals(schema.safe_globals()):  # an in-job load leaves the allowlist as it was
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
 
 
 def target_optimizer(source: Zero0MoeSource, loaded: dict[int, dict], target: Topology, ep_rank: int) -> dict:
@@ -282,6 +284,29 @@ def _check_same_groups(source: Zero0MoeSource, optimizer: dict, path: str) -> No
                                     f"{list(source.group_lengths)} (file of another checkpoint?)")
 
 
+def _rank_values(optimizer: dict) -> dict:
+    """What every EP rank's optimizer file holds alike, and the targets take from EP rank 0's
+    (`target_optimizer`): the fp16 wrapper's loss-scale values (fp16/unfused_optimizer.py
+    `state_dict`: cur_scale, cur_iter, ...; every rank steps the scaler from the same overflow, which
+    runtime/utils.py `CheckOverflow.has_overflow` all-reduces over every rank for MoE) and
+    each param group's hyperparameters (lr, betas, ...: one scheduler on every rank)."""
+    values = {key: value for key, value in optimizer.items() if key not in (INNER, "fp32_groups", "state",
+                                                                            "param_groups")}
+    inner = optimizer.get(INNER, optimizer)
+    values["param_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
+    return values
+
+
+def _check_same_as_ep_rank0(optimizer: dict, path: str, optimizer0: dict, path0: str) -> None:
+    """Refuse an EP rank's file whose values every rank saves alike differ from EP rank 0's
+    (reshard.formats.deepspeed_rank_values). Only the files a target draws on are read, so only
+    those are compared: the ones this job would otherwise silently override with EP rank 0's."""
+    difference, _ = compare(_rank_values(optimizer), _rank_values(optimizer0))
+    if difference is not None:
+        where, here, there = difference
+        refuse(path, f"optimizer.{where}", describe(here), path0, describe(there))
+
+
 class _SourceOptimizers:
     """The source EP ranks' optimizer dicts, each loaded (memory-mapped) and checked once."""
 
@@ -295,6 +320,8 @@ class _SourceOptimizers:
             path = self.source.expp_path(rank)
             optimizer = _optimizer_of(_load(path, self.trust_pickle), path)
             _check_same_groups(self.source, optimizer, path)
+            if rank != 0:
+                _check_same_as_ep_rank0(optimizer, path, self[0], self.source.expp_path(0))
             self.read.append(path)
             self.loaded[rank] = optimizer
         return self.loaded[rank]

@@ -128,10 +128,11 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     try:
         if trust_pickle:
             return torch.load(path, map_location="meta", weights_only=False)
-        # Registered process-wide: the `safe_globals` context manager restores a global list on
-        # exit, which races when several threads load at once.
-        torch.serialization.add_safe_globals(list(safe_globals))
-        return torch.load(path, map_location="meta", weights_only=True)
+        # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
+        # it, and the process finds it as it was afterwards (torch_allowlist)
+        from reshard.formats.torch_allowlist import allowed_globals
+        with allowed_globals(safe_globals):
+            return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
         message = str(error)
         if "Unsupported global" in message or "weights_only" in message:

@@ -115,6 +115,8 @@ def judge(args: argparse.Namespace) -> None:
     engine = build_engine(variant, args.seed)
 
     load_error = None
+    # a load must leave torch's weights_only allowlist of the process as it found it
+    allowlist_before = set(torch.serialization.get_safe_globals())
     started = time.perf_counter()
     try:
         # frozen params are absent from such checkpoints; the target built them from their own seed
@@ -130,6 +132,9 @@ def judge(args: argparse.Namespace) -> None:
     except Exception:  # the verdict carries the failure; the run itself completed
         load_error = traceback.format_exc(limit=6)
     load_seconds = time.perf_counter() - started
+    allowlist_changes = [None] * world_size
+    dist.all_gather_object(allowlist_changes, sorted(repr(entry) for entry in
+                                                     set(torch.serialization.get_safe_globals()) ^ allowlist_before))
     errors = [None] * world_size
     dist.all_gather_object(errors, load_error)
     load_errors = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
@@ -170,6 +175,7 @@ def judge(args: argparse.Namespace) -> None:
             "truth_eval_loss": float(truth["eval_loss"]),
             "extra_step_losses": all_extra_losses,
             "load_seconds": round(load_seconds, 3),
+            "allowlist_changed": sorted({entry for changes in allowlist_changes for entry in changes}),
         }
         write_verdict(args.verdict, verdict)
         print(f"[proof.check_load] {variant.name} N={verdict['source_world_size']} -> M={world_size}: "

@@ -19,6 +19,8 @@ Schema (JSON):
     truth_eval_loss:   the same loss recorded by train (float)
     extra_step_losses: [[float] per rank] of the steps trained after loading
     load_seconds:      wall time of engine.load_checkpoint on rank 0
+    allowlist_changed: repr of each entry of torch's weights_only allowlist that the load added or
+                       removed, any rank (an in-job load must leave it as it found it)
 """
 
 import json
