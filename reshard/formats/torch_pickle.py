@@ -40,6 +40,7 @@ import io
 import os
 import pickle
 import struct
+import types
 from collections import OrderedDict
 from dataclasses import replace
 from enum import Enum
@@ -447,6 +448,11 @@ def _check_byte_order_and_version(archive: ArchiveReader) -> None:
             int(archive.read(".storage_alignment"))  # torch reads it with int() and fails otherwise
         except ValueError:
             raise PickleRefusal("has a .storage_alignment record that is not a number") from None
+    if ".data/serialization_id" in archive.infos:
+        try:  # torch hands it to Python as a str after every load (serialization.py `_load`)
+            archive.read(".data/serialization_id").decode("utf-8")
+        except UnicodeDecodeError:
+            raise PickleRefusal("has a .data/serialization_id record that is not UTF-8 text") from None
     if "constants.pkl" in archive.infos:
         raise PickleRefusal("is a TorchScript archive, not a torch.save file")
     if "data.pkl" not in archive.infos:
@@ -537,7 +543,11 @@ def check_tree(tree: Any, path: str, max_nodes: int, is_leaf: Callable[[Any], bo
                 isinstance(node, (type, Enum)) or is_leaf(node):
             if type(node) is _StorageRef:
                 raise NeedsTorch("a storage outside any tensor")
+            if type(node) is TorchGlobal and (node.dtype is None or node in _STORAGE_CLASSES):
+                raise NeedsTorch(f"{node.name} as a value (torch gives its own object for it)")
             return 1
+        if isinstance(node, (types.FunctionType, types.BuiltinFunctionType)):
+            raise NeedsTorch(f"a function ({node!r:.60}) as a value")
         key = id(node)
         if key in measured:
             return measured[key]

@@ -376,7 +376,7 @@ def read_directory(fd: int, file_size: int) -> tuple[str, dict[str, Record]]:
         locator = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, end_of_directory - _LOCATOR.size, file_size, "zip64 locator"))
         if locator[0] == 0x07064B50:
             _, locator_disk, end64_at, disks = locator
-            if locator_disk or disks not in (0, 1) or end64_at + _END64.size != end_of_directory - _LOCATOR.size:
+            if locator_disk or disks != 1 or end64_at + _END64.size != end_of_directory - _LOCATOR.size:
                 raise ArchiveFormatError("has a zip64 locator that does not point at the record before it")
             (signature, record_size, _, _, disk, cd_disk, disk_entries64, entries64, cd_size64,
              cd_offset64) = _END64.unpack(_pread(fd, _END64.size, end64_at, file_size, "zip64 end record"))
@@ -401,7 +401,7 @@ def read_directory(fd: int, file_size: int) -> tuple[str, dict[str, Record]]:
         if position + _CENTRAL.size > cd_size:
             raise ArchiveFormatError("has a central directory shorter than its entry count says")
         (signature, _, _, flags, method, _, _, _, compressed, size, name_len, extra_len, comment_len,
-         start_disk, _, _, header_at) = _CENTRAL.unpack_from(directory, position)
+         start_disk, _, attributes, header_at) = _CENTRAL.unpack_from(directory, position)
         end = position + _CENTRAL.size + name_len + extra_len + comment_len
         if signature != 0x02014B50 or end > cd_size:
             raise ArchiveFormatError("has a malformed central directory entry")
@@ -415,10 +415,12 @@ def read_directory(fd: int, file_size: int) -> tuple[str, dict[str, Record]]:
         if method != 0:
             raise ArchiveFormatError(f"has compressed record {name!r} (zip method {method}); torch.save stores "
                                      "every record uncompressed, and reshard reads stored records only")
-        if flags & 0x41:
-            raise ArchiveFormatError(f"has encrypted record {name!r}")
+        if flags & ~0x0808:  # torch.save sets only "data descriptor" and "UTF-8 name"; miniz refuses many others
+            raise ArchiveFormatError(f"record {name!r} has zip flags {flags:#06x} (encrypted or patched data?)")
         if start_disk:
             raise ArchiveFormatError(f"record {name!r} starts on another disk")
+        if attributes & 0x10 or name.endswith("/"):  # miniz `mz_zip_reader_is_file_a_directory`: reads no data
+            raise ArchiveFormatError(f"record {name!r} is marked as a directory")
         extra = directory[position + _CENTRAL.size + name_len:position + _CENTRAL.size + name_len + extra_len]
         wide = [field for field, value in (("size", size), ("compressed", compressed), ("header", header_at))
                 if value == U32]
@@ -454,7 +456,7 @@ def read_directory(fd: int, file_size: int) -> tuple[str, dict[str, Record]]:
         (signature, _, flags, method, _, _, _, _, _, name_len, extra_len) = _LOCAL.unpack_from(local)
         if signature != 0x04034B50 or name_len != len(raw_name) or local[_LOCAL.size:] != raw_name:
             raise ArchiveFormatError(f"record {full!r} has no matching local header at {header_at}")
-        if method != 0 or flags & 0x41:
+        if method != 0 or flags & ~0x0808:
             raise ArchiveFormatError(f"record {full!r} is compressed or encrypted in its local header")
         data_at = header_at + _LOCAL.size + name_len + extra_len
         if data_at + size > cd_offset:
