@@ -34,7 +34,6 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import torch_pickle
 from reshard.formats.torch_archive import TensorRef
 from reshard.formats.torch_classes import NeedsTorch, TorchGlobal, TorchSize
-from reshard.formats.torch_zip import ArchiveReader
 
 SAFE = classes.safe_globals()
 GLOBALS = torch_pickle.deepspeed_globals(SAFE)
@@ -183,6 +182,75 @@ def judge(path, torch_reader=torch_load) -> tuple[str, str]:
     return "agree", ""
 
 
+# -- archives written by hand ------------------------------------------------------------------
+
+def zip_bytes(entries: list[tuple[str, bytes]], compressed=frozenset()) -> bytes:
+    """A zip archive of `entries` (full names) as Python's zipfile writes one (no alignment, no
+    zip64 end record unless needed), duplicates included; the entries at the indices in
+    `compressed` deflated."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as archive:
+        warnings.simplefilter("ignore")  # "Duplicate name"
+        for i, (name, content) in enumerate(entries):
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED if i in compressed else zipfile.ZIP_STORED
+            archive.writestr(info, content)
+    return buffer.getvalue()
+
+
+def raw_zip(entries: list[tuple]) -> bytes:
+    """A zip archive that may lie: entries (full name, bytes as stored, method, declared size,
+    crc), the declared size given as both sizes (with zip64 extras and end records when it or an
+    offset needs them), whatever the stored bytes are."""
+    out, central = bytearray(), bytearray()
+    for name, stored, method, declared, crc in entries:
+        name = name.encode()
+        wide = declared >= 0xFFFFFFFF
+        local_extra = struct.pack("<HHQQ", 1, 16, declared, declared) if wide else b""
+        at = len(out)
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, method, 0, 0, crc,
+                           0xFFFFFFFF if wide else declared, 0xFFFFFFFF if wide else declared, len(name),
+                           len(local_extra)) + name + local_extra + stored
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, method, 0, 0, crc,
+                               0xFFFFFFFF if wide else declared, 0xFFFFFFFF if wide else declared, len(name),
+                               len(local_extra), 0, 0, 0, 0, at) + name + local_extra
+    cd_at = len(out)
+    out += central
+    end64_at = len(out)
+    out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, len(entries), len(entries), len(central), cd_at)
+    out += struct.pack("<IIQI", 0x07064B50, 0, end64_at, 1)
+    out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(central), cd_at, 0)
+    return bytes(out)
+
+
+class _Record:
+    def __init__(self, name, header_offset, data_offset, file_size):
+        self.name, self.header_offset, self.data_offset, self.file_size = name, header_offset, data_offset, file_size
+        self.data_end = data_offset + file_size
+
+
+def layout_of(path) -> tuple[str, list[_Record]]:
+    """(prefix, records in file order) of a well-formed torch.save file, read with Python's
+    zipfile (not with the reader under test)."""
+    data = Path(path).read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        infos = sorted(archive.infolist(), key=lambda info: info.header_offset)
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    records = []
+    for info in infos:
+        name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+        records.append(_Record(info.filename[len(prefix):], info.header_offset,
+                               info.header_offset + 30 + name_len + extra_len, info.file_size))
+    return prefix, records
+
+
+def records_of(path) -> tuple[str, list[tuple[str, bytes]]]:
+    """(prefix, [(name without prefix, content)]) of a well-formed torch.save file, in file order."""
+    data = Path(path).read_bytes()
+    prefix, records = layout_of(path)
+    return prefix, [(r.name, data[r.data_offset:r.data_end]) for r in records]
+
+
 # -- mutants ----------------------------------------------------------------------------------------
 
 KINDS = ["pickle_byte", "pickle_int", "pickle_opcode", "directory_byte", "directory_field", "local_header",
@@ -197,10 +265,8 @@ class Mutator:
     def __init__(self, path: Path, seed: int):
         self.path, self.random = Path(path), random.Random(seed)
         self.data = self.path.read_bytes()
-        with ArchiveReader(str(path)) as archive:
-            self.prefix = archive.prefix
-            self.records = sorted(archive.infos.values(), key=lambda r: r.header_offset)
-            self.contents = {r.name: archive.read(r.name) for r in self.records}
+        self.prefix, self.records = layout_of(path)
+        self.contents = {r.name: self.data[r.data_offset:r.data_end] for r in self.records}
         pickled = self.records[0]
         assert pickled.name == "data.pkl"
         self.pickle_at, self.pickle_size = pickled.data_offset, pickled.file_size
@@ -278,17 +344,8 @@ class Mutator:
     def _entries(self) -> list[tuple[str, bytes]]:
         return [(self.prefix + r.name, self.contents[r.name]) for r in self.records]
 
-    def _zip(self, entries: list[tuple[str, bytes]], compressed: set[int] = frozenset()) -> bytes:
-        """A zip archive of `entries` as Python's zipfile writes one (no alignment, no zip64 end record
-        unless needed), duplicates included; entries at the indices in `compressed` deflated."""
-        buffer = io.BytesIO()
-        with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as archive:
-            warnings.simplefilter("ignore")  # "Duplicate name"
-            for i, (name, content) in enumerate(entries):
-                info = zipfile.ZipInfo(name)
-                info.compress_type = zipfile.ZIP_DEFLATED if i in compressed else zipfile.ZIP_STORED
-                archive.writestr(info, content)
-        return buffer.getvalue()
+    def _zip(self, entries: list[tuple[str, bytes]], compressed=frozenset()) -> bytes:
+        return zip_bytes(entries, compressed)
 
     def _duplicate(self) -> bytes:
         entries = self._entries()

@@ -152,8 +152,9 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
         if offset is None or storage.nbytes() == 0:
             continue
         if (int(offset), storage.nbytes()) not in records:
-            raise CheckpointError(path, f"has no record of {storage.nbytes()} bytes at byte {int(offset)}, where torch "
-                                        "places a storage (records out of torch.save's order?)")
+            raise CheckpointError(path, f"holds a view past its storage, or records out of torch.save's order: a meta "
+                                        f"load places a storage of {storage.nbytes()} bytes at byte {int(offset)}, "
+                                        "where the file has no record of that size")
         problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
                                             tuple(tensor.shape), tuple(tensor.stride()))
         if problem:

@@ -112,8 +112,8 @@ def view_problem(storage_nbytes: int, itemsize: int, offset: int, shape, stride)
         return None if nonzero < _INT64 and offset < _INT64 // 16 else "a view of absurd size"
     last = offset + sum((size - 1) * step for size, step in zip(shape, stride))
     if (last + 1) * itemsize > storage_nbytes:
-        return (f"a view (offset {offset}, shape {list(shape)}, stride {list(stride)}) that ends at byte "
-                f"{(last + 1) * itemsize} of a storage of {storage_nbytes} bytes")
+        return (f"a view past its storage: offset {offset}, shape {list(shape)}, stride {list(stride)} end at byte "
+                f"{(last + 1) * itemsize} of a storage of {storage_nbytes} bytes (torch refuses it too)")
     return None
 
 
@@ -144,7 +144,7 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
         raise PickleRefusal(f"a tensor of shape {list(shape)} with strides {list(strides)}")
     problem = view_problem(storage.nbytes, ITEMSIZE[storage.dtype], storage_offset, shape, strides)
     if problem:
-        raise PickleRefusal(problem)
+        raise PickleRefusal(problem)  # read_portable prefixes "is not a readable torch checkpoint"
     grad = _requires_grad(requires_grad, storage.dtype)
     storage.used = True
     return TensorRef(storage.offset, storage.nbytes, storage.dtype, shape, strides, storage_offset, grad)
@@ -513,6 +513,8 @@ def read_portable(path: str | os.PathLike, extra_globals: dict | None = None) ->
             tree = reader.load()
         except (NeedsTorch, CheckpointError):
             raise
+        except PickleRefusal as error:
+            raise CheckpointError(path, f"data.pkl: {error}") from None
         except RecursionError:  # a stand-in's own code recursing: the file is refused like any other
             raise CheckpointError(path, "data.pkl nests too deeply") from None
         except Exception as error:  # what torch would refuse too: a bad opcode, a key that is no key
