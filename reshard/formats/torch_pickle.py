@@ -6,14 +6,38 @@
                                                              # materialize + write_skeleton give
 
 Both give what torch_archive's torch path gives, bit for bit: `read_portable` the same tree as
-`portable(load_structure(path))`, `write_skeleton_tree` the same file as `torch.save` under
-`torch.serialization.skip_data()` of `materialize(tree)` with deepspeed_classes as pickle
-module. Anything outside the subset below raises `NeedsTorch`, and the caller uses torch.
+torch.load(weights_only=True) (as `portable` of a meta load), `write_skeleton_tree` the same file
+as `torch.save` under `torch.serialization.skip_data()` of `materialize(tree)` with
+deepspeed_classes as pickle module. tests/test_reader_fuzz.py and bench/fuzz_reader.py hold the
+reader to that on mutants of real files; tests/test_crafted_files.py on issue 22's probes.
+
+What the reader does with what torch.save does not write (torch 2.13; each CheckpointError names
+the file; NeedsTorch sends the file to torch, which then reads it after `open_archive` passed):
+- Refused (CheckpointError), because torch reads it otherwise than a stored-record reader would,
+  or crashes: compressed (deflated) records (torch inflates them; reshard reads storages in
+  place, so it refuses rather than inflate, which also stops zip bombs); two records of one name,
+  also differing only in case (miniz's sorted lookup takes one of them); records overlapping each
+  other or the directory, sizes or offsets beyond the file, encrypted or "directory" records,
+  multi-disk or inconsistent end records, bytes before or after the archive (torch_zip
+  `read_directory`); byteorder "big" (torch crashes byteswapping on the meta device) or
+  anything but "little"; a version record torch would not take; a non-UTF-8 serialization id.
+- Refused, because torch refuses it too: a tensor view outside its storage (c10
+  `computeStorageNbytes` as `set_` checks it), requires_grad not a bool or set on an integer
+  dtype, opcodes torch's weights_only unpickler does not take, APPEND to a non-list, SETITEM on a
+  non-dict, a memo entry never put, data.pkl ending early.
+- Refused, though torch would build it: trees nested deeper than MAX_TREE_DEPTH, containers
+  that contain themselves, and trees that expand past `tree_limit` through shared references
+  (a "billion laughs"): every later walk of an accepted tree is then bounded.
+- Handed to torch (NeedsTorch): valid content outside the subset below, e.g. other globals,
+  storages outside tensors, tensors with hooks or conj/neg metadata, subclasses, one storage
+  declared with two dtypes or sizes, a tensor attribute other than DeepSpeed's `ds_*`.
 
 Supported subset (torch 2.13; anything else -> NeedsTorch):
-- Container: torch_zip (the zip rules of caffe2/serialize/inline_container.cc), byte order
-  "little" (serialization.py `_save` writes `sys.byteorder`).
-- Pickle globals read: collections.OrderedDict; torch.Size; the torch dtypes and legacy storage
+- Container: torch_zip's strict reader (the zip rules of caffe2/serialize/inline_container.cc),
+  byte order "little" (serialization.py `_save` writes `sys.byteorder`).
+- Pickle: the opcodes of torch/_weights_only_unpickler.py `Unpickler.load`, with its rules for
+  BUILD, NEWOBJ, REDUCE, APPEND(S), SETITEM(S) (`_Reader.load`). Globals read:
+  collections.OrderedDict; torch.Size; the torch dtypes and legacy storage
   classes of torch_classes.STORAGE_TYPES (torch/storage.py `_dtype_to_storage_type_map`, no
   quantized types) and torch.UntypedStorage; torch._utils._rebuild_tensor_v2 (no conj/neg
   metadata, no backward hooks); torch._utils._rebuild_parameter(_with_state) and
@@ -21,7 +45,7 @@ Supported subset (torch 2.13; anything else -> NeedsTorch):
   ZeRO-3's `ds_id` are dropped, as `portable` drops them); _codecs.encode (bytes at protocol
   2); the DeepSpeed classes the caller allows (deepspeed_classes). Persistent ids:
   ('storage', <storage class>, key, location, numel) with a record data/<key> of numel *
-  itemsize bytes; the location is not kept (a meta load ignores it too).
+  itemsize bytes; the location is not kept (a meta or map_location load ignores it too).
 - Pickle written: protocol 2 with pickle's pure-Python Pickler (deepspeed_classes.Pickler, the
   pickle module torch_archive hands torch.save), tensors as torch/_tensor.py
   `_reduce_ex_internal` reduces a plain CPU tensor: `_rebuild_tensor_v2(storage, offset,
