@@ -145,7 +145,7 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     except Exception as error:  # torch raises many kinds for damaged archives
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
-    torch_pickle.check_tree(obj, path, limit, _is_tensor)
+    torch_pickle.check_tree(obj, path, limit, _is_tensor, from_torch=True)
     for tensor in leaves_in_order(obj):
         storage = tensor.untyped_storage()
         offset = getattr(storage, "_checkpoint_offset", None)

@@ -239,6 +239,8 @@ _OP = {name: code[0] for name, code in [
     ("BINUNICODE", b"X"), ("SHORT_BINSTRING", b"U"), ("BINPERSID", b"Q"), ("BINGET", b"h"),
     ("LONG_BINGET", b"j"), ("BINPUT", b"q"), ("LONG_BINPUT", b"r"), ("LONG1", b"\x8a")]}
 _NAMES = {code: name for name, code in _OP.items()}
+_CONSTANTS = {"NONE": lambda: None, "NEWTRUE": lambda: True, "NEWFALSE": lambda: False, "EMPTY_TUPLE": tuple,
+              "EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
 
 
 class _Reader:
@@ -296,42 +298,56 @@ class _Reader:
         return line.decode("utf-8")
 
     def load(self) -> Any:
+        """The object data.pkl pickles. The frequent opcodes are handled in this loop, the rest by
+        `_other`; which opcodes exist and what each does follow torch's `Unpickler.load`."""
+        data, size = self.data, len(self.data)
         stack: list = []
         marks: list[list] = []
         memo: dict[int, Any] = {}
-        take, unpack = self._take, struct.unpack
+        position = 0
         while True:
-            if self.position >= len(self.data):
+            if position >= size:
                 raise PickleRefusal("data.pkl ends before its STOP opcode")
-            code = self.data[self.position]
-            self.position += 1
-            op = _NAMES.get(code)
-            if op is None:
-                raise PickleRefusal(f"pickle opcode {bytes([code])!r} at byte {self.position - 1}, which torch's "
-                                    "weights_only unpickler does not take")
-            if op == "STOP":
-                if not stack:
-                    raise PickleRefusal("STOP with an empty stack")
-                return stack.pop()  # torch ignores what follows STOP and what is left below it
-            if op == "PROTO":
-                take(1)
-            elif op == "GLOBAL":
-                module, name = self._line(), self._line()
-                found = self.find_class(module, name)
-                self.globals[id(found)] = found
-                stack.append(found)
-            elif op == "MARK":
+            code = data[position]
+            position += 1
+            if code == 0x71 or code == 0x68:  # BINPUT, BINGET: a 1-byte memo index
+                if position >= size:
+                    raise PickleRefusal("data.pkl ends inside an opcode (truncated)")
+                index = data[position]
+                position += 1
+                if code == 0x71:
+                    memo[index] = _top(stack, "BINPUT")
+                elif index in memo:
+                    stack.append(memo[index])
+                else:
+                    raise PickleRefusal(f"BINGET of memo entry {index}, which was never put")
+            elif code == 0x58:  # BINUNICODE
+                start = position + 4
+                if start > size:
+                    raise PickleRefusal("data.pkl ends inside an opcode (truncated)")
+                end = start + int.from_bytes(data[position:start], "little")
+                if end > size:
+                    raise PickleRefusal("data.pkl ends inside an opcode (truncated)")
+                stack.append(str(data[start:end], "utf-8", "surrogatepass"))
+                position = end
+            elif code == 0x4B:  # BININT1
+                if position >= size:
+                    raise PickleRefusal("data.pkl ends inside an opcode (truncated)")
+                stack.append(data[position])
+                position += 1
+            elif code == 0x28:  # MARK
                 marks.append(stack)
                 stack = []
-            elif op in ("TUPLE", "APPENDS", "SETITEMS"):
+            elif code == 0x74 or code == 0x65 or code == 0x75:  # TUPLE, APPENDS, SETITEMS: pop the mark
+                op = _NAMES[code]
                 if not marks:
                     raise PickleRefusal(f"{op} without a MARK")
                 items, stack = stack, marks.pop()
-                if op == "TUPLE":
+                if code == 0x74:
                     stack.append(tuple(items))
                     continue
                 target = _top(stack, op)
-                if op == "APPENDS":
+                if code == 0x65:
                     if type(target) is not list:
                         raise PickleRefusal(f"APPENDS to a {type(target).__name__}")
                     target.extend(items)
@@ -341,76 +357,84 @@ class _Reader:
                         raise PickleRefusal("SETITEMS with a key and no value")
                     for i in range(0, len(items), 2):
                         target[items[i]] = items[i + 1]
-            elif op == "APPEND":
-                item = _pop(stack, op)
-                target = _top(stack, op)
-                if type(target) is not list:
-                    raise PickleRefusal(f"APPEND to a {type(target).__name__}")
-                target.append(item)
-            elif op == "SETITEM":
-                value, key = _pop(stack, op), _pop(stack, op)
-                target = _top(stack, op)
-                _check_mapping(target)
-                target[key] = value
-            elif op in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                n = int(op[-1])
-                if len(stack) < n:
-                    raise PickleRefusal(f"{op} on a stack of {len(stack)}")
-                stack[-n:] = [tuple(stack[-n:])]
-            elif op == "REDUCE":
-                args = _pop(stack, op)
-                func = _top(stack, op)
-                if id(func) not in self.globals or self.globals[id(func)] is not func:
-                    raise PickleRefusal(f"REDUCE of {type(func).__name__}, which is no global")
-                if type(args) is not tuple:
-                    raise NeedsTorch(f"REDUCE with arguments of type {type(args).__name__}")
-                stack[-1] = func(*args)
-            elif op == "NEWOBJ":
-                args, cls = _pop(stack, op), _pop(stack, op)
-                if not isinstance(cls, type) or self.globals.get(id(cls)) is not cls or type(args) is not tuple:
-                    raise NeedsTorch(f"NEWOBJ of {cls!r:.60}")
-                stack.append(cls.__new__(cls, *args))
-            elif op == "BUILD":
-                state = _pop(stack, op)
-                self._build(_top(stack, op), state)
-            elif op == "NONE":
-                stack.append(None)
-            elif op == "NEWTRUE":
-                stack.append(True)
-            elif op == "NEWFALSE":
-                stack.append(False)
-            elif op == "EMPTY_TUPLE":
-                stack.append(())
-            elif op == "EMPTY_LIST":
-                stack.append([])
-            elif op == "EMPTY_DICT":
-                stack.append({})
-            elif op == "EMPTY_SET":
-                stack.append(set())
-            elif op == "BININT":
-                stack.append(unpack("<i", take(4))[0])
-            elif op == "BININT1":
-                stack.append(take(1)[0])
-            elif op == "BININT2":
-                stack.append(unpack("<H", take(2))[0])
-            elif op == "LONG1":
-                stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
-            elif op == "BINFLOAT":
-                stack.append(unpack(">d", take(8))[0])
-            elif op == "BINUNICODE":
-                stack.append(str(take(unpack("<I", take(4))[0]), "utf-8", "surrogatepass"))
-            elif op == "SHORT_BINSTRING":
-                stack.append(take(take(1)[0]).decode("utf-8", "strict"))  # torch.load's encoding="utf-8"
-            elif op == "BINPERSID":
-                stack.append(self.persistent_load(_pop(stack, op)))
-            elif op in ("BINGET", "LONG_BINGET"):
-                index = take(1)[0] if op == "BINGET" else unpack("<I", take(4))[0]
-                if index not in memo:
-                    raise PickleRefusal(f"{op} of memo entry {index}, which was never put")
-                stack.append(memo[index])
-            elif op in ("BINPUT", "LONG_BINPUT"):
-                index = take(1)[0] if op == "BINPUT" else unpack("<I", take(4))[0]
-                memo[index] = _top(stack, op)
+            elif code == 0x2E:  # STOP
+                if not stack:
+                    raise PickleRefusal("STOP with an empty stack")
+                return stack.pop()  # torch ignores what follows STOP and what is left below it
+            else:
+                op = _NAMES.get(code)
+                if op is None:
+                    raise PickleRefusal(f"pickle opcode {bytes([code])!r} at byte {position - 1}, which torch's "
+                                        "weights_only unpickler does not take")
+                self.position = position
+                self._other(op, stack, memo)
+                position = self.position
+
+    def _other(self, op: str, stack: list, memo: dict) -> None:
+        """One opcode that neither pops a mark nor is among the most frequent."""
+        take, unpack = self._take, struct.unpack
+        if op == "PROTO":
+            take(1)
+        elif op == "GLOBAL":
+            module, name = self._line(), self._line()
+            found = self.find_class(module, name)
+            self.globals[id(found)] = found
+            stack.append(found)
+        elif op == "APPEND":
+            item = _pop(stack, op)
+            target = _top(stack, op)
+            if type(target) is not list:
+                raise PickleRefusal(f"APPEND to a {type(target).__name__}")
+            target.append(item)
+        elif op == "SETITEM":
+            value, key = _pop(stack, op), _pop(stack, op)
+            target = _top(stack, op)
+            _check_mapping(target)
+            target[key] = value
+        elif op in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(op[-1])
+            if len(stack) < n:
+                raise PickleRefusal(f"{op} on a stack of {len(stack)}")
+            stack[-n:] = [tuple(stack[-n:])]
+        elif op == "REDUCE":
+            args = _pop(stack, op)
+            func = _top(stack, op)
+            if self.globals.get(id(func)) is not func:
+                raise PickleRefusal(f"REDUCE of {type(func).__name__}, which is no global")
+            if type(args) is not tuple:
+                raise NeedsTorch(f"REDUCE with arguments of type {type(args).__name__}")
+            stack[-1] = func(*args)
+        elif op == "NEWOBJ":
+            args, cls = _pop(stack, op), _pop(stack, op)
+            if not isinstance(cls, type) or self.globals.get(id(cls)) is not cls or type(args) is not tuple:
+                raise NeedsTorch(f"NEWOBJ of {cls!r:.60}")
+            stack.append(cls.__new__(cls, *args))
+        elif op == "BUILD":
+            state = _pop(stack, op)
+            self._build(_top(stack, op), state)
+        elif op in _CONSTANTS:
+            stack.append(_CONSTANTS[op]())
+        elif op == "BININT":
+            stack.append(unpack("<i", take(4))[0])
+        elif op == "BININT2":
+            stack.append(unpack("<H", take(2))[0])
+        elif op == "LONG1":
+            stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
+        elif op == "BINFLOAT":
+            stack.append(unpack(">d", take(8))[0])
+        elif op == "SHORT_BINSTRING":
+            stack.append(take(take(1)[0]).decode("utf-8", "strict"))  # torch.load's encoding="utf-8"
+        elif op == "BINPERSID":
+            stack.append(self.persistent_load(_pop(stack, op)))
+        elif op == "LONG_BINGET":
+            index = unpack("<I", take(4))[0]
+            if index not in memo:
+                raise PickleRefusal(f"{op} of memo entry {index}, which was never put")
+            stack.append(memo[index])
+        elif op == "LONG_BINPUT":
+            memo[unpack("<I", take(4))[0]] = _top(stack, op)
+        else:  # the opcodes handled in `load`
+            raise AssertionError(op)
 
     def _build(self, inst, state) -> None:
         """BUILD as torch's weights_only unpickler does it for the types reshard gives."""
@@ -464,7 +488,7 @@ def _check_byte_order_and_version(archive: ArchiveReader) -> None:
     if version not in archive.infos:
         raise PickleRefusal("has no version record (torch refuses it: \"failed finding central directory\" or "
                             "\"version\")")
-    text = archive.read(version)
+    text = archive.read(version) if archive.size(version) <= 20 else b"?"
     if not (text.rstrip(b"\n").isdigit() and text.count(b"\n") <= 1 and 1 <= int(text) <= 10):
         raise PickleRefusal(f"has format version {text[:20]!r}, which torch does not read")
     if ".storage_alignment" in archive.infos:
@@ -553,12 +577,15 @@ def read_portable(path: str | os.PathLike, extra_globals: dict | None = None) ->
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 
 
-def check_tree(tree: Any, path: str, max_nodes: int, is_leaf: Callable[[Any], bool] = lambda obj: False) -> None:
+def check_tree(tree: Any, path: str, max_nodes: int, is_leaf: Callable[[Any], bool] = lambda obj: False,
+               from_torch: bool = False) -> None:
     """Refuse (CheckpointError) a tree that contains itself, nests deeper than MAX_TREE_DEPTH or
     expands to more than `max_nodes` nodes when shared objects are counted where they appear.
     Iterative and memoised by object id: a billion-laughs tree is measured in time linear in
     its distinct objects. Any later walk of an accepted tree is then bounded. Leaves: atoms,
-    TensorRefs, globals, classes, enum members, and whatever `is_leaf` accepts (torch tensors)."""
+    TensorRefs, globals, classes, enum members, and whatever `is_leaf` accepts (torch tensors).
+    A tree this module read (not `from_torch`) must also hold no value torch would give as an
+    object of its own (a storage, a function, a torch global other than a dtype): NeedsTorch."""
     measured: dict[int, int] = {}  # id -> expanded node count of a finished container
     on_path: set[int] = set()
     frames: list[list] = []  # [node, children, next index, nodes so far]
@@ -572,7 +599,7 @@ def check_tree(tree: Any, path: str, max_nodes: int, is_leaf: Callable[[Any], bo
             if type(node) is TorchGlobal and (node.dtype is None or node in _STORAGE_CLASSES):
                 raise NeedsTorch(f"{node.name} as a value (torch gives its own object for it)")
             return 1
-        if isinstance(node, (types.FunctionType, types.BuiltinFunctionType)):
+        if not from_torch and isinstance(node, (types.FunctionType, types.BuiltinFunctionType)):
             raise NeedsTorch(f"a function ({node!r:.60}) as a value")
         key = id(node)
         if key in measured:
