@@ -42,11 +42,12 @@ def _optim_like(tmp_path, name="optim.pt"):
 
 
 def _refused_both_ways(path, *fragments) -> str:
-    """The torch-free reader and the torch path both refuse `path`, naming it and each fragment."""
+    """The torch-free reader, the torch path, and the check before reshard's own torch.load calls
+    (mmap loads of whole files) all refuse `path`, naming it and each fragment."""
     before = list(torch_archive.torch_fallbacks)
     messages = []
     for read in (lambda: torch_pickle.read_portable(path, GLOBALS), lambda: load_structure(path, SAFE),
-                 lambda: load_portable(path, SAFE)):
+                 lambda: load_portable(path, SAFE), lambda: torch_archive.check_archive(path)):
         with pytest.raises(CheckpointError) as refused:
             read()
         message = str(refused.value)

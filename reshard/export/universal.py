@@ -46,7 +46,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import materialize, NewTensor, write_skeleton
+from reshard.formats.torch_archive import NewTensor, check_archive, materialize, write_skeleton
 from reshard.paths import confined, tag_problem
 from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -157,6 +157,7 @@ class UniversalWriter:
 
 def _load_small(path: str, trust_pickle: bool):
     """A DeepSpeed file mapped, not read: only the values touched (counters, hyperparameters) are paged in."""
+    check_archive(path)
     if trust_pickle:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     with torch.serialization.safe_globals(list(schema.safe_globals())):

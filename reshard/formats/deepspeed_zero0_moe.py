@@ -36,7 +36,7 @@ from reshard.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
-from reshard.formats.torch_archive import TensorRef, load_portable
+from reshard.formats.torch_archive import TensorRef, check_archive, load_portable
 from reshard.topology import Topology
 from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
@@ -224,6 +224,7 @@ def _optimizer_of(tree, path: str) -> dict:
 
 def _load(path: str, trust_pickle: bool):
     import torch  # a ZeRO-0 MoE job loads whole files: the torch path
+    check_archive(path)
     torch.serialization.add_safe_globals(schema.safe_globals())
     return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
 

@@ -162,6 +162,15 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     return obj
 
 
+def check_archive(path: str | os.PathLike) -> None:
+    """Refuse (CheckpointError) a file that torch.save would not write and torch would read
+    otherwise than reshard (torch_pickle.open_archive), before a caller hands it to torch.load
+    itself: an mmap load reads compressed records as raw bytes, and a meta load of a big-endian
+    file crashes."""
+    from reshard.formats import torch_pickle
+    torch_pickle.open_archive(path).close()
+
+
 def _unsafe_globals(path: str) -> list[str]:
     import torch
 
