@@ -565,7 +565,9 @@ def read_portable(path: str | os.PathLike, extra_globals: dict | None = None) ->
             raise CheckpointError(path, f"data.pkl: {error}") from None
         except RecursionError:  # a stand-in's own code recursing: the file is refused like any other
             raise CheckpointError(path, "data.pkl nests too deeply") from None
-        except Exception as error:  # what torch would refuse too: a bad opcode, a key that is no key
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, struct.error) as error:
+            # what Python raises for malformed data, as torch's unpickler does: a key that is no key,
+            # a stand-in called with the wrong arguments. Anything else is a bug, and stays one.
             raise CheckpointError(path, f"is not a readable torch checkpoint (data.pkl: "
                                         f"{type(error).__name__}: {str(error)[:200]})") from None
         if not all(storage.used for storage in reader.loaded):
