@@ -301,9 +301,9 @@ def test_the_torch_free_writer_runs_only_for_pinned_torch_versions(tmp_path, mon
     if pinned:
         assert fallbacks == []
     else:
-        assert fallbacks == [(str(tmp_path / "out.pt"), f"torch {version} is installed; the torch-free writer's bytes "
-                                                        "are pinned for torch 2.13.x and 2.14.1 only, so torch writes "
-                                                        "this file")]
+        why = (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.13.x and "
+               "2.14.1 only, so torch writes this file")
+        assert fallbacks == [(str(tmp_path / "out.pt"), why)]
     assert set(offsets) == {("w",)} and torch.load(tmp_path / "out.pt", weights_only=True)["step"] == 3
 
 

@@ -48,6 +48,6 @@ def test_mutants_of_a_real_deepspeed_optimizer_file(trained, tmp_path):
     mutator = Mutator(optim, seed=7)
     verdicts: collections.Counter = collections.Counter()
     for i in range(200):
-        path, kind = mutator.mutant(tmp_path / "mutant.pt", KINDS[i % len(KINDS)])
+        path, _ = mutator.mutant(tmp_path / "mutant.pt", KINDS[i % len(KINDS)])
         verdicts[judge(path)[0]] += 1
     assert verdicts["agree"] and verdicts["refused"], verdicts
