@@ -20,6 +20,8 @@ from reshard.byte_io import hash_file
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_folding import FOLDING_KEY, expert_files, expert_folding
 from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_allowlist import allowed_globals
+from reshard.formats.torch_archive import check_archive
 from reshard.topology import Topology
 
 
@@ -46,7 +48,8 @@ def expert_file_state(source: SourceCheckpoint, target: Topology, name: str, *, 
     path = os.path.join(source.tag_dir, source_name)
     import torch  # only for the expert files of a TP-involved AutoEP target, loaded whole
 
-    with torch.serialization.safe_globals(schema.safe_globals()):
+    check_archive(path)
+    with allowed_globals(schema.safe_globals()):  # the process's allowlist stays as it was
         state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     state.pop(FOLDING_KEY, None)
     folding = expert_folding(target, tp_rank, writer)

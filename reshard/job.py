@@ -53,6 +53,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.formats.torch_archive import torch_fallback_reason
 from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
@@ -476,6 +477,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report.peak_anonymous_bytes = memory.sample()
     report.torch_imported = "torch" in sys.modules
+    report.torch_why = torch_fallback_reason()
     clock.lap("publish")
     report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)

@@ -80,6 +80,10 @@ class WorkerReport:
     torch_imported: bool | None = None
     """Whether this worker's process had imported torch by the end of its job (None: not recorded):
     `python -m reshard --workers W` reads and writes without it where the files allow."""
+    torch_why: str = ""
+    """The first file this worker read or wrote with torch after trying without it, and why
+    (formats.torch_archive.torch_fallbacks): content outside the torch-free subset, or an
+    installed torch whose bytes the torch-free writer is not pinned for."""
 
 
 @dataclass
@@ -123,7 +127,9 @@ class CheckpointResult:
             return ""
         if not any(flags):
             return "torch-free (no worker imported torch)"
-        return f"torch (imported by worker(s) {', '.join(str(i) for i, f in enumerate(flags) if f)})"
+        why = next((r.torch_why for r in self.reports if r.torch_why), "")
+        return (f"torch (imported by worker(s) {', '.join(str(i) for i, f in enumerate(flags) if f)})"
+                + (f": {why}" if why else ""))
 
     @property
     def bytes_written(self) -> int:

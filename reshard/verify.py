@@ -124,43 +124,75 @@ def _normalise(tree, expected_kinds: list, digest) -> object:
 
 def _same(a, b) -> bool:
     """Structural equality of normalised trees (NaN equals NaN, dict order matters; torch.Size and
-    dtypes equal their stand-ins, torch_classes.as_stand_in)."""
-    a, b = as_stand_in(a), as_stand_in(b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float):
-        return a == b or (a != a and b != b)
-    if hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_"):
-        return _same(vars(a), vars(b))
-    return a == b
+    dtypes equal their stand-ins, torch_classes.as_stand_in).
+
+    Iterative, and each pair of containers is compared once: trees read from files may share
+    objects (torch_pickle.check_tree bounds how much), and a walk that followed every reference
+    of a shared object would take exponential time on a "billion laughs" pickle."""
+    pending = [(a, b)]
+    compared: set[tuple[int, int]] = set()
+    alive = []  # the pairs whose ids are in `compared`, kept so that no id is reused meanwhile
+    while pending:
+        a, b = pending.pop()
+        if isinstance(a, (dict, list, tuple)) or hasattr(a, "__dict__"):
+            pair = (id(a), id(b))
+            if pair in compared:
+                continue
+            compared.add(pair)
+            alive.append((a, b))
+        a, b = as_stand_in(a), as_stand_in(b)
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            pending.extend((a[key], b[key]) for key in a)
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return False
+            pending.extend(zip(a, b))
+        elif isinstance(a, float):
+            if not (a == b or (a != a and b != b)):
+                return False
+        elif hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_"):
+            pending.append((vars(a), vars(b)))
+        elif not a == b:
+            return False
+    return True
 
 
 def _first_difference(a, b, path="") -> str:
-    """Where two normalised trees differ, as a key path ("" when they are the same)."""
+    """Where two normalised trees differ, as a key path ("" when they are the same). Follows one
+    path down, the first differing child at each level, in a loop (no recursion)."""
     if _same(a, b):
         return ""
+    while True:
+        step = _differing_child(a, b, path)
+        if step is None:
+            return f"{path or 'top level'}: expected {_clip(a)}, found {_clip(b)}"
+        if isinstance(step, str):
+            return step
+        a, b, path = step
+
+
+def _differing_child(a, b, path: str):
+    """(child of a, child of b, its path) for the first children that differ; a message when the
+    difference is in the keys; None when a and b differ as a whole (a leaf, or another type)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
             if key not in a or key not in b:
                 return f"{path}[{key!r}] present on one side only"
-            found = _first_difference(a[key], b[key], f"{path}[{key!r}]")
-            if found:
-                return found
+            if not _same(a[key], b[key]):
+                return a[key], b[key], f"{path}[{key!r}]"
         return f"{path}: keys in a different order"
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and not _is_leaf(a):
         for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, f"{path}[{i}]")
-            if found:
-                return found
-    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_"):
-        found = _first_difference(vars(a), vars(b), path)
-        if found:
-            return found
-    return f"{path or 'top level'}: expected {_clip(a)}, found {_clip(b)}"
+            if not _same(x, y):
+                return x, y, f"{path}[{i}]"
+    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type) and not hasattr(a, "_value_") \
+            and not _same(vars(a), vars(b)):
+        return vars(a), vars(b), path
+    return None
 
 
 def _is_leaf(value) -> bool:

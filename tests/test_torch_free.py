@@ -75,7 +75,8 @@ def test_forked_workers_without_torch_with_its_fallback_and_over_gloo_write_the_
     free = run("free", blocked=no_torch)
     assert TORCH_FREE in free.stdout.splitlines() and "torch imported" not in free.stderr
     trusted = run("trusted", "--trust-pickle")  # torch.load reads: the torch path, for both workers
-    assert "  io     : torch (imported by worker(s) 0, 1)" in trusted.stdout.splitlines()
+    io = [line for line in trusted.stdout.splitlines() if line.startswith("  io     : ")]
+    assert io and io[0].startswith("  io     : torch (imported by worker(s) 0, 1): ") and "--trust-pickle" in io[0], io
     gloo = run("gloo", "--transport", "torch")
     assert "over torch.distributed/gloo" in gloo.stdout
     for other in ("trusted", "gloo"):

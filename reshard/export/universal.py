@@ -46,7 +46,8 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import is_ref, locate_storages, materialize, NewTensor, write_skeleton
+from reshard.formats.torch_allowlist import allowed_globals
+from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
 from reshard.lock import LOCK_NAME
 from reshard.manifest import export_fingerprint
 from reshard.paths import confined, tag_problem
@@ -188,9 +189,10 @@ class UniversalWriter:
 
 def _load_small(path: str, trust_pickle: bool):
     """A DeepSpeed file mapped, not read: only the values touched (counters, hyperparameters) are paged in."""
+    check_archive(path)
     if trust_pickle:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    with torch.serialization.safe_globals(list(schema.safe_globals())):
+    with allowed_globals(schema.safe_globals()):  # the process's allowlist stays as it was
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 

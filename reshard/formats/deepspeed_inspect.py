@@ -783,7 +783,11 @@ def read_storages(path: str, refs) -> dict[int, bytes]:
     data = {}
     fd = os.open(path, os.O_RDONLY)
     try:
+        size = os.fstat(fd).st_size
         for key, nbytes in wanted.items():
+            if key + nbytes > size:  # checked before allocating: a file never costs more than it holds
+                raise CheckpointError(path, f"declares a storage of {nbytes:,} bytes at byte {key:,}, beyond the "
+                                            f"end of the file ({size:,} bytes)")
             buf = bytearray(nbytes)
             pread_exact(fd, memoryview(buf), key, path)
             data[key] = bytes(buf)

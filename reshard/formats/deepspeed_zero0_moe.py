@@ -38,7 +38,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
 from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import TensorRef, load_portable
+from reshard.formats.torch_archive import TensorRef, check_archive, load_portable
 from reshard.topology import Topology
 from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
@@ -226,6 +226,7 @@ def _optimizer_of(tree, path: str) -> dict:
 
 def _load(path: str, trust_pickle: bool):
     import torch  # a ZeRO-0 MoE job loads whole files: the torch path
+    check_archive(path)
     with allowed_globals(schema.safe_globals()):  # an in-job load leaves the allowlist as it was
         return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
 

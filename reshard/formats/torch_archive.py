@@ -7,7 +7,10 @@
 Without torch first: `load_portable`, `write_tree_skeleton` and `locate_tree_storages` read and
 write with reshard.formats.torch_pickle / torch_zip (no `import torch`, the same trees and
 the same bytes as below, see torch_pickle for the subset), and fall back to torch for content
-outside that subset (torch_classes.NeedsTorch), damaged files and --trust-pickle.
+outside that subset (torch_classes.NeedsTorch) and --trust-pickle, and for writing when the
+installed torch is not one the writer's bytes are pinned for (`writer_not_pinned`). Files that
+torch.save would not write (damaged, crafted) are refused by name on either way
+(torch_pickle.open_archive), never read one way by reshard and another by torch.
 
 With torch (`load_structure`, `portable`, `materialize`, `write_skeleton`, `locate_storages`):
 `torch.load(map_location="meta")` reads only the pickle; every storage then carries
@@ -110,29 +113,29 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     """Unpickle a torch file onto the meta device: structure and offsets, no tensor data.
 
     Loads with weights_only=True and the given allowlist unless `trust_pickle`; anything else
-    is refused with a message naming the class and the file.
+    is refused with a message naming the class and the file. The archive is checked first,
+    without torch, as torch_pickle reads it (torch_pickle.open_archive: compressed, duplicate or
+    overlapping records, sizes beyond the file, big-endian storages, which crash torch here), and
+    the tree after: no deeper than torch_pickle.MAX_TREE_DEPTH, no "billion laughs", and every
+    storage where a record of its size really is (a meta load computes offsets, not reads them).
     """
-    import torch
+    from reshard.formats import torch_pickle
 
     path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-    except OSError as error:
-        raise CheckpointError(path, f"cannot be read: {error.strerror}") from None
-    if size == 0:
-        raise CheckpointError(path, "is empty (0 bytes): the save did not finish or the file was truncated")
-    with open(path, "rb") as fd:
-        if fd.read(4) != b"PK\x03\x04":
-            raise CheckpointError(path, "is not a torch.save archive (no zip header): not a checkpoint file, "
-                                        "or saved with the legacy _use_new_zipfile_serialization=False format")
+    with torch_pickle.open_archive(path) as archive:
+        limit = torch_pickle.tree_limit(archive.size("data.pkl"))
+        records = {(record.data_offset, record.file_size) for name, record in archive.infos.items()
+                   if name.startswith("data/")}
+    import torch
     try:
         if trust_pickle:
-            return torch.load(path, map_location="meta", weights_only=False)
-        # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
-        # it, and the process finds it as it was afterwards (torch_allowlist)
-        from reshard.formats.torch_allowlist import allowed_globals
-        with allowed_globals(safe_globals):
-            return torch.load(path, map_location="meta", weights_only=True)
+            obj = torch.load(path, map_location="meta", weights_only=False)
+        else:
+            # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
+            # it, and the process finds it as it was afterwards (torch_allowlist)
+            from reshard.formats.torch_allowlist import allowed_globals
+            with allowed_globals(safe_globals):
+                obj = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
         message = str(error)
         if "Unsupported global" in message or "weights_only" in message:
@@ -143,6 +146,30 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     except Exception as error:  # torch raises many kinds for damaged archives
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
+    torch_pickle.check_tree(obj, path, limit, _is_tensor, from_torch=True)
+    for tensor in leaves_in_order(obj):
+        storage = tensor.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if offset is None or storage.nbytes() == 0:
+            continue
+        if (int(offset), storage.nbytes()) not in records:
+            raise CheckpointError(path, f"holds a view past its storage, or records out of torch.save's order: a meta "
+                                        f"load places a storage of {storage.nbytes()} bytes at byte {int(offset)}, "
+                                        "where the file has no record of that size")
+        problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
+                                            tuple(tensor.shape), tuple(tensor.stride()))
+        if problem:
+            raise CheckpointError(path, f"holds {problem}")
+    return obj
+
+
+def check_archive(path: str | os.PathLike) -> None:
+    """Refuse (CheckpointError) a file that torch.save would not write and torch would read
+    otherwise than reshard (torch_pickle.open_archive), before a caller hands it to torch.load
+    itself: an mmap load reads compressed records as raw bytes, and a meta load of a big-endian
+    file crashes."""
+    from reshard.formats import torch_pickle
+    torch_pickle.open_archive(path).close()
 
 
 def _unsafe_globals(path: str) -> list[str]:
@@ -315,33 +342,76 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
 torch_fallbacks: list[tuple[str, str]] = []
 """(path, why) of every file this process read or wrote with torch after trying without it."""
 
+PINNED_WRITER_VERSIONS = ("2.13.", "2.14.1")
+"""torch versions whose torch.save bytes the torch-free writer is pinned to by tests
+(tests/test_torch_free_archive.py byte-identity on 2.13; DESIGN §8: 2.14.1 writes the same bytes)."""
 
-def _fell_back(path, error: BaseException) -> None:
-    torch_fallbacks.append((os.fspath(path), f"{type(error).__name__}: {error}"[:200]))
+
+def _fell_back(path, why: BaseException | str) -> None:
+    text = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+    torch_fallbacks.append((os.fspath(path), text[:200]))
+
+
+def torch_fallback_reason() -> str:
+    """"FILE: why" of the first file this process read or wrote with torch after trying without
+    it ("" when none), for the job summary's io line."""
+    return f"{torch_fallbacks[0][0]}: {torch_fallbacks[0][1]}" if torch_fallbacks else ""
+
+
+def installed_torch_version() -> str | None:
+    """The installed torch's version, from its metadata (importing torch takes seconds)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def writer_not_pinned() -> str | None:
+    """Why the torch-free writer must not write for the installed torch, or None when it may:
+    its bytes mirror torch 2.13's, checked by tests for PINNED_WRITER_VERSIONS only. Without
+    torch installed there is no other writer, and 2.13's files load in every torch since."""
+    version = installed_torch_version()
+    if version is None:
+        return None
+    release = version.split("+")[0]
+    if release == "2.14.1" or release.startswith("2.13."):
+        return None
+    return (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.13.x and 2.14.1 "
+            "only, so torch writes this file")
+
 
 def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
     """`portable(load_structure(path, safe_globals, trust_pickle))`, read without importing torch
     when the file is within torch_pickle's subset (every DeepSpeed file reshard knows is).
 
-    torch reads the rest, and damaged files (its messages are the ones users see), and every
-    file under `trust_pickle` (real DeepSpeed classes, not stand-ins, as torch gives them)."""
+    A file that torch.save would not write is refused (CheckpointError) either way. torch reads
+    the rest of what the subset leaves out (torch_classes.NeedsTorch), and every file under
+    `trust_pickle` (real DeepSpeed classes, not stand-ins, as torch gives them)."""
     if not trust_pickle:
         from reshard.formats import torch_pickle
         try:
             return torch_pickle.read_portable(path, torch_pickle.deepspeed_globals(safe_globals))
-        except Exception as error:  # NeedsTorch, or a file torch should judge
+        except NeedsTorch as error:
             _fell_back(path, error)
+    else:
+        _fell_back(path, "--trust-pickle: torch.load reads it, with DeepSpeed's own classes")
     return portable(load_structure(path, safe_globals, trust_pickle))
 
 
 def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
     """`write_skeleton(path, *materialize(tree), deepspeed_classes, safe_globals)`: the same bytes
-    and offsets, written without torch unless the tree needs it (torch_pickle.NeedsTorch)."""
+    and offsets, written without torch unless the tree needs it (torch_pickle.NeedsTorch) or the
+    installed torch is not one the writer's bytes are pinned for (`writer_not_pinned`)."""
     from reshard.formats import deepspeed_classes, torch_pickle
-    try:
-        return torch_pickle.write_skeleton_tree(path, tree)
-    except NeedsTorch as error:
-        _fell_back(path, error)
+    unpinned = writer_not_pinned()
+    if unpinned is None:
+        try:
+            return torch_pickle.write_skeleton_tree(path, tree)
+        except NeedsTorch as error:
+            _fell_back(path, error)
+    else:
+        _fell_back(path, unpinned)
     obj, roles = materialize(tree)
     return write_skeleton(path, obj, roles, deepspeed_classes, safe_globals)
 
@@ -353,7 +423,7 @@ def locate_tree_storages(path: str, tree: Any, safe_globals: Iterable = ()) -> d
         return torch_pickle.storage_offsets_of(path, tree, torch_pickle.deepspeed_globals(safe_globals))
     except ValueError:
         raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)") from None
-    except Exception as error:  # NeedsTorch, or a damaged file: torch's reading says what is wrong
+    except NeedsTorch as error:
         _fell_back(path, error)
     obj, roles = materialize(tree)
     return locate_storages(path, obj, roles, safe_globals)

@@ -88,7 +88,17 @@ class TorchSize(tuple):
         return f"torch.Size({list(self)})"
 
 
-SIZE = _register("torch.Size", lambda values=(): TorchSize(values))
+def _size(values=()) -> TorchSize:
+    """torch.Size(values) as torch builds it from a pickle: a tuple or list of int64s (other
+    iterables are left to torch; values it would refuse are refused)."""
+    if type(values) not in (tuple, list):
+        raise NeedsTorch(f"torch.Size of a {type(values).__name__}")
+    if not all(type(v) is int and -(1 << 63) <= v < (1 << 63) for v in values):
+        raise ValueError(f"torch.Size({values!r:.60}) of values that are not int64s")
+    return TorchSize(values)
+
+
+SIZE = _register("torch.Size", _size)
 
 
 def as_torch(value):

@@ -1,11 +1,11 @@
 """The zip container of torch.save files, written and read without torch (torch 2.13 rules).
 
-    from reshard.formats.torch_zip import ArchiveWriter, record_offsets
+    from reshard.formats.torch_zip import ArchiveWriter, ArchiveReader
     writer = ArchiveWriter("out.pt")                  # archive name "out", as torch derives it
     writer.add("data.pkl", pickled)                   # a record with its bytes
     offset = writer.reserve("data/0", 4096)           # a record whose bytes are left as a hole
     writer.finish()                                   # version, serialization id, central directory
-    record_offsets("out.pt")   # {"data/0": byte offset of its data, ...}, names without the prefix
+    ArchiveReader("out.pt").offset("data/0")          # byte offset of a record's data (strict reader)
 
 torch.save (torch/serialization.py `_save`, `_open_zipfile_writer_file`) hands every record
 to `PyTorchStreamWriter` (caffe2/serialize/inline_container.cc), which drives miniz
@@ -35,7 +35,9 @@ to `PyTorchStreamWriter` (caffe2/serialize/inline_container.cc), which drives mi
   `mz_zip_writer_finalize_archive`; the writer is opened with MZ_ZIP_FLAG_WRITE_ZIP64).
 
 Files from other torch versions differ (older ones have no `.format_version`, or another
-alignment); reading them only needs the zip structure, which `zipfile` parses.
+alignment, or no zip64 end record); the reader takes any of those, but only stored records,
+one record per name (regardless of case, as miniz looks names up), records that neither
+overlap each other nor the directory, and sizes inside the file: see `read_directory`.
 """
 from __future__ import annotations
 
@@ -291,23 +293,196 @@ def _zip64_extra(size: int, compressed: int, header_at: int) -> bytes:
 
 
 # -- reading -----------------------------------------------------------------------------------
+#
+# A strict reader of exactly the layout above: what torch.save writes and nothing else. Python's
+# zipfile (`_EndRecData`, `_RealGetContents`) and miniz (`mz_zip_reader_read_central_dir`,
+# `mz_zip_reader_locate_file`) accept more, and accept it differently (zipfile tolerates bytes
+# before the archive and keeps the LAST of two records of one name; miniz finds names without
+# regard to case and trusts the entry count of the end record), so anything torch.save would not
+# write is refused by name here rather than read one way while torch reads it another. Every size
+# is checked against the file's real size before anything is read or allocated.
+
+_END = struct.Struct("<IHHHHIIH")            # end of central directory record, 22 bytes
+_LOCATOR = struct.Struct("<IIQI")            # zip64 end of central directory locator, 20 bytes
+_END64 = struct.Struct("<IQHHIIQQQQ")        # zip64 end of central directory record, 56 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
+_LOCAL = struct.Struct("<IHHHHHIIIHH")       # local file header, 30 bytes
+
+
+class ArchiveFormatError(ValueError):
+    """The file is not a zip archive as torch.save writes one; the message says what is off."""
+
+
+class Record:
+    """One record: its name without the archive prefix, where its header and its data are."""
+
+    __slots__ = ("name", "header_offset", "data_offset", "file_size")
+
+    def __init__(self, name: str, header_offset: int, data_offset: int, file_size: int):
+        self.name, self.header_offset, self.data_offset, self.file_size = name, header_offset, data_offset, file_size
+
+    @property
+    def data_end(self) -> int:
+        return self.data_offset + self.file_size
+
+
+def _pread(fd: int, size: int, offset: int, file_size: int, what: str) -> bytes:
+    if offset < 0 or offset + size > file_size:
+        raise ArchiveFormatError(f"is not a complete torch archive (truncated or corrupt?): {what} lies beyond "
+                                 f"the end of the file ({file_size} bytes)")
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise ArchiveFormatError(f"{what} could not be read in full: the file shrank while being read")
+    return data
+
+
+def _zip64_fields(extra: bytes, wanted: list[str], name: str) -> dict[str, int]:
+    """The zip64 extra field (id 1) of a central header: the 8-byte values of the fields whose
+    32-bit value was 0xFFFFFFFF, in the order uncompressed size, compressed size, header offset."""
+    position, found = 0, None
+    while position < len(extra):
+        if position + 4 > len(extra):
+            raise ArchiveFormatError(f"record {name!r} has a malformed extra field")
+        kind, length = struct.unpack_from("<HH", extra, position)
+        body = extra[position + 4:position + 4 + length]
+        if len(body) != length:
+            raise ArchiveFormatError(f"record {name!r} has a malformed extra field")
+        if kind == 1:
+            if found is not None:
+                raise ArchiveFormatError(f"record {name!r} has two zip64 extra fields")
+            found = body
+        position += 4 + length
+    if not wanted:
+        return {}
+    if found is None or len(found) < 8 * len(wanted):
+        raise ArchiveFormatError(f"record {name!r} declares zip64 sizes or offsets but has no zip64 extra field for them")
+    return {field: struct.unpack_from("<Q", found, 8 * i)[0] for i, field in enumerate(wanted)}
+
+
+def read_directory(fd: int, file_size: int) -> tuple[str, dict[str, Record]]:
+    """(archive prefix with its slash, {name without prefix: Record}) of a torch.save archive;
+    ArchiveFormatError for anything torch.save would not have written."""
+    if file_size < _END.size:
+        raise ArchiveFormatError(f"is not a complete torch archive (truncated or corrupt?): {file_size} bytes")
+    (signature, disk, cd_disk, disk_entries, entries, cd_size, cd_offset,
+     comment) = _END.unpack(_pread(fd, _END.size, file_size - _END.size, file_size, "the end record"))
+    if signature != 0x06054B50 or comment:
+        raise ArchiveFormatError("is not a complete torch archive (truncated or corrupt?): it does not end with a "
+                                 "zip end-of-central-directory record")
+    if disk or cd_disk or disk_entries != entries:
+        raise ArchiveFormatError("is a multi-disk zip archive; torch.save writes one disk")
+    end_of_directory = file_size - _END.size
+    if file_size >= _END.size + _LOCATOR.size:
+        locator = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, end_of_directory - _LOCATOR.size, file_size, "zip64 locator"))
+        if locator[0] == 0x07064B50:
+            _, locator_disk, end64_at, disks = locator
+            if locator_disk or disks != 1 or end64_at + _END64.size != end_of_directory - _LOCATOR.size:
+                raise ArchiveFormatError("has a zip64 locator that does not point at the record before it")
+            (signature, record_size, _, _, disk, cd_disk, disk_entries64, entries64, cd_size64,
+             cd_offset64) = _END64.unpack(_pread(fd, _END64.size, end64_at, file_size, "zip64 end record"))
+            if signature != 0x06064B50 or record_size != _END64.size - 12 or disk or cd_disk \
+                    or disk_entries64 != entries64:
+                raise ArchiveFormatError("has a malformed zip64 end-of-central-directory record")
+            if (entries, cd_size, cd_offset) != (min(entries64, 0xFFFF), min(cd_size64, U32), min(cd_offset64, U32)):
+                raise ArchiveFormatError("has end records that disagree on the central directory (entries, size or offset)")
+            entries, cd_size, cd_offset, end_of_directory = entries64, cd_size64, cd_offset64, end64_at
+    if entries in (0xFFFF,) or U32 in (cd_size, cd_offset):
+        raise ArchiveFormatError("declares zip64 values but has no zip64 end record")
+    if cd_offset + cd_size != end_of_directory:
+        raise ArchiveFormatError(f"declares a central directory of {cd_size} bytes at {cd_offset}, which does not end "
+                                 f"where its end record starts ({end_of_directory})")
+    if entries * _CENTRAL.size > cd_size:
+        raise ArchiveFormatError(f"declares {entries} records in a central directory of only {cd_size} bytes")
+    directory = _pread(fd, cd_size, cd_offset, file_size, "the central directory")
+
+    headers: list[tuple[bytes, int, int]] = []  # (full name, header offset, size)
+    position = 0
+    for _ in range(entries):
+        if position + _CENTRAL.size > cd_size:
+            raise ArchiveFormatError("has a central directory shorter than its entry count says")
+        (signature, _, _, flags, method, _, _, _, compressed, size, name_len, extra_len, comment_len,
+         start_disk, _, attributes, header_at) = _CENTRAL.unpack_from(directory, position)
+        end = position + _CENTRAL.size + name_len + extra_len + comment_len
+        if signature != 0x02014B50 or end > cd_size:
+            raise ArchiveFormatError("has a malformed central directory entry")
+        raw_name = directory[position + _CENTRAL.size:position + _CENTRAL.size + name_len]
+        try:
+            name = raw_name.decode("ascii")
+        except UnicodeDecodeError:
+            name = None
+        if name is None or "\0" in name or not name:
+            raise ArchiveFormatError(f"has a record named {raw_name!r}: torch.save writes ASCII names only")
+        if method != 0:
+            raise ArchiveFormatError(f"has compressed record {name!r} (zip method {method}); torch.save stores "
+                                     "every record uncompressed, and reshard reads stored records only")
+        if flags & ~0x0808:  # torch.save sets only "data descriptor" and "UTF-8 name"; miniz refuses many others
+            raise ArchiveFormatError(f"record {name!r} has zip flags {flags:#06x} (encrypted or patched data?)")
+        if start_disk:
+            raise ArchiveFormatError(f"record {name!r} starts on another disk")
+        if attributes & 0x10 or name.endswith("/"):  # miniz `mz_zip_reader_is_file_a_directory`: reads no data
+            raise ArchiveFormatError(f"record {name!r} is marked as a directory")
+        extra = directory[position + _CENTRAL.size + name_len:position + _CENTRAL.size + name_len + extra_len]
+        wide = [field for field, value in (("size", size), ("compressed", compressed), ("header", header_at))
+                if value == U32]
+        values = _zip64_fields(extra, wide, name)
+        size, compressed = values.get("size", size), values.get("compressed", compressed)
+        header_at = values.get("header", header_at)
+        if compressed != size:
+            raise ArchiveFormatError(f"record {name!r} is stored with {compressed} bytes but declares {size}")
+        headers.append((raw_name, header_at, size))
+        position = end
+    if position != cd_size:
+        raise ArchiveFormatError("has bytes in its central directory beyond its declared entries")
+    if not headers:
+        raise ArchiveFormatError("archive does not contain any files")
+
+    first = headers[0][0].decode()
+    if "/" not in first:
+        raise ArchiveFormatError(f"file in archive is not in a subdirectory: {first}")
+    prefix = first.split("/", 1)[0] + "/"
+    records: dict[str, Record] = {}
+    folded: set[str] = set()
+    for raw_name, header_at, size in headers:
+        full = raw_name.decode()
+        if not full.startswith(prefix):
+            raise ArchiveFormatError(f"has record {full!r} outside its archive directory {prefix!r}")
+        if full.lower() in folded:  # miniz finds names regardless of case: two such names are one to torch
+            raise ArchiveFormatError(f"holds two records named {full!r} (torch.save writes each name once; "
+                                     "torch would read one of them, so reshard reads neither)")
+        folded.add(full.lower())
+        if header_at + _LOCAL.size + len(raw_name) > cd_offset:
+            raise ArchiveFormatError(f"record {full!r} has its header beyond the records (at {header_at})")
+        local = _pread(fd, _LOCAL.size + len(raw_name), header_at, file_size, f"record {full!r}")
+        (signature, _, flags, method, _, _, _, _, _, name_len, extra_len) = _LOCAL.unpack_from(local)
+        if signature != 0x04034B50 or name_len != len(raw_name) or local[_LOCAL.size:] != raw_name:
+            raise ArchiveFormatError(f"record {full!r} has no matching local header at {header_at}")
+        if method != 0 or flags & ~0x0808:
+            raise ArchiveFormatError(f"record {full!r} is compressed or encrypted in its local header")
+        data_at = header_at + _LOCAL.size + name_len + extra_len
+        if data_at + size > cd_offset:
+            raise ArchiveFormatError(f"record {full!r} declares {size} bytes at {data_at}, beyond the records "
+                                     f"(the central directory starts at {cd_offset}; the file has {file_size} bytes)")
+        records[full[len(prefix):]] = Record(full[len(prefix):], header_at, data_at, size)
+    ordered = sorted(records.values(), key=lambda r: r.header_offset)
+    if ordered[0].header_offset != 0:
+        raise ArchiveFormatError("does not start with its first record (bytes before the archive)")
+    for before, after in zip(ordered, ordered[1:]):
+        if before.data_end > after.header_offset:
+            raise ArchiveFormatError(f"has overlapping records {before.name!r} and {after.name!r}")
+    return prefix, records
+
 
 class ArchiveReader:
-    """The records of a torch archive: names (without the archive prefix), sizes, data offsets."""
+    """The records of a torch archive: names (without the archive prefix), sizes, data offsets.
+
+    Raises ArchiveFormatError for a file torch.save would not have written (see read_directory)."""
 
     def __init__(self, path: str):
-        import zipfile
-
         self.path = os.fspath(path)
         self.file = open(self.path, "rb")
         try:
-            self.zip = zipfile.ZipFile(self.file)
-            infos = self.zip.infolist()
-            if not infos or "/" not in infos[0].filename:
-                raise ValueError("archive does not contain any files in a subdirectory")
-            self.prefix = infos[0].filename.split("/", 1)[0] + "/"
-            self.infos = {info.filename[len(self.prefix):]: info for info in infos
-                          if info.filename.startswith(self.prefix)}
+            self.file_size = os.fstat(self.file.fileno()).st_size
+            self.prefix, self.infos = read_directory(self.file.fileno(), self.file_size)
         except BaseException:
             self.file.close()
             raise
@@ -317,18 +492,13 @@ class ArchiveReader:
 
     def offset(self, name: str) -> int:
         """Where the record's data starts (inline_container.cc `getRecordOffset`)."""
-        info = self.infos[name]
-        header = os.pread(self.file.fileno(), 30, info.header_offset)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ValueError(f"bad local header for {name}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        return info.header_offset + 30 + name_len + extra_len
+        return self.infos[name].data_offset
 
     def read(self, name: str) -> bytes:
-        return self.zip.read(self.infos[name])
+        record = self.infos[name]
+        return _pread(self.file.fileno(), record.file_size, record.data_offset, self.file_size, f"record {name!r}")
 
     def close(self) -> None:
-        self.zip.close()
         self.file.close()
 
     def __enter__(self):
@@ -336,8 +506,3 @@ class ArchiveReader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def record_offsets(path: str) -> dict[str, int]:
-    with ArchiveReader(path) as archive:
-        return {name: archive.offset(name) for name in archive.infos}
