@@ -56,6 +56,17 @@ class ParamSpec:
     numel: int = field(init=False, repr=False, compare=False, default=0)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """A tensor kept per flat buffer that moves with the buffer's coordinates."""
+
+    name: str
+    """Key of the tensor: "fp32" for master weights, else the optimizer state key."""
+    dtype: str
+    """torch dtype name without the "torch." prefix, the same in source and target."""
+    itemsize: int
+
+
 @dataclass(frozen=True, eq=False)
 class PieceTable:
     """Where every element of a logical space of `total` elements lives at one world size.

@@ -13,6 +13,7 @@ import tomllib
 
 import grimp
 import pytest
+import importlinter.api  # noqa: F401  (configures import-linter: its readers and contract types)
 from importlinter.application import use_cases
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
