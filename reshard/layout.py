@@ -133,10 +133,6 @@ class PieceTable:
         extra = () if self.width is None else (self.col[mask], self.width[mask], self.stride[mask])
         return PieceTable(self.start[mask], self.rank[mask], self.buffer[mask], self.offset[mask], self.total, *extra)
 
-    def pieces_of_rank(self, rank: int) -> "PieceTable":
-        """This rank's pieces only (they no longer tile the space)."""
-        return self.select(self.rank == rank)
-
 
 def logical_bases(numels: Sequence[int]) -> np.ndarray:
     """Offset of each parameter in the logical space (parameters laid end to end)."""
