@@ -8,9 +8,10 @@ uninitialised padding of fp32_flat_groups, which reshard never copies, and the o
 identical). So every output file's SHA-256 is a constant, whatever the worker count or
 memory budget. The hashes were recorded with the code at commit 56c7904 (before issue 8).
 
-A different CPU or torch build may train to other values; the test then cannot judge and
-skips, naming the reason: the digest of the source engine's truth (every fp32 weight,
-optimizer state and counter) no longer matches the one recorded beside the hashes.
+A different CPU or torch build may train to other values; the test then cannot judge, and
+fails naming the reason (a skip would pass without checking anything): the digest of the
+source engine's truth (every fp32 weight, optimizer state and counter) no longer matches the
+one recorded beside the hashes.
 """
 from __future__ import annotations
 
@@ -103,12 +104,20 @@ def output_hashes(destination) -> dict:
             for name in sorted(os.listdir(destination / tag)) if name != "reshard_manifest.json"}
 
 
+def require_the_recorded_truth(variant: str, n: int, truth) -> None:
+    """Fail, naming the reason, where the source trained to other values than where the hashes were
+    recorded: the pin cannot judge the output then."""
+    digest = truth_digest(truth)
+    if digest != TRUTH_DIGESTS[(variant, n)]:
+        pytest.fail(f"{variant} trained at {n} ranks to other values on this machine than where the hashes "
+                    f"were recorded (CPU or torch build: truth digest {digest}, recorded "
+                    f"{TRUTH_DIGESTS[(variant, n)]}); the pin cannot judge the output here")
+
+
 @pytest.mark.parametrize("variant,n,m", list(PINNED), ids=[f"{v}-{n}to{m}" for v, n, m in PINNED])
 def test_output_bytes_are_pinned(trained, tmp_path, variant, n, m):
     source, truth = trained(variant, n)
-    if truth_digest(truth) != TRUTH_DIGESTS[(variant, n)]:
-        pytest.skip(f"{variant} trained at {n} ranks to other values on this machine than where the hashes "
-                    f"were recorded (CPU or torch build); the pin cannot judge it")
+    require_the_recorded_truth(variant, n, truth)
     for workers, budget in RUNS[(variant, n, m)]:
         destination = tmp_path / f"w{workers}-b{budget}"
         reshard_in_threads(source, destination, m, workers, memory_budget=budget)
@@ -124,9 +133,7 @@ def test_forked_workers_write_the_pinned_bytes_without_torch(trained, tmp_path, 
     forked workers (a `torch` package that refuses to import comes first on their path, and every
     worker reports its sys.modules in the summary), and the files are the pinned bytes."""
     source, truth = trained(variant, n)
-    if truth_digest(truth) != TRUTH_DIGESTS[(variant, n)]:
-        pytest.skip(f"{variant} trained at {n} ranks to other values on this machine than where the hashes "
-                    f"were recorded (CPU or torch build); the pin cannot judge it")
+    require_the_recorded_truth(variant, n, truth)
     blocker = tmp_path / "no-torch" / "torch"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(textwrap.dedent("""\
