@@ -8,8 +8,8 @@ or from the shell, one process per worker:
     torchrun --nproc_per_node=8 -m reshard /ckpt/run1 /ckpt/run1-dp16 --target-dp 16
 """
 from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
+from reshard.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["reshard_checkpoint", "ReshardError", "CheckpointError", "UnsupportedCheckpoint", "__version__"]
 
 

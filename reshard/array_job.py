@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard import __version__, save_dir_files
+from reshard import save_dir_files
 from reshard.byte_io import hash_file
 from reshard.checkpoint_plan import plan_reshard
 from reshard.destination import (
@@ -62,7 +62,6 @@ from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
-from reshard.job import ZERO3_RANK_IDENTITY_NOTE, _outputs_of, _preflight, _target_topology
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
@@ -73,7 +72,8 @@ from reshard.manifest import (
 )
 from reshard.options import ReshardOptions
 from reshard.paths import confined
-from reshard.plan import ReshardPlan, SpacePlan
+from reshard.plan import ReshardPlan
+from reshard.preflight import ZERO3_RANK_IDENTITY_NOTE, outputs_of, preflight, target_topology
 from reshard.resources import anonymous_rss_bytes, check_free_space, ensure_open_files
 from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
@@ -81,6 +81,7 @@ from reshard.source_reader import SourceReader
 from reshard.target_writer import TargetWriter, WriteFailed
 from reshard.topology import Topology
 from reshard.transport.local import LocalTransport
+from reshard.version import __version__
 
 SAVE_DIR_FILES = save_dir_files.STAGED
 """The item standing for every file of the save directory beside DeepSpeed's (reshard.save_dir_files)."""
@@ -208,9 +209,9 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, list, 
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     refuse_experts(source, "SLURM array mode for")
-    _target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
+    target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
     carried = save_dir_files.list_save_dir_files(source.save_dir)
-    return source, carried, _preflight(opts, source, carried)
+    return source, carried, preflight(opts, source, carried)
 
 
 def run_array_task(opts: ReshardOptions) -> ReshardResult:
@@ -265,7 +266,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp)
     previous = outputs.get(source.tag)
     final = os.path.join(unit.destination, source.tag)
     if previous is not None and previous.fingerprint == fingerprint and not previous.check_files(final):

@@ -20,11 +20,12 @@ when another worker is the one that failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from reshard.errors import OptionError, ReshardError
-from reshard.options import ReshardOptions, parse_size
+from reshard.options import ReshardOptions, field_docs, parse_size
 from reshard.results import process_started
 from reshard.transport import is_first_worker
 
@@ -44,65 +45,65 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+DESCRIPTION = """Reshard a DeepSpeed ZeRO checkpoint for a new data-parallel world size, written natively
+so that engine.load_checkpoint(DST) works at that size:  reshard SRC DST --target-dp M
+
+subcommands (each has its own --help):
+  verify DST [--against SRC]     check an output: every file against its manifest, or against SRC
+  inspect SRC [--json]           describe a checkpoint (pickles only) and check every rank file
+  export SRC OUT --format F      write Hugging Face safetensors or a DeepSpeed universal checkpoint
+  publish DST                    publish a finished SLURM array job (every --array-task done)"""
+
+POSITIONAL = ("source", "destination")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="reshard", description="Reshard a DeepSpeed ZeRO checkpoint for a new data-parallel world size, "
-                                    "written natively so that engine.load_checkpoint(DST) works at that size.")
-    parser.add_argument("source", nargs="?", help="DeepSpeed save directory (the one holding `latest`)")
-    parser.add_argument("destination", nargs="?", help="save directory to create")
-    parser.add_argument("--target-dp", type=int, help="data-parallel world size to reshard for")
-    parser.add_argument("--target-tp", type=int, metavar="T",
-                        help="tensor-parallel size to write for (AutoTP checkpoints; default: the source's)")
-    parser.add_argument("--target-stage", type=int, choices=(1, 2, 3),
-                        help="ZeRO stage to write for (default: the source's); DeepSpeedZeroOptimizer and "
-                             "ZeRO-3 checkpoints, not BF16_Optimizer ones")
-    parser.add_argument("--target-ep", type=int,
-                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
-    parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
-    parser.add_argument("--all-tags", action="store_true", default=None,
-                        help="reshard every tag directory of each save directory (best_* included)")
-    parser.add_argument("--memory-budget", type=_size,
-                        help="bytes of slices a worker holds at once, e.g. 512M, 4G (default 1G)")
-    parser.add_argument("--overwrite", action="store_true", default=None,
-                        help="allow a non-empty DST; replaces the tag directory and `latest` there")
-    parser.add_argument("--dry-run", action="store_true", default=None,
-                        help="print the plan (files and bytes per worker); read no tensors, write nothing")
-    parser.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
-    parser.add_argument("--trust-pickle", action="store_true", default=None,
-                        help="unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)")
-    parser.add_argument("--durable-every", type=_size,
-                        help="fsync and record progress each time this much has moved, for resuming (default 1G)")
-    parser.add_argument("--ignore-batch-config", action="store_true", default=None,
-                        help="reshard although the saved ds_config batch sizes cannot run at --target-dp")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="torch.distributed backend under torchrun")
-    parser.add_argument("--array-task", type=int, metavar="I",
-                        help="SLURM array mode, no collectives: this task's index, 0..K-1 (with --array-tasks)")
-    parser.add_argument("--array-tasks", type=int, metavar="K", help="SLURM array mode: number of tasks")
-    parser.add_argument("--transport", choices=("auto", "torch", "mpi"),
-                        help="how workers talk: torch.distributed, MPI (mpi4py), or auto (MPI under an MPI launcher; "
-                             "with --workers, shared memory without torch, and torch means gloo)")
-    parser.add_argument("--workers", type=int,
-                        help="worker processes to start on this host, without torchrun (default 1)")
-    parser.add_argument("--node-local", action="store_true", default=None,
-                        help="SRC and DST are node-local paths (DeepSpeed use_node_local_storage): each node reads "
-                             "what it holds and receives its target ranks' files")
-    parser.add_argument("--target-ranks-per-node", type=int, metavar="G",
-                        help="with --node-local: target rank r runs on node r // G")
-    parser.add_argument("--timeout", type=float, help="seconds a collective may wait for a peer (default 600)")
+    """The reshard flags, one per field of ReshardOptions (name, docstring, metadata), plus --config."""
+    parser = _Parser(prog="reshard", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs(ReshardOptions)
+    for field in dataclasses.fields(ReshardOptions):
+        help_text = docs[field.name]
+        if field.name in POSITIONAL:
+            parser.add_argument(field.name, nargs="?", help=help_text)
+            continue
+        shown_default = field.default not in (None, False) and "default" not in help_text
+        if field.metadata.get("size"):
+            kind, default_text = _size, _size_text(field.default)
+        else:
+            kind, default_text = _type_of(field), field.default
+        if shown_default:
+            help_text = f"{help_text.rstrip('.')} (default {default_text})."
+        if kind is bool:  # None when absent, so a job file's value stands unless the flag is given
+            parser.add_argument(_flag(field.name), action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(_flag(field.name), type=kind, choices=field.metadata.get("choices"),
+                                metavar=field.metadata.get("metavar"), help=help_text)
     parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
     return parser
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _type_of(field: dataclasses.Field) -> type:
+    """The Python type a field's annotation names ("int | None" -> int)."""
+    for kind in (bool, int, float, str):
+        if kind.__name__ in str(field.type).replace(" ", "").split("|"):
+            return kind
+    raise TypeError(f"ReshardOptions.{field.name}: no command-line type for {field.type!r}")
+
+
+def _size_text(size: int) -> str:
+    """1073741824 -> "1G": the largest binary unit that divides `size`."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
 def options_from_args(args: argparse.Namespace) -> ReshardOptions:
-    overrides = {"source": args.source, "destination": args.destination, "target_dp": args.target_dp,
-                 "target_tp": args.target_tp,
-                 "target_stage": args.target_stage,
-                 "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
-                 "target_ep": args.target_ep,
-                 "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
-                 "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
-                 "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,
-                 "node_local": args.node_local, "target_ranks_per_node": args.target_ranks_per_node}
+    overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(ReshardOptions)}
     if args.config:
         return ReshardOptions.from_yaml(args.config, **overrides).validate()
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
@@ -152,8 +153,6 @@ def inspect_main(argv: list[str]) -> int:
         prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
                                             "check every rank file; exit 2 when a check fails.")
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
-    parser.add_argument("--target-ep", type=int,
-                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
@@ -194,8 +193,6 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
-    parser.add_argument("--target-ep", type=int,
-                        help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
@@ -222,17 +219,19 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
+def publish_main(argv: list[str]) -> int:
+    from reshard.array_job import publish_main as publish
+    return publish(argv)
+
+
+#: `reshard NAME ...` runs SUBCOMMANDS[NAME] (DESCRIPTION gives each one line in --help)
+SUBCOMMANDS = {"verify": verify_main, "inspect": inspect_main, "export": export_main, "publish": publish_main}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "verify":
-        return verify_main(argv[1:])
-    if argv and argv[0] == "publish":
-        from reshard.array_job import publish_main
-        return publish_main(argv[1:])
-    if argv and argv[0] == "inspect":
-        return inspect_main(argv[1:])
-    if argv and argv[0] == "export":
-        return export_main(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     started = process_started()
     try:

@@ -329,12 +329,12 @@ def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | No
 
 def _zero12_model_states(source: SourceCheckpoint, target: Topology) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
-    from reshard.formats.deepspeed_target import _zero12_model_tree
+    from reshard.formats.deepspeed_target import zero12_model_tree
     check_archive(source.model_path(0))
     with allowed_globals(schema.safe_globals()):  # the training process's allowlist stays as it was
         states = classes.to_deepspeed(torch.load(source.model_path(0), map_location="cpu", mmap=True,
                                                  weights_only=True))
-    recomputed = _zero12_model_tree(source, source.spec.layout(target))
+    recomputed = zero12_model_tree(source, source.spec.layout(target))
     states["param_shapes"] = recomputed["param_shapes"]
     states["dp_world_size"] = recomputed["dp_world_size"]
     return states

@@ -28,9 +28,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from reshard import __version__, save_dir_files
+from reshard import save_dir_files
 from reshard.byte_io import hash_file
-from reshard.batch_config import batch_config_problem, batch_size_warning
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import (
@@ -48,7 +47,6 @@ from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
 from reshard.expert_layout import expert_placement_lines
 from reshard.file_shares import file_shares
-from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -67,6 +65,7 @@ from reshard.manifest import (
 )
 from reshard.options import ReshardOptions
 from reshard.plan import ReshardPlan
+from reshard.preflight import ZERO3_RANK_IDENTITY_NOTE, outputs_of, preflight, target_topology
 from reshard.resources import (
     check_free_space,
     disk_full_message,
@@ -81,14 +80,8 @@ from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
 from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change, stage_change_note
 from reshard.target_writer import TargetWriter, WriteFailed
-from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
-
-
-ZERO3_RANK_IDENTITY_NOTE = (
-    "ZeRO-3 rank files carry nothing that identifies their rank (DeepSpeed names them, nothing inside "
-    "says which partition they hold), so renamed or swapped rank files cannot be detected here; "
-    "compare with the training job's own state if in doubt")
+from reshard.version import __version__
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
@@ -176,42 +169,6 @@ class _Start:
     """DST did not exist before this run: a failure before the rounds removes it again."""
 
 
-def _preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str], ranks=None) -> list[str]:
-    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
-    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
-    _check_tensor_parallel_target(opts, source)
-    ds_config = source.model_template.get("ds_config")
-    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
-    problem = batch_config_problem(ds_config, opts.target_dp)
-    if problem and not warning and not opts.ignore_batch_config:
-        raise OptionError(f"{source.model_path(0)}: {problem}")
-    notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
-    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
-                                       ranks=ranks)
-    if differing:
-        notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
-                     f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
-                     + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
-    return notes
-
-
-def _check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint) -> None:
-    """Refuse a target TP size the checkpoint cannot be resharded to."""
-    spec, target = source.spec, opts.target_for(source.spec.topology)
-    if spec.tensor is None and target.tp != spec.topology.tp:
-        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
-                          "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
-                          "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
-    if spec.tensor is not None and spec.experts is not None and target.tp > 1 and target.ep == 1:
-        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp} --target-ep 1: DeepSpeed folds AutoEP "
-                          "with AutoTP only for autoep_size > 1 (module_inject/auto_ep_folding.py "
-                          "`validate_folding_global`), so no engine could load that target")
-    if spec.tensor is not None:
-        problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
-        if problem:
-            raise OptionError(f"{source.model_path(0)}: {problem} (DeepSpeed AutoTP could not build it either)")
-
-
 def tensor_parallel_notes(spec) -> list[str]:
     """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
     if spec.tensor is None:
@@ -244,8 +201,8 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
     plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
     start = _Start("fresh", out_fp, plan_fp, identity)
     final = os.path.join(unit.destination, source.tag)
-    outputs = _outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
-                          opts.target_stage or source.spec.stage, target_ep)
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
+                         opts.target_stage or source.spec.stage, target_ep)
     ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
                                    if outputs else set())
     previous = outputs.get(source.tag)
@@ -300,33 +257,6 @@ def _moe_target_ep(opts: ReshardOptions, source: SourceCheckpoint) -> int | None
     return opts.target_for(source.spec.topology).ep if source.spec.experts is not None else None
 
 
-def _outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp: int = 1,
-                target_stage: int | None = None, target_ep: int | None = None) -> dict:
-    """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
-    ranks at ZeRO `target_stage` (other tags of this same job, or this tag from an earlier run):
-    tag -> Manifest."""
-    found = {}
-    if os.path.isdir(destination):
-        for name in os.listdir(destination):
-            if not os.path.isdir(os.path.join(destination, name)):
-                continue
-            try:
-                manifest = Manifest.read(os.path.join(destination, name))
-            except ReshardError:
-                continue
-            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
-                    and manifest.target.get("tp_world_size", 1) == target_tp
-                    and (target_stage is None or manifest.target.get("stage", target_stage) == target_stage)
-                    and manifest.target.get("ep") == target_ep):
-                found[name] = manifest
-    return found
-
-
-def _target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
-    """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
-    return opts.checked_target(source.spec.topology, source.expert_problem, source.model_path(0))
-
-
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
               ) -> CheckpointResult:
     """`views`: what every worker sees of SRC in a node-local job (reshard.node_local), else None."""
@@ -341,7 +271,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         if is_stage_change(source.spec, opts.target_stage):
             check_stage_change(source.spec, opts.target_stage, source.tag_dir)
         carried = save_dir_files.list_save_dir_files(source.save_dir)
-        return source, carried, _preflight(opts, source, carried)
+        return source, carried, preflight(opts, source, carried)
 
     site = None
     if views is None:
@@ -349,7 +279,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     else:
         (source, source_notes, site), carried = _node_local_source(opts, unit, transport, views), []
     leader = transport.rank == 0 if site is None else site.leader  # runs the destination steps
-    target = _target_topology(opts, source)
+    target = target_topology(opts, source)
     clock.lap("inspect")
     stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
     plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
@@ -535,7 +465,7 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
             from reshard.errors import UnsupportedCheckpoint
             raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
                                                               "resharding of it is not supported yet")
-        return source, _preflight(opts, source, [], ranks=seen)
+        return source, preflight(opts, source, [], ranks=seen)
 
     source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
     failure = None

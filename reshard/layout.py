@@ -56,6 +56,17 @@ class ParamSpec:
     numel: int = field(init=False, repr=False, compare=False, default=0)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """A tensor kept per flat buffer that moves with the buffer's coordinates."""
+
+    name: str
+    """Key of the tensor: "fp32" for master weights, else the optimizer state key."""
+    dtype: str
+    """torch dtype name without the "torch." prefix, the same in source and target."""
+    itemsize: int
+
+
 @dataclass(frozen=True, eq=False)
 class PieceTable:
     """Where every element of a logical space of `total` elements lives at one world size.
@@ -121,10 +132,6 @@ class PieceTable:
         """Some pieces only (they no longer tile the space)."""
         extra = () if self.width is None else (self.col[mask], self.width[mask], self.stride[mask])
         return PieceTable(self.start[mask], self.rank[mask], self.buffer[mask], self.offset[mask], self.total, *extra)
-
-    def pieces_of_rank(self, rank: int) -> "PieceTable":
-        """This rank's pieces only (they no longer tile the space)."""
-        return self.select(self.rank == rank)
 
 
 def logical_bases(numels: Sequence[int]) -> np.ndarray:

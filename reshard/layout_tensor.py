@@ -142,15 +142,6 @@ class TensorSplit:
 REPLICATED = TensorSplit("replicated", None)
 
 
-def split_of(kind: str, ndim: int) -> TensorSplit:
-    """The split of a parameter of `ndim` dimensions classified as `kind`."""
-    if kind == "replicated":
-        return REPLICATED
-    if kind == "row":
-        return TensorSplit("row", 1)
-    return TensorSplit("vocabulary" if kind == "vocabulary" else "column", 0)
-
-
 def describe_splits(names: Sequence[str], splits: Sequence[TensorSplit]) -> dict[str, list[str]]:
     """{kind: parameter names} for the dry run."""
     found: dict[str, list[str]] = {kind: [] for kind in KINDS}

@@ -5,10 +5,15 @@
                              memory_budget=parse_size("4G"))
 
 A YAML job file (see configs/) uses the field names as keys; command-line flags override it.
+The command-line flags are made from the fields (reshard.cli): a field's name gives the flag
+(`memory_budget` -> `--memory-budget`), its docstring the help, its metadata (`flag(...)`) the
+choices or metavar.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +37,20 @@ def parse_size(text: str | int) -> int:
     return int(float(match[1]) * _UNITS[match[2].upper()])
 
 
+def flag(default, *, choices: tuple | None = None, metavar: str | None = None, size: bool = False):
+    """A field whose command-line flag takes only `choices`, shows `metavar`, or reads a size (512M)."""
+    return dataclasses.field(default=default, metadata={"choices": choices, "metavar": metavar, "size": size})
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string under it), whitespace collapsed: the help of its flag."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {field.target.id: " ".join(doc.value.value.split())
+            for field, doc in zip(body, body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
 @dataclass
 class ReshardOptions:
     """Everything a reshard job needs to know."""
@@ -40,20 +59,20 @@ class ReshardOptions:
     """DeepSpeed save directory to read (the save_dir given to engine.save_checkpoint)."""
     destination: str = ""
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
-    target_dp: int = 0
-    """Data-parallel world size the checkpoint is resharded for."""
-    target_tp: int | None = None
+    target_dp: int | None = flag(None, metavar="M")
+    """Data-parallel world size the checkpoint is resharded for (required)."""
+    target_tp: int | None = flag(None, metavar="T")
     """Tensor-parallel size to reshard for (AutoTP checkpoints); default: the source's."""
-    target_stage: int | None = None
+    target_stage: int | None = flag(None, choices=(1, 2, 3))
     """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.stage_change)."""
-    target_ep: int | None = None
+    target_ep: int | None = flag(None, metavar="E")
     """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
-    tag: str | None = None
+    tag: str | None = flag(None, metavar="TAG")
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
     """Reshard every tag directory (best_* included), not only the one `latest` names."""
-    memory_budget: int = 1 << 30
-    """Bytes of slices one worker holds at once (send plus receive buffers of a round)."""
+    memory_budget: int = flag(1 << 30, size=True, metavar="SIZE")
+    """Bytes of slices one worker holds at once (send plus receive buffers of a round), e.g. 512M, 4G."""
     overwrite: bool = False
     """Allow a non-empty destination; the tag directory and `latest` there are replaced."""
     dry_run: bool = False
@@ -64,30 +83,33 @@ class ReshardOptions:
     """Unpickle classes outside the DeepSpeed allowlist (runs code from the checkpoint)."""
     ignore_batch_config: bool = False
     """Proceed although the checkpoint's ds_config batch settings cannot run at the target size."""
-    durable_every: int = 1 << 30
+    durable_every: int = flag(1 << 30, size=True, metavar="SIZE")
     """Bytes moved (all workers) between fsync points a re-run can resume from."""
-    backend: str = "auto"
+    backend: str = flag("auto", choices=("auto", "gloo", "nccl"))
     """torch.distributed backend under torchrun: auto (nccl with CUDA, else gloo), gloo or nccl."""
-    timeout: float = 600.0
+    timeout: float = flag(600.0, metavar="SECONDS")
     """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
-    array_task: int | None = None
+    array_task: int | None = flag(None, metavar="I")
     """This process's index (0..array_tasks-1) in a SLURM array job without collectives (reshard.array_job)."""
-    array_tasks: int | None = None
+    array_tasks: int | None = flag(None, metavar="K")
     """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
-    transport: str = "auto"
+    transport: str = flag("auto", choices=("auto", "torch", "mpi"))
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
     started the process and torchrun did not; with `workers` > 1, shared memory between the forked
     workers, and torch means gloo between them)."""
-    workers: int = 1
+    workers: int = flag(1, metavar="W")
     """Worker processes `python -m reshard` starts on this host (forked after the imports; shared
     memory, or gloo with transport "torch"); under torchrun the launcher starts them instead."""
     node_local: bool = False
     """SRC and DST are node-local paths, the same on every node (DeepSpeed's use_node_local_storage):
     each node reads what it sees and receives its target ranks' files (reshard.node_local)."""
-    target_ranks_per_node: int | None = None
+    target_ranks_per_node: int | None = flag(None, metavar="G")
     """With node_local: target rank r runs on node r // this, and its files are written there."""
 
     def validate(self) -> "ReshardOptions":
+        if self.target_dp is None:
+            raise OptionError("--target-dp is required: the data-parallel world size to reshard for "
+                              "(target_dp in a job file)")
         if not isinstance(self.target_dp, int) or isinstance(self.target_dp, bool) or self.target_dp < 1:
             raise OptionError(f"--target-dp must be an integer >= 1, got {self.target_dp!r}")
         if self.target_tp is not None and (not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool)

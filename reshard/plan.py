@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from reshard.layout import PieceTable
+from reshard.layout import PieceTable, Stream
 from reshard.strided_runs import advance, first_at_or_after, split_at_windows
 from reshard.topology import Topology
 
@@ -46,17 +46,6 @@ STRIDE_COLUMNS = ("col", "width", "src_stride", "dst_stride")
 """Extra columns of strided segments (tensor-parallel shards cut inside rows): element e of a
 segment sits at `strided_runs.advance(src_offset, col, width, src_stride, e)` in the source
 buffer and likewise in the target one. Segments of contiguous spaces have none of them."""
-
-
-@dataclass(frozen=True)
-class Stream:
-    """A tensor kept per flat buffer that moves with the buffer's coordinates."""
-
-    name: str
-    """Key of the tensor: "fp32" for master weights, else the optimizer state key."""
-    dtype: str
-    """torch dtype name without the "torch." prefix, the same in source and target."""
-    itemsize: int
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
 from reshard.formats.deepspeed_target import TargetFile, own_storage, shape_type
 from reshard.formats.torch_archive import NewTensor, TensorRef
-from reshard.layout import ParamSpec, PieceTable, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
-from reshard.plan import Ownership, ReshardPlan, Stream, plan_space
+from reshard.layout import ParamSpec, PieceTable, Stream, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
+from reshard.plan import Ownership, ReshardPlan, plan_space
 from reshard.topology import Topology
 
 STAGES = (1, 2, 3)

@@ -40,7 +40,7 @@ from reshard.formats.torch_archive import (
     refs_in,
     write_tree_skeleton,
 )
-
+from reshard.stage_change import is_stage_change, stage_target_files
 from reshard.topology import Topology
 
 
@@ -89,7 +89,9 @@ class TargetWriter:
         try:
             for rank in ranks:
                 model_states = None if model_states_ranks is None else rank in model_states_ranks
-                for file in target_files(source, target, rank, model_states=model_states, stage=stage):
+                files = (stage_target_files(source, target, rank, stage) if is_stage_change(source.spec, stage)
+                         else target_files(source, target, rank, model_states=model_states))
+                for file in files:
                     if only is not None and file.name not in only:
                         continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)

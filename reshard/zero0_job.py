@@ -21,7 +21,6 @@ import os
 import resource
 import time
 
-from reshard import __version__
 from reshard.byte_io import hash_file
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths
@@ -44,6 +43,7 @@ from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
 from reshard.transport import Transport
+from reshard.version import __version__
 
 
 def written_by(target: Topology, workers: int) -> tuple[tuple[str, ...], ...]:

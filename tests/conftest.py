@@ -1,11 +1,16 @@
 """Shared test set-up: CPU DeepSpeed, the tests directory on sys.path, session-wide checkpoints.
 
     python -m pytest -q                  # everything
-    python -m pytest -q -m "not e2e"     # without the multi-rank DeepSpeed runs
+    python -m pytest -q -m "not e2e"     # the fast tier: no process started, no checkpoint trained
+
+A test that starts a process (torchrun, a python subprocess, forked workers) or trains is marked
+`@pytest.mark.e2e`; an unmarked one that tries fails at that call (`refuse_processes_outside_e2e`).
 """
 from __future__ import annotations
 
+import _posixsubprocess
 import os
+import subprocess
 import sys
 
 import pytest
@@ -33,3 +38,20 @@ def hf_trained(tmp_path_factory):
     """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
     from hf_runs import HfRuns
     return HfRuns(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(autouse=True)
+def refuse_processes_outside_e2e(request, monkeypatch):
+    """Outside e2e tests every way of starting a process raises: subprocess (its own reference to
+    fork_exec, and posix_spawn), multiprocessing's spawn (_posixsubprocess.fork_exec) and fork
+    (os.fork, as the forked workers)."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.e2e")
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)

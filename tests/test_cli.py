@@ -35,6 +35,63 @@ def test_yaml_job_file_with_unknown_key_is_refused(tmp_path):
         ReshardOptions.from_yaml(str(job))
 
 
+def test_help_lists_every_subcommand_with_one_line(capsys):
+    from reshard.cli import SUBCOMMANDS, main
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    help_text = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        lines = [line for line in help_text.splitlines() if line.startswith(f"  {name} ")]
+        assert len(lines) == 1 and len(lines[0].split(None, 1)[1]) > 20, (name, help_text)
+    assert set(SUBCOMMANDS) == {"verify", "inspect", "export", "publish"}
+
+
+def test_missing_target_dp_is_named(tmp_path, capsys):
+    from reshard.cli import main
+    assert main(["a", "b"]) == 2
+    assert "--target-dp is required" in capsys.readouterr().err
+    job = tmp_path / "job.yaml"
+    job.write_text("source: a\ndestination: b\n")
+    assert main(["--config", str(job)]) == 2
+    assert "--target-dp is required" in capsys.readouterr().err
+    assert main(["a", "b", "--target-dp", "0"]) == 2  # given but wrong: says what it got
+    assert "--target-dp must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_flags_are_made_from_the_options_fields():
+    """One flag per ReshardOptions field, its help the field's docstring; parsed flags give the same
+    options as the keyword arguments."""
+    import dataclasses
+
+    from reshard.cli import build_parser, options_from_args
+    from reshard.options import field_docs
+    parser = build_parser()
+    fields = [field.name for field in dataclasses.fields(ReshardOptions)]
+    assert sorted(action.dest for action in parser._actions if action.dest != "help") == sorted(fields + ["config"])
+    docs = field_docs(ReshardOptions)
+    assert set(docs) == set(fields) and all(docs.values())
+    help_text = " ".join(parser.format_help().split())
+    assert "Bytes of slices one worker holds at once" in help_text and "(default 1G)" in help_text
+    args = parser.parse_args(["a", "b", "--target-dp", "3", "--target-stage", "3", "--memory-budget", "4K",
+                              "--backend", "gloo", "--quiet", "--timeout", "7.5", "--workers", "2"])
+    assert options_from_args(args) == ReshardOptions(source="a", destination="b", target_dp=3, target_stage=3,
+                                                     memory_budget=4096, backend="gloo", quiet=True, timeout=7.5,
+                                                     workers=2).validate()
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["a", "b", "--target-stage", "4"])
+    assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("command", [["inspect", "SRC"], ["export", "SRC", "OUT", "--format", "universal"]])
+def test_inspect_and_export_take_no_target_ep(command, capsys):
+    """They never used it: an option that does nothing is refused, not silently accepted."""
+    from reshard.cli import main
+    with pytest.raises(SystemExit) as refused:
+        main(command + ["--target-ep", "2"])
+    assert refused.value.code == 2 and "unrecognized arguments: --target-ep 2" in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_dry_run_prints_the_plan_and_touches_nothing(trained, tmp_path, monkeypatch):
     source, _ = trained("z3_bf16", 2)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import OrderedDict
 
+import pytest
 import torch
 
 from reshard.formats import deepspeed_classes as classes
@@ -61,6 +62,7 @@ def test_stand_ins_repickle_byte_for_byte_and_load_as_deepspeed_classes():
     assert _saved(real) == original
 
 
+@pytest.mark.e2e
 def test_inspecting_and_writing_a_checkpoint_does_not_import_deepspeed(trained, tmp_path):
     source, _ = trained("z1_fp16", 2)
     code = ("import sys; from reshard.job import reshard_checkpoint; "

@@ -18,6 +18,8 @@ import pytest
 
 from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
+pytestmark = pytest.mark.e2e  # every test forks worker processes
+
 
 def _forked(workers: int, work, timeout: float = 30.0) -> list:
     """Run work(transport) in `workers` forked processes; return each one's (ok, result or error text)."""

@@ -34,6 +34,7 @@ SOURCE_RANKS = 2
 
 # --- single process ---------------------------------------------------------------------------
 
+@pytest.mark.e2e  # a fresh interpreter: this one has imported deepspeed already
 def test_importing_the_package_does_not_import_deepspeed():
     code = "import sys, reshard.proof; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -24,6 +24,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from synthetic_checkpoint import MODELS, write_checkpoint  # noqa: E402
 
+# every test runs `python -m reshard` (and its forked workers) as a new process
+pytestmark = pytest.mark.e2e
+
 TORCH_FREE = "  io     : torch-free (no worker imported torch)"
 
 

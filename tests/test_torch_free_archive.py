@@ -226,6 +226,7 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
         load_portable(broken, SAFE)
 
 
+@pytest.mark.e2e  # a fresh interpreter: this one has imported torch already
 def test_modules_do_not_import_torch():
     code = ("import sys; import reshard.formats.torch_pickle, reshard.formats.torch_archive; "
             "assert 'torch' not in sys.modules")

@@ -28,6 +28,7 @@ from reshard.formats.torch_classes import ITEMSIZE
 from reshard.layout import (
     ParamSpec,
     PieceTable,
+    Stream,
     Zero3Layout,
     Zero12Layout,
     frozen_pieces,
@@ -36,7 +37,6 @@ from reshard.layout import (
     zero12_layout,
 )
 from reshard.layout_tensor import TensorParallelSpec
-from reshard.plan import Stream
 from reshard.topology import Topology
 
 

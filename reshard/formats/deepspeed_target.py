@@ -51,15 +51,12 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None,
-                 stage: int | None = None) -> list[TargetFile]:
+def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
+                 ) -> list[TargetFile]:
     """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file;
     `model_states` says otherwise: node-local storage writes it on local rank 0 of every node), at
-    ZeRO `stage` (default: the source's)."""
+    the source's ZeRO stage (another stage: reshard.stage_change.stage_target_files)."""
     spec = source.spec
-    if stage is not None and stage != spec.stage:
-        from reshard.stage_change import stage_target_files  # it builds on this module's TargetFile
-        return stage_target_files(source, target, rank, stage)
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp)
     optim_tree = _optim_tree(source, layout, at.dp)
@@ -74,7 +71,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
             _set_model_folding(tree, target, rank)
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0 if model_states is None else model_states:
-        tree = _zero12_model_tree(source, layout)
+        tree = zero12_model_tree(source, layout)
         if spec.tensor is not None:
             _reslice_tensor_parallel_model(tree, spec, target, at.tp)
         if spec.tensor is not None and spec.experts is not None:
@@ -232,7 +229,8 @@ def _shapes(layout, param_ids, shape_type: type) -> OrderedDict:
     return OrderedDict((layout.name_on_rank(p, 0), shape_type(layout.params[p].shape)) for p in param_ids)
 
 
-def _zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
+def zero12_model_tree(source: SourceCheckpoint, layout) -> Any:
+    """The ZeRO-1/2 model-states tree at `layout`'s world size: the source rank-0 tree, metadata recomputed."""
     tree = copy.deepcopy(source.model_template)
     # Rank 0's names: LOCAL names of EP rank 0 in an MoE checkpoint (engine.py `_get_zero_param_shapes`).
     tree["param_shapes"] = [_shapes(layout, g.flat_order, shape_type(tree)) for g in layout.groups]
