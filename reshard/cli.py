@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "ZeRO-3 checkpoints, not BF16_Optimizer ones")
     parser.add_argument("--target-ep", type=int,
                         help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
+    parser.add_argument("--target-pp", type=int, metavar="P",
+                        help="pipeline stages to write for (PipelineModule checkpoints; default: the source's, "
+                             "the only value supported so far)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
@@ -98,7 +101,7 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
                  "target_tp": args.target_tp,
                  "target_stage": args.target_stage,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
-                 "target_ep": args.target_ep,
+                 "target_ep": args.target_ep, "target_pp": args.target_pp,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
                  "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,
