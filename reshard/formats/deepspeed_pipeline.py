@@ -192,7 +192,12 @@ def _check_optimizer(osd: dict, path: str, model: dict, dp: int) -> bool:
         raise UnsupportedCheckpoint(path, "is not a ZeRO-1 optimizer file (no single_partition_of_fp32_groups); "
                                           "pipeline checkpoints are supported under ZeRO stage 1 only")
     bf16_optimizer = "zero_stage" not in osd
-    if not bf16_optimizer and int(osd["zero_stage"]) != 1:
+    if bf16_optimizer:  # bf16 under ZeRO stage 0; with a tied layer DeepSpeed cannot load its own save
+        raise UnsupportedCheckpoint(path, "was saved by BF16_Optimizer (bf16 with ZeRO stage 0); pipeline "
+                                          "checkpoints are supported under ZeRO stage 1 only (DeepSpeed 0.19.8 "
+                                          "itself fails to load such a save with a tied layer, "
+                                          "bf16_optimizer.py _load_legacy_checkpoint)")
+    if int(osd["zero_stage"]) != 1:
         raise UnsupportedCheckpoint(path, f"has ZeRO stage {int(osd['zero_stage'])}; the pipeline engine allows 0 or 1 "
                                           "and reshard supports 1")
     if any(any(group) for group in osd.get("param_alignment_paddings") or []):
