@@ -60,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert-parallel size for an MoE checkpoint (divides --target-dp; default: the source's)")
     parser.add_argument("--target-pp", type=int, metavar="P",
                         help="pipeline stages to write for (PipelineModule checkpoints; default: the source's, "
-                             "the only value supported so far)")
+                             "with --pipeline-layers and --pipeline-tied when it changes)")
+    parser.add_argument("--pipeline-layers", type=int, metavar="N",
+                        help="with another --target-pp: len(layers) of the PipelineModule")
+    parser.add_argument("--pipeline-tied", metavar="KEY:I,J[;KEY:I,J]",
+                        help="with another --target-pp: global layer indices of each TiedLayerSpec key")
+    parser.add_argument("--pipeline-partition", metavar="METHOD",
+                        help="with another --target-pp: parameters (default), uniform, or boundaries 0,3,7")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--all-tags", action="store_true", default=None,
                         help="reshard every tag directory of each save directory (best_* included)")
@@ -102,6 +108,8 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
                  "target_stage": args.target_stage,
                  "tag": args.tag, "all_tags": args.all_tags, "memory_budget": args.memory_budget, "overwrite": args.overwrite,
                  "target_ep": args.target_ep, "target_pp": args.target_pp,
+                 "pipeline_layers": args.pipeline_layers, "pipeline_tied": args.pipeline_tied,
+                 "pipeline_partition": args.pipeline_partition,
                  "dry_run": args.dry_run, "quiet": args.quiet, "trust_pickle": args.trust_pickle, "ignore_batch_config": args.ignore_batch_config, "durable_every": args.durable_every,
                  "backend": args.backend, "timeout": args.timeout, "workers": args.workers,
                  "transport": args.transport, "array_task": args.array_task, "array_tasks": args.array_tasks,

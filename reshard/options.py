@@ -50,6 +50,12 @@ class ReshardOptions:
     """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
     target_pp: int | None = None
     """Pipeline stages to reshard a PipelineModule checkpoint for; default: the source's (reshard.pipeline_job)."""
+    pipeline_layers: int | None = None
+    """With another pp: len(layers) of the PipelineModule (functions and parameterless layers included)."""
+    pipeline_tied: str | None = None
+    """With another pp: where TiedLayerSpec layers sit, "KEY:I,J[;KEY2:K,L]" (global layer indices)."""
+    pipeline_partition: str = "parameters"
+    """With another pp: DeepSpeed's partition_method, `parameters` or `uniform`, or boundaries "0,3,7"."""
     tag: str | None = None
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False

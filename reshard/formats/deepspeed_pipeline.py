@@ -22,9 +22,12 @@ the stage's parameters (a tied module's parameters sit in every stage holding it
 `tied_modules.<key>.<param>`). With the number of stages unchanged, a new dp is therefore a
 ZeRO-1 re-cut per stage, with the layer files unchanged; that is what this module writes.
 
-Changing the number of stages is refused: a new layer-to-stage assignment needs the layer count
+Changing the number of stages needs what the checkpoint does not record: the layer count
 (trailing layers without a state_dict, and a TiedLayerSpec with a `forward_fn`, leave no file) and
-the positions of the tied layers, neither of which the checkpoint records.
+the positions of the tied layers; the caller gives them (reshard.pipeline_layout.PipelineLayers),
+they are checked against the source's own stage assignment, and `write_repartitioned_stage`
+rebuilds each target stage from every parameter's full fp32 master and optimizer states
+(one param group, no buffers, no shared parameters).
 
 This is the whole-tensor path: a stage's optimizer files are loaded whole (memory-mapped), one
 stage at a time per worker; it is not the bounded-memory round exchange of reshard.job.
@@ -61,6 +64,10 @@ class PipelineStage:
     """Per optimizer param group, the stage's trainable parameter names in flat order."""
     numels: tuple[tuple[int, ...], ...]
     """Per group, the element count of each named parameter."""
+    shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Per group, each named parameter's shape (`param_shapes`)."""
+    buffer_names: tuple[str, ...] = ()
+    shared_params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,9 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         bf16_optimizer = stage_bf16_optimizer
         groups = [list(shapes.items()) for shapes in model["param_shapes"]]
         stages.append(PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
-                                    tuple(tuple(_numel(s) for _, s in g) for g in groups)))
+                                    tuple(tuple(_numel(s) for _, s in g) for g in groups),
+                                    tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
+                                    tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ())))
     extra = sorted(key for key in optims if key[0] >= pp or key[1] >= dp)
     if extra:
         raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
@@ -242,48 +251,61 @@ def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
     return out
 
 
-def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> list[dict]:
-    """Every target dp rank's optimizer file content for `stage`, from the stage's source files.
-
-    Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
-    2 * dp, `partition_size`, `groups_padding`; `_create_param_mapping`) and
-    runtime/bf16_optimizer.py (`_setup_for_real_optimizer`, `state_dict`), through
-    reshard.layout's Zero12Group. Tensors of the base optimizer's state whose size equals the
-    partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
+def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
+    """The stage's source files (rank 0's, as a template), and per group its fp32 master flat and
+    its per-element optimizer states' flats, each without tail padding."""
     spec = source.stages[stage]
     paths = [source.optim_path(stage, rank) for rank in range(source.dp)]
     files = [load_whole(path, trust_pickle) for path in paths]
     osds = [f[OPTIM] for f in files]
-    groups = len(spec.names)
-    old = [_group_layout(spec, g, source.dp) for g in range(groups)]
-    new = [_group_layout(spec, g, target_dp) for g in range(groups)]
-    lean_masters = not source.bf16_optimizer
-    masters = [_joined([osd[FP32][g] for osd in osds], old, g, paths.__getitem__) for g in range(groups)]
-    moments = []
-    for g in range(groups):
+    old = [_group_layout(spec, g, source.dp) for g in range(len(spec.names))]
+    masters, moments = [], []
+    for g in range(len(spec.names)):
+        masters.append(_joined([osd[FP32][g] for osd in osds], old, g, paths.__getitem__))
         states = [osd[BASE]["state"].get(g, {}) for osd in osds]
         keys = [key for key, value in states[0].items()
                 if hasattr(value, "numel") and value.dim() == 1 and value.numel() == old[g].partition_numel]
         moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys})
+    return files[0], masters, moments
+
+
+def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
+                     moments: list[dict], target_dp: int) -> list[dict]:
+    """Every target dp rank's optimizer file over one stage's groups (`names`, `numels` per group;
+    `masters`, `moments` their unpadded flats), other keys from `template` (a source file).
+
+    Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
+    2 * dp, `partition_size`, `groups_padding`; `_create_param_mapping`) through
+    reshard.layout's Zero12Group. Tensors of the base optimizer's state whose size equals the
+    partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
+    groups = len(names)
+    new = [zero12_group(range(len(numels[g])), numels[g], target_dp) for g in range(groups)]
     outputs = []
     for rank in range(target_dp):
-        osd = dict(osds[0])
-        osd[FP32] = [_cut(masters[g], new[g], rank, lean_masters) for g in range(groups)]
-        base = dict(osds[0][BASE])
+        osd = dict(template[OPTIM])
+        osd[FP32] = [_cut(masters[g], new[g], rank, lean=True) for g in range(groups)]
+        base = dict(osd[BASE])
         base["state"] = {}
         for g in range(groups):
-            state = dict(osds[0][BASE]["state"].get(g, {}))
+            state = dict(template[OPTIM][BASE]["state"].get(g, {}))
             state.update({key: _cut(flat, new[g], rank, lean=False) for key, flat in moments[g].items()})
             base["state"][g] = state
         osd[BASE] = base
         osd["partition_count"] = [target_dp] * groups
-        osd["group_paddings"] = [new[g].bf16_optimizer_padding(rank) if source.bf16_optimizer
-                                 else new[g].tail_padding(rank) for g in range(groups)]
+        osd["group_paddings"] = [new[g].tail_padding(rank) for g in range(groups)]
+        osd["param_alignment_paddings"] = [[0] * len(names[g]) for g in range(groups)]
         osd["param_slice_mappings"] = [
-            {spec.names[g][pid]: classes.fragment_address(numel, start)
-             for pid, numel, start in new[g].slice_mappings(rank, spec.numels[g])} for g in range(groups)]
-        outputs.append({**files[0], OPTIM: osd})
+            {names[g][pid]: classes.fragment_address(numel, start)
+             for pid, numel, start in new[g].slice_mappings(rank, numels[g])} for g in range(groups)]
+        outputs.append({**template, OPTIM: osd})
     return outputs
+
+
+def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> list[dict]:
+    """Every target dp rank's optimizer file for `stage`, the number of stages unchanged."""
+    spec = source.stages[stage]
+    template, masters, moments = _stage_flats(source, stage, trust_pickle)
+    return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp)
 
 
 def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
@@ -296,6 +318,99 @@ def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_di
     paths = [os.path.join(tag_dir, stage_model_name(stage))]
     torch.save(model, paths[0], pickle_module=classes)
     for rank, tree in enumerate(target_optimizers(source, stage, target_dp, trust_pickle)):
+        path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
+        torch.save(tree, path, pickle_module=classes)
+        paths.append(path)
+    return paths
+
+
+def named_states(source: PipelineSource, trust_pickle: bool = False):
+    """(stage 0's optimizer file as a template, {name: {"fp32": flat, <state>: flat}}) over every
+    stage; a tied parameter, held by several stages, must be equal in each."""
+    import torch
+    template, found = None, {}
+    for stage, spec in enumerate(source.stages):
+        path = source.optim_path(stage, 0)
+        if len(spec.names) != 1:
+            raise UnsupportedCheckpoint(path, f"has {len(spec.names)} optimizer param groups; changing the number "
+                                              "of pipeline stages supports one")
+        file, masters, moments = _stage_flats(source, stage, trust_pickle)
+        template = template or file
+        offset = 0
+        for name, numel in zip(spec.names[0], spec.numels[0]):
+            states = {"fp32": masters[0][offset:offset + numel]}
+            states.update({key: flat[offset:offset + numel] for key, flat in moments[0].items()})
+            offset += numel
+            if name in found:
+                if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
+                                                                   for k, v in states.items()):
+                    raise CheckpointError(path, f"holds {name} (a tied parameter) with values other than an "
+                                                "earlier stage's")
+                continue
+            found[name] = states
+    return template, found
+
+
+def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
+    """The caller's layer list, partitioned by `method` at the source's pp, must give every source
+    stage exactly the parameters (and order) its files hold."""
+    from reshard.pipeline_layout import stage_bounds, stage_names
+    numels = source_numels(source)
+    try:
+        bounds = stage_bounds(method, layers, numels, source.pp)
+    except ValueError as error:
+        raise UnsupportedCheckpoint(source.model_path(0), str(error)) from None
+    for stage, spec in enumerate(source.stages):
+        expected = stage_names(layers, bounds, stage, list(numels))
+        if tuple(expected) != spec.names[0]:
+            raise CheckpointError(source.model_path(stage),
+                                  f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
+                                  f"partitioned by {method!r} into {source.pp} stages (bounds {bounds}) give "
+                                  f"{expected}: the layer count, tied positions or partition method differ from "
+                                  "the model's")
+        if spec.buffer_names or spec.shared_params:
+            raise UnsupportedCheckpoint(source.model_path(stage), "lists buffers or shared parameters; changing "
+                                                                  "the number of pipeline stages does not support "
+                                                                  "them yet")
+
+
+def source_numels(source: PipelineSource) -> dict[str, int]:
+    """Every parameter's element count by name, stage order (each module's own order kept)."""
+    numels = {}
+    for spec in source.stages:
+        for names, counts in zip(spec.names, spec.numels):
+            for name, numel in zip(names, counts):
+                numels.setdefault(name, numel)
+    return numels
+
+
+def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, layers, method: str,
+                              target_pp: int, stage: int, target_dp: int, tag_dir: str,
+                              trust_pickle: bool = False) -> list[str]:
+    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files."""
+    import collections
+
+    import torch
+
+    from reshard.pipeline_layout import stage_bounds, stage_names
+    numels = source_numels(source)
+    shapes = {name: shape for spec in source.stages for name, shape in zip(spec.names[0], spec.shapes[0])}
+    bounds = stage_bounds(method, layers, numels, target_pp)
+    names = stage_names(layers, bounds, stage, list(numels))
+    keys = [key for key in states[names[0]] if key != "fp32"] if names else []
+    master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
+    moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}
+    model = load_whole(source.model_path(0), trust_pickle)
+    model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in names)]
+    model["dp_world_size"] = target_dp
+    model["mp_world_size"] = target_pp
+    model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
+                                               "pp_degree": target_pp}
+    paths = [os.path.join(tag_dir, stage_model_name(stage))]
+    torch.save(model, paths[0], pickle_module=classes)
+    trees = build_optimizers(template, [tuple(names)], [tuple(numels[n] for n in names)], [master], [moments],
+                             target_dp)
+    for rank, tree in enumerate(trees):
         path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
         torch.save(tree, path, pickle_module=classes)
         paths.append(path)
