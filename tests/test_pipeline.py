@@ -116,3 +116,32 @@ def test_pipeline_pp_change_exits_2_and_writes_nothing(pipeline_runs, tmp_path):
     assert run.returncode == 2, run.stderr
     assert "mp_rank_00_model_states.pt" in run.stderr and "changing the number of pipeline stages" in run.stderr
     assert not out.exists()
+
+
+def test_partitions_equal_deepspeeds_own():
+    import random
+
+    from deepspeed.runtime import utils as ds_utils
+
+    from reshard.pipeline_layout import partition_balanced, partition_uniform
+    rng = random.Random(5)
+    for _ in range(300):
+        n, parts = rng.randint(0, 12), rng.randint(1, 6)
+        weights = [rng.choice([0, 0, 1, 7, 24, 600, 888]) for _ in range(n)]
+        assert partition_uniform(n, parts) == list(ds_utils.partition_uniform(n, parts)), (n, parts)
+        assert partition_balanced(weights, parts) == [int(x) for x in ds_utils.partition_balanced(weights, parts)], \
+            (weights, parts)
+
+
+def test_stage_names_list_tied_modules_first_then_layers_in_order():
+    from reshard.pipeline_layout import PipelineLayers, stage_bounds, stage_names
+    numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,
+              "4.weight": 24, "4.bias": 24, "5.weight": 576, "5.bias": 24}
+    layers = PipelineLayers(7, {"embed": (0, 6)})
+    bounds = stage_bounds("parameters", layers, numels, 2)
+    assert bounds == [0, 3, 7]  # what DeepSpeed printed for tests/pipeline_run.py's model
+    assert stage_names(layers, bounds, 1, list(numels)) == [
+        "tied_modules.embed.weight", "3.weight", "3.bias", "4.weight", "4.bias", "5.weight", "5.bias"]
+    assert stage_bounds("uniform", layers, numels, 2) == [0, 4, 7]  # the two methods differ on this model
+    with pytest.raises(ValueError, match="class name"):
+        stage_bounds("type:Linear", layers, numels, 2)
