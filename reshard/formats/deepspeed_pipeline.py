@@ -415,3 +415,35 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
         torch.save(tree, path, pickle_module=classes)
         paths.append(path)
     return paths
+
+
+def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False) -> dict | None:
+    """What `reshard inspect` prints for a pipeline save (None when the tag is not one)."""
+    if tag is None:
+        latest = os.path.join(save_dir, schema.LATEST)
+        if not os.path.isfile(latest):
+            return None
+        with open(latest) as handle:
+            tag = handle.read().strip()
+    if not is_pipeline(os.path.join(save_dir, tag)):
+        return None
+    source = inspect_pipeline(save_dir, tag, trust_pickle)
+    return {"kind": "pipeline", "save_dir": save_dir, "tag": tag, "description": source.describe(),
+            "pp": source.pp, "dp": source.dp, "bf16": source.bf16, "layer_files": list(source.layer_files),
+            "stages": [{"stage": spec.index, "params": sum(len(g) for g in spec.names),
+                        "elements": sum(sum(g) for g in spec.numels), "groups": len(spec.names),
+                        "tied": sorted({n.split(".")[1] for g in spec.names for n in g
+                                        if n.startswith("tied_modules.")})} for spec in source.stages]}
+
+
+def pipeline_summary_text(summary: dict) -> str:
+    lines = [f"{summary['save_dir']} tag {summary['tag']}: {summary['description']}"]
+    for stage in summary["stages"]:
+        tied = f", tied {', '.join(stage['tied'])}" if stage["tied"] else ""
+        lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements, "
+                     f"{stage['groups']} group(s){tied}; mp_rank_{stage['stage']:02d}_model_states.pt + "
+                     f"{summary['dp']} optimizer files")
+    lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
+    lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
+                 "and --pipeline-tied (the checkpoint does not record them)")
+    return "\n".join(lines)
