@@ -352,22 +352,33 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
 
 
 def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
-    """The caller's layer list, partitioned by `method` at the source's pp, must give every source
-    stage exactly the parameters (and order) its files hold."""
+    """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
+    `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
+    its files hold."""
     from reshard.pipeline_layout import stage_bounds, stage_names
     numels = source_numels(source)
-    try:
-        bounds = stage_bounds(method, layers, numels, source.pp)
-    except ValueError as error:
-        raise UnsupportedCheckpoint(source.model_path(0), str(error)) from None
+    # The target's method may be explicit boundaries, or differ from the one the source was saved
+    # with: the layer list passes if any DeepSpeed method reproduces every source stage.
+    methods = list(dict.fromkeys(m for m in (method, "parameters", "uniform") if m in ("parameters", "uniform")))
+    mismatch = None
+    for tried in methods:
+        bounds = stage_bounds(tried, layers, numels, source.pp)
+        for stage, spec in enumerate(source.stages):
+            expected = stage_names(layers, bounds, stage, list(numels))
+            if tuple(expected) != spec.names[0]:
+                mismatch = mismatch or (stage, spec, tried, bounds, expected)
+                break
+        else:
+            mismatch = None
+            break
+    if mismatch:
+        stage, spec, tried, bounds, expected = mismatch
+        raise CheckpointError(source.model_path(stage),
+                              f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
+                              f"partitioned by {tried!r} into {source.pp} stages (bounds {bounds}) give "
+                              f"{expected}: the layer count or tied positions differ from the model's (or the source "
+                              "was partitioned by type: or by hand, which reshard cannot reproduce)")
     for stage, spec in enumerate(source.stages):
-        expected = stage_names(layers, bounds, stage, list(numels))
-        if tuple(expected) != spec.names[0]:
-            raise CheckpointError(source.model_path(stage),
-                                  f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
-                                  f"partitioned by {method!r} into {source.pp} stages (bounds {bounds}) give "
-                                  f"{expected}: the layer count, tied positions or partition method differ from "
-                                  "the model's")
         if spec.buffer_names or spec.shared_params:
             raise UnsupportedCheckpoint(source.model_path(stage), "lists buffers or shared parameters; changing "
                                                                   "the number of pipeline stages does not support "
