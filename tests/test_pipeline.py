@@ -114,13 +114,14 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(pipeline_runs, tmp_
 
 
 @pytest.mark.e2e
-def test_pipeline_pp_change_exits_2_and_writes_nothing(pipeline_runs, tmp_path):
+def test_pipeline_pp_change_without_the_layer_list_exits_2_and_writes_nothing(pipeline_runs, tmp_path):
     from trained import reshard_cli
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     out = tmp_path / "out"
     run = reshard_cli(save_dir, out, "--target-dp", "2", "--target-pp", "1")
     assert run.returncode == 2, run.stderr
-    assert "mp_rank_00_model_states.pt" in run.stderr and "changing the number of pipeline stages" in run.stderr
+    assert "mp_rank_00_model_states.pt: --target-pp 1 (the save has 2 stages)" in run.stderr
+    assert "give --pipeline-layers N" in run.stderr
     assert not out.exists()
 
 
