@@ -42,7 +42,13 @@ from reshard.formats.deepspeed_pipeline import (
 )
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.lock import LOCK_NAME, DestinationLock
-from reshard.manifest import JOURNAL_NAME, Manifest, output_fingerprint, source_identity, write_journal
+from reshard.manifest import (
+    JOURNAL_NAME,
+    Manifest,
+    output_fingerprint,
+    source_identity,
+    write_journal,
+)
 from reshard.options import ReshardOptions
 from reshard.pipeline_layout import PipelineLayers, stage_bounds
 from reshard.resources import anonymous_rss_bytes
@@ -65,9 +71,10 @@ def pipeline_layers(opts: ReshardOptions, model: str) -> PipelineLayers:
         try:
             tied[key.strip()] = tuple(int(i) for i in indices.split(","))
         except ValueError:
-            raise OptionError(f"--pipeline-tied {opts.pipeline_tied!r}: use KEY:I,J[;KEY:I,J]") from None
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: use KEY:I,J[;KEY:I,J]") from None
         if not key.strip() or any(not 0 <= i < opts.pipeline_layers for i in tied[key.strip()]):
-            raise OptionError(f"--pipeline-tied {opts.pipeline_tied!r}: indices must lie in 0..{opts.pipeline_layers - 1}")
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: indices must lie in "
+                              f"0..{opts.pipeline_layers - 1}")
     return PipelineLayers(opts.pipeline_layers, tied)
 
 

@@ -48,7 +48,7 @@ def loss_fn(logits, labels):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
 
 
-def config(precision: str, dp: int) -> dict:
+def config(precision: str, dp: int, universal: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GRAD_ACCUM,
            "train_batch_size": MICRO_BATCH * GRAD_ACCUM * dp,
            "optimizer": {"type": "Adam", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
@@ -57,6 +57,8 @@ def config(precision: str, dp: int) -> dict:
            "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if universal:  # DeepSpeed's own path, the second oracle: ds_to_universal's output
+        cfg["checkpoint"] = {"load_universal": True}
     return cfg
 
 
@@ -66,7 +68,7 @@ def batch(seed: int):
     return ids, torch.roll(ids, 1, dims=1)
 
 
-def build_engine(pp: int, precision: str, seed: int):
+def build_engine(pp: int, precision: str, seed: int, universal: bool = False):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
     from deepspeed.pipe import PipelineModule
@@ -76,7 +78,7 @@ def build_engine(pp: int, precision: str, seed: int):
     module = PipelineModule(layers=layer_specs(), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
                             base_seed=seed)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
-                                           config=config(precision, world // pp))
+                                           config=config(precision, world // pp, universal))
     return engine
 
 
@@ -104,7 +106,8 @@ def train(args) -> None:
                   for step in range(args.steps) for i in range(GRAD_ACCUM)])
     for _ in range(args.steps):
         engine.train_batch(data_iter=steps)
-    engine.save_checkpoint(args.save, tag="step3", client_state={"note": "pipeline"})
+    # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
+    engine.save_checkpoint(args.save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
     truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "global_steps": engine.global_steps,
              "lr": engine.optimizer.param_groups[0]["lr"]}
     os.makedirs(args.truth, exist_ok=True)
@@ -113,7 +116,7 @@ def train(args) -> None:
 
 
 def check(args) -> None:
-    engine = build_engine(args.pp, args.precision, seed=777)
+    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal)
     rank = int(os.environ["RANK"])
     path, client = engine.load_checkpoint(args.load)
     truths = [torch.load(os.path.join(args.truth, name), weights_only=True) for name in sorted(os.listdir(args.truth))]
@@ -131,7 +134,8 @@ def check(args) -> None:
         for key, value in states.items():
             want = expected[name][key]
             if want.shape != value.shape or not torch.equal(want, value):
-                problems.append(f"{name}.{key}: differs (max abs {float((want.float() - value.float()).abs().max()) if want.shape == value.shape else 'shape'})")
+                gap = float((want.float() - value.float()).abs().max()) if want.shape == value.shape else "shape"
+                problems.append(f"{name}.{key}: differs (max abs {gap})")
     loss = eval_loss(engine)
     if loss != truths[0]["loss"]:
         problems.append(f"eval loss {loss} != {truths[0]['loss']}")
@@ -162,6 +166,7 @@ def main() -> None:
     parser.add_argument("--truth", required=True)
     parser.add_argument("--verdict")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
     args = parser.parse_args()
     train(args) if args.mode == "train" else check(args)
 

@@ -217,7 +217,8 @@ def _check_optimizer(osd: dict, path: str, model: dict, dp: int) -> bool:
     if list(osd["partition_count"]) != [dp] * len(osd[FP32]):
         raise CheckpointError(path, f"has partition_count {list(osd['partition_count'])}, dp_world_size is {dp}")
     if len(model["param_shapes"]) != len(osd[FP32]):
-        raise CheckpointError(path, f"has {len(osd[FP32])} param groups, the stage's param_shapes {len(model['param_shapes'])}")
+        raise CheckpointError(path, f"has {len(osd[FP32])} param groups, the stage's param_shapes "
+                                    f"{len(model['param_shapes'])}")
     return bf16_optimizer
 
 
@@ -226,7 +227,7 @@ def _group_layout(stage: PipelineStage, group: int, dp: int) -> Zero12Group:
     return zero12_group(range(len(numels)), numels, dp)
 
 
-def _joined(parts: list, layouts: list[Zero12Group], group: int, path_of) -> "torch.Tensor":
+def _joined(parts: list, layouts: list[Zero12Group], group: int, path_of):
     """The stage group's flat tensor without its tail padding, from every source rank's partition."""
     import torch
     layout = layouts[group]
