@@ -157,6 +157,9 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp:
             raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
                                               f"{model.get('mp_world_size')}, but {pp} stage files are present")
+        if model.get("optimizer") is not None:  # engine.py `_save_checkpoint`: ZeRO-0 keeps it here
+            raise UnsupportedCheckpoint(model_path, "holds the optimizer state (ZeRO stage 0); pipeline checkpoints "
+                                                    "are supported under ZeRO stage 1 only")
         if model.get("module") is not None:
             raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
         if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
