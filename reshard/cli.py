@@ -157,6 +157,11 @@ def inspect_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     args = parser.parse_args(argv)
+    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
+    if (pipeline := pipeline_summary(args.source, args.tag, args.trust_pickle)) is not None:
+        import json
+        print(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
+        return 0
     from reshard.inspect_report import inspect_report
     report = inspect_report(args.source, args.tag, trust_pickle=args.trust_pickle)
     if args.json:

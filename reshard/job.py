@@ -50,6 +50,7 @@ from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_pipeline import is_pipeline
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 from reshard.formats.torch_archive import torch_fallback_reason
 from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
@@ -260,6 +261,9 @@ def _moe_target_ep(opts: ReshardOptions, source: SourceCheckpoint) -> int | None
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
               ) -> CheckpointResult:
     """`views`: what every worker sees of SRC in a node-local job (reshard.node_local), else None."""
+    if views is None and is_pipeline(os.path.join(unit.source, unit.tag)):  # per-stage ZeRO-1 re-cut, whole tensors
+        from reshard.pipeline_job import run_pipeline_unit
+        return run_pipeline_unit(opts, unit, transport, clock)
     if views is None and is_zero0_moe(os.path.join(unit.source, unit.tag)):  # whole tensors, no rounds
         from reshard.zero0_job import run_zero0_unit
         return run_zero0_unit(opts, unit, transport, clock)

@@ -67,6 +67,14 @@ class ReshardOptions:
     """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.stage_change)."""
     target_ep: int | None = flag(None, metavar="E")
     """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
+    target_pp: int | None = flag(None, metavar="P")
+    """Pipeline stages to reshard a PipelineModule checkpoint for; default: the source's (reshard.pipeline_job)."""
+    pipeline_layers: int | None = flag(None, metavar="N")
+    """With another pp: len(layers) of the PipelineModule (functions and parameterless layers included)."""
+    pipeline_tied: str | None = flag(None, metavar="KEY:I,J[;KEY:I,J]")
+    """With another pp: where TiedLayerSpec layers sit, "KEY:I,J[;KEY2:K,L]" (global layer indices)."""
+    pipeline_partition: str = flag("parameters", metavar="METHOD")
+    """With another pp: DeepSpeed's partition_method, `parameters` or `uniform`, or boundaries "0,3,7"."""
     tag: str | None = flag(None, metavar="TAG")
     """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
     all_tags: bool = False
@@ -118,6 +126,9 @@ class ReshardOptions:
         if self.target_ep is not None and (not isinstance(self.target_ep, int) or isinstance(self.target_ep, bool)
                                            or self.target_ep < 1):
             raise OptionError(f"--target-ep must be an integer >= 1, got {self.target_ep!r}")
+        if self.target_pp is not None and (not isinstance(self.target_pp, int) or isinstance(self.target_pp, bool)
+                                           or self.target_pp < 1):
+            raise OptionError(f"--target-pp must be an integer >= 1, got {self.target_pp!r}")
         self.target_topology  # noqa: B018  (validates the sizes together)
         if self.target_stage is not None and (self.target_stage not in (1, 2, 3) or isinstance(self.target_stage, bool)):
             raise OptionError(f"--target-stage must be 1, 2 or 3, got {self.target_stage!r}")

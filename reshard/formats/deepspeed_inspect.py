@@ -317,8 +317,9 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
                                                                      "old layout (no layer index); reshard reshards "
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
         if role.kind == "pipeline":
-            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; pipeline "
-                                                                     "checkpoints are not supported yet")
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; only the "
+                                                                     "offline job (python -m reshard, reshard.pipeline_job) "
+                                                                     "reshards pipeline checkpoints so far")
 
 
 def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of, complete: bool = True) -> None:

@@ -1,0 +1,464 @@
+"""DeepSpeed PipelineModule checkpoints (ZeRO-1): what a tag holds, and each stage's files rebuilt for a new dp.
+
+    from reshard.formats.deepspeed_pipeline import is_pipeline, inspect_pipeline, write_stage_files
+    if is_pipeline(tag_dir):
+        source = inspect_pipeline(save_dir, tag)           # PipelineSource: pp, dp, stages, layer files
+        write_stage_files(source, stage=1, target_dp=3, tag_dir=out)   # that stage's model + optim files
+
+Files of a pipeline save (DeepSpeed 0.19.8, runtime/pipe/module.py `ckpt_layer_path`,
+`save_state_dict`; runtime/engine.py `_get_ckpt_name`, `_save_checkpoint`):
+
+    layer_{idx:02d}-model_states.pt          one per layer object with a state_dict, idx GLOBAL;
+                                             a `-model_{tp:02d}` suffix only with a model axis
+    mp_rank_{s:02d}_model_states.pt          one per stage s (the grid's model-parallel rank is the
+                                             stage when there is no model axis): `module` None,
+                                             `param_shapes` of the stage, dp/mp_world_size,
+                                             checkpoint_parallel_dimensions {pp_degree, tp_degree}
+    [bf16_]zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt
+                                             ZeRO-1 partition of dp rank d over stage s's parameters
+
+Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
+the stage's parameters (a tied module's parameters sit in every stage holding it, named
+`tied_modules.<key>.<param>`). With the number of stages unchanged, a new dp is therefore a
+ZeRO-1 re-cut per stage, with the layer files unchanged; that is what this module writes.
+
+Changing the number of stages needs what the checkpoint does not record: the layer count
+(trailing layers without a state_dict, and a TiedLayerSpec with a `forward_fn`, leave no file) and
+the positions of the tied layers; the caller gives them (reshard.pipeline_layout.PipelineLayers),
+they are checked against the source's own stage assignment, and `write_repartitioned_stage`
+rebuilds each target stage from every parameter's full fp32 master and optimizer states
+(one param group, no buffers, no shared parameters).
+
+This is the whole-tensor path: a stage's optimizer files are loaded whole (memory-mapped), one
+stage at a time per worker; it is not the bounded-memory round exchange of reshard.job.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.formats import deepspeed_classes as classes
+from reshard.formats import deepspeed_schema as schema
+from reshard.layout import Zero12Group, zero12_group
+
+LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
+_STAGE_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM = schema.OPTIM
+BASE = "base_optimizer_state"
+FP32 = "single_partition_of_fp32_groups"
+
+
+def is_pipeline(tag_dir: str) -> bool:
+    """Whether the tag directory holds pipeline layer files (`layer_XX-...model_states.pt`)."""
+    return os.path.isdir(tag_dir) and any(LAYER_RE.match(name) for name in os.listdir(tag_dir))
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One pipeline stage's ZeRO-1 layout, from its model-states file."""
+
+    index: int
+    names: tuple[tuple[str, ...], ...]
+    """Per optimizer param group, the stage's trainable parameter names in flat order."""
+    numels: tuple[tuple[int, ...], ...]
+    """Per group, the element count of each named parameter."""
+    shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Per group, each named parameter's shape (`param_shapes`)."""
+    buffer_names: tuple[str, ...] = ()
+    shared_params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    """What a pipeline tag directory holds."""
+
+    save_dir: str
+    tag: str
+    pp: int
+    dp: int
+    bf16: bool
+    bf16_optimizer: bool
+    """BF16_Optimizer files (no `zero_stage`; fp32 partitions saved with their padding)."""
+    stages: tuple[PipelineStage, ...]
+    layer_files: tuple[str, ...]
+    other_files: tuple[str, ...]
+    """Files copied as they are besides the layer files (none known today; kept for safety)."""
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+    def model_path(self, stage: int = 0) -> str:
+        return os.path.join(self.tag_dir, stage_model_name(stage))
+
+    def optim_path(self, stage: int, dp_rank: int) -> str:
+        return os.path.join(self.tag_dir, schema.optim_file_name(dp_rank, self.bf16, stage))
+
+    def describe(self) -> str:
+        optimizer = "BF16_Optimizer" if self.bf16_optimizer else "ZeRO-1"
+        params = sum(len(group) for stage in self.stages for group in stage.names)
+        return (f"pipeline pp={self.pp} dp={self.dp}, {optimizer}{' bf16' if self.bf16 else ''}, "
+                f"{len(self.layer_files)} layer files, {params} stage parameters")
+
+
+def stage_model_name(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def load_whole(path: str, trust_pickle: bool = False):
+    """A DeepSpeed file as torch loads it, with reshard's stand-ins for DeepSpeed's classes."""
+    import torch
+    torch.serialization.add_safe_globals(schema.safe_globals())
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    except Exception as error:
+        raise CheckpointError(path, f"cannot be read: {error}") from error
+
+
+def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> PipelineSource:
+    """Read the model-states file of every stage and the first optimizer file of each; refuse by
+    name what the per-stage ZeRO-1 re-cut does not handle."""
+    tag_dir = os.path.join(save_dir, tag)
+    names = sorted(os.listdir(tag_dir))
+    layer_files, stage_models, optims, others = [], {}, {}, []
+    for name in names:
+        path = os.path.join(tag_dir, name)
+        if match := LAYER_RE.match(name):
+            if match[2]:
+                raise UnsupportedCheckpoint(path, "is a layer file of a pipeline with a model (tensor-parallel) axis; "
+                                                  "only pipelines without one are supported")
+            layer_files.append(name)
+        elif match := _STAGE_MODEL_RE.match(name):
+            stage_models[int(match[1])] = name
+        elif (role := schema.classify(name)).kind == "optim":
+            optims[(role.mp_rank, role.dp_rank)] = role
+        elif os.path.isdir(path) or name.startswith("."):
+            continue
+        else:
+            others.append(name)
+    if not stage_models:
+        raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
+    pp = len(stage_models)
+    if sorted(stage_models) != list(range(pp)):
+        raise CheckpointError(tag_dir, f"has stage model files {sorted(stage_models)}; expected 0..{pp - 1}")
+    stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
+    if len(bf16_flags) > 1:
+        raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
+    bf16 = bf16_flags.pop() if bf16_flags else False
+    for stage in range(pp):
+        model_path = os.path.join(tag_dir, stage_model_name(stage))
+        model = load_whole(model_path, trust_pickle)
+        dims = model.get("checkpoint_parallel_dimensions") or {}
+        if dims.get("tp_degree", 1) != 1:
+            raise UnsupportedCheckpoint(model_path, f"has tp_degree {dims['tp_degree']}: pipelines with a model "
+                                                    "axis are not supported")
+        if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp:
+            raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
+                                              f"{model.get('mp_world_size')}, but {pp} stage files are present")
+        if model.get("optimizer") is not None:  # engine.py `_save_checkpoint`: ZeRO-0 keeps it here
+            raise UnsupportedCheckpoint(model_path, "holds the optimizer state (ZeRO stage 0); pipeline checkpoints "
+                                                    "are supported under ZeRO stage 1 only")
+        if model.get("module") is not None:
+            raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
+        if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
+            raise UnsupportedCheckpoint(model_path, "records frozen parameters; not supported for pipelines yet")
+        stage_dp = model.get("dp_world_size")
+        dp = stage_dp if dp is None else dp
+        if stage_dp != dp:
+            raise CheckpointError(model_path, f"has dp_world_size {stage_dp}, stage 0 has {dp}")
+        missing = [d for d in range(dp) if (stage, d) not in optims]
+        if missing:
+            raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], bf16, stage)),
+                                  f"is missing: dp_world_size is {dp}, so stage {stage} has {dp} optimizer files")
+        first = load_whole(os.path.join(tag_dir, schema.optim_file_name(0, bf16, stage)), trust_pickle)[OPTIM]
+        stage_bf16_optimizer = _check_optimizer(first, os.path.join(tag_dir, schema.optim_file_name(0, bf16, stage)),
+                                                model, dp)
+        if bf16_optimizer is not None and stage_bf16_optimizer != bf16_optimizer:
+            raise CheckpointError(model_path, "stages were saved by different optimizer wrappers")
+        bf16_optimizer = stage_bf16_optimizer
+        groups = [list(shapes.items()) for shapes in model["param_shapes"]]
+        stages.append(PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
+                                    tuple(tuple(_numel(s) for _, s in g) for g in groups),
+                                    tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
+                                    tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ())))
+    extra = sorted(key for key in optims if key[0] >= pp or key[1] >= dp)
+    if extra:
+        raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
+                              f"should not exist: the save has {pp} stages of {dp} dp ranks")
+    return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
+                          tuple(others))
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def _check_optimizer(osd: dict, path: str, model: dict, dp: int) -> bool:
+    """Whether the stage was saved by BF16_Optimizer; refuse what a plain re-cut would get wrong."""
+    if FP32 not in osd or "partition_count" not in osd:
+        raise UnsupportedCheckpoint(path, "is not a ZeRO-1 optimizer file (no single_partition_of_fp32_groups); "
+                                          "pipeline checkpoints are supported under ZeRO stage 1 only")
+    bf16_optimizer = "zero_stage" not in osd
+    if bf16_optimizer:  # bf16 under ZeRO stage 0; with a tied layer DeepSpeed cannot load its own save
+        raise UnsupportedCheckpoint(path, "was saved by BF16_Optimizer (bf16 with ZeRO stage 0); pipeline "
+                                          "checkpoints are supported under ZeRO stage 1 only (DeepSpeed 0.19.8 "
+                                          "itself fails to load such a save with a tied layer, "
+                                          "bf16_optimizer.py _load_legacy_checkpoint)")
+    if int(osd["zero_stage"]) != 1:
+        raise UnsupportedCheckpoint(path, f"has ZeRO stage {int(osd['zero_stage'])}; the pipeline engine allows 0 or 1 "
+                                          "and reshard supports 1")
+    if any(any(group) for group in osd.get("param_alignment_paddings") or []):
+        raise UnsupportedCheckpoint(path, "uses parameter_alignment paddings; not supported for pipelines yet")
+    zero_config = (model.get("ds_config") or {}).get("zero_optimization") or {}
+    if zero_config.get("round_robin_gradients"):
+        raise UnsupportedCheckpoint(path, "uses round_robin_gradients; not supported for pipelines yet")
+    if list(osd["partition_count"]) != [dp] * len(osd[FP32]):
+        raise CheckpointError(path, f"has partition_count {list(osd['partition_count'])}, dp_world_size is {dp}")
+    if len(model["param_shapes"]) != len(osd[FP32]):
+        raise CheckpointError(path, f"has {len(osd[FP32])} param groups, the stage's param_shapes "
+                                    f"{len(model['param_shapes'])}")
+    return bf16_optimizer
+
+
+def _group_layout(stage: PipelineStage, group: int, dp: int) -> Zero12Group:
+    numels = stage.numels[group]
+    return zero12_group(range(len(numels)), numels, dp)
+
+
+def _joined(parts: list, layouts: list[Zero12Group], group: int, path_of):
+    """The stage group's flat tensor without its tail padding, from every source rank's partition."""
+    import torch
+    layout = layouts[group]
+    pieces = []
+    for rank, part in enumerate(parts):
+        lean = layout.lean_numel(rank)
+        if part.numel() < lean:
+            raise CheckpointError(path_of(rank), f"group {group} holds {part.numel()} elements, {lean} expected")
+        pieces.append(part.reshape(-1)[:lean])
+    return torch.cat(pieces)[:layout.padded_numel]
+
+
+def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
+    """Rank `rank`'s partition of `flat` at `layout`: zero-padded to the partition size, or without
+    its tail padding when `lean` (DeepSpeedZeroOptimizer's saved fp32 partition)."""
+    import torch
+    start = rank * layout.partition_numel
+    size = layout.lean_numel(rank) if lean else layout.partition_numel
+    out = torch.zeros(size, dtype=flat.dtype)
+    piece = flat[start:start + size]
+    out[:piece.numel()] = piece
+    return out
+
+
+def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
+    """The stage's source files (rank 0's, as a template), and per group its fp32 master flat and
+    its per-element optimizer states' flats, each without tail padding."""
+    spec = source.stages[stage]
+    paths = [source.optim_path(stage, rank) for rank in range(source.dp)]
+    files = [load_whole(path, trust_pickle) for path in paths]
+    osds = [f[OPTIM] for f in files]
+    old = [_group_layout(spec, g, source.dp) for g in range(len(spec.names))]
+    masters, moments = [], []
+    for g in range(len(spec.names)):
+        masters.append(_joined([osd[FP32][g] for osd in osds], old, g, paths.__getitem__))
+        states = [osd[BASE]["state"].get(g, {}) for osd in osds]
+        keys = [key for key, value in states[0].items()
+                if hasattr(value, "numel") and value.dim() == 1 and value.numel() == old[g].partition_numel]
+        moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys})
+    return files[0], masters, moments
+
+
+def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
+                     moments: list[dict], target_dp: int) -> list[dict]:
+    """Every target dp rank's optimizer file over one stage's groups (`names`, `numels` per group;
+    `masters`, `moments` their unpadded flats), other keys from `template` (a source file).
+
+    Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
+    2 * dp, `partition_size`, `groups_padding`; `_create_param_mapping`) through
+    reshard.layout's Zero12Group. Tensors of the base optimizer's state whose size equals the
+    partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
+    groups = len(names)
+    new = [zero12_group(range(len(numels[g])), numels[g], target_dp) for g in range(groups)]
+    outputs = []
+    for rank in range(target_dp):
+        osd = dict(template[OPTIM])
+        osd[FP32] = [_cut(masters[g], new[g], rank, lean=True) for g in range(groups)]
+        base = dict(osd[BASE])
+        base["state"] = {}
+        for g in range(groups):
+            state = dict(template[OPTIM][BASE]["state"].get(g, {}))
+            state.update({key: _cut(flat, new[g], rank, lean=False) for key, flat in moments[g].items()})
+            base["state"][g] = state
+        osd[BASE] = base
+        osd["partition_count"] = [target_dp] * groups
+        osd["group_paddings"] = [new[g].tail_padding(rank) for g in range(groups)]
+        osd["param_alignment_paddings"] = [[0] * len(names[g]) for g in range(groups)]
+        osd["param_slice_mappings"] = [
+            {names[g][pid]: classes.fragment_address(numel, start)
+             for pid, numel, start in new[g].slice_mappings(rank, numels[g])} for g in range(groups)]
+        outputs.append({**template, OPTIM: osd})
+    return outputs
+
+
+def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> list[dict]:
+    """Every target dp rank's optimizer file for `stage`, the number of stages unchanged."""
+    spec = source.stages[stage]
+    template, masters, moments = _stage_flats(source, stage, trust_pickle)
+    return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp)
+
+
+def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
+                      trust_pickle: bool = False) -> list[str]:
+    """Write stage `stage`'s model-states file (dp_world_size updated) and its `target_dp` optimizer
+    files into `tag_dir`; return the paths written."""
+    import torch
+    model = load_whole(source.model_path(stage), trust_pickle)
+    model["dp_world_size"] = target_dp
+    paths = [os.path.join(tag_dir, stage_model_name(stage))]
+    torch.save(model, paths[0], pickle_module=classes)
+    for rank, tree in enumerate(target_optimizers(source, stage, target_dp, trust_pickle)):
+        path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
+        torch.save(tree, path, pickle_module=classes)
+        paths.append(path)
+    return paths
+
+
+def named_states(source: PipelineSource, trust_pickle: bool = False):
+    """(stage 0's optimizer file as a template, {name: {"fp32": flat, <state>: flat}}) over every
+    stage; a tied parameter, held by several stages, must be equal in each."""
+    import torch
+    template, found = None, {}
+    for stage, spec in enumerate(source.stages):
+        path = source.optim_path(stage, 0)
+        if len(spec.names) != 1:
+            raise UnsupportedCheckpoint(path, f"has {len(spec.names)} optimizer param groups; changing the number "
+                                              "of pipeline stages supports one")
+        file, masters, moments = _stage_flats(source, stage, trust_pickle)
+        template = template or file
+        offset = 0
+        for name, numel in zip(spec.names[0], spec.numels[0]):
+            states = {"fp32": masters[0][offset:offset + numel]}
+            states.update({key: flat[offset:offset + numel] for key, flat in moments[0].items()})
+            offset += numel
+            if name in found:
+                if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
+                                                                   for k, v in states.items()):
+                    raise CheckpointError(path, f"holds {name} (a tied parameter) with values other than an "
+                                                "earlier stage's")
+                continue
+            found[name] = states
+    return template, found
+
+
+def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
+    """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
+    `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
+    its files hold."""
+    from reshard.pipeline_layout import stage_bounds, stage_names
+    numels = source_numels(source)
+    # The target's method may be explicit boundaries, or differ from the one the source was saved
+    # with: the layer list passes if any DeepSpeed method reproduces every source stage.
+    methods = list(dict.fromkeys(m for m in (method, "parameters", "uniform") if m in ("parameters", "uniform")))
+    mismatch = None
+    for tried in methods:
+        bounds = stage_bounds(tried, layers, numels, source.pp)
+        for stage, spec in enumerate(source.stages):
+            expected = stage_names(layers, bounds, stage, list(numels))
+            if tuple(expected) != spec.names[0]:
+                mismatch = mismatch or (stage, spec, tried, bounds, expected)
+                break
+        else:
+            mismatch = None
+            break
+    if mismatch:
+        stage, spec, tried, bounds, expected = mismatch
+        raise CheckpointError(source.model_path(stage),
+                              f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
+                              f"partitioned by {tried!r} into {source.pp} stages (bounds {bounds}) give "
+                              f"{expected}: the layer count or tied positions differ from the model's (or the source "
+                              "was partitioned by type: or by hand, which reshard cannot reproduce)")
+    for stage, spec in enumerate(source.stages):
+        if spec.buffer_names or spec.shared_params:
+            raise UnsupportedCheckpoint(source.model_path(stage), "lists buffers or shared parameters; changing "
+                                                                  "the number of pipeline stages does not support "
+                                                                  "them yet")
+
+
+def source_numels(source: PipelineSource) -> dict[str, int]:
+    """Every parameter's element count by name, stage order (each module's own order kept)."""
+    numels = {}
+    for spec in source.stages:
+        for names, counts in zip(spec.names, spec.numels):
+            for name, numel in zip(names, counts):
+                numels.setdefault(name, numel)
+    return numels
+
+
+def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, layers, method: str,
+                              target_pp: int, stage: int, target_dp: int, tag_dir: str,
+                              trust_pickle: bool = False) -> list[str]:
+    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files."""
+    import collections
+
+    import torch
+
+    from reshard.pipeline_layout import stage_bounds, stage_names
+    numels = source_numels(source)
+    shapes = {name: shape for spec in source.stages for name, shape in zip(spec.names[0], spec.shapes[0])}
+    bounds = stage_bounds(method, layers, numels, target_pp)
+    names = stage_names(layers, bounds, stage, list(numels))
+    keys = [key for key in states[names[0]] if key != "fp32"] if names else []
+    master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
+    moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}
+    model = load_whole(source.model_path(0), trust_pickle)
+    model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in names)]
+    model["dp_world_size"] = target_dp
+    model["mp_world_size"] = target_pp
+    model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
+                                               "pp_degree": target_pp}
+    paths = [os.path.join(tag_dir, stage_model_name(stage))]
+    torch.save(model, paths[0], pickle_module=classes)
+    trees = build_optimizers(template, [tuple(names)], [tuple(numels[n] for n in names)], [master], [moments],
+                             target_dp)
+    for rank, tree in enumerate(trees):
+        path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
+        torch.save(tree, path, pickle_module=classes)
+        paths.append(path)
+    return paths
+
+
+def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False) -> dict | None:
+    """What `reshard inspect` prints for a pipeline save (None when the tag is not one)."""
+    if tag is None:
+        latest = os.path.join(save_dir, schema.LATEST)
+        if not os.path.isfile(latest):
+            return None
+        with open(latest) as handle:
+            tag = handle.read().strip()
+    if not is_pipeline(os.path.join(save_dir, tag)):
+        return None
+    source = inspect_pipeline(save_dir, tag, trust_pickle)
+    return {"kind": "pipeline", "save_dir": save_dir, "tag": tag, "description": source.describe(),
+            "pp": source.pp, "dp": source.dp, "bf16": source.bf16, "layer_files": list(source.layer_files),
+            "stages": [{"stage": spec.index, "params": sum(len(g) for g in spec.names),
+                        "elements": sum(sum(g) for g in spec.numels), "groups": len(spec.names),
+                        "tied": sorted({n.split(".")[1] for g in spec.names for n in g
+                                        if n.startswith("tied_modules.")})} for spec in source.stages]}
+
+
+def pipeline_summary_text(summary: dict) -> str:
+    lines = [f"{summary['save_dir']} tag {summary['tag']}: {summary['description']}"]
+    for stage in summary["stages"]:
+        tied = f", tied {', '.join(stage['tied'])}" if stage["tied"] else ""
+        lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements, "
+                     f"{stage['groups']} group(s){tied}; mp_rank_{stage['stage']:02d}_model_states.pt + "
+                     f"{summary['dp']} optimizer files")
+    lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
+    lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
+                 "and --pipeline-tied (the checkpoint does not record them)")
+    return "\n".join(lines)

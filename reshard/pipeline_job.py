@@ -1,0 +1,225 @@
+"""A reshard job for a DeepSpeed PipelineModule checkpoint (ZeRO-1), run by every worker.
+
+    python -m reshard SRC DST --target-dp 3                 # job.py hands pipeline saves here
+    python -m reshard SRC DST --target-dp 2 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
+
+With another number of stages, the layers are re-assigned as DeepSpeed's PipelineModule assigns
+them (reshard.pipeline_layout: `--pipeline-partition`, the layer count and tied positions the
+caller gives, checked against the source's own assignment first), every worker that builds a
+stage loads every source stage's states (whole tensors), and builds its target stages.
+With the number of stages unchanged, each stage is an ordinary ZeRO-1 save over its own
+parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s with
+s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
+rounds), and the layer files are copied unchanged, shared out by size. The lifecycle is
+reshard.zero0_job's:
+
+1. worker 0 inspects the source, checks the options and the destination; every worker receives it;
+2. worker 0 takes the destination lock and creates DST/.reshard-staging/TAG;
+3. each worker writes its stages' files and copies its share of the layer files;
+4. worker 0 writes the manifest and publishes: tag directory into place, `latest` last.
+On failure the staging is removed and DST holds no new checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+from reshard import __version__
+from reshard.byte_io import hash_file
+from reshard.collective import check_peers, on_rank0
+from reshard.destination import STAGING, Staging, check_empty, check_paths
+from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.file_shares import file_shares
+from reshard.formats.deepspeed_pipeline import (
+    PipelineSource,
+    check_layers_reproduce_source,
+    inspect_pipeline,
+    named_states,
+    source_numels,
+    write_repartitioned_stage,
+    write_stage_files,
+)
+from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
+from reshard.lock import LOCK_NAME, DestinationLock
+from reshard.manifest import (
+    JOURNAL_NAME,
+    Manifest,
+    output_fingerprint,
+    source_identity,
+    write_journal,
+)
+from reshard.options import ReshardOptions
+from reshard.pipeline_layout import PipelineLayers, stage_bounds
+from reshard.resources import anonymous_rss_bytes
+from reshard.results import CheckpointResult, PhaseClock, WorkerReport
+from reshard.runs import Unit
+from reshard.topology import Topology
+from reshard.transport import Transport
+
+PP_CHANGE_MISSING = ("the new layer-to-stage assignment needs the model's layer count and the positions of its "
+                     "TiedLayerSpec layers (layers without a state_dict and tied layers with a forward_fn leave "
+                     "no file), which the checkpoint does not record: give --pipeline-layers N and, for tied "
+                     "layers, --pipeline-tied KEY:I,J")
+
+
+def pipeline_layers(opts: ReshardOptions, model: str) -> PipelineLayers:
+    """The caller's layer list (--pipeline-layers, --pipeline-tied), checked for form."""
+    tied = {}
+    for item in filter(None, (opts.pipeline_tied or "").split(";")):
+        key, _, indices = item.partition(":")
+        try:
+            tied[key.strip()] = tuple(int(i) for i in indices.split(","))
+        except ValueError:
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: use KEY:I,J[;KEY:I,J]") from None
+        if not key.strip() or any(not 0 <= i < opts.pipeline_layers for i in tied[key.strip()]):
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: indices must lie in "
+                              f"0..{opts.pipeline_layers - 1}")
+    return PipelineLayers(opts.pipeline_layers, tied)
+
+
+def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
+    """(pp, dp) to write, or the options this job does not serve refused by name."""
+    model = source.model_path(0)
+    if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
+        raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
+                                           + PP_CHANGE_MISSING)
+    refused = [(opts.target_tp not in (None, 1), f"--target-tp {opts.target_tp}"),
+               (opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+               (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
+               (bool(opts.node_local), "--node-local")]
+    for applies, option in refused:
+        if applies:
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
+    if opts.target_dp < 1:
+        raise OptionError(f"{model}: --target-dp must be at least 1")
+    target = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
+    if target.pp != source.pp:
+        layers = pipeline_layers(opts, model)
+        check_layers_reproduce_source(source, layers, opts.pipeline_partition)
+        try:
+            stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+        except ValueError as error:
+            raise OptionError(f"{model}: {error}") from None
+    return target
+
+
+def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
+    """Per worker, the stages whose files it builds: stage s by worker s % W."""
+    return tuple(tuple(range(w, pp, workers)) for w in range(workers))
+
+
+def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
+    started = time.perf_counter()
+
+    def inspect():
+        check_paths(unit.source, unit.destination)
+        source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        return source, target_topology(opts, source)
+
+    source, target = on_rank0(transport, inspect)
+    clock.lap("inspect")
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
+                              Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
+                              opts.dry_run)
+    writes = stages_written_by(target.pp, transport.size)
+    repartition = target.pp != source.pp
+    if repartition:
+        layers = pipeline_layers(opts, source.model_path(0))
+        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+        how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds {bounds}), each "
+               f"stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
+    else:
+        how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
+    result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors; "
+                        "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
+    if opts.dry_run:
+        result.seconds = time.perf_counter() - started
+        return result
+
+    staging = Staging(unit.destination, source.tag)
+    lock = DestinationLock(unit.destination)
+    carried = (*source.layer_files, *source.other_files)
+
+    def decide():
+        names = [*carried] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)] + [
+            os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)]
+        identity = source_identity(source.tag_dir, set(names))
+        fingerprint = output_fingerprint(source.save_dir, source.tag, identity, target.dp,
+                                         placement={"pp": target.pp, "layers": opts.pipeline_layers,
+                                                    "tied": opts.pipeline_tied,
+                                                    "partition": opts.pipeline_partition} if repartition else None)
+        check_empty(unit.destination, {STAGING, LOCK_NAME, LATEST, *RECOVERY_SCRIPTS}, opts.overwrite)
+        created = not os.path.lexists(unit.destination)
+        lock.acquire()
+        try:
+            staging.create()
+            write_journal(staging.tag_dir, fingerprint, False, 0)
+        except BaseException:
+            lock.release()
+            raise
+        return identity, fingerprint, created
+
+    identity, fingerprint, created = on_rank0(transport, decide)
+    clock.lap("plan")
+    report = WorkerReport(transport.rank, (), ())
+    hashes, failure = {}, None
+    try:
+        if repartition and writes[transport.rank]:  # every source stage feeds the new stages
+            template, states = named_states(source, opts.trust_pickle)
+            report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
+        for stage in writes[transport.rank]:
+            if repartition:
+                written = write_repartitioned_stage(source, states, template, layers, opts.pipeline_partition,
+                                                    target.pp, stage, target.dp, staging.tag_dir, opts.trust_pickle)
+            else:
+                written = write_stage_files(source, stage, target.dp, staging.tag_dir, opts.trust_pickle)
+                report.bytes_read += sum(identity[name]["bytes"] for name in identity
+                                         if name.endswith(f"mp_rank_{stage:02d}_optim_states.pt")
+                                         or name == f"mp_rank_{stage:02d}_model_states.pt")
+            for path in written:
+                hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
+        report.bytes_written = sum(h["bytes"] for h in hashes.values())
+        copied = staging.copy_in_hashed(source.tag_dir, file_shares({name: identity[name]["bytes"] for name in carried},
+                                                                    transport.size)[transport.rank])
+        report.bytes_carried = sum(h["bytes"] for h in copied.values())
+        report.bytes_read += report.bytes_carried
+        hashes.update(copied)
+    except Exception as error:
+        failure = error
+    clock.lap("exchange+write")
+    try:
+        check_peers(transport, failure, "writing the target files")
+        all_hashes = transport.all_gather_object(hashes)
+        failure = None
+        if transport.rank == 0:
+            try:
+                files = {}
+                for worker_hashes in all_hashes:
+                    files.update(worker_hashes)
+                source_entry = {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp,
+                                "pp": source.pp, "stage": 1, "description": source.describe(), "files": identity}
+                Manifest(fingerprint, source=source_entry, target={"dp_world_size": target.dp, "pp": target.pp,
+                                                                   "stage": 1},
+                         files=files, reshard_version=__version__).write(staging.tag_dir)
+                os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
+                staging.publish(unit.latest)
+            except Exception as error:
+                failure = error
+        check_peers(transport, failure, "publishing the result")
+    except BaseException:
+        if transport.rank == 0:
+            staging.discard()
+            lock.release()
+            if created and os.path.isdir(unit.destination) and not os.listdir(unit.destination):
+                os.rmdir(unit.destination)
+        raise
+    if transport.rank == 0:
+        lock.release()
+    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_anonymous_bytes = anonymous_rss_bytes()
+    clock.lap("publish")
+    report.phases = clock.seconds
+    result.reports = transport.all_gather_object(report)
+    result.seconds = time.perf_counter() - started
+    return result

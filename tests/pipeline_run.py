@@ -1,0 +1,175 @@
+"""Train, save and check a small DeepSpeed PipelineModule on CPU (gloo); the e2e pipeline tests run it.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 tests/pipeline_run.py \
+        train --pp 2 --precision fp32 --save /tmp/pipe --truth /tmp/pipe.truth
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 tests/pipeline_run.py \
+        check --pp 1 --precision fp32 --load /tmp/out --truth /tmp/pipe.truth --verdict /tmp/v.json
+
+The model: an embedding tied to the output head (`TiedLayerSpec`, key "embed"), Linear layers of
+odd sizes (so ZeRO-1 pads), a parameterless GELU and a LayerNorm; ZeRO-1, Adam, an LR scheduler.
+`train` runs a few `train_batch` steps and writes, per rank, the truth of its stage: each
+parameter's full fp32 master and Adam moments by name (`safe_get_full_fp32_param`,
+`safe_get_full_optimizer_state`, read from the live engine) and the eval loss on one fixed
+micro-batch (the number of micro-batches per step changes with dp, a fixed one does not).
+`check` builds the engine from another seed at (pp, world / pp), loads with plain
+`load_checkpoint`, compares its stage's tensors by name and the eval loss with the truth, then runs
+one more `train_batch`; rank 0 writes the verdict as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+
+import torch
+
+VOCAB, DIM, HIDDEN = 37, 24, 41
+MICRO_BATCH, SEQ, GRAD_ACCUM = 2, 5, 2
+HANG_SECONDS = 400
+
+
+def layer_specs():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    def head(embedding, hidden):  # the tied weight again, as the output projection
+        return hidden @ embedding.weight.t()
+
+    return [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM),
+            LayerSpec(torch.nn.Linear, DIM, HIDDEN),
+            torch.nn.GELU(),
+            LayerSpec(torch.nn.Linear, HIDDEN, DIM),
+            LayerSpec(torch.nn.LayerNorm, DIM),
+            LayerSpec(torch.nn.Linear, DIM, DIM),
+            TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM, forward_fn=head)]
+
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+
+
+def config(precision: str, dp: int, universal: bool = False) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GRAD_ACCUM,
+           "train_batch_size": MICRO_BATCH * GRAD_ACCUM * dp,
+           "optimizer": {"type": "Adam", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-2,
+                                                          "warmup_num_steps": 10}},
+           "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if universal:  # DeepSpeed's own path, the second oracle: ds_to_universal's output
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
+    return ids, torch.roll(ids, 1, dims=1)
+
+
+def build_engine(pp: int, precision: str, seed: int, universal: bool = False):
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(seed)
+    module = PipelineModule(layers=layer_specs(), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
+                            base_seed=seed)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
+                                           config=config(precision, world // pp, universal))
+    return engine
+
+
+def stage_truth(engine) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    engine.optimizer._hp_optimizer_states_linked = False
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
+    tensors = {}
+    for name, param in engine.module.named_parameters():
+        tensors[name] = {"fp32": safe_get_full_fp32_param(param).clone(),
+                         "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+                         "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone()}
+    return tensors
+
+
+def eval_loss(engine) -> float:
+    fixed = batch(12345)
+    return float(engine.eval_batch(iter([fixed]), num_micro_batches=1))
+
+
+def train(args) -> None:
+    engine = build_engine(args.pp, args.precision, seed=1)
+    rank = int(os.environ["RANK"])
+    steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
+                  for step in range(args.steps) for i in range(GRAD_ACCUM)])
+    for _ in range(args.steps):
+        engine.train_batch(data_iter=steps)
+    # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
+    engine.save_checkpoint(args.save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
+    truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "global_steps": engine.global_steps,
+             "lr": engine.optimizer.param_groups[0]["lr"]}
+    os.makedirs(args.truth, exist_ok=True)
+    torch.save(truth, os.path.join(args.truth, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+
+
+def check(args) -> None:
+    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal)
+    rank = int(os.environ["RANK"])
+    path, client = engine.load_checkpoint(args.load)
+    truths = [torch.load(os.path.join(args.truth, name), weights_only=True) for name in sorted(os.listdir(args.truth))]
+    expected = {}
+    for truth in truths:
+        expected.update(truth["tensors"])
+    problems = []
+    if path is None:
+        problems.append("load_checkpoint returned None")
+    got = stage_truth(engine)
+    for name, states in got.items():
+        if name not in expected:
+            problems.append(f"{name}: not in the truth")
+            continue
+        for key, value in states.items():
+            want = expected[name][key]
+            if want.shape != value.shape or not torch.equal(want, value):
+                gap = float((want.float() - value.float()).abs().max()) if want.shape == value.shape else "shape"
+                problems.append(f"{name}.{key}: differs (max abs {gap})")
+    loss = eval_loss(engine)
+    if loss != truths[0]["loss"]:
+        problems.append(f"eval loss {loss} != {truths[0]['loss']}")
+    if engine.global_steps != truths[0]["global_steps"]:
+        problems.append(f"global_steps {engine.global_steps} != {truths[0]['global_steps']}")
+    if engine.optimizer.param_groups[0]["lr"] != truths[0]["lr"]:
+        problems.append(f"lr {engine.optimizer.param_groups[0]['lr']} != {truths[0]['lr']}")
+    if (client or {}).get("note") != "pipeline":
+        problems.append(f"client_state note lost: {client and client.get('note')}")
+    engine.train_batch(data_iter=iter([batch(9000 + i) for i in range(GRAD_ACCUM)]))
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, {"rank": rank, "checked": len(got), "problems": problems})
+    if rank == 0:
+        verdict = {"ok": all(not g["problems"] for g in gathered), "ranks": gathered}
+        with open(args.verdict + ".tmp", "w") as out:
+            json.dump(verdict, out, indent=1)
+        os.replace(args.verdict + ".tmp", args.verdict)
+    torch.distributed.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "check"])
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    parser.add_argument("--truth", required=True)
+    parser.add_argument("--verdict")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
+    args = parser.parse_args()
+    train(args) if args.mode == "train" else check(args)
+
+
+if __name__ == "__main__":
+    main()
