@@ -25,7 +25,7 @@ import os
 import resource
 import time
 
-from reshard import __version__
+from reshard.version import __version__
 from reshard.byte_io import hash_file
 from reshard.collective import check_peers, on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths
