@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 import time
 
-from reshard.collective import on_rank0
-from reshard.destination import check_paths
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
@@ -39,8 +37,11 @@ from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
 from reshard.transport import Transport
-from reshard.whole_file_job import WholeFileSource, run_whole_file_job
-
+from reshard.whole_file_job import (
+    WholeFileSource,
+    inspect_on_worker0,
+    run_whole_file_job,
+)
 
 PP_CHANGE_MISSING = ("the new layer-to-stage assignment needs the model's layer count and the positions of its "
                      "TiedLayerSpec layers (layers without a state_dict and tied layers with a forward_fn leave "
@@ -97,13 +98,9 @@ def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
-    def inspect():
-        check_paths(unit.source, unit.destination)
-        source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        return source, target_topology(opts, source)
-
-    source, target = on_rank0(transport, inspect)
-    clock.lap("inspect")
+    source, target = inspect_on_worker0(unit, transport, clock,
+                                        lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
+                                        lambda source: target_topology(opts, source))
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
                               opts.dry_run)

@@ -7,7 +7,8 @@ Jobs whose target files are each built whole by one worker (no rounds, no exchan
 lifecycle; only which files a worker builds and how, and what the manifest says about source and
 target, differ, and those come in as values and a callable:
 
-1. (the job) worker 0 inspects the source and checks the options; every worker receives the result;
+1. `inspect_on_worker0`: worker 0 checks the paths, inspects the source and derives the target
+   (the job's callables, which check its options); every worker receives both;
 2. `run_whole_file_job`: worker 0 checks the destination, takes its lock, creates
    DST/.reshard-staging/TAG and writes the journal (reshard.manifest);
 3. each worker builds its own files (the job's `build`) and copies its share of the files that
@@ -22,12 +23,18 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from reshard.byte_io import hash_file
 from reshard.collective import check_peers, on_rank0
-from reshard.destination import STAGING, Staging, check_empty, clean_up_after_failure
+from reshard.destination import (
+    STAGING,
+    Staging,
+    check_empty,
+    check_paths,
+    clean_up_after_failure,
+)
 from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.lock import LOCK_NAME, DestinationLock
@@ -49,6 +56,20 @@ class WholeFileSource:
     carried: tuple[str, ...]         # files copied unchanged, shared out between workers by size
     directories: tuple[str, ...] = ()  # sub-directories of the tag directory, re-created by worker 0
     manifest_source: dict | None = None  # the manifest's "source" entry, less "files" (added last)
+
+
+def inspect_on_worker0(unit: Unit, transport: Transport, clock: PhaseClock, inspect: Callable[[str, str], object],
+                       target_of: Callable[[object], object]) -> tuple:
+    """Step 1 above: (source, target), computed by worker 0 and received by every worker.
+    `inspect(src, tag)` reads the source; `target_of(source)` checks the options against it."""
+    def source_and_target():
+        check_paths(unit.source, unit.destination)
+        source = inspect(unit.source, unit.tag)
+        return source, target_of(source)
+
+    source, target = on_rank0(transport, source_and_target)
+    clock.lap("inspect")
+    return source, target
 
 
 def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,

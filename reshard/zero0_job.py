@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import time
 
-from reshard.collective import on_rank0
-from reshard.destination import check_paths
 from reshard.errors import OptionError
 from reshard.expert_layout import ExpertParams, expert_placement_lines
 from reshard.formats.deepspeed_zero0_moe import (
@@ -33,7 +31,11 @@ from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
 from reshard.transport import Transport
-from reshard.whole_file_job import WholeFileSource, run_whole_file_job
+from reshard.whole_file_job import (
+    WholeFileSource,
+    inspect_on_worker0,
+    run_whole_file_job,
+)
 
 
 def written_by(target: Topology, workers: int) -> tuple[tuple[str, ...], ...]:
@@ -63,13 +65,9 @@ def _target(opts: ReshardOptions, source: Zero0MoeSource) -> Topology:
 def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
-    def inspect():
-        check_paths(unit.source, unit.destination)
-        source = inspect_zero0_moe(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        return source, _target(opts, source)
-
-    source, target = on_rank0(transport, inspect)
-    clock.lap("inspect")
+    source, target = inspect_on_worker0(unit, transport, clock,
+                                        lambda src, tag: inspect_zero0_moe(src, tag, trust_pickle=opts.trust_pickle),
+                                        lambda source: _target(opts, source))
     experts = ExpertParams((), source.num_experts, (), ())
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(), source.topology,
                               target, transport.size, transport.name, 0, 0.0, opts.dry_run,
