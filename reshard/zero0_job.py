@@ -79,10 +79,12 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
         result.seconds = time.perf_counter() - started
         return result
 
-    optim_names = [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(source.topology.ep)]
+    def optim_name(ep_rank: int) -> str:
+        return f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
+
     carried = (*source.expert_files, *source.other_files)
     whole_files = WholeFileSource(
-        source.tag, source.tag_dir, (MODEL, *carried, *optim_names), carried, tuple(source.other_dirs),
+        source.tag, source.tag_dir, (MODEL, *carried, *map(optim_name, range(source.topology.ep))), carried, tuple(source.other_dirs),
         {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.topology.dp, "stage": 0,
          "optimizer": "wrapped" if source.wrapped else "torch", "description": source.describe()})
 
@@ -93,7 +95,7 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
         return paths
 
     report = WorkerReport(transport.rank, (), tuple(e for e in range(target.ep)
-                                                    if optim_names[e] in writes[transport.rank]))
+                                                    if optim_name(e) in writes[transport.rank]))
     return run_whole_file_job(
         opts, unit, transport, clock, result, started, whole_files,
         lambda identity: output_fingerprint(source.save_dir, source.tag, identity, target.dp, target_ep=target.ep),
