@@ -10,27 +10,17 @@ stage loads every source stage's states (whole tensors), and builds its target s
 With the number of stages unchanged, each stage is an ordinary ZeRO-1 save over its own
 parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s with
 s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
-rounds), and the layer files are copied unchanged, shared out by size. The lifecycle is
-reshard.zero0_job's:
-
-1. worker 0 inspects the source, checks the options and the destination; every worker receives it;
-2. worker 0 takes the destination lock and creates DST/.reshard-staging/TAG;
-3. each worker writes its stages' files and copies its share of the layer files;
-4. worker 0 writes the manifest and publishes: tag directory into place, `latest` last.
-On failure the staging is removed and DST holds no new checkpoint.
+rounds), and the layer files are copied unchanged, shared out by size. Worker 0 inspects the
+source and checks the options here; the rest (lock, staging, journal, each worker's stages,
+manifest, publish, clean-up on failure) is the lifecycle in reshard.whole_file_job, shared with
+reshard.zero0_job.
 """
 from __future__ import annotations
 
 import os
-import resource
 import time
 
-from reshard.version import __version__
-from reshard.byte_io import hash_file
-from reshard.collective import check_peers, on_rank0
-from reshard.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import OptionError, UnsupportedCheckpoint
-from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     check_layers_reproduce_source,
@@ -40,22 +30,18 @@ from reshard.formats.deepspeed_pipeline import (
     write_repartitioned_stage,
     write_stage_files,
 )
-from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.lock import LOCK_NAME, DestinationLock
-from reshard.manifest import (
-    JOURNAL_NAME,
-    Manifest,
-    output_fingerprint,
-    source_identity,
-    write_journal,
-)
+from reshard.manifest import output_fingerprint
 from reshard.options import ReshardOptions
 from reshard.pipeline_layout import PipelineLayers, stage_bounds
-from reshard.resources import anonymous_rss_bytes
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
 from reshard.transport import Transport
+from reshard.whole_file_job import (
+    WholeFileSource,
+    inspect_on_worker0,
+    run_whole_file_job,
+)
 
 PP_CHANGE_MISSING = ("the new layer-to-stage assignment needs the model's layer count and the positions of its "
                      "TiedLayerSpec layers (layers without a state_dict and tied layers with a forward_fn leave "
@@ -112,13 +98,9 @@ def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
-    def inspect():
-        check_paths(unit.source, unit.destination)
-        source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        return source, target_topology(opts, source)
-
-    source, target = on_rank0(transport, inspect)
-    clock.lap("inspect")
+    source, target = inspect_on_worker0(unit, transport, clock,
+                                        lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
+                                        lambda source: target_topology(opts, source))
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
                               opts.dry_run)
@@ -137,89 +119,33 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         result.seconds = time.perf_counter() - started
         return result
 
-    staging = Staging(unit.destination, source.tag)
-    lock = DestinationLock(unit.destination)
     carried = (*source.layer_files, *source.other_files)
+    identified = (*carried, *(f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)),
+                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
+    whole_files = WholeFileSource(
+        source.tag, source.tag_dir, identified, carried, (),
+        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
+         "description": source.describe()})
+    placement = ({"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+                  "partition": opts.pipeline_partition} if repartition else None)
 
-    def decide():
-        names = [*carried] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)] + [
-            os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)]
-        identity = source_identity(source.tag_dir, set(names))
-        fingerprint = output_fingerprint(source.save_dir, source.tag, identity, target.dp,
-                                         placement={"pp": target.pp, "layers": opts.pipeline_layers,
-                                                    "tied": opts.pipeline_tied,
-                                                    "partition": opts.pipeline_partition} if repartition else None)
-        check_empty(unit.destination, {STAGING, LOCK_NAME, LATEST, *RECOVERY_SCRIPTS}, opts.overwrite)
-        created = not os.path.lexists(unit.destination)
-        lock.acquire()
-        try:
-            staging.create()
-            write_journal(staging.tag_dir, fingerprint, False, 0)
-        except BaseException:
-            lock.release()
-            raise
-        return identity, fingerprint, created
-
-    identity, fingerprint, created = on_rank0(transport, decide)
-    clock.lap("plan")
-    report = WorkerReport(transport.rank, (), ())
-    hashes, failure = {}, None
-    try:
+    def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
+        paths = []
         if repartition and writes[transport.rank]:  # every source stage feeds the new stages
             template, states = named_states(source, opts.trust_pickle)
             report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
         for stage in writes[transport.rank]:
             if repartition:
-                written = write_repartitioned_stage(source, states, template, layers, opts.pipeline_partition,
-                                                    target.pp, stage, target.dp, staging.tag_dir, opts.trust_pickle)
+                paths += write_repartitioned_stage(source, states, template, layers, opts.pipeline_partition,
+                                                   target.pp, stage, target.dp, tag_dir, opts.trust_pickle)
             else:
-                written = write_stage_files(source, stage, target.dp, staging.tag_dir, opts.trust_pickle)
+                paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
                 report.bytes_read += sum(identity[name]["bytes"] for name in identity
                                          if name.endswith(f"mp_rank_{stage:02d}_optim_states.pt")
                                          or name == f"mp_rank_{stage:02d}_model_states.pt")
-            for path in written:
-                hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
-        report.bytes_written = sum(h["bytes"] for h in hashes.values())
-        copied = staging.copy_in_hashed(source.tag_dir, file_shares({name: identity[name]["bytes"] for name in carried},
-                                                                    transport.size)[transport.rank])
-        report.bytes_carried = sum(h["bytes"] for h in copied.values())
-        report.bytes_read += report.bytes_carried
-        hashes.update(copied)
-    except Exception as error:
-        failure = error
-    clock.lap("exchange+write")
-    try:
-        check_peers(transport, failure, "writing the target files")
-        all_hashes = transport.all_gather_object(hashes)
-        failure = None
-        if transport.rank == 0:
-            try:
-                files = {}
-                for worker_hashes in all_hashes:
-                    files.update(worker_hashes)
-                source_entry = {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp,
-                                "pp": source.pp, "stage": 1, "description": source.describe(), "files": identity}
-                Manifest(fingerprint, source=source_entry, target={"dp_world_size": target.dp, "pp": target.pp,
-                                                                   "stage": 1},
-                         files=files, reshard_version=__version__).write(staging.tag_dir)
-                os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-                staging.publish(unit.latest)
-            except Exception as error:
-                failure = error
-        check_peers(transport, failure, "publishing the result")
-    except BaseException:
-        if transport.rank == 0:
-            staging.discard()
-            lock.release()
-            if created and os.path.isdir(unit.destination) and not os.listdir(unit.destination):
-                os.rmdir(unit.destination)
-        raise
-    if transport.rank == 0:
-        lock.release()
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    report.peak_anonymous_bytes = anonymous_rss_bytes()
-    clock.lap("publish")
-    report.phases = clock.seconds
-    result.reports = transport.all_gather_object(report)
-    result.seconds = time.perf_counter() - started
-    return result
+        return paths
+
+    return run_whole_file_job(
+        opts, unit, transport, clock, result, started, whole_files,
+        lambda identity: output_fingerprint(source.save_dir, source.tag, identity, target.dp, placement=placement),
+        {"dp_world_size": target.dp, "pp": target.pp, "stage": 1}, WorkerReport(transport.rank, (), ()), build)
