@@ -499,7 +499,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
         save_dir_files.publish(staged, carried, unit.destination)
     # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
-    staging.publish(unit.latest, scripts=site is None or site.node == 0)
+    staging.publish(unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None)
 
 
 def _copy_sizes(source: SourceCheckpoint, start: _Start) -> dict[str, int]:

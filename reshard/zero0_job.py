@@ -148,7 +148,7 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
                                                                    "ep": target.ep},
                          files=files, reshard_version=__version__).write(staging.tag_dir)
                 os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-                staging.publish(unit.latest)
+                staging.publish(unit.latest, scripts_from=source.save_dir)
             except Exception as error:
                 failure = error
         check_peers(transport, failure, "publishing the result")

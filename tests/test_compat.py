@@ -1,0 +1,114 @@
+"""Fitting into the user's environment: their DeepSpeed left alone, the source's metadata carried.
+
+    python -m pytest tests/test_compat.py -q -m "not e2e"    # the version range, in one process
+    python -m pytest tests/test_compat.py -q                  # with real checkpoints
+
+The 0.16.9 end-to-end case (train and load with 0.16.9, reshard with this environment) is in
+tests/test_older_deepspeed.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from trained import REPO, reshard_cli
+
+from reshard.deepspeed_version import release_of, version_problem
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+@pytest.mark.parametrize("version", ["0.14.0", "0.14.5", "0.16.9", "0.17.0rc1", "0.19.8", "0.19.8+cpu"])
+def test_the_tested_range_is_supported(version):
+    assert version_problem(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.13.5", "0.20.0", "0.20.0.dev0", "1.0.0"])
+def test_outside_the_range_is_named(version):
+    problem = version_problem(version)
+    assert problem is not None and f"DeepSpeed {version} is installed" in problem and ">=0.14,<0.20" in problem
+
+
+def test_release_parts():
+    assert release_of("0.16.9") == (0, 16, 9) and release_of("0.17.0rc1") == (0, 17, 0) and release_of("1.2") == (1, 2, 0)
+
+
+def test_pyproject_extra_states_the_same_range():
+    """The `deepspeed` extra and the run-time check name one range; the base install has no DeepSpeed."""
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("deepspeed") for dep in project["dependencies"])
+    assert project["optional-dependencies"]["deepspeed"] == ["deepspeed>=0.14,<0.20"]
+    assert any(dep.startswith("deepspeed==") for dep in project["optional-dependencies"]["test"])
+    assert not any(re.match(r"torch\s*==", dep) for dep in project["dependencies"])
+
+
+def test_in_job_api_warns_outside_the_range(tmp_path):
+    """The import of reshard.deepspeed checks the installed DeepSpeed's metadata (a real
+    distribution record of an unsupported release, on sys.path ahead of the installed one)."""
+    record = tmp_path / "deepspeed-0.13.5.dist-info"
+    record.mkdir()
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.13.5\n")
+    code = ("import warnings, sys; warnings.simplefilter('always');\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    import reshard.deepspeed\n"
+            "print([str(w.message) for w in seen if w.category.__name__ == 'UnsupportedDeepSpeedWarning'])")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), DS_ACCELERATOR="cpu")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "DeepSpeed 0.13.5 is installed" in result.stdout
+
+
+def _deepspeed_imports(importtime_stderr: str) -> list[str]:
+    """Modules named deepspeed or deepspeed.* in `python -X importtime` output."""
+    return re.findall(r"\|\s*(deepspeed(?:\.\S+)?)\s*$", importtime_stderr, flags=re.MULTILINE)
+
+
+@pytest.mark.e2e
+def test_offline_command_never_imports_deepspeed(trained, tmp_path):
+    """`python -m reshard SRC DST --target-dp 3`, `verify` and `export` on a real checkpoint import
+    no DeepSpeed module (`-X importtime` lists every import, lazy ones included)."""
+    source, _ = trained("z2_fp32", 2)
+    commands = {"reshard": [str(source), str(tmp_path / "dst"), "--target-dp", "3", "--quiet"],
+                "verify": ["verify", str(tmp_path / "dst")],
+                "export": ["export", str(source), str(tmp_path / "hf"), "--format", "safetensors"]}
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    for name, args in commands.items():
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "reshard", *args], capture_output=True,
+                                text=True, env=env, cwd=REPO, timeout=300)
+        assert result.returncode == 0, (name, result.stdout, result.stderr[-3000:])
+        assert "| reshard.cli" in result.stderr  # importtime did list the imports
+        assert _deepspeed_imports(result.stderr) == [], name
+    # the check can fail: the in-job API does import DeepSpeed's modules when it runs
+    probe = subprocess.run([sys.executable, "-X", "importtime", "-c", "import deepspeed"], capture_output=True,
+                           text=True, env=env, cwd=REPO, timeout=300)
+    assert "deepspeed" in _deepspeed_imports(probe.stderr)
+
+
+@pytest.mark.e2e
+def test_output_carries_the_sources_recovery_scripts(trained, tmp_path):
+    """The output holds the source's zero_to_fp32.py byte for byte (here: an older release's, as a
+    checkpoint from another DeepSpeed has) and no script the source did not have."""
+    trained_dir, _ = trained("z2_fp32", 2)
+    source = tmp_path / "src"
+    shutil.copytree(trained_dir, source)
+    assert {p.name for p in source.iterdir()} >= set(RECOVERY_SCRIPTS)  # DeepSpeed 0.19.8 writes both
+    older = b"#!/usr/bin/env python\n# zero_to_fp32.py as an older DeepSpeed wrote it\n"
+    (source / "zero_to_fp32.py").write_bytes(older)
+    (source / "zero_to_torch.py").unlink()
+    result = reshard_cli(source, tmp_path / "dst", "--target-dp", "3", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "dst" / "zero_to_fp32.py").read_bytes() == older
+    assert os.access(tmp_path / "dst" / "zero_to_fp32.py", os.X_OK)
+    assert not (tmp_path / "dst" / "zero_to_torch.py").exists()
+    # a source without any script: the output has none either
+    for name in ("zero_to_fp32.py",):
+        (source / name).unlink()
+    result = reshard_cli(source, tmp_path / "dst2", "--target-dp", "1", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert not any((tmp_path / "dst2" / name).exists() for name in RECOVERY_SCRIPTS)
