@@ -112,3 +112,54 @@ def test_output_carries_the_sources_recovery_scripts(trained, tmp_path):
     result = reshard_cli(source, tmp_path / "dst2", "--target-dp", "1", "--quiet")
     assert result.returncode == 0, result.stderr
     assert not any((tmp_path / "dst2" / name).exists() for name in RECOVERY_SCRIPTS)
+
+
+def _save_tiny_tokenizer(directory) -> None:
+    """A real fast tokenizer (word level, 67 ids as the tiny Llama's vocabulary) saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 67)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(directory)
+
+
+@pytest.mark.e2e
+def test_trainer_checkpoint_export_loads_with_from_pretrained(hf_trained, tmp_path):
+    """A Trainer's checkpoint-3 exported: from_pretrained(OUT) with nothing copied by hand gives the
+    Trainer's own model.safetensors, tensor for tensor; its tokenizer comes along too."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = hf_trained("z2") / "checkpoint-3"
+    out = tmp_path / "hf"
+    result = reshard_cli("export", checkpoint, out, "--format", "safetensors")
+    assert result.returncode == 0, result.stderr
+    assert "copied from the save directory: config.json, generation_config.json" in result.stdout
+    assert "AutoTokenizer.from_pretrained(OUT) needs them" in result.stdout  # this Trainer had no tokenizer
+    for name in ("config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (checkpoint / name).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    loaded = model.state_dict()
+    trainers = load_file(checkpoint / "model.safetensors")
+    assert trainers and set(trainers) <= set(loaded)
+    for name, tensor in trainers.items():
+        assert torch.equal(loaded[name], tensor), name
+
+    # with a tokenizer saved beside the model (Trainer(processing_class=...)), it is exported too
+    with_tokenizer = tmp_path / "checkpoint-3"
+    shutil.copytree(checkpoint, with_tokenizer)
+    _save_tiny_tokenizer(with_tokenizer)
+    result = reshard_cli("export", with_tokenizer, tmp_path / "hf2", "--format", "safetensors")
+    assert result.returncode == 0, result.stderr
+    assert "note:" not in result.stdout and "tokenizer.json" in result.stdout
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf2")
+    assert tokenizer("w5 w9 w66")["input_ids"] == AutoTokenizer.from_pretrained(with_tokenizer)("w5 w9 w66")["input_ids"]
+
+    # without a config, the summary says what from_pretrained needs
+    (with_tokenizer / "config.json").unlink()
+    result = reshard_cli("export", with_tokenizer, tmp_path / "hf3", "--format", "safetensors")
+    assert result.returncode == 0, result.stderr
+    assert "no config.json in the save directory" in result.stdout

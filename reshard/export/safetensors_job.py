@@ -30,6 +30,7 @@ from reshard.collective import on_rank0
 from reshard.destination import check_empty, check_paths
 from reshard.errors import OptionError
 from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
+from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
 from reshard.export.runner import run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -67,13 +68,17 @@ class ExportResult:
     seconds: float = 0.0
     peak_rss_bytes: list = field(default_factory=list)
     kept_for_tied: dict = field(default_factory=dict)
+    model_files: list = field(default_factory=list)
+    """config, generation config and tokenizer files copied from the save directory (export.model_files)."""
 
     def summary(self) -> str:
         tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
                 f"  {len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors; {self.workers} "
                 f"worker(s), {self.rounds} round(s), {self.seconds:.1f} s"
-                + (f"\n  tied: {tied}" if tied else ""))
+                + (f"\n  tied: {tied}" if tied else "")
+                + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
+                + "".join(f"\n  note: {note}" for note in missing_notes(self.model_files)))
 
 
 def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
@@ -135,10 +140,16 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     def open_writer(files):
         return SafetensorsWriter.create(layout, destination, files, stream_dtypes, model_path, budget)
 
-    rss = run_export(transport, source, plan, open_writer, lambda: _write_index(destination, layout),
-                     trust_pickle=trust_pickle)
+    model_files = model_files_in(source.save_dir)
+
+    def publish():  # the model's other files first: the index marks the directory complete
+        copy_model_files(source.save_dir, destination, model_files)
+        _write_index(destination, layout)
+
+    rss = run_export(transport, source, plan, open_writer, publish, trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
-                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied)
+                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied,
+                          model_files=model_files)
     result.seconds = time.perf_counter() - started
     return result
 
