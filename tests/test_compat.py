@@ -163,3 +163,25 @@ def test_trainer_checkpoint_export_loads_with_from_pretrained(hf_trained, tmp_pa
     result = reshard_cli("export", with_tokenizer, tmp_path / "hf3", "--format", "safetensors")
     assert result.returncode == 0, result.stderr
     assert "no config.json in the save directory" in result.stdout
+
+
+@pytest.mark.e2e
+def test_summary_names_each_file_that_needed_torch_and_why(trained, tmp_path):
+    """A client_state holding a torch.device (torch's allowlist has it, the torch-free reader does
+    not): the summary says torch read that file, and why; the other files stay torch-free."""
+    import torch
+    trained_dir, _ = trained("z2_fp32", 2)
+    source = tmp_path / "src"
+    shutil.copytree(trained_dir, source)
+    model = source / (source / "latest").read_text() / "mp_rank_00_model_states.pt"
+    tree = torch.load(model, weights_only=False)
+    tree["where"] = torch.device("cpu")  # client_state is merged into the top level
+    torch.save(tree, model)
+    result = reshard_cli(source, tmp_path / "dst", "--target-dp", "3")
+    assert result.returncode == 0, result.stderr
+    torch_lines = [line.strip() for line in result.stdout.splitlines() if line.startswith("  torch  :")]
+    assert torch_lines == [f"torch  : {model}: NeedsTorch: pickled global torch.device"], result.stdout
+    assert "io     : torch (imported by worker(s) 0)" in result.stdout
+    # untouched, the same checkpoint needs no torch and the summary has no such line
+    plain = reshard_cli(trained_dir, tmp_path / "dst2", "--target-dp", "3")
+    assert plain.returncode == 0 and "torch  :" not in plain.stdout and "io     : torch-free" in plain.stdout
