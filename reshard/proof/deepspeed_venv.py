@@ -69,11 +69,24 @@ class DeepSpeedVenv:
 def deepspeed_venv(version: str, cache: Path | str = DEFAULT_CACHE, *, log=None) -> DeepSpeedVenv:
     """The environment for DeepSpeed `version`, built on first use (about a minute, plus the op's
     compile), then reused from `cache`."""
+    import fcntl
+
     import torch
     venv = DeepSpeedVenv(version, Path(cache) / f"deepspeed-{version}-torch-{torch.__version__}")
     ready = venv.root / "ready"
     if ready.is_file():
         return venv
+    venv.root.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.root.with_name(venv.root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a test session and bench/compat.py may build the same one
+        if not ready.is_file():
+            _build(venv, log)
+    return venv
+
+
+def _build(venv: DeepSpeedVenv, log) -> None:
+    import torch
+    version = venv.version
     out = log if log is not None else subprocess.DEVNULL
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv.root)], check=True,
                    stdout=out, stderr=subprocess.STDOUT)
@@ -91,8 +104,7 @@ def deepspeed_venv(version: str, cache: Path | str = DEFAULT_CACHE, *, log=None)
     if found[:2] != [version, torch.__version__]:
         raise RuntimeError(f"{venv.root}: runs DeepSpeed {found[0]} with torch {found[1]}, "
                            f"not {version} with {torch.__version__}")
-    ready.write_text(f"deepspeed {version} torch {torch.__version__}\n")
-    return venv
+    (venv.root / "ready").write_text(f"deepspeed {version} torch {torch.__version__}\n")
 
 
 def main(argv=None) -> None:
