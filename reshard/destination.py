@@ -183,14 +183,16 @@ def write_latest(destination: str, tag: str) -> None:
 
 def copy_recovery_script(name: str, source_save_dir: str, save_dir: str) -> None:
     """The source's copy of DeepSpeed's helper (engine.py `_copy_recovery_script`), byte for byte,
-    executable as DeepSpeed leaves it; nothing where the source has none. Never the installed
+    executable as DeepSpeed leaves it; none where the source has none. Never the installed
     DeepSpeed's: its zero_to_fp32.py may not read the files another version wrote."""
-    source = os.path.join(source_save_dir, name)
-    if os.path.isfile(source) and not os.path.islink(source):
-        target = os.path.join(save_dir, name)
-        with open(source, "rb") as src, os.fdopen(open_new_file(save_dir, target, mode=0o755), "wb") as out:
-            shutil.copyfileobj(src, out)
-        os.chmod(target, os.stat(target).st_mode | 0o111)
+    source, target = os.path.join(source_save_dir, name), os.path.join(save_dir, name)
+    if not os.path.isfile(source) or os.path.islink(source):
+        if os.path.lexists(target):  # an earlier output's (--overwrite), not the source's
+            os.unlink(confined(save_dir, target))
+        return
+    with open(source, "rb") as src, os.fdopen(open_new_file(save_dir, target, mode=0o755), "wb") as out:
+        shutil.copyfileobj(src, out)
+    os.chmod(target, os.stat(target).st_mode | 0o111)
 
 
 def _fsync_dir(path: str) -> None:

@@ -112,6 +112,10 @@ def test_output_carries_the_sources_recovery_scripts(trained, tmp_path):
     result = reshard_cli(source, tmp_path / "dst2", "--target-dp", "1", "--quiet")
     assert result.returncode == 0, result.stderr
     assert not any((tmp_path / "dst2" / name).exists() for name in RECOVERY_SCRIPTS)
+    # over an earlier output (--overwrite), the scripts the source lacks do not survive either
+    result = reshard_cli(source, tmp_path / "dst", "--target-dp", "1", "--quiet", "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert not any((tmp_path / "dst" / name).exists() for name in RECOVERY_SCRIPTS)
 
 
 def _save_tiny_tokenizer(directory) -> None:
