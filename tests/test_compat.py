@@ -189,3 +189,25 @@ def test_summary_names_each_file_that_needed_torch_and_why(trained, tmp_path):
     # untouched, the same checkpoint needs no torch and the summary has no such line
     plain = reshard_cli(trained_dir, tmp_path / "dst2", "--target-dp", "3")
     assert plain.returncode == 0 and "torch  :" not in plain.stdout and "io     : torch-free" in plain.stdout
+
+
+def test_model_files_are_copied_as_they_are_and_stale_ones_removed(tmp_path):
+    """export.model_files: the save directory's config and tokenizer files, byte for byte; what the
+    source lacks is not left behind by an earlier export; the notes name what is missing."""
+    from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
+    save_dir, out = tmp_path / "checkpoint-3", tmp_path / "hf"
+    save_dir.mkdir()
+    out.mkdir()
+    (save_dir / "config.json").write_text('{"model_type": "llama"}')
+    (save_dir / "merges.txt").write_text("#version: 0.2\n")
+    (save_dir / "trainer_state.json").write_text("{}")  # the Trainer's, not the model's
+    (save_dir / "tokenizer.json").symlink_to(save_dir / "config.json")  # links are not followed
+    (out / "generation_config.json").write_text("{}")  # an earlier export's
+    names = model_files_in(str(save_dir))
+    assert names == ["config.json", "merges.txt"]
+    copy_model_files(str(save_dir), str(out), names)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merges.txt"]
+    assert (out / "config.json").read_bytes() == (save_dir / "config.json").read_bytes()
+    assert missing_notes(names) == []
+    notes = missing_notes(["generation_config.json"])
+    assert len(notes) == 2 and "config.json" in notes[0] and "AutoTokenizer" in notes[1]
