@@ -149,6 +149,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the per-release environments live")
     parser.add_argument("--deadline", help="HH:MM (UTC): start nothing new after it")
     parser.add_argument("--out", default=str(RESULTS / "compat.md"))
+    parser.add_argument("--update", action="store_true",
+                        help="keep the rows of OUT's .json that this run does not redo (rerun a few cells)")
     args = parser.parse_args(argv)
     now = datetime.datetime.now(datetime.timezone.utc)
     deadline = float("inf")
@@ -156,13 +158,23 @@ def main(argv=None) -> None:
         hours, minutes = map(int, args.deadline.split(":"))
         deadline = now.replace(hour=hours, minute=minutes, second=0).timestamp()
     started = now.strftime("%Y-%m-%d %H:%M")
+    kept: list[dict] = []
+    if args.update and Path(args.out).with_suffix(".json").is_file():
+        kept = json.loads(Path(args.out).with_suffix(".json").read_text())
+        for row in kept:  # JSON made the target sizes strings
+            row["targets"] = {int(m): cell for m, cell in row["targets"].items()}
     rows: list[dict] = []
     for version in args.versions:
         if time.time() > deadline:
             break
         rows += run_release(version, args.variants, args.targets, Path(args.workdir), Path(args.cache), deadline)
-        write_table(rows, args.targets, Path(args.out), started)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
+        redone = {(row["deepspeed"], row["variant"]) for row in rows}
+        order = {version: i for i, version in enumerate(VERSIONS)}
+        table = sorted([row for row in kept if (row["deepspeed"], row["variant"]) not in redone] + rows,
+                       key=lambda row: (order.get(row["deepspeed"], len(order)), VARIANTS.index(row["variant"])
+                                        if row["variant"] in VARIANTS else len(VARIANTS)))
+        write_table(table, args.targets, Path(args.out), started)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(table, indent=1, default=str))
         print(Path(args.out).read_text().splitlines()[-len(args.variants):], flush=True)
 
 

@@ -46,6 +46,20 @@ def _files(save_dir):
     return {path.name: load_portable(path, SAFE) for path in sorted(tag_dir.glob("*.pt"))}
 
 
+def _pickle_ops(path, marker: str, count: int) -> list[str]:
+    """`count` pickle opcodes (with arguments) of a torch.save file from the one naming `marker` on."""
+    import io
+    import pickletools
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        data = archive.read(next(name for name in archive.namelist() if name.endswith("/data.pkl")))
+    listing = io.StringIO()
+    pickletools.dis(data, listing)
+    ops = [line.split(":", 1)[1] for line in listing.getvalue().splitlines() if ":" in line]
+    start = next(i for i, op in enumerate(ops) if marker in op)
+    return ops[start:start + count]
+
+
 def _metadata(tree: dict) -> dict:
     """What must stay the source's: the saving release and the key sets of the top two levels."""
     nested = {key: sorted(value) for key, value in tree.items() if isinstance(value, dict) and key != "module"}
@@ -90,6 +104,15 @@ def test_older_checkpoint_resharded_here_loads_with_its_own_deepspeed(older_deep
         assert "io     : torch-free" in result.stdout and "torch  :" not in result.stdout, result.stdout
         assert (out / "zero_to_fp32.py").read_bytes() == (save_dir / "zero_to_fp32.py").read_bytes()
         assert not (out / "zero_to_torch.py").exists()  # 0.16.9 never wrote one
+        # the pickled objects written back as 0.16.9 wrote them: the set, the loss scaler
+        tag = (save_dir / "latest").read_text()
+        model = "mp_rank_00_model_states.pt" if variant.startswith("z2") else None
+        if model:
+            assert _pickle_ops(out / tag / model, "'sparse_tensor_module_names'", 8) == \
+                _pickle_ops(save_dir / tag / model, "'sparse_tensor_module_names'", 8)
+            assert "GLOBAL     '__builtin__ set'" in " ".join(_pickle_ops(out / tag / model, "'sparse_tensor", 4))
+        optim = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        assert _pickle_ops(out / tag / optim, "LossScaler", 16) == _pickle_ops(save_dir / tag / optim, "LossScaler", 16)
         source_files, target_files = _files(save_dir), _files(out)
         assert len(target_files) == (6 if variant.startswith("z3") else 4)
         for name, tree in target_files.items():
