@@ -25,6 +25,7 @@ and this torch, so an interrupted build is redone and a torch upgrade makes a ne
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -54,8 +55,8 @@ class DeepSpeedVenv:
 
     def loads_without_weights_only(self) -> bool:
         """True where this release's checkpoint engine leaves torch.load's weights_only unset."""
-        engine = next(self.root.glob("lib/python*/site-packages/deepspeed/runtime/checkpoint_engine/"
-                                     "torch_checkpoint_engine.py"))
+        engine = Path(_package_dir(self.python, "deepspeed")) / "runtime" / "checkpoint_engine" / \
+            "torch_checkpoint_engine.py"
         return "weights_only" not in engine.read_text()
 
     def env(self) -> dict:
@@ -64,6 +65,14 @@ class DeepSpeedVenv:
         if self.loads_without_weights_only():
             env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
         return env
+
+
+@functools.lru_cache
+def _package_dir(python: str, package: str) -> str:
+    """Where `python` finds `package` (its own site-packages, or the inherited one when the release
+    is the one installed here), found without importing it."""
+    code = f"import importlib.util as u; print(u.find_spec({package!r}).submodule_search_locations[0])"
+    return subprocess.run([python, "-c", code], check=True, capture_output=True, text=True, cwd="/").stdout.strip()
 
 
 def deepspeed_venv(version: str, cache: Path | str = DEFAULT_CACHE, *, log=None) -> DeepSpeedVenv:
