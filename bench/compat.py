@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -54,6 +55,13 @@ def _reshard(source: Path, destination: Path, m: int) -> dict:
             "error": (done.stderr.strip().splitlines() or [""])[-1] if done.returncode else ""}
 
 
+def _reason(error: Exception) -> str:
+    """The exception a failed launch's ranks raised (its last `...Error: ...` line), else its first line."""
+    text = str(error)
+    raised = re.findall(r"^(?:\[rank\d+\]: )?(\w+(?:Error|Exception): .+)$", text, flags=re.MULTILINE)
+    return (raised[-1] if raised else text.splitlines()[0])[:160]
+
+
 def _judge(venv, m: int, jobs: list[tuple[str, Path, Path, Path]]) -> None:
     """check_load at m ranks under the release, every (variant, dst, truth, verdict) in one launch."""
     (variant, dst, truth, verdict), *also = jobs
@@ -81,7 +89,7 @@ def run_release(version: str, variants, targets, workdir: Path, cache: Path, dea
         try:
             train_checkpoint(variant, 2, save_dir, truth, python=venv.python, env=venv.env(), timeout=900)
         except TorchrunError as error:
-            row["train"] = "failed: " + str(error).splitlines()[0][:160]
+            row["train"] = "failed: " + _reason(error)
             continue
         row["train"] = "ok"
         for m in targets:
@@ -98,7 +106,7 @@ def run_release(version: str, variants, targets, workdir: Path, cache: Path, dea
         except TorchrunError as error:
             for job in jobs:
                 next(r for r in rows if r["variant"] == job[0])["targets"][m]["load"] = {
-                    "ok": False, "error": str(error).splitlines()[0][:160]}
+                    "ok": False, "error": _reason(error)}
             continue
         for job in jobs:
             verdict = json.loads(Path(job[3]).read_text())
