@@ -19,6 +19,7 @@ build. The op is built once here, before any ranks start, so parallel ranks neve
 DeepSpeed's own quirk: releases whose `torch_checkpoint_engine.py` calls `torch.load` without
 `weights_only` (0.14) cannot load even their own checkpoints under torch >= 2.6, which defaults
 to weights_only=True; `env()` sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for them, as their users must.
+Without `numactl` installed, 0.14's ZeRO-3 fails on CPU unless LOCAL_SIZE is set (see `env`).
 The environment is complete once its `ready` marker exists (written last), keyed by the release
 and this torch, so an interrupted build is redone and a torch upgrade makes a new one.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -64,7 +66,18 @@ class DeepSpeedVenv:
         env = {"TORCH_EXTENSIONS_DIR": str(self.extensions_dir), "DS_ACCELERATOR": "cpu"}
         if self.loads_without_weights_only():
             env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        if shutil.which("numactl") is None:
+            # The CPU accelerator's device_count() (cpu_accelerator.py) asks `numactl --hardware` for
+            # the NUMA nodes unless LOCAL_SIZE is set (DeepSpeed's own launcher sets it); 0.14's
+            # utils/numa.py fails without numactl (ZeRO-3's gradient reduce calls it). Give the answer
+            # numactl would: the NUMA nodes that hold CPUs.
+            env["LOCAL_SIZE"] = str(_numa_nodes_with_cpus())
         return env
+
+
+def _numa_nodes_with_cpus() -> int:
+    nodes = Path("/sys/devices/system/node").glob("node[0-9]*")
+    return max(1, sum(1 for node in nodes if (node / "cpulist").is_file() and (node / "cpulist").read_text().strip()))
 
 
 @functools.lru_cache
