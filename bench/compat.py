@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from reshard.proof.deepspeed_venv import DEFAULT_CACHE, deepspeed_venv  # noqa: E402
-from reshard.proof.launch import TorchrunError, run_torchrun, train_checkpoint  # noqa: E402
+from reshard.proof.deepspeed_venv import DEFAULT_CACHE, deepspeed_venv
+from reshard.proof.launch import TorchrunError, run_torchrun, train_checkpoint
 
 VERSIONS = ["0.14.5", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8"]
 VARIANTS = ["z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16"]
@@ -47,7 +47,7 @@ def _reshard(source: Path, destination: Path, m: int) -> dict:
     """`python -m reshard` here: exit status and the summary's io line."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "reshard", str(source), str(destination), "--target-dp", str(m)],
+    done = subprocess.run([sys.executable, "-m", "reshard", str(source), str(destination), "--target-dp", str(m)], check=False,
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     io = next((line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if line.startswith("  io ")), "")
     torch_files = [line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if line.startswith("  torch ")]
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     parser.add_argument("--update", action="store_true",
                         help="keep the rows of OUT's .json that this run does not redo (rerun a few cells)")
     args = parser.parse_args(argv)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     deadline = float("inf")
     if args.deadline:
         hours, minutes = map(int, args.deadline.split(":"))

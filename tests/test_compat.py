@@ -194,7 +194,11 @@ def test_summary_names_each_file_that_needed_torch_and_why(trained, tmp_path):
 def test_model_files_are_copied_as_they_are_and_stale_ones_removed(tmp_path):
     """export.model_files: the save directory's config and tokenizer files, byte for byte; what the
     source lacks is not left behind by an earlier export; the notes name what is missing."""
-    from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
+    from reshard.export.model_files import (
+        copy_model_files,
+        missing_notes,
+        model_files_in,
+    )
     save_dir, out = tmp_path / "checkpoint-3", tmp_path / "hf"
     save_dir.mkdir()
     out.mkdir()
