@@ -17,7 +17,7 @@ does not carry the release, so two releases sharing the default directory load e
 build. The op is built once here, before any ranks start, so parallel ranks never race to build it.
 
 DeepSpeed's own quirk: releases whose `torch_checkpoint_engine.py` calls `torch.load` without
-`weights_only` (0.14) cannot load even their own checkpoints under torch >= 2.6, which defaults
+`weights_only` (0.14, 0.15) cannot load even their own checkpoints under torch >= 2.6, which defaults
 to weights_only=True; `env()` sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for them, as their users must.
 Without `numactl` installed, 0.14's ZeRO-3 fails on CPU unless LOCAL_SIZE is set (see `env`).
 The environment is complete once its `ready` marker exists (written last), keyed by the release
