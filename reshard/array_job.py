@@ -485,7 +485,7 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
              reshard_version=__version__).write(staging.tag_dir)
     if record.get("save_dir_files"):  # before the tag directory and `latest`, as job._publish does
         save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), record["save_dir_files"], destination)
-    staging.publish(None)
+    staging.publish(None, scripts_from=record["source"]["save_dir"])
 
 
 def publish_main(argv: list[str]) -> int:

@@ -40,6 +40,7 @@ import torch
 
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import on_rank0
+from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.errors import ReshardError, UnsupportedCheckpoint
 from reshard.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
 from reshard.execute import execute
@@ -54,6 +55,8 @@ from reshard.formats.torch_allowlist import allowed_globals
 from reshard.source_reader import SourceReader
 from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
+
+DEEPSPEED_VERSION = check_installed_deepspeed()  # the user's own DeepSpeed: warns outside the tested range
 
 DEFAULT_BUDGET = 1 << 30
 

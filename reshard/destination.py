@@ -138,13 +138,14 @@ class Staging:
         return {name: {"bytes": os.path.getsize(os.path.join(self.tag_dir, name)),
                        "blake3": hash_file(os.path.join(self.tag_dir, name))} for name in names}
 
-    def publish(self, latest: str | None, scripts: bool = True, latest_name: str = schema.LATEST) -> None:
-        """Move the tag directory into place, then write DeepSpeed's helpers and `latest` (last).
+    def publish(self, latest: str | None, scripts_from: str | None = None, latest_name: str = schema.LATEST) -> None:
+        """Move the tag directory into place, then carry DeepSpeed's helpers and write `latest` (last).
 
         `latest`: the tag to name in DST/latest, or None to leave it (a tag that is not the
-        source's latest, resharded with --all-tags). `scripts`: copy the recovery scripts (DeepSpeed
-        writes them on global rank 0's node only; node-local outputs follow that). `latest_name`:
-        the pointer file (a universal checkpoint's is `latest_universal`).
+        source's latest, resharded with --all-tags). `scripts_from`: the source save directory whose
+        recovery scripts are carried, or None for none (DeepSpeed writes them on global rank 0's
+        node only; node-local outputs follow that). `latest_name`: the pointer file (a universal
+        checkpoint's is `latest_universal`).
         """
         _fsync_dir(self.tag_dir)
         final = confined(self.destination, os.path.join(self.destination, self.tag))
@@ -157,8 +158,8 @@ class Staging:
                 _remove(old)
             os.rename(final, old)
         os.rename(self.tag_dir, final)
-        for script in schema.RECOVERY_SCRIPTS if scripts else ():
-            copy_recovery_script(script, self.destination)
+        for script in schema.RECOVERY_SCRIPTS if scripts_from is not None else ():
+            copy_recovery_script(script, scripts_from, self.destination)
         if latest is not None:
             write_latest(self.destination, latest, latest_name)
         if old is not None:
@@ -303,18 +304,18 @@ def write_latest(destination: str, tag: str, name: str = schema.LATEST) -> None:
     _fsync_dir(destination)
 
 
-def copy_recovery_script(name: str, save_dir: str) -> None:
-    """As engine.py `_copy_recovery_script`: DeepSpeed's helper next to the tags, executable."""
-    import importlib.util
-    package = importlib.util.find_spec("deepspeed")
-    if package is None or not package.submodule_search_locations:
+def copy_recovery_script(name: str, source_save_dir: str, save_dir: str) -> None:
+    """The source's copy of DeepSpeed's helper (engine.py `_copy_recovery_script`), byte for byte,
+    executable as DeepSpeed leaves it; none where the source has none. Never the installed
+    DeepSpeed's: its zero_to_fp32.py may not read the files another version wrote."""
+    source, target = os.path.join(source_save_dir, name), os.path.join(save_dir, name)
+    if not os.path.isfile(source) or os.path.islink(source):
+        if os.path.lexists(target):  # an earlier output's (--overwrite), not the source's
+            os.unlink(confined(save_dir, target))
         return
-    source = os.path.join(package.submodule_search_locations[0], "utils", name)
-    if os.path.isfile(source):
-        target = os.path.join(save_dir, name)
-        with open(source, "rb") as src, os.fdopen(open_new_file(save_dir, target, mode=0o755), "wb") as out:
-            shutil.copyfileobj(src, out)
-        os.chmod(target, os.stat(target).st_mode | 0o111)
+    with open(source, "rb") as src, os.fdopen(open_new_file(save_dir, target, mode=0o755), "wb") as out:
+        shutil.copyfileobj(src, out)
+    os.chmod(target, os.stat(target).st_mode | 0o111)
 
 
 def _fsync_dir(path: str) -> None:

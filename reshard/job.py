@@ -52,7 +52,7 @@ from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_pipeline import is_pipeline
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
-from reshard.formats.torch_archive import torch_fallback_reason
+from reshard.formats.torch_archive import torch_fallbacks
 from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import (
@@ -268,6 +268,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         from reshard.zero0_job import run_zero0_unit
         return run_zero0_unit(opts, unit, transport, clock)
     started = time.perf_counter()
+    fallbacks_before = len(torch_fallbacks)  # what this job read or wrote with torch, and why
 
     def inspect():
         check_paths(unit.source, unit.destination)
@@ -302,6 +303,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         result.notes.append(stage_change_note(source.spec, stage))
     if opts.dry_run:
         result.planner_imported_torch = "torch" in sys.modules
+        result.planner_torch_files = list(torch_fallbacks[fallbacks_before:])
         result.seconds = time.perf_counter() - started
         return result
 
@@ -411,7 +413,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report.peak_anonymous_bytes = memory.sample()
     report.torch_imported = "torch" in sys.modules
-    report.torch_why = torch_fallback_reason()
+    report.torch_files = list(torch_fallbacks[fallbacks_before:])
     clock.lap("publish")
     report.phases = clock.seconds
     result.reports = transport.all_gather_object(report)
@@ -447,7 +449,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
     if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
         save_dir_files.publish(staged, carried, unit.destination)
     # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
-    staging.publish(unit.latest, scripts=site is None or site.node == 0)
+    staging.publish(unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None)
 
 
 def _copy_sizes(source: SourceCheckpoint, start: _Start) -> dict[str, int]:

@@ -125,7 +125,8 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
     whole_files = WholeFileSource(
         source.tag, source.tag_dir, identified, carried, (),
         {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
-         "description": source.describe()})
+         "description": source.describe()},
+        save_dir=source.save_dir)
     placement = ({"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
                   "partition": opts.pipeline_partition} if repartition else None)
 

@@ -43,22 +43,17 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) 
     model0 = os.path.getsize(source.model_path(0))
     total += target_dp * blocks(model0) if spec.stage == 3 else target_tp * blocks(model0)
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
-    total += sum(blocks(size) for size in _recovery_script_sizes())
+    total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)
     total += blocks(1024 + 200 * files) + 2 * block  # manifest, journal, latest
     return total
 
 
-def _recovery_script_sizes() -> list[int]:
-    import importlib.util
-
+def _recovery_script_sizes(save_dir: str) -> list[int]:
+    """Sizes of the source's recovery scripts, which the output carries (destination.copy_recovery_script)."""
     from reshard.formats.deepspeed_schema import RECOVERY_SCRIPTS
-    package = importlib.util.find_spec("deepspeed")
-    if package is None or not package.submodule_search_locations:
-        return []
-    folder = os.path.join(package.submodule_search_locations[0], "utils")
-    return [os.path.getsize(os.path.join(folder, name)) for name in RECOVERY_SCRIPTS
-            if os.path.isfile(os.path.join(folder, name))]
+    return [os.path.getsize(os.path.join(save_dir, name)) for name in RECOVERY_SCRIPTS
+            if os.path.isfile(os.path.join(save_dir, name))]
 
 
 def anonymous_rss_bytes() -> int:

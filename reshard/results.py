@@ -80,10 +80,9 @@ class WorkerReport:
     torch_imported: bool | None = None
     """Whether this worker's process had imported torch by the end of its job (None: not recorded):
     `python -m reshard --workers W` reads and writes without it where the files allow."""
-    torch_why: str = ""
-    """The first file this worker read or wrote with torch after trying without it, and why
-    (formats.torch_archive.torch_fallbacks): content outside the torch-free subset, or an
-    installed torch whose bytes the torch-free writer is not pinned for."""
+    torch_files: list = field(default_factory=list)
+    """[(path, why)] of each file this worker read or wrote with torch after the torch-free reader
+    or writer refused it (torch_archive.torch_fallbacks), so the summary can say which and why."""
 
 
 @dataclass
@@ -106,6 +105,8 @@ class CheckpointResult:
     notes: list[str] = field(default_factory=list)
     planner_imported_torch: bool | None = None
     """A dry run's io marker: whether worker 0, which inspected the source, imported torch."""
+    planner_torch_files: list = field(default_factory=list)
+    """A dry run's torch_files (WorkerReport.torch_files) of worker 0's inspection."""
 
     @property
     def source_dp(self) -> int:
@@ -127,9 +128,17 @@ class CheckpointResult:
             return ""
         if not any(flags):
             return "torch-free (no worker imported torch)"
-        why = next((r.torch_why for r in self.reports if r.torch_why), "")
+        first = next(iter(self.torch_files()), None)  # each file and why: the `torch  :` lines
+        why = f"{first[0]}: {first[1]}" if first else ""
         return (f"torch (imported by worker(s) {', '.join(str(i) for i, f in enumerate(flags) if f)})"
                 + (f": {why}" if why else ""))
+
+    def torch_files(self) -> list[tuple[str, str]]:
+        """[(path, why)] of every file some worker read or wrote with torch, each path once."""
+        found: dict[str, str] = {}
+        for path, why in [pair for r in self.reports for pair in r.torch_files] + list(self.planner_torch_files):
+            found.setdefault(path, why)
+        return sorted(found.items())
 
     @property
     def bytes_written(self) -> int:
@@ -151,6 +160,7 @@ class CheckpointResult:
         io = self.io_line()
         if io:
             lines.append(f"  io     : {io}")
+        lines += [f"  torch  : {path}: {why}" for path, why in self.torch_files()]
         lines += [f"  note   : {note}" for note in self.notes]
         if self.dry_run:
             lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'send':>10} "

@@ -56,6 +56,7 @@ class WholeFileSource:
     carried: tuple[str, ...]         # files copied unchanged, shared out between workers by size
     directories: tuple[str, ...] = ()  # sub-directories of the tag directory, re-created by worker 0
     manifest_source: dict | None = None  # the manifest's "source" entry, less "files" (added last)
+    save_dir: str | None = None      # the source save directory: its recovery scripts are carried, no others
 
 
 def inspect_on_worker0(unit: Unit, transport: Transport, clock: PhaseClock, inspect: Callable[[str, str], object],
@@ -126,7 +127,7 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
                 Manifest(fingerprint, source={**(source.manifest_source or {}), "files": identity},
                          target=manifest_target, files=files, reshard_version=__version__).write(staging.tag_dir)
                 os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-                staging.publish(unit.latest)
+                staging.publish(unit.latest, scripts_from=source.save_dir)
             except Exception as error:
                 failure = error
         check_peers(transport, failure, "publishing the result")

@@ -86,7 +86,8 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
     whole_files = WholeFileSource(
         source.tag, source.tag_dir, (MODEL, *carried, *map(optim_name, range(source.topology.ep))), carried, tuple(source.other_dirs),
         {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.topology.dp, "stage": 0,
-         "optimizer": "wrapped" if source.wrapped else "torch", "description": source.describe()})
+         "optimizer": "wrapped" if source.wrapped else "torch", "description": source.describe()},
+        save_dir=source.save_dir)
 
     def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
         paths, read = write_target_files(source, target, tag_dir, list(writes[transport.rank]),

@@ -32,6 +32,7 @@ from reshard.collective import on_rank0
 from reshard.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import OptionError
 from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
+from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -72,13 +73,17 @@ class ExportResult:
     peak_rss_bytes: list = field(default_factory=list)
     kept_for_tied: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    model_files: list = field(default_factory=list)
+    """config, generation config and tokenizer files copied from the save directory (export.model_files)."""
 
     def summary(self) -> str:
         tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
                 f"  {len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors; {self.workers} "
                 f"worker(s), {self.rounds} round(s), {self.seconds:.1f} s"
-                + (f"\n  tied: {tied}" if tied else "") + "".join(f"\n  note: {note}" for note in self.notes))
+                + (f"\n  tied: {tied}" if tied else "")
+                + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
+                + "".join(f"\n  note: {note}" for note in [*self.notes, *missing_notes(self.model_files)]))
 
 
 def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
@@ -140,19 +145,24 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     def open_writer(files, staged, reuse_existing):
         return SafetensorsWriter.create(layout, staged, files, stream_dtypes, model_path, budget, reuse_existing)
 
+    model_files = model_files_in(source.save_dir)
+
     def publish(staging: Staging):
-        # the shards are in staging; the index (which makes the directory a model) is written there
-        # too, then every file moves into OUT, the index last
+        # the shards are in staging; the model's other files (config, tokenizer) and the index
+        # (which makes the directory a model) are written there too, then every file moves into
+        # OUT, the index last
         index = os.path.join(destination, INDEX_NAME)
         if os.path.lexists(index):
             os.unlink(index)  # --overwrite: the old index must not vouch for a mix of old and new shards
+        copy_model_files(source.save_dir, staging.tag_dir, model_files)
+        copy_model_files(source.save_dir, destination, ())  # removes an earlier export's model files from OUT
         _write_index(staging.tag_dir, layout)
         staging.publish_files(last=INDEX_NAME)
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
                           transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied,
-                          notes=output.notes)
+                          notes=output.notes, model_files=model_files)
     result.seconds = time.perf_counter() - started
     return result
 

@@ -289,7 +289,7 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_
         # the parameters' files are in staging/zero; the rest, then the tag directory into place by
         # one rename, then latest_universal (replaced atomically) names it
         write_universal_metadata(source, staging.tag_dir, trust_pickle)
-        staging.publish(source.tag, scripts=False, latest_name=LATEST_UNIVERSAL)
+        staging.publish(source.tag, latest_name=LATEST_UNIVERSAL)
 
     def open_writer(owned, staged, reuse_existing):
         zero_dir = os.path.join(staged, "zero")

@@ -352,12 +352,6 @@ def _fell_back(path, why: BaseException | str) -> None:
     torch_fallbacks.append((os.fspath(path), text[:200]))
 
 
-def torch_fallback_reason() -> str:
-    """"FILE: why" of the first file this process read or wrote with torch after trying without
-    it ("" when none), for the job summary's io line."""
-    return f"{torch_fallbacks[0][0]}: {torch_fallbacks[0][1]}" if torch_fallbacks else ""
-
-
 def installed_torch_version() -> str | None:
     """The installed torch's version, from its metadata (importing torch takes seconds)."""
     import importlib.metadata

@@ -223,6 +223,8 @@ _READ_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): TorchGlobal("torch._tensor._rebuild_from_type_v2",
                                                             _rebuild_from_type_v2),
     ("_codecs", "encode"): _encode,
+    # A set at protocol 2 (no set opcode): DeepSpeed <= 0.16's `sparse_tensor_module_names` (engine.py _save_checkpoint)
+    ("__builtin__", "set"): set,
 }
 for _name, _standin in TORCH_GLOBALS.items():
     _READ_GLOBALS[tuple(_name.rsplit(".", 1))] = _standin

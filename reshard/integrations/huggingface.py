@@ -32,7 +32,10 @@ import glob
 import os
 import sys
 
+from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.errors import ReshardError
+
+check_installed_deepspeed()  # the user's own DeepSpeed: warns outside the tested range
 
 TESTED = {"transformers": ("5.24",), "accelerate": ("1.15",)}
 """Package -> release series (major.minor) whose call paths were checked by tests/test_huggingface.py."""

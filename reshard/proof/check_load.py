@@ -105,7 +105,7 @@ def main(argv=None) -> None:
 
 def judge(args: argparse.Namespace) -> None:
     """Load one checkpoint in a fresh engine, compare, train on, write its verdict. Collective."""
-    import deepspeed.comm as dist
+    import torch.distributed as dist  # deepspeed.comm <= 0.16 has no all_gather_object
 
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)

@@ -14,9 +14,12 @@ from datetime import timedelta
 
 import torch
 
+from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.proof.batches import eval_batch, train_batch
 from reshard.proof.model import ProofModel, build_param_groups
 from reshard.proof.variants import Variant
+
+check_installed_deepspeed()  # the torchrun entry points build engines with the installed DeepSpeed
 
 # A tiny model needs seconds per collective; when one rank fails inside a collective (say a load
 # that raises on one rank only), the others should die soon rather than wait out gloo's 30 minutes.

@@ -265,9 +265,14 @@ def _master_from_internals(engine) -> dict:
 
     master = {}
     for group_index, flat in enumerate(flats):
-        if hasattr(optimizer, "round_robin_bit16_groups"):
+        if hasattr(optimizer, "round_robin_bit16_offsets"):
             ordered = list(zip(optimizer.round_robin_bit16_groups[group_index],
                                optimizer.round_robin_bit16_offsets[group_index]))
+        elif hasattr(optimizer, "round_robin_bit16_groups"):  # DeepSpeed <= 0.16: no alignment padding
+            ordered, offset = [], 0
+            for param in optimizer.round_robin_bit16_groups[group_index]:
+                ordered.append((param, offset))
+                offset += param.numel()
         else:
             ordered, offset = [], 0
             for param in groups[group_index]:

@@ -51,9 +51,10 @@ def _child_env(env: dict | None) -> dict:
 
 
 def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | None = None, timeout: float = 600,
-                 expect_files: Iterable[str | os.PathLike] = ()) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                 expect_files: Iterable[str | os.PathLike] = (), python: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args`.
+    `python`: the interpreter to run (another DeepSpeed's virtual environment); this one by default."""
+    command = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", module, *map(str, args)]
     expected = [Path(path) for path in expect_files]
     for attempt in (1, 2):
@@ -80,7 +81,8 @@ def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | No
 
 
 def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int = 3, seed: int = 0,
-                     tag: str | None = None, timeout: float = 600, nodes: int = 1):
+                     tag: str | None = None, timeout: float = 600, nodes: int = 1, python: str | None = None,
+                     env: dict | None = None):
     """Train `variant` on n ranks, save to save_dir, write the truth to truth_path. `nodes` > 1:
     n // nodes ranks on each of that many agents (`run_torchrun_nodes`; "{node}" in save_dir
     becomes each node's index)."""
@@ -90,12 +92,13 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
     if nodes > 1:
         return run_torchrun_nodes("reshard.proof.train", nodes, n // nodes, args, timeout=timeout,
                                   expect_files=[truth_path])
-    return run_torchrun("reshard.proof.train", n, args, timeout=timeout, expect_files=[truth_path])
+    return run_torchrun("reshard.proof.train", n, args, timeout=timeout, expect_files=[truth_path], python=python,
+                        env=env)
 
 
 def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *, seed: int = 1,
                      tag: str | None = None, extra_steps: int = 1, in_job: bool = False,
-                     timeout: float = 600, nodes: int = 1) -> dict:
+                     timeout: float = 600, nodes: int = 1, python: str | None = None, env: dict | None = None) -> dict:
     """Load load_dir on m ranks, judge it against truth_path; returns the parsed verdict.
     in_job: load with reshard.deepspeed.load_checkpoint rather than engine.load_checkpoint.
     nodes > 1: m // nodes ranks on each of that many agents, "{node}" in load_dir their node index."""
@@ -109,7 +112,8 @@ def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *
         run_torchrun_nodes("reshard.proof.check_load", nodes, m // nodes, args, timeout=timeout,
                            expect_files=[verdict_path])
     else:
-        run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path])
+        run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path], python=python,
+                     env=env)
     with open(verdict_path) as handle:
         return json.load(handle)
 

@@ -55,7 +55,7 @@ def cross_check_master_routes(engine) -> list[str]:
 
 def require_same_on_every_rank(what: str, value) -> None:
     """The truth is rank 0's view; it must be every rank's view, or it is no truth. Collective."""
-    import deepspeed.comm as dist
+    import torch.distributed as dist  # deepspeed.comm <= 0.16 has no all_gather_object
 
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, value)
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     variant = get_variant(args.variant)
     init_distributed()
     import deepspeed
-    import deepspeed.comm as dist
+    import torch.distributed as dist  # deepspeed.comm <= 0.16 has no all_gather_object
 
     engine = build_engine(variant, args.seed)
     losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
