@@ -47,6 +47,7 @@ def test_pyproject_extra_states_the_same_range():
     assert not any(re.match(r"torch\s*==", dep) for dep in project["dependencies"])
 
 
+@pytest.mark.e2e  # a fresh interpreter imports reshard.deepspeed beside a fake dist-info
 def test_in_job_api_warns_outside_the_range(tmp_path):
     """The import of reshard.deepspeed checks the installed DeepSpeed's metadata (a real
     distribution record of an unsupported release, on sys.path ahead of the installed one)."""
