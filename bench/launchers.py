@@ -150,16 +150,16 @@ def main(argv=None) -> int:
           f"-> {' '.join(load_after)}")
     print(f"{'size':>6} {'GB':>6} {'floor':>7} {'workers':>8} {'tr-torch':>9} {'torchrun':>9} {'goal':>7}  "
           f"peak RSS per worker (torchrun / workers / tr-torch, MB)")
+    def rss(size_result: dict, name: str) -> str:
+        best_run = min(size_result["runs"][name], key=lambda run: run["seconds"])
+        return "+".join(f"{w['peak_rss_bytes'] / 1e6:.0f}" for w in best_run["workers"])
+
     for r in results:
         b = r["best_seconds"]
 
-        def rss(name):
-            best_run = min(r["runs"][name], key=lambda run: run["seconds"])
-            return "+".join(f"{w['peak_rss_bytes'] / 1e6:.0f}" for w in best_run["workers"])
-
         print(f"{r['size']:>6} {r['source_bytes'] / 1e9:6.2f} {b['floor']:7.2f} {b['workers']:8.2f} "
               f"{b['torchrun-torch']:9.2f} {b['torchrun']:9.2f} {r['goal_seconds']:7.2f}{' ok' if r['goal_met'] else ' MISSED'}"
-              f"  {rss('torchrun')} / {rss('workers')} / {rss('torchrun-torch')}")
+              f"  {rss(r, 'torchrun')} / {rss(r, 'workers')} / {rss(r, 'torchrun-torch')}")
     return 0
 
 

@@ -16,7 +16,6 @@ import threading
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from reshard.transport import _choose
