@@ -143,15 +143,15 @@ def test_forked_workers_write_the_pinned_bytes_without_torch(trained, tmp_path, 
     assert output_hashes(destination) == PINNED[(variant, n, m)]
 
 
-def test_torchrun_on_one_host_writes_the_pinned_bytes_over_shared_memory(trained, tmp_path):
+def test_torchrun_on_one_host_writes_the_pinned_bytes_over_shared_memory(trained, torchrun_output, tmp_path):
     """`torchrun --nproc_per_node=2 -m reshard` on one host: the workers meet without torch, the
-    summary names the shared-memory transport, and the files are the pinned bytes."""
+    summary names the shared-memory transport, and the files are those of the same job over gloo
+    (`--transport torch`, the session's torchrun reference), and the pinned bytes where the pin can judge."""
     source, truth = trained("z2_fp32", 2)
-    if truth_digest(truth) != TRUTH_DIGESTS[("z2_fp32", 2)]:
-        pytest.skip("z2_fp32 trained at 2 ranks to other values on this machine than where the hashes were "
-                    "recorded (CPU or torch build); the pin cannot judge it")
     destination = tmp_path / "torchrun"
     done = reshard_with_torchrun(source, destination, 3, 2, "--memory-budget", "64K")
     assert "2 worker(s) over shared memory (torchrun workers on one host)" in done.stdout, done.stdout
     assert TORCH_FREE in done.stdout.splitlines(), done.stdout
-    assert output_hashes(destination) == PINNED[("z2_fp32", 2, 3)]
+    assert output_hashes(destination) == output_hashes(torchrun_output("z2_fp32", 2, 3))
+    if truth_digest(truth) == TRUTH_DIGESTS[("z2_fp32", 2)]:
+        assert output_hashes(destination) == PINNED[("z2_fp32", 2, 3)]
