@@ -116,8 +116,8 @@ def transport_from_environment(backend: str = "auto", timeout_seconds: float = 6
     """The transport for this process: `kind` "torch", "mpi", or "auto" (below).
 
     auto: the initialised torch.distributed group if there is one; under torchrun, shared memory
-    when all workers run on this host (and `backend` is "auto"), else torch.distributed; MPI when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or
-    PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
+    when all workers run on this host (and `backend` is "auto"), else torch.distributed; MPI
+    when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
     `timeout_seconds` bounds every collective: a worker whose peer died fails (torch) or aborts
     the MPI job (mpi) instead of hanging.
     """
