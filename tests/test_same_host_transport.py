@@ -157,3 +157,15 @@ def test_torchrun_on_one_host_runs_over_shared_memory_without_torch_and_writes_t
     assert "2 worker(s) over shared memory (forked workers)" in forked, forked
     _tree_equal(tmp_path / "torchrun", tmp_path / "gloo")
     _tree_equal(tmp_path / "torchrun", tmp_path / "forked")
+
+
+def test_segments_received_from_peers_are_not_inherited_by_child_processes():
+    transports = _meet(2, f"test-{uuid.uuid4()}")
+    try:
+        assert all(not isinstance(t, BaseException) for t in transports), transports
+        for transport in transports:
+            assert not any(os.get_inheritable(mapping.fd) for mapping in transport.segments)
+    finally:
+        for transport in transports:
+            if not isinstance(transport, BaseException):
+                transport.close()

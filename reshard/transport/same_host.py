@@ -186,6 +186,8 @@ def _receive_greeting(sock: socket.socket, digest: bytes, size: int, peer: int |
             continue
         if not chunk:
             break
+        for fd in more_fds:  # SCM_RIGHTS hands fds over inheritable; keep them out of any child process (PEP 446)
+            os.set_inheritable(fd, False)
         data, fds = data + chunk, fds + list(more_fds)
     if len(data) < GREETING.size or len(fds) != 1:
         for fd in fds:
