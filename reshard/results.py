@@ -71,7 +71,7 @@ class WorkerReport:
     bytes_written: int = 0
     bytes_carried: int = 0
     peak_rss_bytes: int = 0
-    """ru_maxrss: every resident page, file pages mapped for hashing included."""
+    """VmHWM (`resources.peak_resident_bytes`): every resident page, file pages mapped for hashing included."""
     peak_anonymous_bytes: int = 0
     """Anonymous resident memory at its largest sample (`reshard.resources.PeakAnonymousMemory`):
     what the job held, to compare with --memory-budget."""

@@ -18,7 +18,6 @@ holds no new checkpoint (no resume: there are no rounds to resume).
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 from reshard import __version__
@@ -39,7 +38,7 @@ from reshard.formats.deepspeed_zero0_moe import (
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import JOURNAL_NAME, Manifest, output_fingerprint, source_identity, write_journal
 from reshard.options import ReshardOptions
-from reshard.resources import anonymous_rss_bytes
+from reshard.resources import anonymous_rss_bytes, peak_resident_bytes
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
@@ -161,7 +160,7 @@ def run_zero0_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock
         raise
     if transport.rank == 0:
         lock.release()
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()  # whole-file copies: no rounds to sample between
     clock.lap("publish")
     report.phases = clock.seconds
