@@ -31,7 +31,6 @@ import glob
 import heapq
 import json
 import os
-import resource
 import shutil
 import sys
 import time
@@ -74,7 +73,7 @@ from reshard.options import ReshardOptions
 from reshard.paths import confined
 from reshard.plan import ReshardPlan
 from reshard.preflight import ZERO3_RANK_IDENTITY_NOTE, outputs_of, preflight, target_topology
-from reshard.resources import anonymous_rss_bytes, check_free_space, ensure_open_files
+from reshard.resources import anonymous_rss_bytes, check_free_space, ensure_open_files, peak_resident_bytes
 from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
@@ -332,7 +331,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     finally:
         lock.release()
         shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()
     result.seconds = time.perf_counter() - started
     return result

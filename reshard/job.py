@@ -23,7 +23,6 @@ command resumes from the last durable round.
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -74,6 +73,7 @@ from reshard.resources import (
     files_per_worker,
     is_disk_full,
     output_bytes,
+    peak_resident_bytes,
     PeakAnonymousMemory,
 )
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
@@ -410,7 +410,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     if leader:
         lock.release()
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = memory.sample()
     report.torch_imported = "torch" in sys.modules
     report.torch_files = list(torch_fallbacks[fallbacks_before:])

@@ -70,6 +70,22 @@ def anonymous_rss_bytes() -> int:
     return 0
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started its program: VmHWM of
+    /proc/self/status (every resident page, file pages mapped for hashing included: what top,
+    SLURM's MaxRSS and memory watchdogs read). Not ru_maxrss, which Linux carries over an execve
+    from the parent's memory at fork: a torchrun worker would report its agent's ~220 MB (the
+    agent imported torch) whatever the worker itself touched. ru_maxrss where there is no /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class PeakAnonymousMemory:
     """The largest `anonymous_rss_bytes` seen at the moments `sample` is called (after planning,
     after every round, at the end): Linux keeps a peak of all resident pages (VmHWM) but none of

@@ -71,7 +71,7 @@ class WorkerReport:
     bytes_written: int = 0
     bytes_carried: int = 0
     peak_rss_bytes: int = 0
-    """ru_maxrss: every resident page, file pages mapped for hashing included."""
+    """VmHWM (`resources.peak_resident_bytes`): every resident page, file pages mapped for hashing included."""
     peak_anonymous_bytes: int = 0
     """Anonymous resident memory at its largest sample (`reshard.resources.PeakAnonymousMemory`):
     what the job held, to compare with --memory-budget."""
@@ -178,13 +178,13 @@ class CheckpointResult:
                      f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
         lines.append(f"  phases : {_phase_line(self.phases)} (slowest worker each)")
         lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} "
-                     f"{'peak anon':>10}")
+                     f"{'peak RSS':>10} {'peak anon':>10}")
         for r in self.reports:
             lines.append(f"  {r.worker:>6} {_ranks(r.source_ranks):>14} {_ranks(r.target_ranks):>14} "
                          f"{_human(r.bytes_read):>10} {_human(r.bytes_written + r.bytes_carried):>10} "
-                         f"{_human(r.peak_anonymous_bytes):>10}")
-        lines.append("  (peak anon: anonymous resident memory, sampled after planning and every round; the page "
-                     "cache of files mapped for hashing is not counted)")
+                         f"{_human(r.peak_rss_bytes):>10} {_human(r.peak_anonymous_bytes):>10}")
+        lines.append("  (peak RSS: the kernel's high-water mark of every resident page, VmHWM, what top and SLURM "
+                     "show; peak anon: anonymous resident memory, sampled after planning and every round)")
         return "\n".join(lines)
 
 

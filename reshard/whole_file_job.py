@@ -21,7 +21,6 @@ staging is removed, the lock released and a DST this run created removed again
 from __future__ import annotations
 
 import os
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import JOURNAL_NAME, Manifest, source_identity, write_journal
 from reshard.options import ReshardOptions
-from reshard.resources import anonymous_rss_bytes
+from reshard.resources import anonymous_rss_bytes, peak_resident_bytes
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.transport import Transport
@@ -137,7 +136,7 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
         raise
     if transport.rank == 0:
         lock.release()
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()  # whole-file copies: no rounds to sample between
     clock.lap("publish")
     report.phases = clock.seconds

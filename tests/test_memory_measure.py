@@ -5,10 +5,16 @@
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from reshard.resources import PeakAnonymousMemory, anonymous_rss_bytes
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_mapped_file_pages_are_not_counted_but_allocations_are(tmp_path):
@@ -24,3 +30,16 @@ def test_mapped_file_pages_are_not_counted_but_allocations_are(tmp_path):
     held = np.ones(96 << 20, dtype=np.uint8)                           # 96 MiB, touched: anonymous
     assert memory.sample() - before > 80 << 20
     del held
+
+
+def test_peak_resident_memory_is_the_workers_own_not_its_launchers():
+    """A launcher that holds 256 MiB starts a worker (fork + exec, as torchrun's agent does): the
+    worker's peak RSS is its own VmHWM; ru_maxrss carries the launcher's pages over the exec."""
+    held = np.ones(256 << 20, dtype=np.uint8)  # noqa: F841  (resident in this launcher at the fork)
+    code = ("import resource; from reshard.resources import peak_resident_bytes; "
+            "print(peak_resident_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    own, carried = map(int, done.stdout.split())
+    assert own < 128 << 20, own
+    assert carried > 256 << 20, carried  # the reason not to use it (if Linux stops carrying it, this says so)

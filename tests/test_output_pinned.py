@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 import torch
-from trained import REPO, reshard_cli, reshard_in_threads
+from trained import REPO, reshard_cli, reshard_in_threads, reshard_with_torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -178,3 +178,16 @@ def test_forked_workers_write_the_pinned_bytes_without_torch(trained, tmp_path, 
     assert TORCH_FREE in done.stdout.splitlines(), done.stdout
     assert "torch imported" not in done.stderr
     assert output_hashes(destination) == pinned[(variant, n, m)]
+
+
+def test_torchrun_on_one_host_writes_the_pinned_bytes_over_shared_memory(trained, torchrun_output, tmp_path):
+    """`torchrun --nproc_per_node=2 -m reshard` on one host: the workers meet without torch, the
+    summary names the shared-memory transport, and the files are those of the same job over gloo
+    (`--transport torch`, the session's torchrun reference), and the pinned bytes."""
+    source, truth = trained("z2_fp32", 2)
+    destination = tmp_path / "torchrun"
+    done = reshard_with_torchrun(source, destination, 3, 2, "--memory-budget", "64K")
+    assert "2 worker(s) over shared memory (torchrun workers on one host)" in done.stdout, done.stdout
+    assert TORCH_FREE in done.stdout.splitlines(), done.stdout
+    assert output_hashes(destination) == output_hashes(torchrun_output("z2_fp32", 2, 3))
+    assert output_hashes(destination) == pins_for("z2_fp32", 2, truth)[("z2_fp32", 2, 3)]

@@ -49,7 +49,8 @@ def reshard_in_threads(source, destination, target_dp: int, workers: int, **opti
 
 def reshard_with_torchrun(source, destination, target_dp: int, workers: int, *extra: str,
                           env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=workers -m reshard SRC DST --target-dp M`: separate processes, gloo."""
+    """`torchrun --nproc_per_node=workers -m reshard SRC DST --target-dp M`: separate processes (shared memory
+    on one host unless `--transport torch` is in `extra`)."""
     return run_torchrun("reshard", workers, [str(source), str(destination), "--target-dp", str(target_dp),
                                              "--quiet", *extra], env=env, timeout=timeout,
                         expect_files=[Path(destination) / "latest"])
@@ -71,7 +72,9 @@ def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool =
 class TorchrunOutputs:
     """(variant, N, M) -> DST written by a 2-worker torchrun job over gloo, once per session.
 
-    The reference other execution modes (MPI, SLURM array tasks) must reproduce byte for byte.
+    The reference other execution modes (MPI, SLURM array tasks) must reproduce byte for byte; it
+    stays on gloo (`--transport torch`) so that it shares no transport with them, since torchrun
+    on one host otherwise exchanges through shared memory as `--workers` does.
     """
 
     def __init__(self, root: Path, trained: TrainedCheckpoints):
@@ -83,7 +86,7 @@ class TorchrunOutputs:
         if key not in self.cache:
             source, _ = self.trained(variant, n)
             destination = self.root / f"{variant}-n{n}-to{m}"
-            reshard_with_torchrun(source, destination, m, 2, "--memory-budget", "16K")
+            reshard_with_torchrun(source, destination, m, 2, "--memory-budget", "16K", "--transport", "torch")
             self.cache[key] = destination
         return self.cache[key]
 

@@ -26,7 +26,6 @@ complete until the publish. Returns each worker's peak RSS in bytes, gathered on
 from __future__ import annotations
 
 import os
-import resource
 from dataclasses import dataclass, field
 
 from reshard.collective import check_peers, on_rank0
@@ -42,6 +41,7 @@ from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.lock import LOCK_NAME, DestinationLock
 from reshard.manifest import JOURNAL_NAME, plan_fingerprint, read_journal, write_journal
 from reshard.plan import ReshardPlan
+from reshard.resources import peak_resident_bytes
 from reshard.source_reader import SourceReader
 
 
@@ -159,4 +159,4 @@ def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: E
         raise
     if leader:
         lock.release()
-    return transport.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return transport.all_gather_object(peak_resident_bytes())

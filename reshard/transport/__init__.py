@@ -8,8 +8,10 @@ The exchange only needs `all_to_all` (uneven splits of a uint8 numpy buffer) and
 `broadcast_object`/`all_gather_object`/`barrier`; any transport offering these works:
 torch.distributed (gloo on CPU, NCCL on GPU; `torch_distributed.py`, which wraps the numpy
 buffers as tensors at its edge), MPI through mpi4py (`mpi.py`), workers forked by
-`python -m reshard --workers W` (`forked.py`: shared memory, no torch), or one worker alone
-(`local.py`). Only the torch.distributed transport imports torch.
+`python -m reshard --workers W` (`forked.py`: shared memory, no torch), torchrun workers that
+all run on one host (`same_host.py`: they meet over abstract Unix sockets, then the same shared
+memory as forked workers, no torch), or one worker alone (`local.py`). Only the
+torch.distributed transport imports torch.
 """
 from __future__ import annotations
 
@@ -81,13 +83,22 @@ def is_first_worker() -> bool:
     return True
 
 
-def _choose(kind: str) -> str:
-    """"torch", "mpi" or "local" for `--transport kind`, from how the process was started."""
+def _choose(kind: str, backend: str = "auto") -> str:
+    """"torch", "mpi" or "shared" for `--transport kind`, from how the process was started.
+
+    "shared": torchrun started every worker of the job on this host (reshard.transport.same_host),
+    and nothing asks for torch: no torch.distributed group is initialised in this process (the
+    in-job path keeps its group) and no `--backend` is named (naming gloo or nccl asks for torch)."""
     if kind not in TRANSPORTS:
         raise OptionError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    if _torch_group_initialised() or started_by_torchrun():
+    if _torch_group_initialised():
+        return "torch"
+    if started_by_torchrun():
+        from reshard.transport import same_host
+        if backend == "auto" and same_host.available() and same_host.all_workers_on_this_host():
+            return "shared"
         return "torch"
     if started_by_mpi():
         return "mpi"
@@ -104,15 +115,20 @@ def _torch_group_initialised() -> bool:
 def transport_from_environment(backend: str = "auto", timeout_seconds: float = 600, kind: str = "auto") -> Transport:
     """The transport for this process: `kind` "torch", "mpi", or "auto" (below).
 
-    auto: the initialised torch.distributed group if there is one; torch.distributed under
-    torchrun; MPI when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or
-    PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
+    auto: the initialised torch.distributed group if there is one; under torchrun, shared memory
+    when all workers run on this host (and `backend` is "auto"), else torch.distributed; MPI
+    when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
     `timeout_seconds` bounds every collective: a worker whose peer died fails (torch) or aborts
     the MPI job (mpi) instead of hanging.
     """
-    if _choose(kind) == "mpi":
+    chosen = _choose(kind, backend)
+    if chosen == "mpi":
         from reshard.transport.mpi import MPITransport
         return MPITransport(timeout_seconds=timeout_seconds, owns_process=True)
+    if chosen == "shared":
+        from reshard.transport.same_host import job_identity, join_workers_on_this_host
+        return join_workers_on_this_host(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), job_identity(),
+                                         timeout_seconds)
     if not launched_with_workers() and not _torch_group_initialised():
         return LocalTransport()  # one worker alone: torch is not needed
     import torch

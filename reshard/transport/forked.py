@@ -16,6 +16,10 @@ the exchange's own buffers. Measured on the 2-core development machine for a 64 
 between two processes: two memcpy through a warm shared segment took 14 ms; the same bytes
 through a socket pair 20-190 ms, through a pipe 170-280 ms (shared machine, noisy).
 
+torchrun workers on one host run this same transport: they make the segments and connections
+themselves and exchange them over abstract Unix sockets (reshard.transport.same_host), then
+build `ForkedLinks` from what they hold.
+
 Objects (agreement, reports) travel pickled over the socket pairs, sent and received at once
 through a selector so that large ones cannot deadlock. A peer that dies closes its sockets:
 every worker waiting on it raises WorkerLost at once, naming it; one that hangs makes the
