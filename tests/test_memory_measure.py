@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from reshard.resources import PeakAnonymousMemory, anonymous_rss_bytes
 
@@ -32,6 +33,7 @@ def test_mapped_file_pages_are_not_counted_but_allocations_are(tmp_path):
     del held
 
 
+@pytest.mark.e2e  # starts a 256 MiB launcher process
 def test_peak_resident_memory_is_the_workers_own_not_its_launchers():
     """A launcher that holds 256 MiB starts a worker (fork + exec, as torchrun's agent does): the
     worker's peak RSS is its own VmHWM; ru_maxrss carries the launcher's pages over the exec."""
