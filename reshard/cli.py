@@ -28,6 +28,7 @@ from reshard.errors import OptionError, ReshardError
 from reshard.options import ReshardOptions, field_docs, parse_size
 from reshard.results import process_started
 from reshard.transport import is_first_worker
+from reshard.transport.forked import WorkerLost
 
 
 class _Parser(argparse.ArgumentParser):
@@ -251,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")
         return 2
+    except WorkerLost as error:  # a torchrun peer on this host died or never came: every worker says so
+        print(f"reshard: error: {error}", file=sys.stderr)
+        return 1
     if _is_worker0():
         print(result.summary())
     return 0

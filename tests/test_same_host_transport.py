@@ -169,3 +169,22 @@ def test_segments_received_from_peers_are_not_inherited_by_child_processes():
         for transport in transports:
             if not isinstance(transport, BaseException):
                 transport.close()
+
+
+@pytest.mark.e2e
+def test_a_torchrun_worker_whose_peer_never_comes_says_so_and_exits_1(tmp_path):
+    """Worker 0 of a 2-worker torchrun job on this host whose worker 1 never starts: after --timeout
+    the command prints one `reshard: error:` line naming the missing worker, no traceback, status 1."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from synthetic_checkpoint import MODELS, write_checkpoint
+    source = tmp_path / "src"
+    write_checkpoint(str(source), MODELS["tiny"], 2, 2)
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    env.update(PYTHONPATH=str(REPO), TORCHELASTIC_RUN_ID=uuid.uuid4().hex, RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    done = subprocess.run([sys.executable, "-m", "reshard", str(source), str(tmp_path / "dst"), "--target-dp", "3",
+                           "--timeout", "1", "--quiet"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("reshard: error: worker 0: waited more than 1s for "), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "dst").exists()
