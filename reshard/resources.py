@@ -60,14 +60,8 @@ def anonymous_rss_bytes() -> int:
     """Resident anonymous memory of this process (`RssAnon` of /proc/self/status; 0 where there
     is none). Unlike ru_maxrss it leaves out file pages mapped into the process: the page cache
     of a file hashed through a memory map (`byte_io.hash_file`) is not memory the job holds."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    found = _status_bytes("RssAnon")
+    return 0 if found is None else found
 
 
 def peak_resident_bytes() -> int:
@@ -76,14 +70,20 @@ def peak_resident_bytes() -> int:
     SLURM's MaxRSS and memory watchdogs read). Not ru_maxrss, which Linux carries over an execve
     from the parent's memory at fork: a torchrun worker would report its agent's ~220 MB (the
     agent imported torch) whatever the worker itself touched. ru_maxrss where there is no /proc."""
+    found = _status_bytes("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if found is None else found
+
+
+def _status_bytes(field: str) -> int | None:
+    """A kB field of /proc/self/status in bytes; None where it or /proc is missing."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
 
 
 class PeakAnonymousMemory:
