@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard.transport import _choose
+from reshard.errors import OptionError
+from reshard.transport import _choose, torch_backend_for
 from reshard.transport.forked import WorkerLost
 from reshard.transport.same_host import join_workers_on_this_host
 
@@ -43,6 +44,22 @@ def test_shared_memory_is_chosen_only_for_one_host_under_torchrun(monkeypatch, e
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     assert _choose(kind, backend) == expected
+
+
+@pytest.mark.parametrize("local_workers,gpus,backend,expected", [
+    ("1", 1, "auto", "nccl"), ("2", 2, "auto", "nccl"), ("8", 8, "auto", "nccl"),
+    ("2", 1, "auto", "gloo"),  # one H200, torchrun --nproc_per_node=2: set_device(1) failed before
+    ("2", 0, "auto", "gloo"), ("1", 0, "auto", "gloo"), ("2", 0, "gloo", "gloo"), ("2", 2, "gloo", "gloo"),
+])
+def test_nccl_only_when_every_worker_on_the_host_has_a_gpu(monkeypatch, local_workers, gpus, backend, expected):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_workers)
+    assert torch_backend_for(backend, gpus) == expected
+
+
+def test_nccl_asked_for_without_a_gpu_per_worker_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(OptionError, match=r"--backend nccl needs one GPU for each worker on a host: 2 workers .* 1 GPU"):
+        torch_backend_for("nccl", 1)
 
 
 def _meet(size: int, job: str, timeout: float = 30, ranks=None, sizes=None) -> list:

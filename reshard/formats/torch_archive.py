@@ -342,7 +342,7 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
 torch_fallbacks: list[tuple[str, str]] = []
 """(path, why) of every file this process read or wrote with torch after trying without it."""
 
-PINNED_WRITER_VERSIONS = ("2.13.", "2.14.1")
+PINNED_WRITER_VERSIONS = ("2.11.0", "2.13.", "2.14.1")
 """torch versions whose torch.save bytes the torch-free writer is pinned to by tests
 (tests/test_torch_free_archive.py byte-identity on 2.13; DESIGN §8: 2.14.1 writes the same bytes)."""
 
@@ -369,10 +369,10 @@ def writer_not_pinned() -> str | None:
     if version is None:
         return None
     release = version.split("+")[0]
-    if release == "2.14.1" or release.startswith("2.13."):
+    if release in ("2.11.0", "2.14.1") or release.startswith("2.13."):
         return None
-    return (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.13.x and 2.14.1 "
-            "only, so torch writes this file")
+    return (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.11.0, 2.13.x and "
+            "2.14.1 only, so torch writes this file")
 
 
 def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:

@@ -112,6 +112,22 @@ def _torch_group_initialised() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
+def torch_backend_for(backend: str, gpus_visible: int) -> str:
+    """The torch.distributed backend: NCCL needs a GPU of its own for every worker on a host (two
+    ranks on one GPU is refused by NCCL, and LOCAL_RANK past the device count by CUDA), so "auto"
+    takes NCCL only when each local worker has one, else gloo; an explicit "nccl" without enough
+    GPUs is refused by name. Found on one H200 with two workers: set_device(1) failed with
+    "invalid device ordinal"."""
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend == "auto":
+        return "nccl" if gpus_visible >= local_workers else "gloo"
+    if backend == "nccl" and gpus_visible < local_workers:
+        raise OptionError(f"--backend nccl needs one GPU for each worker on a host: {local_workers} workers "
+                          f"on this host (LOCAL_WORLD_SIZE), {gpus_visible} GPU(s) visible; use --backend gloo "
+                          "or fewer workers per host")
+    return backend
+
+
 def transport_from_environment(backend: str = "auto", timeout_seconds: float = 600, kind: str = "auto") -> Transport:
     """The transport for this process: `kind` "torch", "mpi", or "auto" (below).
 
@@ -137,8 +153,7 @@ def transport_from_environment(backend: str = "auto", timeout_seconds: float = 6
     from reshard.transport.torch_distributed import TorchDistributedTransport
     if dist.is_available() and dist.is_initialized():
         return TorchDistributedTransport()
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = torch_backend_for(backend, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
