@@ -105,7 +105,7 @@ def known_values(seed: int, stream: str, param: int, start: int, count: int) -> 
     return unit
 
 
-def known_tensor(seed: int, stream: str, param: int, shape) -> "torch.Tensor":
+def known_tensor(seed: int, stream: str, param: int, shape):  # -> torch.Tensor (torch imported inside)
     """The whole of one parameter's stream (for checks on small models)."""
     import torch
     count = int(np.prod(shape)) if len(shape) else 1

@@ -35,7 +35,7 @@ def _sweep(key: np.ndarray, start: np.ndarray, end: np.ndarray):
     order[i] has [start, covered_to) already in the earlier run order[owner[i]] (none where
     covered_to <= start), and reads [max(start, covered_to), end)."""
     order = np.lexsort((-end, start, key))
-    k, s, e = key[order], start[order], end[order]
+    k, e = key[order], end[order]
     span = int(e.max()) + 1
     shifted = e + k * span  # one running maximum over all keys: an earlier key's ends stay below this key's
     reach = np.maximum.accumulate(shifted)
