@@ -180,6 +180,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         raise ReshardError("reshard.deepspeed.load_checkpoint needs the job's torch.distributed process group "
                            "(call it after deepspeed.initialize)")
     transport = TorchDistributedTransport()
+    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_to_load(load_dir, tag, _engine_pipeline(engine),
+                                                                    trust_pickle))
+    if pipeline_tag is not None:  # saved by a PipelineModule at this engine's (pp, dp): DeepSpeed's own load
+        return engine.load_checkpoint(load_dir, pipeline_tag, **load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
         return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
@@ -220,6 +224,44 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         print(f"reshard: resharded {source.tag_dir} from {sizes} in-job in {time.perf_counter() - started:.2f} s",
               flush=True)
     return result
+
+
+def _engine_pipeline(engine) -> tuple[int, int] | None:
+    """(pp, dp) of a PipelineEngine (runtime/pipe/engine.py: `num_stages`, `dp_world_size`), else None."""
+    if not getattr(engine, "pipeline_parallelism", False):
+        return None
+    return int(engine.num_stages), int(engine.dp_world_size)
+
+
+def pipeline_tag_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int, int] | None,
+                         trust_pickle: bool = False) -> str | None:
+    """The tag, when `load_dir` holds a PipelineModule save at the engine's (pp, dp) (DeepSpeed loads
+    it as it is); None when it holds no pipeline save. A pipeline save at another (pp, dp), or
+    one offered to an engine that is not a pipeline, is refused naming its file and the offline
+    command that reshards it: the in-job path does not rebuild pipeline stages (yet)."""
+    from reshard.formats.deepspeed_inspect import resolve_tag
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
+    tag = resolve_tag(os.path.abspath(load_dir), tag)
+    tag_dir = os.path.join(load_dir, tag)
+    if not is_pipeline(tag_dir):
+        return None
+    saved = saved_pipeline_topology(tag_dir)
+    if saved == engine_pipeline:
+        return tag
+    model = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if engine_pipeline is None:
+        raise UnsupportedCheckpoint(model, f"is a pipeline checkpoint (pp, dp) = {saved}, saved by a PipelineModule; "
+                                           "this engine is not a pipeline engine, and reshard does not turn "
+                                           "pipeline saves into plain ones")
+    source = inspect_pipeline(load_dir, tag, trust_pickle=trust_pickle)  # refuses what the offline job refuses
+    pp, dp = engine_pipeline
+    flags = (" --pipeline-layers N --pipeline-tied KEY:I,J (the model's layer count and TiedLayerSpec positions, "
+             "which the checkpoint does not record)" if pp != source.pp else "")
+    raise UnsupportedCheckpoint(model, f"is a pipeline checkpoint saved at (pp, dp) = ({source.pp}, {source.dp}); "
+                                       f"this engine is at ({pp}, {dp}), and in-job resharding does not serve "
+                                       "pipeline checkpoints yet. Reshard it offline, then load the output with "
+                                       f"engine.load_checkpoint: python -m reshard {load_dir} NEW_DIR --tag {tag} "
+                                       f"--target-dp {dp} --target-pp {pp}{flags}")
 
 
 def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):
