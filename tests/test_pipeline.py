@@ -177,29 +177,38 @@ def test_inspect_describes_a_pipeline_save(pipeline_runs):
 
 
 @pytest.mark.e2e
-def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_others_naming_the_command(
-        pipeline_runs):
-    from reshard.deepspeed import pipeline_tag_to_load
+def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_a_plain_engine(pipeline_runs):
+    from reshard.deepspeed import pipeline_to_load
     save_dir, _ = pipeline_runs("fp32", 2, 1)  # the shared session save: no training of its own
-    assert pipeline_tag_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load serves it
+    assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load serves it
+    source = pipeline_to_load(str(save_dir), None, (1, 2))
+    assert isinstance(source, PipelineSource) and (source.pp, source.dp) == (2, 1)
     with pytest.raises(UnsupportedCheckpoint) as refused:
-        pipeline_tag_to_load(str(save_dir), None, (1, 2))
-    message = str(refused.value)
-    assert f"{save_dir}/step3/mp_rank_00_model_states.pt" in message
-    assert "saved at (pp, dp) = (2, 1); this engine is at (1, 2)" in message
-    assert f"python -m reshard {save_dir} NEW_DIR --tag step3 --target-dp 1 --target-pp 1" not in message
-    assert f"python -m reshard {save_dir} NEW_DIR --tag step3 --target-dp 2 --target-pp 1 --pipeline-layers N" \
-        in message
-    with pytest.raises(UnsupportedCheckpoint, match="this engine is not a pipeline engine"):
-        pipeline_tag_to_load(str(save_dir), None, None)
+        pipeline_to_load(str(save_dir), None, None)
+    assert f"{save_dir}/step3/mp_rank_00_model_states.pt" in str(refused.value)
+    assert "this engine is not a pipeline engine" in str(refused.value)
+
+
+@pytest.mark.e2e
+def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(pipeline_runs, tmp_path):
+    # (2, 1) -> (1, 2) through reshard.deepspeed.load_checkpoint on the source itself: one check launch, no
+    # training of its own; the verdict compares every master and moment, loss, counters, lr, client_state
+    save_dir, truth = pipeline_runs("fp32", 2, 1)
+    from reshard.proof.launch import run_torchrun
+    verdict = tmp_path / "verdict.json"
+    run_torchrun(HARNESS, 2, ["check", "--pp", 1, "--precision", "fp32", "--load", save_dir, "--truth", truth,
+                              "--verdict", verdict, "--in-job"], expect_files=[verdict], timeout=500)
+    result = json.loads(verdict.read_text())
+    assert result["ok"], result
+    assert sum(rank["checked"] for rank in result["ranks"]) >= 9
 
 
 def test_in_job_load_of_a_plain_save_is_not_taken_for_a_pipeline(tmp_path):
-    from reshard.deepspeed import pipeline_tag_to_load
+    from reshard.deepspeed import pipeline_to_load
     (tmp_path / "latest").write_text("t")
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert pipeline_tag_to_load(str(tmp_path), None, (1, 2)) is None
+    assert pipeline_to_load(str(tmp_path), None, (1, 2)) is None
 
 
 @pytest.mark.e2e
@@ -240,18 +249,18 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     for stage, size in ((0, 4800), (1, 2400)):  # 12 bytes per element: an fp32 master and two moments
         for rank in range(2):
             Path(source.optim_path(stage, rank)).write_bytes(b"\0" * (size // 2))
-    kept = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=11200)
+    kept = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=16000)
     # one worker builds both stages, one at a time: stage 0's files mapped and joined, one target rank's file
-    assert check_budget(kept, source, Topology(dp=3, pp=2), 1) == [2 * 4800 + 4800 // 3]
-    assert check_budget(kept, source, Topology(dp=3, pp=2), 2) == [2 * 4800 + 4800 // 3, 2 * 2400 + 2400 // 3]
-    kept.memory_budget = 11199
+    assert check_budget(kept, source, Topology(dp=3, pp=2), 1) == [3 * 4800 + 4800 // 3]
+    assert check_budget(kept, source, Topology(dp=3, pp=2), 2) == [3 * 4800 + 4800 // 3, 3 * 2400 + 2400 // 3]
+    kept.memory_budget = 15999
     with pytest.raises(OptionError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: pipeline checkpoints are "
-                                          r"resharded with whole tensors .* worker 0 would hold about 10.9 KiB"):
+                                          r"resharded with whole tensors .* worker 0 would hold about 15.6 KiB"):
         check_budget(kept, source, Topology(dp=3, pp=2), 1)
     merged = ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1, pipeline_layers=4,
-                            pipeline_tied="embed:0,3", memory_budget=23400)
-    # every source stage joined (2 x 7200), plus the one target stage's 500 elements joined and one rank's half
-    assert check_budget(merged, source, Topology(dp=2, pp=1), 2) == [2 * 7200 + 500 * 12 * 3 // 2, 0]
-    merged.memory_budget = 23399
+                            pipeline_tied="embed:0,3", memory_budget=30600)
+    # every source stage joined (3 x 7200), plus the one target stage's 500 elements joined and one rank's half
+    assert check_budget(merged, source, Topology(dp=2, pp=1), 2) == [3 * 7200 + 500 * 12 * 3 // 2, 0]
+    merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
         check_budget(merged, source, Topology(dp=2, pp=1), 2)
