@@ -10,8 +10,10 @@ stage loads every source stage's states (whole tensors), and builds its target s
 With the number of stages unchanged, each stage is an ordinary ZeRO-1 save over its own
 parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s with
 s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
-rounds), and the layer files are copied unchanged, shared out by size. Worker 0 inspects the
-source and checks the options here; the rest (lock, staging, journal, each worker's stages,
+rounds), and the layer files are copied unchanged, shared out by size. Having no rounds to cut,
+the job checks the budget instead: before anything is written, worker 0 estimates each worker's
+peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. Worker 0 inspects
+the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
 manifest, publish, clean-up on failure) is the lifecycle in reshard.whole_file_job, shared with
 reshard.zero0_job.
 """
