@@ -14,8 +14,9 @@ Linear layers of odd widths around a GELU, a LayerNorm; ZeRO-1 fp32, Adam), at t
                   in a PipelineModule engine at (P, D)
     universal     DeepSpeed's ds_to_universal.py (W extract and merge workers), then
                   load_checkpoint with "load_universal" at (P, D)
+    in-job        reshard.deepspeed.load_checkpoint(engine, SRC) at (P, D): no converted copy
 
-Both loads dump every parameter's full fp32 master and Adam moments by name
+Every load dumps every parameter's full fp32 master and Adam moments by name
 (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`); the universal load is the
 independent oracle: every tensor must be equal, bit for bit (and equal to the source engine's).
 The page cache is not dropped (a 2-core shared machine; both contenders start with the source
@@ -109,6 +110,8 @@ def worker(args) -> None:
     import resource
 
     import torch
+
+    from reshard.options import parse_size
     rank = int(os.environ["RANK"])
     os.makedirs(args.dump, exist_ok=True)
     if args.mode == "train":
@@ -122,7 +125,11 @@ def worker(args) -> None:
         engine = build_engine(args, args.pp, seed=777, universal=args.universal)
         torch.distributed.barrier()
         started = time.perf_counter()
-        path, _ = engine.load_checkpoint(args.load)
+        if args.in_job:  # reshard.deepspeed.load_checkpoint on the source itself: no converted copy
+            import reshard.deepspeed
+            path, _ = reshard.deepspeed.load_checkpoint(engine, args.load, memory_budget=parse_size(args.budget))
+        else:
+            path, _ = engine.load_checkpoint(args.load)
         seconds = time.perf_counter() - started
         if path is None:
             raise SystemExit(f"rank {rank}: load_checkpoint({args.load}) found nothing")
@@ -193,6 +200,7 @@ def bench(args) -> None:
                          "vocab": VOCAB, "precision": "fp32", "zero_stage": 1},
                "source": {"pp": spp, "dp": sdp}, "target": {"pp": tpp, "dp": tdp}, "workers": args.workers,
                "memory_budget": args.budget}
+    results["load_average_at_start"] = os.getloadavg()  # a shared 2-core machine: say how busy it was
     log(f"training the source at (pp, dp) = ({spp}, {sdp}) ...")
     results["train"] = watched(torchrun(spp * sdp, "train", "--pp", spp, *shape, "--save", src,
                                         "--dump", os.path.join(scratch, "truth")), "train", scratch)
@@ -220,9 +228,18 @@ def bench(args) -> None:
                                                  "--dump", os.path.join(scratch, "dump-universal")),
                                         "universal load", scratch)
 
+    log("reshard in-job (reshard.deepspeed.load_checkpoint on the source) ...")
+    results["in_job_load"] = watched(torchrun(tpp * tdp, "load", "--pp", tpp, *shape, "--load", src, "--in-job",
+                                              "--budget", args.budget, "--dump", os.path.join(scratch, "dump-in-job")),
+                                     "in-job load", scratch)
+
     truth, _ = read_dumps(os.path.join(scratch, "truth"))
     ours, our_extra = read_dumps(os.path.join(scratch, "dump-reshard"))
     theirs, their_extra = read_dumps(os.path.join(scratch, "dump-universal"))
+    in_job, in_job_extra = read_dumps(os.path.join(scratch, "dump-in-job"))
+    results["in_job_load"]["load_seconds"] = max(e["load_seconds"] for e in in_job_extra)
+    results["in_job_load"]["max_rank_ru_maxrss_bytes"] = max(e["ru_maxrss_bytes"] for e in in_job_extra)
+    results["in_job_vs_universal"] = differences(in_job, theirs)
     results["reshard_load"]["load_seconds"] = max(e["load_seconds"] for e in our_extra)
     results["universal_load"]["load_seconds"] = max(e["load_seconds"] for e in their_extra)
     results["parameters"] = len(truth)
@@ -230,7 +247,8 @@ def bench(args) -> None:
     results["reshard_vs_universal"] = differences(ours, theirs)
     results["reshard_vs_source"] = differences(ours, truth)
     results["universal_vs_source"] = differences(theirs, truth)
-    results["equal"] = not (results["reshard_vs_universal"] or results["reshard_vs_source"])
+    results["equal"] = not (results["reshard_vs_universal"] or results["reshard_vs_source"]
+                            or results["in_job_vs_universal"])
 
     ours_total = results["reshard"]["wall_seconds"] + results["reshard_load"]["load_seconds"]
     theirs_total = results["ds_to_universal"]["wall_seconds"] + results["universal_load"]["load_seconds"]
@@ -244,9 +262,16 @@ def bench(args) -> None:
                                  ("ds_to_universal + load_universal", "ds_to_universal", "universal_load")):
         c, ld = results[convert]["wall_seconds"], results[load]["load_seconds"]
         print(f"{label:38} {c:10.2f} {ld:8.2f} {c + ld:8.2f} {results[convert]['peak_tree_rss_bytes'] / 1e6:11.0f} MB")
+    in_job_run = results["in_job_load"]
+    print(f"{'reshard in-job (load_checkpoint on SRC)':38} {'':>10} {in_job_run['load_seconds']:8.2f} "
+          f"{in_job_run['load_seconds']:8.2f} {in_job_run['peak_tree_rss_bytes'] / 1e6:11.0f} MB"
+          f"  (in-job equal to universal: {not results['in_job_vs_universal']})")
     print(f"ratio (universal / reshard): {results['totals']['ratio']:.2f}x; every fp32 master and Adam moment equal "
           f"to the universal load's: {not results['reshard_vs_universal']} "
           f"({len(results['reshard_vs_universal'])} differ), to the source's: {not results['reshard_vs_source']}")
+    results["load_average_at_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {results['load_average_at_start']}, at end "
+          f"{results['load_average_at_end']}")
     folder = os.path.join(HERE, "results")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"pipeline-{results['started']:%Y%m%d-%H%M%S}.json")
@@ -281,6 +306,7 @@ def main() -> None:
     parser.add_argument("--load")
     parser.add_argument("--dump")
     parser.add_argument("--universal", action="store_true")
+    parser.add_argument("--in-job", action="store_true")
     args = parser.parse_args()
     bench(args) if args.mode == "bench" else worker(args)
 
