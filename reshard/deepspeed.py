@@ -273,7 +273,13 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     import collections
     import itertools
 
-    from reshard.formats.deepspeed_pipeline import build_optimizers, load_whole, named_states, stage_model_name
+    from reshard.formats.deepspeed_pipeline import (
+        build_optimizers,
+        joined_state_bytes,
+        load_whole,
+        named_states,
+        stage_model_name,
+    )
     from reshard.resources import human
     pp, dp = _engine_pipeline(engine)
     stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
@@ -283,11 +289,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         raise UnsupportedCheckpoint(model_path, "in-job resharding of pipeline checkpoints serves a ZeRO-1 engine "
                                                 "with one param group; reshard offline (python -m reshard)")
     params = [(engine.param_names[param], param) for param in groups[0]]
-    # as reshard.pipeline_job.whole_tensor_bytes: every source stage joined whole (3 x its optimizer bytes),
-    # plus this stage's flats and one target rank's file
-    optim_bytes = sum(os.path.getsize(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp))
-    elements = sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
-    needed = int(3 * optim_bytes + optim_bytes / max(1, elements) * sum(p.numel() for _, p in params) * (1 + 1 / dp))
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params))
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
                            f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "

@@ -27,6 +27,7 @@ from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     check_layers_reproduce_source,
     inspect_pipeline,
+    joined_state_bytes,
     named_states,
     source_numels,
     write_repartitioned_stage,
@@ -95,23 +96,15 @@ def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
 
 def whole_tensor_bytes(source: PipelineSource, target: Topology, workers: int, bounds: list[int] | None,
                        layers: PipelineLayers | None) -> list[int]:
-    """Per worker, about the most bytes of tensors the whole-tensor path holds at once (beyond the
-    interpreter's own), from the optimizer files' sizes. With the stages kept, a worker building
-    stage s maps s's source files and joins them into flats and holds one target rank's file at a
-    time: 3 x their bytes (mapped pages, flats, and what torch.cat, torch.save and the allocator
-    keep besides) + 1/D. With the stages changed, every source stage's flats are joined and kept:
-    3 x all optimizer bytes, plus the target stage's joined flats and one target rank's file.
-    bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer files) peaked at
-    about 3.85 x above the interpreter's own; this says 4.5 x."""
-    sizes = [sum(os.path.getsize(source.optim_path(s, d)) for d in range(source.dp)) for s in range(source.pp)]
+    """Per worker, about the most bytes of tensors it holds at once: the largest
+    `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
     writes = stages_written_by(target.pp, workers)
     if bounds is None:
-        return [max((3 * sizes[s] + sizes[s] // target.dp for s in stages), default=0) for stages in writes]
+        return [max((joined_state_bytes(source, target.dp, kept_stage=s) for s in stages), default=0)
+                for stages in writes]
     numels = source_numels(source)
-    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
-    stage_bytes = [per_element * sum(numels[n] for n in stage_names(layers, bounds, t, list(numels)))
-                   for t in range(target.pp)]
-    return [int(3 * sum(sizes) + max(stage_bytes[t] * (1 + 1 / target.dp) for t in stages)) if stages else 0
+    elements = [sum(numels[n] for n in stage_names(layers, bounds, t, list(numels))) for t in range(target.pp)]
+    return [max((joined_state_bytes(source, target.dp, target_elements=elements[t]) for t in stages), default=0)
             for stages in writes]
 
 

@@ -364,6 +364,25 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
     return template, found
 
 
+def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
+                       target_elements: int = 0) -> int:
+    """About the most bytes of tensors (beyond the interpreter's own) that building one target stage
+    from whole tensors holds, from the optimizer files' sizes: with the stages kept
+    (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
+    one target rank's file at a time: 3 x their bytes (mapped pages, flats, and what torch.cat,
+    torch.save and the allocator keep besides) + 1/D. With the stages changed
+    (`named_states` + `write_repartitioned_stage`, or the in-job load), every source stage joined
+    and kept: 3 x all optimizer bytes, plus the target stage's `target_elements` joined and one
+    target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
+    files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
+    (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x."""
+    sizes = [sum(os.path.getsize(source.optim_path(s, d)) for d in range(source.dp)) for s in range(source.pp)]
+    if kept_stage is not None:
+        return 3 * sizes[kept_stage] + sizes[kept_stage] // target_dp
+    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
+    return int(3 * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
+
+
 def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
     """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
     `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
