@@ -21,6 +21,12 @@ file served); the rank owning (dp 0, tp t) builds that object and broadcasts it 
 dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
+Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp) goes to
+DeepSpeed's load as it is; at another (pp, dp) every rank rebuilds its own stage's model-states
+file and its own dp rank's optimizer file in memory from whole tensors (no rounds: the
+`memory_budget` is checked against an estimate, and a load it cannot hold is refused), taking the
+stage's parameter names and order from the engine itself, and reads the layer files from the source.
+
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
 (removed afterwards) and DeepSpeed's checkpoint engine is pointed, for the duration of the
@@ -180,6 +186,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         raise ReshardError("reshard.deepspeed.load_checkpoint needs the job's torch.distributed process group "
                            "(call it after deepspeed.initialize)")
     transport = TorchDistributedTransport()
+    pipeline = on_rank0(transport, lambda: pipeline_to_load(load_dir, tag, _engine_pipeline(engine), trust_pickle))
+    if isinstance(pipeline, str):  # saved by a PipelineModule at this engine's (pp, dp): DeepSpeed's own load
+        return engine.load_checkpoint(load_dir, pipeline, **load_checkpoint_kwargs)
+    if pipeline is not None:
+        return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
         return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
@@ -220,6 +231,106 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         print(f"reshard: resharded {source.tag_dir} from {sizes} in-job in {time.perf_counter() - started:.2f} s",
               flush=True)
     return result
+
+
+def _engine_pipeline(engine) -> tuple[int, int] | None:
+    """(pp, dp) of a PipelineEngine (runtime/pipe/engine.py: `num_stages`, `dp_world_size`), else None."""
+    if not getattr(engine, "pipeline_parallelism", False):
+        return None
+    return int(engine.num_stages), int(engine.dp_world_size)
+
+
+def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int, int] | None,
+                     trust_pickle: bool = False):
+    """None when `load_dir` holds no PipelineModule save; its tag when the save is at the engine's
+    (pp, dp) (DeepSpeed loads it as it is); else its PipelineSource, to be rebuilt in the job. A
+    pipeline save offered to an engine that is not a pipeline engine is refused by name."""
+    from reshard.formats.deepspeed_inspect import resolve_tag
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
+    tag = resolve_tag(os.path.abspath(load_dir), tag)
+    tag_dir = os.path.join(load_dir, tag)
+    if not is_pipeline(tag_dir):
+        return None
+    saved = saved_pipeline_topology(tag_dir)
+    if saved == engine_pipeline:
+        return tag
+    if engine_pipeline is None:
+        raise UnsupportedCheckpoint(os.path.join(tag_dir, "mp_rank_00_model_states.pt"),
+                                    f"is a pipeline checkpoint (pp, dp) = {saved}, saved by a PipelineModule; this "
+                                    "engine is not a pipeline engine, and reshard does not turn pipeline saves into "
+                                    "plain ones")
+    return inspect_pipeline(load_dir, tag, trust_pickle=trust_pickle)  # refuses what the offline job refuses
+
+
+def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
+    """A PipelineModule save at another (pp, dp), into this PipelineEngine: every rank rebuilds, in
+    memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
+    full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
+    the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, named by the engine's
+    `param_names`). So the layer list and partition method the offline job asks for come from the
+    engine itself. Layer files are read from the
+    source as they are (named by global layer index, the same at any pp)."""
+    import collections
+    import itertools
+
+    from reshard.formats.deepspeed_pipeline import (
+        build_optimizers,
+        joined_state_bytes,
+        load_whole,
+        named_states,
+        stage_model_name,
+    )
+    from reshard.resources import human
+    pp, dp = _engine_pipeline(engine)
+    stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
+    model_path = source.model_path(0)
+    groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
+    if groups is None or len(groups) != 1:
+        raise UnsupportedCheckpoint(model_path, "in-job resharding of pipeline checkpoints serves a ZeRO-1 engine "
+                                                "with one param group; reshard offline (python -m reshard)")
+    params = [(engine.param_names[param], param) for param in groups[0]]
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params))
+    if needed > budget:
+        raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
+                           f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
+                           "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
+    started = time.perf_counter()
+    template, states = named_states(source, trust_pickle)
+    names = [name for name, _ in params]
+    for name, param in params:
+        if name not in states or states[name]["fp32"].numel() != param.numel():
+            found = "holds no parameter" if name not in states else \
+                f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
+            raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages) "
+                                                    "trains: the engine's model differs from the saved one")
+    keys = [key for key in states[names[0]] if key != "fp32"] if names else []
+    master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
+    moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}
+    model = load_whole(model_path, trust_pickle)
+    model.update(param_shapes=[collections.OrderedDict((name, param.shape) for name, param in params)],
+                 dp_world_size=dp, mp_world_size=pp,
+                 checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
+                                                 "pp_degree": pp})
+    ranks = build_optimizers(template, [tuple(names)], [tuple(p.numel() for _, p in params)], [master], [moments], dp)
+    optimizer = next(itertools.islice(ranks, dp_rank, None))
+    root = tempfile.mkdtemp(prefix="reshard-injob-")
+    try:
+        tag_dir = os.path.join(root, source.tag)
+        os.makedirs(tag_dir)
+        # engine.py `_get_all_ckpt_names` globs every stage's mp_rank_XX file and state_dict_factory.py
+        # `check_ckpt_list` reads `mp_world_size` from the first: the other stages' names serve a stub
+        served = {os.path.join(tag_dir, stage_model_name(s)): {"mp_world_size": pp} for s in range(pp)}
+        served[os.path.join(tag_dir, stage_model_name(stage))] = classes.to_deepspeed(model)
+        served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16, stage))] = \
+            classes.to_deepspeed(optimizer)
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if torch.distributed.get_rank() == 0:
+        print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job "
+              f"in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
+    return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 
 
 def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):

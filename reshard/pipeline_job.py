@@ -10,8 +10,10 @@ stage loads every source stage's states (whole tensors), and builds its target s
 With the number of stages unchanged, each stage is an ordinary ZeRO-1 save over its own
 parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s with
 s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
-rounds), and the layer files are copied unchanged, shared out by size. Worker 0 inspects the
-source and checks the options here; the rest (lock, staging, journal, each worker's stages,
+rounds), and the layer files are copied unchanged, shared out by size. Having no rounds to cut,
+the job checks the budget instead: before anything is written, worker 0 estimates each worker's
+peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. Worker 0 inspects
+the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
 manifest, publish, clean-up on failure) is the lifecycle in reshard.whole_file_job, shared with
 reshard.zero0_job.
 """
@@ -25,6 +27,7 @@ from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     check_layers_reproduce_source,
     inspect_pipeline,
+    joined_state_bytes,
     named_states,
     source_numels,
     write_repartitioned_stage,
@@ -32,7 +35,8 @@ from reshard.formats.deepspeed_pipeline import (
 )
 from reshard.manifest import output_fingerprint
 from reshard.options import ReshardOptions
-from reshard.pipeline_layout import PipelineLayers, stage_bounds
+from reshard.pipeline_layout import PipelineLayers, stage_bounds, stage_names
+from reshard.resources import human
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.runs import Unit
 from reshard.topology import Topology
@@ -90,9 +94,49 @@ def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
     return target
 
 
+def whole_tensor_bytes(source: PipelineSource, target: Topology, workers: int, bounds: list[int] | None,
+                       layers: PipelineLayers | None) -> list[int]:
+    """Per worker, about the most bytes of tensors it holds at once: the largest
+    `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
+    writes = stages_written_by(target.pp, workers)
+    if bounds is None:
+        return [max((joined_state_bytes(source, target.dp, kept_stage=s) for s in stages), default=0)
+                for stages in writes]
+    numels = source_numels(source)
+    elements = [sum(numels[n] for n in stage_names(layers, bounds, t, list(numels))) for t in range(target.pp)]
+    return [max((joined_state_bytes(source, target.dp, target_elements=elements[t]) for t in stages), default=0)
+            for stages in writes]
+
+
+def check_budget(opts: ReshardOptions, source: PipelineSource, target: Topology, workers: int) -> list[int]:
+    """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
+    path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
+    bounds = layers = None
+    if target.pp != source.pp:
+        layers = pipeline_layers(opts, source.model_path(0))
+        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+    needed = whole_tensor_bytes(source, target, workers, bounds, layers)
+    worst = max(range(workers), key=needed.__getitem__)
+    if needed[worst] > opts.memory_budget:
+        more = " (more workers do not help: every worker building a stage joins every source stage)" \
+            if bounds is not None else " or more workers, up to one per stage"
+        raise OptionError(f"{source.optim_path(0, 0)}: pipeline checkpoints are resharded with whole tensors (not "
+                          f"the bounded rounds of ZeRO checkpoints); worker {worst} would hold about "
+                          f"{human(needed[worst])}, over --memory-budget {human(opts.memory_budget)}: give "
+                          f"--memory-budget {human(needed[worst])} or more{more}")
+    return needed
+
+
 def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
     """Per worker, the stages whose files it builds: stage s by worker s % W."""
     return tuple(tuple(range(w, pp, workers)) for w in range(workers))
+
+
+def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> Topology:
+    """target_topology, then the memory check, on worker 0 before anything is written."""
+    target = target_topology(opts, source)
+    check_budget(opts, source, target, workers)
+    return target
 
 
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
@@ -100,7 +144,7 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
 
     source, target = inspect_on_worker0(unit, transport, clock,
                                         lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
-                                        lambda source: target_topology(opts, source))
+                                        lambda source: checked_target(opts, source, transport.size))
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
                               opts.dry_run)
@@ -113,7 +157,9 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
                f"stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
     else:
         how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
-    result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors; "
+    needed = check_budget(opts, source, target, transport.size)
+    result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors "
+                        f"(largest worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
                         "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started

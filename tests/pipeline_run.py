@@ -12,8 +12,9 @@ parameter's full fp32 master and Adam moments by name (`safe_get_full_fp32_param
 `safe_get_full_optimizer_state`, read from the live engine) and the eval loss on one fixed
 micro-batch (the number of micro-batches per step changes with dp, a fixed one does not).
 `check` builds the engine from another seed at (pp, world / pp), loads with plain
-`load_checkpoint`, compares its stage's tensors by name and the eval loss with the truth, then runs
-one more `train_batch`; rank 0 writes the verdict as JSON.
+`load_checkpoint` (with --in-job: reshard.deepspeed.load_checkpoint on the source itself),
+compares its stage's tensors by name and the eval loss with the truth, then runs one more
+`train_batch`; rank 0 writes the verdict as JSON.
 """
 from __future__ import annotations
 
@@ -118,7 +119,11 @@ def train(args) -> None:
 def check(args) -> None:
     engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal)
     rank = int(os.environ["RANK"])
-    path, client = engine.load_checkpoint(args.load)
+    if args.in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
+        import reshard.deepspeed
+        path, client = reshard.deepspeed.load_checkpoint(engine, args.load)
+    else:
+        path, client = engine.load_checkpoint(args.load)
     truths = [torch.load(os.path.join(args.truth, name), weights_only=True) for name in sorted(os.listdir(args.truth))]
     expected = {}
     for truth in truths:
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--verdict")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
+    parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
     args = parser.parse_args()
     train(args) if args.mode == "train" else check(args)
 

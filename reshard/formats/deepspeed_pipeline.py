@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
@@ -53,6 +54,15 @@ FP32 = "single_partition_of_fp32_groups"
 def is_pipeline(tag_dir: str) -> bool:
     """Whether the tag directory holds pipeline layer files (`layer_XX-...model_states.pt`)."""
     return os.path.isdir(tag_dir) and any(LAYER_RE.match(name) for name in os.listdir(tag_dir))
+
+
+def saved_pipeline_topology(tag_dir: str) -> tuple[int, int]:
+    """(pp, dp) of a pipeline save from its file names alone: the stage model-states files, and the
+    optimizer files of stage 0 (no pickle is read)."""
+    names = os.listdir(tag_dir)
+    pp = sum(1 for name in names if _STAGE_MODEL_RE.match(name))
+    dp = sum(1 for name in names if (role := schema.classify(name)).kind == "optim" and role.mp_rank == 0)
+    return pp, dp
 
 
 @dataclass(frozen=True)
@@ -274,9 +284,10 @@ def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
 
 
 def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
-                     moments: list[dict], target_dp: int) -> list[dict]:
+                     moments: list[dict], target_dp: int) -> Iterator[dict]:
     """Every target dp rank's optimizer file over one stage's groups (`names`, `numels` per group;
-    `masters`, `moments` their unpadded flats), other keys from `template` (a source file).
+    `masters`, `moments` their unpadded flats), other keys from `template` (a source file); one
+    at a time, so that a caller saving each before taking the next holds one rank's tensors.
 
     Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
     2 * dp, `partition_size`, `groups_padding`; `_create_param_mapping`) through
@@ -284,7 +295,6 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
     partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
     groups = len(names)
     new = [zero12_group(range(len(numels[g])), numels[g], target_dp) for g in range(groups)]
-    outputs = []
     for rank in range(target_dp):
         osd = dict(template[OPTIM])
         osd[FP32] = [_cut(masters[g], new[g], rank, lean=True) for g in range(groups)]
@@ -301,11 +311,10 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
         osd["param_slice_mappings"] = [
             {names[g][pid]: classes.fragment_address(numel, start)
              for pid, numel, start in new[g].slice_mappings(rank, numels[g])} for g in range(groups)]
-        outputs.append({**template, OPTIM: osd})
-    return outputs
+        yield {**template, OPTIM: osd}
 
 
-def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> list[dict]:
+def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> Iterator[dict]:
     """Every target dp rank's optimizer file for `stage`, the number of stages unchanged."""
     spec = source.stages[stage]
     template, masters, moments = _stage_flats(source, stage, trust_pickle)
@@ -353,6 +362,25 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
                 continue
             found[name] = states
     return template, found
+
+
+def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
+                       target_elements: int = 0) -> int:
+    """About the most bytes of tensors (beyond the interpreter's own) that building one target stage
+    from whole tensors holds, from the optimizer files' sizes: with the stages kept
+    (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
+    one target rank's file at a time: 3 x their bytes (mapped pages, flats, and what torch.cat,
+    torch.save and the allocator keep besides) + 1/D. With the stages changed
+    (`named_states` + `write_repartitioned_stage`, or the in-job load), every source stage joined
+    and kept: 3 x all optimizer bytes, plus the target stage's `target_elements` joined and one
+    target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
+    files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
+    (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x."""
+    sizes = [sum(os.path.getsize(source.optim_path(s, d)) for d in range(source.dp)) for s in range(source.pp)]
+    if kept_stage is not None:
+        return 3 * sizes[kept_stage] + sizes[kept_stage] // target_dp
+    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
+    return int(3 * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
 
 
 def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
