@@ -173,10 +173,12 @@ def test_two_level_all_to_all_delivers_every_block_and_counts_what_crossed_nodes
                     expected += [(peer * 16 + rank + round_ * 100) % 256] * _count(peer, rank, round_)
                 assert received[round_] == expected, (rank, round_)
             assert gathered == [("worker", r) for r in range(size)] and told == "from 5"
-        for round_ in (0, 1, 2, 9):
-            crossed += sum(_count(s, d, round_) for s in range(size) for d in range(size) if node_of[s] != node_of[d])
-        assert sum(result[3] for result in results) == crossed > 0
-        assert [result[3] for rank, result in enumerate(results) if rank not in (0, 2, 1)] == [0, 0, 0]  # leaders only
+        for node, ranks in enumerate(ranks_of_node):  # a leader counts what its node sent, the others nothing
+            sent = sum(_count(s, d, round_) for round_ in (0, 1, 2, 9) for s in ranks for d in range(size)
+                       if node_of[d] != node)
+            assert [results[r][3] for r in ranks] == [sent] + [0] * (len(ranks) - 1)
+            crossed += sent
+        assert crossed > 0
         assert transports[4].node_of_worker == (0, 2, 1, 0, 0, 2)
     finally:
         for transport in transports:
@@ -214,3 +216,28 @@ def test_chunked_plan_bytes_between_nodes_equal_the_blocks_sent_across_nodes(cas
     node_of = data.draw(st.lists(st.integers(0, 2), min_size=ownership.workers, max_size=ownership.workers))
     plan = ReshardPlan(ownership, (chunked_optim(source, target, ownership, budget, STREAMS[:2]),), budget[0])
     assert plan.bytes_between_nodes(node_of) == _sent_between_nodes(plan, node_of)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("per_node", [1, 2], ids=["1-worker-per-node", "2-workers-per-node"])
+def test_two_torchrun_nodes_write_the_one_node_bytes_and_send_what_the_plan_says_across(torchrun_output, trained,
+                                                                                          tmp_path, per_node):
+    from trained import tree_files
+
+    from reshard.proof.launch import launch_torchrun_nodes
+    reference = torchrun_output("z2_fp32", 2, 3)  # one node: 2 torchrun workers over gloo, --memory-budget 16K
+    source, _ = trained("z2_fp32", 2)
+    destination, result_path = tmp_path / "dst", tmp_path / "result.json"
+    codes, outputs = launch_torchrun_nodes(
+        "reshard", 2, per_node, [source, destination, "--target-dp", "3", "--memory-budget", "16K", "--quiet",
+                                 "--result-json", result_path], timeout=240)
+    assert codes == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    assert tree_files(destination) == tree_files(reference)
+    (result,) = json.loads(result_path.read_text())["checkpoints"]
+    assert result["nodes"] == 2 and result["workers"] == 2 * per_node
+    assert result["transport"].startswith("shared memory inside 2 nodes")
+    assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] > 0
+    leaders = [0, per_node]  # global ranks of the node leaders: local rank 0 of each agent
+    reports = result["workers_report"]
+    assert all(r["bytes_between_nodes"] == 0 for r in reports if r["worker"] not in leaders)
+    assert [r["torch_imported"] for r in reports] == [r["worker"] in leaders for r in reports]  # only leaders
