@@ -41,7 +41,8 @@ up to (node size) x the round's share of the budget each way, beyond its own buf
 
 Objects (agreement, reports) go the same two levels: inside the node over the worker sockets,
 between nodes over the leaders' group. A worker that dies makes its node's workers fail at once
-(WorkerLost); the other nodes' leaders fail after the group's timeout.
+(WorkerLost); another node's leader fails when its group sees the connection close, or after the
+timeout, and its workers with it, each with one line (WorkerLost, exit status 1).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.errors import OptionError
-from reshard.transport.forked import ForkedTransport
+from reshard.transport.forked import ForkedTransport, WorkerLost
 
 NODE_RANK_VARIABLES = ("RESHARD_NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
 """Where a worker learns its node's index, first found wins: an explicit override, torchrun's
@@ -198,6 +199,16 @@ class NodesTransport:
         self.nodes = len(self.ranks_of_node)
         self.name = f"shared memory inside {self.nodes} nodes, {between} between their leaders"
 
+    def _leaders(self, what: str, call, *args, **kwargs):
+        """A collective of the leaders' group; its failure (another node's leader died or hangs, and
+        gloo or NCCL says so) ends this worker as a lost peer does, with one line naming the step."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise WorkerLost(f"worker {self.rank} (leader of node {self.layout.node}): {what} between the node "
+                             f"leaders failed: {first}") from None
+
     # -- the rounds ------------------------------------------------------------------------
     def send_buffers(self, count: int, size: int) -> list[np.ndarray]:
         """Send buffers in this worker's shared segment, where its node's workers and leader read them."""
@@ -270,7 +281,7 @@ class NodesTransport:
         incoming_total = sum(node_recvs)
         segment = local.own_segment(start + incoming_total)
         incoming = segment[start:start + incoming_total]
-        self.leaders.all_to_all(outgoing, node_sends, node_recvs, out=incoming)
+        self._leaders("a round's all-to-all", self.leaders.all_to_all, outgoing, node_sends, node_recvs, out=incoming)
         self.bytes_between_nodes += int(sum(node_sends))
         size = len(local.own_segment(0))
         placements: dict[int, tuple[int, dict[int, int]]] = {j: (size, {}) for j in range(len(here))}
@@ -290,7 +301,7 @@ class NodesTransport:
         if here:
             obj = self.local.broadcast_object(obj, src=self.ranks_of_node[source_node].index(src))
         if self.leaders is not None:
-            obj = self.leaders.broadcast_object(obj, src=source_node)
+            obj = self._leaders("a broadcast", self.leaders.broadcast_object, obj, src=source_node)
         if not here:
             obj = self.local.broadcast_object(obj, src=0)
         return obj
@@ -299,7 +310,7 @@ class NodesTransport:
         parts = self.local.all_gather_object(obj)
         gathered = None
         if self.leaders is not None:
-            by_node = self.leaders.all_gather_object(parts)
+            by_node = self._leaders("an all-gather", self.leaders.all_gather_object, parts)
             gathered = [None] * self.size
             for node, ranks in enumerate(self.ranks_of_node):
                 for i, r in enumerate(ranks):
@@ -309,7 +320,7 @@ class NodesTransport:
     def barrier(self):
         self.local.barrier()
         if self.leaders is not None:
-            self.leaders.barrier()
+            self._leaders("a barrier", self.leaders.barrier)
         self.local.barrier()
 
     def close(self):
