@@ -8,6 +8,9 @@ For each size, the ZeRO-2 fp32 checkpoint of bench/launchers.py (a `bench_model.
 N=2 ranks, synthetic_checkpoint.py, cached in SCRATCH) is resharded to M=3 by each contender, in
 turns (one turn runs every contender once, so a busy moment of a shared machine falls on all alike):
 
+  floor          torchrun --standalone --nproc_per_node=2 of a worker that does nothing (launchers.py)
+  nodes-floor-2xK  two torchrun agents as below, of a worker that does nothing: the agents' own
+                 multi-node rendezvous, start and exit barrier
   workers        python -m reshard SRC DST --target-dp 3 --workers 2 (forked, shared memory)
   torchrun       torchrun --standalone --nproc_per_node=2 -m reshard ... (one node: shared memory)
   nodes-2xK      two torchrun agents, --nnodes 2 --nproc_per_node K, c10d rendezvous on localhost,
@@ -56,25 +59,27 @@ def run_once(contender: str, src: str, dst: str, scratch: str) -> dict:
     result_path = os.path.join(scratch, "result.json")
     if os.path.exists(result_path):
         os.unlink(result_path)
-    job = _job(src, dst, result_path)
+    floor = "floor" in contender
+    job = [os.path.join(scratch, "noop.py")] if floor else ["-m", "reshard", *_job(src, dst, result_path)]
     os.sync()
     started = time.perf_counter()
     if contender.startswith("nodes-"):
-        per_node = int(contender.split("x")[1])
+        per_node = int(contender.split("x")[-1])
         port = _free_port()
         agents = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={per_node}",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench-{port}",
-             f"--local_addr=127.0.0.{node + 1}", "-m", "reshard", *job],
+             f"--local_addr=127.0.0.{node + 1}", *job],
             env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
         outputs = [agent.communicate()[0] for agent in agents]
         codes = [agent.returncode for agent in agents]
     else:
-        command = [sys.executable, "-m", "reshard", *job, "--workers", str(WORKERS)] if contender == "workers" \
-            else torchrun("-m", "reshard", *job)
+        command = [sys.executable, *job, "--workers", str(WORKERS)] if contender == "workers" else torchrun(*job)
         done = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=REPO)
         outputs, codes = [done.stdout + done.stderr], [done.returncode]
     wall = time.perf_counter() - started
+    if floor and not any(codes):
+        return {"seconds": wall, "bytes_between_nodes": 0, "plan_bytes_between_nodes": 0}
     if any(codes) or not os.path.exists(result_path):
         raise RuntimeError(f"{contender} failed (exit {codes}):\n" + "\n".join(out[-3000:] for out in outputs))
     with open(result_path) as fd:
@@ -104,9 +109,9 @@ def measure(size: str, scratch: str, repeat: int, contenders: list[str]) -> dict
     for turn in range(repeat):
         for name in contenders:
             run = run_once(name, src, dst, scratch)
-            run["identical_to_workers"] = same_files(reference, dst)
+            run["identical_to_workers"] = True if "floor" in name else same_files(reference, dst)
             runs[name].append(run)
-            print(f"  {size} turn {turn + 1}: {name:<10} {run['seconds']:6.2f} s  between nodes "
+            print(f"  {size} turn {turn + 1}: {name:<15} {run['seconds']:6.2f} s  between nodes "
                   f"{run['bytes_between_nodes']} B (plan {run['plan_bytes_between_nodes']} B)"
                   f"{'' if run['identical_to_workers'] else '  OUTPUT DIFFERS'}", flush=True)
     shutil.rmtree(dst, ignore_errors=True)
@@ -125,7 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-sources", action="store_true", help="leave the synthetic sources in SCRATCH")
     args = parser.parse_args(argv)
     os.makedirs(args.scratch, exist_ok=True)
-    contenders = ["workers", "torchrun", *(f"nodes-2x{k}" for k in args.per_node)]
+    contenders = ["floor", "workers", "torchrun", "nodes-floor-2x1", *(f"nodes-2x{k}" for k in args.per_node)]
+    with open(os.path.join(args.scratch, "noop.py"), "w") as fd:
+        fd.write("# a torchrun worker that does nothing: the launcher's floor\n")
     with open("/proc/loadavg") as fd:
         load_before = fd.read().split()[:3]
     results = []
@@ -145,15 +152,15 @@ def main(argv=None) -> int:
             json.dump(record, fd, indent=1)
     print(f"\nbest of {args.repeat}, warm page cache, {os.cpu_count()} CPUs, load average {' '.join(load_before)} "
           f"-> {' '.join(load_after)}")
-    print(f"{'size':>6} {'GB':>6} " + " ".join(f"{name:>10}" for name in contenders) +
+    print(f"{'size':>6} {'GB':>6} " + " ".join(f"{name:>15}" for name in contenders) +
           "  bytes between nodes (measured / plan)")
     for r in results:
         crossing = "; ".join(f"{name}: {r['runs'][name][0]['bytes_between_nodes']} / "
                              f"{r['runs'][name][0]['plan_bytes_between_nodes']}" for name in contenders
-                             if name.startswith("nodes-"))
+                             if name.startswith("nodes-") and "floor" not in name)
         same = all(run["identical_to_workers"] for name in contenders for run in r["runs"][name])
         print(f"{r['size']:>6} {r['source_bytes'] / 1e9:6.2f} " +
-              " ".join(f"{r['best_seconds'][name]:10.2f}" for name in contenders) +
+              " ".join(f"{r['best_seconds'][name]:15.2f}" for name in contenders) +
               f"  {crossing}{'' if same else '  (SOME OUTPUT DIFFERS)'}")
     return 0
 
