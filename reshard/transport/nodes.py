@@ -131,7 +131,12 @@ def join_nodes(layout: NodeLayout, backend: str = "auto", timeout_seconds: float
     leaders = None
     try:
         if layout.leader:
-            leaders = _join_leaders(layout, backend, timeout_seconds)
+            try:
+                leaders = _join_leaders(layout, backend, timeout_seconds)
+            except RuntimeError as error:  # another node's leader never came (the store or the group timed out)
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise WorkerLost(f"worker {layout.rank} (leader of node {layout.node}): the node leaders did not "
+                                 f"all meet within {timeout_seconds:g}s: {first}") from None
         return NodesTransport(layout, local, leaders)
     except BaseException:
         local.close()
