@@ -177,6 +177,25 @@ class ChunkedSpacePlan:
             totals[worker] = (read * bpe, (read - local) * bpe, (written - local) * bpe, written * bpe)
         return totals
 
+    def bytes_between_nodes(self, ownership: Ownership, node_of_worker: Sequence[int]) -> int:
+        """Bytes whose reading worker and writing worker sit on different nodes: every real target
+        element crosses unless its source chunk is read on the node that writes it."""
+        node_of_worker = np.asarray(node_of_worker, dtype=np.int64)
+        n, cs, cd = self.source.numel, self.source.chunk, self.target.chunk
+        crossing = 0
+        for node in np.unique(node_of_worker).tolist():
+            workers = np.flatnonzero(node_of_worker == node).tolist()
+            sources = sorted(r for w in workers for r in ownership.source_ranks_of(w))
+            targets = sorted(r for w in workers for r in ownership.target_ranks_of(w))
+            within = 0
+            for s_first, s_stop in _runs(sources):
+                for t_first, t_stop in _runs(targets):
+                    lo = np.maximum(s_first * cs, t_first * cd)
+                    hi = np.minimum(np.minimum(s_stop * cs, t_stop * cd), n)
+                    within += int(np.clip(hi - lo, 0, None).sum())
+            crossing += _held_by(n, cd, targets) - within
+        return crossing * self.bytes_per_element
+
     def worker_rounds(self, ownership: Ownership, worker: int) -> "ChunkedWorkerRounds":
         return ChunkedWorkerRounds(self, ownership, worker)
 

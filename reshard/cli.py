@@ -256,5 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reshard: error: {error}", file=sys.stderr)
         return 1
     if _is_worker0():
+        if options.result_json:
+            result.write_json(options.result_json)
         print(result.summary())
     return 0
+

@@ -301,6 +301,11 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     result.notes += tensor_parallel_notes(source.spec)
     if stage:
         result.notes.append(stage_change_note(source.spec, stage))
+    node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
+    if node_of_worker is not None:
+        result.nodes = len(set(node_of_worker))
+        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker)
+    crossed_before = getattr(transport, "bytes_between_nodes", 0)
     if opts.dry_run:
         result.planner_imported_torch = "torch" in sys.modules
         result.planner_torch_files = list(torch_fallbacks[fallbacks_before:])
@@ -410,6 +415,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     if leader:
         lock.release()
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
+    report.bytes_between_nodes = getattr(transport, "bytes_between_nodes", 0) - crossed_before
     report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = memory.sample()
     report.torch_imported = "torch" in sys.modules

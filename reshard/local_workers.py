@@ -104,6 +104,8 @@ def run_local_workers(options, started: float | None) -> int:
         finally:
             transport.close()
         if rank == 0 and code == 0:
+            if options.result_json:
+                result.write_json(options.result_json)
             print(result.summary())
     except BaseException:
         if rank == 0:

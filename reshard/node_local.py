@@ -40,10 +40,8 @@ from reshard.errors import CheckpointError, OptionError
 from reshard.formats import deepspeed_schema as schema
 from reshard.paths import check_tag
 from reshard.plan import Ownership
+from reshard.transport.nodes import NODE_RANK_VARIABLES
 
-NODE_RANK_VARIABLES = ("RESHARD_NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
-"""Where a worker learns its node's index, first found wins: an explicit override, torchrun's
-node rank (--node_rank under static rendezvous), SLURM's node index within the allocation."""
 
 
 def node_rank_from_environment() -> int:

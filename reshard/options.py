@@ -113,6 +113,9 @@ class ReshardOptions:
     each node reads what it sees and receives its target ranks' files (reshard.node_local)."""
     target_ranks_per_node: int | None = flag(None, metavar="G")
     """With node_local: target rank r runs on node r // this, and its files are written there."""
+    result_json: str | None = flag(None, metavar="PATH")
+    """Also write the result (bytes, seconds, phases, workers, bytes between nodes and the plan's
+    figure) as JSON to PATH, from worker 0."""
 
     def validate(self) -> "ReshardOptions":
         if self.target_dp is None:

@@ -650,6 +650,13 @@ class SpacePlan:
         return totals
 
 
+    def bytes_between_nodes(self, ownership: Ownership, node_of_worker: Sequence[int]) -> int:
+        """Bytes of the segments whose reading worker and writing worker sit on different nodes."""
+        seg, node = self.table, np.asarray(node_of_worker, dtype=np.int64)
+        crossing = node[ownership.readers(seg.src_rank)] != node[ownership.writers(seg.dst_rank)]
+        return int(seg.length[crossing].sum()) * self.bytes_per_element
+
+
 class _WindowIndex:
     """Uncut segments in (target rank, first target position) order, so that the segments with
     elements in one window are found by two binary searches per target rank. Holds the
@@ -774,6 +781,13 @@ class ReshardPlan:
         totals = sum((space.traffic(own) for space in self.spaces), np.zeros((own.workers, 4), dtype=np.int64))
         return [WorkerTraffic(w, tuple(own.source_ranks_of(w)), tuple(own.target_ranks_of(w)), *map(int, totals[w]))
                 for w in range(own.workers)]
+
+    def bytes_between_nodes(self, node_of_worker: Sequence[int]) -> int:
+        """Bytes that must cross between nodes when worker w runs on node `node_of_worker[w]`: every
+        segment read on one node and written on another, once (what reshard.transport.nodes sends)."""
+        if len(node_of_worker) != self.ownership.workers:
+            raise ValueError(f"{len(node_of_worker)} nodes given for {self.ownership.workers} workers")
+        return sum(space.bytes_between_nodes(self.ownership, node_of_worker) for space in self.spaces)
 
     def worker_view(self, worker: int) -> "WorkerPlan":
         if worker not in self._worker_cache:

@@ -80,6 +80,8 @@ class WorkerReport:
     torch_imported: bool | None = None
     """Whether this worker's process had imported torch by the end of its job (None: not recorded):
     `python -m reshard --workers W` reads and writes without it where the files allow."""
+    bytes_between_nodes: int = 0
+    """Bytes this worker sent to other nodes for this checkpoint (a node leader, reshard.transport.nodes)."""
     torch_files: list = field(default_factory=list)
     """[(path, why)] of each file this worker read or wrote with torch after the torch-free reader
     or writer refused it (torch_archive.torch_fallbacks), so the summary can say which and why."""
@@ -107,6 +109,29 @@ class CheckpointResult:
     """A dry run's io marker: whether worker 0, which inspected the source, imported torch."""
     planner_torch_files: list = field(default_factory=list)
     """A dry run's torch_files (WorkerReport.torch_files) of worker 0's inspection."""
+    nodes: int = 1
+    """Nodes the workers ran on (reshard.transport.nodes); 1 for every other transport."""
+    plan_bytes_between_nodes: int = 0
+    """Bytes the plan says must cross between nodes (`ReshardPlan.bytes_between_nodes`)."""
+
+    @property
+    def bytes_between_nodes(self) -> int:
+        """Bytes the node leaders sent to other nodes, measured."""
+        return sum(r.bytes_between_nodes for r in self.reports)
+
+    def as_dict(self) -> dict:
+        """The figures of `summary()` as plain values (`--result-json`)."""
+        return {"source": self.source, "destination": self.destination, "tag": self.tag,
+                "source_dp": self.source_dp, "target_dp": self.target_dp, "workers": self.workers,
+                "transport": self.transport, "rounds": self.rounds, "seconds": self.seconds, "dry_run": self.dry_run,
+                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "nodes": self.nodes,
+                "bytes_between_nodes": self.bytes_between_nodes,
+                "plan_bytes_between_nodes": self.plan_bytes_between_nodes, "phases": self.phases,
+                "workers_report": [{"worker": r.worker, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written,
+                                    "bytes_carried": r.bytes_carried, "bytes_between_nodes": r.bytes_between_nodes,
+                                    "peak_rss_bytes": r.peak_rss_bytes, "peak_anonymous_bytes": r.peak_anonymous_bytes,
+                                    "torch_imported": r.torch_imported, "phases": r.phases} for r in self.reports],
+                "notes": list(self.notes)}
 
     @property
     def source_dp(self) -> int:
@@ -177,6 +202,9 @@ class CheckpointResult:
         lines.append(f"  moved  : read {_human(self.bytes_read)}, wrote {_human(self.bytes_written)} in "
                      f"{self.seconds:.2f} s ({rate:.2f} GB/s written)")
         lines.append(f"  phases : {_phase_line(self.phases)} (slowest worker each)")
+        if self.nodes > 1:
+            lines.append(f"  nodes  : {self.nodes}; {_human(self.bytes_between_nodes)} crossed between them "
+                         f"({self.bytes_between_nodes} bytes; the plan: {self.plan_bytes_between_nodes})")
         lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} "
                      f"{'peak RSS':>10} {'peak anon':>10}")
         for r in self.reports:
@@ -223,6 +251,19 @@ class ReshardResult:
                 for phase, seconds in r.phases.items():
                     m.phases[phase] = m.phases.get(phase, 0.0) + seconds
         return [merged[w] for w in sorted(merged)]
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "checkpoints": [c.as_dict() for c in self.checkpoints],
+                "notes": list(self.notes)}
+
+    def write_json(self, path: str) -> None:
+        """`as_dict()` as JSON at `path` (`--result-json`), written whole, then renamed into place."""
+        import json
+        import os
+        temporary = f"{path}.tmp{os.getpid()}"
+        with open(temporary, "w") as file:
+            json.dump(self.as_dict(), file, indent=2)
+        os.replace(temporary, path)
 
     def summary(self) -> str:
         parts = [c.summary() for c in self.checkpoints] + [f"note: {n}" for n in self.notes]

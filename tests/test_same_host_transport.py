@@ -30,7 +30,7 @@ TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 
 @pytest.mark.parametrize("environment,kind,backend,expected", [
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "auto", "auto", "shared"),
-    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "auto", "auto", "torch"),  # 2 nodes
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "auto", "auto", "torch"),  # 2 nodes, no node index (test_nodes_transport: with one, "nodes")
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, "auto", "auto", "torch"),  # node size unknown
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "torch", "auto", "torch"),
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "auto", "gloo", "torch"),

@@ -10,8 +10,9 @@ torch.distributed (gloo on CPU, NCCL on GPU; `torch_distributed.py`, which wraps
 buffers as tensors at its edge), MPI through mpi4py (`mpi.py`), workers forked by
 `python -m reshard --workers W` (`forked.py`: shared memory, no torch), torchrun workers that
 all run on one host (`same_host.py`: they meet over abstract Unix sockets, then the same shared
-memory as forked workers, no torch), or one worker alone (`local.py`). Only the
-torch.distributed transport imports torch.
+memory as forked workers, no torch), torchrun workers on several nodes (`nodes.py`: shared memory
+inside each node, torch.distributed between one leader per node), or one worker alone
+(`local.py`). Only the torch.distributed transport and the node leaders import torch.
 """
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def _choose(kind: str, backend: str = "auto") -> str:
 
     "shared": torchrun started every worker of the job on this host (reshard.transport.same_host),
     and nothing asks for torch: no torch.distributed group is initialised in this process (the
-    in-job path keeps its group) and no `--backend` is named (naming gloo or nccl asks for torch)."""
+    in-job path keeps its group) and no `--backend` is named (naming gloo or nccl asks for torch).
+    "nodes": the same, but torchrun's workers span several nodes (or RESHARD_RANKS_PER_NODE says
+    to treat this host's ranks as several): shared memory inside each node, torch.distributed
+    between the nodes' leaders (reshard.transport.nodes)."""
     if kind not in TRANSPORTS:
         raise OptionError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
     if kind != "auto":
@@ -96,9 +100,12 @@ def _choose(kind: str, backend: str = "auto") -> str:
     if _torch_group_initialised():
         return "torch"
     if started_by_torchrun():
-        from reshard.transport import same_host
-        if backend == "auto" and same_host.available() and same_host.all_workers_on_this_host():
-            return "shared"
+        from reshard.transport import nodes, same_host
+        if backend == "auto" and same_host.available():
+            if nodes.spans_nodes(nodes.NodeLayout.from_environment()):
+                return "nodes"
+            if same_host.all_workers_on_this_host():
+                return "shared"
         return "torch"
     if started_by_mpi():
         return "mpi"
@@ -131,8 +138,9 @@ def torch_backend_for(backend: str, gpus_visible: int) -> str:
 def transport_from_environment(backend: str = "auto", timeout_seconds: float = 600, kind: str = "auto") -> Transport:
     """The transport for this process: `kind` "torch", "mpi", or "auto" (below).
 
-    auto: the initialised torch.distributed group if there is one; under torchrun, shared memory
-    when all workers run on this host (and `backend` is "auto"), else torch.distributed; MPI
+    auto: the initialised torch.distributed group if there is one; under torchrun (and `backend`
+    "auto"), shared memory when all workers run on this host, shared memory inside each node and
+    torch.distributed between nodes when they span several, else torch.distributed; MPI
     when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
     `timeout_seconds` bounds every collective: a worker whose peer died fails (torch) or aborts
     the MPI job (mpi) instead of hanging.
@@ -141,6 +149,9 @@ def transport_from_environment(backend: str = "auto", timeout_seconds: float = 6
     if chosen == "mpi":
         from reshard.transport.mpi import MPITransport
         return MPITransport(timeout_seconds=timeout_seconds, owns_process=True)
+    if chosen == "nodes":
+        from reshard.transport.nodes import NodeLayout, join_nodes
+        return join_nodes(NodeLayout.from_environment(), backend, timeout_seconds)
     if chosen == "shared":
         from reshard.transport.same_host import job_identity, join_workers_on_this_host
         return join_workers_on_this_host(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), job_identity(),

@@ -237,6 +237,28 @@ class ForkedTransport:
         at = send.ctypes.data - segment.ctypes.data
         return at if 0 <= at and at + len(send) <= self.reserved else None
 
+    def place(self, send: np.ndarray, total: int) -> int:
+        """Where the first `total` bytes of `send` lie in this worker's segment, for peers to read:
+        in place when `send` is a send buffer, else copied in after the send buffers."""
+        base = self._in_segment(send)
+        if base is None:
+            base = self.reserved
+            self.segments[self.rank].grow(base + total)[base:base + total] = send[:total]
+        return base
+
+    def peer_segment(self, peer: int, size: int) -> np.ndarray:
+        """Worker `peer`'s segment, mapped to at least `size` bytes (the size it last announced)."""
+        return self.segments[peer].cover(size)
+
+    def own_segment(self, size: int) -> np.ndarray:
+        """This worker's segment, grown to at least `size` bytes."""
+        return self.segments[self.rank].grow(size)
+
+    def messages(self, outgoing: dict[int, bytes], expect, what: str) -> dict[int, bytes]:
+        """Send each peer in `outgoing` its message and receive one from each peer in `expect`, at
+        once (no deadlock however large); raises WorkerLost naming a peer that died or hangs."""
+        return self._swap(outgoing, expect, what)
+
     def all_to_all(self, send, send_counts, recv_counts, out=None):
         send = np.asarray(send).view(np.uint8)
         result = out if out is not None else np.empty(sum(recv_counts), dtype=np.uint8)
@@ -244,10 +266,7 @@ class ForkedTransport:
         recv_at = np.concatenate(([0], np.cumsum(recv_counts, dtype=np.int64)))
         total = int(send_at[-1])
         mine = self.segments[self.rank]
-        base = self._in_segment(send)
-        if base is None:  # a buffer of its own: copied in after the send buffers
-            base = self.reserved
-            mine.grow(base + total)[base:base + total] = send[:total]
+        base = self.place(send, total)
         notes = {peer: pickle.dumps((base + int(send_at[peer]), int(send_counts[peer]), mine.size))
                  for peer in self.peers}
         me = self.rank

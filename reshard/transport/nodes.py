@@ -1,0 +1,334 @@
+"""Workers on several nodes: shared memory inside a node, torch.distributed only between nodes.
+
+    # on each node (chosen by transport_from_environment when torchrun's workers span nodes):
+    torchrun --nnodes=2 --node_rank=$NODE --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 \
+        -m reshard SRC DST --target-dp 32
+    # one host playing two nodes (tests, bench): two agents --nnodes=2, or one agent told the node size
+    RESHARD_RANKS_PER_NODE=2 torchrun --standalone --nproc_per_node=4 -m reshard SRC DST --target-dp 3
+
+    layout = NodeLayout.from_environment()                  # node, local rank, node size, number of nodes
+    transport = join_nodes(layout, backend="auto", timeout_seconds=600)
+
+The workers of a node meet as torchrun workers on one host do (reshard.transport.same_host:
+abstract Unix sockets, one memfd send segment each, `ForkedTransport`), under a name that also
+holds the node index, so two simulated nodes on one host stay apart. Each node's local rank 0
+is its leader; the leaders, one per node, form a torch.distributed group of their own (gloo, or
+NCCL with CUDA), rank = node index, through torchrun's store (MASTER_ADDR, MASTER_PORT). Only
+the leaders import torch; the other workers never do.
+
+A round (`all_to_all`), for worker s on node n sending to worker d:
+1. every worker packs its round into its shared segment (the exchange's `send_buffers`) and tells
+   its node's workers where (offset, send and receive counts);
+2. blocks between two workers of one node are copied out of the sender's segment by the
+   receiver, as in `ForkedTransport`;
+3. the leader packs everything that leaves the node once, one block per destination node: for
+   each destination worker d of node m in node order, each sender s of this node in node order,
+   the block s -> d, copied from s's segment. One `all_to_all_single` between the leaders moves
+   these node blocks; each leader receives the blocks for its node straight into its own shared
+   segment, laid out the same way (d, then s);
+4. the leader tells each of its workers where its blocks from each other node start there; the
+   worker copies them out; the round ends when every worker of the node has its copy.
+So each byte crossing nodes is packed by its worker once (into shared memory), gathered by its
+leader once, sent once, and copied once by its receiver; `bytes_between_nodes` counts what this
+node's leader sent, which over all leaders is exactly what the plan says must cross
+(`ReshardPlan.bytes_between_nodes`).
+
+Why leaders and not every worker with its counterparts on other nodes: the other workers need no
+torch and no process group (start-up is most of a small job's time), the network sees one message
+per pair of nodes and round instead of one per pair of workers, and with NCCL one GPU per node
+stages the traffic. The cost: a leader holds its node's outgoing and incoming bytes of a round,
+up to (node size) x the round's share of the budget each way, beyond its own buffers.
+
+Objects (agreement, reports) go the same two levels: inside the node over the worker sockets,
+between nodes over the leaders' group. A worker that dies makes its node's workers fail at once
+(WorkerLost); another node's leader fails when its group sees the connection close, or after the
+timeout, and its workers with it, each with one line (WorkerLost, exit status 1).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.errors import OptionError
+from reshard.transport.forked import ForkedTransport, WorkerLost
+
+NODE_RANK_VARIABLES = ("RESHARD_NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
+"""Where a worker learns its node's index, first found wins: an explicit override, torchrun's
+node rank (--node_rank under static rendezvous, the rendezvous' order under c10d), SLURM's node
+index within the allocation."""
+NODE_COUNT_VARIABLES = ("GROUP_WORLD_SIZE", "SLURM_NNODES")
+"""The number of nodes: torchrun's number of agents, SLURM's nodes in the allocation."""
+RANKS_PER_NODE_VARIABLE = "RESHARD_RANKS_PER_NODE"
+"""Treat each run of this many consecutive ranks as one node (one host simulating several)."""
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where this worker sits: its global rank among `size`, its node among `nodes`, its rank among
+    the `local_size` workers of that node. Which global ranks share a node is learnt when they meet."""
+
+    rank: int
+    size: int
+    node: int
+    nodes: int
+    local_rank: int
+    local_size: int
+
+    @classmethod
+    def from_environment(cls) -> "NodeLayout | None":
+        """The layout torchrun (or SLURM) describes, or RESHARD_RANKS_PER_NODE forces; None when the
+        environment does not say (not started by a launcher, or no node index)."""
+        env = os.environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        rank, size = _integer("RANK"), _integer("WORLD_SIZE")
+        forced = env.get(RANKS_PER_NODE_VARIABLE)
+        if forced is not None:
+            per_node = _integer(RANKS_PER_NODE_VARIABLE)
+            if per_node < 1:
+                raise OptionError(f"{RANKS_PER_NODE_VARIABLE} must be >= 1, got {per_node}")
+            node = rank // per_node
+            return cls(rank, size, node, -(-size // per_node), rank % per_node,
+                       min(per_node, size - node * per_node))
+        node = next((_integer(name) for name in NODE_RANK_VARIABLES if name in env), None)
+        if node is None or "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
+            return None
+        local_rank, local_size = _integer("LOCAL_RANK"), _integer("LOCAL_WORLD_SIZE")
+        nodes = next((_integer(name) for name in NODE_COUNT_VARIABLES if name in env), None)
+        if nodes is None:
+            if size % local_size:
+                return None
+            nodes = size // local_size
+        return cls(rank, size, node, nodes, local_rank, local_size)
+
+    @property
+    def leader(self) -> bool:
+        return self.local_rank == 0
+
+
+def _integer(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise OptionError(f"{name}={value!r} is not an integer") from None
+
+
+def spans_nodes(layout: NodeLayout | None) -> bool:
+    return layout is not None and layout.nodes > 1
+
+
+def join_nodes(layout: NodeLayout, backend: str = "auto", timeout_seconds: float = 600) -> "NodesTransport":
+    """Meet this node's workers over shared memory and, on the leader, the other nodes' leaders over
+    torch.distributed (module docstring); returns this worker's transport."""
+    from reshard.transport.same_host import job_identity, join_workers_on_this_host
+    local = join_workers_on_this_host(layout.local_rank, layout.local_size,
+                                      f"{job_identity()}\nnode={layout.node}", timeout_seconds)
+    leaders = None
+    try:
+        if layout.leader:
+            try:
+                leaders = _join_leaders(layout, backend, timeout_seconds)
+            except RuntimeError as error:  # another node's leader never came (the store or the group timed out)
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise WorkerLost(f"worker {layout.rank} (leader of node {layout.node}): the node leaders did not "
+                                 f"all meet within {timeout_seconds:g}s: {first}") from None
+        return NodesTransport(layout, local, leaders)
+    except BaseException:
+        local.close()
+        if leaders is not None:
+            leaders.close()
+        raise
+
+
+def _join_leaders(layout: NodeLayout, backend: str, timeout_seconds: float):
+    """A process group of the node leaders (rank = node index) in torchrun's store, under a prefix
+    of its own: the workers of the job never form a group of their own."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from reshard.transport.torch_distributed import TorchDistributedTransport
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE, see
+    # torch/distributed/rendezvous.py:_create_c10d_store); without it node 0's leader hosts one there.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+                          world_size=layout.nodes, is_master=not agent_store and layout.node == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"reshard-node-leaders/{attempt}", store),
+                            rank=layout.node, world_size=layout.nodes, timeout=timeout)
+    return TorchDistributedTransport(owns_group=True)
+
+
+def _starts(counts) -> list[int]:
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return starts
+
+
+class NodesTransport:
+    """The Transport of workers spread over nodes (module docstring): a ForkedTransport inside each
+    node, a torch.distributed group of the node leaders between nodes."""
+
+    def __init__(self, layout: NodeLayout, local: ForkedTransport, leaders):
+        self.layout, self.local, self.leaders = layout, local, leaders
+        self.rank, self.size = layout.rank, layout.size
+        self.bytes_between_nodes = 0
+        """Bytes this node's leader sent to other nodes (0 on the other workers)."""
+        here = local.all_gather_object(layout.rank)  # the global ranks of this node, in local order
+        found = None
+        if leaders is not None:
+            found = (leaders.all_gather_object(here), leaders.name)
+        table, between = local.broadcast_object(found, src=0)
+        self.ranks_of_node: list[list[int]] = [list(ranks) for ranks in table]
+        """Global ranks of each node's workers, in local-rank order (node = leaders' group rank)."""
+        listed = sorted(r for ranks in self.ranks_of_node for r in ranks)
+        if listed != list(range(self.size)) or self.ranks_of_node[layout.node][layout.local_rank] != layout.rank:
+            raise OptionError(f"worker {self.rank}: the launcher's node layout does not add up (nodes hold ranks "
+                              f"{self.ranks_of_node}, for {self.size} workers): every node must start its "
+                              "LOCAL_WORLD_SIZE workers with ranks that cover 0..WORLD_SIZE-1 once")
+        self.node_of_worker: tuple[int, ...] = tuple(
+            node for _, node in sorted((r, node) for node, ranks in enumerate(self.ranks_of_node) for r in ranks))
+        """The node of each global rank: what `ReshardPlan.bytes_between_nodes` is computed from."""
+        self.nodes = len(self.ranks_of_node)
+        self.name = f"shared memory inside {self.nodes} nodes, {between} between their leaders"
+
+    def _leaders(self, what: str, call, *args, **kwargs):
+        """A collective of the leaders' group; its failure (another node's leader died or hangs, and
+        gloo or NCCL says so) ends this worker as a lost peer does, with one line naming the step."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise WorkerLost(f"worker {self.rank} (leader of node {self.layout.node}): {what} between the node "
+                             f"leaders failed: {first}") from None
+
+    # -- the rounds ------------------------------------------------------------------------
+    def send_buffers(self, count: int, size: int) -> list[np.ndarray]:
+        """Send buffers in this worker's shared segment, where its node's workers and leader read them."""
+        return self.local.send_buffers(count, size)
+
+    def all_to_all(self, send, send_counts, recv_counts, out=None):
+        local, me = self.local, self.rank
+        send = np.asarray(send).view(np.uint8)
+        send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        result = out if out is not None else np.empty(sum(recv_counts), dtype=np.uint8)
+        send_at, recv_at = _starts(send_counts), _starts(recv_counts)
+        base = local.place(send, send_at[-1])
+        note = pickle.dumps((base, len(local.own_segment(0)), send_counts, recv_counts))
+        here = self.ranks_of_node[self.layout.node]
+        notes = {peer: pickle.loads(data) for peer, data in
+                 local.messages({peer: note for peer in local.peers}, local.peers, "a round's all-to-all").items()}
+        result[recv_at[me]:recv_at[me + 1]] = send[send_at[me]:send_at[me + 1]]
+        for peer, (peer_base, peer_size, peer_sends, _) in notes.items():
+            sender = here[peer]
+            if peer_sends[me] != recv_counts[sender]:
+                raise AssertionError(f"worker {sender} sends {peer_sends[me]} bytes to worker {me}, which expects "
+                                     f"{recv_counts[sender]}")
+            at = peer_base + sum(peer_sends[:me])
+            result[recv_at[sender]:recv_at[sender + 1]] = local.peer_segment(peer, peer_size)[at:at + peer_sends[me]]
+        notes[self.layout.local_rank] = (base, None, send_counts, recv_counts)
+        if self.leaders is not None:
+            placements = self._between_nodes(notes, base + send_at[-1])
+            local.messages({peer: pickle.dumps(placements[peer]) for peer in local.peers}, (),
+                           "handing out what came from other nodes")
+            placement = placements[self.layout.local_rank]
+        else:
+            placement = pickle.loads(local.messages({}, (0,), "waiting for what came from other nodes")[0])
+        leader_size, starts = placement
+        leader_segment = local.own_segment(0) if self.leaders is not None else local.peer_segment(0, leader_size)
+        for node, at in starts.items():
+            for sender in self.ranks_of_node[node]:
+                count = recv_counts[sender]
+                result[recv_at[sender]:recv_at[sender] + count] = leader_segment[at:at + count]
+                at += count
+        local.messages({peer: b"" for peer in local.peers}, local.peers, "the end of a round")  # segments reusable
+        return result
+
+    def _between_nodes(self, notes: dict, used: int) -> dict[int, tuple[int, dict[int, int]]]:
+        """(Leader) pack what leaves this node once per destination node, run the leaders' all-to-all
+        into this segment after `used` bytes, and say where each local worker's blocks from each node
+        start: {local rank: (segment size, {node: offset})}."""
+        local, node = self.local, self.layout.node
+        here = self.ranks_of_node[node]
+        senders = [(notes[i][0], _starts(notes[i][2]), notes[i][2], i) for i in range(len(here))]
+        node_sends, node_recvs = [0] * self.nodes, [0] * self.nodes
+        for other, ranks in enumerate(self.ranks_of_node):
+            if other != node:
+                node_sends[other] = sum(counts[d] for d in ranks for _, _, counts, _ in senders)
+                node_recvs[other] = sum(notes[j][3][s] for j in range(len(here)) for s in ranks)
+        outgoing = np.empty(sum(node_sends), dtype=np.uint8)
+        position = 0
+        for other, ranks in enumerate(self.ranks_of_node):
+            if other == node:
+                continue
+            for d in ranks:
+                for sender_base, sender_at, counts, i in senders:
+                    count = counts[d]
+                    if count:
+                        segment = local.own_segment(0) if i == self.layout.local_rank else \
+                            local.peer_segment(i, notes[i][1])
+                        at = sender_base + sender_at[d]
+                        outgoing[position:position + count] = segment[at:at + count]
+                        position += count
+        start = -(-max(used, local.reserved) // ALIGN) * ALIGN
+        incoming_total = sum(node_recvs)
+        segment = local.own_segment(start + incoming_total)
+        incoming = segment[start:start + incoming_total]
+        self._leaders("a round's all-to-all", self.leaders.all_to_all, outgoing, node_sends, node_recvs, out=incoming)
+        self.bytes_between_nodes += int(sum(node_sends))
+        size = len(local.own_segment(0))
+        placements: dict[int, tuple[int, dict[int, int]]] = {j: (size, {}) for j in range(len(here))}
+        at = start
+        for other, ranks in enumerate(self.ranks_of_node):
+            if other == node:
+                continue
+            for j in range(len(here)):
+                placements[j][1][other] = at
+                at += sum(notes[j][3][s] for s in ranks)
+        return placements
+
+    # -- agreement --------------------------------------------------------------------------
+    def broadcast_object(self, obj, src=0):
+        source_node = self.node_of_worker[src]
+        here = self.layout.node == source_node
+        if here:
+            obj = self.local.broadcast_object(obj, src=self.ranks_of_node[source_node].index(src))
+        if self.leaders is not None:
+            obj = self._leaders("a broadcast", self.leaders.broadcast_object, obj, src=source_node)
+        if not here:
+            obj = self.local.broadcast_object(obj, src=0)
+        return obj
+
+    def all_gather_object(self, obj):
+        parts = self.local.all_gather_object(obj)
+        gathered = None
+        if self.leaders is not None:
+            by_node = self._leaders("an all-gather", self.leaders.all_gather_object, parts)
+            gathered = [None] * self.size
+            for node, ranks in enumerate(self.ranks_of_node):
+                for i, r in enumerate(ranks):
+                    gathered[r] = by_node[node][i]
+        return self.local.broadcast_object(gathered, src=0)
+
+    def barrier(self):
+        self.local.barrier()
+        if self.leaders is not None:
+            self._leaders("a barrier", self.leaders.barrier)
+        self.local.barrier()
+
+    def close(self):
+        self.local.close()
+        if self.leaders is not None:
+            self.leaders.close()
