@@ -13,11 +13,8 @@ leaders sent between nodes equal the plan's figure (both read from `--result-jso
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
