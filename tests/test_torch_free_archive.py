@@ -268,7 +268,7 @@ def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(tmp_path):
     to TP 2 at two DP ranks."""
     from reshard.formats.deepspeed_inspect import inspect_checkpoint
     from reshard.formats.deepspeed_target import target_files
-    from reshard.proof.tensor_parallel import train_checkpoint
+    from reshard_proof.tensor_parallel import train_checkpoint
     from reshard.topology import Topology
 
     save_dir = tmp_path / "src"
