@@ -45,6 +45,15 @@ def test_import_linter_contracts_are_kept(capsys):
     assert "BROKEN" not in report and report.count("KEPT") == len(_contracts()), report
 
 
+def test_torch_byte_contract_names_every_torch_and_deepspeed_module():
+    """A new formats/torch_*.py or formats/deepspeed_*.py is in the torch-bytes contract, or the
+    contract says nothing about it."""
+    contract = _contracts()["torch-bytes-know-no-deepspeed"]
+    formats = PACKAGE / "formats"
+    assert set(contract["source_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("torch_*.py")}
+    assert set(contract["forbidden_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("deepspeed_*.py")}
+
+
 def test_every_module_is_in_a_layer(graph):
     """A new module must be placed in a layer, or the layers contract says nothing about it."""
     layered = [name.strip() for layer in _contracts()["layers"]["layers"] for name in layer.split(":")]
