@@ -21,6 +21,7 @@ from reshard_proof.bitwise import compare_trees  # noqa: E402
 from reshard_proof.launch import (  # noqa: E402
     TorchrunError,
     check_checkpoint,
+    child_env,
     run_torchrun,
     train_checkpoint,
 )
@@ -37,7 +38,8 @@ SOURCE_RANKS = 2
 @pytest.mark.e2e  # a fresh interpreter: this one has imported deepspeed already
 def test_importing_the_package_does_not_import_deepspeed():
     code = "import sys, reshard_proof; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                   env=child_env())  # reshard_proof lives in tests/, found through PYTHONPATH
 
 
 def test_bitwise_comparison_sees_signed_zero_nan_payload_dtype_and_float_bits():
