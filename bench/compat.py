@@ -4,13 +4,13 @@
     python bench/compat.py --versions 0.16.9 --variants z2_fp32 z3_bf16 --deadline 10:10
 
 For each DeepSpeed release (the last patch of each minor from 0.14 to 0.19), a virtual environment
-over this interpreter's torch (reshard.proof.deepspeed_venv: its own TORCH_EXTENSIONS_DIR, the CPU
+over this interpreter's torch (reshard_proof.deepspeed_venv: its own TORCH_EXTENSIONS_DIR, the CPU
 op built once before any ranks start, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 where that release's
 checkpoint engine needs it). In it, the proof harness trains each variant on 2 CPU ranks
-(reshard.proof.train: two param groups, a frozen layer, a tied weight, a buffer, client_state, a
+(reshard_proof.train: two param groups, a frozen layer, a tied weight, a buffer, client_state, a
 scheduler) and records the truth; `python -m reshard SRC DST --target-dp M` runs in *this*
 environment (DeepSpeed 0.19.8 installed, never imported); the same release loads DST at M ranks
-with plain `engine.load_checkpoint` (reshard.proof.check_load, all variants of one M in one launch)
+with plain `engine.load_checkpoint` (reshard_proof.check_load, all variants of one M in one launch)
 and compares every fp32 master and optimizer moment, counters, scheduler, frozen params, buffers and
 client_state element by element, then trains a step.
 
@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # reshard and the harness beside the tests (tests/reshard_proof)
 
-from reshard.proof.deepspeed_venv import DEFAULT_CACHE, deepspeed_venv
-from reshard.proof.launch import TorchrunError, run_torchrun, train_checkpoint
+from reshard_proof.deepspeed_venv import DEFAULT_CACHE, deepspeed_venv
+from reshard_proof.launch import TorchrunError, run_torchrun, train_checkpoint
 
 VERSIONS = ["0.14.5", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8"]
 VARIANTS = ["z1_fp32", "z1_bf16", "z2_fp32", "z2_bf16", "z3_fp32", "z3_bf16"]
@@ -68,7 +68,7 @@ def _judge(venv, m: int, jobs: list[tuple[str, Path, Path, Path]]) -> None:
     args = ["--variant", variant, "--load-dir", dst, "--truth", truth, "--verdict", verdict]
     for job in also:
         args += ["--also", *job]
-    run_torchrun("reshard.proof.check_load", m, args, python=venv.python, env=venv.env(),
+    run_torchrun("reshard_proof.check_load", m, args, python=venv.python, env=venv.env(),
                  expect_files=[job[3] for job in jobs], timeout=900)
 
 
@@ -136,7 +136,7 @@ def write_table(rows: list[dict], targets, path: Path, started: str) -> None:
     import torch
     lines = [f"# DeepSpeed version matrix ({started} UTC)", "",
              f"torch {torch.__version__}, Python {platform.python_version()}, CPU ({os.cpu_count()} cores), "
-             f"`python bench/compat.py`. Each release trains on 2 ranks (reshard.proof.train), reshard runs under "
+             f"`python bench/compat.py`. Each release trains on 2 ranks (reshard_proof.train), reshard runs under "
              f"this environment, the release loads the result with plain `load_checkpoint` and every fp32 master, "
              f"moment, counter, scheduler, frozen param, buffer and client_state value is compared.", "",
              "| DeepSpeed | variant | train | " + " | ".join(f"2 -> {m}" for m in targets) + " | notes |",

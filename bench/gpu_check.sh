@@ -3,7 +3,7 @@
 # CPU ranks (real DeepSpeed, truth recorded), reshard 2 -> 1 with `torchrun -m reshard --backend
 # nccl`, load it in a CUDA engine with plain load_checkpoint, and load the 2-rank original through
 # reshard.deepspeed.load_checkpoint (in-job, over the job's NCCL group); every fp32 master and
-# optimizer-state element is compared with the truth (reshard.proof.check_load).
+# optimizer-state element is compared with the truth (reshard_proof.check_load).
 #
 #   bash bench/gpu_check.sh CHECKS_DIR OUT_DIR     # CHECKS_DIR/<variant>/{ckpt,truth.pt}
 #
@@ -13,6 +13,9 @@
 set -uo pipefail
 checks=$1; out=$2; work=$(mktemp -d)
 export DS_ACCELERATOR=cuda RESHARD_PROOF_BACKEND=nccl PYTHONUNBUFFERED=1
+# reshard and its proof harness (tests/reshard_proof, never installed) from this checkout
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$repo:$repo/tests${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, torch.cuda.get_device_name(0))"
 run() { python3 -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
 for dir in "$checks"/*/; do
@@ -21,9 +24,9 @@ for dir in "$checks"/*/; do
   run -m reshard "$dir/ckpt" "$work/$v" --target-dp 1 --backend nccl --quiet || echo "RESHARD FAILED $v"
   end=$(date +%s.%N)
   echo "$v: offline reshard 2->1 took $(python3 -c "print(round($end - $start, 2))") s (whole command)"
-  run -m reshard.proof.check_load --variant "$v" --load-dir "$work/$v" --truth "$dir/truth.pt" \
+  run -m reshard_proof.check_load --variant "$v" --load-dir "$work/$v" --truth "$dir/truth.pt" \
       --verdict "$out/$v-native.json" || echo "CHECK FAILED $v native"
-  run -m reshard.proof.check_load --variant "$v" --load-dir "$dir/ckpt" --truth "$dir/truth.pt" \
+  run -m reshard_proof.check_load --variant "$v" --load-dir "$dir/ckpt" --truth "$dir/truth.pt" \
       --verdict "$out/$v-injob.json" --in-job || echo "CHECK FAILED $v in-job"
 done
 python3 - "$out" <<'PY'

@@ -37,7 +37,8 @@ def child_env() -> dict:
     """Environment for every torchrun/DeepSpeed child: CPU accelerator, one thread per rank."""
     env = dict(os.environ)
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    # reshard from this checkout, and its proof harness beside the tests (synthetic_load_check.py uses it)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH")]))
     return env
 
 

@@ -9,7 +9,7 @@ groups (decay / no_decay, each split into dense and expert groups by DeepSpeed's
 on 2 CPU ranks at ep 1 and saved (about 400 MB, cached). ep 1 -> ep 1 is where DeepSpeed's own
 path works for native MoE: `ds_to_universal.py` crashes on an ep > 1 source ("shape '[7, 9]' is
 invalid", the expert parameters' local shapes), and its ep 1 output loaded at ep 2 gives EP rank
-1 the experts of EP rank 0 without a word (both checked with reshard.proof.moe_run on
+1 the experts of EP rank 0 without a word (both checked with reshard_proof.moe_run on
 CPU, DeepSpeed 0.19.8). Each contender is watched for wall time, peak RSS of its largest process
 and of its whole tree, and the disk it added:
   reshard    python -m reshard SRC DST --target-dp 1 --workers W, then engine.load_checkpoint(DST) at 1

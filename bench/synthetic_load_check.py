@@ -38,7 +38,7 @@ def main() -> None:
     from bench_model import build_engine
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from reshard.proof.engine_state import relink_optimizer_fragments
+    from reshard_proof.engine_state import relink_optimizer_fragments
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = MODELS[args.model]

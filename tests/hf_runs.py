@@ -11,10 +11,11 @@ hf_accelerate.py); each writes a JSON report on rank 0, which is what a run is j
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from reshard_proof.launch import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = Path(__file__).resolve().parent / "entry"
@@ -24,8 +25,7 @@ RUNS = {"z2": ("hf_trainer.py", ["--stage", "2"]), "z3_bf16": ("hf_trainer.py", 
 
 def run_entry(script: str, nproc: int, *args, expect: Path | None = None, timeout: float = 600) -> None:
     """torchrun --standalone the entry script; retried once when it died at exit after writing `expect`."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = child_env()  # the entry scripts import reshard_proof (tests/)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(ENTRY / script), *map(str, args)]
     for attempt in (1, 2):

@@ -36,7 +36,7 @@ from reshard.formats.torch_archive import TensorRef
 from reshard.formats.torch_classes import NeedsTorch, TorchGlobal, TorchSize
 
 SAFE = classes.safe_globals()
-GLOBALS = torch_pickle.deepspeed_globals(SAFE)
+GLOBALS = torch_pickle.globals_by_name(SAFE)
 
 
 def base_files(directory: Path) -> list[Path]:

@@ -232,7 +232,7 @@ def test_worker_killed_mid_exchange_then_resume(source, tmp_path):
     reference, dst = tmp_path / "reference", tmp_path / "dst"
     reshard_with_torchrun(save_dir, reference, 3, 2, "--memory-budget", "2K")
     started = time.monotonic()
-    from reshard.proof.launch import TorchrunError
+    from reshard_proof.launch import TorchrunError
     durable = ("--memory-budget", "2K", "--durable-every", "1K")  # a resume point every round or two
     with pytest.raises(TorchrunError):
         reshard_with_torchrun(save_dir, dst, 3, 2, *durable, "--timeout", "60",

@@ -18,7 +18,7 @@ import os
 import pytest
 from trained import judge, reshard_in_threads, reshard_with_torchrun
 
-from reshard.proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
+from reshard_proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
 
 pytestmark = pytest.mark.e2e
 
@@ -139,8 +139,8 @@ def test_deepspeeds_universal_converter_reads_the_output(trained, tmp_path, vari
 
     import torch
 
-    from reshard.proof.bitwise import compare_trees
-    from reshard.proof.truth_file import read_truth
+    from reshard_proof.bitwise import compare_trees
+    from reshard_proof.truth_file import read_truth
     source, truth_path = trained(variant, n)
     destination = tmp_path / "dst"
     reshard_in_threads(source, destination, m, 2)
@@ -169,12 +169,12 @@ def test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up(tra
     import subprocess
     import sys
 
-    from reshard.proof.launch import REPO_ROOT, _child_env
+    from reshard_proof.launch import REPO_ROOT, child_env
     source, truth = trained("z3_fp32", 2)
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
                str(REPO_ROOT / "tests" / "entry" / "module_only_load.py"), "z3_fp32", str(source), str(truth), str(out)]
-    done = subprocess.run(command, env=_child_env(None), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300)
     assert out.is_file(), (done.stdout + done.stderr)[-3000:]
     result = json.loads(out.read_text())
     assert result["mismatches"] == [] and result["checked_tensors"] > 0

@@ -6,12 +6,12 @@
 Planner tests need no torch: DeepSpeed's rank arithmetic for expert groups, the global-expert
 layout tiling its space, and a simulated move of every element through a plan between two
 (dp, ep) layouts. End to end: `deepspeed.moe.layer.MoE` (4 experts x 2 layers, top-2, four param
-groups) is trained on CPU ranks (reshard.proof.moe_run), resharded with W workers (W differs
+groups) is trained on CPU ranks (reshard_proof.moe_run), resharded with W workers (W differs
 from both world sizes where it can), and loaded with plain `engine.load_checkpoint` at the
 target (dp, ep); every element of the fp32 masters and optimizer states, named by GLOBAL expert
 id and merged over ranks, must equal the truth, the eval loss must be close, one more step finite.
 Some sources are also loaded in-job by `reshard.deepspeed.load_checkpoint` at another (dp, ep).
-AutoEP (reshard.proof.moe_model.AutoEPProofModel, experts fused per EP rank) runs through the
+AutoEP (reshard_proof.moe_model.AutoEPProofModel, experts fused per EP rank) runs through the
 same matrix, with DeepSpeed's own plain and universal loads judged in the same job.
 """
 from __future__ import annotations
@@ -269,7 +269,7 @@ class MoeSources:
         self.root, self.cache = root, {}
 
     def __call__(self, variant: str, ep: int, world: int):
-        from reshard.proof.launch import train_moe_checkpoint
+        from reshard_proof.launch import train_moe_checkpoint
         key = (variant, ep, world)
         if key not in self.cache:
             base = self.root / f"{variant}-ep{ep}-w{world}"
@@ -290,7 +290,7 @@ def _reshard(source, destination, dp: int, ep: int, workers: int):
 
 
 def _check(variant, ep, world, truth, loads):
-    from reshard.proof.launch import check_moe_loads
+    from reshard_proof.launch import check_moe_loads
     return check_moe_loads(variant, ep, world, truth, loads)
 
 
@@ -420,7 +420,7 @@ def test_moe_identity_and_round_trip_reproduce_the_source(moe_trained, tmp_path)
     """ep2 w2 -> ep2 w2 gives DeepSpeed's own files back (every key, name and element); going
     through ep1 w2 or ep4 w4 and back gives the same bytes: the EP renaming is exact both ways.
     `verify` (manifest hashes, and every element against the source) agrees on both outputs."""
-    from reshard.proof.bitwise import compare_trees
+    from reshard_proof.bitwise import compare_trees
     from trained import tree_files
     source, _ = moe_trained("moe_z2_fp32", 2, 2)
     identity = tmp_path / "identity"
@@ -636,7 +636,7 @@ def test_autoep_round_trip_is_byte_identical(moe_trained, tmp_path, source_key, 
     slice mappings, param_shapes, ds_autoep_layers and (ZeRO-3) ds_zero_partition_groups are
     recomputed exactly. The ZeRO-2 identity also reproduces DeepSpeed's own files, every key and
     element (ZeRO-3 partitions hold uninitialised padding that reshard writes as zeros)."""
-    from reshard.proof.bitwise import compare_trees
+    from reshard_proof.bitwise import compare_trees
     from trained import tree_files
     variant, ep, world = source_key
     source, _ = moe_trained(*source_key)
@@ -702,7 +702,7 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     """ep2 -> ep1 -> ep2 and ep2 -> ep4 -> ep2 give back DeepSpeed's own optimizer files (every key,
     name and element; the model states too); the dry run shows the placement and writes nothing."""
     from reshard.job import reshard_checkpoint
-    from reshard.proof.bitwise import compare_trees
+    from reshard_proof.bitwise import compare_trees
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     for ep, world in ((1, 2), (4, 4)):
         there, back = tmp_path / f"ep{ep}", tmp_path / f"back{ep}"
@@ -740,7 +740,7 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
 
     import deepspeed.checkpoint
 
-    from reshard.proof.launch import _child_env
+    from reshard_proof.launch import child_env
     source, truth = moe_trained("moe_z1_fp32", 1, 2)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     _reshard(source, ours, 3, 1, 2)
@@ -748,14 +748,14 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
     done = subprocess.run([sys.executable, script, "--input_folder", str(source / "global_step3"),
                            "--output_folder", str(theirs / "global_step3"), "--num_extract_workers", "1",
                            "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=_child_env(None), timeout=300)
+                          capture_output=True, text=True, env=child_env(None), timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (theirs / "latest_universal").write_text("global_step3")
     native, universal = _check("moe_z1_fp32", 1, 3, truth, [(ours, tmp_path / "native.json"),
                                                            (theirs, tmp_path / "universal.json", "universal")])
     _assert_ok(native)
     assert universal["how"] == "universal" and universal["ok"], universal["load_error"] or universal["mismatches"][:10]
-    from reshard.proof.truth_file import read_truth
+    from reshard_proof.truth_file import read_truth
     masters = read_truth(truth)["engine"]["master"]
     tensors = sum(torch.is_tensor(v) for entry in masters.values()
                   for v in (entry["fp32"], *entry["state"].values(), *entry["scalars"].values()))
@@ -766,7 +766,7 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
 
 def _folded_save_names(tp: int, ep: int, dp: int, experts: int = 4) -> list[str]:
     """The files DeepSpeed 0.19.8 writes for AutoEP folded with AutoTP at ZeRO-1/2 (seen on CPU
-    ranks, reshard.proof.folded_tp_ep): expert files carry the writer's TP rank, which for EP
+    ranks, reshard_proof.folded_tp_ep): expert files carry the writer's TP rank, which for EP
     groups of consecutive ranks is the EP rank modulo tp (auto_ep_folding.py)."""
     per_rank = experts // ep
     names = [f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
@@ -838,8 +838,8 @@ def test_unknown_folding_and_unmarked_tp_experts_are_refused_naming_the_file(tmp
 
 
 def _judge_folded(nproc: int, tp: int, ep: int, load_dir, truth, verdict, *extra: str, stage: int = 2) -> dict:
-    from reshard.proof.launch import run_torchrun
-    run_torchrun("reshard.proof.folded_tp_ep", nproc, ["--stage", str(stage), "--tp", str(tp), "--ep", str(ep), "--check",
+    from reshard_proof.launch import run_torchrun
+    run_torchrun("reshard_proof.folded_tp_ep", nproc, ["--stage", str(stage), "--tp", str(tp), "--ep", str(ep), "--check",
                                                        load_dir, "--truth", truth, "--verdict", verdict, *extra],
                  expect_files=[verdict])
     result = json.loads(Path(verdict).read_text())
@@ -860,10 +860,10 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
 
     from reshard.formats.deepspeed_folding import expert_file_names
     from reshard.job import reshard_checkpoint
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     from reshard.topology import Topology
     save, truth = tmp_path / "folded", tmp_path / "folded.truth.pt"
-    run_torchrun("reshard.proof.folded_tp_ep", 4, ["--stage", "2", "--tp", "2", "--ep", "2", "--save-dir", save,
+    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "2", "--tp", "2", "--ep", "2", "--save-dir", save,
                                                    "--truth", truth], expect_files=[save / "latest", truth])
     names = sorted(os.listdir(save / "global_step2"))
     assert names == sorted(_folded_save_names(tp=2, ep=2, dp=2))
@@ -909,9 +909,9 @@ def test_unfolded_autoep_with_layer_specs_reshards_to_folded(tmp_path):
     """AutoEP at tp 1 whose ds_config carries AutoTP layer specs (world 2, ep 2) -> folded tp2 ep2
     world 4, loaded with plain `engine.load_checkpoint`, every value equal to the truth."""
     from reshard.job import reshard_checkpoint
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     save, truth = tmp_path / "plain", tmp_path / "plain.truth.pt"
-    run_torchrun("reshard.proof.folded_tp_ep", 2, ["--stage", "2", "--tp", "1", "--ep", "2", "--save-dir", save,
+    run_torchrun("reshard_proof.folded_tp_ep", 2, ["--stage", "2", "--tp", "1", "--ep", "2", "--save-dir", save,
                                                    "--truth", truth], expect_files=[save / "latest", truth])
     reshard_checkpoint(str(save), str(tmp_path / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
     _judge_folded(4, 2, 2, tmp_path / "folded", truth, tmp_path / "v.json")
@@ -924,9 +924,9 @@ def test_folded_tp_ep_zero3_reshards(tmp_path):
     unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
     every value equal to the truth; and in-job at tp2 ep2 world 2."""
     from reshard.job import reshard_checkpoint
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     save, truth = tmp_path / "z3", tmp_path / "z3.truth.pt"
-    run_torchrun("reshard.proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,
+    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,
                                                    "--truth", truth], expect_files=[save / "latest", truth])
     reshard_checkpoint(str(save), str(tmp_path / "tp1"), 2, target_tp=1, target_ep=2, quiet=True)
     reshard_checkpoint(str(save), str(tmp_path / "ep4"), 2, target_tp=2, target_ep=4, quiet=True)

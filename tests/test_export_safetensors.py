@@ -23,7 +23,7 @@ from trained import reshard_cli
 from reshard.export import export_safetensors
 from reshard.export.hf_layout import INDEX_NAME
 from reshard.export.safetensors_job import parse_shard_size
-from reshard.proof.launch import run_torchrun
+from reshard_proof.launch import run_torchrun
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ import torch
 from threaded_transport import run_workers
 
 from reshard.export import export_universal
-from reshard.proof.launch import REPO_ROOT, _child_env
+from reshard_proof.launch import REPO_ROOT, child_env
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def _ds_to_universal(source, out_root) -> None:
     done = subprocess.run([sys.executable, script, "--input_folder", str(source / tag),
                            "--output_folder", str(out_root / tag), "--num_extract_workers", "1",
                            "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=_child_env(None), timeout=300)
+                          capture_output=True, text=True, env=child_env(None), timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -40,7 +40,7 @@ def _load_both(variant, m, ours, theirs, truth, out) -> dict:
                str(REPO_ROOT / "tests" / "entry" / "universal_load.py"), variant, str(ours), str(theirs),
                str(truth), str(out)]
     for _ in range(2):  # a launch can die at teardown after writing its result (see proof.launch)
-        done = subprocess.run(command, env=_child_env(None), capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300)
         if out.is_file():
             return json.loads(out.read_text())
     raise AssertionError((done.stdout + done.stderr)[-4000:])

@@ -1,6 +1,7 @@
 """The import direction of the package: the import-linter contracts in pyproject.toml, plus the two
 rules import-linter cannot state (no private name crosses a module; nothing imports the package
-root), and that every module sits in a layer. No process is started; about a second.
+root), that every module sits in a layer, and that the wheel holds only the package (no test
+harness). No process is started; about a second.
 
     python -m pytest -q tests/test_layering.py
     lint-imports            # the same contracts, from the repository root, with import-linter's report
@@ -13,15 +14,13 @@ import tomllib
 
 import grimp
 import pytest
+import setuptools
 import importlinter.api  # noqa: F401  (configures import-linter: its readers and contract types)
 from importlinter.application import use_cases
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "reshard"
 PYPROJECT = ROOT / "pyproject.toml"
-
-# Not in any layer: the test harness shipped inside the package (to move beside the tests, issue 24).
-UNLAYERED = ("reshard.proof",)
 
 # Known exceptions, each to be removed by the change it names: deepspeed_zero0_moe shares two
 # ZeRO-1/2 MoE rules with deepspeed_inspect, which keeps them private (deepspeed_inspect.py is being
@@ -46,13 +45,74 @@ def test_import_linter_contracts_are_kept(capsys):
     assert "BROKEN" not in report and report.count("KEPT") == len(_contracts()), report
 
 
+def test_torch_byte_contract_names_every_torch_and_deepspeed_module():
+    """A new formats/torch_*.py or formats/deepspeed_*.py is in the torch-bytes contract, or the
+    contract says nothing about it."""
+    contract = _contracts()["torch-bytes-know-no-deepspeed"]
+    formats = PACKAGE / "formats"
+    assert set(contract["source_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("torch_*.py")}
+    assert set(contract["forbidden_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("deepspeed_*.py")}
+
+
 def test_every_module_is_in_a_layer(graph):
     """A new module must be placed in a layer, or the layers contract says nothing about it."""
     layered = [name.strip() for layer in _contracts()["layers"]["layers"] for name in layer.split(":")]
     missing = [module for module in sorted(graph.modules)
-               if module != "reshard" and not any(module == top or module.startswith(top + ".")
-                                                  for top in layered + list(UNLAYERED))]
+               if module != "reshard" and not any(module == top or module.startswith(top + ".") for top in layered)]
     assert not missing, f"modules in no layer of pyproject.toml's layers contract: {missing}"
+
+
+def test_the_wheel_holds_the_layered_package_and_no_test_code(graph):
+    """What `pip install .` ships is what pyproject's [tool.setuptools.packages.find] finds: exactly
+    the modules in the import graph (each placed in a layer, checked above, so a harness moved back
+    into reshard/ fails there), and none of them imports code that lives in tests/ (reshard_proof,
+    trained, ...)."""
+    shipped = shipped_modules(ROOT, _pyproject()["tool"]["setuptools"]["packages"]["find"])
+    assert shipped == set(graph.modules), (f"shipped, not in the import graph: {sorted(shipped - graph.modules)}; "
+                                           f"in the graph, not shipped: {sorted(graph.modules - shipped)}")
+    test_code = {path.stem for path in (ROOT / "tests").iterdir()
+                 if path.suffix == ".py" or (path / "__init__.py").is_file()}
+    assert {"reshard_proof", "trained"} <= test_code
+    importing_tests = sorted(f"{module} imports {name}" for module in shipped for name in _imported_names(module)
+                             if name.split(".")[0] in test_code)
+    assert not importing_tests, importing_tests
+
+
+def test_wheel_check_sees_a_harness_inside_the_package(tmp_path):
+    """The check above can fail: with the old `include = ["reshard*"]`, a harness inside the package
+    (reshard/proof) or beside it (reshard_proof/) ships; tests/ never does."""
+    for package in ("reshard", "reshard/proof", "reshard_proof", "tests/reshard_proof"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    assert shipped_modules(tmp_path, {"include": ["reshard*"]}) == {"reshard", "reshard.proof", "reshard_proof"}
+    assert shipped_modules(tmp_path, {"include": ["reshard", "reshard.*"]}) == {"reshard", "reshard.proof"}
+
+
+def shipped_modules(root: pathlib.Path, find: dict) -> set[str]:
+    """The modules setuptools packages from `root` under a [tool.setuptools.packages.find] table
+    (`namespaces` defaults to true there, as in setuptools' pyproject support)."""
+    finder = setuptools.find_namespace_packages if find.get("namespaces", True) else setuptools.find_packages
+    packages = finder(where=str(root / find.get("where", ["."])[0]), include=find.get("include", ["*"]),
+                      exclude=find.get("exclude", ()))
+    modules = set()
+    for package in packages:
+        for path in (root / package.replace(".", "/")).glob("*.py"):
+            modules.add(package if path.name == "__init__.py" else f"{package}.{path.stem}")
+    return modules
+
+
+def _imported_names(module: str) -> set[str]:
+    """Every absolute import of a module of this checkout (at any depth in the file)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        path = ROOT / module.replace(".", "/") / "__init__.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
 
 
 def test_nothing_imports_the_package_root(graph):
@@ -103,7 +163,10 @@ def private_names_crossing(package: pathlib.Path):
                 yield where, f"{modules[node.value.id]}.{node.attr}"
 
 
-def _contracts() -> dict:
+def _pyproject() -> dict:
     with open(PYPROJECT, "rb") as fd:
-        config = tomllib.load(fd)
-    return {contract["id"]: contract for contract in config["tool"]["importlinter"]["contracts"]}
+        return tomllib.load(fd)
+
+
+def _contracts() -> dict:
+    return {contract["id"]: contract for contract in _pyproject()["tool"]["importlinter"]["contracts"]}

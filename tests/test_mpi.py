@@ -137,11 +137,12 @@ def test_in_job_resharding_under_mpiexec_launched_deepspeed(trained, tmp_path):
     with socket.socket() as probe:  # DeepSpeed's default port 29500 may be taken by a parallel run
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    child = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_PORT=str(port))
+    from reshard_proof.launch import child_env
+    child = child_env({"MASTER_PORT": str(port)})
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
         child.pop(name, None)
     verdict = tmp_path / "verdict.json"
-    run = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "reshard.proof.check_load", "--variant", "z3_bf16",
+    run = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "reshard_proof.check_load", "--variant", "z3_bf16",
                           "--load-dir", str(source), "--truth", str(truth), "--verdict", str(verdict), "--seed", "1",
                           "--extra-steps", "1", "--in-job"], capture_output=True, text=True, env=child, cwd=REPO,
                          timeout=300)

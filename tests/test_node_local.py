@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_node_local.py              # pure planning + two-node runs (~3-4 min)
     python -m pytest -q tests/test_node_local.py -m "not e2e" # planning only, seconds
 
-On one machine, two torchrun agents play two nodes (`reshard.proof.launch.launch_torchrun_nodes`:
+On one machine, two torchrun agents play two nodes (`reshard_proof.launch.launch_torchrun_nodes`:
 c10d rendezvous on a free localhost port); each node has its own directories, as on real nodes.
 DeepSpeed trains with `"checkpoint": {"use_node_local_storage": true}` on 2 nodes x 2 ranks, reshard
 runs on the same two nodes for 2 x 3 and 2 x 1 ranks, and each target rank loads from its own
@@ -27,7 +27,7 @@ from reshard.errors import CheckpointError, OptionError
 from reshard.layout import ParamSpec, buffer_numels, logical_bases, zero3_layout, zero12_layout
 from reshard.node_local import WorkerView, agreed_tag, model_states_ranks, node_leaders, node_local_ownership
 from reshard.plan import Ownership, ReshardPlan, plan_space, round_cap
-from reshard.proof.launch import check_checkpoint, launch_torchrun_nodes, run_torchrun_nodes, train_checkpoint
+from reshard_proof.launch import check_checkpoint, launch_torchrun_nodes, run_torchrun_nodes, train_checkpoint
 
 VARIANT = "z2_node_local"
 NODES = 2
@@ -234,7 +234,7 @@ def test_a_file_on_no_node_is_refused_before_any_data_moves(node_local_checkpoin
 def test_a_killed_worker_leaves_each_node_resumable(node_local_checkpoint, tmp_path):
     """SIGKILL node 1's first worker (its leader) in round 3: no node publishes; the same command
     resumes on both nodes and gives the uninterrupted job's files."""
-    from reshard.proof.launch import TorchrunError
+    from reshard_proof.launch import TorchrunError
     root, _ = node_local_checkpoint
     for node in range(NODES):
         shutil.copytree(node_dir(root, node, "src"), node_dir(tmp_path, node, "src"))

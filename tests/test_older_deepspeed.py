@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_older_deepspeed.py       # builds the 0.16.9 environment once (cached)
 
-The environment (reshard.proof.deepspeed_venv) is cached under ~/.cache/reshard/compat (or
+The environment (reshard_proof.deepspeed_venv) is cached under ~/.cache/reshard/compat (or
 $RESHARD_COMPAT_CACHE), keyed by the DeepSpeed release and this torch: the first session builds
 it (about a minute plus DeepSpeed's CPU op compile), later ones reuse it. DeepSpeed 0.16.9 runs the
 proof harness's own train and check_load; reshard runs here, under DeepSpeed 0.19.8's environment,
@@ -21,7 +21,7 @@ from test_torch_free_archive import SAFE, _same_skeleton_as_torch, _same_tree_as
 from trained import reshard_cli
 
 from reshard.formats.torch_archive import load_portable
-from reshard.proof.launch import run_torchrun, train_checkpoint
+from reshard_proof.launch import run_torchrun, train_checkpoint
 
 OLDER = "0.16.9"
 VARIANTS = ("z2_fp32", "z3_fp32")
@@ -30,7 +30,7 @@ VARIANTS = ("z2_fp32", "z3_fp32")
 @pytest.fixture(scope="session")
 def older_deepspeed(tmp_path_factory):
     """variant -> (save_dir, truth), trained on 2 ranks with DeepSpeed 0.16.9; and the environment."""
-    from reshard.proof.deepspeed_venv import deepspeed_venv
+    from reshard_proof.deepspeed_venv import deepspeed_venv
     venv = deepspeed_venv(OLDER)
     root = tmp_path_factory.mktemp(f"deepspeed-{OLDER}")
     trained = {}
@@ -127,7 +127,7 @@ def test_older_checkpoint_resharded_here_loads_with_its_own_deepspeed(older_deep
     launch = ["--variant", first[0], "--load-dir", first[1], "--truth", first[2], "--verdict", first[3]]
     for extra in also:
         launch += ["--also", *extra]
-    run_torchrun("reshard.proof.check_load", 3, launch, python=venv.python, env=venv.env(),
+    run_torchrun("reshard_proof.check_load", 3, launch, python=venv.python, env=venv.env(),
                  expect_files=list(verdicts.values()))
     for variant, path in verdicts.items():
         verdict = json.loads(path.read_text())

@@ -57,7 +57,7 @@ class PipelineRuns:
         self.root, self.cache = root, {}
 
     def __call__(self, precision: str, pp: int, dp: int):
-        from reshard.proof.launch import run_torchrun
+        from reshard_proof.launch import run_torchrun
         key = (precision, pp, dp)
         if key not in self.cache:
             base = self.root / f"{precision}-pp{pp}-dp{dp}"
@@ -70,7 +70,7 @@ class PipelineRuns:
 
 
 def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -> dict:
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, "--precision", precision, "--load", load_dir,
                                          "--truth", truth, "--verdict", verdict],
                  expect_files=[verdict], timeout=500)

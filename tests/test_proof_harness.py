@@ -17,17 +17,18 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed in this process
 
-from reshard.proof.bitwise import compare_trees  # noqa: E402
-from reshard.proof.launch import (  # noqa: E402
+from reshard_proof.bitwise import compare_trees  # noqa: E402
+from reshard_proof.launch import (  # noqa: E402
     TorchrunError,
     check_checkpoint,
+    child_env,
     run_torchrun,
     train_checkpoint,
 )
-from reshard.proof.model import ProofModel, build_param_groups  # noqa: E402
-from reshard.proof.negative_controls import copy_checkpoint, flip_fp32_partition_bit  # noqa: E402
-from reshard.proof.variants import VARIANTS, get_variant  # noqa: E402
-from reshard.proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32  # noqa: E402
+from reshard_proof.model import ProofModel, build_param_groups  # noqa: E402
+from reshard_proof.negative_controls import copy_checkpoint, flip_fp32_partition_bit  # noqa: E402
+from reshard_proof.variants import VARIANTS, get_variant  # noqa: E402
+from reshard_proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32  # noqa: E402
 
 SOURCE_RANKS = 2
 
@@ -36,8 +37,9 @@ SOURCE_RANKS = 2
 
 @pytest.mark.e2e  # a fresh interpreter: this one has imported deepspeed already
 def test_importing_the_package_does_not_import_deepspeed():
-    code = "import sys, reshard.proof; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    code = "import sys, reshard_proof; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                   env=child_env())  # reshard_proof lives in tests/, found through PYTHONPATH
 
 
 def test_bitwise_comparison_sees_signed_zero_nan_payload_dtype_and_float_bits():

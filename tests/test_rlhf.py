@@ -10,13 +10,13 @@ more PPO iterations.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from reshard_proof.launch import child_env
 from trained import REPO, reshard_in_threads, reshard_with_torchrun, tree_files
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,7 @@ KL_INIT = 0.2
 
 
 def _example(nproc: int, *args, timeout: float = 600) -> None:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()  # the example judges itself with reshard_proof (tests/)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(EXAMPLE), *map(str, args)]
     for attempt in (1, 2):  # one retry for the rare abort at process exit, judged by the files

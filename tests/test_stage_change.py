@@ -16,8 +16,8 @@ from native_compare import structural_differences, tied_storage_shared
 from trained import reshard_cli, reshard_in_threads
 
 from reshard.errors import OptionError
-from reshard.proof.launch import check_checkpoints
-from reshard.proof.zero_to_fp32_check import check_zero_to_fp32
+from reshard_proof.launch import check_checkpoints
+from reshard_proof.zero_to_fp32_check import check_zero_to_fp32
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ ZeRO-3 fp32 (2,2) -> (1,3) and (4,1), offline and in-job; ZeRO-3 bf16 (2,1) -> (
 and in-job; W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
-weights is compared with the truth resliced for that rank (reshard/proof/tensor_parallel.py),
+weights is compared with the truth resliced for that rank (tests/reshard_proof/tensor_parallel.py),
 then training continues.
 """
 from __future__ import annotations
@@ -303,7 +303,7 @@ E2E_SOURCES = {  # name: (tp, dp, stage, precision[, harness model])
 @pytest.fixture(scope="module")
 def autotp(tmp_path_factory):
     """name -> (save_dir, truth), trained once per module."""
-    from reshard.proof.tensor_parallel import train_checkpoint
+    from reshard_proof.tensor_parallel import train_checkpoint
     root, cache = tmp_path_factory.mktemp("autotp"), {}
 
     def get(name):
@@ -328,7 +328,7 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     """Also the oracle: DeepSpeed's own universal path (ds_to_universal.py on the source, then
     `load_universal` in an engine at the target) loaded in the same launches as reshard's output,
     at TP 1 and TP 4, gives every rank the same fp32 masters and moments, all equal to the truth."""
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     source, truth = autotp("z2_fp32_tp2_dp2")
     converted = _universal(source, tmp_path / "u-source")
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
@@ -408,7 +408,7 @@ def _universal(save_dir, out, trainable: int = 8, files_per_param: int = 4) -> d
 
 @pytest.mark.e2e
 def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(autotp, tmp_path):
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     wide, wide_truth = autotp("z1_bf16_tp2_dp1")
     flat, flat_truth = autotp("z1_bf16_tp1_dp2")
     to_1x2 = _reshard(wide, tmp_path / "tp1dp2", 1, 2, workers=3)
@@ -426,7 +426,7 @@ def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(autotp, tmp_path):
 def test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2(autotp, tmp_path):
     """Two real sources, three outputs, two check launches: (2,2) -> (1,3); (4,1) -> (1,3) and
     (2,2), offline and in-job; W differs from both world sizes each time."""
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     square, square_truth = autotp("z1_bf16_tp2_dp2")
     wide, wide_truth = autotp("z1_bf16_tp4_dp1")
     square_1x3 = _reshard(square, tmp_path / "square-tp1dp3", 1, 3, workers=2)
@@ -454,7 +454,7 @@ def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_an
     `vocab_parallel_lm_head` and layer specs) on to (3, 1)."""
     import torch
 
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     source, truth = autotp("fused_z2_fp16_tp2_dp1")
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=4)
@@ -490,7 +490,7 @@ def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_an
 
 @pytest.mark.e2e
 def test_bf16_optimizer_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     source, truth = autotp("bf16_optimizer_tp2_dp1")
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     verdicts = check_checkpoints(1, 2, 1, "bf16_optimizer", [(to_1x2, truth)], tmp_path)
@@ -502,7 +502,7 @@ def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     """ZeRO-3 under AutoTP: each TP rank's local parameters partitioned over its dp group, files
     zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt, frozen parameters partitioned too."""
     import torch
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     from trained import reshard_cli
     source, truth = autotp("z3_fp32_tp2_dp2")
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
@@ -537,7 +537,7 @@ def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
 
 @pytest.mark.e2e
 def test_zero3_bf16_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
-    from reshard.proof.tensor_parallel import check_checkpoints
+    from reshard_proof.tensor_parallel import check_checkpoints
     source, truth = autotp("z3_bf16_tp2_dp1")
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     verdicts = check_checkpoints(1, 2, 3, "bf16", [(to_1x2, truth), (source, truth, "in-job")], tmp_path)

@@ -57,7 +57,7 @@ def _comparable(value):
 
 def _same_tree_as_torch(path) -> None:
     by_torch = portable(load_structure(path, SAFE))
-    without = torch_pickle.read_portable(path, torch_pickle.deepspeed_globals(SAFE))
+    without = torch_pickle.read_portable(path, torch_pickle.globals_by_name(SAFE))
     assert _comparable(without) == _comparable(by_torch), path
 
 
@@ -67,9 +67,9 @@ def _same_skeleton_as_torch(tree, tmp_path, name="target.pt") -> None:
     by_torch, pure = tmp_path / "torch" / name, tmp_path / "pure" / name
     obj, roles = materialize(tree)
     expected = write_skeleton(str(by_torch), obj, roles, classes, SAFE)
-    assert torch_pickle.write_skeleton_tree(str(pure), tree) == expected
+    assert torch_pickle.write_skeleton_tree(str(pure), tree, torch_pickle.globals_by_name(SAFE)) == expected
     assert pure.read_bytes() == by_torch.read_bytes(), name
-    assert torch_pickle.storage_offsets_of(str(pure), tree, torch_pickle.deepspeed_globals(SAFE)) == expected
+    assert torch_pickle.storage_offsets_of(str(pure), tree, torch_pickle.globals_by_name(SAFE)) == expected
 
 
 def _mixed_object():
@@ -104,7 +104,7 @@ def test_synthetic_files_are_read_and_rewritten_like_torch(tmp_path, case):
     source = tmp_path / "source.pt"
     torch.save(obj, source, pickle_module=classes)
     _same_tree_as_torch(source)
-    tree = torch_pickle.read_portable(source, torch_pickle.deepspeed_globals(SAFE))
+    tree = torch_pickle.read_portable(source, torch_pickle.globals_by_name(SAFE))
     _same_skeleton_as_torch(tree, tmp_path)
     _same_skeleton_as_torch(portable(load_structure(source, SAFE)), tmp_path, "from_torch_tree.pt")
     if case == "mixed":  # stand-ins and the real torch objects they stand for, in one tree
@@ -114,7 +114,7 @@ def test_synthetic_files_are_read_and_rewritten_like_torch(tmp_path, case):
         (tmp_path / "real").mkdir()
         obj, roles = materialize(real)
         write_skeleton(str(tmp_path / "real" / "m.pt"), obj, roles, classes, SAFE)
-        torch_pickle.write_skeleton_tree(str(tmp_path / "m.pt"), tree)
+        torch_pickle.write_skeleton_tree(str(tmp_path / "m.pt"), tree, torch_pickle.globals_by_name(SAFE))
         assert (tmp_path / "m.pt").read_bytes() == (tmp_path / "real" / "m.pt").read_bytes()
     if isinstance(tree, dict):  # and with tensors the writer creates: flat, shaped, tied, empty
         tree.update(new=NewTensor(("m", 1), 7, "float32"), tied=NewTensor(("m", 1), 7, "float32"),
@@ -194,6 +194,26 @@ def test_zip64_sizes_and_offsets_are_torchs(tmp_path):
                 path.unlink()
 
 
+def test_stand_ins_are_written_under_the_names_the_caller_allows(tmp_path):
+    """The DeepSpeed stand-ins are a parameter of the torch-byte writer, never its default: with
+    the allowlist both writers give DeepSpeed's names, byte for byte; without it neither writes
+    reshard's own module name into the file (torch_pickle hands the tree to torch, torch.save
+    refuses)."""
+    import pickle
+    tree = {"zero_stage": classes.ZeroStageEnum.gradients, "mapping": classes.fragment_address(numel=3, start=1),
+            "w": NewTensor(("w",), 5, "float32")}
+    (tmp_path / "torch").mkdir()
+    obj, roles = materialize(tree)
+    expected = write_skeleton(str(tmp_path / "torch" / "f.pt"), obj, roles, classes, SAFE)
+    assert write_tree_skeleton(str(tmp_path / "f.pt"), tree, SAFE) == expected
+    assert (tmp_path / "f.pt").read_bytes() == (tmp_path / "torch" / "f.pt").read_bytes()
+    assert b"deepspeed.runtime.zero.config" in (tmp_path / "f.pt").read_bytes()
+    with pytest.raises(NeedsTorch, match="allowlist does not name"):
+        torch_pickle.write_skeleton_tree(str(tmp_path / "bare.pt"), tree)
+    with pytest.raises(pickle.PicklingError, match="reshard.formats.deepspeed_classes.ZeroStageEnum"):
+        write_tree_skeleton(str(tmp_path / "bare.pt"), tree)
+
+
 def test_content_outside_the_subset_needs_torch(tmp_path):
     path = tmp_path / "namespace.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "w": torch.ones(2)}, path)
@@ -268,7 +288,7 @@ def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(tmp_path):
     to TP 2 at two DP ranks."""
     from reshard.formats.deepspeed_inspect import inspect_checkpoint
     from reshard.formats.deepspeed_target import target_files
-    from reshard.proof.tensor_parallel import train_checkpoint
+    from reshard_proof.tensor_parallel import train_checkpoint
     from reshard.topology import Topology
 
     save_dir = tmp_path / "src"

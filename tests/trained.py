@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reshard.proof.launch import check_checkpoint, run_torchrun, train_checkpoint
+from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -182,8 +182,18 @@ def save(actor, critic, ckpt: str, state: dict, metric: float, best: bool) -> No
     dist.barrier()
 
 
+def use_proof_harness() -> None:
+    """`--truth` checks with the test suite's proof harness (tests/reshard_proof in this checkout; it is
+    not installed with reshard): make it importable however this script was started."""
+    import sys
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "tests")
+    if os.path.normpath(tests) not in map(os.path.normpath, sys.path):
+        sys.path.insert(0, os.path.normpath(tests))
+
+
 def capture(actor, critic, state: dict) -> dict:
-    from reshard.proof.engine_state import capture_engine_state
+    use_proof_harness()
+    from reshard_proof.engine_state import capture_engine_state
     return {"actor": capture_engine_state(actor, master_from="getters"),
             "critic": capture_engine_state(critic, master_from="getters"),
             "client_state": client_state(state)}
@@ -234,7 +244,8 @@ def main() -> None:
         state = restore_state(loaded["_actor"])
         report["kl_coef_restored"] = state["kl"].value
         if args.truth:
-            from reshard.proof.bitwise import compare_trees
+            use_proof_harness()
+            from reshard_proof.bitwise import compare_trees
             truth = torch.load(args.truth, weights_only=False)
             now = capture(actor, critic, state)
             comparison = compare_trees(truth["actor"], now["actor"], "actor")

@@ -17,16 +17,16 @@ reshard only carries them through, so stand-ins do: each is unpickled (weights_o
 name registered for it) into a class of this module with the same state, and pickled back
 under DeepSpeed's name with the same opcodes the real class gives (GLOBAL name, then the same
 reduce tuple and state), so the files are byte-identical to those written with DeepSpeed's
-own classes and DeepSpeed loads them as its own. `Pickler` is the pure-Python pickler (the C
-one insists on importing a class's module to check its name) with only `save_global` changed.
+own classes and DeepSpeed loads them as its own. `Pickler` is torch_classes.StandInPickler over
+these names. The torch-byte modules (torch_archive, torch_pickle) take this allowlist,
+`safe_globals()`, as a parameter from the DeepSpeed layer; they import nothing from here.
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from enum import Enum
 
-from reshard.formats.torch_classes import TorchGlobal
+from reshard.formats.torch_classes import StandInPickler, TorchGlobal
 
 
 class LossScaler:
@@ -68,56 +68,13 @@ def safe_globals() -> list[tuple[type, str]]:
     return [(cls, name) for cls, name in DEEPSPEED_NAMES.items()]
 
 
-def safe_global_names() -> set[str]:
-    return set(DEEPSPEED_NAMES.values())
+class Pickler(StandInPickler):
+    """pickle's own Pickler, writing each stand-in class as the DeepSpeed class it stands for, and
+    each torch stand-in (torch_classes.TorchGlobal: dtypes, torch.Size, storage classes) as the
+    torch global it stands for (torch_classes.StandInPickler over DEEPSPEED_NAMES: the pickler of
+    `stand_in_pickle_module(safe_globals())`)."""
 
-
-class Pickler(pickle._Pickler):
-    """pickle's own Pickler, writing each stand-in class as the DeepSpeed class it stands for,
-    and each torch stand-in (torch_classes.TorchGlobal: dtypes, torch.Size, storage classes) as
-    the torch global it stands for."""
-
-    dispatch = dict(pickle._Pickler.dispatch)
-    dispatch[TorchGlobal] = lambda self, obj: self.save_global(obj)
-
-    def save_global(self, obj, name=None):
-        if type(obj) is TorchGlobal:
-            dotted = obj.name
-        else:
-            dotted = DEEPSPEED_NAMES.get(obj) if isinstance(obj, type) else None
-        if dotted is None:
-            dotted = _torch_or_deepspeed_name(obj, name)
-            if dotted is None:
-                return super().save_global(obj, name)
-        # A stand-in and the real object it stands for (torch.Size and torch_classes' SIZE in one
-        # tree) are one global: written once, then fetched from the memo, as one object would be.
-        seen = self._names.get(dotted) if hasattr(self, "_names") else None
-        if seen is not None:
-            self.write(self.get(seen))  # not memoized again: memo indices count entries
-            return
-        module, _, qualname = dotted.rpartition(".")
-        # As pickle._Pickler.save_global writes a top-level class found in its module.
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + qualname.encode("ascii") + b"\n")
-        self.memoize(obj)
-        if not hasattr(self, "_names"):
-            self._names = {}
-        self._names[dotted] = self.memo[id(obj)][0]
-
-
-def _torch_or_deepspeed_name(obj, name) -> str | None:
-    """The dotted name of a real torch or DeepSpeed global (torch.Size, a dtype, a DeepSpeed class)."""
-    qualname = name or getattr(obj, "__qualname__", None)
-    if not isinstance(qualname, str) or "." in qualname:
-        return None
-    module = pickle.whichmodule(obj, qualname)
-    if module == "torch" or module.startswith(("torch.", "deepspeed.")):
-        return f"{module}.{qualname}"
-    return None
+    stand_ins = DEEPSPEED_NAMES
 
 
 def to_deepspeed(obj):

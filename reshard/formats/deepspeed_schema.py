@@ -132,10 +132,6 @@ def safe_globals() -> list:
     return classes.safe_globals()
 
 
-def safe_global_names() -> set[str]:
-    return classes.safe_global_names()
-
-
 def fragment_address(numel: int, start: int):
     """DeepSpeed's record type for `param_slice_mappings` values (written under its name)."""
     return classes.fragment_address(numel=numel, start=start)

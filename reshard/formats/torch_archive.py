@@ -30,83 +30,34 @@ visits them in the same order for any two objects of the same shape.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from reshard.errors import CheckpointError
-from reshard.formats.torch_classes import ITEMSIZE, NeedsTorch
+from reshard.formats import torch_pickle
+from reshard.formats.torch_classes import (
+    NeedsTorch,
+    globals_by_name,
+    stand_in_pickle_module,
+)
+
+# The portable tree's types and walks live in torch_tree (torch_pickle uses them too); they are
+# re-exported here, where the callers above the torch-byte layer have always found them.
+from reshard.formats.torch_tree import (  # noqa: F401
+    NewTensor,
+    TensorRef,
+    dtype_name,
+    dtype_of,
+    is_ref,
+    is_tensor,
+    leaves_in_order,
+    map_leaves,
+    refs_in,
+)
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor of a source file, by where its bytes are: storage key = byte offset in the file."""
-
-    storage_key: int
-    storage_nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-    requires_grad: bool
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def itemsize(self) -> int:
-        size = ITEMSIZE.get(self.dtype)
-        return dtype_of(self.dtype).itemsize if size is None else size
-
-    @property
-    def is_contiguous(self) -> bool:
-        expected, stride = [], 1
-        for size in reversed(self.shape):
-            expected.append(stride)
-            stride *= size
-        return all(s == e for s, e, size in zip(self.stride, reversed(expected), self.shape) if size > 1)
-
-    @property
-    def byte_offset(self) -> int:
-        """Offset of element 0 of this (contiguous) tensor in the file."""
-        return self.storage_key + self.storage_offset * self.itemsize
-
-
-@dataclass(frozen=True)
-class NewTensor:
-    """A tensor the writer creates: a 1-D buffer of `numel` elements (or of `shape`), filled by the exchange."""
-
-    slot: tuple
-    """What fills it, e.g. ("optim", buffer, stream); the writer maps slots to file offsets."""
-    numel: int
-    dtype: str
-    requires_grad: bool = False
-    shape: tuple[int, ...] | None = None
-    """Its shape when it is not a flat buffer (module weights under tensor parallelism, or written
-    whole by a ZeRO stage change)."""
-
-
-def dtype_of(name: str) -> "torch.dtype":
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name}")
-    return dtype
-
-
-def dtype_name(dtype: "torch.dtype") -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
@@ -119,8 +70,6 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     the tree after: no deeper than torch_pickle.MAX_TREE_DEPTH, no "billion laughs", and every
     storage where a record of its size really is (a meta load computes offsets, not reads them).
     """
-    from reshard.formats import torch_pickle
-
     path = os.fspath(path)
     with torch_pickle.open_archive(path) as archive:
         limit = torch_pickle.tree_limit(archive.size("data.pkl"))
@@ -139,14 +88,14 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     except pickle.UnpicklingError as error:
         message = str(error)
         if "Unsupported global" in message or "weights_only" in message:
-            unsafe = _unsafe_globals(path)
+            unsafe = _unsafe_globals(path, safe_globals)
             raise CheckpointError(path, f"holds pickled classes outside reshard's allowlist ({', '.join(unsafe) or message.splitlines()[0]}); "
                                         "loading it would run code from the checkpoint. If you trust this file, pass --trust-pickle") from None
         raise CheckpointError(path, f"is not a readable torch checkpoint ({message.splitlines()[0]})") from None
     except Exception as error:  # torch raises many kinds for damaged archives
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
-    torch_pickle.check_tree(obj, path, limit, _is_tensor, from_torch=True)
+    torch_pickle.check_tree(obj, path, limit, is_tensor, from_torch=True)
     for tensor in leaves_in_order(obj):
         storage = tensor.untyped_storage()
         offset = getattr(storage, "_checkpoint_offset", None)
@@ -168,72 +117,18 @@ def check_archive(path: str | os.PathLike) -> None:
     otherwise than reshard (torch_pickle.open_archive), before a caller hands it to torch.load
     itself: an mmap load reads compressed records as raw bytes, and a meta load of a big-endian
     file crashes."""
-    from reshard.formats import torch_pickle
     torch_pickle.open_archive(path).close()
 
 
-def _unsafe_globals(path: str) -> list[str]:
+def _unsafe_globals(path: str, safe_globals: Iterable) -> list[str]:
+    """The pickled globals of `path` that neither torch nor the caller's allowlist allows."""
     import torch
 
     try:
-        from reshard.formats.deepspeed_schema import safe_global_names
-        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in safe_global_names()]
+        allowed = set(globals_by_name(safe_globals))
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
     except Exception:  # the message is best effort; the refusal stands regardless
         return []
-
-
-class _LeafFinder(pickle.Pickler):
-    """Pickles `obj` into `file`, noting every object `is_leaf` accepts, in torch.save's order."""
-
-    def __init__(self, file, is_leaf: Callable[[Any], bool]):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.is_leaf = is_leaf
-        self.found: list = []
-
-    def persistent_id(self, obj):
-        if self.is_leaf(obj):
-            self.found.append(obj)
-            return len(self.found) - 1
-        return None
-
-
-class _Replacer(pickle.Unpickler):
-    def __init__(self, data: bytes, replacements: list):
-        super().__init__(io.BytesIO(data))
-        self.replacements = replacements
-
-    def persistent_load(self, pid):
-        return self.replacements[pid]
-
-
-def _is_tensor(obj) -> bool:
-    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def leaves_in_order(obj: Any, is_leaf: Callable[[Any], bool] = _is_tensor) -> list:
-    """Every leaf (by default every tensor) of `obj`, in the order torch.save meets them."""
-    finder = _LeafFinder(io.BytesIO(), is_leaf)
-    finder.dump(obj)
-    return finder.found
-
-
-def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_tensor) -> Any:
-    """A copy of `obj` with every leaf replaced by fn(leaf); a leaf met twice maps to one object.
-
-    Only for objects reshard itself holds (already safely loaded): the copy is made by
-    pickling and unpickling them in memory.
-    """
-    out = io.BytesIO()
-    pickler = _LeafFinder(out, is_leaf)
-    pickler.dump(obj)
-    memo: dict[int, Any] = {}
-    replacements = []
-    for leaf in pickler.found:
-        if id(leaf) not in memo:
-            memo[id(leaf)] = fn(leaf)
-        replacements.append(memo[id(leaf)])
-    return _Replacer(out.getvalue(), replacements).load()
 
 
 def tensor_ref(tensor: "torch.Tensor") -> TensorRef:
@@ -249,14 +144,6 @@ def tensor_ref(tensor: "torch.Tensor") -> TensorRef:
 def portable(meta_obj: Any) -> Any:
     """`meta_obj` with every tensor replaced by its TensorRef: plain data, picklable, comparable."""
     return map_leaves(meta_obj, tensor_ref)
-
-
-def is_ref(obj) -> bool:
-    return isinstance(obj, (TensorRef, NewTensor))
-
-
-def refs_in(tree: Any) -> list:
-    return leaves_in_order(tree, is_ref)
 
 
 def materialize(tree: Any) -> tuple[Any, dict]:
@@ -383,9 +270,8 @@ def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pi
     the rest of what the subset leaves out (torch_classes.NeedsTorch), and every file under
     `trust_pickle` (real DeepSpeed classes, not stand-ins, as torch gives them)."""
     if not trust_pickle:
-        from reshard.formats import torch_pickle
         try:
-            return torch_pickle.read_portable(path, torch_pickle.deepspeed_globals(safe_globals))
+            return torch_pickle.read_portable(path, globals_by_name(safe_globals))
         except NeedsTorch as error:
             _fell_back(path, error)
     else:
@@ -394,27 +280,27 @@ def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pi
 
 
 def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
-    """`write_skeleton(path, *materialize(tree), deepspeed_classes, safe_globals)`: the same bytes
-    and offsets, written without torch unless the tree needs it (torch_pickle.NeedsTorch) or the
-    installed torch is not one the writer's bytes are pinned for (`writer_not_pinned`)."""
-    from reshard.formats import deepspeed_classes, torch_pickle
+    """`write_skeleton(path, *materialize(tree), stand_in_pickle_module(safe_globals), safe_globals)`:
+    the same bytes and offsets, written without torch unless the tree needs it
+    (torch_pickle.NeedsTorch) or the installed torch is not one the writer's bytes are pinned for
+    (`writer_not_pinned`). `safe_globals` names the tree's stand-ins (for DeepSpeed's files,
+    deepspeed_classes.safe_globals()): both ways write them under those names."""
     unpinned = writer_not_pinned()
     if unpinned is None:
         try:
-            return torch_pickle.write_skeleton_tree(path, tree)
+            return torch_pickle.write_skeleton_tree(path, tree, globals_by_name(safe_globals))
         except NeedsTorch as error:
             _fell_back(path, error)
     else:
         _fell_back(path, unpinned)
     obj, roles = materialize(tree)
-    return write_skeleton(path, obj, roles, deepspeed_classes, safe_globals)
+    return write_skeleton(path, obj, roles, stand_in_pickle_module(safe_globals), safe_globals)
 
 
 def locate_tree_storages(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
     """`locate_storages(path, *materialize(tree), safe_globals)` without torch where the file allows."""
-    from reshard.formats import torch_pickle
     try:
-        return torch_pickle.storage_offsets_of(path, tree, torch_pickle.deepspeed_globals(safe_globals))
+        return torch_pickle.storage_offsets_of(path, tree, globals_by_name(safe_globals))
     except ValueError:
         raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)") from None
     except NeedsTorch as error:

@@ -9,10 +9,15 @@ pickles at protocol 2 with a `persistent_id` for storages; torch/_tensor.py
 `_reduce_ex_internal` reduces a tensor to `torch._utils._rebuild_tensor_v2`). Each such name
 has one `TorchGlobal` here: a callable (so pickle can REDUCE it) that builds what reshard
 keeps of it, e.g. a TensorRef for `_rebuild_tensor_v2`, and that picklers write back as the
-same GLOBAL (deepspeed_classes.Pickler). A name not here raises `NeedsTorch`: the caller then
-reads or writes that file with torch itself.
+same GLOBAL (`StandInPickler`, which also writes a caller's own stand-ins, such as
+deepspeed_classes', under the names its allowlist gives them: `stand_in_pickle_module`). A name
+not here raises `NeedsTorch`: the caller then reads or writes that file with torch itself.
 """
 from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Iterable
 
 
 class NeedsTorch(Exception):
@@ -124,3 +129,90 @@ def as_stand_in(value):
     if kind.__name__ == "dtype":
         return TORCH_GLOBALS.get(str(value), value)
     return value
+
+
+# -- a caller's stand-ins, and the pickler that writes every stand-in under its real name ------
+
+def globals_by_name(safe_globals: Iterable) -> dict[str, type]:
+    """{dotted name: class} of a torch weights_only allowlist ([(class, "module.Name")] or classes,
+    as `torch.serialization.safe_globals` takes it): the names a caller's stand-ins are read under."""
+    out = {}
+    for entry in safe_globals:
+        if isinstance(entry, tuple):
+            cls, name = entry
+        else:
+            cls, name = entry, f"{entry.__module__}.{entry.__qualname__}"
+        out[name] = cls
+    return out
+
+
+class StandInPickler(pickle._Pickler):
+    """pickle's own Pickler (the C one insists on importing a class's module to check its name)
+    with only `save_global` changed: each torch stand-in (TorchGlobal: dtypes, torch.Size, storage
+    classes) is written as the torch global it stands for, and each class of `stand_ins` (a
+    subclass sets it: {class: "module.Name"}, the caller's allowlist, e.g. DeepSpeed's classes) as
+    the global it stands for, with the opcodes pickle writes for a top-level class of that module.
+    `stand_in_pickle_module` makes one for torch.save."""
+
+    stand_ins: dict[type, str] = {}
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[TorchGlobal] = lambda self, obj: self.save_global(obj)
+
+    def save_global(self, obj, name=None):
+        if type(obj) is TorchGlobal:
+            dotted = obj.name
+        else:
+            dotted = self.stand_ins.get(obj) if isinstance(obj, type) else None
+        if dotted is None:
+            dotted = self._real_name(obj, name)
+            if dotted is None:
+                return super().save_global(obj, name)
+        # A stand-in and the real object it stands for (torch.Size and torch_classes' SIZE in one
+        # tree) are one global: written once, then fetched from the memo, as one object would be.
+        seen = self._names.get(dotted) if hasattr(self, "_names") else None
+        if seen is not None:
+            self.write(self.get(seen))  # not memoized again: memo indices count entries
+            return None
+        module, _, qualname = dotted.rpartition(".")
+        # As pickle._Pickler.save_global writes a top-level class found in its module.
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + qualname.encode("ascii") + b"\n")
+        self.memoize(obj)
+        if not hasattr(self, "_names"):
+            self._names = {}
+        self._names[dotted] = self.memo[id(obj)][0]
+        return None
+
+    def _real_name(self, obj, name) -> str | None:
+        """The dotted name of a real global of torch or of a package the stand-ins stand for (a
+        real DeepSpeed class read under --trust-pickle), so it shares the memo with its stand-in.
+        A reshard class no stand-in names is refused: written under reshard's own module name it
+        would make a file no loader reads as the caller meant."""
+        qualname = name or getattr(obj, "__qualname__", None)
+        if not isinstance(qualname, str) or "." in qualname:
+            return None
+        module = pickle.whichmodule(obj, qualname)
+        if module == "torch" or module.startswith(("torch.", *_packages_of(self.stand_ins))):
+            return f"{module}.{qualname}"
+        if module == "reshard" or module.startswith("reshard."):
+            raise pickle.PicklingError(f"{module}.{qualname} is a reshard stand-in that the allowlist does not name")
+        return None
+
+
+def _packages_of(stand_ins: dict[type, str]) -> tuple[str, ...]:
+    """("deepspeed.",) for stand-ins of DeepSpeed's classes: the top-level packages they name."""
+    return tuple(sorted({dotted.split(".")[0] + "." for dotted in stand_ins.values()}))
+
+
+def stand_in_pickle_module(safe_globals: Iterable) -> types.ModuleType:
+    """A pickle module for torch.save (`pickle_module=`) whose Pickler writes the allowlist's
+    stand-ins ([(class, "module.Name")] or classes) under their names, and torch's stand-ins as
+    torch's globals: the bytes StandInPickler writes, which torch_pickle's writer mirrors."""
+    names = {cls: name for name, cls in globals_by_name(safe_globals).items()}
+    module = types.ModuleType("reshard_stand_in_pickle")
+    module.Pickler = type("Pickler", (StandInPickler,), {"stand_ins": names})
+    return module

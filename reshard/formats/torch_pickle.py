@@ -1,14 +1,17 @@
 """torch.save files read and written without torch: the pickle side (tensors, storages, names).
 
     from reshard.formats.torch_pickle import read_portable, write_skeleton_tree, NeedsTorch
-    tree = read_portable("zero_pp_rank_0_mp_rank_00_optim_states.pt", deepspeed_names)   # TensorRefs
-    offsets = write_skeleton_tree("out.pt", target_tree)     # {role: data offset}, as torch_archive's
-                                                             # materialize + write_skeleton give
+    names = globals_by_name(allowlist)       # {"module.Name": stand-in class}, e.g. DeepSpeed's
+    tree = read_portable("zero_pp_rank_0_mp_rank_00_optim_states.pt", names)   # TensorRefs
+    offsets = write_skeleton_tree("out.pt", target_tree, names)   # {role: data offset}, as torch_archive's
+                                                                  # materialize + write_skeleton give
 
 Both give what torch_archive's torch path gives, bit for bit: `read_portable` the same tree as
 torch.load(weights_only=True) (as `portable` of a meta load), `write_skeleton_tree` the same file
 as `torch.save` under `torch.serialization.skip_data()` of `materialize(tree)` with
-deepspeed_classes as pickle module. tests/test_reader_fuzz.py and bench/fuzz_reader.py hold the
+torch_classes.stand_in_pickle_module(allowlist) as pickle module. The caller's stand-ins (for
+DeepSpeed's classes, deepspeed_classes.safe_globals()) are a parameter: this module knows no
+checkpoint format. tests/test_reader_fuzz.py and bench/fuzz_reader.py hold the
 reader to that on mutants of real files; tests/test_crafted_files.py on issue 22's probes.
 
 What the reader does with what torch.save does not write (torch 2.13; each CheckpointError names
@@ -43,16 +46,16 @@ Supported subset (torch 2.13; anything else -> NeedsTorch):
   metadata, no backward hooks); torch._utils._rebuild_parameter(_with_state) and
   torch._tensor._rebuild_from_type_v2 with type torch.Tensor (Python attributes such as
   ZeRO-3's `ds_id` are dropped, as `portable` drops them); _codecs.encode (bytes at protocol
-  2); the DeepSpeed classes the caller allows (deepspeed_classes). Persistent ids:
+  2); the stand-in classes the caller allows (`extra_globals`). Persistent ids:
   ('storage', <storage class>, key, location, numel) with a record data/<key> of numel *
   itemsize bytes; the location is not kept (a meta or map_location load ignores it too).
-- Pickle written: protocol 2 with pickle's pure-Python Pickler (deepspeed_classes.Pickler, the
-  pickle module torch_archive hands torch.save), tensors as torch/_tensor.py
+- Pickle written: protocol 2 with pickle's pure-Python Pickler (torch_classes.StandInPickler,
+  the pickle module torch_archive hands torch.save), tensors as torch/_tensor.py
   `_reduce_ex_internal` reduces a plain CPU tensor: `_rebuild_tensor_v2(storage, offset,
   size, stride, requires_grad, OrderedDict())`, the storage through serialization.py
   `_save`'s `persistent_id`: ('storage', <legacy storage class>, str(order of first use),
   'cpu', numel of the typed storage). Trees may hold TensorRef/NewTensor leaves, plain Python
-  data, OrderedDicts, torch_classes stand-ins and DeepSpeed stand-ins.
+  data, OrderedDicts, torch_classes stand-ins and the caller's stand-ins (`extra_globals`).
 - Records written: data.pkl, .format_version "1", .storage_alignment "64", byteorder
   "little", data/<key> per storage in order of first use (reserved, not written), then what
   torch_zip.ArchiveWriter.finish adds (version, .data/serialization_id).
@@ -71,20 +74,21 @@ from enum import Enum
 from typing import Any, Callable
 
 from reshard.errors import CheckpointError
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats.torch_archive import NewTensor, TensorRef, is_ref, map_leaves
 from reshard.formats.torch_classes import (
     ITEMSIZE,
     STORAGE_OF_DTYPE,
     STORAGE_TYPES,
     TORCH_GLOBALS,
     NeedsTorch,
+    StandInPickler,
     TorchGlobal,
     TorchSize,
+    globals_by_name,
 )
+from reshard.formats.torch_tree import NewTensor, TensorRef, is_ref, map_leaves, refs_in
 from reshard.formats.torch_zip import ArchiveFormatError, ArchiveReader, ArchiveWriter
 
-__all__ = ["NeedsTorch", "read_portable", "write_skeleton_tree", "storage_offsets_of"]
+__all__ = ["NeedsTorch", "globals_by_name", "read_portable", "write_skeleton_tree", "storage_offsets_of"]
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -648,18 +652,6 @@ def check_tree(tree: Any, path: str, max_nodes: int, is_leaf: Callable[[Any], bo
                                             "shared references (a \"billion laughs\" pickle?)")
 
 
-def deepspeed_globals(safe_globals) -> dict:
-    """{dotted name: class} of a torch allowlist ([(class, name)] or classes) for read_portable."""
-    out = {}
-    for entry in safe_globals:
-        if isinstance(entry, tuple):
-            cls, name = entry
-        else:
-            cls, name = entry, f"{entry.__module__}.{entry.__qualname__}"
-        out[name] = cls
-    return out
-
-
 # -- writing -----------------------------------------------------------------------------------
 
 class _Storage:
@@ -710,11 +702,12 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class _SkeletonPickler(classes.Pickler):
-    """serialization.py `_save`'s PyTorchPickler over deepspeed_classes.Pickler."""
+class _SkeletonPickler(StandInPickler):
+    """serialization.py `_save`'s PyTorchPickler over the pickler of stand_in_pickle_module(allowlist)."""
 
-    def __init__(self, file):
+    def __init__(self, file, extra_globals: dict):
         super().__init__(file, protocol=2)  # serialization.py DEFAULT_PROTOCOL
+        self.stand_ins = {cls: name for name, cls in extra_globals.items()}
         self.id_map: dict[int, str] = {}
         self.storages: dict[str, _Storage] = {}
 
@@ -758,14 +751,16 @@ def _skeleton_object(tree: Any) -> tuple[Any, list]:
     return map_leaves(tree, build, is_ref), tensors
 
 
-def write_skeleton_tree(path: str | os.PathLike, tree: Any) -> dict:
-    """torch.save(materialize(tree)[0], path) under skip_data with deepspeed_classes as pickle
-    module, byte for byte, without torch; returns {role: byte offset of its storage's data}
+def write_skeleton_tree(path: str | os.PathLike, tree: Any, extra_globals: dict | None = None) -> dict:
+    """torch.save(materialize(tree)[0], path) under skip_data with
+    torch_classes.stand_in_pickle_module(allowlist) as pickle module, byte for byte, without torch.
+    `extra_globals`: {dotted name: stand-in class} (`globals_by_name(allowlist)`), the names the
+    tree's stand-ins are written under (a stand-in it does not name is refused); returns {role: byte offset of its storage's data}
     (TensorRef storage key or NewTensor slot), as torch_archive.write_skeleton does. Raises
     NeedsTorch before creating the file when the tree is outside the subset."""
     obj, _ = _skeleton_object(tree)
     buffer = io.BytesIO()
-    pickler = _SkeletonPickler(buffer)
+    pickler = _SkeletonPickler(buffer, extra_globals or {})
     try:
         pickler.dump(obj)
     except NeedsTorch:
@@ -793,8 +788,6 @@ def storage_offsets_of(path: str | os.PathLike, tree: Any, extra_globals: dict |
     """{role: byte offset} of `tree`'s storages in `path`, a file written from a tree of the same
     shape (torch_archive.locate_storages without torch). Raises ValueError when the file does not
     have that shape, NeedsTorch when it cannot be read without torch."""
-    from reshard.formats.torch_archive import refs_in
-
     wanted, written = refs_in(tree), refs_in(read_portable(path, extra_globals))
     if len(wanted) != len(written):
         raise ValueError("a different number of tensors")

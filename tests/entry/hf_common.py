@@ -32,7 +32,7 @@ class TokenRows(torch.utils.data.Dataset):
 def full_state(engine) -> dict:
     """name -> {fp32, exp_avg, exp_avg_sq} full tensors; collective (every rank calls it)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from reshard.proof.engine_state import relink_optimizer_fragments
+    from reshard_proof.engine_state import relink_optimizer_fragments
     relink_optimizer_fragments(engine)  # every group's moments visible, also right after a load
     state = {}
     for name, param in engine.module.named_parameters():

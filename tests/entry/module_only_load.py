@@ -12,11 +12,11 @@ import os
 import sys
 import tempfile
 
-from reshard.proof.bitwise import compare_trees
-from reshard.proof.engine_setup import build_engine, finish_and_exit, init_distributed
-from reshard.proof.engine_state import _capture_module_values, _trainable_names
-from reshard.proof.truth_file import read_truth
-from reshard.proof.variants import get_variant
+from reshard_proof.bitwise import compare_trees
+from reshard_proof.engine_setup import build_engine, finish_and_exit, init_distributed
+from reshard_proof.engine_state import _capture_module_values, _trainable_names
+from reshard_proof.truth_file import read_truth
+from reshard_proof.variants import get_variant
 
 
 def main() -> None:

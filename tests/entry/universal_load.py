@@ -12,11 +12,11 @@ import dataclasses
 import json
 import sys
 
-from reshard.proof.bitwise import compare_trees
-from reshard.proof.engine_setup import build_engine, finish_and_exit, init_distributed
-from reshard.proof.engine_state import capture_engine_state, master_route
-from reshard.proof.truth_file import read_truth
-from reshard.proof.variants import Variant, get_variant
+from reshard_proof.bitwise import compare_trees
+from reshard_proof.engine_setup import build_engine, finish_and_exit, init_distributed
+from reshard_proof.engine_state import capture_engine_state, master_route
+from reshard_proof.truth_file import read_truth
+from reshard_proof.variants import Variant, get_variant
 
 
 @dataclasses.dataclass(frozen=True)

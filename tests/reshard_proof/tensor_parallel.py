@@ -1,8 +1,8 @@
 """Train, save and judge DeepSpeed AutoTP checkpoints of a tiny plain `nn.Module` on CPU ranks.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.tensor_parallel \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard_proof.tensor_parallel \
         train --tp 2 --stage 2 --precision fp32 --save-dir /tmp/tp --truth /tmp/tp.truth.pt
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard.proof.tensor_parallel \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=3 -m reshard_proof.tensor_parallel \
         check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
         --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...] \
         [--load-via native --load-via in-job --load-via universal ...]
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.proof.engine_state import relink_optimizer_fragments
+from reshard_proof.engine_state import relink_optimizer_fragments
 
 VOCAB, HIDDEN, FFN = 11, 8, 9
 SEQUENCE, MICRO_BATCH = 5, 2
@@ -451,8 +451,8 @@ def main(argv=None) -> None:
 def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, truth, timeout: float = 600,
                      model: str = "base"):
     """Train `model` at (tp, dp) under torchrun, save to save_dir, write the truth."""
-    from reshard.proof.launch import run_torchrun
-    run_torchrun("reshard.proof.tensor_parallel", tp * dp,
+    from reshard_proof.launch import run_torchrun
+    run_torchrun("reshard_proof.tensor_parallel", tp * dp,
                  ["train", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model,
                   "--save-dir", save_dir, "--truth", truth], timeout=timeout, expect_files=[truth])
 
@@ -464,16 +464,16 @@ def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdi
     the verdicts, in order."""
     from pathlib import Path
 
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     verdicts = [Path(verdict_dir) / f"verdict-{tp}-{dp}-{i}.json" for i in range(len(loads))]
     args = ["check", "--tp", tp, "--stage", stage, "--precision", precision, "--model", model]
     for (load_dir, truth, *via), verdict in zip(loads, verdicts):
         args += ["--load-dir", load_dir, "--truth", truth, "--verdict", verdict, "--load-via", (via or ["native"])[0]]
-    run_torchrun("reshard.proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
+    run_torchrun("reshard_proof.tensor_parallel", tp * dp, args, timeout=timeout, expect_files=verdicts)
     return [json.loads(v.read_text()) for v in verdicts]
 
 
 if __name__ == "__main__":
-    from reshard.proof.engine_setup import finish_and_exit
+    from reshard_proof.engine_setup import finish_and_exit
     main()
     finish_and_exit()

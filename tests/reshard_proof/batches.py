@@ -1,6 +1,6 @@
 """Deterministic synthetic batches: a different micro-batch per (rank, step), one fixed eval batch.
 
-    python -c "from reshard.proof.batches import train_batch; print(train_batch(seed=0, step=0, rank=1))"
+    python -c "from reshard_proof.batches import train_batch; print(train_batch(seed=0, step=0, rank=1))"
 
 The task is learnable (target = (3 * token + 1) mod vocab) so losses move and optimizer
 states become non-trivial within a few steps.
@@ -8,7 +8,7 @@ states become non-trivial within a few steps.
 
 import torch
 
-from reshard.proof.model import VOCAB_SIZE
+from reshard_proof.model import VOCAB_SIZE
 
 SEQUENCE_LENGTH = 5
 EVAL_BATCH_SIZE = 4

@@ -1,6 +1,6 @@
 """Train the proof model with real DeepSpeed on N ranks, save a checkpoint, record its truth.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.train \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.train \
         --variant z2_fp32 --save-dir /tmp/ck --truth /tmp/ck.truth.pt [--steps 3] [--seed 0] [--tag TAG]
 
 Order matters: train, save, then capture the engine (so nothing the capture touches can leak into
@@ -12,9 +12,9 @@ import argparse
 
 import torch
 
-from reshard.proof.bitwise import compare_trees
-from reshard.proof.client_state import make_client_state
-from reshard.proof.engine_setup import (
+from reshard_proof.bitwise import compare_trees
+from reshard_proof.client_state import make_client_state
+from reshard_proof.engine_setup import (
     build_engine,
     eval_loss,
     finish_and_exit,
@@ -22,15 +22,15 @@ from reshard.proof.engine_setup import (
     node_path,
     train_steps,
 )
-from reshard.proof.engine_state import (
+from reshard_proof.engine_state import (
     MASTER_FROM_GETTERS,
     MASTER_FROM_INTERNALS,
     capture_engine_state,
     capture_master_state,
     master_route,
 )
-from reshard.proof.truth_file import write_truth
-from reshard.proof.variants import get_variant
+from reshard_proof.truth_file import write_truth
+from reshard_proof.variants import get_variant
 
 
 def parse_args(argv=None) -> argparse.Namespace:

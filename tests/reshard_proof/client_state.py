@@ -1,6 +1,6 @@
 """The nested, RLHF-flavoured client_state that train saves and check_load expects back.
 
-    python -c "from reshard.proof.client_state import make_client_state; print(make_client_state())"
+    python -c "from reshard_proof.client_state import make_client_state; print(make_client_state())"
 
 DeepSpeed merges client_state into the top level of the model-states file, so any resharder must
 carry unknown top-level keys through unchanged. The values cover what tends to break: Python

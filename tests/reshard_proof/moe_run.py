@@ -1,15 +1,15 @@
 """Train an MoE checkpoint (native DeepSpeed MoE or AutoEP) at (world, ep), or judge loads of it at another (world, ep).
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard_proof.moe_run train \
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.moe_run check \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.moe_run check \
         --variant moe_z2_fp32 --ep 1 --truth /tmp/ck.truth.pt \
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
         [--universal-load-dir /tmp/u --universal-verdict /tmp/v4.json]  # ds_to_universal output, load_universal
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
-captures its own view (reshard.proof.engine_state), expert names are rewritten from the LOCAL
+captures its own view (reshard_proof.engine_state), expert names are rewritten from the LOCAL
 expert index to the GLOBAL one (local expert j on EP rank e is global expert e * n_local + j,
 moe/experts.py + engine.py `_save_moe_checkpoint`), and the views of all ranks are merged: a
 name held by several ranks (dense parameters, expert-data-parallel replicas) must agree bit for
@@ -34,9 +34,9 @@ import time
 import traceback
 
 
-from reshard.proof.bitwise import Comparison, compare_trees
-from reshard.proof.client_state import make_client_state
-from reshard.proof.engine_setup import (
+from reshard_proof.bitwise import Comparison, compare_trees
+from reshard_proof.client_state import make_client_state
+from reshard_proof.engine_setup import (
     all_finite,
     build_engine,
     eval_loss,
@@ -44,10 +44,10 @@ from reshard.proof.engine_setup import (
     init_distributed,
     train_steps,
 )
-from reshard.proof.engine_state import MASTER_FROM_GETTERS, capture_engine_state
-from reshard.proof.truth_file import read_truth, write_truth
-from reshard.proof.variants import get_variant
-from reshard.proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
+from reshard_proof.engine_state import MASTER_FROM_GETTERS, capture_engine_state
+from reshard_proof.truth_file import read_truth, write_truth
+from reshard_proof.variants import get_variant
+from reshard_proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
 
 EXPERT_SLOT = ".deepspeed_moe.experts.deepspeed_experts."
 EVAL_LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}

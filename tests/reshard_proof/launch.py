@@ -1,6 +1,6 @@
 """Run the proof entry points under torchrun from Python (tests, loops), judging runs by their files.
 
-    python -c "from reshard.proof.launch import train_checkpoint, check_checkpoint as c; \
+    python -c "from reshard_proof.launch import train_checkpoint, check_checkpoint as c; \
         train_checkpoint('z2_fp32', 2, '/tmp/ck', '/tmp/ck.truth.pt'); \
         print(c('z2_fp32', 2, '/tmp/ck', '/tmp/ck.truth.pt', '/tmp/v.json')['ok'])"
 
@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The harness lives beside the tests, outside the installed package: every process it starts finds
+# `reshard` (the checkout, installed or not) and `reshard_proof` through PYTHONPATH (child_env).
+TESTS_DIR = Path(__file__).resolve().parents[1]
 OUTPUT_TAIL_CHARS = 6000
 
 
@@ -41,11 +44,14 @@ def _looks_complete(path: Path) -> bool:
     return True
 
 
-def _child_env(env: dict | None) -> dict:
+def child_env(env: dict | None = None) -> dict:
+    """The environment of a process the harness starts: CPU DeepSpeed, one thread, and PYTHONPATH
+    holding the checkout (reshard may not be installed) and tests/ (reshard_proof is never installed),
+    so `-m reshard_proof.X` and tests/entry scripts import from any cwd and any interpreter (another
+    DeepSpeed's virtual environment included). `env` is applied last."""
     child = dict(os.environ)
     child.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    # The package may not be installed; make `-m reshard.proof...` importable from any cwd.
-    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child.get("PYTHONPATH")]))
+    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), child.get("PYTHONPATH")]))
     child.update(env or {})
     return child
 
@@ -61,7 +67,7 @@ def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | No
         for path in expected:  # stale files from an earlier run must not pass for this one's
             path.unlink(missing_ok=True)
         try:
-            result = subprocess.run(command, env=_child_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
+            result = subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
                                     timeout=timeout)
         except subprocess.TimeoutExpired as expired:
             output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
@@ -90,9 +96,9 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
     if tag is not None:
         args += ["--tag", tag]
     if nodes > 1:
-        return run_torchrun_nodes("reshard.proof.train", nodes, n // nodes, args, timeout=timeout,
+        return run_torchrun_nodes("reshard_proof.train", nodes, n // nodes, args, timeout=timeout,
                                   expect_files=[truth_path])
-    return run_torchrun("reshard.proof.train", n, args, timeout=timeout, expect_files=[truth_path], python=python,
+    return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[truth_path], python=python,
                         env=env)
 
 
@@ -109,10 +115,10 @@ def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *
     if in_job:
         args.append("--in-job")
     if nodes > 1:
-        run_torchrun_nodes("reshard.proof.check_load", nodes, m // nodes, args, timeout=timeout,
+        run_torchrun_nodes("reshard_proof.check_load", nodes, m // nodes, args, timeout=timeout,
                            expect_files=[verdict_path])
     else:
-        run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path], python=python,
+        run_torchrun("reshard_proof.check_load", m, args, timeout=timeout, expect_files=[verdict_path], python=python,
                      env=env)
     with open(verdict_path) as handle:
         return json.load(handle)
@@ -148,7 +154,7 @@ def launch_torchrun_nodes(module: str, nnodes: int, nproc_per_node: int, args, *
                        f"--local_addr=127.0.0.{node + 1}", "-m", module, *map(str, node_args)]
             log = tempfile.TemporaryFile(mode="w+")
             logs.append(log)
-            agents.append(subprocess.Popen(command, env=_child_env(env), cwd=REPO_ROOT, stdout=log,
+            agents.append(subprocess.Popen(command, env=child_env(env), cwd=REPO_ROOT, stdout=log,
                                            stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
         for agent in agents:
@@ -202,7 +208,7 @@ def check_checkpoints(m: int, jobs: Sequence[tuple], *, seed: int = 1, extra_ste
             "--seed", seed, "--extra-steps", extra_steps]
     for job in rest:
         args += ["--also", *job]
-    run_torchrun("reshard.proof.check_load", m, args, timeout=timeout, expect_files=[job[3] for job in jobs])
+    run_torchrun("reshard_proof.check_load", m, args, timeout=timeout, expect_files=[job[3] for job in jobs])
     verdicts = []
     for job in jobs:
         with open(job[3]) as handle:
@@ -212,10 +218,10 @@ def check_checkpoints(m: int, jobs: Sequence[tuple], *, seed: int = 1, extra_ste
 
 def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path, *, steps: int = 3,
                          timeout: float = 600) -> subprocess.CompletedProcess:
-    """Train the native MoE `variant` on `world` ranks at expert-parallel size `ep` (reshard.proof.moe_run)."""
+    """Train the native MoE `variant` on `world` ranks at expert-parallel size `ep` (reshard_proof.moe_run)."""
     args = ["train", "--variant", variant, "--ep", ep, "--save-dir", save_dir, "--truth", truth_path,
             "--steps", steps]
-    return run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
+    return run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
 
 
 def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
@@ -228,7 +234,7 @@ def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequen
     for load_dir, verdict_path, *how in loads:
         flag = flags.get(how[0], "--") if how else "--"
         args += [f"{flag}load-dir", load_dir, f"{flag}verdict", verdict_path]
-    run_torchrun("reshard.proof.moe_run", world, args, timeout=timeout, expect_files=[load[1] for load in loads])
+    run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout, expect_files=[load[1] for load in loads])
     verdicts = []
     for _, verdict_path, *_ in loads:
         with open(verdict_path) as handle:

@@ -1,6 +1,6 @@
 """Tiny mixture-of-experts models, for expert-parallel checkpoints: native DeepSpeed MoE and AutoEP.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.moe_run train \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard_proof.moe_run train \
         --variant moe_z2_fp32 --ep 2 --save-dir /tmp/ck --truth /tmp/ck.truth.pt
 
 embed -> dense -> MoE -> MoE -> head, where each MoE is `deepspeed.moe.layer.MoE` with 4 experts,
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.proof.model import DECAY_GROUP, NO_DECAY_GROUP, VOCAB_SIZE
+from reshard_proof.model import DECAY_GROUP, NO_DECAY_GROUP, VOCAB_SIZE
 
 NUM_EXPERTS = 4
 TOP_K = 2

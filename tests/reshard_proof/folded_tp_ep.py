@@ -1,8 +1,8 @@
 """Train and save a DeepSpeed AutoEP checkpoint folded with AutoTP (tensor and expert parallelism together), or judge loads of one.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard.proof.folded_tp_ep \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard_proof.folded_tp_ep \
         --stage 2 --tp 2 --ep 2 --save-dir /tmp/folded [--truth /tmp/folded.truth.pt]
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.folded_tp_ep \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.folded_tp_ep \
         --stage 2 --tp 2 --ep 2 --check /tmp/out --truth /tmp/folded.truth.pt --verdict /tmp/v.json [--in-job]
 
 reshard reads and writes these at ZeRO-1/2 (reshard.formats.deepspeed_folding) and refuses them
@@ -16,8 +16,8 @@ activations over the TP group), chosen by the dense data-parallel rank.
 
 Truth (`--truth`, written by rank 0 after the save): every trainable parameter's full fp32
 master, exp_avg, exp_avg_sq and module value (DeepSpeed's safe getters on every rank, TP shards
-joined as reshard.proof.tensor_parallel does, fused AutoEP experts cut per GLOBAL expert as
-reshard.proof.moe_run does; ranks holding one value must agree bit for bit) and the step
+joined as reshard_proof.tensor_parallel does, fused AutoEP experts cut per GLOBAL expert as
+reshard_proof.moe_run does; ranks holding one value must agree bit for bit) and the step
 counters. `--check DIR` builds an engine at (tp, ep) from another seed, loads DIR with plain
 `engine.load_checkpoint` (`--in-job`: `reshard.deepspeed.load_checkpoint`), compares every
 element with the truth, trains one more step and writes a JSON verdict.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.proof.moe_model import AUTOEP_HIDDEN, AutoEPProofModel, build_autoep_param_groups
+from reshard_proof.moe_model import AUTOEP_HIDDEN, AutoEPProofModel, build_autoep_param_groups
 
 TP_FFN = 12
 LAYER_SPECS = [
@@ -89,7 +89,7 @@ def build_engine(stage: int, tp: int, ep: int, seed: int, precision: str = "fp32
 
 
 def train_steps(engine, tp: int, first: int, count: int, seed: int = 0) -> list[float]:
-    from reshard.proof.batches import train_batch
+    from reshard_proof.batches import train_batch
 
     dense_dp_rank = torch.distributed.get_rank() // tp  # auto_ep_folding.py `expected_folding_group_tables`
     losses = []
@@ -108,8 +108,8 @@ def full_view(engine, tp: int) -> dict:
     """{name: {"fp32", "state", "module"}} of every trainable parameter, whole, experts by global id. Collective."""
     import deepspeed.comm as dist
 
-    from reshard.proof.moe_run import autoep_fused_experts
-    from reshard.proof.tensor_parallel import join_shards, local_state, partition_of
+    from reshard_proof.moe_run import autoep_fused_experts
+    from reshard_proof.tensor_parallel import join_shards, local_state, partition_of
 
     params = dict(engine.module.named_parameters())
     fused = autoep_fused_experts(engine)
@@ -161,7 +161,7 @@ def compare(truth: dict, view: dict) -> tuple[list[str], int]:
 def main() -> None:
     import json
 
-    from reshard.proof.engine_setup import finish_and_exit, init_distributed
+    from reshard_proof.engine_setup import finish_and_exit, init_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, required=True)

@@ -1,6 +1,6 @@
 """The truth file: what train records about the engine it saved, and how to read and write it.
 
-    python -c "from reshard.proof.truth_file import read_truth; t = read_truth('/tmp/ck.truth.pt'); print(t['meta'])"
+    python -c "from reshard_proof.truth_file import read_truth; t = read_truth('/tmp/ck.truth.pt'); print(t['meta'])"
 
 Schema (torch.save of plain dicts, tensors and Python values):
     meta:         {"variant", "world_size", "seed", "steps", "tag", "master_from", "optimizer_class",

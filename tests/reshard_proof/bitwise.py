@@ -1,6 +1,6 @@
 """Exact, bit-for-bit comparison of nested checkpoint-like values, with readable mismatch reports.
 
-    python -c "import torch; from reshard.proof.bitwise import compare_trees; \
+    python -c "import torch; from reshard_proof.bitwise import compare_trees; \
         print(compare_trees({'w': torch.tensor([0.0, 1.0])}, {'w': torch.tensor([-0.0, 1.0])}).mismatches)"
 
 Tensors are equal when dtype, shape and every bit agree: both sides are viewed as integers of the

@@ -1,6 +1,6 @@
 """Load a checkpoint at M ranks with plain engine.load_checkpoint() and judge it against the truth.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard.proof.check_load \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.check_load \
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
         [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
         [--also VARIANT LOAD_DIR TRUTH VERDICT ...]
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from reshard.proof.bitwise import Comparison, compare_trees
-from reshard.proof.engine_setup import (
+from reshard_proof.bitwise import Comparison, compare_trees
+from reshard_proof.engine_setup import (
     all_finite,
     build_engine,
     eval_loss,
@@ -34,10 +34,10 @@ from reshard.proof.engine_setup import (
     node_path,
     train_steps,
 )
-from reshard.proof.engine_state import capture_engine_state, master_route
-from reshard.proof.truth_file import read_truth
-from reshard.proof.variants import get_variant
-from reshard.proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
+from reshard_proof.engine_state import capture_engine_state, master_route
+from reshard_proof.truth_file import read_truth
+from reshard_proof.variants import get_variant
+from reshard_proof.verdict_file import MAX_REPORTED_MISMATCHES, write_verdict
 
 _MISSING = "<missing from the loaded client_state>"
 

@@ -1,6 +1,6 @@
 """A tiny model whose parameter sizes make ZeRO padding appear at every world size 1..8.
 
-    python -c "from reshard.proof.model import ProofModel; m = ProofModel(); print(m.describe())"
+    python -c "from reshard_proof.model import ProofModel; m = ProofModel(); print(m.describe())"
 
 Both optimizer param groups hold an odd number of elements (257 and 23), so flattening pads them at
 any world size (ZeRO-1/2 pads each group to a multiple of 2*W), and most parameters have an odd

@@ -1,6 +1,6 @@
 """Run DeepSpeed's own zero_to_fp32 consolidation on a checkpoint and compare it with the truth.
 
-    python -m reshard.proof.zero_to_fp32_check CKPT_DIR TRUTH.pt [--tag TAG]
+    python -m reshard_proof.zero_to_fp32_check CKPT_DIR TRUTH.pt [--tag TAG]
 
 Single process, no torchrun. zero_to_fp32 reads `param_shapes`, `partition_count`,
 `group_paddings`, `param_alignment_paddings`, `frozen_param_*` and `shared_params`, which
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from reshard.proof.bitwise import compare_trees
-from reshard.proof.truth_file import read_truth
+from reshard_proof.bitwise import compare_trees
+from reshard_proof.truth_file import read_truth
 
 UNSUPPORTED = "UNSUPPORTED"
 

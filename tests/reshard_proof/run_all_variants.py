@@ -1,6 +1,6 @@
 """Train and natively check every variant (or a chosen few), then print a summary table.
 
-    python -m reshard.proof.run_all_variants --n 2 --m 2 --workdir /tmp/proof [--only z2_fp32 z3_bf16] \
+    python -m reshard_proof.run_all_variants --n 2 --m 2 --workdir /tmp/proof [--only z2_fp32 z3_bf16] \
         [--negative-controls]
 
 Without a resharder N must equal M: this is the baseline that proves the harness itself. Also
@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from reshard.proof.launch import TorchrunError, check_checkpoint, train_checkpoint
-from reshard.proof.negative_controls import CONTROLS, copy_checkpoint
-from reshard.proof.variants import VARIANTS
-from reshard.proof.zero_to_fp32_check import check_zero_to_fp32
+from reshard_proof.launch import TorchrunError, check_checkpoint, train_checkpoint
+from reshard_proof.negative_controls import CONTROLS, copy_checkpoint
+from reshard_proof.variants import VARIANTS
+from reshard_proof.zero_to_fp32_check import check_zero_to_fp32
 
 
 def run_negative_controls(variant: str, m: int, save_dir: Path, truth: Path, workdir: Path) -> dict[str, str]:

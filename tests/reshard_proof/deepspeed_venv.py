@@ -1,15 +1,15 @@
 """Another DeepSpeed release beside this one: a virtual environment that trains and loads with it.
 
-    python -m reshard.proof.deepspeed_venv 0.16.9 [--cache DIR]     # build (once) and print where
+    python -m reshard_proof.deepspeed_venv 0.16.9 [--cache DIR]     # build (once) and print where
 
-    from reshard.proof.deepspeed_venv import deepspeed_venv
+    from reshard_proof.deepspeed_venv import deepspeed_venv
     venv = deepspeed_venv("0.16.9")                  # cached under ~/.cache/reshard/compat/...
     train_checkpoint("z2_fp32", 2, save_dir, truth, python=venv.python, env=venv.env())
 
 The environment is made with `--system-site-packages`, so it runs this interpreter's torch (and
 numpy, transformers, ...) and `pip install deepspeed==X` inside it shadows the DeepSpeed installed
 here: only DeepSpeed differs, in about a minute. reshard itself comes from the proof launchers'
-PYTHONPATH (launch._child_env), never from the environment.
+PYTHONPATH (launch.child_env), never from the environment.
 
 Each release gets its own TORCH_EXTENSIONS_DIR: on CPU DeepSpeed compiles its shared-memory
 communication op (ShareMemCommBuilder, ops/op_builder/cpu/comm.py) on first use, under a name that

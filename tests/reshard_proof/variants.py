@@ -1,7 +1,7 @@
 """DeepSpeed configurations the harness trains, saves and judges, one `Variant` per name.
 
-    python -m reshard.proof.variants            # list the variants
-    python -m reshard.proof.variants z2_fp32    # print one variant's ds_config as JSON
+    python -m reshard_proof.variants            # list the variants
+    python -m reshard_proof.variants z2_fp32    # print one variant's ds_config as JSON
 
 Every variant trains the same model with a client optimizer built here (two param groups with
 different hyperparameters), gradient clipping and an LR scheduler, so that a checkpoint carries
@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from reshard.proof.model import DECAY_GROUP, NO_DECAY_GROUP
+from reshard_proof.model import DECAY_GROUP, NO_DECAY_GROUP
 
 MICRO_BATCH_SIZE = 2
 GRADIENT_CLIPPING = 1.0
@@ -69,10 +69,10 @@ class Variant:
     node_local_storage: bool = False
     """checkpoint.use_node_local_storage: each node saves its part into its own directory."""
     moe: bool = False
-    """Train the native DeepSpeed MoE model (reshard.proof.moe_model) at an expert-parallel size
-    given at launch (reshard.proof.moe_run --ep), instead of the proof model."""
+    """Train the native DeepSpeed MoE model (reshard_proof.moe_model) at an expert-parallel size
+    given at launch (reshard_proof.moe_run --ep), instead of the proof model."""
     autoep: bool = False
-    """Train reshard.proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
+    """Train reshard_proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
     load_universal: bool = False
     """checkpoint.load_universal: the engine loads DeepSpeed's universal checkpoints (an oracle)."""
 
@@ -172,13 +172,13 @@ def _registry() -> dict[str, Variant]:
         # Beyond the required set: a scale so large that an early step overflows and is skipped,
         # so skipped_steps, last_overflow_iter, Adam's step < global_steps and a scheduler that
         # lags global_steps are all exercised.
-        # Native DeepSpeed MoE (expert parallelism): see reshard.proof.moe_run. Four param groups
+        # Native DeepSpeed MoE (expert parallelism): see reshard_proof.moe_run. Four param groups
         # (decay, no_decay and their expert halves), so the two-group WarmupDecayLR lists do not fit.
         _plain(1, "fp32", name="moe_z1_fp32", moe=True, scheduler="lambda"),
         _plain(2, "fp32", name="moe_z2_fp32", moe=True),
         _plain(2, "bf16", name="moe_z2_bf16", moe=True),
         Variant("moe_bf16_optimizer", 1, "bf16", "BF16_Optimizer", fp32_grad_accum=True, moe=True),
-        # AutoEP (also reshard.proof.moe_run): decay, no_decay and the engine's `ep_size_{ep}` group.
+        # AutoEP (also reshard_proof.moe_run): decay, no_decay and the engine's `ep_size_{ep}` group.
         _plain(2, "fp32", name="autoep_z2_fp32", autoep=True, scheduler="lambda"),
         _plain(1, "bf16", name="autoep_z1_bf16", autoep=True, scheduler="lambda"),  # checked by hand, not in CI
         _plain(3, "fp32", name="autoep_z3_fp32", autoep=True, scheduler="lambda"),

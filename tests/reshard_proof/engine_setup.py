@@ -2,7 +2,7 @@
 
 Used by the torchrun entry points (train, check_load); not runnable by itself:
 
-    torchrun --standalone --nproc_per_node=2 -m reshard.proof.train --variant z2_fp32 ...
+    torchrun --standalone --nproc_per_node=2 -m reshard_proof.train --variant z2_fp32 ...
 
 Requires DS_ACCELERATOR=cpu in the environment (launch.py sets it).
 """
@@ -15,9 +15,9 @@ from datetime import timedelta
 import torch
 
 from reshard.deepspeed_version import check_installed_deepspeed
-from reshard.proof.batches import eval_batch, train_batch
-from reshard.proof.model import ProofModel, build_param_groups
-from reshard.proof.variants import Variant
+from reshard_proof.batches import eval_batch, train_batch
+from reshard_proof.model import ProofModel, build_param_groups
+from reshard_proof.variants import Variant
 
 check_installed_deepspeed()  # the torchrun entry points build engines with the installed DeepSpeed
 
@@ -54,7 +54,7 @@ def build_engine(variant: Variant, seed: int, ep: int = 1):
 
     torch.manual_seed(seed)
     if variant.moe:
-        from reshard.proof.moe_model import MoEProofModel, build_moe_param_groups
+        from reshard_proof.moe_model import MoEProofModel, build_moe_param_groups
         model = MoEProofModel(ep)
         optimizer = variant.build_optimizer(build_moe_param_groups(model))
     elif variant.autoep:
@@ -77,7 +77,7 @@ def _build_autoep_engine(variant: Variant, ep: int):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    from reshard.proof.moe_model import AutoEPProofModel, build_autoep_param_groups
+    from reshard_proof.moe_model import AutoEPProofModel, build_autoep_param_groups
 
     model = AutoEPProofModel()
     engine, _, _, _ = deepspeed.initialize(

@@ -1,6 +1,6 @@
 """The verdict check_load writes: whether a loaded engine matches the truth, bit for bit.
 
-    python -c "from reshard.proof.verdict_file import read_verdict; print(read_verdict('/tmp/verdict.json')['ok'])"
+    python -c "from reshard_proof.verdict_file import read_verdict; print(read_verdict('/tmp/verdict.json')['ok'])"
 
 Schema (JSON):
     ok:                bool, true iff the load succeeded, nothing mismatched and every extra step's

@@ -1,6 +1,6 @@
 """Tamper with a copy of a checkpoint, so a test can show that check_load notices.
 
-    python -m reshard.proof.negative_controls SRC_CKPT DST_CKPT fp32_bit --rank 1
+    python -m reshard_proof.negative_controls SRC_CKPT DST_CKPT fp32_bit --rank 1
 
 A harness that never fails proves nothing: each control here changes one thing a resharder could
 get wrong (usually by the smallest possible amount, one bit) and returns a description naming the

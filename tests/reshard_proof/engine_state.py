@@ -2,7 +2,7 @@
 
 Runs inside torchrun entry points (train records it as the truth, check_load compares against it):
 
-    torchrun --standalone --nproc_per_node=2 -m reshard.proof.train --variant z3_fp32 ...
+    torchrun --standalone --nproc_per_node=2 -m reshard_proof.train --variant z3_fp32 ...
 
 `capture_engine_state` is COLLECTIVE: every rank must call it, in the same order, because full
 fp32 masters and optimizer states are assembled with all-reduces (DeepSpeed's getters) or
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
-from reshard.proof.variants import Variant
+from reshard_proof.variants import Variant
 
 MASTER_FROM_GETTERS = "getters"
 MASTER_FROM_INTERNALS = "internals"

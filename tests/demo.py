@@ -1,6 +1,6 @@
 """The README demo: a real DeepSpeed checkpoint at 2 ranks, resharded to 3, loaded at 3, judged.
 
-    python -m reshard.proof.demo [--variant z2_bf16] [--workdir ./reshard-demo] [--source 2] [--target 3]
+    python tests/demo.py [--variant z2_bf16] [--workdir ./reshard-demo] [--source 2] [--target 3]
 
 1. trains the proof model with real DeepSpeed on `--source` CPU ranks and saves a checkpoint
    (recording the truth: every fp32 weight and optimizer state, counters, client_state, ...);
@@ -9,6 +9,11 @@
 4. loads DST at M ranks with plain `engine.load_checkpoint(DST)`, compares every tensor with
    the truth bit for bit, trains one more step, and prints the verdict.
 Exit status 0 only when the verdict is OK.
+
+It runs from a checkout: the proof harness it drives (tests/reshard_proof: the proof model, truth
+capture, the bit-for-bit judge) is test code and does not ship with reshard. Run as a script, this
+file's folder (tests/) is the first entry of sys.path, so `reshard_proof` imports with no set-up;
+the processes it starts find it through reshard_proof.launch.child_env.
 """
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from reshard.proof.launch import check_checkpoint, run_torchrun, train_checkpoint
+from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", default="z2_bf16", help="see reshard/proof/variants.py")
+    parser.add_argument("--variant", default="z2_bf16", help="see tests/reshard_proof/variants.py")
     parser.add_argument("--workdir", default="reshard-demo")
     parser.add_argument("--source", type=int, default=2, help="ranks that train and save")
     parser.add_argument("--target", type=int, default=3, help="ranks that load the resharded checkpoint")
