@@ -221,7 +221,7 @@ def test_two_torchrun_nodes_write_the_one_node_bytes_and_send_what_the_plan_says
                                                                                           tmp_path, per_node):
     from trained import tree_files
 
-    from reshard.proof.launch import launch_torchrun_nodes
+    from reshard_proof.launch import launch_torchrun_nodes
     reference = torchrun_output("z2_fp32", 2, 3)  # one node: 2 torchrun workers over gloo, --memory-budget 16K
     source, _ = trained("z2_fp32", 2)
     destination, result_path = tmp_path / "dst", tmp_path / "result.json"

@@ -194,7 +194,7 @@ def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp
     # (2, 1) -> (1, 2) through reshard.deepspeed.load_checkpoint on the source itself: one check launch, no
     # training of its own; the verdict compares every master and moment, loss, counters, lr, client_state
     save_dir, truth = pipeline_runs("fp32", 2, 1)
-    from reshard.proof.launch import run_torchrun
+    from reshard_proof.launch import run_torchrun
     verdict = tmp_path / "verdict.json"
     run_torchrun(HARNESS, 2, ["check", "--pp", 1, "--precision", "fp32", "--load", save_dir, "--truth", truth,
                               "--verdict", verdict, "--in-job"], expect_files=[verdict], timeout=500)
