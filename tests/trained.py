@@ -39,6 +39,25 @@ class TrainedCheckpoints:
         return self.cache[key]
 
 
+class AutoTPCheckpoints:
+    """(tp, dp, ZeRO stage, precision, harness model) -> (save_dir, truth) of reshard.proof.tensor_parallel,
+    trained on first use and shared by every test file of the session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, tuple[Path, Path]] = {}
+
+    def __call__(self, tp: int, dp: int, stage: int, precision: str, model: str = "base") -> tuple[Path, Path]:
+        from reshard.proof.tensor_parallel import train_checkpoint as train_autotp
+        key = (tp, dp, stage, precision, model)
+        if key not in self.cache:
+            name = f"{model}-z{stage}-{precision}-tp{tp}-dp{dp}"
+            save_dir, truth = self.root / name, self.root / f"{name}.truth.pt"
+            train_autotp(tp, dp, stage, precision, save_dir, truth, model=model)
+            self.cache[key] = (save_dir, truth)
+        return self.cache[key]
+
+
 def reshard_in_threads(source, destination, target_dp: int, workers: int, **options):
     """The whole job with `workers` workers as threads of this process (no torchrun)."""
     from threaded_transport import run_workers
