@@ -85,6 +85,21 @@ def reshard_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProc
                           env=child, cwd=REPO, timeout=300)
 
 
+def reshard_in_process(*args) -> subprocess.CompletedProcess:
+    """`reshard ARGS` through reshard.cli.main in this process (one worker), stdout and stderr
+    captured: for a test about what the command says and writes, not about the launcher, without
+    the ~1-2 s a fresh interpreter costs. An exception main() does not turn into a message
+    propagates (where `python -m reshard` would print a traceback)."""
+    import contextlib
+    import io
+
+    from reshard.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(arg) for arg in args])
+    return subprocess.CompletedProcess(["reshard", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool = False) -> dict:
     """Load at M ranks with plain load_checkpoint (or reshard.deepspeed.load_checkpoint) and compare."""
     return check_checkpoint(variant, m, load_dir, truth, verdict_path, in_job=in_job)
