@@ -96,7 +96,10 @@ def reshard_in_process(*args) -> subprocess.CompletedProcess:
     from reshard.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(arg) for arg in args])
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exit:  # argparse's refusals (cli._Parser.error) end the process: its status
+            code = exit.code if isinstance(exit.code, int) else 1
     return subprocess.CompletedProcess(["reshard", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
