@@ -65,13 +65,22 @@ def _case_id(variant, n, m, workers=None):
     return f"{variant}-{n}to{m}" + ("" if workers is None else f"-w{workers}")
 
 
+def _selected(request, test_name: str, cases: list, names: tuple) -> list:
+    """The `cases` of `test_name` this session runs (all of them, or those -k / a node id picked):
+    a module fixture that prepares every case at once prepares only these."""
+    chosen = {tuple(item.callspec.params[name] for name in names) for item in request.session.items
+              if getattr(item, "originalname", None) == test_name and hasattr(item, "callspec")}
+    return [case for case in cases if tuple(case) in chosen]
+
+
 @pytest.fixture(scope="module")
-def matrix_outputs(trained, tmp_path_factory):
+def matrix_outputs(trained, tmp_path_factory, request):
     """{case: (source, truth, destination, reshard result or its error, verdicts)}: every MATRIX case
     resharded in threads, then all loads at one M judged in one torchrun launch (judge_together)."""
     root = tmp_path_factory.mktemp("matrix")
     outputs, jobs = {}, []
-    for variant, n, m, workers in MATRIX:
+    for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
+                                            ("variant", "n", "m", "workers")):
         case = _case_id(variant, n, m, workers)
         source = truth = None
         destination = root / case / "dst"
@@ -157,7 +166,7 @@ IN_JOB = [("z3_fp16", 2, 3), ("bf16_optimizer", 3, 2), ("z2_round_robin", 2, 3),
 
 
 @pytest.fixture(scope="module")
-def in_job_verdicts(trained, tmp_path_factory):
+def in_job_verdicts(trained, tmp_path_factory, request):
     """{case: (files of its source before, after, verdicts, verdict path)}: every IN_JOB case loaded
     straight from its source, all loads at one M in one torchrun launch (judge_together)."""
     root = tmp_path_factory.mktemp("in-job")
@@ -166,7 +175,8 @@ def in_job_verdicts(trained, tmp_path_factory):
         return sorted(p.relative_to(source) for p in source.rglob("*"))
 
     sources, before, verdicts = {}, {}, {}
-    for case in IN_JOB:
+    cases = _selected(request, "test_in_job_resharding_loads_bit_exactly", IN_JOB, ("variant", "n", "m"))
+    for case in cases:
         try:
             sources[case] = trained(case[0], case[1])
         except Exception as error:  # noqa: BLE001 (raised by this case's test)
@@ -176,7 +186,7 @@ def in_job_verdicts(trained, tmp_path_factory):
     verdicts.update(judge_together([(m, variant, *sources[(variant, n, m)], root / f"{_case_id(variant, n, m)}.json")
                                     for variant, n, m in sources], in_job=True))
     return {case: (before.get(case), listing(sources[case][0]) if case in sources else None,
-                   verdicts, root / f"{_case_id(*case)}.json") for case in IN_JOB}
+                   verdicts, root / f"{_case_id(*case)}.json") for case in cases}
 
 
 @pytest.mark.parametrize("variant,n,m", IN_JOB, ids=[_case_id(*case) for case in IN_JOB])
