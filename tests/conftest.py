@@ -27,6 +27,14 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def autotp_trained(tmp_path_factory):
+    """autotp_trained(tp, dp, stage, precision[, model]) -> (save_dir, truth): an AutoTP checkpoint
+    (reshard_proof.tensor_parallel), trained once per session."""
+    from trained import AutoTPCheckpoints
+    return AutoTPCheckpoints(tmp_path_factory.mktemp("autotp"))
+
+
+@pytest.fixture(scope="session")
 def torchrun_output(trained, tmp_path_factory):
     """torchrun_output(variant, n, m) -> DST of a 2-worker torchrun reshard, made once per session."""
     from trained import TorchrunOutputs

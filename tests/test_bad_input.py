@@ -4,7 +4,9 @@ and no output that looks complete. Then: resume after a crash, verify, locking.
     python -m pytest tests/test_bad_input.py -q
 
 Every case starts from a real DeepSpeed checkpoint (trained once per session) copied to a
-temporary directory; the copy is damaged the way the case needs, hashed before and after.
+temporary directory; the copy is damaged the way the case needs, hashed before and after. The
+damaged-file and bad-option refusals run reshard.cli.main in this process (the message and the
+files are the point); the other cases run `python -m reshard` or torchrun.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trained import reshard_cli, reshard_in_threads, reshard_with_torchrun, tree_state
+from trained import reshard_cli, reshard_in_process, reshard_in_threads, reshard_with_torchrun, tree_state
 
 from reshard.byte_io import hash_file
 
@@ -122,7 +124,7 @@ def test_bad_source_is_refused_clearly(source, trained, tmp_path, case):
         (tag_dir / "mp_rank_00_model_states.pt").unlink()
         expected = ["mp_rank_00_model_states.pt", "missing"]
     before, outside = _hashes(save_dir), tree_state(tmp_path, skip=tmp_path / "dst")
-    _refused(reshard_cli(*args), *expected)
+    _refused(reshard_in_process(*args), *expected)
     assert _hashes(save_dir) == before
     assert tree_state(tmp_path, skip=tmp_path / "dst") == outside, "something outside DST changed or appeared"
     _no_output(tmp_path / "dst")
@@ -163,7 +165,7 @@ def test_bad_options_are_refused_clearly(source, tmp_path, case):
     elif case == "dst-unwritable":
         dst, expected = Path("/proc/reshard-test/dst"), ["/proc/reshard-test/dst"]
     before, outside = _hashes(save_dir), tree_state(tmp_path, skip=dst)
-    _refused(reshard_cli(save_dir, dst, "--target-dp", target), *expected)
+    _refused(reshard_in_process(save_dir, dst, "--target-dp", target), *expected)
     assert _hashes(save_dir) == before
     assert tree_state(tmp_path, skip=dst) == outside, "something outside DST changed or appeared"
     if case == "dst-not-empty":

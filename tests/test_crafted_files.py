@@ -322,7 +322,7 @@ def real_source(trained, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", ["compressed", "view-past-storage"])
 def test_the_cli_refuses_crafted_real_files(real_source, tmp_path, case):
-    from trained import reshard_cli
+    from trained import reshard_in_process
 
     save_dir, optim0 = real_source
     prefix, records = records_of(optim0)
@@ -335,7 +335,7 @@ def test_the_cli_refuses_crafted_real_files(real_source, tmp_path, case):
         _patched_first_storage_offset(optim0, patched, 1 << 20)
         shutil.copy(patched, optim0)
         expected = "a view past its storage: offset 1048576"
-    done = reshard_cli(save_dir, tmp_path / "dst", "--target-dp", "3")
+    done = reshard_in_process(save_dir, tmp_path / "dst", "--target-dp", "3")  # the message, not the launcher
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(f"reshard: error: {optim0}: "), done.stderr
     assert expected in done.stderr and "Traceback" not in done.stderr, done.stderr

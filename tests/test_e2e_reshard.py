@@ -9,6 +9,10 @@ DeepSpeed engine on M ranks (different seed) with plain `engine.load_checkpoint`
 every fp32 master weight and optimizer state element, counters, per-group hyperparameters,
 scheduler, loss scaler, frozen parameters, buffers, client_state and the eval loss, then trains
 one more step. DeepSpeed's own zero_to_fp32 and `reshard verify --against` must agree too.
+
+The matrix and the in-job cases are resharded first and judged together: all loads at one M share
+one torchrun launch (tests/trained.py judge_together), each in a fresh engine of its variant. The
+launch is what costs (~20-35 s on 2 cores); one more load in it costs about a second.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import filecmp
 import os
 
 import pytest
-from trained import judge, reshard_in_threads, reshard_with_torchrun
+from trained import judge, judge_together, reshard_in_threads, reshard_with_torchrun, verdict_of
 
 from reshard_proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
 
@@ -48,20 +52,58 @@ MATRIX = [
 ]
 
 
-def _assert_loads_exactly(variant, m, destination, truth, verdict_path):
-    verdict = judge(variant, m, destination, truth, verdict_path)
+def _assert_exact(verdict, m):
     assert verdict["ok"], "\n".join([verdict.get("load_error") or ""] + verdict["mismatches"][:20])
     assert verdict["checked_tensors"] > 0 and verdict["world_size"] == m
 
 
-@pytest.mark.parametrize("variant,n,m,workers", MATRIX, ids=[f"{v}-{n}to{m}-w{w}" for v, n, m, w in MATRIX])
-def test_reshard_loads_bit_exactly(trained, tmp_path, variant, n, m, workers):
-    source, truth = trained(variant, n)
-    destination = tmp_path / "dst"
-    result = reshard_in_threads(source, destination, m, workers, memory_budget=64 << 10)
+def _assert_loads_exactly(variant, m, destination, truth, verdict_path):
+    _assert_exact(judge(variant, m, destination, truth, verdict_path), m)
+
+
+def _case_id(variant, n, m, workers=None):
+    return f"{variant}-{n}to{m}" + ("" if workers is None else f"-w{workers}")
+
+
+def _selected(request, test_name: str, cases: list, names: tuple) -> list:
+    """The `cases` of `test_name` this session runs (all of them, or those -k / a node id picked):
+    a module fixture that prepares every case at once prepares only these."""
+    chosen = {tuple(item.callspec.params[name] for name in names) for item in request.session.items
+              if getattr(item, "originalname", None) == test_name and hasattr(item, "callspec")}
+    return [case for case in cases if tuple(case) in chosen]
+
+
+@pytest.fixture(scope="module")
+def matrix_outputs(trained, tmp_path_factory, request):
+    """{case: (source, truth, destination, reshard result or its error, verdicts)}: every MATRIX case
+    resharded in threads, then all loads at one M judged in one torchrun launch (judge_together)."""
+    root = tmp_path_factory.mktemp("matrix")
+    outputs, jobs = {}, []
+    for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
+                                            ("variant", "n", "m", "workers")):
+        case = _case_id(variant, n, m, workers)
+        source = truth = None
+        destination = root / case / "dst"
+        try:
+            source, truth = trained(variant, n)
+            result = reshard_in_threads(source, destination, m, workers, memory_budget=64 << 10)
+        except Exception as error:  # noqa: BLE001 (raised by this case's test)
+            result = error
+        else:
+            jobs.append((m, variant, destination, truth, root / case / "verdict.json"))
+        outputs[(variant, n, m, workers)] = (source, truth, destination, result, root / case / "verdict.json")
+    verdicts = judge_together(jobs)
+    return {key: (*value, verdicts) for key, value in outputs.items()}
+
+
+@pytest.mark.parametrize("variant,n,m,workers", MATRIX, ids=[_case_id(*case) for case in MATRIX])
+def test_reshard_loads_bit_exactly(matrix_outputs, variant, n, m, workers):
+    source, truth, destination, result, verdict_path, verdicts = matrix_outputs[(variant, n, m, workers)]
+    if isinstance(result, BaseException):
+        raise result
     assert result.checkpoints[0].target_dp == m and (destination / "latest").is_file()
 
-    _assert_loads_exactly(variant, m, destination, truth, tmp_path / "verdict.json")
+    _assert_exact(verdict_of(verdicts, verdict_path), m)
 
     problems = check_zero_to_fp32(str(destination), str(truth))
     if variant != "bf16_optimizer":  # zero_to_fp32 refuses BF16_Optimizer checkpoints, native ones too
@@ -119,16 +161,45 @@ def test_source_checkpoint_is_untouched(trained, tmp_path):
     assert before == after
 
 
-@pytest.mark.parametrize("variant,n,m", [("z3_fp16", 2, 3), ("bf16_optimizer", 3, 2), ("z2_round_robin", 2, 3),
-                                         ("z1_bf16_param_alignment", 2, 1), ("z3_subgroups", 2, 1)])
-def test_in_job_resharding_loads_bit_exactly(trained, tmp_path, variant, n, m):
-    """reshard.deepspeed.load_checkpoint at M ranks straight from the N-rank checkpoint: no copy on disk."""
-    source, truth = trained(variant, n)
-    before = sorted(p.relative_to(source) for p in source.rglob("*"))
-    verdict = judge(variant, m, source, truth, tmp_path / "verdict.json", in_job=True)
+IN_JOB = [("z3_fp16", 2, 3), ("bf16_optimizer", 3, 2), ("z2_round_robin", 2, 3), ("z1_bf16_param_alignment", 2, 1),
+          ("z3_subgroups", 2, 1), ("z2_fp32", 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def in_job_verdicts(trained, tmp_path_factory, request):
+    """{case: (files of its source before, after, verdicts, verdict path)}: every IN_JOB case loaded
+    straight from its source, all loads at one M in one torchrun launch (judge_together)."""
+    root = tmp_path_factory.mktemp("in-job")
+
+    def listing(source):
+        return sorted(p.relative_to(source) for p in source.rglob("*"))
+
+    sources, before, verdicts = {}, {}, {}
+    cases = _selected(request, "test_in_job_resharding_loads_bit_exactly", IN_JOB, ("variant", "n", "m"))
+    for case in cases:
+        try:
+            sources[case] = trained(case[0], case[1])
+        except Exception as error:  # noqa: BLE001 (raised by this case's test)
+            verdicts[str(root / f"{_case_id(*case)}.json")] = error
+        else:
+            before[case] = listing(sources[case][0])
+    verdicts.update(judge_together([(m, variant, *sources[(variant, n, m)], root / f"{_case_id(variant, n, m)}.json")
+                                    for variant, n, m in sources], in_job=True))
+    return {case: (before.get(case), listing(sources[case][0]) if case in sources else None,
+                   verdicts, root / f"{_case_id(*case)}.json") for case in cases}
+
+
+@pytest.mark.parametrize("variant,n,m", IN_JOB, ids=[_case_id(*case) for case in IN_JOB])
+def test_in_job_resharding_loads_bit_exactly(in_job_verdicts, variant, n, m):
+    """reshard.deepspeed.load_checkpoint at M ranks straight from the N-rank checkpoint: no copy on
+    disk, and every rank's torch.serialization.get_safe_globals() is the same after the load as
+    before it (the last case was tests/test_rank_values.py's allowlist test)."""
+    before, after, verdicts, verdict_path = in_job_verdicts[(variant, n, m)]
+    verdict = verdict_of(verdicts, verdict_path)
     assert verdict["in_job"] and verdict["ok"], "\n".join([verdict.get("load_error") or ""] + verdict["mismatches"][:20])
     assert verdict["checked_tensors"] > 0
-    assert sorted(p.relative_to(source) for p in source.rglob("*")) == before
+    assert verdict["allowlist_changed"] == []
+    assert after == before
 
 
 @pytest.mark.parametrize("variant,n,m", [("z2_fp32", 2, 3), ("z3_bf16", 3, 2), ("z1_bf16", 2, 3)])

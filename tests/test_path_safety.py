@@ -3,7 +3,9 @@ values, a full disk, too many files, sub-directories in the tag directory.
 
     python -m pytest tests/test_path_safety.py -q
 
-Every case works on a private copy of a real DeepSpeed checkpoint. Besides the checks of each
+Refusals run reshard.cli.main in this process (trained.reshard_in_process: what they check is the
+message and what is left on disk); the cases that write an output, the full disk and the open-file
+limit run `python -m reshard`. Every case works on a private copy of a real DeepSpeed checkpoint. Besides the checks of each
 case, every case hashes a victim directory beside SRC and DST (a copy of the tag directory, the
 thing a crafted `latest` would aim at) and lists every path under the test's directory before
 and after: nothing outside DST may change or appear.
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trained import REPO, reshard_cli, reshard_in_threads, tree_state
+from trained import REPO, reshard_cli, reshard_in_process, reshard_in_threads, tree_state
 
 
 pytestmark = pytest.mark.e2e
@@ -93,7 +95,7 @@ def test_a_tag_never_reaches_outside(world, case):
         args += ["--tag", "."]
         expected = ["--tag", "relative path component"]
     world["seal"]()
-    _refused(reshard_cli(*args), *expected)
+    _refused(reshard_in_process(*args), *expected)
     assert not dst.exists()
 
 
@@ -104,7 +106,7 @@ def test_a_tag_of_a_run_directory_is_checked_too(world):
     shutil.copytree(src, run / "_actor")
     (run / "_actor" / "latest").write_text(str(world["victim"]))
     world["seal"]()
-    _refused(reshard_cli(run, dst, "--target-dp", "3"), str(run / "_actor" / "latest"), "absolute path")
+    _refused(reshard_in_process(run, dst, "--target-dp", "3"), str(run / "_actor" / "latest"), "absolute path")
     assert not dst.exists()
 
 
@@ -133,13 +135,13 @@ def test_a_staging_link_or_foreign_staging_is_refused(world):
     dst.mkdir()
     (dst / ".reshard-staging").symlink_to(elsewhere, target_is_directory=True)
     world["seal"]()
-    _refused(reshard_cli(src, dst, "--target-dp", "3"), ".reshard-staging", "symbolic link")
+    _refused(reshard_in_process(src, dst, "--target-dp", "3"), ".reshard-staging", "symbolic link")
     assert list(elsewhere.iterdir()) == []
     (dst / ".reshard-staging").unlink()
     foreign = dst / ".reshard-staging" / world["tag"]
     foreign.mkdir(parents=True)
     (foreign / "keep.txt").write_text("not reshard's")
-    _refused(reshard_cli(src, dst, "--target-dp", "3"), str(foreign), "not made by reshard")
+    _refused(reshard_in_process(src, dst, "--target-dp", "3"), str(foreign), "not made by reshard")
     assert (foreign / "keep.txt").read_text() == "not reshard's"
 
 
@@ -162,7 +164,7 @@ def test_a_staging_link_or_foreign_staging_is_refused(world):
 def test_every_bad_option_value_exits_2_in_one_line(world, flags, fragment):
     args = [world["src"], world["dst"], *(["--target-dp", "3"] if "--target-dp" not in flags else []), *flags]
     world["seal"]()
-    _refused(reshard_cli(*args), fragment)
+    _refused(reshard_in_process(*args), fragment)
     assert not world["dst"].exists()
 
 
@@ -174,7 +176,7 @@ def test_bad_yaml_values_exit_2(world):
                            ("target_dp: 3\ntag: /etc\n", "absolute path")]:
         job.write_text(f"source: {world['src']}\ndestination: {world['dst']}\n{text}")
         world["seal"]()
-        _refused(reshard_cli("--config", job), fragment)
+        _refused(reshard_in_process("--config", job), fragment)
 
 
 SWAPS = [("z1_fp32", "zero_pp_rank_{}_mp_rank_00_optim_states.pt"),
@@ -191,7 +193,7 @@ def test_swapped_rank_files_are_refused_by_name(trained, tmp_path, variant, patt
     a, b = tag_dir / pattern.format(0), tag_dir / pattern.format(1)
     a.rename(tag_dir / "swap"), b.rename(a), (tag_dir / "swap").rename(b)
     before = tree_state(src)
-    _refused(reshard_cli(src, tmp_path / "dst", "--target-dp", "3"), str(a), "holds the partition of dp rank 1",
+    _refused(reshard_in_process(src, tmp_path / "dst", "--target-dp", "3"), str(a), "holds the partition of dp rank 1",
              "renamed or swapped")
     assert tree_state(src) == before and not (tmp_path / "dst").exists()
 
@@ -329,7 +331,7 @@ def test_a_linked_sub_directory_is_refused_by_name(world):
     src, tag = world["src"], world["tag"]
     (src / tag / "linked").symlink_to(world["victim"], target_is_directory=True)
     world["seal"]()
-    _refused(reshard_cli(src, world["dst"], "--target-dp", "3"), str(src / tag / "linked"), "symbolic link")
+    _refused(reshard_in_process(src, world["dst"], "--target-dp", "3"), str(src / tag / "linked"), "symbolic link")
     assert not world["dst"].exists()
 
 

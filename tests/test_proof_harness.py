@@ -3,7 +3,8 @@
     python -m pytest tests/test_proof_harness.py            # everything (~1-2 min on 2 cores)
     python -m pytest tests/test_proof_harness.py -m "not e2e"   # single-process parts only
 
-Multi-rank tests train once per session (session-scoped fixtures) with real DeepSpeed on CPU.
+Multi-rank tests use the session's trained checkpoints (tests/conftest.py `trained`); the three
+loads at 2 ranks share one launch.
 """
 
 import math
@@ -23,7 +24,6 @@ from reshard_proof.launch import (  # noqa: E402
     check_checkpoint,
     child_env,
     run_torchrun,
-    train_checkpoint,
 )
 from reshard_proof.model import ProofModel, build_param_groups  # noqa: E402
 from reshard_proof.negative_controls import copy_checkpoint, flip_fp32_partition_bit  # noqa: E402
@@ -120,29 +120,44 @@ def test_launcher_raises_with_output_when_files_are_missing(fake_entry_point):
 
 # --- multi-rank, real DeepSpeed ---------------------------------------------------------------
 
-def _trained(tmp_path_factory, variant: str) -> dict:
-    root = tmp_path_factory.mktemp(variant)
-    paths = {"variant": variant, "root": root, "ckpt": root / "ckpt", "truth": root / "truth.pt"}
-    train_checkpoint(variant, SOURCE_RANKS, paths["ckpt"], paths["truth"])
-    return paths
+def _trained(trained, variant: str) -> dict:
+    """The session's checkpoint of `variant` at SOURCE_RANKS (tests/conftest.py `trained`, the same
+    train_checkpoint call this file made for itself before)."""
+    ckpt, truth = trained(variant, SOURCE_RANKS)
+    return {"variant": variant, "ckpt": ckpt, "truth": truth}
 
 
 @pytest.fixture(scope="session")
-def z2_fp32_checkpoint(tmp_path_factory):
-    return _trained(tmp_path_factory, "z2_fp32")
+def z2_fp32_checkpoint(trained):
+    return _trained(trained, "z2_fp32")
 
 
 @pytest.fixture(scope="session")
-def z3_bf16_checkpoint(tmp_path_factory):
-    return _trained(tmp_path_factory, "z3_bf16")
+def z3_bf16_checkpoint(trained):
+    return _trained(trained, "z3_bf16")
+
+
+@pytest.fixture(scope="module")
+def judged_at_source_ranks(z2_fp32_checkpoint, z3_bf16_checkpoint, tmp_path_factory):
+    """({name: verdict or its error}, parameter touched) of the two native loads and of a z2_fp32 copy with one fp32
+    partition bit flipped on rank 1 (name "tampered"), all three in
+    one launch at SOURCE_RANKS (tests/trained.py judge_together)."""
+    from trained import judge_together
+    root = tmp_path_factory.mktemp("proof-harness")
+    tampered = copy_checkpoint(z2_fp32_checkpoint["ckpt"], root / "tampered")
+    touched = flip_fp32_partition_bit(tampered, rank=1)
+    jobs = {"z2_fp32_checkpoint": (SOURCE_RANKS, "z2_fp32", z2_fp32_checkpoint["ckpt"], z2_fp32_checkpoint["truth"]),
+            "z3_bf16_checkpoint": (SOURCE_RANKS, "z3_bf16", z3_bf16_checkpoint["ckpt"], z3_bf16_checkpoint["truth"]),
+            "tampered": (SOURCE_RANKS, "z2_fp32", tampered, z2_fp32_checkpoint["truth"])}
+    verdicts = judge_together([(*job, root / f"verdict_{name}.json") for name, job in jobs.items()])
+    return {name: verdicts[str(root / f"verdict_{name}.json")] for name in jobs}, touched
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("checkpoint", ["z2_fp32_checkpoint", "z3_bf16_checkpoint"])
-def test_native_load_matches_the_truth(checkpoint, request):
-    paths = request.getfixturevalue(checkpoint)
-    verdict = check_checkpoint(paths["variant"], SOURCE_RANKS, paths["ckpt"], paths["truth"],
-                               paths["root"] / "verdict_native.json")
+def test_native_load_matches_the_truth(checkpoint, judged_at_source_ranks):
+    from trained import verdict_of
+    verdict = verdict_of(judged_at_source_ranks[0], checkpoint)
     assert verdict["ok"], verdict["mismatches"] or verdict["load_error"]
     assert verdict["checked_tensors"] > 0 and verdict["checked_elements"] > 0
     assert verdict["eval_loss"] == verdict["truth_eval_loss"]
@@ -150,11 +165,10 @@ def test_native_load_matches_the_truth(checkpoint, request):
 
 
 @pytest.mark.e2e
-def test_one_flipped_bit_in_one_rank_fp32_partition_is_caught_and_named(z2_fp32_checkpoint):
-    tampered = copy_checkpoint(z2_fp32_checkpoint["ckpt"], z2_fp32_checkpoint["root"] / "tampered")
-    touched = flip_fp32_partition_bit(tampered, rank=1)
-    verdict = check_checkpoint("z2_fp32", SOURCE_RANKS, tampered, z2_fp32_checkpoint["truth"],
-                               z2_fp32_checkpoint["root"] / "verdict_tampered.json")
+def test_one_flipped_bit_in_one_rank_fp32_partition_is_caught_and_named(judged_at_source_ranks):
+    from trained import verdict_of
+    verdicts, touched = judged_at_source_ranks
+    verdict = verdict_of(verdicts, "tampered")
     assert not verdict["ok"]
     assert any(f"['{touched}']['fp32']" in mismatch for mismatch in verdict["mismatches"]), verdict["mismatches"]
 
@@ -165,15 +179,15 @@ def test_zero_to_fp32_agrees_with_the_truth(z2_fp32_checkpoint):
 
 
 @pytest.mark.e2e
-def test_zero_to_fp32_reports_bf16_optimizer_checkpoints_as_unsupported(tmp_path_factory):
-    paths = _trained(tmp_path_factory, "bf16_optimizer")
+def test_zero_to_fp32_reports_bf16_optimizer_checkpoints_as_unsupported(trained):
+    paths = _trained(trained, "bf16_optimizer")
     mismatches = check_zero_to_fp32(paths["ckpt"], paths["truth"])
     assert len(mismatches) == 1 and mismatches[0].startswith(UNSUPPORTED)
 
 
 @pytest.mark.e2e
-def test_plain_deepspeed_refuses_another_world_size_and_the_verdict_says_so(z2_fp32_checkpoint):
+def test_plain_deepspeed_refuses_another_world_size_and_the_verdict_says_so(z2_fp32_checkpoint, tmp_path):
     """The baseline the resharder exists for: N=2 files loaded at M=1 without resharding."""
     verdict = check_checkpoint("z2_fp32", 1, z2_fp32_checkpoint["ckpt"], z2_fp32_checkpoint["truth"],
-                               z2_fp32_checkpoint["root"] / "verdict_m1.json")
+                               tmp_path / "verdict_m1.json")
     assert not verdict["ok"] and "world size" in verdict["load_error"]

@@ -301,19 +301,9 @@ E2E_SOURCES = {  # name: (tp, dp, stage, precision[, harness model])
 
 
 @pytest.fixture(scope="module")
-def autotp(tmp_path_factory):
-    """name -> (save_dir, truth), trained once per module."""
-    from reshard_proof.tensor_parallel import train_checkpoint
-    root, cache = tmp_path_factory.mktemp("autotp"), {}
-
-    def get(name):
-        if name not in cache:
-            tp, dp, stage, precision, *model = E2E_SOURCES[name]
-            save_dir, truth = root / name, root / f"{name}.truth.pt"
-            train_checkpoint(tp, dp, stage, precision, save_dir, truth, model=(model or ["base"])[0])
-            cache[name] = (save_dir, truth)
-        return cache[name]
-    return get
+def autotp(autotp_trained):
+    """name -> (save_dir, truth), trained once per session (tests/conftest.py autotp_trained)."""
+    return lambda name: autotp_trained(*E2E_SOURCES[name])
 
 
 def _reshard(source, destination, tp, dp, workers):

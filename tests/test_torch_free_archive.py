@@ -283,16 +283,15 @@ def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, v
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(tmp_path):
+def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(autotp_trained, tmp_path):
     """AutoTP files (universal_checkpoint_info, per-TP-rank model and optim states), to TP 1 and
-    to TP 2 at two DP ranks."""
+    to TP 2 at two DP ranks. The source is the session's ZeRO-1 bf16 tp 2 dp 1 checkpoint, the one
+    tests/test_tensor_parallel.py reshards too."""
     from reshard.formats.deepspeed_inspect import inspect_checkpoint
     from reshard.formats.deepspeed_target import target_files
-    from reshard_proof.tensor_parallel import train_checkpoint
     from reshard.topology import Topology
 
-    save_dir = tmp_path / "src"
-    train_checkpoint(2, 1, 1, "bf16", save_dir, tmp_path / "truth.pt")
+    save_dir, _ = autotp_trained(2, 1, 1, "bf16")
     tag_dir = save_dir / (save_dir / "latest").read_text()
     for path in sorted(tag_dir.glob("*.pt")):
         _same_tree_as_torch(path)

@@ -5,10 +5,12 @@
 
 The `trained` fixture lives in conftest.py; this module holds the cache and the helpers the
 end-to-end tests share: resharding with W workers (as threads of this process, or as a real
-multi-process torchrun job over gloo) and judging a checkpoint at M ranks.
+multi-process torchrun job over gloo) and judging a checkpoint at M ranks (`judge`), or many at
+once (`judge_together`: one launch per M, since the launch is what costs).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +35,25 @@ class TrainedCheckpoints:
             base.mkdir(parents=True, exist_ok=True)
             save_dir, truth = base / "ckpt", base / "truth.pt"
             train_checkpoint(variant, n, save_dir, truth, steps=steps)
+            self.cache[key] = (save_dir, truth)
+        return self.cache[key]
+
+
+class AutoTPCheckpoints:
+    """(tp, dp, ZeRO stage, precision, harness model) -> (save_dir, truth) of reshard_proof.tensor_parallel,
+    trained on first use and shared by every test file of the session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, tuple[Path, Path]] = {}
+
+    def __call__(self, tp: int, dp: int, stage: int, precision: str, model: str = "base") -> tuple[Path, Path]:
+        from reshard_proof.tensor_parallel import train_checkpoint as train_autotp
+        key = (tp, dp, stage, precision, model)
+        if key not in self.cache:
+            name = f"{model}-z{stage}-{precision}-tp{tp}-dp{dp}"
+            save_dir, truth = self.root / name, self.root / f"{name}.truth.pt"
+            train_autotp(tp, dp, stage, precision, save_dir, truth, model=model)
             self.cache[key] = (save_dir, truth)
         return self.cache[key]
 
@@ -64,9 +85,69 @@ def reshard_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProc
                           env=child, cwd=REPO, timeout=300)
 
 
+def reshard_in_process(*args) -> subprocess.CompletedProcess:
+    """`reshard ARGS` through reshard.cli.main in this process (one worker), stdout and stderr
+    captured: for a test about what the command says and writes, not about the launcher, without
+    the ~1-2 s a fresh interpreter costs. An exception main() does not turn into a message
+    propagates (where `python -m reshard` would print a traceback)."""
+    import contextlib
+    import io
+
+    from reshard.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exit:  # argparse's refusals (cli._Parser.error) end the process: its status
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(["reshard", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool = False) -> dict:
     """Load at M ranks with plain load_checkpoint (or reshard.deepspeed.load_checkpoint) and compare."""
     return check_checkpoint(variant, m, load_dir, truth, verdict_path, in_job=in_job)
+
+
+def judge_together(jobs, *, in_job: bool = False) -> dict:
+    """Judge many checkpoints with few launches: jobs are (m, variant, load_dir, truth, verdict_path);
+    all those at one M load in one torchrun job of M ranks (reshard_proof.check_load's --also, a fresh
+    engine each), since starting the job costs ~20-35 s on 2 cores and one more load in it ~1 s.
+    Returns {str(verdict_path): verdict dict, or the exception judging it raised}. Should the shared
+    launch fail as a whole, each job is judged in a launch of its own, so every test still gets its
+    own verdict or its own error."""
+    by_m: dict[int, list[tuple]] = {}
+    for m, variant, load_dir, truth, verdict_path in jobs:
+        by_m.setdefault(m, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
+    found: dict = {}
+    for m, group in by_m.items():
+        (variant, load_dir, truth, verdict_path), *rest = group
+        args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth, "--verdict", verdict_path]
+        for job in rest:
+            args += ["--also", *job]
+        if in_job:
+            args.append("--in-job")  # check_load applies it to every --also job too
+        try:
+            run_torchrun("reshard_proof.check_load", m, args, expect_files=[job[3] for job in group])
+        except Exception as error:  # noqa: BLE001 (judged one by one below, each with its own verdict or error)
+            print(f"[judge_together] the shared launch at M={m} failed, judging its {len(group)} loads one by one: "
+                  f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
+            for variant, load_dir, truth, verdict_path in group:
+                try:
+                    found[verdict_path] = judge(variant, m, load_dir, truth, verdict_path, in_job=in_job)
+                except Exception as error:  # noqa: BLE001 (raised by the test that owns this job)
+                    found[verdict_path] = error
+            continue
+        for job in group:
+            found[job[3]] = json.loads(Path(job[3]).read_text())
+    return found
+
+
+def verdict_of(verdicts: dict, key) -> dict:
+    """The verdict judge_together found for `key` (its verdict path); its error raised if judging it failed."""
+    verdict = verdicts[str(key)]
+    if isinstance(verdict, BaseException):
+        raise verdict
+    return verdict
 
 
 class TorchrunOutputs:
