@@ -2,6 +2,7 @@
 
     python bench/compat.py                                  # 0.14.5 .. 0.19.8, every variant, 2 -> 3 and 1
     python bench/compat.py --versions 0.16.9 --variants z2_fp32 z3_bf16 --deadline 10:10
+    python bench/compat.py --readme-only                    # README's grid from bench/results/compat.json
 
 For each DeepSpeed release (the last patch of each minor from 0.14 to 0.19), a virtual environment
 over this interpreter's torch (reshard_proof.deepspeed_venv: its own TORCH_EXTENSIONS_DIR, the CPU
@@ -132,6 +133,39 @@ def _cell(target: dict | None) -> str:
     return f"{io}; NOT equal: {str(load['error'])[:80]}"
 
 
+def _grid_cell(row: dict) -> str:
+    """One README grid cell: every target equal, or what stood in the way (a row's `recheck`, added
+    by hand after a load was repeated, says what the repeat showed)."""
+    if row.get("train", "not run") != "ok":
+        return "DeepSpeed fails to train" if "Split is a view" in str(row.get("train")) or "exit code" in str(
+            row.get("train")) else "not run"
+    loads = [target.get("load") or {} for target in row["targets"].values()]
+    if loads and all(load.get("ok") for load in loads):
+        return "equal"
+    if row.get("recheck"):
+        return "equal on re-check (see compat.md)"
+    return "NOT equal (see compat.md)"
+
+
+def write_readme_grid(rows: list[dict], dated: str, readme: Path = REPO / "README.md") -> None:
+    """README's version x variant grid, between its compat-table markers."""
+    variants = [v for v in VARIANTS if any(row["variant"] == v for row in rows)]
+    versions = [v for v in VERSIONS if any(row["deepspeed"] == v for row in rows)]
+    by_cell = {(row["deepspeed"], row["variant"]): row for row in rows}
+    lines = ["<!-- compat-table -->",
+             f"Each cell: trained on 2 CPU ranks with that DeepSpeed (torch 2.13.0), resharded to 3 and 1, loaded "
+             f"with the same DeepSpeed, every element compared (last run {dated} UTC; full table and notes: "
+             "[bench/results/compat.md](bench/results/compat.md)).", "",
+             "| DeepSpeed | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+    for version in versions:
+        lines.append(f"| {version} | " + " | ".join(
+            _grid_cell(by_cell[(version, v)]) if (version, v) in by_cell else "not run" for v in variants) + " |")
+    lines.append("<!-- /compat-table -->")
+    text = readme.read_text()
+    start, end = text.index("<!-- compat-table -->"), text.index("<!-- /compat-table -->") + len("<!-- /compat-table -->")
+    readme.write_text(text[:start] + "\n".join(lines) + text[end:])
+
+
 def write_table(rows: list[dict], targets, path: Path, started: str) -> None:
     import torch
     lines = [f"# DeepSpeed version matrix ({started} UTC)", "",
@@ -143,8 +177,9 @@ def write_table(rows: list[dict], targets, path: Path, started: str) -> None:
              "|---|---|---|" + "---|" * len(targets) + "---|"]
     for row in rows:
         cells = [_cell(row["targets"].get(m)) for m in targets]
+        notes = ", ".join(row["quirks"] + ([row["recheck"]] if row.get("recheck") else []))
         lines.append(f"| {row['deepspeed']} | {row['variant']} | {row.get('train', 'not run')} | "
-                     + " | ".join(cells) + f" | {', '.join(row['quirks'])} |")
+                     + " | ".join(cells) + f" | {notes} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -159,7 +194,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "compat.md"))
     parser.add_argument("--update", action="store_true",
                         help="keep the rows of OUT's .json that this run does not redo (rerun a few cells)")
+    parser.add_argument("--readme-only", action="store_true", help="only rewrite README's grid from OUT's .json")
     args = parser.parse_args(argv)
+    if args.readme_only:
+        header = Path(args.out).read_text().splitlines()[0]  # "# DeepSpeed version matrix (DATE UTC)"
+        write_readme_grid(json.loads(Path(args.out).with_suffix(".json").read_text()),
+                          header.split("(", 1)[1].split(" UTC")[0])
+        return
     now = datetime.datetime.now(datetime.UTC)
     deadline = float("inf")
     if args.deadline:
@@ -183,6 +224,7 @@ def main(argv=None) -> None:
                                         if row["variant"] in VARIANTS else len(VARIANTS)))
         write_table(table, args.targets, Path(args.out), started)
         Path(args.out).with_suffix(".json").write_text(json.dumps(table, indent=1, default=str))
+        write_readme_grid(table, started)
         print(Path(args.out).read_text().splitlines()[-len(args.variants):], flush=True)
 
 
