@@ -168,11 +168,11 @@ def tensor_parallel_notes(spec) -> list[str]:
 
 
 def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
-                     plan: ReshardPlan, carried: list[str], site=None) -> JobOutput:
+                     stage: int | None, plan: ReshardPlan, carried: list[str], site=None) -> JobOutput:
     """What the lifecycle needs of this checkpoint's output (reshard.lifecycle), on its leader.
+    `stage`: the target ZeRO stage when it changes, else None.
     `site`: this worker's node in a node-local job (reshard.node_local.NodeSite), else None."""
     target_tp = target.tp if source.spec.tensor is not None else None
-    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
     target_ep = _moe_target_ep(source, target)
     if site is None:
         names = [n for r in range(source.spec.topology.world_size)
@@ -258,7 +258,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     life = Lifecycle(unit.destination, source.tag, leader=leader, overwrite=opts.overwrite,
                      peers=None if site is None else site.peers)  # a node's leader publishes its node's files
-    describe = lambda: _describe_output(opts, unit, source, target, plan, carried, site)
+    describe = lambda: _describe_output(opts, unit, source, target, stage, plan, carried, site)
     start = life.begin(transport, describe) if site is None else life.begin_per_node(transport, site.node, describe)
     clock.lap("plan")
     result.notes += start.notes
