@@ -35,7 +35,7 @@ from process_tree import run_watched  # noqa: E402
 ENTRY_POINTS = {
     "inspect (worker 0)": ("deepspeed_inspect.py", "inspect_checkpoint"),
     "plan": ("checkpoint_plan.py", "plan_reshard"),
-    "decide start, lock, journal (worker 0)": ("job.py", "_decide_start"),
+    "decide start, lock, journal (worker 0)": ("lifecycle.py", "decide_start"),
     "open sources (check pickles)": ("source_reader.py", "open"),
     "create targets (skeletons, carried bytes)": ("target_writer.py", "create"),
     "  write_skeleton": ("torch_archive.py", "write_skeleton"),

@@ -57,14 +57,25 @@ from reshard.destination import (
 from reshard.errors import OptionError, ReshardError
 from reshard.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
+from reshard.formats.deepspeed_schema import LATEST
+from reshard.formats.deepspeed_spec import (
+    SourceCheckpoint,
+    refuse_experts,
+    refuse_tensor_parallel,
+)
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
-from reshard.lock import LOCK_NAME, DestinationLock
+from reshard.lifecycle import (
+    already_complete_note,
+    destination_names,
+    earlier_output_is_complete,
+    publish_tag_dir,
+)
+from reshard.lock import DestinationLock
 from reshard.manifest import (
     JOURNAL_NAME,
     Manifest,
+    manifest_source_entry,
     output_fingerprint,
     source_identity,
     write_json_atomically,
@@ -72,8 +83,18 @@ from reshard.manifest import (
 from reshard.options import ReshardOptions
 from reshard.paths import confined
 from reshard.plan import ReshardPlan
-from reshard.preflight import ZERO3_RANK_IDENTITY_NOTE, outputs_of, preflight, target_topology
-from reshard.resources import anonymous_rss_bytes, check_free_space, ensure_open_files, peak_resident_bytes
+from reshard.preflight import (
+    ZERO3_RANK_IDENTITY_NOTE,
+    outputs_of,
+    preflight,
+    target_topology,
+)
+from reshard.resources import (
+    anonymous_rss_bytes,
+    check_free_space,
+    ensure_open_files,
+    peak_resident_bytes,
+)
 from reshard.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
@@ -124,11 +145,10 @@ def _tensor_bytes(tree) -> int:
     return total
 
 
-def files_of(unit_index: int, source: SourceCheckpoint, target_dp: int, carried=()) -> list[ArrayFile]:
+def files_of(unit_index: int, source: SourceCheckpoint, target: Topology, carried=()) -> list[ArrayFile]:
     """Every file of one checkpoint's output, weighed; `carried` (save-directory files) count as one item."""
-    topology = Topology(dp=target_dp)
-    files = [ArrayFile(unit_index, target.name, _tensor_bytes(target.tree), rank)
-             for rank in range(target_dp) for target in target_files(source, topology, rank)]
+    files = [ArrayFile(unit_index, file.name, _tensor_bytes(file.tree), rank)
+             for rank in range(target.dp) for file in target_files(source, target, rank)]
     files += [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
               for name in sorted(source.other_files)]
     if carried:
@@ -202,15 +222,16 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, list, list]:
-    """The source, its save-directory files, and the notes (or refusal) of the collective job's preflight."""
+def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, Topology, list, list]:
+    """The source, the target topology, its save-directory files, and the notes (or refusal) of the
+    collective job's preflight."""
     check_paths(unit.source, unit.destination)
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     refuse_experts(source, "SLURM array mode for")
-    target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
+    target = target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
     carried = save_dir_files.list_save_dir_files(source.save_dir)
-    return source, carried, preflight(opts, source, carried)
+    return source, target, carried, preflight(opts, source, carried)
 
 
 def run_array_task(opts: ReshardOptions) -> ReshardResult:
@@ -221,15 +242,15 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
     result = ReshardResult(notes=notes)
     inspected = [_inspect(opts, unit) for unit in units]
-    files = [f for index, (source, carried, _) in enumerate(inspected)
-             for f in files_of(index, source, opts.target_dp, carried)]
+    files = [f for index, (source, target, carried, _) in enumerate(inspected)
+             for f in files_of(index, source, target, carried)]
     owners = deal_files(files, tasks)
-    for index, (unit, (source, carried, source_notes)) in enumerate(zip(units, inspected)):
+    for index, (unit, (source, target, carried, source_notes)) in enumerate(zip(units, inspected)):
         mine = [f for f, owner in zip(files, owners) if f.unit == index and owner == task]
         unit_owners = {f.name: owner for f, owner in zip(files, owners) if f.unit == index}
         same = [u for u in units if u.destination == unit.destination]
         place = {"destination_tags": [u.tag for u in same], "latest": next((u.latest for u in same if u.latest), None)}
-        result.checkpoints.append(_run_share(opts, unit, source, carried, unit_owners, mine, place))
+        result.checkpoints.append(_run_share(opts, unit, source, target, carried, unit_owners, mine, place))
         result.checkpoints[-1].notes[:0] = source_notes
     if not opts.dry_run:
         for destination in dict.fromkeys(unit.destination for unit in units):
@@ -241,15 +262,15 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     return result
 
 
-def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carried: list, owners: dict,
-               mine: list, place: dict) -> CheckpointResult:
+def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology, carried: list,
+               owners: dict, mine: list, place: dict) -> CheckpointResult:
     """This task's files of one checkpoint. `place`: every tag going to the unit's destination, and `latest`."""
     started = time.perf_counter()
     spec = source.spec
-    plan = plan_reshard(source.spec, opts.target_topology, 1, opts.memory_budget, tabulated=True)
+    plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
     ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
-                              opts.target_topology, opts.array_tasks,
+                              target, opts.array_tasks,
                               f"no collectives (array task {opts.array_task} of {opts.array_tasks})",
                               plan.rounds, 0.0, opts.dry_run, plan)
     report = WorkerReport(opts.array_task, (), ranks)
@@ -266,14 +287,11 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
                                | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp)
-    previous = outputs.get(source.tag)
     final = os.path.join(unit.destination, source.tag)
-    if previous is not None and previous.fingerprint == fingerprint and not previous.check_files(final):
-        result.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
+    if earlier_output_is_complete(outputs.get(source.tag), fingerprint, final):
+        result.notes.append(already_complete_note(final))
         return result
-    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
-                                   if outputs else set())
-    check_empty(unit.destination, ours, opts.overwrite)
+    check_empty(unit.destination, destination_names(outputs, carried), opts.overwrite)
 
     staging = Staging(unit.destination, source.tag)
     array_dir = _array_dir(unit.destination, source.tag)
@@ -290,9 +308,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
                           "job to resume it, or remove the directory")
     _write_record_once(os.path.join(array_dir, RECORD_NAME), {
         "fingerprint": fingerprint, "tasks": opts.array_tasks, "tag": source.tag, "owners": owners,
-        "source": {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
-                   "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
-                   "files": identity},
+        "source": manifest_source_entry(source, identity),
         "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
         "save_dir_files": carried,
         **place})
@@ -320,7 +336,8 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
                         report.bytes_carried += os.path.getsize(path)
                         _mark_done(array_dir, f.name, path)
                 targets = [f for f in todo if f.rank is not None]
-                result.rounds = _write_targets(opts, source, staging.tag_dir, array_dir, targets, report) \
+                result.rounds = _write_targets(opts, source, target, staging.tag_dir, array_dir, targets,
+                                               report) \
                     if targets else 0
             except OSError as error:
                 raise WriteFailed(error.filename or staging.tag_dir, error) from None
@@ -337,27 +354,27 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, carri
     return result
 
 
-def _plan_for_share(source: SourceCheckpoint, opts: ReshardOptions, locations) -> ReshardPlan:
+def _plan_for_share(source: SourceCheckpoint, target: Topology, opts: ReshardOptions, locations) -> ReshardPlan:
     """The one-worker plan, its rounds sized for the target ranks this share writes.
 
     A round of the one-worker plan takes an equal window of every target rank's buffers; a
     share keeps only its own ranks' parts, so the plan is made with the budget scaled by
     M / (ranks in the share): once restricted, a round holds at most a third of the real budget."""
     ranks = {rank for rank, _ in locations}
-    scale = opts.target_dp / max(1, len(ranks))
-    return plan_reshard(source.spec, opts.target_topology, 1, int(opts.memory_budget * scale), tabulated=True)
+    scale = target.dp / max(1, len(ranks))
+    return plan_reshard(source.spec, target, 1, int(opts.memory_budget * scale), tabulated=True)
 
 
-def _write_targets(opts, source: SourceCheckpoint, tag_dir: str, array_dir: str, targets: list,
+def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: str, array_dir: str, targets: list,
                    report: WorkerReport) -> int:
     """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source.
     Returns the number of rounds that moved data."""
     ranks = sorted({f.rank for f in targets})
     per_rank = 2 if source.spec.stage == 3 else 1
     ensure_open_files(per_rank * source.spec.dp_world_size + len(targets) + 1)
-    writer = TargetWriter.create(source, tag_dir, opts.target_topology, ranks, only={f.name for f in targets})
+    writer = TargetWriter.create(source, tag_dir, target, ranks, only={f.name for f in targets})
     try:
-        share = restrict_to_files(_plan_for_share(source, opts, writer.locations), writer.locations)
+        share = restrict_to_files(_plan_for_share(source, target, opts, writer.locations), writer.locations)
     except BaseException:
         writer.close()
         raise
@@ -465,7 +482,7 @@ def _latest_is(destination: str, tag: str) -> bool:
 
 
 def _publish_record(destination: str, record: dict, array_dir: str) -> None:
-    """Manifest from the done markers, then the tag directory into place (as job._publish does)."""
+    """Manifest from the done markers, then the tag directory into place (reshard.lifecycle.publish_tag_dir)."""
     staging = Staging(destination, record["tag"])
     files = {}
     for name in record["owners"]:
@@ -480,11 +497,9 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
                                f"remove {_done_path(array_dir, name)} and re-run array task {record['owners'][name]}")
         files[name] = entry
     staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
-    Manifest(record["fingerprint"], source=record["source"], target=record["target"], files=files,
-             reshard_version=__version__).write(staging.tag_dir)
-    if record.get("save_dir_files"):  # before the tag directory and `latest`, as job._publish does
-        save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), record["save_dir_files"], destination)
-    staging.publish(None, scripts_from=record["source"]["save_dir"])
+    publish_tag_dir(staging, Manifest(record["fingerprint"], source=record["source"], target=record["target"],
+                                      files=files, reshard_version=__version__),
+                    None, scripts_from=record["source"]["save_dir"], carried=record.get("save_dir_files") or [])
 
 
 def publish_main(argv: list[str]) -> int:

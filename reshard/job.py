@@ -25,62 +25,67 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
 
 from reshard import save_dir_files
 from reshard.byte_io import hash_file
 from reshard.checkpoint_plan import plan_reshard
 from reshard.collective import check_peers, on_rank0
-from reshard.destination import (
-    STAGING,
-    Staging,
-    check_empty,
-    check_paths,
-    clean_up_after_failure,
-    stale_staging_notes,
-    what_was_kept,
-    write_latest,
-)
-from reshard.errors import OptionError, PeerFailure, ReshardError
+from reshard.destination import Staging, check_paths, stale_staging_notes
+from reshard.errors import ReshardError
 from reshard.exchange import round_bytes as _round_bytes
 from reshard.execute import execute
 from reshard.expert_layout import expert_placement_lines
 from reshard.file_shares import file_shares
+from reshard.folded_expert_files import (
+    rewrites_expert_files,
+    target_expert_files,
+    write_expert_files,
+)
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
-from reshard.folded_expert_files import rewrites_expert_files, target_expert_files, write_expert_files
-from reshard.lock import LOCK_NAME, DestinationLock
+from reshard.lifecycle import (
+    JobOutput,
+    Lifecycle,
+    Start,
+    destination_names,
+    publish_tag_dir,
+)
 from reshard.manifest import (
-    JOURNAL_NAME,
     Manifest,
+    manifest_source_entry,
     output_fingerprint,
     plan_fingerprint,
-    read_journal,
     source_identity,
-    write_journal,
 )
 from reshard.options import ReshardOptions
 from reshard.plan import ReshardPlan
-from reshard.preflight import ZERO3_RANK_IDENTITY_NOTE, outputs_of, preflight, target_topology
+from reshard.preflight import (
+    ZERO3_RANK_IDENTITY_NOTE,
+    outputs_of,
+    preflight,
+    target_topology,
+)
 from reshard.resources import (
-    check_free_space,
-    disk_full_message,
+    PeakAnonymousMemory,
     ensure_open_files,
     files_per_worker,
-    is_disk_full,
     output_bytes,
     peak_resident_bytes,
-    PeakAnonymousMemory,
 )
 from reshard.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.runs import Unit, discover_units
 from reshard.source_reader import SourceReader
-from reshard.stage_change import check_stage_change, is_stage_change, plan_stage_change, stage_change_note
-from reshard.target_writer import TargetWriter, WriteFailed
+from reshard.stage_change import (
+    check_stage_change,
+    is_stage_change,
+    plan_stage_change,
+    stage_change_note,
+)
+from reshard.target_writer import TargetWriter
+from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
 from reshard.version import __version__
 
@@ -152,24 +157,6 @@ def _node_local_units(opts: ReshardOptions, transport: Transport) -> tuple[list[
     return [Unit(source, tag, destination, tag)], [], views
 
 
-@dataclass
-class _Start:
-    """Where this run starts, decided by worker 0 from what the destination holds."""
-
-    mode: str
-    """"fresh", "resume" (staging of an interrupted run with the same plan) or "complete"."""
-    output_fingerprint: str
-    plan_fingerprint: str
-    identity: dict
-    rounds_done: int = 0
-    skeletons: bool = False
-    notes: list = field(default_factory=list)
-    output_bytes: int = 0
-    """About how many bytes the output takes (for the free-space check and its messages)."""
-    created_destination: bool = False
-    """DST did not exist before this run: a failure before the rounds removes it again."""
-
-
 def tensor_parallel_notes(spec) -> list[str]:
     """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
     if spec.tensor is None:
@@ -180,13 +167,13 @@ def tensor_parallel_notes(spec) -> list[str]:
             for kind, names in kinds.items()]
 
 
-def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, plan: ReshardPlan,
-                  lock: DestinationLock, carried: list[str], site=None, allow_complete: bool = True) -> _Start:
-    """`site`: this worker's node in a node-local job (reshard.node_local.NodeSite), else None."""
-    target = opts.target_for(source.spec.topology)
+def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
+                     stage: int | None, plan: ReshardPlan, carried: list[str], site=None) -> JobOutput:
+    """What the lifecycle needs of this checkpoint's output (reshard.lifecycle), on its leader.
+    `stage`: the target ZeRO stage when it changes, else None.
+    `site`: this worker's node in a node-local job (reshard.node_local.NodeSite), else None."""
     target_tp = target.tp if source.spec.tensor is not None else None
-    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
-    target_ep = _moe_target_ep(opts, source)
+    target_ep = _moe_target_ep(source, target)
     if site is None:
         names = [n for r in range(source.spec.topology.world_size)
                  for n in map(os.path.basename, source.source_files(r))]
@@ -199,63 +186,18 @@ def _decide_start(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, pl
         out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                     placement={"node": site.node, "ranks_per_node": opts.target_ranks_per_node},
                                     target_stage=stage, target_ep=target_ep)
-    plan_fp = plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes)
-    start = _Start("fresh", out_fp, plan_fp, identity)
-    final = os.path.join(unit.destination, source.tag)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
                          opts.target_stage or source.spec.stage, target_ep)
-    ours = {STAGING, LOCK_NAME} | (set(outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
-                                   if outputs else set())
-    previous = outputs.get(source.tag)
-    if allow_complete and previous is not None and previous.fingerprint == out_fp and not previous.check_files(final):
-        if unit.latest:
-            write_latest(unit.destination, unit.latest)
-        start.mode = "complete"
-        start.notes.append(f"{final} already holds this output (every hash matches); nothing to do")
-        return start
-    check_empty(unit.destination, ours, opts.overwrite)
-    staging = Staging(unit.destination, source.tag)
-    journal = read_journal(staging.tag_dir)
-    resume = bool(journal and journal.get("plan_fingerprint") == plan_fp and journal.get("skeletons"))
-    start.output_bytes = output_bytes(source, opts.target_dp, target_tp=target.tp) if site is None \
-        else site.needed_bytes
-    check_free_space(unit.destination, start.output_bytes, _allocated_bytes(staging.tag_dir) if resume else 0)
-    start.created_destination = not os.path.lexists(unit.destination)
-    lock.acquire()
-    if lock.stale_note:
-        start.notes.append(lock.stale_note)
-    if resume:
-        start.mode, start.skeletons = "resume", True
-        start.rounds_done = int(journal.get("rounds_done", 0))
-        start.notes.append(f"resuming an interrupted run: {start.rounds_done} of {plan.rounds} rounds were done")
-        return start
-    if journal:
-        start.notes.append("discarded the staging of an earlier run with a different plan "
-                           "(source, target size, worker count or budget changed)")
-    try:
-        staging.create()
-        write_journal(staging.tag_dir, plan_fp, False, 0)
-    except BaseException:
-        clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
-        raise
-    return start
+    return JobOutput(out_fp, destination_names(outputs, carried),
+                     plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
+                     needed_bytes=output_bytes(source, opts.target_dp, target_tp=target.tp) if site is None
+                     else site.needed_bytes,
+                     earlier=outputs.get(source.tag), latest=unit.latest)
 
 
-def _allocated_bytes(directory: str) -> int:
-    """Disk space the files under `directory` already occupy (skeletons are sparse until written)."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def _moe_target_ep(opts: ReshardOptions, source: SourceCheckpoint) -> int | None:
+def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
     """The target ep of an MoE checkpoint (recorded in its fingerprint and manifest), else None."""
-    return opts.target_for(source.spec.topology).ep if source.spec.experts is not None else None
+    return target.ep if source.spec.experts is not None else None
 
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
@@ -319,18 +261,10 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         failure = error
     check_peers(transport, failure, "checking the open-file limit")
 
-    lock = DestinationLock(unit.destination)
-    def decide(allow_complete: bool = True):
-        try:
-            return _decide_start(opts, unit, source, plan, lock, carried, site, allow_complete)
-        except OSError as error:
-            detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
-            raise OptionError(f"{unit.destination}: cannot be created or written ({detail})") from None
-
-    if site is None:
-        start: _Start = on_rank0(transport, decide)
-    else:
-        start = _decide_per_node(transport, site, decide, lock, unit.tag)
+    life = Lifecycle(unit.destination, source.tag, leader=leader, overwrite=opts.overwrite,
+                     peers=None if site is None else site.peers)  # a node's leader publishes its node's files
+    describe = lambda: _describe_output(opts, unit, source, target, stage, plan, carried, site)
+    start = life.begin(transport, describe) if site is None else life.begin_per_node(transport, site.node, describe)
     clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
@@ -339,20 +273,12 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     own = plan.ownership
     report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
                           tuple(own.target_ranks_of(transport.rank)))
-    staging = Staging(unit.destination, source.tag)
-    rounds_started = False
+    staging = life.staging
 
     def opened(reader, writer) -> None:
-        nonlocal rounds_started
         writer.copy_in_background()
-        if leader and not start.skeletons:
-            write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
-        rounds_started = True
+        life.opened()
         progress.start()
-
-    def journal(rounds_done: int) -> None:
-        if leader:
-            write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
 
     def flush(reader, writer) -> dict:
         writer.wait_for_copies()
@@ -375,45 +301,25 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
-        all_hashes = transport.all_gather_object(hashes)
-        failure = None
-        if leader:
-            try:
-                if site is not None:  # this node's files only
-                    all_hashes = [all_hashes[worker] for worker in site.peers]
-                _publish(opts, unit, source, start, staging, all_hashes, carried, site)
-            except OSError as error:
-                failure = ReshardError(f"{unit.destination}: publishing the result failed: {error}")
-            except Exception as error:
-                failure = error
-        check_peers(transport, failure, "publishing the result")
+        life.publish(transport, hashes,
+                     lambda all_hashes: _publish(opts, unit, source, target, start, staging, all_hashes, carried, site))
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
-    try:
-        with _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done) as progress:
-            moved = execute(plan, transport,
-                        open_source=lambda: SourceReader.open(source, report.source_ranks, trust_pickle=opts.trust_pickle,
-                                                              stage=stage),
-                        open_sink=lambda: TargetWriter.create(
-                            source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
-                            model_states_ranks=None if site is None else site.model_states_ranks, stage=stage),
-                        opening="opening source files and creating target files", opened=opened,
-                        finish=flush, finishing="flushing target files", after=publish,
-                        start_round=start.rounds_done, durable_every_bytes=opts.durable_every, on_durable=journal,
-                        on_round=lambda *done: (progress.update(*done), memory.sample()))
-    except BaseException as error:
-        removed_destination = False
-        if leader:
-            removed_destination = clean_up_after_failure(staging, lock, keep_staging=rounds_started,
-                                                         remove_destination=start.created_destination)
-        if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
-            error = WriteFailed(error.filename or staging.tag_dir, error)
-        if isinstance(error, ReshardError):
-            _say_what_was_kept(error, staging, rounds_started, removed_destination, start.output_bytes)
-            raise error from None
-        raise
-    if leader:
-        lock.release()
+    def work():
+        with progress:
+            return execute(plan, transport,
+                           open_source=lambda: SourceReader.open(source, report.source_ranks,
+                                                                 trust_pickle=opts.trust_pickle, stage=stage),
+                           open_sink=lambda: TargetWriter.create(
+                               source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
+                               model_states_ranks=None if site is None else site.model_states_ranks, stage=stage),
+                           opening="opening source files and creating target files", opened=opened,
+                           finish=flush, finishing="flushing target files", after=publish,
+                           start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
+                           on_durable=life.journal, on_round=lambda *done: (progress.update(*done), memory.sample()))
+
+    progress = _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done)
+    moved = life.run(work)
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.bytes_between_nodes = getattr(transport, "bytes_between_nodes", 0) - crossed_before
     report.peak_rss_bytes = peak_resident_bytes()
@@ -427,8 +333,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging: Staging, worker_hashes: list,
-             carried: list[str], site=None) -> None:
+def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start: Start, staging: Staging,
+             worker_hashes: list, carried: list[str], site=None) -> None:
     # Every worker copied its share of the other files (`flush`); a node's leader all of its node's.
     here = source.other_files if site is not None else ()
     staging.copy_in(source.tag_dir, here, source.other_dirs)
@@ -439,26 +345,22 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, start: _Start, staging:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    source_entry = {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
-                    "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(),
-                    "files": start.identity}
     target_entry = {"dp_world_size": opts.target_dp, "stage": opts.target_stage or spec.stage,
                     **({} if site is None else {"node": site.node, "ranks_per_node": opts.target_ranks_per_node})}
+    source_entry = manifest_source_entry(source, start.identity)
     if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
-        target_entry["tp_world_size"] = opts.target_for(spec.topology).tp
+        target_entry["tp_world_size"] = target.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
-        target_entry["ep"] = _moe_target_ep(opts, source)
-    Manifest(start.output_fingerprint, source=source_entry, target=target_entry,
-             files=files, reshard_version=__version__).write(staging.tag_dir)
-    os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-    if carried:  # before the tag directory and `latest`: a resume finds them once it finds the checkpoint
-        save_dir_files.publish(staged, carried, unit.destination)
+        target_entry["ep"] = _moe_target_ep(source, target)
     # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
-    staging.publish(unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None)
+    publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
+                                      reshard_version=__version__),
+                    unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None,
+                    carried=carried)
 
 
-def _copy_sizes(source: SourceCheckpoint, start: _Start) -> dict[str, int]:
+def _copy_sizes(source: SourceCheckpoint, start: Start) -> dict[str, int]:
     """Bytes of each file copied whole (expert files, other files), from worker 0's survey."""
     return {name: start.identity[name]["bytes"] for name in source.other_files}
 
@@ -487,48 +389,6 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
         failure = error
     check_peers(transport, failure, "reading this node's model-states file")
     return source, notes, site
-
-
-def _decide_per_node(transport: Transport, site, decide, lock: DestinationLock, tag: str) -> _Start:
-    """Node-local: each node's leader decides for its own DST; every worker learns all the starts.
-    The output is complete only when every node's is (a complete node otherwise starts over with
-    the others), and the rounds resume from the first round some node has not done."""
-    def gather(work):
-        outcome = None
-        if site.leader:
-            try:
-                outcome = ("ok", (site.node, work()))
-            except ReshardError as error:
-                outcome = ("error", error)
-            except Exception as error:
-                outcome = ("error", PeerFailure(f"worker {transport.rank} failed: {type(error).__name__}: {error}"))
-        outcomes = transport.all_gather_object(outcome)
-        errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
-        if errors:
-            if outcome is not None and outcome[0] == "ok" and outcome[1][1].mode != "complete":
-                clean_up_after_failure(Staging(lock.destination, tag), lock, keep_staging=False,
-                                       remove_destination=outcome[1][1].created_destination)
-            raise errors[0]
-        return dict(o[1] for o in outcomes if o is not None)
-
-    starts = gather(decide)
-    if any(s.mode == "complete" for s in starts.values()) and not all(s.mode == "complete" for s in starts.values()):
-        starts = gather(lambda: decide(False) if starts[site.node].mode == "complete" else starts[site.node])
-    mine = starts.get(site.node) or next(iter(starts.values()))
-    rounds_done = min(s.rounds_done for s in starts.values())
-    notes = [f"node {node}: {note}" for node, s in sorted(starts.items()) for note in s.notes]
-    return replace(mine, rounds_done=rounds_done, notes=notes,
-                   skeletons=mine.skeletons if site.node in starts else False)
-
-
-def _say_what_was_kept(error: ReshardError, staging: Staging, kept: bool, removed_destination: bool,
-                       needed: int) -> None:
-    """Finish the message of a failed run with the truth about what stays on disk."""
-    text = str(error)
-    if isinstance(error, WriteFailed) and is_disk_full(error.error, error.path):
-        text = (f"{error.path}: writing failed ({error.error.strerror or 'disk full'}): "
-                f"{disk_full_message(staging.destination, needed)}")
-    error.args = (text + what_was_kept(staging, kept, removed_destination),)
 
 
 class _progress:

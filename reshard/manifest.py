@@ -74,6 +74,13 @@ def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
                     "files": source_identity(source.tag_dir, names), "export": export})
 
 
+def manifest_source_entry(source: "SourceCheckpoint", identity: dict) -> dict:
+    """The manifest's "source" entry for a DeepSpeed ZeRO save (the collective job's and an array task's)."""
+    spec = source.spec
+    return {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": spec.dp_world_size,
+            "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(), "files": identity}
+
+
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:
     return _digest({"output": output, "workers": workers, "budget": budget_bytes})
 

@@ -192,7 +192,9 @@ class ReshardOptions:
 
     @property
     def target_topology(self) -> Topology:
-        """The topology to write for, as far as the options say (tp, ep 1 when not given)."""
+        """The sizes the options give, checked together (tp, ep 1 when not given): for `validate`
+        before any source is read. Not a job's target: that is `checked_target` (tp and ep default
+        to the source's), derived once per checkpoint by reshard.preflight.target_topology."""
         return Topology(dp=self.target_dp, tp=self.target_tp or 1, ep=self.target_ep or 1)
 
     def target_for(self, source: Topology) -> Topology:

@@ -49,7 +49,7 @@ class WriteFailed(ReshardError):
 
     def __init__(self, path: str, error: OSError):
         self.path, self.error = path, error
-        # The job adds what stays on disk (reshard.job._say_what_was_kept): only it knows.
+        # The lifecycle adds what stays on disk (reshard.lifecycle.Lifecycle.run): only it knows.
         super().__init__(f"{path}: writing failed: {error.strerror or error}")
 
     def __reduce__(self):

@@ -1,22 +1,23 @@
-"""The lifecycle of a "whole-file" reshard job, shared by reshard.zero0_job and reshard.pipeline_job.
+"""Whole-file reshard jobs on the one lifecycle (reshard.lifecycle), shared by zero0_job and pipeline_job.
 
     python -m reshard SRC DST --target-dp 4 --target-ep 1   # a ZeRO-0 MoE save: zero0_job runs this
     python -m reshard SRC DST --target-dp 3                 # a PipelineModule save: pipeline_job runs this
 
-Jobs whose target files are each built whole by one worker (no rounds, no exchange) share one
-lifecycle; only which files a worker builds and how, and what the manifest says about source and
-target, differ, and those come in as values and a callable:
+Jobs whose target files are each built whole by one worker (no rounds, no exchange) run the
+lifecycle every job runs; only which files a worker builds and how, and what the manifest says
+about source and target, differ, and those come in as values and a callable:
 
 1. `inspect_on_worker0`: worker 0 checks the paths, inspects the source and derives the target
    (the job's callables, which check its options); every worker receives both;
-2. `run_whole_file_job`: worker 0 checks the destination, takes its lock, creates
-   DST/.reshard-staging/TAG and writes the journal (reshard.manifest);
+2. `run_whole_file_job`: the lifecycle begins (worker 0 checks the destination, takes its lock,
+   creates DST/.reshard-staging/TAG and writes the journal); the `JobOutput` it is given has no
+   plan fingerprint, so there is never a resume: there are no rounds to resume;
 3. each worker builds its own files (the job's `build`) and copies its share of the files that
    travel whole (reshard.file_shares, by size);
-4. worker 0 writes the manifest and publishes: tag directory into place, `latest` last.
-After every step all workers agree on success (reshard.collective.check_peers); on failure the
-staging is removed, the lock released and a DST this run created removed again
-(reshard.destination.clean_up_after_failure): no resume, there are no rounds to resume.
+4. the lifecycle publishes: worker 0 writes the manifest, the tag directory goes into place,
+   `latest` last (reshard.lifecycle.publish_tag_dir).
+After every step all workers agree on success (reshard.collective.check_peers); on failure
+`Lifecycle.run` removes the staging, releases the lock and removes a DST this run created.
 """
 from __future__ import annotations
 
@@ -27,17 +28,12 @@ from dataclasses import dataclass
 
 from reshard.byte_io import hash_file
 from reshard.collective import check_peers, on_rank0
-from reshard.destination import (
-    STAGING,
-    Staging,
-    check_empty,
-    check_paths,
-    clean_up_after_failure,
-)
+from reshard.destination import STAGING, check_paths
 from reshard.file_shares import file_shares
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.lock import LOCK_NAME, DestinationLock
-from reshard.manifest import JOURNAL_NAME, Manifest, source_identity, write_journal
+from reshard.lifecycle import JobOutput, Lifecycle, publish_tag_dir
+from reshard.lock import LOCK_NAME
+from reshard.manifest import Manifest, source_identity
 from reshard.options import ReshardOptions
 from reshard.resources import anonymous_rss_bytes, peak_resident_bytes
 from reshard.results import CheckpointResult, PhaseClock, WorkerReport
@@ -81,61 +77,46 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
     `fingerprint_of(identity)`: the output's fingerprint (reshard.manifest.output_fingerprint).
     `build(staging_tag_dir, identity, report)`: writes this worker's target files into staging,
     adds what it read to `report.bytes_read`, and returns the paths it wrote, in manifest order."""
-    staging = Staging(unit.destination, source.tag)
-    lock = DestinationLock(unit.destination)
+    life = Lifecycle(unit.destination, source.tag, leader=transport.rank == 0, overwrite=opts.overwrite)
 
-    def decide():
+    def describe() -> JobOutput:  # whole files: nothing to resume, no earlier output compared
         identity = source_identity(source.tag_dir, set(source.identified))
-        fingerprint = fingerprint_of(identity)
-        check_empty(unit.destination, {STAGING, LOCK_NAME, LATEST, *RECOVERY_SCRIPTS}, opts.overwrite)
-        created = not os.path.lexists(unit.destination)
-        lock.acquire()
-        try:
-            staging.create()
-            write_journal(staging.tag_dir, fingerprint, False, 0)
-        except BaseException:
-            lock.release()
-            raise
-        return identity, fingerprint, created
+        return JobOutput(fingerprint_of(identity), {STAGING, LOCK_NAME, LATEST, *RECOVERY_SCRIPTS}, identity=identity)
 
-    identity, fingerprint, created = on_rank0(transport, decide)
+    start = life.begin(transport, describe)
+    identity = start.identity
     clock.lap("plan")
-    hashes, failure = {}, None
-    try:
-        for path in build(staging.tag_dir, identity, report):
-            hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
-        report.bytes_written = sum(h["bytes"] for h in hashes.values())
-        sizes = {name: identity[name]["bytes"] for name in source.carried}
-        copied = staging.copy_in_hashed(source.tag_dir, file_shares(sizes, transport.size)[transport.rank])
-        report.bytes_carried = sum(h["bytes"] for h in copied.values())
-        report.bytes_read += report.bytes_carried
-        hashes.update(copied)
-    except Exception as error:
-        failure = error
-    clock.lap("exchange+write")
-    try:
+    staging = life.staging
+
+    def work() -> None:
+        hashes, failure = {}, None
+        try:
+            for path in build(staging.tag_dir, identity, report):
+                hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
+            report.bytes_written = sum(h["bytes"] for h in hashes.values())
+            sizes = {name: identity[name]["bytes"] for name in source.carried}
+            copied = staging.copy_in_hashed(source.tag_dir, file_shares(sizes, transport.size)[transport.rank])
+            report.bytes_carried = sum(h["bytes"] for h in copied.values())
+            report.bytes_read += report.bytes_carried
+            hashes.update(copied)
+        except Exception as error:
+            failure = error
+        clock.lap("exchange+write")
         check_peers(transport, failure, "writing the target files")
-        all_hashes = transport.all_gather_object(hashes)
-        failure = None
-        if transport.rank == 0:
-            try:
-                staging.copy_in(source.tag_dir, (), source.directories)
-                files = {}
-                for worker_hashes in all_hashes:
-                    files.update(worker_hashes)
-                Manifest(fingerprint, source={**(source.manifest_source or {}), "files": identity},
-                         target=manifest_target, files=files, reshard_version=__version__).write(staging.tag_dir)
-                os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-                staging.publish(unit.latest, scripts_from=source.save_dir)
-            except Exception as error:
-                failure = error
-        check_peers(transport, failure, "publishing the result")
-    except BaseException:
-        if transport.rank == 0:
-            clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=created)
-        raise
-    if transport.rank == 0:
-        lock.release()
+
+        def place(all_hashes: list) -> None:
+            staging.copy_in(source.tag_dir, (), source.directories)
+            files = {}
+            for worker_hashes in all_hashes:
+                files.update(worker_hashes)
+            publish_tag_dir(staging, Manifest(start.output_fingerprint,
+                                              source={**(source.manifest_source or {}), "files": identity},
+                                              target=manifest_target, files=files, reshard_version=__version__),
+                            unit.latest, scripts_from=source.save_dir)
+
+        life.publish(transport, hashes, place)
+
+    life.run(work)
     report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()  # whole-file copies: no rounds to sample between
     clock.lap("publish")

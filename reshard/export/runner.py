@@ -1,5 +1,5 @@
-"""What every export runs on every worker: the reshard job's lifecycle (lock, staging, journal,
-resume, atomic publish) around the one skeleton (`reshard.execute`).
+"""What every export runs on every worker: the one lifecycle (`reshard.lifecycle`: lock, staging,
+journal, resume, atomic publish) around the one skeleton (`reshard.execute`).
 
     from reshard.export.runner import ExportOutput, run_export
     output = ExportOutput(destination, tag, fingerprint, overwrite)
@@ -28,18 +28,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from reshard.collective import check_peers, on_rank0
-from reshard.destination import (
-    Staging,
-    check_empty,
-    clean_up_after_failure,
-    what_was_kept,
-)
-from reshard.errors import ReshardError
+from reshard.destination import Staging
 from reshard.execute import execute
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.lock import LOCK_NAME, DestinationLock
-from reshard.manifest import JOURNAL_NAME, plan_fingerprint, read_journal, write_journal
+from reshard.lifecycle import EXPORT, JobOutput, Lifecycle, remove_journal
+from reshard.lock import LOCK_NAME
+from reshard.manifest import plan_fingerprint
 from reshard.plan import ReshardPlan
 from reshard.resources import peak_resident_bytes
 from reshard.source_reader import SourceReader
@@ -62,101 +56,30 @@ class ExportOutput:
     notes: list = field(default_factory=list)
 
 
-@dataclass
-class _Start:
-    plan_fingerprint: str
-    resume: bool = False
-    rounds_done: int = 0
-    created_destination: bool = False
-    notes: list = field(default_factory=list)
-
-
-def _decide_start(output: ExportOutput, plan: ReshardPlan, staging: Staging, lock: DestinationLock) -> _Start:
-    """Worker 0: refuse a non-empty OUT (unless --overwrite), lock it, resume or create the staging."""
-    check_empty(output.destination, {os.path.basename(staging.root), LOCK_NAME}, output.overwrite)
-    start = _Start(plan_fingerprint(output.fingerprint, plan.ownership.workers, plan.budget_bytes))
-    journal = read_journal(staging.tag_dir)
-    start.created_destination = not os.path.lexists(output.destination)
-    lock.acquire()
-    if lock.stale_note:
-        start.notes.append(lock.stale_note)
-    if journal and journal.get("plan_fingerprint") == start.plan_fingerprint and journal.get("skeletons"):
-        start.resume, start.rounds_done = True, int(journal.get("rounds_done", 0))
-        start.notes.append(f"resuming an interrupted export: {start.rounds_done} of {plan.rounds} rounds were done")
-        return start
-    if journal:
-        start.notes.append("discarded the staging of an earlier export with a different plan "
-                           "(source, options, worker count or budget changed)")
-    try:
-        staging.create()
-        write_journal(staging.tag_dir, start.plan_fingerprint, False, 0)
-    except BaseException:
-        clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
-        raise
-    return start
-
-
 def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: ExportOutput, open_writer, publish, *,
                trust_pickle: bool = False) -> list[int]:
     """`open_writer(target_ranks, staged_dir, reuse_existing)` creates this worker's writer;
     `publish(staging)` (worker 0, after every writer finished) completes and places the output."""
     own = plan.ownership
-    leader = transport.rank == 0
-    staging = Staging(output.destination, output.tag)
-    lock = DestinationLock(output.destination)
-
-    def decide():
-        try:
-            return _decide_start(output, plan, staging, lock)
-        except OSError as error:
-            detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
-            raise ReshardError(f"{output.destination}: cannot be created or written ({detail})") from None
-
-    start: _Start = on_rank0(transport, decide)
-    output.resumed_rounds = start.rounds_done if start.resume else None
+    life = Lifecycle(output.destination, output.tag, leader=transport.rank == 0, overwrite=output.overwrite,
+                     words=EXPORT)
+    staging = life.staging
+    start = life.begin(transport, lambda: JobOutput(
+        output.fingerprint, {os.path.basename(staging.root), LOCK_NAME},
+        plan_fingerprint(output.fingerprint, plan.ownership.workers, plan.budget_bytes), plan.rounds))
+    output.resumed_rounds = start.rounds_done if start.mode == "resume" else None
     output.notes += start.notes
-    rounds_started = False
 
-    def opened(reader, writer) -> None:
-        nonlocal rounds_started
-        if leader and not start.resume:
-            write_journal(staging.tag_dir, start.plan_fingerprint, True, 0)
-        rounds_started = True
+    def place(staging: Staging) -> None:
+        remove_journal(staging)
+        publish(staging)
 
-    def journal(rounds_done: int) -> None:
-        if leader:
-            write_journal(staging.tag_dir, start.plan_fingerprint, True, rounds_done)
-
-    def publish_on_worker_0(reader, writer, finished) -> None:
-        failure = None
-        if leader:
-            try:
-                os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
-                publish(staging)
-            except Exception as error:
-                failure = error
-        check_peers(transport, failure, "publishing the output")
-
-    try:
-        execute(plan, transport,
-                open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
-                                                      trust_pickle=trust_pickle),
-                open_sink=lambda: open_writer(own.target_ranks_of(transport.rank), staging.tag_dir, start.resume),
-                opening="opening source files and creating output files", opened=opened,
-                finish=lambda reader, writer: writer.finish(), finishing="writing output files",
-                after=publish_on_worker_0, start_round=start.rounds_done,
-                durable_every_bytes=output.durable_every, on_durable=journal)
-    except BaseException as error:
-        removed = False
-        if leader:
-            removed = clean_up_after_failure(staging, lock, keep_staging=rounds_started,
-                                             remove_destination=start.created_destination)
-        if isinstance(error, OSError):
-            error = ReshardError(f"{error.filename or staging.tag_dir}: writing failed: {error.strerror or error}")
-        if isinstance(error, ReshardError):
-            error.args = (str(error) + what_was_kept(staging, rounds_started, removed),)
-            raise error from None
-        raise
-    if leader:
-        lock.release()
+    life.run(lambda: execute(
+        plan, transport,
+        open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle),
+        open_sink=lambda: open_writer(own.target_ranks_of(transport.rank), staging.tag_dir, start.skeletons),
+        opening="opening source files and creating output files", opened=lambda reader, writer: life.opened(),
+        finish=lambda reader, writer: writer.finish(), finishing="writing output files",
+        after=lambda reader, writer, finished: life.publish(transport, None, lambda _: place(staging)),
+        start_round=start.rounds_done, durable_every_bytes=output.durable_every, on_durable=life.journal))
     return transport.all_gather_object(peak_resident_bytes())
