@@ -111,7 +111,7 @@ def worker(args) -> None:
 
     import torch
 
-    from reshard.options import parse_size
+    from reshard.jobs.options import parse_size
     rank = int(os.environ["RANK"])
     os.makedirs(args.dump, exist_ok=True)
     if args.mode == "train":

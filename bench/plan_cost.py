@@ -41,7 +41,7 @@ def current_rss() -> int:
 
 def synthetic_params(count: int, seed: int = 0):
     """(ParamSpec tuple, groups): one matrix then three vectors, repeated, in model order."""
-    from reshard.layout import ParamSpec
+    from reshard.layouts.zero import ParamSpec
     rng = np.random.default_rng(seed)
     params, matrices, vectors = [], [], []
     for i in range(count):
@@ -60,7 +60,7 @@ def moe_params(count: int, hidden: int = 7168, expert_hidden: int = 2048, expert
     parameters: per layer q, k, v, o [hidden, hidden], two norms [hidden], a router
     [experts, hidden], then per expert w1, w3 [expert_hidden, hidden] and w2 [hidden, expert_hidden].
     Group 0: matrices (decay), group 1: norms. 100k parameters are ~130 layers, ~1.4e12 elements."""
-    from reshard.layout import ParamSpec
+    from reshard.layouts.zero import ParamSpec
     params, matrices, vectors = [], [], []
     layer = 0
     while len(params) < count:
@@ -84,7 +84,7 @@ class SyntheticSpec:
     experts = None
 
     def __init__(self, stage: int, params, groups, source: int):
-        from reshard.plan import Stream
+        from reshard.planning.plan import Stream
         from reshard.topology import Topology
         self.stage, self.params, self.groups, self.topology = stage, params, groups, Topology(source)
         self.streams = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4),
@@ -92,7 +92,7 @@ class SyntheticSpec:
         self.frozen = ()
 
     def layout(self, world):
-        from reshard.layout import zero3_layout, zero12_layout
+        from reshard.layouts.zero import zero3_layout, zero12_layout
         world = getattr(world, "dp", world)
         return zero3_layout(self.params, self.groups, world) if self.stage == 3 else \
             zero12_layout(self.params, self.groups, world)
@@ -102,7 +102,7 @@ def megatron_splits(params):
     """AutoTP-like splits of the synthetic model: matrices alternate column-parallel (dim 0, as
     qkv and fc1) and row-parallel (dim 1, as o and fc2); the first vector after a column matrix
     is its bias (column), the others are replicated (norms, a row-parallel layer's bias)."""
-    from reshard.layout_tensor import REPLICATED, TensorSplit
+    from reshard.layouts.tensor_parallel import REPLICATED, TensorSplit
     splits, column_next, previous = [], True, None
     for p in params:
         if len(p.shape) == 2:
@@ -120,8 +120,8 @@ class TensorParallelSyntheticSpec(SyntheticSpec):
     group; the model-states module tensors are the same parameters (as AutoTP's lp weights)."""
 
     def __init__(self, params, groups, source: int, tp: int):
-        from reshard.layout_tensor import TensorParallelParams, TensorParallelSpec
-        from reshard.plan import Stream
+        from reshard.layouts.tensor_parallel import TensorParallelParams, TensorParallelSpec
+        from reshard.planning.plan import Stream
         from reshard.topology import Topology
         super().__init__(2, params, groups, source)
         self.topology = Topology(dp=source // tp, tp=tp)
@@ -132,7 +132,7 @@ class TensorParallelSyntheticSpec(SyntheticSpec):
         self.local_params = {}
 
     def layout(self, world, tp=None, tp_rank=0):
-        from reshard.layout import ParamSpec, zero12_layout
+        from reshard.layouts.zero import ParamSpec, zero12_layout
         key = (self.topology.tp if tp is None else tp, tp_rank)
         if key not in self.local_params:  # memoised as CheckpointSpec.local_params
             shapes = self.tensor.params.local_shapes(*key)
@@ -145,7 +145,7 @@ class ExpertSyntheticSpec(SyntheticSpec):
     group (`moe: True`), experts placed over `ep` expert-parallel ranks."""
 
     def __init__(self, params, groups, source: int, ep: int):
-        from reshard.expert_layout import ExpertParams
+        from reshard.layouts.experts import ExpertParams
         from reshard.topology import Topology
         super().__init__(2, params, groups, source)
         self.topology = Topology(dp=source, ep=ep)
@@ -164,7 +164,7 @@ class ExpertSyntheticSpec(SyntheticSpec):
         self.experts = ExpertParams((False,) * len(dense) + (True,), tuple(counts), tuple(layers), tuple(expert_of))
 
     def layout(self, world):
-        from reshard.expert_layout import expert_zero12_layout
+        from reshard.layouts.experts import expert_zero12_layout
         return expert_zero12_layout(self.params, self.groups, self.experts, world)
 
 
@@ -184,7 +184,7 @@ def run_case(stage: int, count: int, source: int, target: int, workers: int, bud
     """Time and measure one worker's planning in this process: the plan every worker derives
     (`plan_reshard`), then that worker's blocks round by round, as the exchange asks for them.
     Rounds stop after `round_seconds`; the rest is projected from the mean round."""
-    from reshard.checkpoint_plan import plan_reshard
+    from reshard.planning.checkpoint_plan import plan_reshard
     from reshard.topology import Topology
     spec = make_spec(model, stage, count, source, tp, ep)
     params = spec.params

@@ -15,7 +15,7 @@ nothing is ever held whole. Files are written tensor by tensor in chunks of CHUN
 the resident memory stays at a few chunks whatever N and the model size.
 
 Little here restates DeepSpeed. The world-size dependent parts come from reshard itself:
-the layout rules (`CheckpointSpec.layout`, reshard/layout.py), the per-rank trees with their
+the layout rules (`CheckpointSpec.layout`, reshard/layouts/zero.py), the per-rank trees with their
 metadata (`deepspeed_target.target_files`: partition_count, group_paddings,
 param_alignment_paddings, param_slice_mappings, param_shapes, ZeRO-3 sub-groups and frozen
 fragments, dp_world_size) and the skeleton writer (`torch_archive.materialize`,
@@ -151,8 +151,8 @@ def model_params(cfg: ModelConfig) -> ModelParams:
 def checkpoint_spec(params: ModelParams, stage: int, ranks: int):
     """The CheckpointSpec reshard's inspection finds in such a checkpoint (fp32 AdamW, no reorder)."""
     from reshard.formats.deepspeed_spec import CheckpointSpec
-    from reshard.layout import DEFAULT_SUB_GROUP_SIZE, ParamSpec
-    from reshard.plan import Stream
+    from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, ParamSpec
+    from reshard.planning.plan import Stream
     from reshard.topology import Topology
     streams = tuple(Stream(name, "float32", 4) for name in ("fp32", "exp_avg", "exp_avg_sq"))
     frozen = tuple(ParamSpec(n, s) for n, s in params.frozen) if stage == 3 else ()
@@ -265,7 +265,7 @@ class RankFiller:
         order = np.lexsort((pieces.start, pieces.buffer, pieces.rank))
         keys = pieces.rank[order] * (1 << 32) + pieces.buffer[order]
         self._order, self._keys = order, keys
-        from reshard.layout import logical_bases
+        from reshard.layouts.zero import logical_bases
         self.bases = logical_bases([p.numel for p in spec.params])
         self.bytes_written = 0
 
@@ -275,7 +275,7 @@ class RankFiller:
         return self._order[lo:hi]
 
     def _write(self, fd: int, offset: int, stream: str, param: int, start: int, count: int) -> None:
-        from reshard.byte_io import pwrite_exact
+        from reshard.files.byte_io import pwrite_exact
         for first in range(0, count, CHUNK):
             n = min(CHUNK, count - first)
             data = known_values(self.seed, stream, param, start + first, n)

@@ -15,6 +15,6 @@ __all__ = ["reshard_checkpoint", "ReshardError", "CheckpointError", "Unsupported
 
 def reshard_checkpoint(source, destination, target_dp, **options):
     """Reshard `source` for `target_dp` data-parallel ranks (and `target_tp=T` tensor-parallel ranks,
-    AutoTP checkpoints; default the source's) into `destination`; see reshard.job."""
-    from reshard.job import reshard_checkpoint as run
+    AutoTP checkpoints; default the source's) into `destination`; see reshard.jobs.collective_job."""
+    from reshard.jobs.collective_job import reshard_checkpoint as run
     return run(source, destination, target_dp, **options)

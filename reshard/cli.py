@@ -5,7 +5,7 @@
     python -m reshard /ckpt/run1 /ckpt/run1-dp3 --target-dp 3 --dry-run
     python -m reshard --config configs/example.yaml
     python -m reshard verify DST [--against SRC]       # see reshard.verify
-    python -m reshard SRC DST --target-dp M --array-task I --array-tasks K   # see reshard.array_job
+    python -m reshard SRC DST --target-dp M --array-task I --array-tasks K   # see reshard.jobs.array_job
     python -m reshard publish DST                      # publish a finished array job
     python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
     python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
@@ -14,7 +14,7 @@
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
 Under torchrun every worker exits with that status, but a refusal is printed once, by worker 0:
-the workers agree on every failure (reshard.collective), so worker 0's message names it, also
+the workers agree on every failure (reshard.transport.collective), so worker 0's message names it, also
 when another worker is the one that failed.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import os
 import sys
 
 from reshard.errors import OptionError, ReshardError
-from reshard.options import ReshardOptions, field_docs, parse_size
-from reshard.results import process_started
+from reshard.jobs.options import ReshardOptions, field_docs, parse_size
+from reshard.jobs.results import process_started
 from reshard.transport import is_first_worker
 from reshard.transport.forked import WorkerLost
 
@@ -226,7 +226,7 @@ def export_main(argv: list[str]) -> int:
 
 
 def publish_main(argv: list[str]) -> int:
-    from reshard.array_job import publish_main as publish
+    from reshard.jobs.array_job import publish_main as publish
     return publish(argv)
 
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise OptionError("--workers starts its own worker processes: run it without torchrun, or drop it")
             from reshard.local_workers import run_local_workers
             return run_local_workers(options, started)
-        from reshard.job import run_job
+        from reshard.jobs.collective_job import run_job
         result = run_job(options, started=started)
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")

@@ -44,12 +44,12 @@ import time
 import numpy as np
 import torch
 
-from reshard.checkpoint_plan import plan_reshard
-from reshard.collective import on_rank0
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.transport.collective import on_rank0
 from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.errors import ReshardError, UnsupportedCheckpoint
-from reshard.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
-from reshard.execute import execute
+from reshard.formats.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
+from reshard.jobs.execute import execute
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import differing_client_state
@@ -58,7 +58,7 @@ from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
 from reshard.formats.torch_archive import TensorRef, check_archive, leaves_in_order, materialize, refs_in
 from reshard.formats.torch_allowlist import allowed_globals
-from reshard.source_reader import SourceReader
+from reshard.formats.source_reader import SourceReader
 from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
 
@@ -280,7 +280,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         named_states,
         stage_model_name,
     )
-    from reshard.resources import human
+    from reshard.files.resources import human
     pp, dp = _engine_pipeline(engine)
     stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
     model_path = source.model_path(0)
@@ -459,7 +459,7 @@ def _load_through_staging(engine, source: SourceCheckpoint, transport, budget: i
     """Reshard into a temporary directory (never inside the source), load it, remove it."""
     import socket
 
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     hosts = set(transport.all_gather_object(socket.gethostname()))
     if staging_dir is None and len(hosts) > 1:
         raise ReshardError("ZeRO-3 with load_optimizer_states=False reshards through disk: pass staging_dir=, a "

@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.batch_config import batch_config_problem
+from reshard.jobs.batch_config import batch_config_problem
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import client_state_keys
@@ -242,7 +242,7 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
         notes.append("round_robin_gradients: the flat order depends on the dp size; reshard recomputes it")
     formats = list(EXPORT_FORMATS)
     if source.spec.tensor is not None:
-        from reshard.layout_tensor import describe_splits
+        from reshard.layouts.tensor_parallel import describe_splits
         formats = []  # the exports do not read tensor-parallel checkpoints yet
         notes.append(f"tensor parallel (AutoTP, tp={source.spec.topology.tp}): --target-tp T reshards to any TP size "
                      "whose split dimensions give every rank a shard")

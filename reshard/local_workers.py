@@ -11,7 +11,7 @@ need it (reshard.formats.torch_archive decides that at inspection). `--transport
 the earlier way: the W processes join a gloo group through a FileStore in a private temporary
 directory. Either way they run the same job as under torchrun, and the parent (worker 0) waits
 for the others. A worker that fails makes its peers fail at the next agreement point (see
-reshard.collective), or at the latest when `--timeout` runs out; a worker killed outright
+reshard.transport.collective), or at the latest when `--timeout` runs out; a worker killed outright
 closes its connections, which its peers see at once.
 
 Forking is safe here because nothing has started a thread or a process group yet: this runs
@@ -68,7 +68,7 @@ def _reap(children: list[int], patience: float | None):
 
 def run_local_workers(options, started: float | None) -> int:
     """Run the job of `options` with `options.workers` forked processes; return the exit status."""
-    from reshard.job import run_job
+    from reshard.jobs.collective_job import run_job
     from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
     workers = options.workers

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reshard import save_dir_files
-from reshard.byte_io import hash_range, pread_exact
-from reshard.checkpoint_plan import plan_reshard
-from reshard.collective import on_rank0
+from reshard.jobs import save_dir_files
+from reshard.files.byte_io import hash_range, pread_exact
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.transport.collective import on_rank0
 from reshard.errors import CheckpointError
-from reshard.execute import execute
+from reshard.jobs.execute import execute
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import (
     inspect_checkpoint,
@@ -40,8 +40,8 @@ from reshard.formats.torch_archive import (
     map_leaves,
 )
 from reshard.formats.torch_classes import as_stand_in
-from reshard.manifest import Manifest
-from reshard.source_reader import SourceReader
+from reshard.jobs.manifest import Manifest
+from reshard.formats.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
 MAX_REPORTED = 50

@@ -3,7 +3,7 @@
     for index, src_elements, dst_elements in segment_elements(space.segments):
         target[dst_elements] = source[src_elements]
 
-Written from the definition in `reshard.strided_runs` (element e of a strided segment sits at
+Written from the definition in `reshard.layouts.strided_runs` (element e of a strided segment sits at
 offset - col + ((col + e) // width) * stride + (col + e) % width), element by element, so it
 checks the planner's vectorised arithmetic rather than reusing it.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reshard.plan import blocks_by_peer
+from reshard.planning.plan import blocks_by_peer
 
 
 def reference_blocks(space, ownership, worker: int) -> tuple[dict, dict]:

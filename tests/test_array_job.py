@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from test_plan import STREAMS, cases
 from trained import REPO, reshard_cli, tree_files
 
-from reshard.array_job import ArrayFile, deal_files, restrict_to_files
+from reshard.jobs.array_job import ArrayFile, deal_files, restrict_to_files
 from reshard.errors import OptionError
-from reshard.layout import buffer_numels
-from reshard.options import ReshardOptions
-from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.layouts.zero import buffer_numels
+from reshard.jobs.options import ReshardOptions
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 
 VARIANT, N, M, K = "z3_bf16", 2, 4, 3
 ENTRY = REPO / "tests" / "entry" / "array_task.py"
@@ -67,7 +67,7 @@ def test_shares_restrict_the_plan_to_disjoint_parts_that_cover_it(case, tasks, r
 
 def test_a_share_missing_some_states_of_a_buffer_is_refused():
     from reshard.errors import ReshardError
-    from reshard.layout import ParamSpec, zero12_layout
+    from reshard.layouts.zero import ParamSpec, zero12_layout
     layout = zero12_layout((ParamSpec("w", (10,)),), [(0,)], 2)
     one = Ownership(2, 2, 1)
     space = plan_space("optim", layout.pieces, layout.pieces, STREAMS[:2], buffer_numels(layout), one, 1 << 20)
@@ -187,8 +187,8 @@ def test_tasks_finishing_together_publish_exactly_once(trained, tmp_path, monkey
     """Every file done, then three publishers at the same instant: one moves the tag and writes `latest`."""
     import threading
 
-    import reshard.array_job as array_job
-    from reshard.job import run_job
+    import reshard.jobs.array_job as array_job
+    from reshard.jobs.collective_job import run_job
     source, _ = trained(VARIANT, N)
     destination = tmp_path / "dst"
     monkeypatch.setattr(array_job, "publish_ready", lambda *args, **kwargs: [])
@@ -223,7 +223,7 @@ def test_array_tasks_carry_save_directory_and_tag_files_like_the_collective_job(
 
     from trained import reshard_in_threads
 
-    from reshard.job import run_job
+    from reshard.jobs.collective_job import run_job
     original, _ = trained(VARIANT, N)
     source = tmp_path / "src"
     shutil.copytree(original, source)

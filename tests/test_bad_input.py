@@ -25,7 +25,7 @@ import pytest
 import torch
 from trained import reshard_cli, reshard_in_process, reshard_in_threads, reshard_with_torchrun, tree_state
 
-from reshard.byte_io import hash_file
+from reshard.files.byte_io import hash_file
 
 pytestmark = pytest.mark.e2e
 

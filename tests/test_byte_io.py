@@ -1,4 +1,4 @@
-"""Byte I/O across filesystems and hashing in bounded windows (reshard.byte_io).
+"""Byte I/O across filesystems and hashing in bounded windows (reshard.files.byte_io).
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_byte_io.py
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from reshard import byte_io
-from reshard.byte_io import copy_bytes, hash_file
+from reshard.files import byte_io
+from reshard.files.byte_io import copy_bytes, hash_file
 from reshard.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_hashing_a_large_file_keeps_resident_memory_to_a_window(tmp_path):
         for _ in range(256):
             out.write(block)
     script = textwrap.dedent(f"""
-        from reshard.byte_io import hash_file
+        from reshard.files.byte_io import hash_file
         def hwm():
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) * 1024
         before = hwm()

@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_chunked_plan.py
 
-The table plan (`reshard.plan.plan_space` over full piece tables) is the reference: the
+The table plan (`reshard.planning.plan.plan_space` over full piece tables) is the reference: the
 chunked plan must move the same elements to the same places (simulated exchange), report the
 same per-worker traffic, stay within its round bound, and do it at thousands of ranks in
 seconds (metadata only).
@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan import STREAMS, expected_targets, simulate
 
-from reshard.checkpoint_plan import plan_reshard
-from reshard.chunked_plan import ChunkedSide, plan_chunked_space
-from reshard.layout import ParamSpec, buffer_numels, frozen_pieces, logical_bases, zero3_chunk, zero3_layout
-from reshard.plan import Ownership, ReshardPlan, Stream, plan_space, round_cap
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
+from reshard.layouts.zero import ParamSpec, buffer_numels, frozen_pieces, logical_bases, zero3_chunk, zero3_layout
+from reshard.planning.plan import Ownership, ReshardPlan, Stream, plan_space, round_cap
 from reshard.topology import Topology
 
 

@@ -12,8 +12,8 @@ import pytest
 from trained import reshard_cli, reshard_in_threads
 
 from reshard.errors import OptionError
-from reshard.options import ReshardOptions, parse_size
-from reshard.results import PHASES
+from reshard.jobs.options import ReshardOptions, parse_size
+from reshard.jobs.results import PHASES
 
 
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("4G", 4 << 30), ("1.5G", int(1.5 * (1 << 30))),
@@ -65,7 +65,7 @@ def test_flags_are_made_from_the_options_fields():
     import dataclasses
 
     from reshard.cli import build_parser, options_from_args
-    from reshard.options import field_docs
+    from reshard.jobs.options import field_docs
     parser = build_parser()
     fields = [field.name for field in dataclasses.fields(ReshardOptions)]
     assert sorted(action.dest for action in parser._actions if action.dest != "help") == sorted(fields + ["config"])

@@ -65,7 +65,7 @@ def test_stand_ins_repickle_byte_for_byte_and_load_as_deepspeed_classes():
 @pytest.mark.e2e
 def test_inspecting_and_writing_a_checkpoint_does_not_import_deepspeed(trained, tmp_path):
     source, _ = trained("z1_fp16", 2)
-    code = ("import sys; from reshard.job import reshard_checkpoint; "
+    code = ("import sys; from reshard.jobs.collective_job import reshard_checkpoint; "
             f"reshard_checkpoint({str(source)!r}, {str(tmp_path / 'dst')!r}, 3, quiet=True); "
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if m.startswith('deepspeed'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

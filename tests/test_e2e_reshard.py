@@ -153,7 +153,7 @@ def test_output_is_byte_identical_whatever_the_workers_and_budget(trained, tmp_p
 
 
 def test_source_checkpoint_is_untouched(trained, tmp_path):
-    from reshard.byte_io import hash_file
+    from reshard.files.byte_io import hash_file
     source, _ = trained("z2_fp16", 3)
     before = {p: (p.stat().st_mtime_ns, hash_file(str(p))) for p in source.rglob("*") if p.is_file()}
     reshard_in_threads(source, tmp_path / "dst", 2, 2)

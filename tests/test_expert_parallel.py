@@ -28,10 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import CheckpointError, OptionError, TopologyError, UnsupportedCheckpoint
-from reshard.expert_layout import ExpertParams, expert_placement_lines, expert_zero12_layout
-from reshard.expert_placement import ExpertPlacement, expert_name_parts, with_expert_index
-from reshard.layout import ParamSpec, buffer_numels
-from reshard.plan import Ownership, Stream, plan_space
+from reshard.layouts.experts import ExpertParams, expert_placement_lines, expert_zero12_layout
+from reshard.layouts.expert_placement import ExpertPlacement, expert_name_parts, with_expert_index
+from reshard.layouts.zero import ParamSpec, buffer_numels
+from reshard.planning.plan import Ownership, Stream, plan_space
 from reshard.topology import Topology
 
 SLOT = ".deepspeed_moe.experts.deepspeed_experts."
@@ -216,7 +216,7 @@ EXPERT_SHAPES = [(9, 7), (9,), (7, 9), (7,)]  # fc1.weight, fc1.bias, fc2.weight
 
 
 def test_zero0_counts_from_shapes_and_holes():
-    from reshard.zero0_expert_groups import solve_per_expert_counts
+    from reshard.layouts.zero0_expert_groups import solve_per_expert_counts
     decay = [(9, 7), (7, 9)] * 4  # 2 layers x 2 local experts, the matrices of each
     assert solve_per_expert_counts(decay, [EXPERT_SHAPES] * 2, [2, 2]) == (2, 2)
     holes = list(decay)
@@ -232,7 +232,7 @@ def test_zero0_counts_from_shapes_and_holes():
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=3), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
 def test_zero0_group_order_moves_each_parameter_to_its_experts_place(counts, source_ep, target_ep):
-    from reshard.zero0_expert_groups import GroupOrder
+    from reshard.layouts.zero0_expert_groups import GroupOrder
     order = GroupOrder(tuple(counts), (4,) * len(counts))
     source = {(e, p): entry for e in range(source_ep) for p, entry in enumerate(order.entries(source_ep, e))}
     assert all(len(order.entries(source_ep, e)) == order.length(source_ep) for e in range(source_ep))
@@ -247,7 +247,7 @@ def test_zero0_group_order_moves_each_parameter_to_its_experts_place(counts, sou
 
 
 def test_file_shares_split_whole_files_over_workers():
-    from reshard.file_shares import file_shares
+    from reshard.planning.file_shares import file_shares
     sizes = {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt": 1000 + e for layer in range(2) for e in range(8)}
     sizes["metrics.json"] = 5
     for workers in (1, 2, 3, 5, 40):
@@ -450,7 +450,7 @@ def test_moe_identity_and_round_trip_reproduce_the_source(moe_trained, tmp_path)
 
 @pytest.mark.e2e
 def test_moe_refusals_name_the_file(moe_trained, tmp_path):
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     source, _ = moe_trained("moe_z2_fp32", 2, 2)
     model = str(source / "global_step3" / "mp_rank_00_model_states.pt")
     with pytest.raises(OptionError, match="ep=3 does not divide") as error:  # 4 experts over 3 EP ranks
@@ -479,7 +479,7 @@ def test_moe_refusals_name_the_file(moe_trained, tmp_path):
 
 @pytest.mark.e2e
 def test_target_ep_needs_experts(trained, tmp_path):
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     source, _ = trained("z2_fp32", 2)
     with pytest.raises(OptionError, match="has no experts"):
         reshard_checkpoint(str(source), str(tmp_path / "x"), 2, target_ep=2, quiet=True)
@@ -590,7 +590,7 @@ def test_autoep_layers_read_retarget_and_refuse():
 def test_autoep_zero3_layout_and_plan(old, new, sub_group_size):
     """AutoEP ZeRO-3: each fused tensor is chunked over its EP rank's expert-data-parallel group,
     every element has one holder, and a plan between two topologies moves each to its place."""
-    from reshard.expert_layout import expert_zero3_layout
+    from reshard.layouts.experts import expert_zero3_layout
     params, groups, experts = synthetic_autoep(2, 8)
     layouts = [expert_zero3_layout(params, groups, experts, Topology(dp=dp, ep=ep), sub_group_size) for dp, ep in (old, new)]
     total = sum(p.numel for p in params)
@@ -616,7 +616,7 @@ def test_autoep_zero3_layout_and_plan(old, new, sub_group_size):
 
 def test_autoep_zero3_partition_groups_as_deepspeed_wrote_them():
     """ds_zero_partition_groups of rank 2 of a dp=4, ep=2 AutoEP ZeRO-3 save (DeepSpeed 0.19.8, CPU)."""
-    from reshard.expert_layout import expert_zero3_layout
+    from reshard.layouts.experts import expert_zero3_layout
     params, groups, experts = synthetic_autoep(2, 4)
     layout = expert_zero3_layout(params, groups, experts, Topology(dp=4, ep=2), 10 ** 9)
     assert layout.partition_groups(2, "ep_size_2") == [
@@ -701,7 +701,7 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
 def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     """ep2 -> ep1 -> ep2 and ep2 -> ep4 -> ep2 give back DeepSpeed's own optimizer files (every key,
     name and element; the model states too); the dry run shows the placement and writes nothing."""
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     from reshard_proof.bitwise import compare_trees
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     for ep, world in ((1, 2), (4, 4)):
@@ -811,7 +811,7 @@ def test_unknown_folding_and_unmarked_tp_experts_are_refused_naming_the_file(tmp
     parallelism) is refused from its `folding` metadata, naming the model file and the sizes;
     without that metadata, expert files of a TP rank above 0 are refused by name. Never the
     misleading "old layout" message that an mp_rank_01 expert file used to get."""
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     tag = tmp_path / "src" / "global_step2"
     tag.mkdir(parents=True)
     (tmp_path / "src" / "latest").write_text("global_step2")
@@ -859,7 +859,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
     from trained import reshard_cli, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     from reshard_proof.launch import run_torchrun
     from reshard.topology import Topology
     save, truth = tmp_path / "folded", tmp_path / "folded.truth.pt"
@@ -908,7 +908,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
 def test_unfolded_autoep_with_layer_specs_reshards_to_folded(tmp_path):
     """AutoEP at tp 1 whose ds_config carries AutoTP layer specs (world 2, ep 2) -> folded tp2 ep2
     world 4, loaded with plain `engine.load_checkpoint`, every value equal to the truth."""
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     from reshard_proof.launch import run_torchrun
     save, truth = tmp_path / "plain", tmp_path / "plain.truth.pt"
     run_torchrun("reshard_proof.folded_tp_ep", 2, ["--stage", "2", "--tp", "1", "--ep", "2", "--save-dir", save,
@@ -923,7 +923,7 @@ def test_folded_tp_ep_zero3_reshards(tmp_path):
     `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
     unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
     every value equal to the truth; and in-job at tp2 ep2 world 2."""
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     from reshard_proof.launch import run_torchrun
     save, truth = tmp_path / "z3", tmp_path / "z3.truth.pt"
     run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,

@@ -20,7 +20,7 @@ import pytest
 from hf_runs import read_report, run_entry
 from trained import REPO, reshard_in_threads, reshard_with_torchrun
 
-from reshard.save_dir_files import list_save_dir_files
+from reshard.jobs.save_dir_files import list_save_dir_files
 
 pytestmark = pytest.mark.e2e
 STAGE = {"z2": ["--stage", "2"], "z3_bf16": ["--stage", "3", "--bf16"]}

@@ -132,11 +132,11 @@ def test_no_private_name_crosses_a_module():
 def test_private_name_check_sees_a_crossing(tmp_path):
     """The check above can fail: a crafted module taking a private name is reported."""
     (tmp_path / "reshard").mkdir()
-    (tmp_path / "reshard" / "a.py").write_text("from reshard.job import _preflight\n"
+    (tmp_path / "reshard" / "a.py").write_text("from reshard.jobs.collective_job import _preflight\n"
                                                "from reshard.formats import torch_zip as zip_\n"
                                                "x = zip_._read\n")
     assert set(private_names_crossing(tmp_path / "reshard")) == {
-        ("reshard/a.py", "reshard.job._preflight"), ("reshard/a.py", "reshard.formats.torch_zip._read")}
+        ("reshard/a.py", "reshard.jobs.collective_job._preflight"), ("reshard/a.py", "reshard.formats.torch_zip._read")}
 
 
 def private_names_crossing(package: pathlib.Path):

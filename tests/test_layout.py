@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.layout import (
+from reshard.layouts.zero import (
     ParamSpec,
     frozen_pieces,
     logical_bases,

@@ -1,4 +1,4 @@
-"""The one lifecycle (reshard.lifecycle), alone: one worker over a LocalTransport, no checkpoint.
+"""The one lifecycle (reshard.jobs.lifecycle), alone: one worker over a LocalTransport, no checkpoint.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_lifecycle.py
 
@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from reshard.destination import STAGING
+from reshard.jobs.destination import STAGING
 from reshard.errors import OptionError, ReshardError
-from reshard.lifecycle import (
+from reshard.jobs.lifecycle import (
     EXPORT,
     RESHARD,
     JobOutput,
@@ -22,8 +22,8 @@ from reshard.lifecycle import (
     destination_names,
     publish_tag_dir,
 )
-from reshard.lock import LOCK_NAME
-from reshard.manifest import JOURNAL_NAME, Manifest, read_journal
+from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal
 from reshard.transport.local import LocalTransport
 
 
@@ -44,7 +44,7 @@ def _write_and_publish(life: Lifecycle, transport, rounds: int = 4):
 
 
 def _hash(path):
-    from reshard.byte_io import hash_file
+    from reshard.files.byte_io import hash_file
     return hash_file(path)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reshard.resources import PeakAnonymousMemory, anonymous_rss_bytes
+from reshard.files.resources import PeakAnonymousMemory, anonymous_rss_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_peak_resident_memory_is_the_workers_own_not_its_launchers():
     """A launcher that holds 256 MiB starts a worker (fork + exec, as torchrun's agent does): the
     worker's peak RSS is its own VmHWM; ru_maxrss carries the launcher's pages over the exec."""
     held = np.ones(256 << 20, dtype=np.uint8)  # noqa: F841  (resident in this launcher at the fork)
-    code = ("import resource; from reshard.resources import peak_resident_bytes; "
+    code = ("import resource; from reshard.files.resources import peak_resident_bytes; "
             "print(peak_resident_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -19,8 +19,8 @@ import sys
 import pytest
 from trained import REPO, reshard_cli
 
-from reshard.destination import STAGING, stale_staging_notes
-from reshard.manifest import JOURNAL_NAME
+from reshard.jobs.destination import STAGING, stale_staging_notes
+from reshard.jobs.manifest import JOURNAL_NAME
 
 VARIANT, N = "z2_fp32", 2
 

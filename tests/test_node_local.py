@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from test_plan import STREAMS, expected_targets, simulate
 from trained import reshard_in_threads, tree_state
 
-from reshard.chunked_plan import ChunkedSide, plan_chunked_space
+from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.errors import CheckpointError, OptionError
-from reshard.layout import ParamSpec, buffer_numels, logical_bases, zero3_layout, zero12_layout
-from reshard.node_local import WorkerView, agreed_tag, model_states_ranks, node_leaders, node_local_ownership
-from reshard.plan import Ownership, ReshardPlan, plan_space, round_cap
+from reshard.layouts.zero import ParamSpec, buffer_numels, logical_bases, zero3_layout, zero12_layout
+from reshard.jobs.node_local import WorkerView, agreed_tag, model_states_ranks, node_leaders, node_local_ownership
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space, round_cap
 from reshard_proof.launch import check_checkpoint, launch_torchrun_nodes, run_torchrun_nodes, train_checkpoint
 
 VARIANT = "z2_node_local"
@@ -81,7 +81,7 @@ def test_tag_model_writers_and_leaders():
     (dict(node_local=True, target_ranks_per_node=2, all_tags=True), "does not combine"),
 ])
 def test_node_local_options_are_checked(options, problem):
-    from reshard.options import ReshardOptions
+    from reshard.jobs.options import ReshardOptions
     with pytest.raises(OptionError, match=problem):
         ReshardOptions(source="/a", destination="/b", target_dp=4, **options).validate()
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from test_chunked_plan import chunked_optim, zero3_cases
 from test_plan import STREAMS, cases
 
-from reshard.layout import buffer_numels
-from reshard.plan import ReshardPlan, plan_space
+from reshard.layouts.zero import buffer_numels
+from reshard.planning.plan import ReshardPlan, plan_space
 from reshard.transport import _choose
 from reshard.transport.nodes import NodeLayout, NodesTransport
 from reshard.transport.same_host import join_workers_on_this_host

@@ -229,7 +229,7 @@ def test_a_destination_without_space_is_refused_before_writing(world, monkeypatc
             result = reshard_cli(world["src"], dst, "--target-dp", "3")
             message = _refused(result, f"no space left on {dst}", "needed about", "free", "nothing was written")
         else:
-            import reshard.resources as resources
+            import reshard.files.resources as resources
             monkeypatch.setattr(resources, "free_bytes", lambda path: 40 << 10)
             from reshard.errors import OptionError
             with pytest.raises(OptionError) as refused:
@@ -253,7 +253,7 @@ def test_a_disk_that_fills_while_skeletons_are_written_says_what_was_kept(world,
 
     import reshard.formats.torch_pickle as torch_pickle
     import reshard.formats.torch_zip as torch_zip
-    import reshard.resources as resources
+    import reshard.files.resources as resources
     saves = {"count": 0}
 
     def full_after_one():

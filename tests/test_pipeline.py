@@ -19,8 +19,8 @@ import pytest
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
-from reshard.options import ReshardOptions
-from reshard.pipeline_job import stages_written_by, target_topology
+from reshard.jobs.options import ReshardOptions
+from reshard.jobs.pipeline_job import stages_written_by, target_topology
 
 HARNESS = "tests.pipeline_run"  # run as `-m tests.pipeline_run` from the repository root
 
@@ -130,7 +130,7 @@ def test_partitions_equal_deepspeeds_own():
 
     from deepspeed.runtime import utils as ds_utils
 
-    from reshard.pipeline_layout import partition_balanced, partition_uniform
+    from reshard.layouts.pipeline import partition_balanced, partition_uniform
     rng = random.Random(5)
     for _ in range(300):
         n, parts = rng.randint(0, 12), rng.randint(1, 6)
@@ -141,7 +141,7 @@ def test_partitions_equal_deepspeeds_own():
 
 
 def test_stage_names_list_tied_modules_first_then_layers_in_order():
-    from reshard.pipeline_layout import PipelineLayers, stage_bounds, stage_names
+    from reshard.layouts.pipeline import PipelineLayers, stage_bounds, stage_names
     numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,
               "4.weight": 24, "4.bias": 24, "5.weight": 576, "5.bias": 24}
     layers = PipelineLayers(7, {"embed": (0, 6)})
@@ -240,7 +240,7 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
 
 
 def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
-    from reshard.pipeline_job import check_budget
+    from reshard.jobs.pipeline_job import check_budget
     from reshard.topology import Topology
     stages = (PipelineStage(0, (("tied_modules.embed.weight", "1.weight"),), ((100, 300),)),
               PipelineStage(1, (("tied_modules.embed.weight", "2.weight"),), ((100, 100),)))

@@ -3,7 +3,7 @@
     python -m pytest tests/test_plan.py -q
 
 The exchange is simulated in memory: buffers of each source rank are filled with each
-element's logical id, every worker packs its sends exactly as `reshard.exchange` does, the
+element's logical id, every worker packs its sends exactly as `reshard.transport.exchange` does, the
 all-to-all is a dictionary, and the target buffers must then hold the ids the target layout
 says they should.
 """
@@ -13,9 +13,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.exchange import _counts, _walk
+from reshard.transport.exchange import _counts, _walk
 from table_rounds_reference import assert_lazy_rounds_match
-from reshard.layout import (
+from reshard.layouts.zero import (
     ParamSpec,
     buffer_numels,
     frozen_pieces,
@@ -23,7 +23,7 @@ from reshard.layout import (
     zero3_layout,
     zero12_layout,
 )
-from reshard.plan import (
+from reshard.planning.plan import (
     Ownership,
     ReshardPlan,
     Stream,

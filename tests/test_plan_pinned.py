@@ -15,11 +15,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from reshard.checkpoint_plan import plan_reshard
+from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.formats.deepspeed_spec import CheckpointSpec
-from reshard.layout import ParamSpec
-from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorParallelSpec, TensorSplit
-from reshard.plan import Stream
+from reshard.layouts.zero import ParamSpec
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorParallelSpec, TensorSplit
+from reshard.planning.plan import Stream
 from reshard.topology import Topology
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("exp_avg_sq", "float32", 4))

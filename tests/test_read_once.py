@@ -2,12 +2,12 @@
 
     python -m pytest -q tests/test_read_once.py          # seconds
 
-`reshard.read_once` is checked against its definition on random runs (overlapping, nested,
+`reshard.transport.read_once` is checked against its definition on random runs (overlapping, nested,
 repeated, several slots) after a random previous round: the send buffer it fills equals one
 pread per run, and an element is read once, and not at all when the previous round packed
 it. Then a synthetic TP 2 -> 3 ZeRO-2 layout with replicated parameters (a row-parallel
 weight's bias, a norm) is planned and run through the real exchange
-(`reshard.exchange.run_rounds`) on worker threads, in one round and in many: the plan keeps
+(`reshard.transport.exchange.run_rounds`) on worker threads, in one round and in many: the plan keeps
 one copy per target TP rank, yet every source element (replicated ones included) is read
 exactly once, only from source TP rank 0 for replicated ones, the reader's byte count is
 exactly the distinct bytes, and every target element is written once, from the element with
@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.exchange import run_rounds
-from reshard.layout import buffer_numels
-from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit
-from reshard.plan import Ownership, ReshardPlan, plan_space
-from reshard.read_once import reads_and_copies
+from reshard.transport.exchange import run_rounds
+from reshard.layouts.zero import buffer_numels
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorSplit
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space
+from reshard.transport.read_once import reads_and_copies
 from reshard.topology import Topology
 from test_strided import STREAMS, _Arrays, _buffers, _layout, _space
 from threaded_transport import run_workers

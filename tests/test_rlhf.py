@@ -91,8 +91,8 @@ def test_in_job_resume(ppo_run, tmp_path, m):
 def test_array_tasks_convert_the_whole_run(ppo_run, tmp_path):
     """SLURM array mode over the run directory: 2 tasks share 6 checkpoints' files (actor and critic,
     every tag), run out of order; the result equals the collective job's byte for byte."""
-    from reshard.job import run_job
-    from reshard.options import ReshardOptions
+    from reshard.jobs.collective_job import run_job
+    from reshard.jobs.options import ReshardOptions
     ckpt, _ = ppo_run
     expected = tmp_path / "collective"
     reshard_in_threads(ckpt, expected, 3, 2, all_tags=True)

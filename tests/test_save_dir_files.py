@@ -12,9 +12,9 @@ import sys
 import pytest
 from trained import REPO
 
-from reshard.batch_config import batch_config_problem, batch_recomputing_launcher, batch_size_warning
+from reshard.jobs.batch_config import batch_config_problem, batch_recomputing_launcher, batch_size_warning
 from reshard.errors import ReshardError
-from reshard.save_dir_files import list_save_dir_files, per_rank_rng_notes
+from reshard.jobs.save_dir_files import list_save_dir_files, per_rank_rng_notes
 
 HF_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 
@@ -118,7 +118,7 @@ def test_per_rank_client_state_is_reported(trained, tmp_path):
 
 def test_staged_files_are_published_inside_dst_only(tmp_path):
     from reshard.errors import OptionError
-    from reshard.save_dir_files import publish, stage, staging_dir
+    from reshard.jobs.save_dir_files import publish, stage, staging_dir
     source, destination = tmp_path / "src", tmp_path / "dst"
     (source / "tokenizer").mkdir(parents=True)
     (source / "trainer_state.json").write_text("{}")

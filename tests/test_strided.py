@@ -2,12 +2,12 @@
 
     python -m pytest -q tests/test_strided.py          # seconds
 
-`reshard.strided_runs` is checked element by element against its definition. Then synthetic
+`reshard.layouts.strided_runs` is checked element by element against its definition. Then synthetic
 tensor-parallel ZeRO-1/2 layouts: random shapes (2-D and 3-D), each parameter split on a
 random dimension (an inner one: strided) or replicated, random column-block grids on both
 sides (uneven, any block widths), random dp, W and budget. Each (source rank, buffer) is
 filled with the logical identity (parameter, global row-major index) of every element; the
-plan's rounds are run through the real exchange (`reshard.exchange.run_rounds`, W worker
+plan's rounds are run through the real exchange (`reshard.transport.exchange.run_rounds`, W worker
 threads) into target buffers, and every target element must be written exactly once, from
 the element with the same identity; each source element is read once per round that packs
 it and not the round before (a replicated one: once in all when its target TP copies are in
@@ -23,13 +23,13 @@ import numpy as np
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from reshard.exchange import run_rounds
-from reshard.layout import ParamSpec, buffer_numels, zero12_layout
-from reshard.layout_tensor import TensorParallelParams, TensorSplit, REPLICATED
-from reshard.local_to_global import ShardGrid
-from reshard.plan import Ownership, ReshardPlan, Stream, plan_space, round_cap
-from reshard.strided_runs import CONTIGUOUS, advance, first_at_or_after, row_runs, split_at_windows
-from reshard.tensor_pieces import GlobalSpace, zero12_pieces
+from reshard.transport.exchange import run_rounds
+from reshard.layouts.zero import ParamSpec, buffer_numels, zero12_layout
+from reshard.layouts.tensor_parallel import TensorParallelParams, TensorSplit, REPLICATED
+from reshard.layouts.local_to_global import ShardGrid
+from reshard.planning.plan import Ownership, ReshardPlan, Stream, plan_space, round_cap
+from reshard.layouts.strided_runs import CONTIGUOUS, advance, first_at_or_after, row_runs, split_at_windows
+from reshard.layouts.tensor_pieces import GlobalSpace, zero12_pieces
 from reshard.topology import Topology
 from strided_check import segment_elements
 from table_rounds_reference import assert_lazy_rounds_match
@@ -242,7 +242,7 @@ def test_strided_plan_moves_every_element_once_through_the_exchange(model):
         copies = target.tp if source.coordinates(rank).tp == 0 else 0
         assert np.all(reads[is_replicated] <= copies), (rank, buffer)
         # a replicated element is read once per stretch of consecutive rounds packing its copies
-        # (reshard.read_once: from the source, then from this round's or the previous round's buffer)
+        # (reshard.transport.read_once: from the source, then from this round's or the previous round's buffer)
         assert np.array_equal(reads, [sum(r - 1 not in rounds for r in rounds)
                                       for rounds in rounds_reading[(rank, buffer)]]), (rank, buffer)
 

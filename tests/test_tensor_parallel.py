@@ -27,12 +27,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.boxes import Box
-from reshard.layout import ParamSpec, zero3_layout, zero12_layout
-from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
-from reshard.local_to_global import box_runs
-from reshard.plan import intersect
-from reshard.tensor_pieces import GlobalSpace, module_pieces, replicated, zero3_frozen_pieces, zero12_pieces
+from reshard.layouts.boxes import Box
+from reshard.layouts.zero import ParamSpec, zero3_layout, zero12_layout
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorSplit, affine_map, shard_sizes
+from reshard.layouts.local_to_global import box_runs
+from reshard.planning.plan import intersect
+from reshard.layouts.tensor_pieces import GlobalSpace, module_pieces, replicated, zero3_frozen_pieces, zero12_pieces
 from reshard.topology import Topology
 from strided_check import segment_elements
 
@@ -561,7 +561,7 @@ def test_dry_run_and_refusals(autotp, tmp_path):
 def test_options_carry_target_tp(tmp_path):
     from reshard.cli import build_parser, options_from_args
     from reshard.errors import OptionError
-    from reshard.options import ReshardOptions
+    from reshard.jobs.options import ReshardOptions
     args = build_parser().parse_args(["a", "b", "--target-dp", "2", "--target-tp", "3"])
     opts = options_from_args(args)
     assert opts.target_tp == 3 and opts.target_for(Topology(dp=4, tp=2)) == Topology(dp=2, tp=3)

@@ -9,7 +9,7 @@ from trained import reshard_cli
 
 from reshard.errors import OptionError, TopologyError
 from reshard.formats.deepspeed_schema import model_file_name_of, optim_file_name_of
-from reshard.options import ReshardOptions
+from reshard.jobs.options import ReshardOptions
 from reshard.topology import Topology
 
 
@@ -65,7 +65,7 @@ def test_dry_run_prints_both_topologies(trained, tmp_path):
 
 def test_dry_run_summary_prints_each_note_once():
     """A dry run's summary lists the notes (MoE placement, TP splits) once, above the traffic table."""
-    from reshard.results import CheckpointResult
+    from reshard.jobs.results import CheckpointResult
     note = "MoE layer 0 (4 experts) at ep=2: EP rank 0: experts 0-1, EP rank 1: experts 2-3"
     result = CheckpointResult("src", "dst", "global_step3", "ZeRO-2 float32", Topology(dp=2), Topology(dp=4, ep=2),
                               2, "gloo", 0, 0.0, True, None, notes=[note])

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from reshard.checkpoint_plan import plan_reshard
-from reshard.expert_layout import ExpertParams
-from reshard.layout import ParamSpec, zero12_layout
-from reshard.layout_tensor import REPLICATED, TensorParallelParams, TensorParallelSpec, TensorSplit
-from reshard.plan import Stream
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.layouts.experts import ExpertParams
+from reshard.layouts.zero import ParamSpec, zero12_layout
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorParallelSpec, TensorSplit
+from reshard.planning.plan import Stream
 from reshard.topology import Topology
 
 STREAMS = (Stream("fp32", "float32", 4), Stream("exp_avg", "float32", 4), Stream("exp_avg_sq", "float32", 4))
@@ -105,7 +105,7 @@ class _ExpertSpec:
         self.params, self.groups, self.experts, self.topology = params, groups, experts, topology
 
     def layout(self, topology):
-        from reshard.expert_layout import expert_zero12_layout
+        from reshard.layouts.experts import expert_zero12_layout
         return expert_zero12_layout(self.params, self.groups, self.experts, topology)
 
 
@@ -155,11 +155,11 @@ def test_table_rounds_are_cut_per_worker_and_round_not_up_front(monkeypatch):
     windows: ~2,000 rounds of 8,192 window parts each (1.7e7 segments) if cut up front. Planning
     cuts nothing (`cut_at_windows` is never called); a worker cuts its own rounds one by one and
     they add up to its traffic."""
-    import reshard.plan
+    import reshard.planning.plan
 
     def cut_up_front(*args):
         raise AssertionError("the whole plan was cut")
-    monkeypatch.setattr(reshard.plan, "cut_at_windows", cut_up_front)
+    monkeypatch.setattr(reshard.planning.plan, "cut_at_windows", cut_up_front)
     params = tuple(ParamSpec(f"w{i}", (1 << 13, 1 << 13)) for i in range(16))
     spec = _DataParallelSpec(params, Topology(dp=4096))
     budget = 3 * 12 * 1024 * 64

@@ -51,7 +51,7 @@ def no_torch(tmp_path_factory) -> Path:
 
 
 def test_the_command_imports_no_torch(no_torch):
-    done = _run("-c", "import sys, reshard.cli, reshard.job, reshard.local_workers, reshard.transport.forked; "
+    done = _run("-c", "import sys, reshard.cli, reshard.jobs.collective_job, reshard.local_workers, reshard.transport.forked; "
                       "print('torch' in sys.modules)", blocked=no_torch)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 

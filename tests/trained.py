@@ -62,7 +62,7 @@ def reshard_in_threads(source, destination, target_dp: int, workers: int, **opti
     """The whole job with `workers` workers as threads of this process (no torchrun)."""
     from threaded_transport import run_workers
 
-    from reshard.job import reshard_checkpoint
+    from reshard.jobs.collective_job import reshard_checkpoint
     options.setdefault("quiet", True)
     return run_workers(workers, lambda t: reshard_checkpoint(str(source), str(destination), target_dp,
                                                              transport=t, **options))[0]
@@ -190,7 +190,7 @@ def tree_files(root) -> dict[str, bytes]:
 def tree_state(root, skip=None) -> dict:
     """Relative path -> BLAKE3 (files), "dir" or "link -> target" below `root`, leaving out `skip`:
     what a test compares before and after to prove that nothing outside DST changed or appeared."""
-    from reshard.byte_io import hash_file
+    from reshard.files.byte_io import hash_file
     root = Path(root)
     skip = None if skip is None else Path(skip)
     found = {}

@@ -36,7 +36,7 @@ import numpy as np
 from reshard.errors import UnsupportedCheckpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import TensorRef, dtype_of
-from reshard.layout import PieceTable, logical_bases
+from reshard.layouts.zero import PieceTable, logical_bases
 
 # safetensors dtype codes (safetensors/src/tensor.rs `Dtype`), by torch dtype name.
 SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",

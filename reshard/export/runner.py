@@ -1,15 +1,15 @@
-"""What every export runs on every worker: the one lifecycle (`reshard.lifecycle`: lock, staging,
-journal, resume, atomic publish) around the one skeleton (`reshard.execute`).
+"""What every export runs on every worker: the one lifecycle (`reshard.jobs.lifecycle`: lock, staging,
+journal, resume, atomic publish) around the one skeleton (`reshard.jobs.execute`).
 
     from reshard.export.runner import ExportOutput, run_export
     output = ExportOutput(destination, tag, fingerprint, overwrite)
     run_export(transport, source, plan, output, open_writer=lambda files, staged, reuse: MyWriter(...),
                publish=lambda staging: staging.publish_files(last="index.json"), trust_pickle=False)
 
-1. worker 0 takes OUT's lock (`reshard.lock`) and either finds the staging of an interrupted
+1. worker 0 takes OUT's lock (`reshard.jobs.lock`) and either finds the staging of an interrupted
    run of this same export (same source, options, workers and budget: its journal,
-   `reshard.manifest`) and resumes it, or creates a fresh OUT/.reshard-staging/TAG
-   (`reshard.destination.Staging`); every worker learns which;
+   `reshard.jobs.manifest`) and resumes it, or creates a fresh OUT/.reshard-staging/TAG
+   (`reshard.jobs.destination.Staging`); every worker learns which;
 2. each worker opens (and validates) the source rank files it reads and lets `open_writer`
    create (or, resuming, reopen) the output files it owns (`plan.ownership` target ranks) in
    the staging directory; all agree on success; worker 0 journals that the files exist;
@@ -28,15 +28,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from reshard.destination import Staging
-from reshard.execute import execute
+from reshard.jobs.destination import Staging
+from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.lifecycle import EXPORT, JobOutput, Lifecycle, remove_journal
-from reshard.lock import LOCK_NAME
-from reshard.manifest import plan_fingerprint
-from reshard.plan import ReshardPlan
-from reshard.resources import peak_resident_bytes
-from reshard.source_reader import SourceReader
+from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, remove_journal
+from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.manifest import plan_fingerprint
+from reshard.planning.plan import ReshardPlan
+from reshard.files.resources import peak_resident_bytes
+from reshard.formats.source_reader import SourceReader
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ExportOutput:
     tag: str
     """The source tag: names the staging directory OUT/.reshard-staging/TAG."""
     fingerprint: str
-    """`reshard.manifest.export_fingerprint` of the source and the export's options."""
+    """`reshard.jobs.manifest.export_fingerprint` of the source and the export's options."""
     overwrite: bool = False
     durable_every: int = 1 << 30
     """Bytes moved (all workers together) between the journal's resume points."""

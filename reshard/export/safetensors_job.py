@@ -6,7 +6,7 @@
     from reshard.export import export_safetensors
     result = export_safetensors("/ckpt/run1", "/models/run1-hf", dtype="bf16")
 
-Steps, and which workers run them (the same skeleton as a reshard job, `reshard.job`):
+Steps, and which workers run them (the same skeleton as a reshard job, `reshard.jobs.collective_job`):
 1. worker 0 inspects the source (pickles only) and checks OUT; every worker receives it;
 2. every worker derives the same layout (`hf_layout`) and plan: the output files are the
    target "ranks", each tensor of a file a target buffer, so `plan_space` and `run_rounds`
@@ -28,8 +28,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from reshard.collective import on_rank0
-from reshard.destination import STAGING, Staging, check_empty, check_paths
+from reshard.transport.collective import on_rank0
+from reshard.jobs.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import OptionError
 from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
@@ -37,9 +37,9 @@ from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.lock import LOCK_NAME
-from reshard.manifest import export_fingerprint
-from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.manifest import export_fingerprint
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.byte_io import pread_exact, pwrite_exact
+from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
 from reshard.formats.torch_archive import dtype_of
-from reshard.paths import confined, open_new_file
+from reshard.files.paths import confined, open_new_file
 
 
 def _cast(data: memoryview, source_dtype: str, target_dtype: str) -> memoryview:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard.byte_io import pwrite_exact
-from reshard.collective import on_rank0
-from reshard.destination import STAGING, Staging, check_empty, check_paths
+from reshard.files.byte_io import pwrite_exact
+from reshard.transport.collective import on_rank0
+from reshard.jobs.destination import STAGING, Staging, check_empty, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
 from reshard.export.runner import ExportOutput, run_export
@@ -48,10 +48,10 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
-from reshard.lock import LOCK_NAME
-from reshard.manifest import export_fingerprint
-from reshard.paths import confined, tag_problem
-from reshard.plan import Ownership, ReshardPlan, plan_space
+from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.manifest import export_fingerprint
+from reshard.files.paths import confined, tag_problem
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
 LATEST_UNIVERSAL = "latest_universal"

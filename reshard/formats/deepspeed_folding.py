@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from reshard.errors import CheckpointError
-from reshard.expert_placement import ExpertPlacement
+from reshard.layouts.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_schema as schema
 from reshard.topology import Topology
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from reshard.byte_io import pread_exact
+from reshard.files.byte_io import pread_exact
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats import deepspeed_tensor
@@ -35,15 +35,15 @@ from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
     itemsize,
 )
-from reshard.expert_layout import ExpertParams
-from reshard.expert_placement import expert_name_parts
+from reshard.layouts.experts import ExpertParams
+from reshard.layouts.expert_placement import expert_name_parts
 from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
 from reshard.formats.torch_archive import (
     TensorRef,
     load_portable,
     refs_in,
 )
-from reshard.layout import (
+from reshard.layouts.zero import (
     DEFAULT_SUB_GROUP_SIZE,
     ParamSpec,
     buffer_numels,
@@ -51,8 +51,8 @@ from reshard.layout import (
     undo_round_robin,
     zero3_chunk,
 )
-from reshard.paths import check_tag
-from reshard.plan import Stream
+from reshard.files.paths import check_tag
+from reshard.planning.plan import Stream
 from reshard.topology import Topology
 
 OPT = schema.OPTIM
@@ -88,7 +88,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     memory (default: only under ZeRO-3, where every target rank needs them; the ZeRO-1/2
     model file is copied file to file by one worker instead). `read_tensors=False` reads
     no tensor bytes at all (a dry run): `carried` stays empty. `node_local`: this directory is
-    one node's part of the checkpoint (reshard.node_local), so other ranks' files may be missing
+    one node's part of the checkpoint (reshard.jobs.node_local), so other ranks' files may be missing
     here; the job checks that every file is on some node.
     """
     save_dir = os.path.abspath(os.fspath(save_dir))
@@ -308,7 +308,7 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
         if role.kind == "expert" and (schema.expert_file_mp_rank(name) or 0) > 0:
             continue  # refused by _refuse_tensor_and_expert_parallel, which reads the model file first
         if role.kind == "expert" and not schema.expert_file_index(name):
-            if name.startswith("expp_rank_"):  # reshard.zero0_job reshards these, offline only
+            if name.startswith("expp_rank_"):  # reshard.jobs.zero0_job reshards these, offline only
                 raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is the expert optimizer file of a ZeRO-0 "
                                                                          "MoE checkpoint; the offline job and "
                                                                          "reshard.deepspeed.load_checkpoint reshard it, "
@@ -318,7 +318,7 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
         if role.kind == "pipeline":
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; only the "
-                                                                     "offline job (python -m reshard, reshard.pipeline_job) "
+                                                                     "offline job (python -m reshard, reshard.jobs.pipeline_job) "
                                                                      "reshards pipeline checkpoints so far")
 
 
@@ -481,7 +481,7 @@ def _global_expert_groups(names_per_group: list, expert_groups: list[bool], laye
 def _global_autoep_groups(names_per_group: list, expert_groups: list[bool], layers, path: str, n: int, tp: int = 1):
     """The source ep and, per param group, its parameters under GLOBAL names: each fused AutoEP
     weight `{prefix}w1 [n_local, ...]` becomes its experts' slices `{prefix}w1.{G}`, G = 0..E-1,
-    in place (reshard.expert_layout)."""
+    in place (reshard.layouts.experts)."""
     num_experts, prefixes, _ = layers
     layer_of = {prefix: layer for layer, prefix in enumerate(prefixes)}
     local_counts, result = set(), []

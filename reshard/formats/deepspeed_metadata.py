@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard.layout import buffer_numels
+from reshard.layouts.zero import buffer_numels
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class RankMetadata:
 
 def _merged(mappings: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """Adjacent fragments of one local parameter as one: AutoEP's fused expert tensor is several
-    logical parameters (reshard.expert_layout) that DeepSpeed maps as one. Names are otherwise
+    logical parameters (reshard.layouts.experts) that DeepSpeed maps as one. Names are otherwise
     unique, so this changes nothing else."""
     out: list[tuple[str, int, int]] = []
     for name, numel, start in mappings:
@@ -69,7 +69,7 @@ def _local_paddings(layout, rank: int, group) -> list[int]:
 def rank_metadata(spec, layout, rank: int) -> RankMetadata:
     """The metadata of rank `rank` of `layout` (a ZeRO layout of `spec` at some world size)."""
     sizes = buffer_numels(layout)
-    if hasattr(layout, "sub_groups"):  # ZeRO-3, AutoEP's too (reshard.expert_layout.ExpertZero3Layout)
+    if hasattr(layout, "sub_groups"):  # ZeRO-3, AutoEP's too (reshard.layouts.experts.ExpertZero3Layout)
         ids = [[i for i, sg in enumerate(layout.sub_groups) if sg.group == g] for g in range(len(spec.groups))]
         groups = (layout.partition_groups(rank, f"ep_size_{layout.topology.ep}")
                   if hasattr(layout, "partition_groups") else None)

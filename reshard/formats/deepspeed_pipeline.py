@@ -24,13 +24,13 @@ ZeRO-1 re-cut per stage, with the layer files unchanged; that is what this modul
 
 Changing the number of stages needs what the checkpoint does not record: the layer count
 (trailing layers without a state_dict, and a TiedLayerSpec with a `forward_fn`, leave no file) and
-the positions of the tied layers; the caller gives them (reshard.pipeline_layout.PipelineLayers),
+the positions of the tied layers; the caller gives them (reshard.layouts.pipeline.PipelineLayers),
 they are checked against the source's own stage assignment, and `write_repartitioned_stage`
 rebuilds each target stage from every parameter's full fp32 master and optimizer states
 (one param group, no buffers, no shared parameters).
 
 This is the whole-tensor path: a stage's optimizer files are loaded whole (memory-mapped), one
-stage at a time per worker; it is not the bounded-memory round exchange of reshard.job.
+stage at a time per worker; it is not the bounded-memory round exchange of reshard.jobs.collective_job.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.layout import Zero12Group, zero12_group
+from reshard.layouts.zero import Zero12Group, zero12_group
 
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
 _STAGE_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -291,7 +291,7 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
 
     Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
     2 * dp, `partition_size`, `groups_padding`; `_create_param_mapping`) through
-    reshard.layout's Zero12Group. Tensors of the base optimizer's state whose size equals the
+    reshard.layouts.zero's Zero12Group. Tensors of the base optimizer's state whose size equals the
     partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
     groups = len(names)
     new = [zero12_group(range(len(numels[g])), numels[g], target_dp) for g in range(groups)]
@@ -387,7 +387,7 @@ def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -
     """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
     `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
     its files hold."""
-    from reshard.pipeline_layout import stage_bounds, stage_names
+    from reshard.layouts.pipeline import stage_bounds, stage_names
     numels = source_numels(source)
     # The target's method may be explicit boundaries, or differ from the one the source was saved
     # with: the layer list passes if any DeepSpeed method reproduces every source stage.
@@ -435,7 +435,7 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
 
     import torch
 
-    from reshard.pipeline_layout import stage_bounds, stage_names
+    from reshard.layouts.pipeline import stage_bounds, stage_names
     numels = source_numels(source)
     shapes = {name: shape for spec in source.stages for name, shape in zip(spec.names[0], spec.shapes[0])}
     bounds = stage_bounds(method, layers, numels, target_pp)

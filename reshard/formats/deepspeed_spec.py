@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.expert_layout import (
+from reshard.layouts.experts import (
     ExpertParams,
     ExpertZero3Layout,
     ExpertZero12Layout,
@@ -25,7 +25,7 @@ from reshard.expert_layout import (
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.torch_archive import dtype_of
 from reshard.formats.torch_classes import ITEMSIZE
-from reshard.layout import (
+from reshard.layouts.zero import (
     ParamSpec,
     PieceTable,
     Stream,
@@ -36,7 +36,7 @@ from reshard.layout import (
     zero3_layout,
     zero12_layout,
 )
-from reshard.layout_tensor import TensorParallelSpec
+from reshard.layouts.tensor_parallel import TensorParallelSpec
 from reshard.topology import Topology
 
 

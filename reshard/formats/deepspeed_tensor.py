@@ -14,7 +14,7 @@ lists (row-parallel weights on dim 1, replicated whole, vocabulary-parallel on d
 mapped parameter column-parallel on dim 0, as `LinearLayer` cuts it; a parameter of fused
 sub-parameters over its affine map's logical view, each sub-parameter cut on its own, its
 `sub_param_shard_widths`), and its shard shapes at the source TP size are checked against the
-rule reshard writes targets with (`reshard.layout_tensor.shard_sizes`), so a split sized some
+rule reshard writes targets with (`reshard.layouts.tensor_parallel.shard_sizes`), so a split sized some
 other way is refused rather than misread. A tied alias of a trainable module tensor
 (`shared_params`, e.g. a vocabulary-parallel `lm_head.weight` tied to `embed.weight`) is the
 same view of the same storage in every TP rank's file; the target writes it as its owner's tensor.
@@ -26,8 +26,8 @@ import re
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats.torch_archive import TensorRef, refs_in
-from reshard.layout import ParamSpec
-from reshard.layout_tensor import (
+from reshard.layouts.zero import ParamSpec
+from reshard.layouts.tensor_parallel import (
     REPLICATED,
     TensorParallelParams,
     TensorParallelSpec,

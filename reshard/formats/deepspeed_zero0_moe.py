@@ -22,7 +22,7 @@ The state_dict is torch's: `state` {param index: {step, exp_avg, ...}} and `para
 whose `params` list the indices group by group; FP16_UnfusedOptimizer wraps it as
 `optimizer_state_dict` beside `fp32_groups` (one fp32 master per parameter) and its loss-scale
 scalars. Whole tensors per parameter, nothing partitioned: the target's files are the source's
-tensors regrouped (reshard.zero0_expert_groups), saved with torch.save.
+tensors regrouped (reshard.layouts.zero0_expert_groups), saved with torch.save.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
-from reshard.expert_placement import ExpertPlacement
+from reshard.layouts.expert_placement import ExpertPlacement
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
@@ -40,7 +40,7 @@ from reshard.formats.deepspeed_rank_values import compare, describe, refuse
 from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import TensorRef, check_archive, load_portable
 from reshard.topology import Topology
-from reshard.zero0_expert_groups import GroupOrder, solve_per_expert_counts
+from reshard.layouts.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
 _EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 INNER = "optimizer_state_dict"  # fp16/unfused_optimizer.py `state_dict`

@@ -13,6 +13,9 @@ all run on one host (`same_host.py`: they meet over abstract Unix sockets, then 
 memory as forked workers, no torch), torchrun workers on several nodes (`nodes.py`: shared memory
 inside each node, torch.distributed between one leader per node), or one worker alone
 (`local.py`). Only the torch.distributed transport and the node leaders import torch.
+
+The exchange that runs a plan's rounds over a transport lives here too (`exchange`, with
+`read_once`, `collective` for agreement, `failpoints` for tests): below the jobs, above formats/.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ build `ForkedLinks` from what they hold.
 Objects (agreement, reports) travel pickled over the socket pairs, sent and received at once
 through a selector so that large ones cannot deadlock. A peer that dies closes its sockets:
 every worker waiting on it raises WorkerLost at once, naming it; one that hangs makes the
-others raise after `timeout_seconds`. Failures the job handles go through reshard.collective
+others raise after `timeout_seconds`. Failures the job handles go through reshard.transport.collective
 as with every transport.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ForkedLinks:
     def create(cls, workers: int) -> "ForkedLinks":
         import math
 
-        from reshard.resources import SPARE_FILE_HANDLES, ensure_open_files, open_file_limit
+        from reshard.files.resources import SPARE_FILE_HANDLES, ensure_open_files, open_file_limit
         # Until the fork, this one process holds every socket pair's two ends and every memfd:
         # W * (W - 1) + W = W * W files, however few each worker keeps afterwards.
         limit = open_file_limit()

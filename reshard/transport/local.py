@@ -3,7 +3,7 @@
     from reshard.transport.local import LocalTransport
     run_rounds(plan, LocalTransport(), reader, writer)   # a plan for one worker, no collectives
 
-Used when no launcher started several workers, and by SLURM array tasks (reshard.array_job),
+Used when no launcher started several workers, and by SLURM array tasks (reshard.jobs.array_job),
 each of which runs its share of the plan alone.
 """
 from __future__ import annotations

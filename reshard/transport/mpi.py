@@ -13,7 +13,7 @@ ever. A watchdog thread therefore times every collective: when one waits longer 
 which ends every process of the job; mpiexec exits with status 3. An exception that nothing
 handles (a bug on one worker, which its peers cannot know about) aborts the job the same way,
 with status 1, rather than leaving them waiting.
-Failures the job does handle go through `reshard.collective` as with torch.distributed:
+Failures the job does handle go through `reshard.transport.collective` as with torch.distributed:
 every worker learns of them at the same point and exits with the CLI's status.
 """
 from __future__ import annotations

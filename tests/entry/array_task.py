@@ -10,7 +10,7 @@ import sys
 
 from reshard.cli import build_parser, options_from_args
 from reshard.errors import ReshardError
-from reshard.job import run_job
+from reshard.jobs.collective_job import run_job
 
 
 def main() -> int:

@@ -1,0 +1,527 @@
+"""SLURM array jobs: K independent tasks, no collectives; each writes a fixed share of the target files.
+
+    python -m reshard SRC DST --target-dp 64 --array-task 3 --array-tasks 8    # task 3 of 8
+    sbatch --array=0-7 launch/slurm-array.sbatch SRC DST --target-dp 64
+    python -m reshard publish DST                                             # see publish_ready
+
+Every task inspects the source and derives the same assignment (pure, deterministic,
+`deal_files`): the target files of every checkpoint, and the other files of each source tag
+directory, are dealt out by size, largest first, each to the least-loaded task, so that tasks
+get about equal bytes and no two tasks write the same file. A task then runs the reshard plan
+for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
+exactly the source byte ranges those need and writes them in place, through the same
+exchange code as a collective job but over a LocalTransport, so no other process is involved.
+
+Bookkeeping sits beside the staging tag directory, in DST/.reshard-staging/TAG.array/:
+`record.json` (what the set is: output fingerprint, K, every file and its owner, the manifest
+fields; written once, by whichever task comes first, and compared by every later one),
+`done/NAME.json` (NAME is complete and fsynced: its size and BLAKE3), `task-I/.reshard.lock`
+(one live run per task). Tasks may run at any time, in any order, on any hosts that see SRC
+and DST, one after another or at once, and may be retried: a retried task redoes the files it
+had not finished (resume is per file).
+
+After its own files, each task publishes every checkpoint of its destinations whose files are
+all done (`publish_ready`), holding the destination lock, so that exactly one process moves a
+tag directory into place, writes its manifest, and writes `latest`, last, once every tag of
+that destination is in place.
+"""
+from __future__ import annotations
+
+import glob
+import heapq
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.parse
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.jobs import save_dir_files
+from reshard.files.byte_io import hash_file
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.jobs.destination import (
+    ARRAY_DONE,
+    ARRAY_RECORD,
+    ARRAY_SUFFIX,
+    STAGING,
+    Staging,
+    check_empty,
+    check_paths,
+    stale_staging_notes,
+    write_latest,
+)
+from reshard.errors import OptionError, ReshardError
+from reshard.jobs.execute import execute
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_schema import LATEST
+from reshard.formats.deepspeed_spec import (
+    SourceCheckpoint,
+    refuse_experts,
+    refuse_tensor_parallel,
+)
+from reshard.formats.deepspeed_target import target_files
+from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
+from reshard.jobs.lifecycle import (
+    already_complete_note,
+    destination_names,
+    earlier_output_is_complete,
+    publish_tag_dir,
+)
+from reshard.jobs.lock import DestinationLock
+from reshard.jobs.manifest import (
+    JOURNAL_NAME,
+    Manifest,
+    manifest_source_entry,
+    output_fingerprint,
+    source_identity,
+    write_json_atomically,
+)
+from reshard.jobs.options import ReshardOptions
+from reshard.files.paths import confined
+from reshard.planning.plan import ReshardPlan
+from reshard.jobs.preflight import (
+    ZERO3_RANK_IDENTITY_NOTE,
+    outputs_of,
+    preflight,
+    target_topology,
+)
+from reshard.files.resources import (
+    anonymous_rss_bytes,
+    check_free_space,
+    ensure_open_files,
+    peak_resident_bytes,
+)
+from reshard.jobs.results import CheckpointResult, ReshardResult, WorkerReport
+from reshard.jobs.runs import Unit, discover_units
+from reshard.formats.source_reader import SourceReader
+from reshard.formats.target_writer import TargetWriter, WriteFailed
+from reshard.topology import Topology
+from reshard.transport.local import LocalTransport
+from reshard.version import __version__
+
+SAVE_DIR_FILES = save_dir_files.STAGED
+"""The item standing for every file of the save directory beside DeepSpeed's (reshard.jobs.save_dir_files)."""
+RECORD_NAME = ARRAY_RECORD
+DONE_DIR = ARRAY_DONE
+
+
+@dataclass(frozen=True)
+class ArrayFile:
+    """One file of the output set: a target file, or a file copied from the source tag directory."""
+
+    unit: int
+    """Index of its checkpoint in the job's units (reshard.jobs.runs.discover_units order)."""
+    name: str
+    nbytes: int
+    """Tensor bytes it holds (target file) or its size (copied file): what balancing weighs."""
+    rank: int | None
+    """Target rank whose file it is; None for a file copied from the source tag directory."""
+
+
+def deal_files(files: list[ArrayFile], tasks: int) -> list[int]:
+    """Owner task of each file: largest first, each to the least-loaded task (ties: the lower task)."""
+    order = sorted(range(len(files)), key=lambda i: (-files[i].nbytes, files[i].unit, files[i].name))
+    loads = [(0, task) for task in range(tasks)]
+    owners = [0] * len(files)
+    for i in order:
+        load, task = heapq.heappop(loads)
+        owners[i] = task
+        heapq.heappush(loads, (load + files[i].nbytes, task))
+    return owners
+
+
+def _tensor_bytes(tree) -> int:
+    seen, total = set(), 0
+    for ref in refs_in(tree):
+        if isinstance(ref, NewTensor):
+            total += ref.numel * dtype_of(ref.dtype).itemsize
+        elif isinstance(ref, TensorRef) and ref.storage_key not in seen:
+            seen.add(ref.storage_key)
+            total += ref.storage_nbytes
+    return total
+
+
+def files_of(unit_index: int, source: SourceCheckpoint, target: Topology, carried=()) -> list[ArrayFile]:
+    """Every file of one checkpoint's output, weighed; `carried` (save-directory files) count as one item."""
+    files = [ArrayFile(unit_index, file.name, _tensor_bytes(file.tree), rank)
+             for rank in range(target.dp) for file in target_files(source, target, rank)]
+    files += [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
+              for name in sorted(source.other_files)]
+    if carried:
+        files.append(ArrayFile(unit_index, SAVE_DIR_FILES,
+                               sum(os.path.getsize(os.path.join(source.save_dir, name)) for name in carried), None))
+    return files
+
+
+def restrict_to_files(plan: ReshardPlan, locations) -> ReshardPlan:
+    """`plan` (for one worker) keeping only the segments whose target buffers `locations` holds.
+
+    `locations` are a TargetWriter's keys, (rank, (space, buffer, stream)); every stream of a
+    kept buffer must be there (DeepSpeed keeps a buffer's states in one file)."""
+    streams_of = defaultdict(set)
+    for rank, (space, buffer, stream) in locations:
+        streams_of[(space, rank, buffer)].add(stream)
+    spaces = []
+    for space in plan.spaces:
+        keys = [(rank, buffer) for (name, rank, buffer), streams in streams_of.items() if name == space.name]
+        for rank, buffer in keys:
+            missing = {s.name for s in space.streams} - streams_of[(space.name, rank, buffer)]
+            if missing:
+                raise ReshardError(f"target rank {rank}: states {sorted(missing)} of {space.name} buffer {buffer} "
+                                   "are in another file; array tasks cannot split them")
+        seg = space.table
+        width = int(seg.dst_buffer.max()) + 1 if len(seg) else 1
+        wanted = np.asarray([rank * width + buffer for rank, buffer in keys if buffer < width], dtype=np.int64)
+        keep = np.isin(seg.dst_rank * width + seg.dst_buffer, wanted)
+        spaces.append(space.restricted(keep))
+    return ReshardPlan(plan.ownership, tuple(spaces), plan.budget_bytes)
+
+
+def _array_dir(destination: str, tag: str) -> str:
+    return os.path.join(destination, STAGING, tag + ARRAY_SUFFIX)
+
+
+def _done_path(array_dir: str, name: str) -> str:
+    """The marker of file `name` (a relative path for files in sub-directories of the tag directory)."""
+    return os.path.join(array_dir, DONE_DIR, urllib.parse.quote(name, safe="") + ".json")
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as fd:
+            return json.load(fd)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise ReshardError(f"{path}: unreadable (not JSON); remove it and re-run") from None
+
+
+def _write_record_once(path: str, record: dict) -> None:
+    """Write `record` unless a task got there first; then it must describe the same set."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as fd:
+        json.dump(record, fd, indent=1, sort_keys=True)
+        fd.flush()
+        os.fsync(fd.fileno())
+    try:
+        os.link(temporary, path)  # atomic and exclusive: exactly one task's record wins
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(temporary)
+    existing = _read_json(path)
+    for key in ("fingerprint", "tasks", "owners"):
+        if existing.get(key) != record[key]:
+            raise OptionError(f"{path}: the staging there belongs to another array job ({key} differs: "
+                              f"{existing.get('tasks')} tasks, output {existing.get('fingerprint')}); run the "
+                              f"same command as its other tasks, or remove {os.path.dirname(path)} and "
+                              f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
+
+
+def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, Topology, list, list]:
+    """The source, the target topology, its save-directory files, and the notes (or refusal) of the
+    collective job's preflight."""
+    check_paths(unit.source, unit.destination)
+    source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
+    refuse_experts(source, "SLURM array mode for")
+    target = target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
+    carried = save_dir_files.list_save_dir_files(source.save_dir)
+    return source, target, carried, preflight(opts, source, carried)
+
+
+def run_array_task(opts: ReshardOptions) -> ReshardResult:
+    """Run task `opts.array_task` of `opts.array_tasks`, then publish whatever is complete."""
+    started = time.perf_counter()
+    task, tasks = opts.array_task, opts.array_tasks
+    check_paths(opts.source, opts.destination)
+    units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
+    result = ReshardResult(notes=notes)
+    inspected = [_inspect(opts, unit) for unit in units]
+    files = [f for index, (source, target, carried, _) in enumerate(inspected)
+             for f in files_of(index, source, target, carried)]
+    owners = deal_files(files, tasks)
+    for index, (unit, (source, target, carried, source_notes)) in enumerate(zip(units, inspected)):
+        mine = [f for f, owner in zip(files, owners) if f.unit == index and owner == task]
+        unit_owners = {f.name: owner for f, owner in zip(files, owners) if f.unit == index}
+        same = [u for u in units if u.destination == unit.destination]
+        place = {"destination_tags": [u.tag for u in same], "latest": next((u.latest for u in same if u.latest), None)}
+        result.checkpoints.append(_run_share(opts, unit, source, target, carried, unit_owners, mine, place))
+        result.checkpoints[-1].notes[:0] = source_notes
+    if not opts.dry_run:
+        for destination in dict.fromkeys(unit.destination for unit in units):
+            same = [unit for unit in units if unit.destination == destination]
+            latest = next((unit.latest for unit in same if unit.latest), None)
+            result.notes += publish_ready(destination, tags=[unit.tag for unit in same], latest=latest)
+            result.notes += stale_staging_notes(destination, [unit.tag for unit in same])
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology, carried: list,
+               owners: dict, mine: list, place: dict) -> CheckpointResult:
+    """This task's files of one checkpoint. `place`: every tag going to the unit's destination, and `latest`."""
+    started = time.perf_counter()
+    spec = source.spec
+    plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
+    ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
+                              target, opts.array_tasks,
+                              f"no collectives (array task {opts.array_task} of {opts.array_tasks})",
+                              plan.rounds, 0.0, opts.dry_run, plan)
+    report = WorkerReport(opts.array_task, (), ranks)
+    result.reports = [report]
+    if spec.stage == 3:
+        result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+    if opts.dry_run:
+        result.notes.append(f"task {opts.array_task} writes {len(mine)} file(s), "
+                            f"{sum(f.nbytes for f in mine)} bytes: {', '.join(f.name for f in mine) or '-'}")
+        return result
+
+    names = [n for r in range(spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                               | set(save_dir_files.manifest_names(carried)))
+    fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp)
+    final = os.path.join(unit.destination, source.tag)
+    if earlier_output_is_complete(outputs.get(source.tag), fingerprint, final):
+        result.notes.append(already_complete_note(final))
+        return result
+    check_empty(unit.destination, destination_names(outputs, carried), opts.overwrite)
+
+    staging = Staging(unit.destination, source.tag)
+    array_dir = _array_dir(unit.destination, source.tag)
+    try:
+        for directory in (staging.root, staging.tag_dir, array_dir, os.path.join(array_dir, DONE_DIR)):
+            if os.path.islink(directory):
+                raise OptionError(f"{directory}: is a symbolic link; reshard does not write through links inside "
+                                  "the destination (remove it)")
+            os.makedirs(confined(unit.destination, directory), exist_ok=True)
+    except OSError as error:
+        raise OptionError(f"{unit.destination}: cannot be created or written ({error.strerror})") from None
+    if os.path.exists(os.path.join(staging.tag_dir, JOURNAL_NAME)):
+        raise OptionError(f"{staging.tag_dir}: holds an interrupted collective job (it has a journal); re-run that "
+                          "job to resume it, or remove the directory")
+    _write_record_once(os.path.join(array_dir, RECORD_NAME), {
+        "fingerprint": fingerprint, "tasks": opts.array_tasks, "tag": source.tag, "owners": owners,
+        "source": manifest_source_entry(source, identity),
+        "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
+        "save_dir_files": carried,
+        **place})
+
+    lock = DestinationLock(os.path.join(array_dir, f"task-{opts.array_task}"))
+    lock.acquire()
+    if lock.stale_note:
+        result.notes.append(lock.stale_note)
+    try:
+        todo = [f for f in mine if not os.path.isfile(_done_path(array_dir, f.name))]
+        if len(todo) < len(mine):
+            result.notes.append(f"{len(mine) - len(todo)} of this task's {len(mine)} file(s) were already done")
+        check_free_space(unit.destination, sum(f.nbytes for f in todo))
+        try:
+            try:
+                for f in todo:
+                    if f.name == SAVE_DIR_FILES:
+                        entries = save_dir_files.stage(source.save_dir, carried,
+                                                       save_dir_files.staging_dir(staging.tag_dir), unit.destination)
+                        report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
+                        write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
+                    elif f.rank is None:
+                        staging.copy_in(source.tag_dir, [f.name])
+                        path = os.path.join(staging.tag_dir, f.name)
+                        report.bytes_carried += os.path.getsize(path)
+                        _mark_done(array_dir, f.name, path)
+                targets = [f for f in todo if f.rank is not None]
+                result.rounds = _write_targets(opts, source, target, staging.tag_dir, array_dir, targets,
+                                               report) \
+                    if targets else 0
+            except OSError as error:
+                raise WriteFailed(error.filename or staging.tag_dir, error) from None
+        except WriteFailed as error:
+            error.args = (f"{error}. The files this task finished stay marked done in {array_dir}; fix the cause "
+                          f"and re-run array task {opts.array_task} to write the rest",)
+            raise
+    finally:
+        lock.release()
+        shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
+    report.peak_rss_bytes = peak_resident_bytes()
+    report.peak_anonymous_bytes = anonymous_rss_bytes()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _plan_for_share(source: SourceCheckpoint, target: Topology, opts: ReshardOptions, locations) -> ReshardPlan:
+    """The one-worker plan, its rounds sized for the target ranks this share writes.
+
+    A round of the one-worker plan takes an equal window of every target rank's buffers; a
+    share keeps only its own ranks' parts, so the plan is made with the budget scaled by
+    M / (ranks in the share): once restricted, a round holds at most a third of the real budget."""
+    ranks = {rank for rank, _ in locations}
+    scale = target.dp / max(1, len(ranks))
+    return plan_reshard(source.spec, target, 1, int(opts.memory_budget * scale), tabulated=True)
+
+
+def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: str, array_dir: str, targets: list,
+                   report: WorkerReport) -> int:
+    """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source.
+    Returns the number of rounds that moved data."""
+    ranks = sorted({f.rank for f in targets})
+    per_rank = 2 if source.spec.stage == 3 else 1
+    ensure_open_files(per_rank * source.spec.dp_world_size + len(targets) + 1)
+    writer = TargetWriter.create(source, tag_dir, target, ranks, only={f.name for f in targets})
+    try:
+        share = restrict_to_files(_plan_for_share(source, target, opts, writer.locations), writer.locations)
+    except BaseException:
+        writer.close()
+        raise
+    source_ranks = sorted({int(r) for space in share.spaces for r in np.unique(space.table.src_rank)})
+    report.source_ranks = tuple(source_ranks)
+    # rounds with data
+    rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
+    hashes, report_read = execute(
+        share, LocalTransport(),
+        open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle),
+        open_sink=lambda: writer, opening="opening source files",
+        opened=lambda reader, sink: sink.copy_in_background(),
+        finish=lambda reader, sink: sink.finish(),  # fsync, hash and close
+        after=lambda reader, sink, hashes: (hashes, reader.bytes_read))
+    report.bytes_read += report_read
+    report.bytes_written += writer.bytes_written
+    report.bytes_carried += writer.bytes_carried
+    for name, entry in hashes.items():
+        write_json_atomically(_done_path(array_dir, name), entry)
+    return rounds
+
+
+def _mark_done(array_dir: str, name: str, path: str) -> None:
+    with open(path, "rb+") as fd:
+        os.fsync(fd.fileno())
+    write_json_atomically(_done_path(array_dir, name), {"bytes": os.path.getsize(path), "blake3": hash_file(path)})
+
+
+def _missing(record: dict, array_dir: str) -> list[str]:
+    return [name for name in sorted(record["owners"]) if not os.path.isfile(_done_path(array_dir, name))]
+
+
+def _published(destination: str, tag: str, fingerprint: str | None = None) -> bool:
+    try:
+        manifest = Manifest.read(os.path.join(destination, tag))
+    except ReshardError:
+        return False
+    return fingerprint is None or manifest.fingerprint == fingerprint
+
+
+def publish_ready(destination: str, *, tags: list[str] | None = None, latest: str | None = None,
+                  lock_wait: float = 60.0) -> list[str]:
+    """Publish every array set under `destination` whose files are all done; write `latest` last.
+
+    `tags`/`latest`: every tag this destination receives and the one `latest` names (a task
+    knows them from the source; `reshard publish DST` takes them from the records). `latest`
+    is written once all those tags are in place. Returns notes for the summary.
+    """
+    notes, ready = [], []
+    for path in sorted(glob.glob(os.path.join(glob.escape(destination), STAGING, "*" + ARRAY_SUFFIX, RECORD_NAME))):
+        record = _read_json(path)
+        if record is None:
+            continue
+        array_dir = os.path.dirname(path)
+        missing = _missing(record, array_dir)
+        if missing:
+            waiting = sorted({record["owners"][name] for name in missing})
+            notes.append(f"{os.path.join(destination, record['tag'])}: {len(missing)} of {len(record['owners'])} "
+                         f"file(s) still to write, by array task(s) {', '.join(map(str, waiting))}; not published yet")
+        else:
+            ready.append((record, array_dir))
+        if tags is None:
+            tags, latest = record.get("destination_tags"), record.get("latest")
+    if tags is None:
+        tags = []
+    needs_latest = latest is not None and not _latest_is(destination, latest)
+    if not ready and not needs_latest:
+        return notes
+    lock = DestinationLock(destination)
+    deadline = time.monotonic() + lock_wait
+    while True:
+        try:
+            lock.acquire()
+            break
+        except OptionError as error:
+            if time.monotonic() > deadline:
+                return notes + [f"not published by this task: {error}"]
+            time.sleep(0.2)
+    try:
+        if lock.stale_note:
+            notes.append(lock.stale_note)
+        for record, array_dir in ready:
+            if os.path.isdir(array_dir) and not _published(destination, record["tag"], record["fingerprint"]):
+                _publish_record(destination, record, array_dir)
+                notes.append(f"published {os.path.join(destination, record['tag'])} (this task completed the set)")
+            shutil.rmtree(confined(destination, array_dir), ignore_errors=True)
+        root = os.path.join(destination, STAGING)
+        if os.path.isdir(root) and not os.listdir(root):
+            os.rmdir(root)
+        if latest is not None and all(_published(destination, tag) for tag in tags) \
+                and not _latest_is(destination, latest):
+            write_latest(destination, latest)
+            notes.append(f"wrote {os.path.join(destination, LATEST)} -> {latest}")
+    finally:
+        lock.release()
+    return notes
+
+
+def _latest_is(destination: str, tag: str) -> bool:
+    try:
+        with open(os.path.join(destination, LATEST)) as fd:
+            return fd.read() == tag
+    except OSError:
+        return False
+
+
+def _publish_record(destination: str, record: dict, array_dir: str) -> None:
+    """Manifest from the done markers, then the tag directory into place (reshard.jobs.lifecycle.publish_tag_dir)."""
+    staging = Staging(destination, record["tag"])
+    files = {}
+    for name in record["owners"]:
+        entry = _read_json(_done_path(array_dir, name))
+        if name == SAVE_DIR_FILES:
+            files.update(entry["save_dir_files"])
+            continue
+        path = os.path.join(staging.tag_dir, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+            raise ReshardError(f"{path}: marked done with {entry['bytes']} bytes but "
+                               f"{'missing' if not os.path.isfile(path) else f'{os.path.getsize(path)} bytes'}; "
+                               f"remove {_done_path(array_dir, name)} and re-run array task {record['owners'][name]}")
+        files[name] = entry
+    staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
+    publish_tag_dir(staging, Manifest(record["fingerprint"], source=record["source"], target=record["target"],
+                                      files=files, reshard_version=__version__),
+                    None, scripts_from=record["source"]["save_dir"], carried=record.get("save_dir_files") or [])
+
+
+def publish_main(argv: list[str]) -> int:
+    """`python -m reshard publish DST`: publish DST (and its run sub-directories) where every task is done."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="reshard publish",
+                                     description="Publish the output of a finished SLURM array reshard: move each "
+                                                 "complete tag into place and write `latest` last.")
+    parser.add_argument("destination", help="DST given to the array tasks")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.destination):
+        print(f"reshard publish: error: {args.destination}: no such directory", file=sys.stderr)
+        return 2
+    places = [args.destination] + sorted(os.path.join(args.destination, name) for name in os.listdir(args.destination)
+                                         if os.path.isdir(os.path.join(args.destination, name, STAGING)))
+    pending = False
+    try:
+        for place in places:
+            for note in publish_ready(place):
+                pending |= "not published" in note
+                print(note)
+    except ReshardError as error:
+        print(f"reshard publish: error: {error}", file=sys.stderr)
+        return 2
+    return 1 if pending else 0

@@ -1,0 +1,418 @@
+"""A reshard job from start to finish, run by every worker.
+
+    from reshard import reshard_checkpoint
+    result = reshard_checkpoint("/ckpt/run1", "/ckpt/run1-dp16", target_dp=16)
+    print(result.summary())
+
+Under torchrun every worker calls the same function; alone it runs as one worker. Steps,
+and which workers run them:
+
+1. worker 0 inspects the source (pickles only) and checks the destination; every worker
+   receives the result, or the error;
+2. every worker derives the same plan from it (pure);
+3. worker 0 creates DST/.reshard-staging/TAG; each worker checks and opens the source files
+   it reads and writes the skeletons of the target files it owns;
+4. all workers run the rounds together (`reshard.transport.exchange`);
+5. each worker fsyncs its files; worker 0 publishes: tag directory into place, `latest` last.
+
+After every step all workers agree on success before the next one; on any failure every
+worker raises and the destination holds no new checkpoint. Staging is removed when the
+failure came before the rounds, and kept (with its journal) after: re-running the same
+command resumes from the last durable round.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from reshard.jobs import save_dir_files
+from reshard.files.byte_io import hash_file
+from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.transport.collective import check_peers, on_rank0
+from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
+from reshard.errors import ReshardError
+from reshard.transport.exchange import round_bytes as _round_bytes
+from reshard.jobs.execute import execute
+from reshard.layouts.experts import expert_placement_lines
+from reshard.planning.file_shares import file_shares
+from reshard.formats.folded_expert_files import (
+    rewrites_expert_files,
+    target_expert_files,
+    write_expert_files,
+)
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.formats.torch_archive import torch_fallbacks
+from reshard.jobs.lifecycle import (
+    JobOutput,
+    Lifecycle,
+    Start,
+    destination_names,
+    publish_tag_dir,
+)
+from reshard.jobs.manifest import (
+    Manifest,
+    manifest_source_entry,
+    output_fingerprint,
+    plan_fingerprint,
+    source_identity,
+)
+from reshard.jobs.options import ReshardOptions
+from reshard.planning.plan import ReshardPlan
+from reshard.jobs.preflight import (
+    ZERO3_RANK_IDENTITY_NOTE,
+    outputs_of,
+    preflight,
+    target_topology,
+)
+from reshard.files.resources import PeakAnonymousMemory, ensure_open_files, files_per_worker, peak_resident_bytes
+from reshard.jobs.preflight import output_bytes
+from reshard.jobs.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
+from reshard.jobs.runs import Unit, discover_units
+from reshard.formats.source_reader import SourceReader
+from reshard.formats.stage_change import (
+    check_stage_change,
+    is_stage_change,
+    plan_stage_change,
+    stage_change_note,
+)
+from reshard.formats.target_writer import TargetWriter
+from reshard.topology import Topology
+from reshard.transport import Transport, transport_from_environment
+from reshard.version import __version__
+
+
+def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
+                       target_tp: int | None = None, **options) -> ReshardResult:
+    """Reshard the DeepSpeed checkpoint(s) in `source` for `target_dp` ranks into `destination`.
+
+    `source` is a save directory, or a run directory whose sub-directories are save
+    directories (see reshard.jobs.runs). Keyword options are the fields of `ReshardOptions` (tag,
+    all_tags, memory_budget, overwrite, dry_run, quiet, trust_pickle, backend, timeout). Uses
+    the given transport, else the initialised torch.distributed group, else one worker.
+    `target_stage=S` also changes the ZeRO stage (1, 2 or 3; see reshard.formats.stage_change).
+    Raises ReshardError on bad input.
+    """
+    opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, target_tp=target_tp,
+                          **options)
+    return run_job(opts.validate(), transport)
+
+
+def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started: float | None = None
+            ) -> ReshardResult:
+    """Run the job `opts` describes. `started`: the time.perf_counter() at which the start-up
+    phase began (the command line passes its process's start), else this call."""
+    if opts.array_tasks is not None:  # one SLURM array task: no transport, no peers
+        from reshard.jobs.array_job import run_array_task
+        return run_array_task(opts)
+    clock = PhaseClock(started)
+    own_transport = transport is None
+    transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
+    clock.lap("start-up")
+    try:
+        started = time.perf_counter()
+        def discover():
+            check_paths(opts.source, opts.destination)
+            return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
+
+        views = None
+        if opts.node_local:
+            units, notes, views = _node_local_units(opts, transport)
+        else:
+            units, notes = on_rank0(transport, discover)
+        result = ReshardResult(notes=notes)
+        clock.lap("inspect")
+        for unit in units:
+            result.checkpoints.append(_run_unit(opts, unit, transport, clock, views))
+            clock = PhaseClock()
+        if transport.rank == 0:
+            for destination in dict.fromkeys(unit.destination for unit in units):
+                result.notes += stale_staging_notes(destination, [u.tag for u in units if u.destination == destination])
+        result.seconds = time.perf_counter() - started
+        return result
+    finally:
+        if own_transport:
+            transport.close()
+
+
+def _node_local_units(opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str], list]:
+    """The one checkpoint of a node-local job, from what every worker sees (reshard.jobs.node_local)."""
+    from reshard.jobs.node_local import survey_source
+    failure = None
+    try:
+        check_paths(opts.source, opts.destination)
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "checking SRC and DST")
+    source, destination = os.path.abspath(opts.source), os.path.abspath(opts.destination)
+    tag, views = survey_source(transport, source, opts.tag)
+    return [Unit(source, tag, destination, tag)], [], views
+
+
+def tensor_parallel_notes(spec) -> list[str]:
+    """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
+    if spec.tensor is None:
+        return []
+    from reshard.layouts.tensor_parallel import describe_splits
+    kinds = describe_splits(spec.tensor.params.names, spec.tensor.params.splits)
+    return [f"tensor parallel: {kind} ({len(names)}): {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}"
+            for kind, names in kinds.items()]
+
+
+def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
+                     stage: int | None, plan: ReshardPlan, carried: list[str], site=None) -> JobOutput:
+    """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader.
+    `stage`: the target ZeRO stage when it changes, else None.
+    `site`: this worker's node in a node-local job (reshard.jobs.node_local.NodeSite), else None."""
+    target_tp = target.tp if source.spec.tensor is not None else None
+    target_ep = _moe_target_ep(source, target)
+    if site is None:
+        names = [n for r in range(source.spec.topology.world_size)
+                 for n in map(os.path.basename, source.source_files(r))]
+        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                                   | set(save_dir_files.manifest_names(carried)))
+        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+                                    target_stage=stage, target_ep=target_ep)
+    else:
+        identity = site.identity
+        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+                                    placement={"node": site.node, "ranks_per_node": opts.target_ranks_per_node},
+                                    target_stage=stage, target_ep=target_ep)
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
+                         opts.target_stage or source.spec.stage, target_ep)
+    return JobOutput(out_fp, destination_names(outputs, carried),
+                     plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
+                     needed_bytes=output_bytes(source, opts.target_dp, target_tp=target.tp) if site is None
+                     else site.needed_bytes,
+                     earlier=outputs.get(source.tag), latest=unit.latest)
+
+
+def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
+    """The target ep of an MoE checkpoint (recorded in its fingerprint and manifest), else None."""
+    return target.ep if source.spec.experts is not None else None
+
+
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
+              ) -> CheckpointResult:
+    """`views`: what every worker sees of SRC in a node-local job (reshard.jobs.node_local), else None."""
+    if views is None and is_pipeline(os.path.join(unit.source, unit.tag)):  # per-stage ZeRO-1 re-cut, whole tensors
+        from reshard.jobs.pipeline_job import run_pipeline_unit
+        return run_pipeline_unit(opts, unit, transport, clock)
+    if views is None and is_zero0_moe(os.path.join(unit.source, unit.tag)):  # whole tensors, no rounds
+        from reshard.jobs.zero0_job import run_zero0_unit
+        return run_zero0_unit(opts, unit, transport, clock)
+    started = time.perf_counter()
+    fallbacks_before = len(torch_fallbacks)  # what this job read or wrote with torch, and why
+
+    def inspect():
+        check_paths(unit.source, unit.destination)
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+        if is_stage_change(source.spec, opts.target_stage):
+            check_stage_change(source.spec, opts.target_stage, source.tag_dir)
+        carried = save_dir_files.list_save_dir_files(source.save_dir)
+        return source, carried, preflight(opts, source, carried)
+
+    site = None
+    if views is None:
+        source, carried, source_notes = on_rank0(transport, inspect)
+    else:
+        (source, source_notes, site), carried = _node_local_source(opts, unit, transport, views), []
+    leader = transport.rank == 0 if site is None else site.leader  # runs the destination steps
+    target = target_topology(opts, source)
+    clock.lap("inspect")
+    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
+    plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
+            plan_reshard(source.spec, target, transport.size, opts.memory_budget,
+                         ownership=None if site is None else site.ownership))
+    memory = PeakAnonymousMemory()  # after planning: the plan's tables are at their largest
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
+                              source.spec.topology, target, transport.size, transport.name,
+                              plan.rounds, 0.0, opts.dry_run, plan, notes=list(source_notes))
+    if source.spec.experts is not None:
+        result.notes += expert_placement_lines(source.spec.experts, target)
+    if source.spec.stage == 3:
+        result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+    result.notes += tensor_parallel_notes(source.spec)
+    if stage:
+        result.notes.append(stage_change_note(source.spec, stage))
+    node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
+    if node_of_worker is not None:
+        result.nodes = len(set(node_of_worker))
+        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker)
+    crossed_before = getattr(transport, "bytes_between_nodes", 0)
+    if opts.dry_run:
+        result.planner_imported_torch = "torch" in sys.modules
+        result.planner_torch_files = list(torch_fallbacks[fallbacks_before:])
+        result.seconds = time.perf_counter() - started
+        return result
+
+    failure = None
+    try:
+        ensure_open_files(files_per_worker(source.spec.stage, plan.ownership, transport.rank))
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "checking the open-file limit")
+
+    life = Lifecycle(unit.destination, source.tag, leader=leader, overwrite=opts.overwrite,
+                     peers=None if site is None else site.peers)  # a node's leader publishes its node's files
+    describe = lambda: _describe_output(opts, unit, source, target, stage, plan, carried, site)
+    start = life.begin(transport, describe) if site is None else life.begin_per_node(transport, site.node, describe)
+    clock.lap("plan")
+    result.notes += start.notes
+    if start.mode == "complete":
+        result.seconds = time.perf_counter() - started
+        return result
+    own = plan.ownership
+    report = WorkerReport(transport.rank, tuple(own.source_ranks_of(transport.rank)),
+                          tuple(own.target_ranks_of(transport.rank)))
+    staging = life.staging
+
+    def opened(reader, writer) -> None:
+        writer.copy_in_background()
+        life.opened()
+        progress.start()
+
+    def flush(reader, writer) -> dict:
+        writer.wait_for_copies()
+        # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
+        copied = {} if site is not None else staging.copy_in_hashed(
+            source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
+        if rewrites_expert_files(source):  # AutoEP with AutoTP layers: TP rank and folding per file
+            copied.update(write_expert_files(source, target, staging.tag_dir,
+                                             sorted(target_expert_files(source, target))[transport.rank::transport.size],
+                                             trust_pickle=opts.trust_pickle))
+        copied_bytes = sum(entry["bytes"] for entry in copied.values())
+        reader.bytes_read += copied_bytes
+        writer.bytes_carried += copied_bytes
+        clock.lap("exchange+write")
+        clock.move(writer.sync_seconds, "exchange+write", "fsync")
+        hashes = writer.finish()  # hashes while a thread fsyncs: "fsync" is what remains of it
+        clock.lap("fsync")
+        clock.move(writer.hash_seconds, "fsync", "hash")
+        return {**hashes, **copied}
+
+    def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
+        clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
+        life.publish(transport, hashes,
+                     lambda all_hashes: _publish(opts, unit, source, target, start, staging, all_hashes, carried, site))
+        return reader.bytes_read, writer.bytes_written, writer.bytes_carried
+
+    def work():
+        with progress:
+            return execute(plan, transport,
+                           open_source=lambda: SourceReader.open(source, report.source_ranks,
+                                                                 trust_pickle=opts.trust_pickle, stage=stage),
+                           open_sink=lambda: TargetWriter.create(
+                               source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
+                               model_states_ranks=None if site is None else site.model_states_ranks, stage=stage),
+                           opening="opening source files and creating target files", opened=opened,
+                           finish=flush, finishing="flushing target files", after=publish,
+                           start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
+                           on_durable=life.journal, on_round=lambda *done: (progress.update(*done), memory.sample()))
+
+    progress = _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done)
+    moved = life.run(work)
+    report.bytes_read, report.bytes_written, report.bytes_carried = moved
+    report.bytes_between_nodes = getattr(transport, "bytes_between_nodes", 0) - crossed_before
+    report.peak_rss_bytes = peak_resident_bytes()
+    report.peak_anonymous_bytes = memory.sample()
+    report.torch_imported = "torch" in sys.modules
+    report.torch_files = list(torch_fallbacks[fallbacks_before:])
+    clock.lap("publish")
+    report.phases = clock.seconds
+    result.reports = transport.all_gather_object(report)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start: Start, staging: Staging,
+             worker_hashes: list, carried: list[str], site=None) -> None:
+    # Every worker copied its share of the other files (`flush`); a node's leader all of its node's.
+    here = source.other_files if site is not None else ()
+    staging.copy_in(source.tag_dir, here, source.other_dirs)
+    staged = save_dir_files.staging_dir(staging.tag_dir)
+    files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
+                    "blake3": hash_file(os.path.join(staging.tag_dir, name))} for name in here}
+    for hashes in worker_hashes:
+        files.update(hashes)
+    files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
+    spec = source.spec
+    target_entry = {"dp_world_size": opts.target_dp, "stage": opts.target_stage or spec.stage,
+                    **({} if site is None else {"node": site.node, "ranks_per_node": opts.target_ranks_per_node})}
+    source_entry = manifest_source_entry(source, start.identity)
+    if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
+        source_entry["tp_world_size"] = spec.topology.tp
+        target_entry["tp_world_size"] = target.tp
+    if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
+        target_entry["ep"] = _moe_target_ep(source, target)
+    # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
+    publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
+                                      reshard_version=__version__),
+                    unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None,
+                    carried=carried)
+
+
+def _copy_sizes(source: SourceCheckpoint, start: Start) -> dict[str, int]:
+    """Bytes of each file copied whole (expert files, other files), from worker 0's survey."""
+    return {name: start.identity[name]["bytes"] for name in source.other_files}
+
+
+def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, views) -> tuple:
+    """(source, notes, NodeSite) of a node-local job: inspected by a worker that sees rank 0's files."""
+    from reshard.formats.deepspeed_schema import classify
+    from reshard.jobs.node_local import node_model_template, prepare_unit
+    roles = [classify(name) for name in views[transport.rank].files]
+    seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
+
+    def inspect(carry_model_bytes):
+        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
+                                    read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
+        if rewrites_expert_files(source):
+            from reshard.errors import UnsupportedCheckpoint
+            raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
+                                                              "resharding of it is not supported yet")
+        return source, preflight(opts, source, [], ranks=seen)
+
+    source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
+    failure = None
+    try:
+        source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank), opts.trust_pickle)
+    except ReshardError as error:
+        failure = error
+    check_peers(transport, failure, "reading this node's model-states file")
+    return source, notes, site
+
+
+class _progress:
+    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet.
+
+    The bar appears at `start()` (once every worker has opened its files), so a refusal
+    while opening is not preceded by an empty bar."""
+
+    def __init__(self, plan: ReshardPlan, enabled: bool, rounds_done: int = 0):
+        self.bar = None
+        self.enabled = enabled and plan.rounds > 0
+        self.plan, self.rounds_done = plan, rounds_done
+
+    def __enter__(self):
+        return self
+
+    def start(self) -> None:
+        if self.enabled and self.bar is None:
+            from tqdm import tqdm
+            per_round = _round_bytes(self.plan)
+            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:self.rounds_done]), unit="B",
+                            unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, round_index: int, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            if self.bar.n >= self.bar.total:
+                self.bar.close()  # the exchange is over: the rate shown is its rate, not the publish's
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()

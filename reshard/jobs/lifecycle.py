@@ -1,0 +1,319 @@
+"""The one lifecycle every job that writes an output runs: decide, lock, stage, journal, publish, clean up.
+
+    from reshard.jobs.lifecycle import RESHARD, JobOutput, Lifecycle
+    life = Lifecycle(dst, tag, leader=transport.rank == 0, words=RESHARD)
+    start = life.begin(transport, lambda: JobOutput(fingerprint, ours={...}))  # worker 0 decides; all learn
+    if start.mode != "complete":
+        life.run(lambda: work(life))     # the job kind's work calls life.opened(), life.journal(n),
+                                         # and last life.publish(transport, hashes, place)
+
+Every kind of job runs this sequence, and only this one: the collective job (reshard.jobs.collective_job, also
+node-local, where each node's leader runs the destination steps for its own DST), the
+whole-file jobs (reshard.jobs.whole_file_job: ZeRO-0 MoE, pipeline) and the exports
+(reshard.export.runner). A SLURM array task (reshard.jobs.array_job) has no peers and resumes per
+file, but takes its steps from here too: `earlier_output_is_complete`, `destination_names`,
+`publish_tag_dir`.
+
+Call order, and which workers run each step:
+
+1. `begin` (the leader decides, every worker learns the `Start`): DST already holds this very
+   output (its manifest's fingerprint and every hash match) -> "complete", nothing to do;
+   else refuse a DST holding files not ours (unless --overwrite), check free space, take the
+   destination lock (reshard.jobs.lock), and either resume the staging of an interrupted run with the
+   same plan (its journal, reshard.jobs.manifest) or create a fresh DST/.reshard-staging/TAG
+   (reshard.jobs.destination.Staging) and journal it;
+2. the job kind's work, on every worker: `opened()` once the files exist (the journal says so),
+   `journal(rounds_done)` after each durable stretch;
+3. `publish(transport, hashes, place)`: every worker's hashes are gathered; the leader runs
+   `place(all_hashes)` (manifest, journal removed, tag directory into place, `latest` last:
+   `publish_tag_dir`, or an export's own placing); all agree;
+4. `run` wraps 2-3: on failure the leader keeps the staging for a resume once rounds began, else
+   removes it (and DST, when this run created it), releases the lock, and the message ends with
+   what stays on disk (reshard.jobs.destination.what_was_kept); on success the leader releases the lock.
+
+What a job kind supplies, and the lifecycle never branches on: the `JobOutput` (its fingerprints,
+the names in DST that are its own, an earlier output to compare with, the bytes it needs), the work
+(rounds through reshard.jobs.execute, or whole files built by each worker), and `place` (what
+publishing means for its output).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from reshard.jobs import save_dir_files
+from reshard.transport.collective import check_peers, on_rank0
+from reshard.jobs.destination import (
+    STAGING,
+    Staging,
+    check_empty,
+    clean_up_after_failure,
+    what_was_kept,
+    write_latest,
+)
+from reshard.errors import OptionError, PeerFailure, ReshardError
+from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
+from reshard.jobs.lock import LOCK_NAME, DestinationLock
+from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal, write_journal
+from reshard.files.resources import check_free_space, disk_full_message, is_disk_full
+from reshard.formats.target_writer import WriteFailed
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a kind of job names itself in the notes and messages the lifecycle writes."""
+
+    run: str
+    """"run" or "export": "resuming an interrupted run", "the staging of an earlier export"."""
+    changed: str
+    """What a different plan fingerprint means, for the note on a discarded staging."""
+    publishing: str
+    """The step named when publishing fails on some worker."""
+
+
+RESHARD = Words("run", "(source, target size, worker count or budget changed)", "publishing the result")
+EXPORT = Words("export", "(source, options, worker count or budget changed)", "publishing the output")
+
+
+@dataclass
+class JobOutput:
+    """What a job kind says about its output, worked out by the leader when the lifecycle begins."""
+
+    output_fingerprint: str
+    """Identifies the output (reshard.jobs.manifest.output_fingerprint / export_fingerprint)."""
+    ours: set[str]
+    """Names directly in DST that belong to this output (and reshard): anything else needs --overwrite."""
+    plan_fingerprint: str | None = None
+    """Identifies the rounds (reshard.jobs.manifest.plan_fingerprint); None: nothing to resume (whole files)."""
+    rounds: int = 0
+    identity: dict = field(default_factory=dict)
+    """The source files' sizes and mtimes (reshard.jobs.manifest.source_identity): the manifest's source files."""
+    needed_bytes: int | None = None
+    """About how many bytes the output takes: checked against DST's free space; None: not checked."""
+    earlier: Manifest | None = None
+    """The manifest of an earlier output in DST/TAG to compare with ("complete" when it is this one)."""
+    latest: str | None = None
+    """The tag `latest` names once the output is in place (also written when it was already complete)."""
+
+
+@dataclass
+class Start:
+    """Where this run starts, decided by the leader from what the destination holds."""
+
+    mode: str
+    """"fresh", "resume" (staging of an interrupted run with the same plan) or "complete"."""
+    output_fingerprint: str
+    plan_fingerprint: str
+    identity: dict
+    rounds_done: int = 0
+    skeletons: bool = False
+    """The staged files exist already (a resume reopens them)."""
+    notes: list = field(default_factory=list)
+    output_bytes: int = 0
+    created_destination: bool = False
+    """DST did not exist before this run: a failure before the rounds removes it again."""
+
+
+def destination_names(earlier_outputs, carried: list[str]) -> set[str]:
+    """The names in DST a reshard of a DeepSpeed save may find there without --overwrite: staging and
+    lock always; with an earlier output of this source there, its tags, `latest`, the recovery
+    scripts and the save directory's carried files (reshard.jobs.save_dir_files)."""
+    ours = {STAGING, LOCK_NAME}
+    if earlier_outputs:
+        ours |= set(earlier_outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
+    return ours
+
+
+def earlier_output_is_complete(earlier: Manifest | None, fingerprint: str, final_tag_dir: str) -> bool:
+    """DST/TAG already holds this very output: the same fingerprint, and every file's hash matches."""
+    return earlier is not None and earlier.fingerprint == fingerprint and not earlier.check_files(final_tag_dir)
+
+
+def already_complete_note(final_tag_dir: str) -> str:
+    return f"{final_tag_dir} already holds this output (every hash matches); nothing to do"
+
+
+def decide_start(destination: str, tag: str, output: JobOutput, lock: DestinationLock, overwrite: bool,
+                 words: Words = RESHARD, allow_complete: bool = True) -> Start:
+    """Step 1 on the leader: complete, resume or fresh; the lock taken and the staging ready unless complete."""
+    plan_fp = output.plan_fingerprint or output.output_fingerprint
+    start = Start("fresh", output.output_fingerprint, plan_fp, output.identity)
+    final = os.path.join(destination, tag)
+    if allow_complete and earlier_output_is_complete(output.earlier, output.output_fingerprint, final):
+        if output.latest:
+            write_latest(destination, output.latest)
+        start.mode = "complete"
+        start.notes.append(already_complete_note(final))
+        return start
+    check_empty(destination, output.ours, overwrite)
+    staging = Staging(destination, tag)
+    journal = read_journal(staging.tag_dir)
+    resume = bool(output.plan_fingerprint is not None and journal and journal.get("plan_fingerprint") == plan_fp
+                  and journal.get("skeletons"))
+    if output.needed_bytes is not None:
+        start.output_bytes = output.needed_bytes
+        check_free_space(destination, output.needed_bytes, allocated_bytes(staging.tag_dir) if resume else 0)
+    start.created_destination = not os.path.lexists(destination)
+    lock.acquire()
+    if lock.stale_note:
+        start.notes.append(lock.stale_note)
+    if resume:
+        start.mode, start.skeletons = "resume", True
+        start.rounds_done = int(journal.get("rounds_done", 0))
+        start.notes.append(f"resuming an interrupted {words.run}: {start.rounds_done} of {output.rounds} rounds "
+                           "were done")
+        return start
+    if journal and output.plan_fingerprint is not None:
+        start.notes.append(f"discarded the staging of an earlier {words.run} with a different plan {words.changed}")
+    try:
+        staging.create()
+        write_journal(staging.tag_dir, plan_fp, False, 0)
+    except BaseException:
+        clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
+        raise
+    return start
+
+
+def allocated_bytes(directory: str) -> int:
+    """Disk space the files under `directory` already occupy (skeletons are sparse until written)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def publish_tag_dir(staging: Staging, manifest: Manifest, latest: str | None, scripts_from: str | None,
+                    carried: list[str] = ()) -> None:
+    """Publish a DeepSpeed tag directory from staging: manifest, journal removed, the save directory's
+    carried files (before the tag directory and `latest`: a resume finds them once it finds the
+    checkpoint), then the tag directory by one rename and `latest` last (reshard.jobs.destination)."""
+    manifest.write(staging.tag_dir)
+    journal = os.path.join(staging.tag_dir, JOURNAL_NAME)
+    if os.path.lexists(journal):  # an array task's staging has none
+        os.unlink(journal)
+    if carried:
+        save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), carried, staging.destination)
+    staging.publish(latest, scripts_from=scripts_from)
+
+
+def remove_journal(staging: Staging) -> None:
+    """The first step of an export's publish: the staging is no longer an interrupted run."""
+    os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
+
+
+class Lifecycle:
+    """One output's lifecycle on one worker (see the module docstring for the call order).
+
+    `leader`: this worker runs the destination steps (worker 0; in a node-local job, each node's
+    first worker for its own DST). `peers`: the workers whose hashes make up the leader's output
+    (None: every worker)."""
+
+    def __init__(self, destination: str, tag: str, *, leader: bool, overwrite: bool = False, words: Words = RESHARD,
+                 peers: tuple[int, ...] | None = None):
+        self.destination, self.leader, self.overwrite, self.words, self.peers = destination, leader, overwrite, words, peers
+        self.staging = Staging(destination, tag)
+        self.lock = DestinationLock(destination)
+        self.start: Start | None = None
+        self.rounds_started = False
+        """Set once the work began writing what a resume continues: a failure then keeps the staging."""
+
+    # 1.
+    def decide(self, describe: Callable[[], JobOutput], allow_complete: bool = True) -> Start:
+        """The leader's decision (step 1), an OSError reported as the destination's."""
+        try:
+            return decide_start(self.destination, self.staging.tag, describe(), self.lock, self.overwrite,
+                                self.words, allow_complete)
+        except OSError as error:
+            detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+            raise OptionError(f"{self.destination}: cannot be created or written ({detail})") from None
+
+    def begin(self, transport, describe: Callable[[], JobOutput]) -> Start:
+        """Step 1 with worker 0 as the leader: every worker receives its Start, or its error."""
+        self.start = on_rank0(transport, lambda: self.decide(describe))
+        return self.start
+
+    def begin_per_node(self, transport, node: int, describe: Callable[[], JobOutput]) -> Start:
+        """Step 1 in a node-local job: each node's leader decides for its own DST; every worker learns
+        all the starts. The output is complete only when every node's is (a complete node otherwise
+        starts over with the others), and the rounds resume from the first round some node has not done."""
+        def gather(work):
+            outcome = None
+            if self.leader:
+                try:
+                    outcome = ("ok", (node, work()))
+                except ReshardError as error:
+                    outcome = ("error", error)
+                except Exception as error:
+                    outcome = ("error", PeerFailure(f"worker {transport.rank} failed: {type(error).__name__}: {error}"))
+            outcomes = transport.all_gather_object(outcome)
+            errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
+            if errors:
+                if outcome is not None and outcome[0] == "ok" and outcome[1][1].mode != "complete":
+                    clean_up_after_failure(self.staging, self.lock, keep_staging=False,
+                                           remove_destination=outcome[1][1].created_destination)
+                raise errors[0]
+            return dict(o[1] for o in outcomes if o is not None)
+
+        starts = gather(lambda: self.decide(describe))
+        if any(s.mode == "complete" for s in starts.values()) and not all(s.mode == "complete" for s in starts.values()):
+            starts = gather(lambda: self.decide(describe, False) if starts[node].mode == "complete" else starts[node])
+        mine = starts.get(node) or next(iter(starts.values()))
+        notes = [f"node {n}: {note}" for n, s in sorted(starts.items()) for note in s.notes]
+        self.start = replace(mine, rounds_done=min(s.rounds_done for s in starts.values()), notes=notes,
+                             skeletons=mine.skeletons if node in starts else False)
+        return self.start
+
+    # 2.
+    def opened(self) -> None:
+        """Every worker's files exist: journal it (a resume reopens them) unless they were reopened."""
+        if self.leader and not self.start.skeletons:
+            write_journal(self.staging.tag_dir, self.start.plan_fingerprint, True, 0)
+        self.rounds_started = True
+
+    def journal(self, rounds_done: int) -> None:
+        """The rounds before `rounds_done` are durable on every worker."""
+        if self.leader:
+            write_journal(self.staging.tag_dir, self.start.plan_fingerprint, True, rounds_done)
+
+    # 3.
+    def publish(self, transport, hashes, place: Callable[[list], None]) -> None:
+        """Gather every worker's `hashes`; the leader runs `place(hashes of its peers)`; all agree."""
+        all_hashes = transport.all_gather_object(hashes)
+        failure = None
+        if self.leader:
+            try:
+                place(all_hashes if self.peers is None else [all_hashes[worker] for worker in self.peers])
+            except OSError as error:
+                failure = ReshardError(f"{self.destination}: {self.words.publishing} failed: {error}")
+            except Exception as error:
+                failure = error
+        check_peers(transport, failure, self.words.publishing)
+
+    # 4.
+    def run(self, work: Callable[[], object]):
+        """Run the work (steps 2-3); clean up after a failure, release the lock after success."""
+        try:
+            result = work()
+        except BaseException as error:
+            removed = False
+            if self.leader:
+                removed = clean_up_after_failure(self.staging, self.lock, keep_staging=self.rounds_started,
+                                                 remove_destination=self.start.created_destination)
+            if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
+                error = WriteFailed(error.filename or self.staging.tag_dir, error)
+            if isinstance(error, ReshardError):
+                text = str(error)
+                if isinstance(error, WriteFailed) and self.start.output_bytes and is_disk_full(error.error, error.path):
+                    text = (f"{error.path}: writing failed ({error.error.strerror or 'disk full'}): "
+                            f"{disk_full_message(self.destination, self.start.output_bytes)}")
+                error.args = (text + what_was_kept(self.staging, self.rounds_started, removed),)
+                raise error from None
+            raise
+        if self.leader:
+            self.lock.release()
+        return result

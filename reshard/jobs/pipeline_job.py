@@ -1,0 +1,198 @@
+"""A reshard job for a DeepSpeed PipelineModule checkpoint (ZeRO-1), run by every worker.
+
+    python -m reshard SRC DST --target-dp 3                 # job.py hands pipeline saves here
+    python -m reshard SRC DST --target-dp 2 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
+
+With another number of stages, the layers are re-assigned as DeepSpeed's PipelineModule assigns
+them (reshard.layouts.pipeline: `--pipeline-partition`, the layer count and tied positions the
+caller gives, checked against the source's own assignment first), every worker that builds a
+stage loads every source stage's states (whole tensors), and builds its target stages.
+With the number of stages unchanged, each stage is an ordinary ZeRO-1 save over its own
+parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s with
+s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
+rounds), and the layer files are copied unchanged, shared out by size. Having no rounds to cut,
+the job checks the budget instead: before anything is written, worker 0 estimates each worker's
+peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. Worker 0 inspects
+the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
+manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job, shared with
+reshard.jobs.zero0_job.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.formats.deepspeed_pipeline import (
+    PipelineSource,
+    check_layers_reproduce_source,
+    inspect_pipeline,
+    joined_state_bytes,
+    named_states,
+    source_numels,
+    write_repartitioned_stage,
+    write_stage_files,
+)
+from reshard.jobs.manifest import output_fingerprint
+from reshard.jobs.options import ReshardOptions
+from reshard.layouts.pipeline import PipelineLayers, stage_bounds, stage_names
+from reshard.files.resources import human
+from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
+from reshard.jobs.runs import Unit
+from reshard.topology import Topology
+from reshard.transport import Transport
+from reshard.jobs.whole_file_job import (
+    WholeFileSource,
+    inspect_on_worker0,
+    run_whole_file_job,
+)
+
+PP_CHANGE_MISSING = ("the new layer-to-stage assignment needs the model's layer count and the positions of its "
+                     "TiedLayerSpec layers (layers without a state_dict and tied layers with a forward_fn leave "
+                     "no file), which the checkpoint does not record: give --pipeline-layers N and, for tied "
+                     "layers, --pipeline-tied KEY:I,J")
+
+
+def pipeline_layers(opts: ReshardOptions, model: str) -> PipelineLayers:
+    """The caller's layer list (--pipeline-layers, --pipeline-tied), checked for form."""
+    tied = {}
+    for item in filter(None, (opts.pipeline_tied or "").split(";")):
+        key, _, indices = item.partition(":")
+        try:
+            tied[key.strip()] = tuple(int(i) for i in indices.split(","))
+        except ValueError:
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: use KEY:I,J[;KEY:I,J]") from None
+        if not key.strip() or any(not 0 <= i < opts.pipeline_layers for i in tied[key.strip()]):
+            raise OptionError(f"{model}: --pipeline-tied {opts.pipeline_tied!r}: indices must lie in "
+                              f"0..{opts.pipeline_layers - 1}")
+    return PipelineLayers(opts.pipeline_layers, tied)
+
+
+def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
+    """(pp, dp) to write, or the options this job does not serve refused by name."""
+    model = source.model_path(0)
+    if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
+        raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
+                                           + PP_CHANGE_MISSING)
+    refused = [(opts.target_tp not in (None, 1), f"--target-tp {opts.target_tp}"),
+               (opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+               (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
+               (bool(opts.node_local), "--node-local")]
+    for applies, option in refused:
+        if applies:
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
+    if opts.target_dp < 1:
+        raise OptionError(f"{model}: --target-dp must be at least 1")
+    target = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
+    if target.pp != source.pp:
+        layers = pipeline_layers(opts, model)
+        check_layers_reproduce_source(source, layers, opts.pipeline_partition)
+        try:
+            stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+        except ValueError as error:
+            raise OptionError(f"{model}: {error}") from None
+    return target
+
+
+def whole_tensor_bytes(source: PipelineSource, target: Topology, workers: int, bounds: list[int] | None,
+                       layers: PipelineLayers | None) -> list[int]:
+    """Per worker, about the most bytes of tensors it holds at once: the largest
+    `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
+    writes = stages_written_by(target.pp, workers)
+    if bounds is None:
+        return [max((joined_state_bytes(source, target.dp, kept_stage=s) for s in stages), default=0)
+                for stages in writes]
+    numels = source_numels(source)
+    elements = [sum(numels[n] for n in stage_names(layers, bounds, t, list(numels))) for t in range(target.pp)]
+    return [max((joined_state_bytes(source, target.dp, target_elements=elements[t]) for t in stages), default=0)
+            for stages in writes]
+
+
+def check_budget(opts: ReshardOptions, source: PipelineSource, target: Topology, workers: int) -> list[int]:
+    """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
+    path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
+    bounds = layers = None
+    if target.pp != source.pp:
+        layers = pipeline_layers(opts, source.model_path(0))
+        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+    needed = whole_tensor_bytes(source, target, workers, bounds, layers)
+    worst = max(range(workers), key=needed.__getitem__)
+    if needed[worst] > opts.memory_budget:
+        more = " (more workers do not help: every worker building a stage joins every source stage)" \
+            if bounds is not None else " or more workers, up to one per stage"
+        raise OptionError(f"{source.optim_path(0, 0)}: pipeline checkpoints are resharded with whole tensors (not "
+                          f"the bounded rounds of ZeRO checkpoints); worker {worst} would hold about "
+                          f"{human(needed[worst])}, over --memory-budget {human(opts.memory_budget)}: give "
+                          f"--memory-budget {human(needed[worst])} or more{more}")
+    return needed
+
+
+def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
+    """Per worker, the stages whose files it builds: stage s by worker s % W."""
+    return tuple(tuple(range(w, pp, workers)) for w in range(workers))
+
+
+def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> Topology:
+    """target_topology, then the memory check, on worker 0 before anything is written."""
+    target = target_topology(opts, source)
+    check_budget(opts, source, target, workers)
+    return target
+
+
+def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
+    started = time.perf_counter()
+
+    source, target = inspect_on_worker0(unit, transport, clock,
+                                        lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
+                                        lambda source: checked_target(opts, source, transport.size))
+    result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
+                              Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
+                              opts.dry_run)
+    writes = stages_written_by(target.pp, transport.size)
+    repartition = target.pp != source.pp
+    if repartition:
+        layers = pipeline_layers(opts, source.model_path(0))
+        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
+        how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds {bounds}), each "
+               f"stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
+    else:
+        how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
+    needed = check_budget(opts, source, target, transport.size)
+    result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors "
+                        f"(largest worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
+                        "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
+    if opts.dry_run:
+        result.seconds = time.perf_counter() - started
+        return result
+
+    carried = (*source.layer_files, *source.other_files)
+    identified = (*carried, *(f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)),
+                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
+    whole_files = WholeFileSource(
+        source.tag, source.tag_dir, identified, carried, (),
+        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
+         "description": source.describe()},
+        save_dir=source.save_dir)
+    placement = ({"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+                  "partition": opts.pipeline_partition} if repartition else None)
+
+    def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
+        paths = []
+        if repartition and writes[transport.rank]:  # every source stage feeds the new stages
+            template, states = named_states(source, opts.trust_pickle)
+            report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
+        for stage in writes[transport.rank]:
+            if repartition:
+                paths += write_repartitioned_stage(source, states, template, layers, opts.pipeline_partition,
+                                                   target.pp, stage, target.dp, tag_dir, opts.trust_pickle)
+            else:
+                paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
+                report.bytes_read += sum(identity[name]["bytes"] for name in identity
+                                         if name.endswith(f"mp_rank_{stage:02d}_optim_states.pt")
+                                         or name == f"mp_rank_{stage:02d}_model_states.pt")
+        return paths
+
+    return run_whole_file_job(
+        opts, unit, transport, clock, result, started, whole_files,
+        lambda identity: output_fingerprint(source.save_dir, source.tag, identity, target.dp, placement=placement),
+        {"dp_world_size": target.dp, "pp": target.pp, "stage": 1}, WorkerReport(transport.rank, (), ()), build)

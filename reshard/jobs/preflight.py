@@ -1,0 +1,122 @@
+"""What every kind of job checks and finds before it writes: the target topology, the batch config
+and tensor-parallel target it refuses, the notes it prints, and earlier outputs in DST.
+
+    from reshard.jobs.preflight import outputs_of, preflight, target_topology
+    target = target_topology(opts, source)             # OptionError naming the file where DeepSpeed could not load it
+    notes = preflight(opts, source, carried)           # refusals, or notes for the summary
+    earlier = outputs_of(dst, source.save_dir, target_dp=3)   # tag -> Manifest reshard wrote there from this source
+
+Shared by the collective job (reshard.jobs.collective_job) and the array tasks (reshard.jobs.array_job).
+"""
+from __future__ import annotations
+
+import os
+
+from reshard.jobs import save_dir_files
+from reshard.jobs.batch_config import batch_config_problem, batch_size_warning
+from reshard.errors import OptionError, ReshardError
+from reshard.formats.deepspeed_client_state import differing_client_state
+from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.jobs.manifest import Manifest
+from reshard.jobs.options import ReshardOptions
+from reshard.topology import Topology
+
+ZERO3_RANK_IDENTITY_NOTE = (
+    "ZeRO-3 rank files carry nothing that identifies their rank (DeepSpeed names them, nothing inside "
+    "says which partition they hold), so renamed or swapped rank files cannot be detected here; "
+    "compare with the training job's own state if in doubt")
+
+
+def preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str], ranks=None) -> list[str]:
+    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
+    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
+    check_tensor_parallel_target(opts, source)
+    ds_config = source.model_template.get("ds_config")
+    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
+    problem = batch_config_problem(ds_config, opts.target_dp)
+    if problem and not warning and not opts.ignore_batch_config:
+        raise OptionError(f"{source.model_path(0)}: {problem}")
+    notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
+    differing = differing_client_state(source, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
+                                       ranks=ranks)
+    if differing:
+        notes.append(f"client_state differs between source ranks in {', '.join(differing)} (ZeRO-3 saves each "
+                     f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
+                     + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
+    return notes
+
+
+def check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+    """Refuse a target TP size the checkpoint cannot be resharded to."""
+    spec, target = source.spec, opts.target_for(source.spec.topology)
+    if spec.tensor is None and target.tp != spec.topology.tp:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
+                          "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
+                          "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
+    if spec.tensor is not None and spec.experts is not None and target.tp > 1 and target.ep == 1:
+        raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp} --target-ep 1: DeepSpeed folds AutoEP "
+                          "with AutoTP only for autoep_size > 1 (module_inject/auto_ep_folding.py "
+                          "`validate_folding_global`), so no engine could load that target")
+    if spec.tensor is not None:
+        problem = spec.tensor.params.check_target(target.tp, f"--target-tp {target.tp}")
+        if problem:
+            raise OptionError(f"{source.model_path(0)}: {problem} (DeepSpeed AutoTP could not build it either)")
+
+
+def outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp: int = 1,
+                target_stage: int | None = None, target_ep: int | None = None) -> dict:
+    """Tag directories under `destination` that reshard wrote from `source_save_dir` for `target_dp`
+    ranks at ZeRO `target_stage` (other tags of this same job, or this tag from an earlier run):
+    tag -> Manifest."""
+    found = {}
+    if os.path.isdir(destination):
+        for name in os.listdir(destination):
+            if not os.path.isdir(os.path.join(destination, name)):
+                continue
+            try:
+                manifest = Manifest.read(os.path.join(destination, name))
+            except ReshardError:
+                continue
+            if (manifest.source.get("save_dir") == source_save_dir and manifest.target.get("dp_world_size") == target_dp
+                    and manifest.target.get("tp_world_size", 1) == target_tp
+                    and (target_stage is None or manifest.target.get("stage", target_stage) == target_stage)
+                    and manifest.target.get("ep") == target_ep):
+                found[name] = manifest
+    return found
+
+
+def target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
+    """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
+    return opts.checked_target(source.spec.topology, source.expert_problem, source.model_path(0))
+
+
+def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) -> int:
+    """About how many bytes the target files of `source` resharded for `target_dp` (x `target_tp`)
+    ranks take on disk: partitioned bytes are conserved (replicated TP parameters aside), each
+    target file adds one pickle structure, every file occupies whole blocks, and DeepSpeed's
+    recovery scripts and the manifest come along."""
+    spec, tag_dir = source.spec, source.tag_dir
+    n = spec.topology.world_size
+    if target_tp != 1 or spec.topology.tp != 1:
+        target_dp *= target_tp  # every rank writes an optim file; each TP rank a model file (below)
+
+    def blocks(nbytes: int) -> int:
+        return -(-nbytes // block) * block
+
+    optim = [os.path.getsize(source.optim_path(r)) for r in range(n)]
+    structure = max(optim[0] - sum(optim) // n, 0)  # one optim file's pickle, counters, ...
+    total = target_dp * blocks(sum(optim) // target_dp + structure)
+    model0 = os.path.getsize(source.model_path(0))
+    total += target_dp * blocks(model0) if spec.stage == 3 else target_tp * blocks(model0)
+    total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
+    total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
+    files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)
+    total += blocks(1024 + 200 * files) + 2 * block  # manifest, journal, latest
+    return total
+
+
+def _recovery_script_sizes(save_dir: str) -> list[int]:
+    """Sizes of the source's recovery scripts, which the output carries (destination.copy_recovery_script)."""
+    from reshard.formats.deepspeed_schema import RECOVERY_SCRIPTS
+    return [os.path.getsize(os.path.join(save_dir, name)) for name in RECOVERY_SCRIPTS
+            if os.path.isfile(os.path.join(save_dir, name))]

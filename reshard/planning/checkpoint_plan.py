@@ -1,0 +1,143 @@
+"""The plan for one checkpoint: its spaces, from the spec and the two topologies. Pure, no torch.
+
+    from reshard.planning.checkpoint_plan import plan_reshard
+    plan = plan_reshard(source.spec, Topology(dp=16), workers=8, budget_bytes=1 << 30)
+    plan.rounds, plan.traffic()
+
+Every worker calls this with the same arguments and gets the same plan (it reads nothing).
+A checkpoint has one or two logical spaces, moved one after the other: the optimizer space
+(fp32 master weights and every per-partition optimizer state) and, under ZeRO-3, the
+partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces and are planned
+from their piece tables (`reshard.planning.plan`); ZeRO-3 layouts are evenly chunked and planned per
+worker by arithmetic (`reshard.planning.chunked_plan`). Tensor-parallel (AutoTP) ZeRO-1/2 checkpoints
+are planned over the global parameters (`reshard.layouts.tensor_pieces`), with a second space for the
+split module weights of their model-states files; AutoTP ZeRO-3 checkpoints likewise, from
+piece tables (O(params x dp x tp) pieces), with their partitioned frozen parameters as the
+second space.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
+from reshard.layouts.zero import PieceTable, buffer_numels, logical_bases, table_from_columns
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space
+from reshard.layouts.zero import zero3_chunk
+from reshard.layouts.tensor_pieces import (
+    GlobalSpace,
+    module_buffer_numels,
+    module_pieces,
+    replicated,
+    shared_layouts,
+    zero3_frozen_pieces,
+    zero12_pieces,
+)
+from reshard.topology import Topology
+
+
+def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False,
+                 ownership: Ownership | None = None) -> ReshardPlan:
+    """The plan for moving a checkpoint of `spec` (a CheckpointSpec: topology, layout rules,
+    streams with item sizes) to the `target` topology with `workers` workers.
+
+    `tabulated`: plan every space from its piece tables, ZeRO-3 too. A SLURM array task
+    (`reshard.jobs.array_job`) restricts a one-worker plan to its files by selecting segments, which
+    needs the table; it plans once per task, so the O(params x ranks) table is affordable there.
+    `ownership`: who reads and writes which ranks, when not the arithmetic blocks (node-local
+    checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
+    ownership = ownership or Ownership.between(spec.topology, target, workers)
+    if spec.tensor is not None:
+        return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
+    old, new = spec.layout(spec.topology), spec.layout(target)
+    if spec.stage == 3 and not tabulated and spec.experts is None:  # AutoEP ZeRO-3: from its piece tables
+        bases = logical_bases([p.numel for p in spec.params])
+        spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,
+                                     bases, ownership, budget_bytes)]
+    else:
+        spaces = [plan_space("optim", old.pieces, new.pieces, spec.streams, buffer_numels(new), ownership,
+                             budget_bytes)]
+    if spec.frozen and tabulated:
+        (old_frozen, _), (new_frozen, chunks) = spec.frozen_layout(spec.topology.dp), spec.frozen_layout(target.dp)
+        spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
+                                 budget_bytes, round_offset=spaces[0].rounds))
+    elif spec.frozen:
+        numels = [p.numel for p in spec.frozen]
+        spaces.append(plan_chunked_space("frozen", ChunkedSide.of_frozen(numels, spec.topology.dp),
+                                         ChunkedSide.of_frozen(numels, target.dp), spec.frozen_streams,
+                                         logical_bases(numels), ownership, budget_bytes,
+                                         round_offset=spaces[0].rounds))
+    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+
+
+@dataclass(frozen=True)
+class _DenseView:
+    """The dense family of a folded layout, shaped as `zero12_pieces` reads a layout."""
+
+    params: tuple
+    pieces: PieceTable
+
+
+def _folded_pieces(spec, topology: Topology, space: GlobalSpace, side: str) -> PieceTable:
+    """Pieces of an AutoEP checkpoint with AutoTP layers at `topology` (folded when tp > 1,
+    `reshard.topology`): the dense parameters over the global tensors of `space` (TP shards
+    lowered per TP rank, `reshard.layouts.tensor_pieces`), then every expert slice once, after them.
+    Ranks are global; buffers are the param groups of the optim-states files."""
+    layouts = [spec.layout(topology, topology.tp, t) for t in range(topology.tp)]
+    dense = zero12_pieces(spec.tensor.params, space, topology,
+                          lambda t: _DenseView(layouts[t].dense_params, layouts[t].dense_pieces), side)
+    experts = layouts[0].expert_pieces  # experts are whole on every TP rank: global ranks already
+    columns = [(dense.start, dense.rank, dense.buffer, dense.offset, *dense.stride_columns()),
+               (experts.start + space.total, experts.rank, experts.buffer, experts.offset,
+                *experts.stride_columns())]
+    if not dense.strided:
+        columns = [c[:4] for c in columns]
+    return table_from_columns(columns, space.total + experts.total)
+
+
+def plan_folded_optim_space(spec, target: Topology, space: GlobalSpace, ownership: Ownership, budget_bytes: int):
+    """The optimizer space of AutoEP with AutoTP layers: dense and expert families side by side."""
+    sizes = np.max([buffer_numels(spec.layout(target, target.tp, t)) for t in range(target.tp)], axis=0)
+    return plan_space("optim", _folded_pieces(spec, spec.topology, space, "source"),
+                      _folded_pieces(spec, target, space, "target"), spec.streams, tuple(int(n) for n in sizes),
+                      ownership, budget_bytes)
+
+
+def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
+    """AutoTP: the optimizer space over global parameters (TP shards resliced and DP partitions
+    recut in one plan), then the module tensors of the ZeRO-1/2 model-states files, or the
+    ZeRO-3 frozen fragments."""
+    params, source = spec.tensor.params, spec.topology
+    space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
+    if spec.experts is not None:
+        spaces = [plan_folded_optim_space(spec, target, space, ownership, budget_bytes)]
+    else:
+        old_layouts = shared_layouts(params, space, "source", source.tp,
+                                     lambda t: spec.layout(source.dp, source.tp, t))
+        new_layouts = shared_layouts(params, space, "target", target.tp,
+                                     lambda t: spec.layout(target.dp, target.tp, t))
+        sizes = np.max([buffer_numels(layout) for layout in {id(x): x for x in new_layouts}.values()], axis=0)
+        spaces = [plan_space("optim", zero12_pieces(params, space, source, old_layouts.__getitem__, "source"),
+                             zero12_pieces(params, space, target, new_layouts.__getitem__, "target"), spec.streams,
+                             tuple(int(n) for n in sizes), ownership, budget_bytes)]
+        del old_layouts, new_layouts
+    module = spec.tensor.module
+    if module.names:
+        # the module tensors are usually the trainable parameters themselves: one grid for both
+        module_space = space if module == params else GlobalSpace.of(module, source_tp=source.tp,
+                                                                      target_tp=target.tp)
+        targets = module_pieces(module, module_space, target, "target")
+        # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
+        holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
+        spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"), targets,
+                                 spec.module_streams, module_buffer_numels(module, module_space, target.tp),
+                                 ownership, budget_bytes, round_offset=spaces[0].rounds,
+                                 receiving_ranks=int(holders.max())))
+    if spec.frozen:  # ZeRO-3 only
+        frozen_space = GlobalSpace.of(replicated(spec.frozen), source_tp=source.tp, target_tp=target.tp)
+        spaces.append(plan_space("frozen", zero3_frozen_pieces(spec.frozen, frozen_space, source, "source"),
+                                 zero3_frozen_pieces(spec.frozen, frozen_space, target, "target"),
+                                 spec.frozen_streams, tuple(zero3_chunk(p.numel, target.dp) for p in spec.frozen),
+                                 ownership, budget_bytes, round_offset=spaces[-1].rounds + spaces[-1].round_offset))
+    return tuple(spaces)
