@@ -271,7 +271,7 @@ def test_a_disk_that_fills_while_skeletons_are_written_says_what_was_kept(world,
                 raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 9792 vs 9696")
             return real_save(obj, path, *args, **kwargs)
 
-        def needs_torch(path, tree):
+        def needs_torch(path, tree, *stand_ins):
             raise torch_pickle.NeedsTorch("forced by the test")
         monkeypatch.setattr(torch, "save", torch_save)
         monkeypatch.setattr(torch_pickle, "write_skeleton_tree", needs_torch)
