@@ -5,6 +5,7 @@ worker that dies or hangs ends the whole job instead of leaving its peers waitin
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -98,10 +99,15 @@ def test_mpiexec_job_is_byte_identical_to_torchrun(trained, torchrun_output, tmp
     reference = torchrun_output("z3_bf16", 2, 4)
     destination = tmp_path / "dst"
     started = time.monotonic()
+    result_json = tmp_path / "result.json"
     run = mpiexec_reshard(3, source, destination, "--target-dp", 4, "--transport", "mpi", "--memory-budget", "16K",
-                          "--quiet")
+                          "--quiet", "--result-json", result_json)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "mpi/MPICH" in run.stdout and run.stdout.count("reshard done:") == 1 and "3 worker(s)" in run.stdout, run.stdout
+    # what ran is read from the result file worker 0 writes, not from stdout: under load MPICH's
+    # mpiexec can drop what its ranks print last (DESIGN.md section 8; this assertion on stdout
+    # failed once in a full suite run with an empty stdout and exit 0)
+    (checkpoint,) = json.loads(result_json.read_text())["checkpoints"]
+    assert checkpoint["transport"].startswith("mpi/MPICH") and checkpoint["workers"] == 3, checkpoint
     assert tree_files(destination) == tree_files(reference)
     print(f"mpiexec -n 3: {time.monotonic() - started:.1f}s")
 
