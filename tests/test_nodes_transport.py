@@ -28,6 +28,7 @@ from reshard.planning.plan import ReshardPlan, plan_space
 from reshard.transport import _choose
 from reshard.transport.nodes import NodeLayout, NodesTransport
 from reshard.transport.same_host import join_workers_on_this_host
+from threaded_transport import in_threads
 
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                     "GROUP_WORLD_SIZE", "RESHARD_NODE_RANK", "SLURM_NODEID", "SLURM_NNODES", "RESHARD_RANKS_PER_NODE",
@@ -109,23 +110,6 @@ def _two_level(ranks_of_node: list[list[int]]) -> list:
     return transports
 
 
-def _in_threads(transports, work) -> list:
-    results: list = [None] * len(transports)
-
-    def run(rank):
-        try:
-            results[rank] = work(transports[rank])
-        except BaseException as error:  # noqa: BLE001
-            results[rank] = error
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(transports))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results
-
-
 def _count(sender: int, receiver: int, round_: int) -> int:
     """Bytes `sender` sends `receiver` in round `round_`: uneven, some zero."""
     return (sender * 7 + receiver * 3 + round_ * 5) % 11
@@ -159,7 +143,7 @@ def test_two_level_all_to_all_delivers_every_block_and_counts_what_crossed_nodes
             transport.barrier()
             return received, gathered, told, transport.bytes_between_nodes
 
-        results = _in_threads(transports, exchange)
+        results = in_threads(transports, exchange)
         crossed = 0
         for rank, result in enumerate(results):
             assert not isinstance(result, BaseException), result

@@ -22,6 +22,7 @@ from reshard.errors import OptionError
 from reshard.transport import _choose, torch_backend_for
 from reshard.transport.forked import WorkerLost
 from reshard.transport.same_host import join_workers_on_this_host
+from threaded_transport import in_threads
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "PMI_RANK",
@@ -81,20 +82,6 @@ def _meet(size: int, job: str, timeout: float = 30, ranks=None, sizes=None) -> l
     return results
 
 
-def _in_threads(transports, work) -> list:
-    results: list = [None] * len(transports)
-
-    def run(rank):
-        results[rank] = work(transports[rank])
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(transports))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results
-
-
 def test_three_workers_meet_and_exchange_through_shared_memory():
     transports = _meet(3, f"test-{uuid.uuid4()}")
     assert all(not isinstance(t, BaseException) for t in transports), transports
@@ -113,7 +100,7 @@ def test_three_workers_meet_and_exchange_through_shared_memory():
             received = transport.all_to_all(send, counts, [(peer + 1) * (transport.rank + 1) for peer in range(3)])
             return received.tolist(), transport.all_gather_object(transport.rank * 7)
 
-        results = _in_threads(transports, exchange)
+        results = in_threads(transports, exchange)
         for rank, (received, gathered) in enumerate(results):
             expected = []
             for peer in range(3):
