@@ -57,6 +57,15 @@ def test_nccl_only_when_every_worker_on_the_host_has_a_gpu(monkeypatch, local_wo
     assert torch_backend_for(backend, gpus) == expected
 
 
+def test_a_node_leader_alone_needs_a_gpu_for_nccl(monkeypatch):
+    """reshard.transport.nodes: only the leader of each node joins the group, so one GPU serves it
+    whatever LOCAL_WORLD_SIZE says; without one it takes gloo."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert torch_backend_for("auto", 1, local_workers=1) == "nccl"
+    assert torch_backend_for("auto", 0, local_workers=1) == "gloo"
+    assert torch_backend_for("auto", 1) == "gloo"  # all four workers of the host would join
+
+
 def test_nccl_asked_for_without_a_gpu_per_worker_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(OptionError, match=r"--backend nccl needs one GPU for each worker on a host: 2 workers .* 1 GPU"):

@@ -122,13 +122,15 @@ def _torch_group_initialised() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def torch_backend_for(backend: str, gpus_visible: int) -> str:
+def torch_backend_for(backend: str, gpus_visible: int, local_workers: int | None = None) -> str:
     """The torch.distributed backend: NCCL needs a GPU of its own for every worker on a host (two
     ranks on one GPU is refused by NCCL, and LOCAL_RANK past the device count by CUDA), so "auto"
     takes NCCL only when each local worker has one, else gloo; an explicit "nccl" without enough
     GPUs is refused by name. Found on one H200 with two workers: set_device(1) failed with
-    "invalid device ordinal"."""
-    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    "invalid device ordinal". `local_workers`: the processes of this host that join the group
+    (the node leaders of reshard.transport.nodes pass 1)."""
+    if local_workers is None:  # every worker of this host joins the group (default: torchrun's count)
+        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend == "auto":
         return "nccl" if gpus_visible >= local_workers else "gloo"
     if backend == "nccl" and gpus_visible < local_workers:

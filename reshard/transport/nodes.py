@@ -153,9 +153,10 @@ def _join_leaders(layout: NodeLayout, backend: str, timeout_seconds: float):
     import torch
     import torch.distributed as dist
 
+    from reshard.transport import torch_backend_for
     from reshard.transport.torch_distributed import TorchDistributedTransport
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # one process per node joins: the leader alone needs a GPU for NCCL
+    backend = torch_backend_for(backend, torch.cuda.device_count() if torch.cuda.is_available() else 0, 1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_seconds)
