@@ -230,8 +230,10 @@ torch_fallbacks: list[tuple[str, str]] = []
 """(path, why) of every file this process read or wrote with torch after trying without it."""
 
 PINNED_WRITER_VERSIONS = ("2.11.0", "2.13.", "2.14.1")
-"""torch versions whose torch.save bytes the torch-free writer is pinned to by tests
-(tests/test_torch_free_archive.py byte-identity on 2.13; DESIGN §8: 2.14.1 writes the same bytes)."""
+"""torch releases whose torch.save bytes the torch-free writer is pinned to by tests: an entry
+ending in "." is a prefix (every 2.13 patch), any other an exact release
+(tests/test_torch_free_archive.py byte-identity on 2.13; DESIGN §8: 2.14.1 writes the same bytes;
+docs/versions.md: 2.11.0, checked on a GPU host)."""
 
 
 def _fell_back(path, why: BaseException | str) -> None:
@@ -256,7 +258,8 @@ def writer_not_pinned() -> str | None:
     if version is None:
         return None
     release = version.split("+")[0]
-    if release in ("2.11.0", "2.14.1") or release.startswith("2.13."):
+    if any(release.startswith(pinned) if pinned.endswith(".") else release == pinned
+           for pinned in PINNED_WRITER_VERSIONS):
         return None
     return (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.11.0, 2.13.x and "
             "2.14.1 only, so torch writes this file")
