@@ -1,6 +1,7 @@
 """Plan cost alone: reshard's pure layout + plan for a synthetic model at large world sizes.
 
     python bench/plan_cost.py                      # the standard suite, each case in its own process
+    python bench/plan_cost.py --suite pipeline     # 96- and 128-stage PipelineModule plans, ~8,192 ranks
     python bench/plan_cost.py --case --stage 3 --params 100000 --source 4096 --target 8192 \
         --workers 8 --budget 1073741824            # one case, JSON on stdout
 
@@ -252,6 +253,88 @@ TOPOLOGY_SUITE = [  # `--suite topology`: TP 8 (ZeRO-1/2 AutoTP) and EP 64 (nati
 ]
 
 
+def pipeline_model(layers: int, per_layer: int, seed: int = 0):
+    """(PipelineLayers, numels by name) of a PipelineModule: an embedding tied to the head at layers 0
+    and `layers - 1`, and `per_layer` parameters (matrices and vectors of random sizes) in each layer
+    between. 258 layers of 390 parameters hold about 100k parameters."""
+    from reshard.layouts.pipeline import PipelineLayers
+    rng = np.random.default_rng(seed)
+    numels = {"tied_modules.embed.weight": 50_304 * 4096}
+    for layer in range(1, layers - 1):
+        for p in range(per_layer):
+            numels[f"{layer}.p{p}"] = int(rng.integers(1, 9)) * 128 * (int(rng.integers(1, 33)) * 128 if p % 4 == 0 else 1)
+    return PipelineLayers(layers, {"embed": (0, layers - 1)}), numels
+
+
+def run_pipeline_case(source_pp: int, source_dp: int, target_pp: int, target_dp: int, workers: int,
+                      layers: int = 258, per_layer: int = 390, worker: int = 0) -> dict:
+    """One worker's planning of a pipeline job that changes the number of stages (reshard.jobs.pipeline_job):
+    the layer list checked against the source's stages (`assign_stages` at the source's pp, as
+    check_layers_reproduce_source does), the target's assignment (`assign_stages` at the target's pp,
+    once per job), and for each stage this worker builds, its ZeRO-1 layout over the target's dp with
+    every rank's `param_slice_mappings` (what build_optimizers derives). Reading and writing tensors
+    are not planning and are not timed here (bench/pipeline_bench.py times whole jobs)."""
+    from reshard.jobs.pipeline_job import stages_written_by
+    from reshard.layouts.pipeline import assign_stages
+    from reshard.layouts.zero import zero12_group
+    pipeline, numels = pipeline_model(layers, per_layer)
+    rss_start = current_rss()
+    t0 = time.perf_counter()
+    assign_stages("parameters", pipeline, numels, source_pp)  # what the source check derives
+    t1 = time.perf_counter()
+    target = assign_stages("parameters", pipeline, numels, target_pp)
+    t2 = time.perf_counter()
+    mappings = 0
+    built = stages_written_by(target_pp, workers)[worker]
+    for stage in built:
+        counts = [numels[name] for name in target.names[stage]]
+        group = zero12_group(range(len(counts)), counts, target_dp)
+        for rank in range(target_dp):
+            mappings += len(group.slice_mappings(rank, counts))
+    t3 = time.perf_counter()
+    return {"model": "pipeline", "params": len(numels), "elements": sum(numels.values()), "layers": layers,
+            "source": [source_pp, source_dp], "target": [target_pp, target_dp], "source_ranks": source_pp * source_dp,
+            "target_ranks": target_pp * target_dp, "workers": workers, "worker": worker,
+            "source_check_seconds": t1 - t0, "target_assignment_seconds": t2 - t1,
+            "stages_built": len(built), "stage_layouts_seconds": t3 - t2, "slice_mappings": mappings,
+            "worker_share_seconds": t3 - t0, "largest_stage_params": max(map(len, target.names)),
+            "peak_rss_delta_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start}
+
+
+PIPELINE_SUITE = [  # `--suite pipeline`: (source pp, dp) -> (target pp, dp), workers W; ~100k parameters
+    (96, 85, 128, 64, 8),      # 8,160 -> 8,192 ranks, 16 target stages per worker
+    (128, 64, 96, 85, 8),      # 8,192 -> 8,160 ranks, 12 target stages per worker
+    (128, 64, 96, 85, 96),     # one target stage per worker
+]
+
+
+def run_pipeline_suite() -> list[dict]:
+    """Each case in a fresh process, so every peak RSS is that case's own."""
+    results = []
+    for source_pp, source_dp, target_pp, target_dp, workers in PIPELINE_SUITE:
+        command = [sys.executable, os.path.abspath(__file__), "--case", "--suite", "pipeline",
+                   "--source", f"{source_pp}x{source_dp}", "--target", f"{target_pp}x{target_dp}",
+                   "--workers", str(workers)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            results.append({"model": "pipeline", "source": [source_pp, source_dp], "target": [target_pp, target_dp],
+                            "workers": workers, "failed": done.stderr[-2000:]})
+            continue
+        results.append(json.loads(done.stdout))
+    return results
+
+
+def describe_pipeline(result: dict) -> str:
+    head = (f"pipeline {result.get('params', 0):>7,} params (pp, dp) {tuple(result['source'])} -> "
+            f"{tuple(result['target'])} W={result['workers']:>3}")
+    if "failed" in result:
+        return f"{head}: FAILED {result['failed'].splitlines()[-1]}"
+    return (f"{head}: source check {result['source_check_seconds']:.2f} s, target assignment "
+            f"{result['target_assignment_seconds']:.2f} s, {result['stages_built']} stage layouts "
+            f"({result['slice_mappings']:,} slice mappings) {result['stage_layouts_seconds']:.2f} s; worker share "
+            f"{result['worker_share_seconds']:.2f} s, peak RSS +{result['peak_rss_delta_bytes'] / 1e6:.0f} MB")
+
+
 def run_suite(budget: int, round_seconds: float, suite=SUITE) -> list[dict]:
     """Each case in a fresh process, so every peak RSS is that case's own."""
     results = []
@@ -292,28 +375,37 @@ def main() -> None:
     parser.add_argument("--case", action="store_true", help="run one case in this process, JSON to stdout")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--params", type=int, default=100_000)
-    parser.add_argument("--source", type=int, default=4096)
-    parser.add_argument("--target", type=int, default=8192)
+    parser.add_argument("--source", default="4096", help="ranks, or PPxDP with --suite pipeline")
+    parser.add_argument("--target", default="8192", help="ranks, or PPxDP with --suite pipeline")
     parser.add_argument("--workers", type=int, default=1024)
     parser.add_argument("--model", choices=("mixed", "moe"), default="mixed",
                         help="mixed: matrices and vectors of random sizes; moe: DeepSeek-V3-like layers and experts")
     parser.add_argument("--tp", type=int, default=1, help="AutoTP size of both sides (ZeRO-1/2; N and M count tp)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of both sides (--model moe, ZeRO-1/2)")
-    parser.add_argument("--suite", choices=("data", "topology"), default="data",
-                        help="data: the data-parallel cases; topology: TP 8 and EP 64")
+    parser.add_argument("--suite", choices=("data", "topology", "pipeline"), default="data",
+                        help="data: the data-parallel cases; topology: TP 8 and EP 64; pipeline: 96 and 128 stages")
     parser.add_argument("--worker", type=int, default=0, help="the worker whose share is timed")
     parser.add_argument("--round-seconds", type=float, default=60.0,
                         help="time this long of round-by-round planning, project the rest")
     parser.add_argument("--budget", type=int, default=1 << 30)
     parser.add_argument("--json", help="write the suite's results here")
     args = parser.parse_args()
-    if args.case:
-        print(json.dumps(run_case(args.stage, args.params, args.source, args.target, args.workers, args.budget,
-                                  args.worker, args.round_seconds, args.model, args.tp, args.ep)))
+    if args.case and args.suite == "pipeline":
+        (source_pp, source_dp), (target_pp, target_dp) = (map(int, side.split("x")) for side in (args.source, args.target))
+        print(json.dumps(run_pipeline_case(source_pp, source_dp, target_pp, target_dp, args.workers, worker=args.worker)))
         return
-    results = run_suite(args.budget, args.round_seconds, TOPOLOGY_SUITE if args.suite == "topology" else SUITE)
-    for result in results:
-        print(describe(result))
+    if args.case:
+        print(json.dumps(run_case(args.stage, args.params, int(args.source), int(args.target), args.workers,
+                                  args.budget, args.worker, args.round_seconds, args.model, args.tp, args.ep)))
+        return
+    if args.suite == "pipeline":
+        results = run_pipeline_suite()
+        for result in results:
+            print(describe_pipeline(result))
+    else:
+        results = run_suite(args.budget, args.round_seconds, TOPOLOGY_SUITE if args.suite == "topology" else SUITE)
+        for result in results:
+            print(describe(result))
     if args.json:
         with open(args.json, "w") as fd:
             json.dump(results, fd, indent=1)

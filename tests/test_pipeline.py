@@ -20,7 +20,7 @@ import pytest
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
 from reshard.jobs.options import ReshardOptions
-from reshard.jobs.pipeline_job import stages_written_by, target_topology
+from reshard.jobs.pipeline_job import pipeline_target, stages_written_by
 
 HARNESS = "tests.pipeline_run"  # run as `-m tests.pipeline_run` from the repository root
 
@@ -43,11 +43,11 @@ def test_every_stage_is_built_by_exactly_one_worker():
 
 def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
     with pytest.raises(UnsupportedCheckpoint, match="layer count and the positions of its TiedLayerSpec"):
-        target_topology(ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1), _source())
-    kept = target_topology(ReshardOptions(source="a", destination="b", target_dp=3, target_pp=2), _source())
-    assert (kept.pp, kept.dp) == (2, 3)
+        pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1), _source())
+    kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=3, target_pp=2), _source())
+    assert (kept.topology.pp, kept.topology.dp, kept.stages) == (2, 3, None)
     with pytest.raises(OptionError, match="--target-tp 2 is not supported for pipeline"):
-        target_topology(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
+        pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
 class PipelineRuns:
@@ -240,7 +240,9 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
 
 
 def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
-    from reshard.jobs.pipeline_job import check_budget
+    from reshard.formats.deepspeed_pipeline import source_numels
+    from reshard.jobs.pipeline_job import PipelineTarget, check_budget
+    from reshard.layouts.pipeline import PipelineLayers, assign_stages
     from reshard.topology import Topology
     stages = (PipelineStage(0, (("tied_modules.embed.weight", "1.weight"),), ((100, 300),)),
               PipelineStage(1, (("tied_modules.embed.weight", "2.weight"),), ((100, 100),)))
@@ -251,16 +253,18 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
             Path(source.optim_path(stage, rank)).write_bytes(b"\0" * (size // 2))
     kept = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=16000)
     # one worker builds both stages, one at a time: stage 0's files mapped and joined, one target rank's file
-    assert check_budget(kept, source, Topology(dp=3, pp=2), 1) == [3 * 4800 + 4800 // 3]
-    assert check_budget(kept, source, Topology(dp=3, pp=2), 2) == [3 * 4800 + 4800 // 3, 3 * 2400 + 2400 // 3]
+    assert check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 1) == [3 * 4800 + 4800 // 3]
+    assert check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 2) == [3 * 4800 + 4800 // 3, 3 * 2400 + 2400 // 3]
     kept.memory_budget = 15999
     with pytest.raises(OptionError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: pipeline checkpoints are "
                                           r"resharded with whole tensors .* worker 0 would hold about 15.6 KiB"):
-        check_budget(kept, source, Topology(dp=3, pp=2), 1)
+        check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 1)
     merged = ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1, pipeline_layers=4,
                             pipeline_tied="embed:0,3", memory_budget=30600)
+    one_stage = PipelineTarget(Topology(dp=2, pp=1),
+                               assign_stages("parameters", PipelineLayers(4, {"embed": (0, 3)}), source_numels(source), 1))
     # every source stage joined (3 x 7200), plus the one target stage's 500 elements joined and one rank's half
-    assert check_budget(merged, source, Topology(dp=2, pp=1), 2) == [3 * 7200 + 500 * 12 * 3 // 2, 0]
+    assert check_budget(merged, source, one_stage, 2) == [3 * 7200 + 500 * 12 * 3 // 2, 0]
     merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
-        check_budget(merged, source, Topology(dp=2, pp=1), 2)
+        check_budget(merged, source, one_stage, 2)

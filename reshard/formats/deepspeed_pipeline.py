@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
+from reshard.layouts.pipeline import assign_stages
 from reshard.layouts.zero import Zero12Group, zero12_group
 
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
@@ -387,16 +388,16 @@ def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -
     """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
     `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
     its files hold."""
-    from reshard.layouts.pipeline import stage_bounds, stage_names
     numels = source_numels(source)
     # The target's method may be explicit boundaries, or differ from the one the source was saved
     # with: the layer list passes if any DeepSpeed method reproduces every source stage.
     methods = list(dict.fromkeys(m for m in (method, "parameters", "uniform") if m in ("parameters", "uniform")))
     mismatch = None
     for tried in methods:
-        bounds = stage_bounds(tried, layers, numels, source.pp)
+        assignment = assign_stages(tried, layers, numels, source.pp)
+        bounds = list(assignment.bounds)
         for stage, spec in enumerate(source.stages):
-            expected = stage_names(layers, bounds, stage, list(numels))
+            expected = list(assignment.names[stage])
             if tuple(expected) != spec.names[0]:
                 mismatch = mismatch or (stage, spec, tried, bounds, expected)
                 break
@@ -427,19 +428,18 @@ def source_numels(source: PipelineSource) -> dict[str, int]:
     return numels
 
 
-def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, layers, method: str,
+def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, names: Sequence[str],
                               target_pp: int, stage: int, target_dp: int, tag_dir: str,
                               trust_pickle: bool = False) -> list[str]:
-    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files."""
+    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files.
+    `names`: the stage's parameters in flat order (reshard.layouts.pipeline.StageAssignment)."""
     import collections
 
     import torch
 
-    from reshard.layouts.pipeline import stage_bounds, stage_names
     numels = source_numels(source)
     shapes = {name: shape for spec in source.stages for name, shape in zip(spec.names[0], spec.shapes[0])}
-    bounds = stage_bounds(method, layers, numels, target_pp)
-    names = stage_names(layers, bounds, stage, list(numels))
+    names = list(names)
     keys = [key for key in states[names[0]] if key != "fp32"] if names else []
     master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
     moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}

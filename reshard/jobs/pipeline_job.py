@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import (
@@ -35,7 +36,7 @@ from reshard.formats.deepspeed_pipeline import (
 )
 from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
-from reshard.layouts.pipeline import PipelineLayers, stage_bounds, stage_names
+from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages
 from reshard.files.resources import human
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.jobs.runs import Unit
@@ -68,8 +69,18 @@ def pipeline_layers(opts: ReshardOptions, model: str) -> PipelineLayers:
     return PipelineLayers(opts.pipeline_layers, tied)
 
 
-def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
-    """(pp, dp) to write, or the options this job does not serve refused by name."""
+@dataclass(frozen=True)
+class PipelineTarget:
+    """What a pipeline job writes, worked out once on worker 0 and received by every worker."""
+
+    topology: Topology
+    stages: StageAssignment | None
+    """The new layer-to-stage assignment; None when the number of stages is kept."""
+
+
+def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTarget:
+    """(pp, dp) to write and, with another pp, each new stage's parameters; the options this job
+    does not serve refused by name."""
     model = source.model_path(0)
     if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
         raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
@@ -83,43 +94,39 @@ def target_topology(opts: ReshardOptions, source: PipelineSource) -> Topology:
             raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
-    target = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
-    if target.pp != source.pp:
-        layers = pipeline_layers(opts, model)
-        check_layers_reproduce_source(source, layers, opts.pipeline_partition)
-        try:
-            stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
-        except ValueError as error:
-            raise OptionError(f"{model}: {error}") from None
-    return target
+    topology = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
+    if topology.pp == source.pp:
+        return PipelineTarget(topology, None)
+    layers = pipeline_layers(opts, model)
+    check_layers_reproduce_source(source, layers, opts.pipeline_partition)
+    try:
+        return PipelineTarget(topology, assign_stages(opts.pipeline_partition, layers, source_numels(source),
+                                                      topology.pp))
+    except ValueError as error:
+        raise OptionError(f"{model}: {error}") from None
 
 
-def whole_tensor_bytes(source: PipelineSource, target: Topology, workers: int, bounds: list[int] | None,
-                       layers: PipelineLayers | None) -> list[int]:
+def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """Per worker, about the most bytes of tensors it holds at once: the largest
     `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
-    writes = stages_written_by(target.pp, workers)
-    if bounds is None:
-        return [max((joined_state_bytes(source, target.dp, kept_stage=s) for s in stages), default=0)
-                for stages in writes]
+    writes = stages_written_by(target.topology.pp, workers)
+    dp = target.topology.dp
+    if target.stages is None:
+        return [max((joined_state_bytes(source, dp, kept_stage=s) for s in stages), default=0) for stages in writes]
     numels = source_numels(source)
-    elements = [sum(numels[n] for n in stage_names(layers, bounds, t, list(numels))) for t in range(target.pp)]
-    return [max((joined_state_bytes(source, target.dp, target_elements=elements[t]) for t in stages), default=0)
+    elements = [sum(numels[n] for n in names) for names in target.stages.names]
+    return [max((joined_state_bytes(source, dp, target_elements=elements[t]) for t in stages), default=0)
             for stages in writes]
 
 
-def check_budget(opts: ReshardOptions, source: PipelineSource, target: Topology, workers: int) -> list[int]:
+def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
     path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
-    bounds = layers = None
-    if target.pp != source.pp:
-        layers = pipeline_layers(opts, source.model_path(0))
-        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
-    needed = whole_tensor_bytes(source, target, workers, bounds, layers)
+    needed = whole_tensor_bytes(source, target, workers)
     worst = max(range(workers), key=needed.__getitem__)
     if needed[worst] > opts.memory_budget:
         more = " (more workers do not help: every worker building a stage joins every source stage)" \
-            if bounds is not None else " or more workers, up to one per stage"
+            if target.stages is not None else " or more workers, up to one per stage"
         raise OptionError(f"{source.optim_path(0, 0)}: pipeline checkpoints are resharded with whole tensors (not "
                           f"the bounded rounds of ZeRO checkpoints); worker {worst} would hold about "
                           f"{human(needed[worst])}, over --memory-budget {human(opts.memory_budget)}: give "
@@ -132,32 +139,29 @@ def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(w, pp, workers)) for w in range(workers))
 
 
-def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> Topology:
-    """target_topology, then the memory check, on worker 0 before anything is written."""
-    target = target_topology(opts, source)
-    check_budget(opts, source, target, workers)
-    return target
+def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
+    """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is written."""
+    target = pipeline_target(opts, source)
+    return target, check_budget(opts, source, target, workers)
 
 
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
-    source, target = inspect_on_worker0(unit, transport, clock,
-                                        lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
-                                        lambda source: checked_target(opts, source, transport.size))
+    source, (planned, needed) = inspect_on_worker0(
+        unit, transport, clock, lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
+        lambda source: checked_target(opts, source, transport.size))
+    target, assignment = planned.topology, planned.stages
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
                               opts.dry_run)
     writes = stages_written_by(target.pp, transport.size)
-    repartition = target.pp != source.pp
+    repartition = assignment is not None
     if repartition:
-        layers = pipeline_layers(opts, source.model_path(0))
-        bounds = stage_bounds(opts.pipeline_partition, layers, source_numels(source), target.pp)
-        how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds {bounds}), each "
-               f"stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
+        how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds "
+               f"{list(assignment.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
     else:
         how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
-    needed = check_budget(opts, source, target, transport.size)
     result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors "
                         f"(largest worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
                         "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
@@ -183,8 +187,8 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
             report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
         for stage in writes[transport.rank]:
             if repartition:
-                paths += write_repartitioned_stage(source, states, template, layers, opts.pipeline_partition,
-                                                   target.pp, stage, target.dp, tag_dir, opts.trust_pickle)
+                paths += write_repartitioned_stage(source, states, template, assignment.names[stage], target.pp,
+                                                   stage, target.dp, tag_dir, opts.trust_pickle)
             else:
                 paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
                 report.bytes_read += sum(identity[name]["bytes"] for name in identity
