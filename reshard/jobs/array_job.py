@@ -190,6 +190,11 @@ def _done_path(array_dir: str, name: str) -> str:
     return os.path.join(array_dir, DONE_DIR, urllib.parse.quote(name, safe="") + ".json")
 
 
+def _is_done(array_dir: str, name: str) -> bool:
+    """File `name` of the set is complete and fsynced: its marker exists (the per-file resume)."""
+    return os.path.isfile(_done_path(array_dir, name))
+
+
 def _read_json(path: str):
     try:
         with open(path) as fd:
@@ -296,7 +301,7 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, targe
         "save_dir_files": carried,
         **place}
     resume = ResumeByFile(
-        {f.name: f.nbytes for f in mine}, lambda name: os.path.isfile(_done_path(array_dir, name)),
+        {f.name: f.nbytes for f in mine}, functools.partial(_is_done, array_dir),
         (array_dir, os.path.join(array_dir, DONE_DIR)),
         lambda staging: _write_record_once(os.path.join(array_dir, RECORD_NAME), record),
         os.path.join(array_dir, f"task-{opts.array_task}"),
@@ -384,7 +389,7 @@ def _mark_done(array_dir: str, name: str, path: str) -> None:
 
 
 def _missing(record: dict, array_dir: str) -> list[str]:
-    return [name for name in sorted(record["owners"]) if not os.path.isfile(_done_path(array_dir, name))]
+    return [name for name in sorted(record["owners"]) if not _is_done(array_dir, name)]
 
 
 def publish_ready(destination: str, *, tags: list[str] | None = None, latest: str | None = None,
