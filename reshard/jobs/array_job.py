@@ -12,26 +12,30 @@ for one worker restricted to the segments its own files hold (`restrict_to_files
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
 
-Bookkeeping sits beside the staging tag directory, in DST/.reshard-staging/TAG.array/:
-`record.json` (what the set is: output fingerprint, K, every file and its owner, the manifest
-fields; written once, by whichever task comes first, and compared by every later one),
-`done/NAME.json` (NAME is complete and fsynced: its size and BLAKE3), `task-I/.reshard.lock`
-(one live run per task). Tasks may run at any time, in any order, on any hosts that see SRC
-and DST, one after another or at once, and may be retried: a retried task redoes the files it
-had not finished (resume is per file).
+A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
+destination check, staging, lock, free space, clean-up), resuming per file
+(`lifecycle.ResumeByFile`) instead of by rounds. What an array job supplies is its bookkeeping,
+beside the staging tag directory in DST/.reshard-staging/TAG.array/: `record.json` (what the set
+is: output fingerprint, K, every file and its owner, the manifest fields; written once, by
+whichever task comes first, and compared by every later one), `done/NAME.json` (NAME is complete
+and fsynced: its size and BLAKE3: the per-file completion marker), and `task-I/` (where the
+lifecycle keeps the task's lock: one live run per task). Tasks may run at any time, in any order,
+on any hosts that see SRC and DST, one after another or at once, and may be retried: a retried
+task redoes the files it had not finished.
 
 After its own files, each task publishes every checkpoint of its destinations whose files are
-all done (`publish_ready`), holding the destination lock, so that exactly one process moves a
-tag directory into place, writes its manifest, and writes `latest`, last, once every tag of
-that destination is in place.
+all done (`publish_ready`: the final assembly, a manifest from the markers, is this module's; the
+placing, under the destination lock so that exactly one process moves a tag directory into place
+and writes `latest`, last, once every tag of that destination is in place, is
+`lifecycle.publish_sets`).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import heapq
 import json
 import os
-import shutil
 import sys
 import time
 import urllib.parse
@@ -49,15 +53,12 @@ from reshard.jobs.destination import (
     ARRAY_SUFFIX,
     STAGING,
     Staging,
-    check_empty,
     check_paths,
     stale_staging_notes,
-    write_latest,
 )
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_schema import LATEST
 from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
     refuse_experts,
@@ -66,14 +67,15 @@ from reshard.formats.deepspeed_spec import (
 from reshard.formats.deepspeed_target import target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
 from reshard.jobs.lifecycle import (
-    already_complete_note,
+    JobOutput,
+    Lifecycle,
+    ReadySet,
+    ResumeByFile,
     destination_names,
-    earlier_output_is_complete,
+    publish_sets,
     publish_tag_dir,
 )
-from reshard.jobs.lock import DestinationLock
 from reshard.jobs.manifest import (
-    JOURNAL_NAME,
     Manifest,
     manifest_source_entry,
     output_fingerprint,
@@ -81,7 +83,6 @@ from reshard.jobs.manifest import (
     write_json_atomically,
 )
 from reshard.jobs.options import ReshardOptions
-from reshard.files.paths import confined
 from reshard.planning.plan import ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
@@ -91,14 +92,13 @@ from reshard.jobs.preflight import (
 )
 from reshard.files.resources import (
     anonymous_rss_bytes,
-    check_free_space,
     ensure_open_files,
     peak_resident_bytes,
 )
 from reshard.jobs.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
-from reshard.formats.target_writer import TargetWriter, WriteFailed
+from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport.local import LocalTransport
 from reshard.version import __version__
@@ -190,6 +190,11 @@ def _done_path(array_dir: str, name: str) -> str:
     return os.path.join(array_dir, DONE_DIR, urllib.parse.quote(name, safe="") + ".json")
 
 
+def _is_done(array_dir: str, name: str) -> bool:
+    """File `name` of the set is complete and fsynced: its marker exists (the per-file resume)."""
+    return os.path.isfile(_done_path(array_dir, name))
+
+
 def _read_json(path: str):
     try:
         with open(path) as fd:
@@ -231,7 +236,7 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, Topolo
     refuse_experts(source, "SLURM array mode for")
     target = target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
     carried = save_dir_files.list_save_dir_files(source.save_dir)
-    return source, target, carried, preflight(opts, source, carried)
+    return source, target, carried, preflight(opts, source, target, carried)
 
 
 def run_array_task(opts: ReshardOptions) -> ReshardResult:
@@ -264,7 +269,8 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
 
 def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology, carried: list,
                owners: dict, mine: list, place: dict) -> CheckpointResult:
-    """This task's files of one checkpoint. `place`: every tag going to the unit's destination, and `latest`."""
+    """This task's files of one checkpoint, on the one lifecycle (reshard.jobs.lifecycle) resuming per
+    file. `place`: every tag going to the unit's destination, and `latest`."""
     started = time.perf_counter()
     spec = source.spec
     plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
@@ -287,67 +293,46 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, targe
                                | set(save_dir_files.manifest_names(carried)))
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp)
-    final = os.path.join(unit.destination, source.tag)
-    if earlier_output_is_complete(outputs.get(source.tag), fingerprint, final):
-        result.notes.append(already_complete_note(final))
-        return result
-    check_empty(unit.destination, destination_names(outputs, carried), opts.overwrite)
-
-    staging = Staging(unit.destination, source.tag)
     array_dir = _array_dir(unit.destination, source.tag)
-    try:
-        for directory in (staging.root, staging.tag_dir, array_dir, os.path.join(array_dir, DONE_DIR)):
-            if os.path.islink(directory):
-                raise OptionError(f"{directory}: is a symbolic link; reshard does not write through links inside "
-                                  "the destination (remove it)")
-            os.makedirs(confined(unit.destination, directory), exist_ok=True)
-    except OSError as error:
-        raise OptionError(f"{unit.destination}: cannot be created or written ({error.strerror})") from None
-    if os.path.exists(os.path.join(staging.tag_dir, JOURNAL_NAME)):
-        raise OptionError(f"{staging.tag_dir}: holds an interrupted collective job (it has a journal); re-run that "
-                          "job to resume it, or remove the directory")
-    _write_record_once(os.path.join(array_dir, RECORD_NAME), {
+    record = {
         "fingerprint": fingerprint, "tasks": opts.array_tasks, "tag": source.tag, "owners": owners,
         "source": manifest_source_entry(source, identity),
         "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
         "save_dir_files": carried,
-        **place})
+        **place}
+    resume = ResumeByFile(
+        {f.name: f.nbytes for f in mine}, functools.partial(_is_done, array_dir),
+        (array_dir, os.path.join(array_dir, DONE_DIR)),
+        lambda staging: _write_record_once(os.path.join(array_dir, RECORD_NAME), record),
+        os.path.join(array_dir, f"task-{opts.array_task}"),
+        f"The files this task finished stay marked done in {array_dir}; fix the cause and re-run array task "
+        f"{opts.array_task} to write the rest")
+    life = Lifecycle(unit.destination, source.tag, leader=True, overwrite=opts.overwrite, resume=resume)
+    start = life.begin(LocalTransport(), lambda: JobOutput(fingerprint, destination_names(outputs, carried),
+                                                           earlier=outputs.get(source.tag)))
+    result.notes += start.notes
+    if start.mode == "complete":
+        return result
+    staging = life.staging
+    todo = [f for f in mine if f.name in start.remaining]
 
-    lock = DestinationLock(os.path.join(array_dir, f"task-{opts.array_task}"))
-    lock.acquire()
-    if lock.stale_note:
-        result.notes.append(lock.stale_note)
-    try:
-        todo = [f for f in mine if not os.path.isfile(_done_path(array_dir, f.name))]
-        if len(todo) < len(mine):
-            result.notes.append(f"{len(mine) - len(todo)} of this task's {len(mine)} file(s) were already done")
-        check_free_space(unit.destination, sum(f.nbytes for f in todo))
-        try:
-            try:
-                for f in todo:
-                    if f.name == SAVE_DIR_FILES:
-                        entries = save_dir_files.stage(source.save_dir, carried,
-                                                       save_dir_files.staging_dir(staging.tag_dir), unit.destination)
-                        report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
-                        write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
-                    elif f.rank is None:
-                        staging.copy_in(source.tag_dir, [f.name])
-                        path = os.path.join(staging.tag_dir, f.name)
-                        report.bytes_carried += os.path.getsize(path)
-                        _mark_done(array_dir, f.name, path)
-                targets = [f for f in todo if f.rank is not None]
-                result.rounds = _write_targets(opts, source, target, staging.tag_dir, array_dir, targets,
-                                               report) \
-                    if targets else 0
-            except OSError as error:
-                raise WriteFailed(error.filename or staging.tag_dir, error) from None
-        except WriteFailed as error:
-            error.args = (f"{error}. The files this task finished stay marked done in {array_dir}; fix the cause "
-                          f"and re-run array task {opts.array_task} to write the rest",)
-            raise
-    finally:
-        lock.release()
-        shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
+    def work() -> None:  # an OSError becomes the lifecycle's WriteFailed, ending with `resume.rerun`
+        for f in todo:
+            if f.name == SAVE_DIR_FILES:
+                entries = save_dir_files.stage(source.save_dir, carried,
+                                               save_dir_files.staging_dir(staging.tag_dir), unit.destination)
+                report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
+                write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
+            elif f.rank is None:
+                staging.copy_in(source.tag_dir, [f.name])
+                path = os.path.join(staging.tag_dir, f.name)
+                report.bytes_carried += os.path.getsize(path)
+                _mark_done(array_dir, f.name, path)
+        targets = [f for f in todo if f.rank is not None]
+        result.rounds = _write_targets(opts, source, target, staging.tag_dir, array_dir, targets, report) \
+            if targets else 0
+
+    life.run(work)
     report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()
     result.seconds = time.perf_counter() - started
@@ -404,20 +389,13 @@ def _mark_done(array_dir: str, name: str, path: str) -> None:
 
 
 def _missing(record: dict, array_dir: str) -> list[str]:
-    return [name for name in sorted(record["owners"]) if not os.path.isfile(_done_path(array_dir, name))]
-
-
-def _published(destination: str, tag: str, fingerprint: str | None = None) -> bool:
-    try:
-        manifest = Manifest.read(os.path.join(destination, tag))
-    except ReshardError:
-        return False
-    return fingerprint is None or manifest.fingerprint == fingerprint
+    return [name for name in sorted(record["owners"]) if not _is_done(array_dir, name)]
 
 
 def publish_ready(destination: str, *, tags: list[str] | None = None, latest: str | None = None,
                   lock_wait: float = 60.0) -> list[str]:
-    """Publish every array set under `destination` whose files are all done; write `latest` last.
+    """Publish every array set under `destination` whose files are all done; write `latest` last
+    (reshard.jobs.lifecycle.publish_sets: under DST's lock, exactly once).
 
     `tags`/`latest`: every tag this destination receives and the one `latest` names (a task
     knows them from the source; `reshard publish DST` takes them from the records). `latest`
@@ -435,50 +413,11 @@ def publish_ready(destination: str, *, tags: list[str] | None = None, latest: st
             notes.append(f"{os.path.join(destination, record['tag'])}: {len(missing)} of {len(record['owners'])} "
                          f"file(s) still to write, by array task(s) {', '.join(map(str, waiting))}; not published yet")
         else:
-            ready.append((record, array_dir))
+            ready.append(ReadySet(record["tag"], record["fingerprint"], array_dir,
+                                  functools.partial(_publish_record, destination, record, array_dir)))
         if tags is None:
             tags, latest = record.get("destination_tags"), record.get("latest")
-    if tags is None:
-        tags = []
-    needs_latest = latest is not None and not _latest_is(destination, latest)
-    if not ready and not needs_latest:
-        return notes
-    lock = DestinationLock(destination)
-    deadline = time.monotonic() + lock_wait
-    while True:
-        try:
-            lock.acquire()
-            break
-        except OptionError as error:
-            if time.monotonic() > deadline:
-                return notes + [f"not published by this task: {error}"]
-            time.sleep(0.2)
-    try:
-        if lock.stale_note:
-            notes.append(lock.stale_note)
-        for record, array_dir in ready:
-            if os.path.isdir(array_dir) and not _published(destination, record["tag"], record["fingerprint"]):
-                _publish_record(destination, record, array_dir)
-                notes.append(f"published {os.path.join(destination, record['tag'])} (this task completed the set)")
-            shutil.rmtree(confined(destination, array_dir), ignore_errors=True)
-        root = os.path.join(destination, STAGING)
-        if os.path.isdir(root) and not os.listdir(root):
-            os.rmdir(root)
-        if latest is not None and all(_published(destination, tag) for tag in tags) \
-                and not _latest_is(destination, latest):
-            write_latest(destination, latest)
-            notes.append(f"wrote {os.path.join(destination, LATEST)} -> {latest}")
-    finally:
-        lock.release()
-    return notes
-
-
-def _latest_is(destination: str, tag: str) -> bool:
-    try:
-        with open(os.path.join(destination, LATEST)) as fd:
-            return fd.read() == tag
-    except OSError:
-        return False
+    return notes + publish_sets(destination, ready, tags=tags or [], latest=latest, lock_wait=lock_wait)
 
 
 def _publish_record(destination: str, record: dict, array_dir: str) -> None:

@@ -213,7 +213,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         if is_stage_change(source.spec, opts.target_stage):
             check_stage_change(source.spec, opts.target_stage, source.tag_dir)
         carried = save_dir_files.list_save_dir_files(source.save_dir)
-        return source, carried, preflight(opts, source, carried)
+        return source, carried, preflight(opts, source, target_topology(opts, source), carried)
 
     site = None
     if views is None:
@@ -374,7 +374,7 @@ def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, v
             from reshard.errors import UnsupportedCheckpoint
             raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
                                                               "resharding of it is not supported yet")
-        return source, preflight(opts, source, [], ranks=seen)
+        return source, preflight(opts, source, target_topology(opts, source), [], ranks=seen)
 
     source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
     failure = None

@@ -10,35 +10,43 @@
 Every kind of job runs this sequence, and only this one: the collective job (reshard.jobs.collective_job, also
 node-local, where each node's leader runs the destination steps for its own DST), the
 whole-file jobs (reshard.jobs.whole_file_job: ZeRO-0 MoE, pipeline) and the exports
-(reshard.export.runner). A SLURM array task (reshard.jobs.array_job) has no peers and resumes per
-file, but takes its steps from here too: `earlier_output_is_complete`, `destination_names`,
-`publish_tag_dir`.
+(reshard.export.runner), and each SLURM array task (reshard.jobs.array_job), which has no peers
+and shares its staging with the other tasks: it resumes per file (`ResumeByFile`) where the others
+resume by rounds (`ResumeByRounds`), and its set is placed by `publish_sets` once every task is done.
 
 Call order, and which workers run each step:
 
 1. `begin` (the leader decides, every worker learns the `Start`): DST already holds this very
    output (its manifest's fingerprint and every hash match) -> "complete", nothing to do;
-   else refuse a DST holding files not ours (unless --overwrite), check free space, take the
-   destination lock (reshard.jobs.lock), and either resume the staging of an interrupted run with the
-   same plan (its journal, reshard.jobs.manifest) or create a fresh DST/.reshard-staging/TAG
-   (reshard.jobs.destination.Staging) and journal it;
+   else refuse a DST holding files not ours (unless --overwrite), see what an interrupted run left
+   (the `resume` given: `ResumeByRounds`, the default, or `ResumeByFile`), check free space, take
+   the lock (reshard.jobs.lock: DST's, or an array task's own), and either resume the staging of an
+   interrupted run with the same plan (its journal, reshard.jobs.manifest) or create a fresh
+   DST/.reshard-staging/TAG (reshard.jobs.destination.Staging) and journal it; an array task
+   instead writes the files of its share not yet marked done;
 2. the job kind's work, on every worker: `opened()` once the files exist (the journal says so),
    `journal(rounds_done)` after each durable stretch;
 3. `publish(transport, hashes, place)`: every worker's hashes are gathered; the leader runs
    `place(all_hashes)` (manifest, journal removed, tag directory into place, `latest` last:
-   `publish_tag_dir`, or an export's own placing); all agree;
-4. `run` wraps 2-3: on failure the leader keeps the staging for a resume once rounds began, else
+   `publish_tag_dir`, or an export's own placing); all agree. An array task has no peers to
+   agree with: after its share, `publish_sets` places, under DST's lock, every set whose files are
+   all done, then `latest`;
+4. `run` wraps 2-3: on failure the leader keeps the staging for a resume once rounds began (an
+   array task's always: its finished files stay marked done), else
    removes it (and DST, when this run created it), releases the lock, and the message ends with
    what stays on disk (reshard.jobs.destination.what_was_kept); on success the leader releases the lock.
 
 What a job kind supplies, and the lifecycle never branches on: the `JobOutput` (its fingerprints,
 the names in DST that are its own, an earlier output to compare with, the bytes it needs), the work
-(rounds through reshard.jobs.execute, or whole files built by each worker), and `place` (what
-publishing means for its output).
+(rounds through reshard.jobs.execute, or whole files built by each worker), `place` (what
+publishing means for its output), and for array tasks the `ResumeByFile` (the files the task owns,
+their completion markers) and each `ReadySet`'s assembly.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -56,6 +64,7 @@ from reshard.errors import OptionError, PeerFailure, ReshardError
 from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.jobs.lock import LOCK_NAME, DestinationLock
 from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal, write_journal
+from reshard.files.paths import confined
 from reshard.files.resources import check_free_space, disk_full_message, is_disk_full
 from reshard.formats.target_writer import WriteFailed
 
@@ -113,6 +122,8 @@ class Start:
     output_bytes: int = 0
     created_destination: bool = False
     """DST did not exist before this run: a failure before the rounds removes it again."""
+    remaining: list = field(default_factory=list)
+    """Resumed per file (ResumeByFile): the files of this task's share still to write."""
 
 
 def destination_names(earlier_outputs, carried: list[str]) -> set[str]:
@@ -134,9 +145,113 @@ def already_complete_note(final_tag_dir: str) -> str:
     return f"{final_tag_dir} already holds this output (every hash matches); nothing to do"
 
 
+class ResumeByRounds:
+    """How a job with peers resumes (the collective and node-local jobs, the whole-file jobs, the
+    exports): one staging per run, DST/.reshard-staging/TAG, whose journal (reshard.jobs.manifest)
+    names the plan its files follow and how many rounds are durable. A run with the same plan
+    fingerprint continues from there; a staging of another plan is discarded and made afresh. No
+    plan fingerprint (whole files): never a resume. The lock is DST's; a failure keeps the staging
+    only once the rounds began."""
+
+    lock_dir = None
+    """The lock is DST's own (reshard.jobs.lock)."""
+
+    def survey(self, staging: Staging, output: JobOutput):
+        """Before the lock: (what this run continues, bytes the output needs, bytes already on disk)."""
+        journal = read_journal(staging.tag_dir)
+        plan_fp = output.plan_fingerprint or output.output_fingerprint
+        resume = bool(output.plan_fingerprint is not None and journal and journal.get("plan_fingerprint") == plan_fp
+                      and journal.get("skeletons"))
+        return (journal, resume), output.needed_bytes, allocated_bytes(staging.tag_dir) if resume else 0
+
+    def settle(self, staging: Staging, output: JobOutput, start: Start, found, words: Words,
+               lock: DestinationLock) -> None:
+        """Holding the lock: resume the staging found, or make a fresh one and journal it."""
+        journal, resume = found
+        if resume:
+            start.mode, start.skeletons = "resume", True
+            start.rounds_done = int(journal.get("rounds_done", 0))
+            start.notes.append(f"resuming an interrupted {words.run}: {start.rounds_done} of {output.rounds} rounds "
+                               "were done")
+            return
+        if journal and output.plan_fingerprint is not None:
+            start.notes.append(f"discarded the staging of an earlier {words.run} with a different plan {words.changed}")
+        try:
+            staging.create()
+            write_journal(staging.tag_dir, start.plan_fingerprint, False, 0)
+        except BaseException:
+            clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
+            raise
+
+    def keeps_staging(self, rounds_started: bool) -> bool:
+        return rounds_started
+
+    def what_was_kept(self, staging: Staging, kept: bool, removed_destination: bool, error: ReshardError) -> str:
+        return what_was_kept(staging, kept, removed_destination)
+
+    def released(self, lock: DestinationLock) -> None:
+        pass
+
+
+BY_ROUNDS = ResumeByRounds()
+
+
+@dataclass
+class ResumeByFile:
+    """How one of several independent tasks resumes its share of one output (a SLURM array task,
+    reshard.jobs.array_job): the tasks write into one staging, DST/.reshard-staging/TAG, that none
+    of them owns, so there is no journal and no round; a file is done once its completion marker
+    exists (`is_done`: the task writes it after the file is fsynced), and a run writes the files of
+    its share that are not done. The lock is the task's own (`lock_dir`, removed with it), so tasks
+    run at once; a failure keeps the staging and every marker. The set is published once every
+    task's files are done (`publish_sets`)."""
+
+    share: dict
+    """name -> bytes of each file this task writes: what its free-space check weighs."""
+    is_done: Callable[[str], bool]
+    directories: tuple[str, ...]
+    """The directories of the markers, made beside the staging (inside DST, never through a link)."""
+    prepare: Callable[[Staging], None]
+    """Runs once the staging and `directories` exist: records what the set is, or refuses it."""
+    lock_dir: str
+    rerun: str
+    """Where the finished files stay marked done and how to write the rest: the end of a failure's message."""
+
+    def survey(self, staging: Staging, output: JobOutput):
+        for directory in (staging.root, staging.tag_dir, *self.directories):
+            if os.path.islink(directory):
+                raise OptionError(f"{directory}: is a symbolic link; reshard does not write through links inside "
+                                  "the destination (remove it)")
+            os.makedirs(confined(staging.destination, directory), exist_ok=True)
+        if os.path.exists(os.path.join(staging.tag_dir, JOURNAL_NAME)):  # a ResumeByRounds staging
+            raise OptionError(f"{staging.tag_dir}: holds an interrupted collective job (it has a journal); re-run "
+                              "that job to resume it, or remove the directory")
+        self.prepare(staging)
+        remaining = [name for name in self.share if not self.is_done(name)]
+        return remaining, sum(self.share[name] for name in remaining), 0
+
+    def settle(self, staging: Staging, output: JobOutput, start: Start, remaining, words: Words,
+               lock: DestinationLock) -> None:
+        start.remaining = remaining
+        if len(remaining) < len(self.share):
+            start.mode = "resume"
+            start.notes.append(f"{len(self.share) - len(remaining)} of this task's {len(self.share)} file(s) were "
+                               "already done")
+
+    def keeps_staging(self, rounds_started: bool) -> bool:
+        return True  # other tasks write there too, and every file marked done stays done
+
+    def what_was_kept(self, staging: Staging, kept: bool, removed_destination: bool, error: ReshardError) -> str:
+        return f". {self.rerun}" if isinstance(error, WriteFailed) else ""
+
+    def released(self, lock: DestinationLock) -> None:
+        shutil.rmtree(os.path.dirname(lock.path), ignore_errors=True)
+
+
 def decide_start(destination: str, tag: str, output: JobOutput, lock: DestinationLock, overwrite: bool,
-                 words: Words = RESHARD, allow_complete: bool = True) -> Start:
-    """Step 1 on the leader: complete, resume or fresh; the lock taken and the staging ready unless complete."""
+                 words: Words = RESHARD, allow_complete: bool = True, resume=BY_ROUNDS) -> Start:
+    """Step 1 on the leader: complete, resume or fresh; the lock taken and the staging ready unless complete.
+    `resume` (ResumeByRounds, ResumeByFile) says what an interrupted run left and how this one continues it."""
     plan_fp = output.plan_fingerprint or output.output_fingerprint
     start = Start("fresh", output.output_fingerprint, plan_fp, output.identity)
     final = os.path.join(destination, tag)
@@ -147,31 +262,16 @@ def decide_start(destination: str, tag: str, output: JobOutput, lock: Destinatio
         start.notes.append(already_complete_note(final))
         return start
     check_empty(destination, output.ours, overwrite)
-    staging = Staging(destination, tag)
-    journal = read_journal(staging.tag_dir)
-    resume = bool(output.plan_fingerprint is not None and journal and journal.get("plan_fingerprint") == plan_fp
-                  and journal.get("skeletons"))
-    if output.needed_bytes is not None:
-        start.output_bytes = output.needed_bytes
-        check_free_space(destination, output.needed_bytes, allocated_bytes(staging.tag_dir) if resume else 0)
     start.created_destination = not os.path.lexists(destination)
+    staging = Staging(destination, tag)
+    found, needed_bytes, already_written = resume.survey(staging, output)
+    if needed_bytes is not None:
+        start.output_bytes = needed_bytes
+        check_free_space(destination, needed_bytes, already_written)
     lock.acquire()
     if lock.stale_note:
         start.notes.append(lock.stale_note)
-    if resume:
-        start.mode, start.skeletons = "resume", True
-        start.rounds_done = int(journal.get("rounds_done", 0))
-        start.notes.append(f"resuming an interrupted {words.run}: {start.rounds_done} of {output.rounds} rounds "
-                           "were done")
-        return start
-    if journal and output.plan_fingerprint is not None:
-        start.notes.append(f"discarded the staging of an earlier {words.run} with a different plan {words.changed}")
-    try:
-        staging.create()
-        write_journal(staging.tag_dir, plan_fp, False, 0)
-    except BaseException:
-        clean_up_after_failure(staging, lock, keep_staging=False, remove_destination=start.created_destination)
-        raise
+    resume.settle(staging, output, start, found, words, lock)
     return start
 
 
@@ -201,6 +301,76 @@ def publish_tag_dir(staging: Staging, manifest: Manifest, latest: str | None, sc
     staging.publish(latest, scripts_from=scripts_from)
 
 
+@dataclass(frozen=True)
+class ReadySet:
+    """An output written by independent tasks (ResumeByFile) whose every file is done: `publish_sets` places it."""
+
+    tag: str
+    fingerprint: str
+    bookkeeping: str
+    """The directory of its completion markers (inside DST's staging): removed once the set is in place."""
+    place: Callable[[], None]
+    """Assemble it and put it in place: its manifest from the markers, then `publish_tag_dir`."""
+
+
+def publish_sets(destination: str, ready: list[ReadySet], *, tags: list[str], latest: str | None,
+                 lock_wait: float = 60.0) -> list[str]:
+    """Publish the sets in `ready` and write `latest` last, holding DST's lock, so that however many
+    tasks finish at once exactly one places each set and writes `latest`.
+
+    `tags`: every tag DST receives; `latest` (the tag it names) is written once all of them are
+    in place. Waits up to `lock_wait` seconds for another publisher; then leaves it to that one.
+    Returns notes for the summary."""
+    notes = []
+    if not ready and (latest is None or latest_is(destination, latest)):
+        return notes
+    lock = DestinationLock(destination)
+    deadline = time.monotonic() + lock_wait
+    while True:
+        try:
+            lock.acquire()
+            break
+        except OptionError as error:
+            if time.monotonic() > deadline:
+                return [f"not published by this task: {error}"]
+            time.sleep(0.2)
+    try:
+        if lock.stale_note:
+            notes.append(lock.stale_note)
+        for output in ready:
+            if os.path.isdir(output.bookkeeping) and not is_published(destination, output.tag, output.fingerprint):
+                output.place()
+                notes.append(f"published {os.path.join(destination, output.tag)} (this task completed the set)")
+            shutil.rmtree(confined(destination, output.bookkeeping), ignore_errors=True)
+        root = os.path.join(destination, STAGING)
+        if os.path.isdir(root) and not os.listdir(root):
+            os.rmdir(root)
+        if latest is not None and all(is_published(destination, tag) for tag in tags) \
+                and not latest_is(destination, latest):
+            write_latest(destination, latest)
+            notes.append(f"wrote {os.path.join(destination, LATEST)} -> {latest}")
+    finally:
+        lock.release()
+    return notes
+
+
+def is_published(destination: str, tag: str, fingerprint: str | None = None) -> bool:
+    """DST/TAG holds a manifest (of the output `fingerprint`, when given)."""
+    try:
+        manifest = Manifest.read(os.path.join(destination, tag))
+    except ReshardError:
+        return False
+    return fingerprint is None or manifest.fingerprint == fingerprint
+
+
+def latest_is(destination: str, tag: str) -> bool:
+    try:
+        with open(os.path.join(destination, LATEST)) as fd:
+            return fd.read() == tag
+    except OSError:
+        return False
+
+
 def remove_journal(staging: Staging) -> None:
     """The first step of an export's publish: the staging is no longer an interrupted run."""
     os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
@@ -214,10 +384,11 @@ class Lifecycle:
     (None: every worker)."""
 
     def __init__(self, destination: str, tag: str, *, leader: bool, overwrite: bool = False, words: Words = RESHARD,
-                 peers: tuple[int, ...] | None = None):
+                 peers: tuple[int, ...] | None = None, resume: ResumeByRounds | ResumeByFile = BY_ROUNDS):
         self.destination, self.leader, self.overwrite, self.words, self.peers = destination, leader, overwrite, words, peers
+        self.resume = resume
         self.staging = Staging(destination, tag)
-        self.lock = DestinationLock(destination)
+        self.lock = DestinationLock(resume.lock_dir or destination)
         self.start: Start | None = None
         self.rounds_started = False
         """Set once the work began writing what a resume continues: a failure then keeps the staging."""
@@ -227,7 +398,7 @@ class Lifecycle:
         """The leader's decision (step 1), an OSError reported as the destination's."""
         try:
             return decide_start(self.destination, self.staging.tag, describe(), self.lock, self.overwrite,
-                                self.words, allow_complete)
+                                self.words, allow_complete, self.resume)
         except OSError as error:
             detail = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
             raise OptionError(f"{self.destination}: cannot be created or written ({detail})") from None
@@ -300,10 +471,11 @@ class Lifecycle:
         try:
             result = work()
         except BaseException as error:
-            removed = False
+            removed, kept = False, self.resume.keeps_staging(self.rounds_started)
             if self.leader:
-                removed = clean_up_after_failure(self.staging, self.lock, keep_staging=self.rounds_started,
+                removed = clean_up_after_failure(self.staging, self.lock, keep_staging=kept,
                                                  remove_destination=self.start.created_destination)
+                self.resume.released(self.lock)
             if isinstance(error, OSError):  # journal, manifest or publish writes: reported like the others
                 error = WriteFailed(error.filename or self.staging.tag_dir, error)
             if isinstance(error, ReshardError):
@@ -311,9 +483,10 @@ class Lifecycle:
                 if isinstance(error, WriteFailed) and self.start.output_bytes and is_disk_full(error.error, error.path):
                     text = (f"{error.path}: writing failed ({error.error.strerror or 'disk full'}): "
                             f"{disk_full_message(self.destination, self.start.output_bytes)}")
-                error.args = (text + what_was_kept(self.staging, self.rounds_started, removed),)
+                error.args = (text + self.resume.what_was_kept(self.staging, kept, removed, error),)
                 raise error from None
             raise
         if self.leader:
             self.lock.release()
+            self.resume.released(self.lock)
         return result

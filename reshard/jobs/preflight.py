@@ -3,7 +3,7 @@ and tensor-parallel target it refuses, the notes it prints, and earlier outputs 
 
     from reshard.jobs.preflight import outputs_of, preflight, target_topology
     target = target_topology(opts, source)             # OptionError naming the file where DeepSpeed could not load it
-    notes = preflight(opts, source, carried)           # refusals, or notes for the summary
+    notes = preflight(opts, source, target, carried)   # refusals, or notes for the summary
     earlier = outputs_of(dst, source.save_dir, target_dp=3)   # tag -> Manifest reshard wrote there from this source
 
 Shared by the collective job (reshard.jobs.collective_job) and the array tasks (reshard.jobs.array_job).
@@ -27,10 +27,12 @@ ZERO3_RANK_IDENTITY_NOTE = (
     "compare with the training job's own state if in doubt")
 
 
-def preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str], ranks=None) -> list[str]:
-    """Refuse a batch config the target cannot run (a warning for launchers that recompute it);
-    notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3 client_state."""
-    check_tensor_parallel_target(opts, source)
+def preflight(opts: ReshardOptions, source: SourceCheckpoint, target: Topology, carried: list[str],
+              ranks=None) -> list[str]:
+    """Refuse a TP size or batch config the target cannot run (a warning for launchers that
+    recompute it); notes on what a new world size changes: per-rank RNG files, per-rank ZeRO-3
+    client_state. `target`: the job's one target value (`target_topology`), derived by the caller."""
+    check_tensor_parallel_target(source, target)
     ds_config = source.model_template.get("ds_config")
     warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
     problem = batch_config_problem(ds_config, opts.target_dp)
@@ -46,9 +48,9 @@ def preflight(opts: ReshardOptions, source: SourceCheckpoint, carried: list[str]
     return notes
 
 
-def check_tensor_parallel_target(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+def check_tensor_parallel_target(source: SourceCheckpoint, target: Topology) -> None:
     """Refuse a target TP size the checkpoint cannot be resharded to."""
-    spec, target = source.spec, opts.target_for(source.spec.topology)
+    spec = source.spec
     if spec.tensor is None and target.tp != spec.topology.tp:
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
