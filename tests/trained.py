@@ -16,27 +16,53 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint
+from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint, train_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class TrainedCheckpoints:
-    """variant, N, steps -> (save_dir, truth path), trained on first use."""
+    """variant, N, steps -> (save_dir, truth path), trained on first use.
+
+    `prepare(wanted)` trains the missing ones among many (variant, N) in one launch per N, each in
+    a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
+    ~10-20 s a launch costs to start; a fixture that is about to ask for many calls it first."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.cache: dict[tuple[str, int], tuple[Path, Path]] = {}
+        self.cache: dict[tuple[str, int, int], tuple[Path, Path]] = {}
+
+    def _paths(self, variant: str, n: int, steps: int) -> tuple[Path, Path]:
+        base = self.root / f"{variant}-n{n}-s{steps}"
+        base.mkdir(parents=True, exist_ok=True)
+        return base / "ckpt", base / "truth.pt"
 
     def __call__(self, variant: str, n: int, steps: int = 3) -> tuple[Path, Path]:
         key = (variant, n, steps)
         if key not in self.cache:
-            base = self.root / f"{variant}-n{n}-s{steps}"
-            base.mkdir(parents=True, exist_ok=True)
-            save_dir, truth = base / "ckpt", base / "truth.pt"
+            save_dir, truth = self._paths(variant, n, steps)
             train_checkpoint(variant, n, save_dir, truth, steps=steps)
             self.cache[key] = (save_dir, truth)
         return self.cache[key]
+
+    def prepare(self, wanted, steps: int = 3) -> None:
+        """Train every (variant, n) of `wanted` not trained yet, one launch per n. Should a shared
+        launch fail, nothing is cached from it: each later call trains its own, so every test
+        still meets its own checkpoint or its own error."""
+        by_n: dict[int, list[str]] = {}
+        for variant, n in wanted:
+            if (variant, n, steps) not in self.cache and variant not in by_n.get(n, []):
+                by_n.setdefault(n, []).append(variant)
+        for n, variants in by_n.items():
+            jobs = [(variant, *self._paths(variant, n, steps)) for variant in variants]
+            try:
+                train_checkpoints(n, jobs, steps=steps)
+            except Exception as error:  # noqa: BLE001 (each __call__ trains, or fails, on its own)
+                print(f"[trained.prepare] the shared launch at N={n} failed; each checkpoint trains on first use: "
+                      f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
+                continue
+            for variant, save_dir, truth in jobs:
+                self.cache[(variant, n, steps)] = (save_dir, truth)
 
 
 class AutoTPCheckpoints:

@@ -55,14 +55,28 @@ def undo_zero3_linear_patch() -> None:
     torch.nn.functional.linear = torch._C._nn.linear
 
 
+def restart_zero3_param_ids() -> None:
+    """Number the next ZeRO-3 engine's parameters from 0, as in a fresh process.
+
+    ZeRO-3's Init gives each parameter `ds_id` from a counter kept on the class for the whole
+    process (runtime/zero/partition_parameters.py `Init._convert_to_deepspeed_param`:
+    `param.ds_id = Init.param_id; Init.param_id += 1`), and the optimizer files save the ids of the
+    flat groups' params ("9_14" for a second engine where a fresh process writes "1_6"). Only a
+    dead engine of this process can hold the ids handed out before."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+    Init.param_id = 0
+
+
 def build_engine(variant: Variant, seed: int, ep: int = 1):
     """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config
     (MoE and AutoEP variants: experts sharded over `ep` expert-parallel ranks). The engine starts
-    from what a fresh process holds, even after other engines in this one (undo_zero3_linear_patch)."""
+    from what a fresh process holds, even after other engines in this one (undo_zero3_linear_patch,
+    restart_zero3_param_ids)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     undo_zero3_linear_patch()
+    restart_zero3_param_ids()
 
     if variant.precision == "fp16":
         # DeepSpeed's CPU accelerator refuses fp16, but torch computes in fp16 on CPU; lying
