@@ -79,8 +79,9 @@ def matrix_outputs(trained, tmp_path_factory, request):
     resharded in threads, then all loads at one M judged in one torchrun launch (judge_together)."""
     root = tmp_path_factory.mktemp("matrix")
     outputs, jobs = {}, []
-    for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
-                                            ("variant", "n", "m", "workers")):
+    cases = _selected(request, "test_reshard_loads_bit_exactly", MATRIX, ("variant", "n", "m", "workers"))
+    trained.prepare([(variant, n) for variant, n, _, _ in cases])  # one training launch per N
+    for variant, n, m, workers in cases:
         case = _case_id(variant, n, m, workers)
         source = truth = None
         destination = root / case / "dst"
@@ -176,6 +177,7 @@ def in_job_verdicts(trained, tmp_path_factory, request):
 
     sources, before, verdicts = {}, {}, {}
     cases = _selected(request, "test_in_job_resharding_loads_bit_exactly", IN_JOB, ("variant", "n", "m"))
+    trained.prepare([(variant, n) for variant, n, _ in cases])
     for case in cases:
         try:
             sources[case] = trained(case[0], case[1])

@@ -16,27 +16,53 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint
+from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint, train_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class TrainedCheckpoints:
-    """variant, N, steps -> (save_dir, truth path), trained on first use."""
+    """variant, N, steps -> (save_dir, truth path), trained on first use.
+
+    `prepare(wanted)` trains the missing ones among many (variant, N) in one launch per N, each in
+    a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
+    ~10-20 s a launch costs to start; a fixture that is about to ask for many calls it first."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.cache: dict[tuple[str, int], tuple[Path, Path]] = {}
+        self.cache: dict[tuple[str, int, int], tuple[Path, Path]] = {}
+
+    def _paths(self, variant: str, n: int, steps: int) -> tuple[Path, Path]:
+        base = self.root / f"{variant}-n{n}-s{steps}"
+        base.mkdir(parents=True, exist_ok=True)
+        return base / "ckpt", base / "truth.pt"
 
     def __call__(self, variant: str, n: int, steps: int = 3) -> tuple[Path, Path]:
         key = (variant, n, steps)
         if key not in self.cache:
-            base = self.root / f"{variant}-n{n}-s{steps}"
-            base.mkdir(parents=True, exist_ok=True)
-            save_dir, truth = base / "ckpt", base / "truth.pt"
+            save_dir, truth = self._paths(variant, n, steps)
             train_checkpoint(variant, n, save_dir, truth, steps=steps)
             self.cache[key] = (save_dir, truth)
         return self.cache[key]
+
+    def prepare(self, wanted, steps: int = 3) -> None:
+        """Train every (variant, n) of `wanted` not trained yet, one launch per n. Should a shared
+        launch fail, nothing is cached from it: each later call trains its own, so every test
+        still meets its own checkpoint or its own error."""
+        by_n: dict[int, list[str]] = {}
+        for variant, n in wanted:
+            if (variant, n, steps) not in self.cache and variant not in by_n.get(n, []):
+                by_n.setdefault(n, []).append(variant)
+        for n, variants in by_n.items():
+            jobs = [(variant, *self._paths(variant, n, steps)) for variant in variants]
+            try:
+                train_checkpoints(n, jobs, steps=steps)
+            except Exception as error:  # noqa: BLE001 (each __call__ trains, or fails, on its own)
+                print(f"[trained.prepare] the shared launch at N={n} failed; each checkpoint trains on first use: "
+                      f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
+                continue
+            for variant, save_dir, truth in jobs:
+                self.cache[(variant, n, steps)] = (save_dir, truth)
 
 
 class AutoTPCheckpoints:
@@ -111,24 +137,13 @@ def judge(variant: str, m: int, load_dir, truth, verdict_path, *, in_job: bool =
 def judge_together(jobs, *, in_job: bool = False) -> dict:
     """Judge many checkpoints with few launches: jobs are (m, variant, load_dir, truth, verdict_path);
     all those at one M load in one torchrun job of M ranks (reshard_proof.check_load's --also, a fresh
-    engine each), since starting the job costs ~20-35 s on 2 cores and one more load in it ~1 s.
-    Returns {str(verdict_path): verdict dict, or the exception judging it raised}. Should the shared
-    launch fail as a whole, each job is judged in a launch of its own, so every test still gets its
-    own verdict or its own error."""
-    from reshard_proof.variants import get_variant
-
-    by_m: dict[tuple, list[tuple]] = {}
-    for m, variant, load_dir, truth, verdict_path in jobs:
-        # Only fp32 loads share a launch. A bf16/fp16 ZeRO-1/2 engine built after another one in the
-        # same process computed a different eval loss (5.009728 against the truth's 5.009845, every
-        # master and moment still equal; seen for z1_fp16, z1_bf16, z2_bf16, bf16_optimizer,
-        # z1_bf16_param_alignment, z2_fp16_overflow), so each of those loads in a fresh process, as
-        # its truth was recorded.
-        shared = get_variant(variant).precision == "fp32"
-        key = (m,) if shared else (m, str(verdict_path))
-        by_m.setdefault(key, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
+    engine each, fp32, bf16 and fp16 alike: reshard_proof.engine_setup.build_engine undoes what an
+    earlier ZeRO-3 engine left in the process), since starting the job costs ~20-35 s on 2 cores and
+    one more load in it ~1 s. Returns {str(verdict_path): verdict dict, or the exception judging it
+    raised}. Should the shared launch fail as a whole, each job is judged in a launch of its own, so
+    every test still gets its own verdict or its own error."""
     found: dict = {}
-    for (m, *_), group in by_m.items():
+    for m, group in launches_of(jobs).items():
         (variant, load_dir, truth, verdict_path), *rest = group
         args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth, "--verdict", verdict_path]
         for job in rest:
@@ -149,6 +164,15 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
         for job in group:
             found[job[3]] = json.loads(Path(job[3]).read_text())
     return found
+
+
+def launches_of(jobs) -> dict[int, list[tuple[str, str, str, str]]]:
+    """{M: [(variant, load_dir, truth, verdict_path), ...]}: the check_load launches judge_together
+    starts, one per M, holding every job at that M in the order given."""
+    by_m: dict[int, list[tuple[str, str, str, str]]] = {}
+    for m, variant, load_dir, truth, verdict_path in jobs:
+        by_m.setdefault(m, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
+    return by_m
 
 
 def verdict_of(verdicts: dict, key) -> dict:

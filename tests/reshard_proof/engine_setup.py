@@ -41,11 +41,42 @@ def node_path(path: str) -> str:
     return str(path).replace("{node}", os.environ.get("GROUP_RANK", "0"))
 
 
+def undo_zero3_linear_patch() -> None:
+    """Put torch's own linear back as torch.nn.functional.linear.
+
+    Building a ZeRO-3 engine runs DeepSpeed's Init over the module, which replaces
+    torch.nn.functional.linear by zero3_linear_wrap for the rest of the process ("This will persist
+    unless manually reset": runtime/zero/partition_parameters.py `_enable_mem_efficient_linear`).
+    Every nn.Linear of an engine built after it in the same process, whatever its stage, then runs
+    LinearFunctionForZeroStage3 (matmul, then the bias added) instead of torch's fused addmm: the
+    same weights give another eval loss in bf16/fp16 (z2_bf16: 4.985396 against 4.988028 from a
+    fresh process). F.linear is the builtin torch._C._nn.linear (torch/nn/functional.py), and a
+    later ZeRO-3 engine patches again, since DeepSpeed patches whenever F.linear is its backup."""
+    torch.nn.functional.linear = torch._C._nn.linear
+
+
+def restart_zero3_param_ids() -> None:
+    """Number the next ZeRO-3 engine's parameters from 0, as in a fresh process.
+
+    ZeRO-3's Init gives each parameter `ds_id` from a counter kept on the class for the whole
+    process (runtime/zero/partition_parameters.py `Init._convert_to_deepspeed_param`:
+    `param.ds_id = Init.param_id; Init.param_id += 1`), and the optimizer files save the ids of the
+    flat groups' params ("9_14" for a second engine where a fresh process writes "1_6"). Only a
+    dead engine of this process can hold the ids handed out before."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+    Init.param_id = 0
+
+
 def build_engine(variant: Variant, seed: int, ep: int = 1):
     """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config
-    (MoE and AutoEP variants: experts sharded over `ep` expert-parallel ranks)."""
+    (MoE and AutoEP variants: experts sharded over `ep` expert-parallel ranks). The engine starts
+    from what a fresh process holds, even after other engines in this one (undo_zero3_linear_patch,
+    restart_zero3_param_ids)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    undo_zero3_linear_patch()
+    restart_zero3_param_ids()
 
     if variant.precision == "fp16":
         # DeepSpeed's CPU accelerator refuses fp16, but torch computes in fp16 on CPU; lying

@@ -102,6 +102,18 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
                         env=env)
 
 
+def train_checkpoints(n: int, jobs: Sequence[tuple], *, steps: int = 3, seed: int = 0,
+                      timeout: float = 600) -> subprocess.CompletedProcess:
+    """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path),
+    trained one after the other, each in a fresh engine (reshard_proof.train --also); every one
+    writes the files a train_checkpoint launch of its own writes."""
+    (variant, save_dir, truth_path), *rest = jobs
+    args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
+    for job in rest:
+        args += ["--also", *job]
+    return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[job[2] for job in jobs])
+
+
 def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *, seed: int = 1,
                      tag: str | None = None, extra_steps: int = 1, in_job: bool = False,
                      timeout: float = 600, nodes: int = 1, python: str | None = None, env: dict | None = None) -> dict:

@@ -1,11 +1,16 @@
 """Train the proof model with real DeepSpeed on N ranks, save a checkpoint, record its truth.
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.train \
-        --variant z2_fp32 --save-dir /tmp/ck --truth /tmp/ck.truth.pt [--steps 3] [--seed 0] [--tag TAG]
+        --variant z2_fp32 --save-dir /tmp/ck --truth /tmp/ck.truth.pt [--steps 3] [--seed 0] [--tag TAG] \
+        [--also VARIANT SAVE_DIR TRUTH ...]
 
 Order matters: train, save, then capture the engine (so nothing the capture touches can leak into
 the checkpoint), then the eval loss (eval mode, no_grad: changes nothing), then rank 0 writes the
 truth file atomically. See truth_file.py for its schema.
+
+Each `--also` trains one more variant in the same launch, one after the other, each in a fresh
+engine from the same seed (build_engine), with the same steps and tag rules, saving a launch per
+checkpoint; its files are byte for byte those of a launch of its own (tests/test_trained_together.py).
 """
 
 import argparse
@@ -41,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default=None, help="checkpoint tag; default global_step{steps}")
+    parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE_DIR", "TRUTH"),
+                        help="train one more variant in this launch (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -67,11 +74,20 @@ def require_same_on_every_rank(what: str, value) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    variant = get_variant(args.variant)
+    for name, *_ in [(args.variant,), *args.also]:
+        get_variant(name)  # an unknown name fails before any training
     init_distributed()
+    train(args)
+    for name, save_dir, truth_path in args.also:
+        train(argparse.Namespace(**{**vars(args), "variant": name, "save_dir": save_dir, "truth": truth_path}))
+
+
+def train(args: argparse.Namespace) -> None:
+    """Train one variant in a fresh engine, save it, write its truth. Collective."""
     import deepspeed
     import torch.distributed as dist  # deepspeed.comm <= 0.16 has no all_gather_object
 
+    variant = get_variant(args.variant)
     engine = build_engine(variant, args.seed)
     losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
     tag = args.tag or f"global_step{engine.global_steps}"
