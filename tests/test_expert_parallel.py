@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -289,9 +290,67 @@ def _reshard(source, destination, dp: int, ep: int, workers: int):
     return reshard_in_threads(source, destination, dp, workers, target_ep=ep)
 
 
-def _check(variant, ep, world, truth, loads):
-    from reshard_proof.launch import check_moe_loads
-    return check_moe_loads(variant, ep, world, truth, loads)
+class Load(NamedTuple):
+    """One checkpoint to load at (ep, world) in a fresh engine of `variant`, judged against `truth`;
+    `how`: native, in_job (reshard.deepspeed.load_checkpoint) or universal (load_universal);
+    `role` says what its test expects of the verdict."""
+    ep: int
+    world: int
+    variant: str
+    truth: Path
+    how: str
+    load_dir: Path
+    verdict: Path
+    role: str = "exact"
+
+
+class MoeCase:
+    """One end-to-end test's reshards (made and checked by its `prepare` function in the shared
+    fixture) and the loads it wants judged; `error` is what preparing it raised, for its test to raise."""
+
+    def __init__(self, root: Path):
+        self.root, self.loads, self.error, self.verdicts = root, [], None, {}
+        self.values: dict = {}
+
+    def load(self, ep, world, variant, truth, load_dir, name, how="native", role="exact") -> Load:
+        load = Load(ep, world, variant, truth, how, load_dir, self.root / f"{name}.json", role)
+        self.loads.append(load)
+        return load
+
+    def verdicts_in_order(self):
+        """(load, verdict) of each load; the error of preparing the case, or of judging a load, raised."""
+        if self.error is not None:
+            raise self.error
+        for load in self.loads:
+            verdict = self.verdicts[str(load.verdict)]
+            if isinstance(verdict, BaseException):
+                raise verdict
+            yield load, verdict
+
+
+@pytest.fixture(scope="module")
+def moe_cases(request, moe_trained, tmp_path_factory):
+    """{(test name, source_key): MoeCase} of the selected end-to-end MoE load tests, all judged
+    together: every load at one (ep, world) in ONE launch, whatever its source and variant
+    (reshard_proof.launch.check_moe_together), since the launch is what costs. Each test then
+    asserts on its own verdicts; what failed while preparing or judging a case fails its test only."""
+    from reshard_proof.launch import check_moe_together
+    cases: dict[tuple, MoeCase] = {}
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in PREPARE:
+            callspec = getattr(item, "callspec", None)
+            key = (item.originalname, callspec.params.get("source_key") if callspec else None)
+            if key not in cases:
+                case = cases[key] = MoeCase(tmp_path_factory.mktemp("moe-case"))
+                try:
+                    PREPARE[key[0]](moe_trained, case, key[1])
+                except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+                    case.error = error
+    jobs = [load[:7] for case in cases.values() if case.error is None for load in case.loads]
+    verdicts = check_moe_together(jobs, timeout=1800) if jobs else {}
+    for case in cases.values():
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    return cases
 
 
 def _assert_ok(verdict):
@@ -334,12 +393,12 @@ IN_JOB = {("moe_z2_fp32", 2, 2): [(1, 2), (2, 4)], ("moe_bf16_optimizer", 2, 2):
           ("autoep_z2_fp32", 2, 2): [(1, 2)], ("autoep_z3_fp32", 2, 4): [(1, 2)]}
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("source_key", list(E2E), ids=[f"{v}-ep{e}w{w}" for v, e, w in E2E])
-def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
+def _prepare_moe_loads(moe_trained, case: MoeCase, source_key) -> None:
+    """Reshard the source to each of its E2E targets (file names checked), add the negative
+    controls and DeepSpeed's own loads, and say what to judge where."""
     variant, _, _ = source_key
     source, truth = moe_trained(*source_key)
-    by_job: dict[tuple[int, int], list] = {}
+    tmp_path = case.root
     for ep, world, workers in E2E[source_key]:
         destination = tmp_path / f"ep{ep}-w{world}"
         result = _reshard(source, destination, world, ep, workers)
@@ -347,8 +406,7 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         names = sorted(os.listdir(destination / "global_step3"))
         experts = 0 if variant.endswith("z3_fp32") else 8  # ZeRO-3 AutoEP keeps experts in its partitions
         assert sum(n.startswith("layer_") for n in names) == experts  # 2 layers x 4 global experts, never duplicated
-        by_job.setdefault((ep, world), []).append((destination, tmp_path / f"ep{ep}-w{world}.json"))
-    negative = None
+        case.load(ep, world, variant, truth, destination, f"ep{ep}-w{world}")
     if source_key == ("moe_z2_fp32", 2, 2):
         # Negative control in the same job: the ep1 output with its two rank files swapped gives
         # each rank the other's expert partitions; DeepSpeed loads it without a word.
@@ -357,8 +415,7 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         tag_dir = swapped / "global_step3"
         a, b = (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
         a.rename(tag_dir / "tmp.pt"), b.rename(a), (tag_dir / "tmp.pt").rename(b)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(1, 2)].append(negative)
+        case.load(1, 2, variant, truth, swapped, "swapped", role="negative")
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Negative control: two expert files of layer 0 swapped (experts 1 and 2 trade weights);
         # DeepSpeed stacks whatever the files hold.
@@ -369,49 +426,52 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         one, two = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
         torch.save({k[:-1] + "2": v for k, v in one.items()}, b)
         torch.save({k[:-1] + "1": v for k, v in two.items()}, a)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(1, 2)].append(negative)
+        case.load(1, 2, variant, truth, swapped, "swapped", role="negative")
     for ep, world in IN_JOB.get(source_key, []):
-        by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
-    deepspeed_plain = deepspeed_universal = z3_universal = None
+        case.load(ep, world, variant, truth, source, f"in-job-ep{ep}-w{world}", how="in_job")
     if source_key == ("autoep_z3_fp32", 2, 4):
         # DeepSpeed's universal path at ZeRO-3 gives every master and moment right, but every
         # param group group 0's hyperparameters, and drops buffers.
         from test_export_universal import _ds_to_universal
         _ds_to_universal(source, tmp_path / "universal")
-        z3_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
-        by_job[(1, 2)].append(z3_universal)
+        case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
+                  role="z3_universal")
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Against DeepSpeed, in the same job: its plain load of the ep2 source into the ep1 engine
         # reports success and gives experts 2 and 3 other experts' optimizer partitions; its
         # universal path (ds_to_universal + load_universal) gives every master and moment right.
         from test_export_universal import _ds_to_universal
         _ds_to_universal(source, tmp_path / "universal")
-        deepspeed_plain = (source, tmp_path / "deepspeed-plain.json")
-        deepspeed_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
-        by_job[(1, 2)] += [deepspeed_plain, deepspeed_universal]
-    for (ep, world), loads in by_job.items():
-        for (load_dir, verdict_path, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
-            if negative is not None and load_dir == negative[0]:
-                assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert partitions"
-                continue
-            if deepspeed_plain is not None and verdict_path == deepspeed_plain[1]:
-                assert verdict["load_error"] is None and not verdict["ok"]
-                assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
-                continue
-            if deepspeed_universal is not None and verdict_path == deepspeed_universal[1]:
-                # every master and moment right; load_universal drops buffers and keeps the source's
-                # expert group name `ep_size_2`
-                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
-                assert sorted(m.split(":")[0] for m in verdict["beyond_masters"]) == [
-                    "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
-                continue
-            if z3_universal is not None and verdict_path == z3_universal[1]:
-                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
-                assert verdict["beyond_masters"] and all(
-                    m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["beyond_masters"])
-                continue
-            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
+        case.load(1, 2, variant, truth, source, "deepspeed-plain", role="deepspeed_plain")
+        case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
+                  role="deepspeed_universal")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(E2E), ids=[f"{v}-ep{e}w{w}" for v, e, w in E2E])
+def test_moe_reshard_loads_exactly(moe_cases, source_key):
+    """Resharded (and prepared) by `_prepare_moe_loads`, judged in the launches shared by all
+    the MoE load tests (`moe_cases`)."""
+    for load, verdict in moe_cases[("test_moe_reshard_loads_exactly", source_key)].verdicts_in_order():
+        if load.role == "negative":
+            assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert partitions"
+        elif load.role == "deepspeed_plain":
+            assert verdict["load_error"] is None and not verdict["ok"]
+            assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
+        elif load.role == "deepspeed_universal":
+            # every master and moment right; load_universal drops buffers and keeps the source's
+            # expert group name `ep_size_2`
+            assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+            assert sorted(m.split(":")[0] for m in verdict["beyond_masters"]) == [
+                "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
+        elif load.role == "z3_universal":
+            assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+            assert verdict["beyond_masters"] and all(
+                m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["beyond_masters"])
+        else:
+            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (
+                load.world, load.ep, load.how == "in_job")
+            assert verdict["variant"] == load.variant and verdict["load_dir"] == str(load.load_dir)
             _assert_ok(verdict)
 
 
@@ -661,12 +721,10 @@ ZERO0 = {("moe_z0_fp32", 2, 2): [(1, 2, 3), (2, 4, 3)], ("moe_z0_bf16", 1, 2): [
 ZERO0_IN_JOB = {("moe_z0_fp32", 2, 2): [(1, 2)], ("moe_z0_bf16", 1, 2): [(2, 2)]}  # reshard.deepspeed, same launches
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("source_key", list(ZERO0), ids=[f"{v}-ep{e}w{w}" for v, e, w in ZERO0])
-def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
+def _prepare_zero0_loads(moe_trained, case: MoeCase, source_key) -> None:
     variant, source_ep, _ = source_key
     source, truth = moe_trained(*source_key)
-    by_job: dict[tuple[int, int], list] = {}
+    tmp_path = case.root
     for ep, world, workers in ZERO0[source_key]:
         destination = tmp_path / f"ep{ep}-w{world}"
         result = _reshard(source, destination, world, ep, workers)
@@ -675,8 +733,7 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         assert [n for n in names if n.startswith("expp_rank_")] == [f"expp_rank_{e}_mp_rank_00_optim_states.pt"
                                                                    for e in range(ep)]
         assert sum(n.startswith("layer_") for n in names) == 8
-        by_job.setdefault((ep, world), []).append((destination, tmp_path / f"ep{ep}-w{world}.json"))
-    negative = None
+        case.load(ep, world, variant, truth, destination, f"ep{ep}-w{world}")
     if source_ep == 2:
         # Negative control: the ep2 output with its two EP ranks' optimizer files swapped gives each
         # rank the other's expert moments (same shapes); DeepSpeed loads it without a word.
@@ -684,17 +741,22 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         shutil.copytree(tmp_path / "ep2-w4", swapped)
         a, b = (swapped / "global_step3" / f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in (0, 1))
         a.rename(a.with_suffix(".tmp")), b.rename(a), a.with_suffix(".tmp").rename(b)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(2, 4)].append(negative)
+        case.load(2, 4, variant, truth, swapped, "swapped", role="negative")
     for ep, world in ZERO0_IN_JOB[source_key]:
-        by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
-    for (ep, world), loads in by_job.items():
-        for (load_dir, _, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
-            if negative is not None and load_dir == negative[0]:
-                assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert moments"
-                continue
-            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
-            _assert_ok(verdict)
+        case.load(ep, world, variant, truth, source, f"in-job-ep{ep}-w{world}", how="in_job")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(ZERO0), ids=[f"{v}-ep{e}w{w}" for v, e, w in ZERO0])
+def test_zero0_moe_reshard_loads_exactly(moe_cases, source_key):
+    """Resharded by `_prepare_zero0_loads`, judged in the shared launches (`moe_cases`)."""
+    for load, verdict in moe_cases[("test_zero0_moe_reshard_loads_exactly", source_key)].verdicts_in_order():
+        if load.role == "negative":
+            assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert moments"
+            continue
+        assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (load.world, load.ep, load.how == "in_job")
+        assert verdict["variant"] == load.variant and verdict["load_dir"] == str(load.load_dir)
+        _assert_ok(verdict)
 
 
 @pytest.mark.e2e
@@ -728,13 +790,7 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     assert str(missing) in str(error.value)
 
 
-@pytest.mark.e2e
-def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
-    """Where DeepSpeed's own path works for native MoE (ep 1 kept, dp 2 -> 3): ds_to_universal.py +
-    load_universal gives the same fp32 masters and moments as the native load of reshard's output,
-    both equal to the truth element for element, in one launch. (ds_to_universal.py crashes on an
-    ep > 1 source, and its ep1 output loaded at ep 2 gives EP rank 1 experts 0-1: not tested here,
-    see the README.)"""
+def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
     import subprocess
     import sys
 
@@ -742,7 +798,7 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
 
     from reshard_proof.launch import child_env
     source, truth = moe_trained("moe_z1_fp32", 1, 2)
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours, theirs = case.root / "ours", case.root / "theirs"
     _reshard(source, ours, 3, 1, 2)
     script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
     done = subprocess.run([sys.executable, script, "--input_folder", str(source / "global_step3"),
@@ -751,15 +807,33 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
                           capture_output=True, text=True, env=child_env(None), timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (theirs / "latest_universal").write_text("global_step3")
-    native, universal = _check("moe_z1_fp32", 1, 3, truth, [(ours, tmp_path / "native.json"),
-                                                           (theirs, tmp_path / "universal.json", "universal")])
+    case.values["truth"] = truth
+    case.load(1, 3, "moe_z1_fp32", truth, ours, "native")
+    case.load(1, 3, "moe_z1_fp32", truth, theirs, "universal", how="universal", role="universal")
+
+
+@pytest.mark.e2e
+def test_moe_universal_oracle_at_another_dp(moe_cases):
+    """Where DeepSpeed's own path works for native MoE (ep 1 kept, dp 2 -> 3): ds_to_universal.py +
+    load_universal gives the same fp32 masters and moments as the native load of reshard's output,
+    both equal to the truth element for element, in one launch (`_prepare_universal_oracle`; the
+    launch shared with the other MoE load tests). (ds_to_universal.py crashes on an ep > 1 source,
+    and its ep1 output loaded at ep 2 gives EP rank 1 experts 0-1: not tested here, see the README.)"""
+    case = moe_cases[("test_moe_universal_oracle_at_another_dp", None)]
+    (_, native), (_, universal) = case.verdicts_in_order()
     _assert_ok(native)
+    assert native["how"] == "native" and native["world_size"] == 3
     assert universal["how"] == "universal" and universal["ok"], universal["load_error"] or universal["mismatches"][:10]
     from reshard_proof.truth_file import read_truth
-    masters = read_truth(truth)["engine"]["master"]
+    masters = read_truth(case.values["truth"])["engine"]["master"]
     tensors = sum(torch.is_tensor(v) for entry in masters.values()
                   for v in (entry["fp32"], *entry["state"].values(), *entry["scalars"].values()))
     assert universal["checked_tensors"] == tensors > 100  # every master and moment of every (global) parameter
+
+
+PREPARE = {"test_moe_reshard_loads_exactly": _prepare_moe_loads,
+           "test_zero0_moe_reshard_loads_exactly": _prepare_zero0_loads,
+           "test_moe_universal_oracle_at_another_dp": _prepare_universal_oracle}
 
 
 # --- tensor and expert parallelism together: AutoEP folded with AutoTP (README "TP with EP") ----

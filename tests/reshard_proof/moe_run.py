@@ -7,6 +7,9 @@
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
         [--universal-load-dir /tmp/u --universal-verdict /tmp/v4.json]  # ds_to_universal output, load_universal
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.moe_run check --ep 1 \
+        --job moe_z2_fp32 /tmp/ck.truth.pt native /tmp/out1 /tmp/v1.json \
+        --job autoep_z2_fp32 /tmp/ae.truth.pt in_job /tmp/ae /tmp/v2.json   # loads of several sources, one launch
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard_proof.engine_state), expert names are rewritten from the LOCAL
@@ -143,10 +146,10 @@ def merged_engine_state(engine) -> dict:
     return merged
 
 
-def _common(argv_parser: argparse.ArgumentParser) -> None:
-    argv_parser.add_argument("--variant", required=True)
+def _common(argv_parser: argparse.ArgumentParser, required: bool = True) -> None:
+    argv_parser.add_argument("--variant", required=required)
     argv_parser.add_argument("--ep", type=int, required=True, help="expert-parallel size of the engine")
-    argv_parser.add_argument("--truth", required=True)
+    argv_parser.add_argument("--truth", required=required)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,7 +161,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=3)
     train.add_argument("--seed", type=int, default=0)
     check = sub.add_parser("check")
-    _common(check)
+    _common(check, required=False)
+    check.add_argument("--job", nargs=5, action="append", default=[],
+                       metavar=("VARIANT", "TRUTH", "HOW", "LOAD_DIR", "VERDICT"),
+                       help="one more load of any source in this launch (HOW: native, in_job or universal), "
+                            "in a fresh engine of VARIANT at --ep, judged against TRUTH")
     check.add_argument("--load-dir", action="append", default=[])
     check.add_argument("--verdict", action="append", default=[])
     check.add_argument("--in-job-load-dir", action="append", default=[],
@@ -175,6 +182,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  or len(args.universal_load_dir) != len(args.universal_verdict)):
         parser.error("give one --verdict per --load-dir, --in-job-verdict per --in-job-load-dir and "
                      "--universal-verdict per --universal-load-dir")
+    if args.mode == "check":
+        if (args.load_dir or args.in_job_load_dir or args.universal_load_dir) and not (args.variant and args.truth):
+            parser.error("--load-dir, --in-job-load-dir and --universal-load-dir need --variant and --truth")
+        if any(how not in ("native", "in_job", "universal") for _, _, how, _, _ in args.job):
+            parser.error("a --job's HOW is native, in_job or universal")
     return args
 
 
@@ -261,14 +273,23 @@ def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
 
 
 def check(args) -> None:
+    """Each load in a fresh engine of its own variant (native MoE, AutoEP, any ZeRO stage and
+    precision, all at --ep over this job's ranks), judged against its own truth."""
     import deepspeed.comm as dist
 
-    variant = get_variant(args.variant)
-    truth = read_truth(args.truth)
-    loads = [(d, v, "native") for d, v in zip(args.load_dir, args.verdict)]
-    loads += [(d, v, "in_job") for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
-    loads += [(d, v, "universal") for d, v in zip(args.universal_load_dir, args.universal_verdict)]
-    for load_dir, verdict_path, how in loads:
+    loads = [(args.variant, args.truth, d, v, "native") for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(args.variant, args.truth, d, v, "in_job") for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    loads += [(args.variant, args.truth, d, v, "universal")
+              for d, v in zip(args.universal_load_dir, args.universal_verdict)]
+    loads += [(variant, truth, d, v, how) for variant, truth, how, d, v in args.job]
+    truths: dict[str, dict] = {}
+    for variant_name, truth_path, load_dir, verdict_path, how in loads:
+        variant = get_variant(variant_name)
+        if truth_path not in truths:
+            truths[truth_path] = read_truth(truth_path)
+        truth = truths[truth_path]
+        if truth["meta"]["variant"] != variant.name:
+            raise SystemExit(f"{truth_path} is the truth of {truth['meta']['variant']!r}, not {variant.name!r}")
         verdict = check_one(variant, args, truth, load_dir, how)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.
