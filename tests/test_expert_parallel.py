@@ -16,7 +16,6 @@ same matrix, with DeepSpeed's own plain and universal loads judged in the same j
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -911,34 +910,80 @@ def test_unknown_folding_and_unmarked_tp_experts_are_refused_naming_the_file(tmp
     assert sorted(p.name for p in tag.iterdir()) == sorted(before) and not (tmp_path / "a").exists()
 
 
-def _judge_folded(nproc: int, tp: int, ep: int, load_dir, truth, verdict, *extra: str, stage: int = 2) -> dict:
-    from reshard_proof.launch import run_torchrun
-    run_torchrun("reshard_proof.folded_tp_ep", nproc, ["--stage", str(stage), "--tp", str(tp), "--ep", str(ep), "--check",
-                                                       load_dir, "--truth", truth, "--verdict", verdict, *extra],
-                 expect_files=[verdict])
-    result = json.loads(Path(verdict).read_text())
-    assert result["ok"], result
-    assert result["checked_tensors"] == 156  # 39 trainable parameters (experts by global id) x master, 2 moments, module
-    return result
+class FoldedLoad(NamedTuple):
+    """A load of a folded test: `load_dir` into a fresh folded engine (ZeRO `stage`, tp, ep) on
+    nproc ranks, judged against `truth` (reshard_proof.folded_tp_ep); how: native or in_job."""
+    nproc: int
+    tp: int
+    ep: int
+    stage: int
+    how: str
+    load_dir: Path
+    truth: Path
+    verdict: Path
 
 
-@pytest.mark.e2e
-def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
-    """A real AutoEP+AutoTP save (ZeRO-2 fp32, tp 2, ep 2, world 4), resharded to targets DeepSpeed
-    builds: folded at another world (tp2 ep2 world 2, through the CLI), unfolded (tp1 ep2 world 2)
-    and folded with EP groups across TP lanes (tp2 ep4 world 4); each loaded with plain
-    `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
-    global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
-    The source is untouched; the expert files are named and stamped as DeepSpeed writes them."""
+FOLDED_SOURCES = {  # name: (nproc, tp, ep, stage), the saves the folded tests reshard
+    "z2": (4, 2, 2, 2), "z3": (4, 2, 2, 3), "plain": (2, 1, 2, 2)}
+FOLDED_NEEDS = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": ("z2",),
+                "test_unfolded_autoep_with_layer_specs_reshards_to_folded": ("plain",),
+                "test_folded_tp_ep_zero3_reshards": ("z3",)}
+
+
+@pytest.fixture(scope="module")
+def folded_cases(request, tmp_path_factory):
+    """{test name: MoeCase} of the selected folded TP+EP tests: their saves trained with one launch
+    per (nproc, tp, ep) (ZeRO-2 and ZeRO-3 at tp2 ep2 world 4 together), each test's reshards made
+    and checked by its `prepare` function, then every load at one (nproc, tp, ep) judged in ONE
+    launch, whatever its stage (reshard_proof.folded_tp_ep `judge_folded_together`)."""
+    from reshard_proof.folded_tp_ep import judge_folded_together, train_folded
+    root = tmp_path_factory.mktemp("folded")
+    wanted = [name for name in FOLDED_NEEDS if any(item.module is request.module and item.originalname == name
+                                                   for item in request.session.items)]
+    saves = {name: (root / name, root / f"{name}.truth.pt") for test in wanted for name in FOLDED_NEEDS[test]}
+    trained_with: dict[str, BaseException | None] = {}
+    by_launch: dict[tuple, list[str]] = {}
+    for name in saves:
+        by_launch.setdefault(FOLDED_SOURCES[name][:3], []).append(name)
+    for (nproc, tp, ep), names in by_launch.items():
+        try:
+            train_folded(nproc, tp, ep, [(FOLDED_SOURCES[n][3], *saves[n]) for n in names])
+            error = None
+        except Exception as failure:  # noqa: BLE001 (raised by each test that needs these saves)
+            error = failure
+        trained_with.update({n: error for n in names})
+    cases: dict[str, MoeCase] = {}
+    for test in wanted:
+        case = cases[test] = MoeCase(tmp_path_factory.mktemp("folded-case"))
+        try:
+            for name in FOLDED_NEEDS[test]:
+                if trained_with[name] is not None:
+                    raise trained_with[name]
+            FOLDED_PREPARE[test](case, *(saves[name] for name in FOLDED_NEEDS[test]))
+        except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+            case.error = error
+    loads = [load for case in cases.values() if case.error is None for load in case.loads]
+    verdicts = judge_folded_together(loads) if loads else {}
+    for case in cases.values():
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    return cases
+
+
+def _assert_folded(load: FoldedLoad, verdict: dict) -> None:
+    assert verdict["ok"], verdict
+    assert (verdict["world_size"], verdict["tp"], verdict["ep"], verdict["stage"], verdict["how"], verdict["load_dir"]) \
+        == (load.nproc, load.tp, load.ep, load.stage, load.how, str(load.load_dir))
+    assert verdict["checked_tensors"] == 156  # 39 trainable parameters (experts by global id) x master, 2 moments, module
+
+
+def _prepare_folded_z2(case: MoeCase, saved) -> None:
     from trained import reshard_cli, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
     from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
     from reshard.topology import Topology
-    save, truth = tmp_path / "folded", tmp_path / "folded.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "2", "--tp", "2", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
+    save, truth = saved
+    tmp_path = case.root
     names = sorted(os.listdir(save / "global_step2"))
     assert names == sorted(_folded_save_names(tp=2, ep=2, dp=2))
     before = {name: (save / "global_step2" / name).read_bytes() for name in names}
@@ -971,40 +1016,68 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
     refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
-
-    _judge_folded(2, 2, 2, tmp_path / "w2", truth, tmp_path / "v_w2.json")
-    _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json")
-    _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json")
-    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job")  # reshard.deepspeed.load_checkpoint
+    case.loads += [FoldedLoad(2, 2, 2, 2, "native", tmp_path / "w2", truth, tmp_path / "v_w2.json"),
+                   FoldedLoad(2, 1, 2, 2, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),
+                   FoldedLoad(4, 2, 4, 2, "native", tmp_path / "ep4", truth, tmp_path / "v_ep4.json"),
+                   # reshard.deepspeed.load_checkpoint
+                   FoldedLoad(2, 2, 2, 2, "in_job", save, truth, tmp_path / "v_in_job.json")]
 
 
 @pytest.mark.e2e
-def test_unfolded_autoep_with_layer_specs_reshards_to_folded(tmp_path):
+def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(folded_cases):
+    """A real AutoEP+AutoTP save (ZeRO-2 fp32, tp 2, ep 2, world 4), resharded to targets DeepSpeed
+    builds: folded at another world (tp2 ep2 world 2, through the CLI), unfolded (tp1 ep2 world 2)
+    and folded with EP groups across TP lanes (tp2 ep4 world 4); each loaded with plain
+    `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
+    global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
+    The source is untouched; the expert files are named and stamped as DeepSpeed writes them
+    (`_prepare_folded_z2`; judged in the launches shared by the folded tests, `folded_cases`)."""
+    verdicts = list(folded_cases["test_folded_tp_ep_reshards_to_folded_and_unfolded_targets"].verdicts_in_order())
+    assert len(verdicts) == 4
+    for load, verdict in verdicts:
+        _assert_folded(load, verdict)
+
+
+def _prepare_unfolded(case: MoeCase, saved) -> None:
+    from reshard.jobs.collective_job import reshard_checkpoint
+    save, truth = saved
+    reshard_checkpoint(str(save), str(case.root / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
+    case.loads.append(FoldedLoad(4, 2, 2, 2, "native", case.root / "folded", truth, case.root / "v.json"))
+
+
+@pytest.mark.e2e
+def test_unfolded_autoep_with_layer_specs_reshards_to_folded(folded_cases):
     """AutoEP at tp 1 whose ds_config carries AutoTP layer specs (world 2, ep 2) -> folded tp2 ep2
     world 4, loaded with plain `engine.load_checkpoint`, every value equal to the truth."""
-    from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
-    save, truth = tmp_path / "plain", tmp_path / "plain.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 2, ["--stage", "2", "--tp", "1", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
-    reshard_checkpoint(str(save), str(tmp_path / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
-    _judge_folded(4, 2, 2, tmp_path / "folded", truth, tmp_path / "v.json")
+    verdicts = list(folded_cases["test_unfolded_autoep_with_layer_specs_reshards_to_folded"].verdicts_in_order())
+    assert len(verdicts) == 1
+    _assert_folded(*verdicts[0])
 
 
-@pytest.mark.e2e
-def test_folded_tp_ep_zero3_reshards(tmp_path):
-    """A real AutoEP+AutoTP ZeRO-3 save (fp32, tp 2, ep 2, world 4; experts in the ZeRO partitions,
-    `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
-    unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
-    every value equal to the truth; and in-job at tp2 ep2 world 2."""
+def _prepare_folded_z3(case: MoeCase, saved) -> None:
     from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
-    save, truth = tmp_path / "z3", tmp_path / "z3.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
+    save, truth = saved
+    tmp_path = case.root
     reshard_checkpoint(str(save), str(tmp_path / "tp1"), 2, target_tp=1, target_ep=2, quiet=True)
     reshard_checkpoint(str(save), str(tmp_path / "ep4"), 2, target_tp=2, target_ep=4, quiet=True)
     assert not [n for n in os.listdir(tmp_path / "ep4" / "global_step2") if n.startswith("layer_")]
-    _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json", stage=3)
-    _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json", stage=3)
-    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job", stage=3)
+    case.loads += [FoldedLoad(2, 1, 2, 3, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),
+                   FoldedLoad(4, 2, 4, 3, "native", tmp_path / "ep4", truth, tmp_path / "v_ep4.json"),
+                   FoldedLoad(2, 2, 2, 3, "in_job", save, truth, tmp_path / "v_in_job.json")]
+
+
+@pytest.mark.e2e
+def test_folded_tp_ep_zero3_reshards(folded_cases):
+    """A real AutoEP+AutoTP ZeRO-3 save (fp32, tp 2, ep 2, world 4; experts in the ZeRO partitions,
+    `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
+    unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
+    every value equal to the truth; and in-job at tp2 ep2 world 2 (`_prepare_folded_z3`)."""
+    verdicts = list(folded_cases["test_folded_tp_ep_zero3_reshards"].verdicts_in_order())
+    assert len(verdicts) == 3
+    for load, verdict in verdicts:
+        _assert_folded(load, verdict)
+
+
+FOLDED_PREPARE = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": _prepare_folded_z2,
+                  "test_unfolded_autoep_with_layer_specs_reshards_to_folded": _prepare_unfolded,
+                  "test_folded_tp_ep_zero3_reshards": _prepare_folded_z3}
