@@ -33,6 +33,7 @@ from reshard.layouts.expert_placement import ExpertPlacement, expert_name_parts,
 from reshard.layouts.zero import ParamSpec, buffer_numels
 from reshard.planning.plan import Ownership, Stream, plan_space
 from reshard.topology import Topology
+from trained import JudgedCase
 
 SLOT = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -303,28 +304,14 @@ class Load(NamedTuple):
     role: str = "exact"
 
 
-class MoeCase:
-    """One end-to-end test's reshards (made and checked by its `prepare` function in the shared
-    fixture) and the loads it wants judged; `error` is what preparing it raised, for its test to raise."""
-
-    def __init__(self, root: Path):
-        self.root, self.loads, self.error, self.verdicts = root, [], None, {}
-        self.values: dict = {}
+class MoeCase(JudgedCase):
+    """One end-to-end MoE test's reshards (made and checked by its `prepare` function in the
+    shared fixture) and the loads it wants judged (tests/trained.py JudgedCase)."""
 
     def load(self, ep, world, variant, truth, load_dir, name, how="native", role="exact") -> Load:
         load = Load(ep, world, variant, truth, how, load_dir, self.root / f"{name}.json", role)
         self.loads.append(load)
         return load
-
-    def verdicts_in_order(self):
-        """(load, verdict) of each load; the error of preparing the case, or of judging a load, raised."""
-        if self.error is not None:
-            raise self.error
-        for load in self.loads:
-            verdict = self.verdicts[str(load.verdict)]
-            if isinstance(verdict, BaseException):
-                raise verdict
-            yield load, verdict
 
 
 @pytest.fixture(scope="module")
@@ -333,18 +320,16 @@ def moe_cases(request, moe_trained, tmp_path_factory):
     together: every load at one (ep, world) in ONE launch, whatever its source and variant
     (reshard_proof.launch.check_moe_together), since the launch is what costs. Each test then
     asserts on its own verdicts; what failed while preparing or judging a case fails its test only."""
+    from trained import selected_tests
+
     from reshard_proof.launch import check_moe_together
     cases: dict[tuple, MoeCase] = {}
-    for item in request.session.items:
-        if item.module is request.module and item.originalname in PREPARE:
-            callspec = getattr(item, "callspec", None)
-            key = (item.originalname, callspec.params.get("source_key") if callspec else None)
-            if key not in cases:
-                case = cases[key] = MoeCase(tmp_path_factory.mktemp("moe-case"))
-                try:
-                    PREPARE[key[0]](moe_trained, case, key[1])
-                except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
-                    case.error = error
+    for key in selected_tests(request, PREPARE):
+        case = cases[key] = MoeCase(tmp_path_factory.mktemp("moe-case"))
+        try:
+            PREPARE[key[0]](moe_trained, case, key[1])
+        except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+            case.error = error
     jobs = [load[:7] for case in cases.values() if case.error is None for load in case.loads]
     verdicts = check_moe_together(jobs, timeout=1800) if jobs else {}
     for case in cases.values():
@@ -932,14 +917,14 @@ FOLDED_NEEDS = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": ("z
 
 @pytest.fixture(scope="module")
 def folded_cases(request, tmp_path_factory):
-    """{test name: MoeCase} of the selected folded TP+EP tests: their saves trained with one launch
+    """{test name: JudgedCase} of the selected folded TP+EP tests: their saves trained with one launch
     per (nproc, tp, ep) (ZeRO-2 and ZeRO-3 at tp2 ep2 world 4 together), each test's reshards made
     and checked by its `prepare` function, then every load at one (nproc, tp, ep) judged in ONE
     launch, whatever its stage (reshard_proof.folded_tp_ep `judge_folded_together`)."""
     from reshard_proof.folded_tp_ep import judge_folded_together, train_folded
     root = tmp_path_factory.mktemp("folded")
-    wanted = [name for name in FOLDED_NEEDS if any(item.module is request.module and item.originalname == name
-                                                   for item in request.session.items)]
+    from trained import selected_tests
+    wanted = [name for name, _ in selected_tests(request, FOLDED_NEEDS)]
     saves = {name: (root / name, root / f"{name}.truth.pt") for test in wanted for name in FOLDED_NEEDS[test]}
     trained_with: dict[str, BaseException | None] = {}
     by_launch: dict[tuple, list[str]] = {}
@@ -952,9 +937,9 @@ def folded_cases(request, tmp_path_factory):
         except Exception as failure:  # noqa: BLE001 (raised by each test that needs these saves)
             error = failure
         trained_with.update({n: error for n in names})
-    cases: dict[str, MoeCase] = {}
+    cases: dict[str, JudgedCase] = {}
     for test in wanted:
-        case = cases[test] = MoeCase(tmp_path_factory.mktemp("folded-case"))
+        case = cases[test] = JudgedCase(tmp_path_factory.mktemp("folded-case"))
         try:
             for name in FOLDED_NEEDS[test]:
                 if trained_with[name] is not None:
@@ -976,7 +961,7 @@ def _assert_folded(load: FoldedLoad, verdict: dict) -> None:
     assert verdict["checked_tensors"] == 156  # 39 trainable parameters (experts by global id) x master, 2 moments, module
 
 
-def _prepare_folded_z2(case: MoeCase, saved) -> None:
+def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     from trained import reshard_cli, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
@@ -1038,7 +1023,7 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(folded_cases):
         _assert_folded(load, verdict)
 
 
-def _prepare_unfolded(case: MoeCase, saved) -> None:
+def _prepare_unfolded(case: JudgedCase, saved) -> None:
     from reshard.jobs.collective_job import reshard_checkpoint
     save, truth = saved
     reshard_checkpoint(str(save), str(case.root / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
@@ -1054,7 +1039,7 @@ def test_unfolded_autoep_with_layer_specs_reshards_to_folded(folded_cases):
     _assert_folded(*verdicts[0])
 
 
-def _prepare_folded_z3(case: MoeCase, saved) -> None:
+def _prepare_folded_z3(case: JudgedCase, saved) -> None:
     from reshard.jobs.collective_job import reshard_checkpoint
     save, truth = saved
     tmp_path = case.root
