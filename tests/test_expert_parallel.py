@@ -264,25 +264,67 @@ def test_file_shares_split_whole_files_over_workers():
 # --- end to end with real DeepSpeed ------------------------------------------------------------
 
 class MoeSources:
-    """(variant, ep, world) -> (save_dir, truth), trained once per session."""
+    """(variant, ep, world) -> (save_dir, truth), trained once per session; `train_many` trains
+    several at one (ep, world) in one launch."""
 
     def __init__(self, root):
-        self.root, self.cache = root, {}
+        self.root, self.cache, self.failed = root, {}, {}
+
+    def _paths(self, key):
+        base = self.root / "{}-ep{}-w{}".format(*key)
+        base.mkdir(parents=True, exist_ok=True)
+        return base / "ckpt", base / "truth.pt"
+
+    def train_many(self, keys) -> None:
+        """Train every key not trained yet, one launch per (ep, world) whatever the variant
+        (reshard_proof.moe_run train --save: a fresh engine each), since the launch is what costs;
+        a failed launch is raised by each later call for one of its keys."""
+        from reshard_proof.launch import train_moe_checkpoints
+        by_size: dict[tuple[int, int], list[tuple]] = {}
+        for key in keys:
+            if key not in self.cache and key not in self.failed and key not in by_size.get(key[1:], []):
+                by_size.setdefault(key[1:], []).append(key)
+        for (ep, world), group in by_size.items():
+            try:
+                train_moe_checkpoints(ep, world, [(key[0], *self._paths(key)) for key in group])
+            except Exception as error:  # noqa: BLE001 (raised for each key by __call__)
+                self.failed.update({key: error for key in group})
+                continue
+            self.cache.update({key: self._paths(key) for key in group})
 
     def __call__(self, variant: str, ep: int, world: int):
-        from reshard_proof.launch import train_moe_checkpoint
         key = (variant, ep, world)
+        if key in self.failed:
+            raise self.failed[key]
         if key not in self.cache:
-            base = self.root / f"{variant}-ep{ep}-w{world}"
-            base.mkdir(parents=True, exist_ok=True)
-            train_moe_checkpoint(variant, ep, world, base / "ckpt", base / "truth.pt")
-            self.cache[key] = (base / "ckpt", base / "truth.pt")
+            self.train_many([key])
+            if key in self.failed:
+                raise self.failed[key]
         return self.cache[key]
 
 
-@pytest.fixture(scope="session")
-def moe_trained(tmp_path_factory):
-    return MoeSources(tmp_path_factory.mktemp("moe"))
+# the MoE sources each end-to-end test uses (its `source_key` parameter where it has one)
+MOE_NEEDS = {
+    "test_moe_reshard_loads_exactly": (), "test_zero0_moe_reshard_loads_exactly": (),
+    "test_autoep_round_trip_is_byte_identical": (),
+    "test_moe_identity_and_round_trip_reproduce_the_source": (("moe_z2_fp32", 2, 2),),
+    "test_moe_refusals_name_the_file": (("moe_z2_fp32", 2, 2),),
+    "test_zero0_moe_round_trip_and_dry_run": (("moe_z0_fp32", 2, 2),),
+    "test_moe_universal_oracle_at_another_dp": (("moe_z1_fp32", 1, 2),),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_trained(request, tmp_path_factory):
+    """MoeSources, with the sources of this session's tests in this module trained first, in one
+    launch per (ep, world)."""
+    from trained import selected_tests
+    sources = MoeSources(tmp_path_factory.mktemp("moe"))
+    keys = []
+    for test, source_key in selected_tests(request, MOE_NEEDS):
+        keys += [source_key] if source_key is not None else list(MOE_NEEDS[test])
+    sources.train_many(keys)
+    return sources
 
 
 def _reshard(source, destination, dp: int, ep: int, workers: int):

@@ -224,6 +224,17 @@ def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path
     return run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
 
 
+def train_moe_checkpoints(ep: int, world: int, saves: Sequence[tuple], *, steps: int = 3,
+                          timeout: float = 1200) -> subprocess.CompletedProcess:
+    """Train each (variant, save_dir, truth_path) of `saves` on `world` ranks at expert-parallel
+    size `ep` in ONE launch, a fresh engine each (reshard_proof.moe_run train --save)."""
+    args = ["train", "--ep", ep, "--steps", steps]
+    for save in saves:
+        args += ["--save", *save]
+    return run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout,
+                        expect_files=[truth for *_, truth in saves])
+
+
 def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
                     timeout: float = 600) -> list[dict]:
     """Load each (load_dir, verdict_path[, how]) in one job of `world` ranks at `ep`; returns the
