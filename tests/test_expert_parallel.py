@@ -277,8 +277,9 @@ class MoeSources:
 
     def train_many(self, keys) -> None:
         """Train every key not trained yet, one launch per (ep, world) whatever the variant
-        (reshard_proof.moe_run train --save: a fresh engine each), since the launch is what costs;
-        a failed launch is raised by each later call for one of its keys."""
+        (reshard_proof.moe_run train --save: a fresh engine each), since the launch is what costs.
+        Should a shared launch fail, each of its keys is trained alone when first asked for; a
+        launch of one key that failed is raised by each later call for it."""
         from reshard_proof.launch import train_moe_checkpoints
         by_size: dict[tuple[int, int], list[tuple]] = {}
         for key in keys:
@@ -288,7 +289,8 @@ class MoeSources:
             try:
                 train_moe_checkpoints(ep, world, [(key[0], *self._paths(key)) for key in group])
             except Exception as error:  # noqa: BLE001 (raised for each key by __call__)
-                self.failed.update({key: error for key in group})
+                if len(group) == 1:
+                    self.failed[group[0]] = error
                 continue
             self.cache.update({key: self._paths(key) for key in group})
 
