@@ -1006,7 +1006,7 @@ def _assert_folded(load: FoldedLoad, verdict: dict) -> None:
 
 
 def _prepare_folded_z2(case: JudgedCase, saved) -> None:
-    from trained import reshard_cli, saved_parallel_sizes
+    from trained import reshard_cli, reshard_in_process, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
     from reshard.jobs.collective_job import reshard_checkpoint
@@ -1042,7 +1042,8 @@ def _prepare_folded_z2(case: JudgedCase, saved) -> None:
         assert ours["folding"] == theirs["folding"], name
         assert ours.get("ds_autoep_layers") == theirs.get("ds_autoep_layers"), name
         assert ours.get("ds_config") == theirs.get("ds_config"), name
-    refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
+    refused = reshard_in_process(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2",
+                                 "--target-ep", "1")  # the refusal, not the launcher
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
     case.loads += [FoldedLoad(2, 2, 2, 2, "native", tmp_path / "w2", truth, tmp_path / "v_w2.json"),

@@ -534,8 +534,8 @@ def _prepare_fused(autotp, case) -> None:
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=4)
     via_tp1 = _reshard(to_1x2, tmp_path / "via-tp1", 3, 1, workers=1)
-    from trained import reshard_cli
-    shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
+    from trained import reshard_in_process  # what the dry run says, not the launcher
+    shown = reshard_in_process(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout + shown.stderr
     assert "vocabulary (1): embed.weight" in text and "sub-parameter (2): gate_up.weight, gate_up.bias" in text
@@ -665,7 +665,8 @@ TP_PREPARE = {
 
 @pytest.mark.e2e
 def test_dry_run_and_refusals(autotp, tmp_path):
-    from trained import reshard_cli
+    """What the command says (in this process: the message, not the launcher, is the subject)."""
+    from trained import reshard_in_process as reshard_cli
     source, _ = autotp("z1_bf16_tp2_dp1")
     shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "3", "--target-tp", "1", "--dry-run")
     assert shown.returncode == 0, shown.stderr
