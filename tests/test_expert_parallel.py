@@ -13,6 +13,9 @@ id and merged over ranks, must equal the truth, the eval loss must be close, one
 Some sources are also loaded in-job by `reshard.deepspeed.load_checkpoint` at another (dp, ep).
 AutoEP (reshard_proof.moe_model.AutoEPProofModel, experts fused per EP rank) runs through the
 same matrix, with DeepSpeed's own plain and universal loads judged in the same job.
+Launches are what cost: the sources are trained with one launch per (ep, world) (`moe_trained`),
+and every test's loads at one (ep, world) are judged in one launch, each in a fresh engine of
+its own variant (`moe_cases`); the folded TP+EP tests likewise (`folded_cases`).
 """
 from __future__ import annotations
 

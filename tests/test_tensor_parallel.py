@@ -14,7 +14,9 @@ and in-job; W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
 weights is compared with the truth resliced for that rank (tests/reshard_proof/tensor_parallel.py),
-then training continues.
+then training continues. Launches are what cost: the sources are trained with one launch per
+(tp, dp) (`autotp`), and every test's loads at one (tp, dp) are judged in one launch, each in a
+fresh engine (`tp_cases`); each test asserts on its own verdicts.
 """
 from __future__ import annotations
 
