@@ -13,13 +13,16 @@ id and merged over ranks, must equal the truth, the eval loss must be close, one
 Some sources are also loaded in-job by `reshard.deepspeed.load_checkpoint` at another (dp, ep).
 AutoEP (reshard_proof.moe_model.AutoEPProofModel, experts fused per EP rank) runs through the
 same matrix, with DeepSpeed's own plain and universal loads judged in the same job.
+Launches are what cost: the sources are trained with one launch per (ep, world) (`moe_trained`),
+and every test's loads at one (ep, world) are judged in one launch, each in a fresh engine of
+its own variant (`moe_cases`); the folded TP+EP tests likewise (`folded_cases`).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -33,6 +36,7 @@ from reshard.layouts.expert_placement import ExpertPlacement, expert_name_parts,
 from reshard.layouts.zero import ParamSpec, buffer_numels
 from reshard.planning.plan import Ownership, Stream, plan_space
 from reshard.topology import Topology
+from trained import JudgedCase
 
 SLOT = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -263,25 +267,69 @@ def test_file_shares_split_whole_files_over_workers():
 # --- end to end with real DeepSpeed ------------------------------------------------------------
 
 class MoeSources:
-    """(variant, ep, world) -> (save_dir, truth), trained once per session."""
+    """(variant, ep, world) -> (save_dir, truth), trained once per session; `train_many` trains
+    several at one (ep, world) in one launch."""
 
     def __init__(self, root):
-        self.root, self.cache = root, {}
+        self.root, self.cache, self.failed = root, {}, {}
+
+    def _paths(self, key):
+        base = self.root / "{}-ep{}-w{}".format(*key)
+        base.mkdir(parents=True, exist_ok=True)
+        return base / "ckpt", base / "truth.pt"
+
+    def train_many(self, keys) -> None:
+        """Train every key not trained yet, one launch per (ep, world) whatever the variant
+        (reshard_proof.moe_run train --save: a fresh engine each), since the launch is what costs.
+        Should a shared launch fail, each of its keys is trained alone when first asked for; a
+        launch of one key that failed is raised by each later call for it."""
+        from reshard_proof.launch import train_moe_checkpoints
+        by_size: dict[tuple[int, int], list[tuple]] = {}
+        for key in keys:
+            if key not in self.cache and key not in self.failed and key not in by_size.get(key[1:], []):
+                by_size.setdefault(key[1:], []).append(key)
+        for (ep, world), group in by_size.items():
+            try:
+                train_moe_checkpoints(ep, world, [(key[0], *self._paths(key)) for key in group])
+            except Exception as error:  # noqa: BLE001 (raised for each key by __call__)
+                if len(group) == 1:
+                    self.failed[group[0]] = error
+                continue
+            self.cache.update({key: self._paths(key) for key in group})
 
     def __call__(self, variant: str, ep: int, world: int):
-        from reshard_proof.launch import train_moe_checkpoint
         key = (variant, ep, world)
+        if key in self.failed:
+            raise self.failed[key]
         if key not in self.cache:
-            base = self.root / f"{variant}-ep{ep}-w{world}"
-            base.mkdir(parents=True, exist_ok=True)
-            train_moe_checkpoint(variant, ep, world, base / "ckpt", base / "truth.pt")
-            self.cache[key] = (base / "ckpt", base / "truth.pt")
+            self.train_many([key])
+            if key in self.failed:
+                raise self.failed[key]
         return self.cache[key]
 
 
-@pytest.fixture(scope="session")
-def moe_trained(tmp_path_factory):
-    return MoeSources(tmp_path_factory.mktemp("moe"))
+# the MoE sources each end-to-end test uses (its `source_key` parameter where it has one)
+MOE_NEEDS = {
+    "test_moe_reshard_loads_exactly": (), "test_zero0_moe_reshard_loads_exactly": (),
+    "test_autoep_round_trip_is_byte_identical": (),
+    "test_moe_identity_and_round_trip_reproduce_the_source": (("moe_z2_fp32", 2, 2),),
+    "test_moe_refusals_name_the_file": (("moe_z2_fp32", 2, 2),),
+    "test_zero0_moe_round_trip_and_dry_run": (("moe_z0_fp32", 2, 2),),
+    "test_moe_universal_oracle_at_another_dp": (("moe_z1_fp32", 1, 2),),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_trained(request, tmp_path_factory):
+    """MoeSources, with the sources of this session's tests in this module trained first, in one
+    launch per (ep, world)."""
+    from trained import selected_tests
+    sources = MoeSources(tmp_path_factory.mktemp("moe"))
+    keys = []
+    for test, source_key in selected_tests(request, MOE_NEEDS):
+        keys += [source_key] if source_key is not None else list(MOE_NEEDS[test])
+    sources.train_many(keys)
+    return sources
 
 
 def _reshard(source, destination, dp: int, ep: int, workers: int):
@@ -289,9 +337,51 @@ def _reshard(source, destination, dp: int, ep: int, workers: int):
     return reshard_in_threads(source, destination, dp, workers, target_ep=ep)
 
 
-def _check(variant, ep, world, truth, loads):
-    from reshard_proof.launch import check_moe_loads
-    return check_moe_loads(variant, ep, world, truth, loads)
+class Load(NamedTuple):
+    """One checkpoint to load at (ep, world) in a fresh engine of `variant`, judged against `truth`;
+    `how`: native, in_job (reshard.deepspeed.load_checkpoint) or universal (load_universal);
+    `role` says what its test expects of the verdict."""
+    ep: int
+    world: int
+    variant: str
+    truth: Path
+    how: str
+    load_dir: Path
+    verdict: Path
+    role: str = "exact"
+
+
+class MoeCase(JudgedCase):
+    """One end-to-end MoE test's reshards (made and checked by its `prepare` function in the
+    shared fixture) and the loads it wants judged (tests/trained.py JudgedCase)."""
+
+    def load(self, ep, world, variant, truth, load_dir, name, how="native", role="exact") -> Load:
+        load = Load(ep, world, variant, truth, how, load_dir, self.root / f"{name}.json", role)
+        self.loads.append(load)
+        return load
+
+
+@pytest.fixture(scope="module")
+def moe_cases(request, moe_trained, tmp_path_factory):
+    """{(test name, source_key): MoeCase} of the selected end-to-end MoE load tests, all judged
+    together: every load at one (ep, world) in ONE launch, whatever its source and variant
+    (reshard_proof.launch.check_moe_together), since the launch is what costs. Each test then
+    asserts on its own verdicts; what failed while preparing or judging a case fails its test only."""
+    from trained import selected_tests
+
+    from reshard_proof.launch import check_moe_together
+    cases: dict[tuple, MoeCase] = {}
+    for key in selected_tests(request, PREPARE):
+        case = cases[key] = MoeCase(tmp_path_factory.mktemp("moe-case"))
+        try:
+            PREPARE[key[0]](moe_trained, case, key[1])
+        except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+            case.error = error
+    jobs = [load[:7] for case in cases.values() if case.error is None for load in case.loads]
+    verdicts = check_moe_together(jobs, timeout=1800) if jobs else {}
+    for case in cases.values():
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    return cases
 
 
 def _assert_ok(verdict):
@@ -334,12 +424,12 @@ IN_JOB = {("moe_z2_fp32", 2, 2): [(1, 2), (2, 4)], ("moe_bf16_optimizer", 2, 2):
           ("autoep_z2_fp32", 2, 2): [(1, 2)], ("autoep_z3_fp32", 2, 4): [(1, 2)]}
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("source_key", list(E2E), ids=[f"{v}-ep{e}w{w}" for v, e, w in E2E])
-def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
+def _prepare_moe_loads(moe_trained, case: MoeCase, source_key) -> None:
+    """Reshard the source to each of its E2E targets (file names checked), add the negative
+    controls and DeepSpeed's own loads, and say what to judge where."""
     variant, _, _ = source_key
     source, truth = moe_trained(*source_key)
-    by_job: dict[tuple[int, int], list] = {}
+    tmp_path = case.root
     for ep, world, workers in E2E[source_key]:
         destination = tmp_path / f"ep{ep}-w{world}"
         result = _reshard(source, destination, world, ep, workers)
@@ -347,8 +437,7 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         names = sorted(os.listdir(destination / "global_step3"))
         experts = 0 if variant.endswith("z3_fp32") else 8  # ZeRO-3 AutoEP keeps experts in its partitions
         assert sum(n.startswith("layer_") for n in names) == experts  # 2 layers x 4 global experts, never duplicated
-        by_job.setdefault((ep, world), []).append((destination, tmp_path / f"ep{ep}-w{world}.json"))
-    negative = None
+        case.load(ep, world, variant, truth, destination, f"ep{ep}-w{world}")
     if source_key == ("moe_z2_fp32", 2, 2):
         # Negative control in the same job: the ep1 output with its two rank files swapped gives
         # each rank the other's expert partitions; DeepSpeed loads it without a word.
@@ -357,8 +446,7 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         tag_dir = swapped / "global_step3"
         a, b = (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
         a.rename(tag_dir / "tmp.pt"), b.rename(a), (tag_dir / "tmp.pt").rename(b)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(1, 2)].append(negative)
+        case.load(1, 2, variant, truth, swapped, "swapped", role="negative")
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Negative control: two expert files of layer 0 swapped (experts 1 and 2 trade weights);
         # DeepSpeed stacks whatever the files hold.
@@ -369,49 +457,52 @@ def test_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         one, two = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
         torch.save({k[:-1] + "2": v for k, v in one.items()}, b)
         torch.save({k[:-1] + "1": v for k, v in two.items()}, a)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(1, 2)].append(negative)
+        case.load(1, 2, variant, truth, swapped, "swapped", role="negative")
     for ep, world in IN_JOB.get(source_key, []):
-        by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
-    deepspeed_plain = deepspeed_universal = z3_universal = None
+        case.load(ep, world, variant, truth, source, f"in-job-ep{ep}-w{world}", how="in_job")
     if source_key == ("autoep_z3_fp32", 2, 4):
         # DeepSpeed's universal path at ZeRO-3 gives every master and moment right, but every
         # param group group 0's hyperparameters, and drops buffers.
         from test_export_universal import _ds_to_universal
         _ds_to_universal(source, tmp_path / "universal")
-        z3_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
-        by_job[(1, 2)].append(z3_universal)
+        case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
+                  role="z3_universal")
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Against DeepSpeed, in the same job: its plain load of the ep2 source into the ep1 engine
         # reports success and gives experts 2 and 3 other experts' optimizer partitions; its
         # universal path (ds_to_universal + load_universal) gives every master and moment right.
         from test_export_universal import _ds_to_universal
         _ds_to_universal(source, tmp_path / "universal")
-        deepspeed_plain = (source, tmp_path / "deepspeed-plain.json")
-        deepspeed_universal = (tmp_path / "universal", tmp_path / "deepspeed-universal.json", "universal")
-        by_job[(1, 2)] += [deepspeed_plain, deepspeed_universal]
-    for (ep, world), loads in by_job.items():
-        for (load_dir, verdict_path, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
-            if negative is not None and load_dir == negative[0]:
-                assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert partitions"
-                continue
-            if deepspeed_plain is not None and verdict_path == deepspeed_plain[1]:
-                assert verdict["load_error"] is None and not verdict["ok"]
-                assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
-                continue
-            if deepspeed_universal is not None and verdict_path == deepspeed_universal[1]:
-                # every master and moment right; load_universal drops buffers and keeps the source's
-                # expert group name `ep_size_2`
-                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
-                assert sorted(m.split(":")[0] for m in verdict["beyond_masters"]) == [
-                    "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
-                continue
-            if z3_universal is not None and verdict_path == z3_universal[1]:
-                assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
-                assert verdict["beyond_masters"] and all(
-                    m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["beyond_masters"])
-                continue
-            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
+        case.load(1, 2, variant, truth, source, "deepspeed-plain", role="deepspeed_plain")
+        case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
+                  role="deepspeed_universal")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(E2E), ids=[f"{v}-ep{e}w{w}" for v, e, w in E2E])
+def test_moe_reshard_loads_exactly(moe_cases, source_key):
+    """Resharded (and prepared) by `_prepare_moe_loads`, judged in the launches shared by all
+    the MoE load tests (`moe_cases`)."""
+    for load, verdict in moe_cases[("test_moe_reshard_loads_exactly", source_key)].verdicts_in_order():
+        if load.role == "negative":
+            assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert partitions"
+        elif load.role == "deepspeed_plain":
+            assert verdict["load_error"] is None and not verdict["ok"]
+            assert any("['master']['model.layers.0.mlp.experts.w1.2']" in m for m in verdict["mismatches"])
+        elif load.role == "deepspeed_universal":
+            # every master and moment right; load_universal drops buffers and keeps the source's
+            # expert group name `ep_size_2`
+            assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+            assert sorted(m.split(":")[0] for m in verdict["beyond_masters"]) == [
+                "engine['buffers']['num_updates']", "engine['param_groups'][2]['name']"]
+        elif load.role == "z3_universal":
+            assert verdict["ok"] and verdict["checked_tensors"] >= 100, verdict["mismatches"]
+            assert verdict["beyond_masters"] and all(
+                m.startswith(("engine['buffers']", "engine['param_groups']")) for m in verdict["beyond_masters"])
+        else:
+            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (
+                load.world, load.ep, load.how == "in_job")
+            assert verdict["variant"] == load.variant and verdict["load_dir"] == str(load.load_dir)
             _assert_ok(verdict)
 
 
@@ -661,12 +752,10 @@ ZERO0 = {("moe_z0_fp32", 2, 2): [(1, 2, 3), (2, 4, 3)], ("moe_z0_bf16", 1, 2): [
 ZERO0_IN_JOB = {("moe_z0_fp32", 2, 2): [(1, 2)], ("moe_z0_bf16", 1, 2): [(2, 2)]}  # reshard.deepspeed, same launches
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("source_key", list(ZERO0), ids=[f"{v}-ep{e}w{w}" for v, e, w in ZERO0])
-def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
+def _prepare_zero0_loads(moe_trained, case: MoeCase, source_key) -> None:
     variant, source_ep, _ = source_key
     source, truth = moe_trained(*source_key)
-    by_job: dict[tuple[int, int], list] = {}
+    tmp_path = case.root
     for ep, world, workers in ZERO0[source_key]:
         destination = tmp_path / f"ep{ep}-w{world}"
         result = _reshard(source, destination, world, ep, workers)
@@ -675,8 +764,7 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         assert [n for n in names if n.startswith("expp_rank_")] == [f"expp_rank_{e}_mp_rank_00_optim_states.pt"
                                                                    for e in range(ep)]
         assert sum(n.startswith("layer_") for n in names) == 8
-        by_job.setdefault((ep, world), []).append((destination, tmp_path / f"ep{ep}-w{world}.json"))
-    negative = None
+        case.load(ep, world, variant, truth, destination, f"ep{ep}-w{world}")
     if source_ep == 2:
         # Negative control: the ep2 output with its two EP ranks' optimizer files swapped gives each
         # rank the other's expert moments (same shapes); DeepSpeed loads it without a word.
@@ -684,17 +772,22 @@ def test_zero0_moe_reshard_loads_exactly(moe_trained, tmp_path, source_key):
         shutil.copytree(tmp_path / "ep2-w4", swapped)
         a, b = (swapped / "global_step3" / f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in (0, 1))
         a.rename(a.with_suffix(".tmp")), b.rename(a), a.with_suffix(".tmp").rename(b)
-        negative = (swapped, tmp_path / "swapped.json")
-        by_job[(2, 4)].append(negative)
+        case.load(2, 4, variant, truth, swapped, "swapped", role="negative")
     for ep, world in ZERO0_IN_JOB[source_key]:
-        by_job[(ep, world)].append((source, tmp_path / f"in-job-ep{ep}-w{world}.json", True))
-    for (ep, world), loads in by_job.items():
-        for (load_dir, _, *in_job), verdict in zip(loads, _check(variant, ep, world, truth, loads)):
-            if negative is not None and load_dir == negative[0]:
-                assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert moments"
-                continue
-            assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (world, ep, bool(in_job))
-            _assert_ok(verdict)
+        case.load(ep, world, variant, truth, source, f"in-job-ep{ep}-w{world}", how="in_job")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(ZERO0), ids=[f"{v}-ep{e}w{w}" for v, e, w in ZERO0])
+def test_zero0_moe_reshard_loads_exactly(moe_cases, source_key):
+    """Resharded by `_prepare_zero0_loads`, judged in the shared launches (`moe_cases`)."""
+    for load, verdict in moe_cases[("test_zero0_moe_reshard_loads_exactly", source_key)].verdicts_in_order():
+        if load.role == "negative":
+            assert not verdict["ok"] and verdict["mismatch_count"] > 0, "the check missed swapped expert moments"
+            continue
+        assert (verdict["world_size"], verdict["ep"], verdict["in_job"]) == (load.world, load.ep, load.how == "in_job")
+        assert verdict["variant"] == load.variant and verdict["load_dir"] == str(load.load_dir)
+        _assert_ok(verdict)
 
 
 @pytest.mark.e2e
@@ -728,13 +821,7 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     assert str(missing) in str(error.value)
 
 
-@pytest.mark.e2e
-def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
-    """Where DeepSpeed's own path works for native MoE (ep 1 kept, dp 2 -> 3): ds_to_universal.py +
-    load_universal gives the same fp32 masters and moments as the native load of reshard's output,
-    both equal to the truth element for element, in one launch. (ds_to_universal.py crashes on an
-    ep > 1 source, and its ep1 output loaded at ep 2 gives EP rank 1 experts 0-1: not tested here,
-    see the README.)"""
+def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
     import subprocess
     import sys
 
@@ -742,7 +829,7 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
 
     from reshard_proof.launch import child_env
     source, truth = moe_trained("moe_z1_fp32", 1, 2)
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours, theirs = case.root / "ours", case.root / "theirs"
     _reshard(source, ours, 3, 1, 2)
     script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
     done = subprocess.run([sys.executable, script, "--input_folder", str(source / "global_step3"),
@@ -751,15 +838,33 @@ def test_moe_universal_oracle_at_another_dp(moe_trained, tmp_path):
                           capture_output=True, text=True, env=child_env(None), timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (theirs / "latest_universal").write_text("global_step3")
-    native, universal = _check("moe_z1_fp32", 1, 3, truth, [(ours, tmp_path / "native.json"),
-                                                           (theirs, tmp_path / "universal.json", "universal")])
+    case.values["truth"] = truth
+    case.load(1, 3, "moe_z1_fp32", truth, ours, "native")
+    case.load(1, 3, "moe_z1_fp32", truth, theirs, "universal", how="universal", role="universal")
+
+
+@pytest.mark.e2e
+def test_moe_universal_oracle_at_another_dp(moe_cases):
+    """Where DeepSpeed's own path works for native MoE (ep 1 kept, dp 2 -> 3): ds_to_universal.py +
+    load_universal gives the same fp32 masters and moments as the native load of reshard's output,
+    both equal to the truth element for element, in one launch (`_prepare_universal_oracle`; the
+    launch shared with the other MoE load tests). (ds_to_universal.py crashes on an ep > 1 source,
+    and its ep1 output loaded at ep 2 gives EP rank 1 experts 0-1: not tested here, see the README.)"""
+    case = moe_cases[("test_moe_universal_oracle_at_another_dp", None)]
+    (_, native), (_, universal) = case.verdicts_in_order()
     _assert_ok(native)
+    assert native["how"] == "native" and native["world_size"] == 3
     assert universal["how"] == "universal" and universal["ok"], universal["load_error"] or universal["mismatches"][:10]
     from reshard_proof.truth_file import read_truth
-    masters = read_truth(truth)["engine"]["master"]
+    masters = read_truth(case.values["truth"])["engine"]["master"]
     tensors = sum(torch.is_tensor(v) for entry in masters.values()
                   for v in (entry["fp32"], *entry["state"].values(), *entry["scalars"].values()))
     assert universal["checked_tensors"] == tensors > 100  # every master and moment of every (global) parameter
+
+
+PREPARE = {"test_moe_reshard_loads_exactly": _prepare_moe_loads,
+           "test_zero0_moe_reshard_loads_exactly": _prepare_zero0_loads,
+           "test_moe_universal_oracle_at_another_dp": _prepare_universal_oracle}
 
 
 # --- tensor and expert parallelism together: AutoEP folded with AutoTP (README "TP with EP") ----
@@ -837,34 +942,80 @@ def test_unknown_folding_and_unmarked_tp_experts_are_refused_naming_the_file(tmp
     assert sorted(p.name for p in tag.iterdir()) == sorted(before) and not (tmp_path / "a").exists()
 
 
-def _judge_folded(nproc: int, tp: int, ep: int, load_dir, truth, verdict, *extra: str, stage: int = 2) -> dict:
-    from reshard_proof.launch import run_torchrun
-    run_torchrun("reshard_proof.folded_tp_ep", nproc, ["--stage", str(stage), "--tp", str(tp), "--ep", str(ep), "--check",
-                                                       load_dir, "--truth", truth, "--verdict", verdict, *extra],
-                 expect_files=[verdict])
-    result = json.loads(Path(verdict).read_text())
-    assert result["ok"], result
-    assert result["checked_tensors"] == 156  # 39 trainable parameters (experts by global id) x master, 2 moments, module
-    return result
+class FoldedLoad(NamedTuple):
+    """A load of a folded test: `load_dir` into a fresh folded engine (ZeRO `stage`, tp, ep) on
+    nproc ranks, judged against `truth` (reshard_proof.folded_tp_ep); how: native or in_job."""
+    nproc: int
+    tp: int
+    ep: int
+    stage: int
+    how: str
+    load_dir: Path
+    truth: Path
+    verdict: Path
 
 
-@pytest.mark.e2e
-def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
-    """A real AutoEP+AutoTP save (ZeRO-2 fp32, tp 2, ep 2, world 4), resharded to targets DeepSpeed
-    builds: folded at another world (tp2 ep2 world 2, through the CLI), unfolded (tp1 ep2 world 2)
-    and folded with EP groups across TP lanes (tp2 ep4 world 4); each loaded with plain
-    `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
-    global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
-    The source is untouched; the expert files are named and stamped as DeepSpeed writes them."""
-    from trained import reshard_cli, saved_parallel_sizes
+FOLDED_SOURCES = {  # name: (nproc, tp, ep, stage), the saves the folded tests reshard
+    "z2": (4, 2, 2, 2), "z3": (4, 2, 2, 3), "plain": (2, 1, 2, 2)}
+FOLDED_NEEDS = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": ("z2",),
+                "test_unfolded_autoep_with_layer_specs_reshards_to_folded": ("plain",),
+                "test_folded_tp_ep_zero3_reshards": ("z3",)}
+
+
+@pytest.fixture(scope="module")
+def folded_cases(request, tmp_path_factory):
+    """{test name: JudgedCase} of the selected folded TP+EP tests: their saves trained with one launch
+    per (nproc, tp, ep) (ZeRO-2 and ZeRO-3 at tp2 ep2 world 4 together), each test's reshards made
+    and checked by its `prepare` function, then every load at one (nproc, tp, ep) judged in ONE
+    launch, whatever its stage (reshard_proof.folded_tp_ep `judge_folded_together`)."""
+    from reshard_proof.folded_tp_ep import judge_folded_together, train_folded
+    root = tmp_path_factory.mktemp("folded")
+    from trained import selected_tests
+    wanted = [name for name, _ in selected_tests(request, FOLDED_NEEDS)]
+    saves = {name: (root / name, root / f"{name}.truth.pt") for test in wanted for name in FOLDED_NEEDS[test]}
+    trained_with: dict[str, BaseException | None] = {}
+    by_launch: dict[tuple, list[str]] = {}
+    for name in saves:
+        by_launch.setdefault(FOLDED_SOURCES[name][:3], []).append(name)
+    for (nproc, tp, ep), names in by_launch.items():
+        try:
+            train_folded(nproc, tp, ep, [(FOLDED_SOURCES[n][3], *saves[n]) for n in names])
+            error = None
+        except Exception as failure:  # noqa: BLE001 (raised by each test that needs these saves)
+            error = failure
+        trained_with.update({n: error for n in names})
+    cases: dict[str, JudgedCase] = {}
+    for test in wanted:
+        case = cases[test] = JudgedCase(tmp_path_factory.mktemp("folded-case"))
+        try:
+            for name in FOLDED_NEEDS[test]:
+                if trained_with[name] is not None:
+                    raise trained_with[name]
+            FOLDED_PREPARE[test](case, *(saves[name] for name in FOLDED_NEEDS[test]))
+        except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+            case.error = error
+    loads = [load for case in cases.values() if case.error is None for load in case.loads]
+    verdicts = judge_folded_together(loads) if loads else {}
+    for case in cases.values():
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    return cases
+
+
+def _assert_folded(load: FoldedLoad, verdict: dict) -> None:
+    assert verdict["ok"], verdict
+    assert (verdict["world_size"], verdict["tp"], verdict["ep"], verdict["stage"], verdict["how"], verdict["load_dir"]) \
+        == (load.nproc, load.tp, load.ep, load.stage, load.how, str(load.load_dir))
+    assert verdict["checked_tensors"] == 156  # 39 trainable parameters (experts by global id) x master, 2 moments, module
+
+
+def _prepare_folded_z2(case: JudgedCase, saved) -> None:
+    from trained import reshard_cli, reshard_in_process, saved_parallel_sizes
 
     from reshard.formats.deepspeed_folding import expert_file_names
     from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
     from reshard.topology import Topology
-    save, truth = tmp_path / "folded", tmp_path / "folded.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "2", "--tp", "2", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
+    save, truth = saved
+    tmp_path = case.root
     names = sorted(os.listdir(save / "global_step2"))
     assert names == sorted(_folded_save_names(tp=2, ep=2, dp=2))
     before = {name: (save / "global_step2" / name).read_bytes() for name in names}
@@ -894,43 +1045,72 @@ def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(tmp_path):
         assert ours["folding"] == theirs["folding"], name
         assert ours.get("ds_autoep_layers") == theirs.get("ds_autoep_layers"), name
         assert ours.get("ds_config") == theirs.get("ds_config"), name
-    refused = reshard_cli(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2", "--target-ep", "1")
+    refused = reshard_in_process(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2",
+                                 "--target-ep", "1")  # the refusal, not the launcher
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
-
-    _judge_folded(2, 2, 2, tmp_path / "w2", truth, tmp_path / "v_w2.json")
-    _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json")
-    _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json")
-    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job")  # reshard.deepspeed.load_checkpoint
+    case.loads += [FoldedLoad(2, 2, 2, 2, "native", tmp_path / "w2", truth, tmp_path / "v_w2.json"),
+                   FoldedLoad(2, 1, 2, 2, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),
+                   FoldedLoad(4, 2, 4, 2, "native", tmp_path / "ep4", truth, tmp_path / "v_ep4.json"),
+                   # reshard.deepspeed.load_checkpoint
+                   FoldedLoad(2, 2, 2, 2, "in_job", save, truth, tmp_path / "v_in_job.json")]
 
 
 @pytest.mark.e2e
-def test_unfolded_autoep_with_layer_specs_reshards_to_folded(tmp_path):
+def test_folded_tp_ep_reshards_to_folded_and_unfolded_targets(folded_cases):
+    """A real AutoEP+AutoTP save (ZeRO-2 fp32, tp 2, ep 2, world 4), resharded to targets DeepSpeed
+    builds: folded at another world (tp2 ep2 world 2, through the CLI), unfolded (tp1 ep2 world 2)
+    and folded with EP groups across TP lanes (tp2 ep4 world 4); each loaded with plain
+    `engine.load_checkpoint`, every master, moment and module value equal to the truth (experts by
+    global id), then one more step; and in-job (`reshard.deepspeed.load_checkpoint` at world 2).
+    The source is untouched; the expert files are named and stamped as DeepSpeed writes them
+    (`_prepare_folded_z2`; judged in the launches shared by the folded tests, `folded_cases`)."""
+    verdicts = list(folded_cases["test_folded_tp_ep_reshards_to_folded_and_unfolded_targets"].verdicts_in_order())
+    assert len(verdicts) == 4
+    for load, verdict in verdicts:
+        _assert_folded(load, verdict)
+
+
+def _prepare_unfolded(case: JudgedCase, saved) -> None:
+    from reshard.jobs.collective_job import reshard_checkpoint
+    save, truth = saved
+    reshard_checkpoint(str(save), str(case.root / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
+    case.loads.append(FoldedLoad(4, 2, 2, 2, "native", case.root / "folded", truth, case.root / "v.json"))
+
+
+@pytest.mark.e2e
+def test_unfolded_autoep_with_layer_specs_reshards_to_folded(folded_cases):
     """AutoEP at tp 1 whose ds_config carries AutoTP layer specs (world 2, ep 2) -> folded tp2 ep2
     world 4, loaded with plain `engine.load_checkpoint`, every value equal to the truth."""
-    from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
-    save, truth = tmp_path / "plain", tmp_path / "plain.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 2, ["--stage", "2", "--tp", "1", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
-    reshard_checkpoint(str(save), str(tmp_path / "folded"), 2, target_tp=2, target_ep=2, quiet=True)
-    _judge_folded(4, 2, 2, tmp_path / "folded", truth, tmp_path / "v.json")
+    verdicts = list(folded_cases["test_unfolded_autoep_with_layer_specs_reshards_to_folded"].verdicts_in_order())
+    assert len(verdicts) == 1
+    _assert_folded(*verdicts[0])
 
 
-@pytest.mark.e2e
-def test_folded_tp_ep_zero3_reshards(tmp_path):
-    """A real AutoEP+AutoTP ZeRO-3 save (fp32, tp 2, ep 2, world 4; experts in the ZeRO partitions,
-    `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
-    unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
-    every value equal to the truth; and in-job at tp2 ep2 world 2."""
+def _prepare_folded_z3(case: JudgedCase, saved) -> None:
     from reshard.jobs.collective_job import reshard_checkpoint
-    from reshard_proof.launch import run_torchrun
-    save, truth = tmp_path / "z3", tmp_path / "z3.truth.pt"
-    run_torchrun("reshard_proof.folded_tp_ep", 4, ["--stage", "3", "--tp", "2", "--ep", "2", "--save-dir", save,
-                                                   "--truth", truth], expect_files=[save / "latest", truth])
+    save, truth = saved
+    tmp_path = case.root
     reshard_checkpoint(str(save), str(tmp_path / "tp1"), 2, target_tp=1, target_ep=2, quiet=True)
     reshard_checkpoint(str(save), str(tmp_path / "ep4"), 2, target_tp=2, target_ep=4, quiet=True)
     assert not [n for n in os.listdir(tmp_path / "ep4" / "global_step2") if n.startswith("layer_")]
-    _judge_folded(2, 1, 2, tmp_path / "tp1", truth, tmp_path / "v_tp1.json", stage=3)
-    _judge_folded(4, 2, 4, tmp_path / "ep4", truth, tmp_path / "v_ep4.json", stage=3)
-    _judge_folded(2, 2, 2, save, truth, tmp_path / "v_in_job.json", "--in-job", stage=3)
+    case.loads += [FoldedLoad(2, 1, 2, 3, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),
+                   FoldedLoad(4, 2, 4, 3, "native", tmp_path / "ep4", truth, tmp_path / "v_ep4.json"),
+                   FoldedLoad(2, 2, 2, 3, "in_job", save, truth, tmp_path / "v_in_job.json")]
+
+
+@pytest.mark.e2e
+def test_folded_tp_ep_zero3_reshards(folded_cases):
+    """A real AutoEP+AutoTP ZeRO-3 save (fp32, tp 2, ep 2, world 4; experts in the ZeRO partitions,
+    `ds_zero_partition_groups` per rank over global ranks of a TP lane or an expert-DP group) ->
+    unfolded (tp1 ep2 world 2) and across TP lanes (tp2 ep4 world 4), plain `engine.load_checkpoint`,
+    every value equal to the truth; and in-job at tp2 ep2 world 2 (`_prepare_folded_z3`)."""
+    verdicts = list(folded_cases["test_folded_tp_ep_zero3_reshards"].verdicts_in_order())
+    assert len(verdicts) == 3
+    for load, verdict in verdicts:
+        _assert_folded(load, verdict)
+
+
+FOLDED_PREPARE = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": _prepare_folded_z2,
+                  "test_unfolded_autoep_with_layer_specs_reshards_to_folded": _prepare_unfolded,
+                  "test_folded_tp_ep_zero3_reshards": _prepare_folded_z3}

@@ -14,13 +14,17 @@ and in-job; W differs from both world sizes in each.
 Every output is loaded with plain `engine.load_checkpoint` in an AutoTP engine at the target,
 from another seed, and every element of every rank's fp32 masters, Adam moments and module
 weights is compared with the truth resliced for that rank (tests/reshard_proof/tensor_parallel.py),
-then training continues.
+then training continues. Launches are what cost: the sources are trained with one launch per
+(tp, dp) (`autotp`), and every test's loads at one (tp, dp) are judged in one launch, each in a
+fresh engine (`tp_cases`); each test asserts on its own verdicts.
 """
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -300,10 +304,88 @@ E2E_SOURCES = {  # name: (tp, dp, stage, precision[, harness model])
 }
 
 
+class TPLoad(NamedTuple):
+    """A checkpoint to load into a fresh AutoTP engine at (tp, dp) of that stage, precision and
+    harness model (reshard_proof.tensor_parallel check), `via` native, in-job or universal."""
+    tp: int
+    dp: int
+    stage: int
+    precision: str
+    model: str
+    via: str
+    load_dir: Path
+    truth: Path
+    verdict: Path
+
+
+# the sources each end-to-end test uses (E2E_SOURCES names), trained up front in few launches
+TP_NEEDS = {
+    "test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1": ("z2_fp32_tp2_dp2",),
+    "test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap": ("z1_bf16_tp2_dp1", "z1_bf16_tp1_dp2"),
+    "test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2": ("z1_bf16_tp2_dp2", "z1_bf16_tp4_dp1"),
+    "test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1": ("fused_z2_fp16_tp2_dp1",),
+    "test_bf16_optimizer_tp2_dp1_to_tp1_dp2": ("bf16_optimizer_tp2_dp1",),
+    "test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1": ("z3_fp32_tp2_dp2",),
+    "test_zero3_bf16_tp2_dp1_to_tp1_dp2": ("z3_bf16_tp2_dp1",),
+    "test_dry_run_and_refusals": ("z1_bf16_tp2_dp1", "z1_bf16_tp1_dp2"),
+}
+
+
 @pytest.fixture(scope="module")
-def autotp(autotp_trained):
-    """name -> (save_dir, truth), trained once per session (tests/conftest.py autotp_trained)."""
+def autotp(request, autotp_trained):
+    """name -> (save_dir, truth), trained once per session (tests/conftest.py autotp_trained); the
+    sources of this session's tests trained first, one launch per (tp, dp) whatever the stage,
+    precision and model."""
+    from trained import selected_tests
+    names = {name for test, _ in selected_tests(request, TP_NEEDS) for name in TP_NEEDS[test]}
+    autotp_trained.train_many([E2E_SOURCES[name] for name in sorted(names)])  # a failure is raised below, per test
     return lambda name: autotp_trained(*E2E_SOURCES[name])
+
+
+@pytest.fixture(scope="module")
+def tp_cases(request, autotp, tmp_path_factory):
+    """{test name: JudgedCase} of the selected end-to-end tests: each test's reshards made and
+    checked by its `_prepare_*` function, then every load at one (tp, dp) judged in ONE launch,
+    whatever its source, stage, precision and model (reshard_proof.tensor_parallel `check_together`),
+    since the launch is what costs. What failed while preparing or judging a case fails its test only."""
+    from trained import JudgedCase, selected_tests
+
+    from reshard_proof.tensor_parallel import check_together
+    cases: dict[str, JudgedCase] = {}
+    for test, _ in selected_tests(request, TP_PREPARE):
+        case = cases[test] = JudgedCase(tmp_path_factory.mktemp("tp-case"))
+        try:
+            TP_PREPARE[test](autotp, case)
+        except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
+            case.error = error
+    loads = [load for case in cases.values() if case.error is None for load in case.loads]
+    verdicts = check_together(loads) if loads else {}
+    for case in cases.values():
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    return cases
+
+
+def _load(case, name: str, tp: int, dp: int, load_dir, truth, via: str = "native") -> None:
+    """Judge `load_dir` at (tp, dp) in an engine of the case's source (`case.values["source"]`)."""
+    stage, precision, model = case.values["source"]
+    case.loads.append(TPLoad(tp, dp, stage, precision, model, via, load_dir, truth, case.root / f"{name}.json"))
+
+
+def _verdicts(cases, test: str) -> list[dict]:
+    """The verdicts of `test`'s loads in order, each checked to be of the load asked for."""
+    found = []
+    for load, verdict in cases[test].verdicts_in_order():
+        assert (verdict["tp"], verdict["dp"], verdict["stage"], verdict["precision"], verdict["model"], verdict["how"],
+                verdict["load_dir"]) == (load.tp, load.dp, load.stage, load.precision, load.model, load.via,
+                                         str(load.load_dir))
+        found.append(verdict)
+    return found
+
+
+def _source(autotp, case, name: str):
+    _, _, stage, precision, *model = E2E_SOURCES[name]
+    case.values["source"] = (stage, precision, (model or ["base"])[0])
+    return autotp(name)
 
 
 def _reshard(source, destination, tp, dp, workers):
@@ -313,24 +395,11 @@ def _reshard(source, destination, tp, dp, workers):
     return destination
 
 
-@pytest.mark.e2e
-def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
-    """Also the oracle: DeepSpeed's own universal path (ds_to_universal.py on the source, then
-    `load_universal` in an engine at the target) loaded in the same launches as reshard's output,
-    at TP 1 and TP 4, gives every rank the same fp32 masters and moments, all equal to the truth."""
-    from reshard_proof.tensor_parallel import check_checkpoints
-    source, truth = autotp("z2_fp32_tp2_dp2")
-    converted = _universal(source, tmp_path / "u-source")
+def _prepare_zero2_fp32(autotp, case) -> None:
+    source, truth = _source(autotp, case, "z2_fp32_tp2_dp2")
+    tmp_path = case.root
+    case.values["converted"] = _universal(source, tmp_path / "u-source")
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
-    # the same launch first resumes from the source itself in-job, in the fresh engine
-    # (reshard.deepspeed.load_checkpoint at tp 1 x dp 3: module weights resliced, one TP rank's
-    # model states shared by three dp ranks), then loads the offline output (after a training
-    # step), then DeepSpeed's universal conversion of the source in a load_universal engine
-    verdicts = check_checkpoints(1, 3, 2, "fp32", [(source, truth, "in-job"), (to_1x3, truth),
-                                                   (tmp_path / "u-source", truth, "universal")], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    assert verdicts[1]["ok"], verdicts[1]["problems"]
-    _assert_universal_agrees(verdicts[2], verdicts[1], ranks=3)
     # the command line with --target-tp, 3 local workers (W differs from 4 and 4)
     from trained import reshard_cli
     done = reshard_cli(source, tmp_path / "tp4dp1", "--target-dp", "1", "--target-tp", "4", "--workers", "3", "--quiet")
@@ -342,14 +411,30 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert saved_parallel_sizes(source / "global_step3") == {(2, None)}
     assert saved_parallel_sizes(tmp_path / "tp4dp1" / "global_step3") == {(4, None)}
     assert saved_parallel_sizes(to_1x3 / "global_step3") == {(1, None)}
-    verdicts = check_checkpoints(4, 1, 2, "fp32", [(source, truth, "in-job"), (tmp_path / "tp4dp1", truth),
-                                                   (tmp_path / "u-source", truth, "universal")], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]  # in-job (2, 2) -> (4, 1), fresh engine
-    assert verdicts[1]["ok"], verdicts[1]["problems"]
-    _assert_universal_agrees(verdicts[2], verdicts[1], ranks=4)
-    assert len(set(verdicts[1]["digest_per_rank"])) == 4  # four different shards were compared
+    # each check resumes from the source itself in-job, in a fresh engine (reshard.deepspeed.load_checkpoint:
+    # module weights resliced; at tp 1 x dp 3 one TP rank's model states shared by three dp ranks), loads
+    # the offline output, then DeepSpeed's universal conversion of the source in a load_universal engine
+    for (tp, dp), output in (((1, 3), to_1x3), ((4, 1), tmp_path / "tp4dp1")):
+        _load(case, f"in-job-{tp}x{dp}", tp, dp, source, truth, "in-job")
+        _load(case, f"native-{tp}x{dp}", tp, dp, output, truth)
+        _load(case, f"universal-{tp}x{dp}", tp, dp, tmp_path / "u-source", truth, "universal")
+
+
+@pytest.mark.e2e
+def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(tp_cases):
+    """(2, 2) -> (1, 3) in threads and (4, 1) through the CLI, offline and in-job (`_prepare_zero2_fp32`).
+    Also the oracle: DeepSpeed's own universal path (ds_to_universal.py on the source, then
+    `load_universal` in an engine at the target) loaded in the same launches as reshard's output,
+    at TP 1 and TP 4, gives every rank the same fp32 masters and moments, all equal to the truth."""
+    case = tp_cases["test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1"]
+    verdicts = _verdicts(tp_cases, "test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1")
+    for ranks, (in_job, native, universal) in ((3, verdicts[:3]), (4, verdicts[3:])):
+        assert in_job["ok"], in_job["problems"]  # in-job (2, 2) -> (1, 3) and (4, 1), fresh engine
+        assert native["ok"], native["problems"]
+        _assert_universal_agrees(universal, native, ranks=ranks)
+    assert len(set(verdicts[4]["digest_per_rank"])) == 4  # four different shards were compared
     # DeepSpeed's own converter reads the output (its affine maps) as it reads the source
-    assert converted == _universal(tmp_path / "tp4dp1", tmp_path / "u-output")
+    assert case.values["converted"] == _universal(case.root / "tp4dp1", case.root / "u-output")
 
 
 def _assert_universal_agrees(universal: dict, native: dict, ranks: int) -> None:
@@ -396,61 +481,63 @@ def _universal(save_dir, out, trainable: int = 8, files_per_param: int = 4) -> d
     return found
 
 
-@pytest.mark.e2e
-def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(autotp, tmp_path):
-    from reshard_proof.tensor_parallel import check_checkpoints
-    wide, wide_truth = autotp("z1_bf16_tp2_dp1")
+def _prepare_zero1_bf16_swap(autotp, case) -> None:
+    wide, wide_truth = _source(autotp, case, "z1_bf16_tp2_dp1")
     flat, flat_truth = autotp("z1_bf16_tp1_dp2")
-    to_1x2 = _reshard(wide, tmp_path / "tp1dp2", 1, 2, workers=3)
-    to_2x1 = _reshard(flat, tmp_path / "tp2dp1", 2, 1, workers=3)
+    to_1x2 = _reshard(wide, case.root / "tp1dp2", 1, 2, workers=3)
+    to_2x1 = _reshard(flat, case.root / "tp2dp1", 2, 1, workers=3)
+    _load(case, "to-1x2", 1, 2, to_1x2, wide_truth)
     # negative control: the (1, 2) source itself is a valid checkpoint at (1, 2), but not the
     # (2, 1) source's state, so judging it against that truth must fail
-    verdicts = check_checkpoints(1, 2, 1, "bf16", [(to_1x2, wide_truth), (flat, wide_truth)], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    assert not verdicts[1]["ok"] and any("fp32" in p for p in verdicts[1]["problems"])
-    verdicts = check_checkpoints(2, 1, 1, "bf16", [(to_2x1, flat_truth)], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
+    _load(case, "negative", 1, 2, flat, wide_truth)
+    _load(case, "to-2x1", 2, 1, to_2x1, flat_truth)
 
 
 @pytest.mark.e2e
-def test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2(autotp, tmp_path):
-    """Two real sources, three outputs, two check launches: (2,2) -> (1,3); (4,1) -> (1,3) and
-    (2,2), offline and in-job; W differs from both world sizes each time."""
-    from reshard_proof.tensor_parallel import check_checkpoints
-    square, square_truth = autotp("z1_bf16_tp2_dp2")
+def test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap(tp_cases):
+    to_1x2, negative, to_2x1 = _verdicts(tp_cases, "test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap")
+    assert to_1x2["ok"], to_1x2["problems"]
+    assert not negative["ok"] and any("fp32" in p for p in negative["problems"])
+    assert to_2x1["ok"], to_2x1["problems"]
+
+
+def _prepare_zero1_bf16_square_and_wide(autotp, case) -> None:
+    square, square_truth = _source(autotp, case, "z1_bf16_tp2_dp2")
     wide, wide_truth = autotp("z1_bf16_tp4_dp1")
-    square_1x3 = _reshard(square, tmp_path / "square-tp1dp3", 1, 3, workers=2)
-    wide_1x3 = _reshard(wide, tmp_path / "wide-tp1dp3", 1, 3, workers=2)
-    wide_2x2 = _reshard(wide, tmp_path / "wide-tp2dp2", 2, 2, workers=3)
-    verdicts = check_checkpoints(1, 3, 1, "bf16", [(square_1x3, square_truth), (wide_1x3, wide_truth)], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    assert verdicts[1]["ok"], verdicts[1]["problems"]
-    # negative control last but one: the (2, 2) source is a valid checkpoint at (2, 2), but not the
-    # (4, 1) source's state; then the (4, 1) source resharded in the job
-    verdicts = check_checkpoints(2, 2, 1, "bf16", [(wide_2x2, wide_truth), (square, wide_truth),
-                                                   (wide, wide_truth, "in-job")], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    assert not verdicts[1]["ok"] and any("fp32" in p for p in verdicts[1]["problems"])
-    assert verdicts[2]["ok"], verdicts[2]["problems"]
+    square_1x3 = _reshard(square, case.root / "square-tp1dp3", 1, 3, workers=2)
+    wide_1x3 = _reshard(wide, case.root / "wide-tp1dp3", 1, 3, workers=2)
+    wide_2x2 = _reshard(wide, case.root / "wide-tp2dp2", 2, 2, workers=3)
+    _load(case, "square-1x3", 1, 3, square_1x3, square_truth)
+    _load(case, "wide-1x3", 1, 3, wide_1x3, wide_truth)
+    _load(case, "wide-2x2", 2, 2, wide_2x2, wide_truth)
+    # negative control: the (2, 2) source is a valid checkpoint at (2, 2), but not the (4, 1)
+    # source's state; then the (4, 1) source resharded in the job
+    _load(case, "negative", 2, 2, square, wide_truth)
+    _load(case, "in-job-2x2", 2, 2, wide, wide_truth, "in-job")
 
 
 @pytest.mark.e2e
-def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1(autotp, tmp_path):
-    """The harness's "fused" model, ZeRO-2 fp16: `vocab_parallel_lm_head` (lm_head tied to the
-    embedding, split over a vocabulary of 11: 6 + 5 rows at TP 2, 4 + 4 + 3 at TP 3; AutoTP pads
-    nothing) and a fused gate/up weight and bias (`shape: [2, -1]`, each half of 5 cut on its own:
-    3 + 2 at TP 2, 2 + 2 + 1 at TP 3). To (1, 2), to (3, 1) offline and in-job, and from the
-    (1, 2) output (no universal_checkpoint_info: the splits come from the saved
-    `vocab_parallel_lm_head` and layer specs) on to (3, 1)."""
-    import torch
+def test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2(tp_cases):
+    """Two real sources, three outputs: (2,2) -> (1,3); (4,1) -> (1,3) and (2,2), offline and
+    in-job; W differs from both world sizes each time."""
+    square_1x3, wide_1x3, wide_2x2, negative, in_job = _verdicts(
+        tp_cases, "test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2")
+    assert square_1x3["ok"], square_1x3["problems"]
+    assert wide_1x3["ok"], wide_1x3["problems"]
+    assert wide_2x2["ok"], wide_2x2["problems"]
+    assert not negative["ok"] and any("fp32" in p for p in negative["problems"])
+    assert in_job["ok"], in_job["problems"]
 
-    from reshard_proof.tensor_parallel import check_checkpoints
-    source, truth = autotp("fused_z2_fp16_tp2_dp1")
+
+def _prepare_fused(autotp, case) -> None:
+    import torch
+    source, truth = _source(autotp, case, "fused_z2_fp16_tp2_dp1")
+    tmp_path = case.root
     to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
     to_3x1 = _reshard(source, tmp_path / "tp3dp1", 3, 1, workers=4)
     via_tp1 = _reshard(to_1x2, tmp_path / "via-tp1", 3, 1, workers=1)
-    from trained import reshard_cli
-    shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
+    from trained import reshard_in_process  # what the dry run says, not the launcher
+    shown = reshard_in_process(source, tmp_path / "dry", "--target-dp", "1", "--target-tp", "3", "--dry-run")
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout + shown.stderr
     assert "vocabulary (1): embed.weight" in text and "sub-parameter (2): gate_up.weight, gate_up.bias" in text
@@ -468,33 +555,48 @@ def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_an
         assert info["sub_param_shard_widths"][r"^gate_up\.weight$"] == [[2, 2, 1], [2, 2, 1]]
     again = torch.load(via_tp1 / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
     assert again["universal_checkpoint_info"] == states[1]["universal_checkpoint_info"]
-    verdicts = check_checkpoints(1, 2, 2, "fp16", [(to_1x2, truth)], tmp_path, model="fused")
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    verdicts = check_checkpoints(3, 1, 2, "fp16", [(to_3x1, truth), (source, truth, "in-job"), (via_tp1, truth)],
-                                 tmp_path, model="fused")
+    case.values["paths"] = (source, to_3x1)
+    _load(case, "to-1x2", 1, 2, to_1x2, truth)
+    _load(case, "to-3x1", 3, 1, to_3x1, truth)
+    _load(case, "in-job-3x1", 3, 1, source, truth, "in-job")
+    _load(case, "via-tp1", 3, 1, via_tp1, truth)
+
+
+@pytest.mark.e2e
+def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1(tp_cases):
+    """The harness's "fused" model, ZeRO-2 fp16: `vocab_parallel_lm_head` (lm_head tied to the
+    embedding, split over a vocabulary of 11: 6 + 5 rows at TP 2, 4 + 4 + 3 at TP 3; AutoTP pads
+    nothing) and a fused gate/up weight and bias (`shape: [2, -1]`, each half of 5 cut on its own:
+    3 + 2 at TP 2, 2 + 2 + 1 at TP 3). To (1, 2), to (3, 1) offline and in-job, and from the
+    (1, 2) output (no universal_checkpoint_info: the splits come from the saved
+    `vocab_parallel_lm_head` and layer specs) on to (3, 1) (`_prepare_fused`)."""
+    name = "test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1"
+    verdicts = _verdicts(tp_cases, name)
+    assert len(verdicts) == 4
     for verdict in verdicts:
         assert verdict["ok"], verdict["problems"]
     # DeepSpeed's converter merges the vocabulary and sub-parameter shards of the output as of the source
-    assert _universal(source, tmp_path / "u-source", 11) == _universal(to_3x1, tmp_path / "u-output", 11)
+    case = tp_cases[name]
+    source, to_3x1 = case.values["paths"]
+    assert _universal(source, case.root / "u-source", 11) == _universal(to_3x1, case.root / "u-output", 11)
+
+
+def _prepare_bf16_optimizer(autotp, case) -> None:
+    source, truth = _source(autotp, case, "bf16_optimizer_tp2_dp1")
+    _load(case, "to-1x2", 1, 2, _reshard(source, case.root / "tp1dp2", 1, 2, workers=3), truth)
 
 
 @pytest.mark.e2e
-def test_bf16_optimizer_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
-    from reshard_proof.tensor_parallel import check_checkpoints
-    source, truth = autotp("bf16_optimizer_tp2_dp1")
-    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
-    verdicts = check_checkpoints(1, 2, 1, "bf16_optimizer", [(to_1x2, truth)], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
+def test_bf16_optimizer_tp2_dp1_to_tp1_dp2(tp_cases):
+    (verdict,) = _verdicts(tp_cases, "test_bf16_optimizer_tp2_dp1_to_tp1_dp2")
+    assert verdict["ok"], verdict["problems"]
 
 
-@pytest.mark.e2e
-def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
-    """ZeRO-3 under AutoTP: each TP rank's local parameters partitioned over its dp group, files
-    zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt, frozen parameters partitioned too."""
+def _prepare_zero3_fp32(autotp, case) -> None:
     import torch
-    from reshard_proof.tensor_parallel import check_checkpoints
     from trained import reshard_cli
-    source, truth = autotp("z3_fp32_tp2_dp2")
+    source, truth = _source(autotp, case, "z3_fp32_tp2_dp2")
+    tmp_path = case.root
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
     done = reshard_cli(source, tmp_path / "tp4dp1", "--target-dp", "1", "--target-tp", "4", "--workers", "3", "--quiet")
     assert done.returncode == 0, done.stderr
@@ -506,11 +608,25 @@ def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     up = states["universal_checkpoint_info"]["affine_map"]["params"][r"^up\.weight$"]["ranks"]
     assert [up[t]["shard_shape"] for t in range(4)] == [[3, 8], [2, 8], [2, 8], [2, 8]]
     assert {n: list(s) for group in states["param_shapes"] for n, s in group.items()}["down.weight"] == [8, 2]
-    # each launch loads the offline output, then resumes from the source itself in-job
+    case.values["paths"] = (source, truth, to_1x3, to_4x1)
+    # each (tp, dp): the offline output, then the source itself resharded in-job
     for (tp, dp), output in (((1, 3), to_1x3), ((4, 1), to_4x1)):
-        verdicts = check_checkpoints(tp, dp, 3, "fp32", [(output, truth), (source, truth, "in-job")], tmp_path)
-        assert verdicts[0]["ok"], (tp, dp, verdicts[0]["problems"])
-        assert verdicts[1]["ok"], (tp, dp, verdicts[1]["problems"])
+        _load(case, f"native-{tp}x{dp}", tp, dp, output, truth)
+        _load(case, f"in-job-{tp}x{dp}", tp, dp, source, truth, "in-job")
+
+
+@pytest.mark.e2e
+def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(tp_cases):
+    """ZeRO-3 under AutoTP: each TP rank's local parameters partitioned over its dp group, files
+    zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt, frozen parameters partitioned too
+    (`_prepare_zero3_fp32`)."""
+    import torch
+    name = "test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1"
+    for verdict in _verdicts(tp_cases, name):
+        assert verdict["ok"], (verdict["tp"], verdict["dp"], verdict["how"], verdict["problems"])
+    case = tp_cases[name]
+    source, truth, to_1x3, to_4x1 = case.values["paths"]
+    tmp_path = case.root
     # DeepSpeed's zero_to_fp32 is not TP-aware (it expects one optim file per dp rank and reads
     # mp_rank_00 only): it refuses the TP 2 source, and reads the TP 1 output whole
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -525,19 +641,34 @@ def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(autotp, tmp_path):
     assert _universal(source, tmp_path / "u-source", files_per_param=3) == _universal(to_4x1, tmp_path / "u-output", files_per_param=3)
 
 
+def _prepare_zero3_bf16(autotp, case) -> None:
+    source, truth = _source(autotp, case, "z3_bf16_tp2_dp1")
+    _load(case, "to-1x2", 1, 2, _reshard(source, case.root / "tp1dp2", 1, 2, workers=3), truth)
+    _load(case, "in-job-1x2", 1, 2, source, truth, "in-job")
+
+
 @pytest.mark.e2e
-def test_zero3_bf16_tp2_dp1_to_tp1_dp2(autotp, tmp_path):
-    from reshard_proof.tensor_parallel import check_checkpoints
-    source, truth = autotp("z3_bf16_tp2_dp1")
-    to_1x2 = _reshard(source, tmp_path / "tp1dp2", 1, 2, workers=3)
-    verdicts = check_checkpoints(1, 2, 3, "bf16", [(to_1x2, truth), (source, truth, "in-job")], tmp_path)
-    assert verdicts[0]["ok"], verdicts[0]["problems"]
-    assert verdicts[1]["ok"], verdicts[1]["problems"]
+def test_zero3_bf16_tp2_dp1_to_tp1_dp2(tp_cases):
+    to_1x2, in_job = _verdicts(tp_cases, "test_zero3_bf16_tp2_dp1_to_tp1_dp2")
+    assert to_1x2["ok"], to_1x2["problems"]
+    assert in_job["ok"], in_job["problems"]
+
+
+TP_PREPARE = {
+    "test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1": _prepare_zero2_fp32,
+    "test_zero1_bf16_tp2_dp1_and_tp1_dp2_swap": _prepare_zero1_bf16_swap,
+    "test_zero1_bf16_tp2_dp2_and_tp4_dp1_to_tp1_dp3_and_tp2_dp2": _prepare_zero1_bf16_square_and_wide,
+    "test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_and_tp3_dp1": _prepare_fused,
+    "test_bf16_optimizer_tp2_dp1_to_tp1_dp2": _prepare_bf16_optimizer,
+    "test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1": _prepare_zero3_fp32,
+    "test_zero3_bf16_tp2_dp1_to_tp1_dp2": _prepare_zero3_bf16,
+}
 
 
 @pytest.mark.e2e
 def test_dry_run_and_refusals(autotp, tmp_path):
-    from trained import reshard_cli
+    """What the command says (in this process: the message, not the launcher, is the subject)."""
+    from trained import reshard_in_process as reshard_cli
     source, _ = autotp("z1_bf16_tp2_dp1")
     shown = reshard_cli(source, tmp_path / "dry", "--target-dp", "3", "--target-tp", "1", "--dry-run")
     assert shown.returncode == 0, shown.stderr

@@ -74,14 +74,38 @@ class AutoTPCheckpoints:
         self.cache: dict[tuple, tuple[Path, Path]] = {}
 
     def __call__(self, tp: int, dp: int, stage: int, precision: str, model: str = "base") -> tuple[Path, Path]:
-        from reshard_proof.tensor_parallel import train_checkpoint as train_autotp
         key = (tp, dp, stage, precision, model)
         if key not in self.cache:
-            name = f"{model}-z{stage}-{precision}-tp{tp}-dp{dp}"
-            save_dir, truth = self.root / name, self.root / f"{name}.truth.pt"
-            train_autotp(tp, dp, stage, precision, save_dir, truth, model=model)
-            self.cache[key] = (save_dir, truth)
+            failed = self.train_many([key])
+            if key in failed:
+                raise failed[key]
         return self.cache[key]
+
+    def _paths(self, key) -> tuple[Path, Path]:
+        tp, dp, stage, precision, model = key
+        name = f"{model}-z{stage}-{precision}-tp{tp}-dp{dp}"
+        return self.root / name, self.root / f"{name}.truth.pt"
+
+    def train_many(self, keys) -> dict:
+        """Train every key not trained yet, one launch per (tp, dp) whatever the stage, precision
+        and model (reshard_proof.tensor_parallel `train_checkpoints`: a fresh engine each), since
+        the launch is what costs. {key: the exception its launch raised} for those that failed."""
+        from reshard_proof.tensor_parallel import train_checkpoints
+        by_world: dict[tuple[int, int], list[tuple]] = {}
+        for key in keys:
+            key = (*key, "base") if len(key) == 4 else tuple(key)
+            if key not in self.cache and key not in by_world.get(key[:2], []):
+                by_world.setdefault(key[:2], []).append(key)
+        failed = {}
+        for (tp, dp), group in by_world.items():
+            try:
+                train_checkpoints(tp, dp, [(stage, precision, model, *self._paths(key))
+                                           for key in group for _, _, stage, precision, model in [key]])
+            except Exception as error:  # noqa: BLE001 (each test that needs one of them raises it)
+                failed.update({key: error for key in group})
+                continue
+            self.cache.update({key: self._paths(key) for key in group})
+        return failed
 
 
 def reshard_in_threads(source, destination, target_dp: int, workers: int, **options):
@@ -173,6 +197,38 @@ def launches_of(jobs) -> dict[int, list[tuple[str, str, str, str]]]:
     for m, variant, load_dir, truth, verdict_path in jobs:
         by_m.setdefault(m, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
     return by_m
+
+
+class JudgedCase:
+    """One end-to-end test's share of work judged together with other tests' (a module fixture
+    prepares every selected test's case, then judges all their loads with one launch per target
+    topology): `root` its folder, `loads` what it wants judged (each with a `verdict` path),
+    `error` what preparing it raised, `verdicts` {str(verdict path): verdict, or the exception
+    judging it raised}, `values` whatever its test reads back."""
+
+    def __init__(self, root: Path):
+        self.root, self.loads, self.error, self.verdicts, self.values = root, [], None, {}, {}
+
+    def verdicts_in_order(self) -> list[tuple]:
+        """[(load, verdict)] in the order the loads were added; the error of preparing the case,
+        or of judging one of its loads, raised."""
+        if self.error is not None:
+            raise self.error
+        return [(load, verdict_of(self.verdicts, load.verdict)) for load in self.loads]
+
+
+def selected_tests(request, names) -> list[tuple[str, object]]:
+    """[(test name, its `source_key` parameter or None)] of the tests of the requesting module
+    named in `names` that this session runs (after -k and the like), in collection order: what a
+    shared fixture prepares, so that running one test does not judge the others."""
+    found = []
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in names:
+            callspec = getattr(item, "callspec", None)
+            key = (item.originalname, callspec.params.get("source_key") if callspec else None)
+            if key not in found:
+                found.append(key)
+    return found
 
 
 def verdict_of(verdicts: dict, key) -> dict:

@@ -4,6 +4,10 @@
         --stage 2 --tp 2 --ep 2 --save-dir /tmp/folded [--truth /tmp/folded.truth.pt]
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.folded_tp_ep \
         --stage 2 --tp 2 --ep 2 --check /tmp/out --truth /tmp/folded.truth.pt --verdict /tmp/v.json [--in-job]
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=4 -m reshard_proof.folded_tp_ep --tp 2 --ep 2 \
+        --train 2 /tmp/z2 /tmp/z2.truth.pt --train 3 /tmp/z3 /tmp/z3.truth.pt       # several saves, one launch
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.folded_tp_ep --tp 2 --ep 2 \
+        --load 2 native /tmp/out /tmp/z2.truth.pt /tmp/v1.json --load 3 in_job /tmp/z3 /tmp/z3.truth.pt /tmp/v2.json
 
 reshard reads and writes these at ZeRO-1/2 (reshard.formats.deepspeed_folding) and refuses them
 at ZeRO-3 (formats/deepspeed_inspect.py `_refuse_tensor_and_expert_parallel`). DeepSpeed 0.19.8 trains and saves it on
@@ -20,7 +24,9 @@ joined as reshard_proof.tensor_parallel does, fused AutoEP experts cut per GLOBA
 reshard_proof.moe_run does; ranks holding one value must agree bit for bit) and the step
 counters. `--check DIR` builds an engine at (tp, ep) from another seed, loads DIR with plain
 `engine.load_checkpoint` (`--in-job`: `reshard.deepspeed.load_checkpoint`), compares every
-element with the truth, trains one more step and writes a JSON verdict.
+element with the truth, trains one more step and writes a JSON verdict. `--train` and `--load`
+do several saves or loads in one launch (a launch costs far more than an engine), each in a
+fresh engine of its own ZeRO stage, at the launch's (tp, ep).
 """
 from __future__ import annotations
 
@@ -159,12 +165,15 @@ def compare(truth: dict, view: dict) -> tuple[list[str], int]:
 
 
 def main() -> None:
-    import json
-
     from reshard_proof.engine_setup import finish_and_exit, init_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stage", type=int)
+    parser.add_argument("--train", nargs=3, action="append", default=[], metavar=("STAGE", "SAVE_DIR", "TRUTH"),
+                        help="train and save one more checkpoint at this ZeRO stage in this launch")
+    parser.add_argument("--load", nargs=5, action="append", default=[],
+                        metavar=("STAGE", "HOW", "LOAD_DIR", "TRUTH", "VERDICT"),
+                        help="judge one more load in this launch (HOW: native or in_job)")
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--precision", choices=["fp32", "bf16", "bf16_optimizer"], default="fp32")
@@ -176,28 +185,51 @@ def main() -> None:
     parser.add_argument("--in-job", action="store_true", help="load with reshard.deepspeed.load_checkpoint")
     args = parser.parse_args()
 
+    trains = [(int(stage), save, truth) for stage, save, truth in args.train]
+    loads = [(int(stage), how, load_dir, truth, verdict) for stage, how, load_dir, truth, verdict in args.load]
+    if args.check is not None:
+        loads.insert(0, (args.stage, "in_job" if args.in_job else "native", args.check, args.truth, args.verdict))
+    elif args.save_dir is not None:
+        trains.insert(0, (args.stage, args.save_dir, args.truth))
+    if any(stage is None for stage, *_ in trains + loads) or any(how not in ("native", "in_job") for _, how, *_ in loads):
+        parser.error("--save-dir and --check need --stage; a --load's HOW is native or in_job")
     init_distributed()
+    for stage, save_dir, truth_path in trains:
+        train_one(args, stage, save_dir, truth_path)
+    for stage, how, load_dir, truth_path, verdict_path in loads:
+        check_one(args, stage, how, load_dir, truth_path, verdict_path)
+    finish_and_exit()
+
+
+def train_one(args, stage: int, save_dir: str, truth_path: str | None) -> None:
+    """Train a fresh engine at `stage` from seed 0, save it, write its truth. Collective."""
     rank = torch.distributed.get_rank()
-    if args.check is None:
-        engine = build_engine(args.stage, args.tp, args.ep, seed=0, precision=args.precision)
-        train_steps(engine, args.tp, 0, args.steps)
-        engine.save_checkpoint(args.save_dir)
-        if args.truth:
-            view = full_view(engine, args.tp)
-            if rank == 0:
-                torch.save({"params": view, "global_steps": engine.global_steps, "steps": args.steps}, args.truth)
-        finish_and_exit()
-    truth = torch.load(args.truth, weights_only=False)
-    engine = build_engine(args.stage, args.tp, args.ep, seed=1, precision=args.precision)
+    engine = build_engine(stage, args.tp, args.ep, seed=0, precision=args.precision)
+    train_steps(engine, args.tp, 0, args.steps)
+    engine.save_checkpoint(save_dir)
+    if truth_path:
+        view = full_view(engine, args.tp)
+        if rank == 0:
+            torch.save({"params": view, "global_steps": engine.global_steps, "steps": args.steps}, truth_path)
+    torch.distributed.barrier()
+
+
+def check_one(args, stage: int, how: str, load_dir: str, truth_path: str, verdict_path: str) -> None:
+    """Load `load_dir` into a fresh engine at `stage` from seed 1, judge it, write the verdict. Collective."""
+    import json
+
+    rank = torch.distributed.get_rank()
+    truth = torch.load(truth_path, weights_only=False)
+    engine = build_engine(stage, args.tp, args.ep, seed=1, precision=args.precision)
     error, problems, checked, extra = None, [], 0, []
     try:
-        if args.in_job:
+        if how == "in_job":
             from reshard.deepspeed import load_checkpoint
-            path, _ = load_checkpoint(engine, args.check)
+            path, _ = load_checkpoint(engine, load_dir)
         else:
-            path, _ = engine.load_checkpoint(args.check)
+            path, _ = engine.load_checkpoint(load_dir)
         if path is None:
-            error = f"load_checkpoint returned no path for {args.check}"
+            error = f"load_checkpoint returned no path for {load_dir}"
     except Exception as failure:  # judged below, on every rank
         error = f"{type(failure).__name__}: {failure}"
     errors = [None] * torch.distributed.get_world_size()
@@ -209,11 +241,58 @@ def main() -> None:
             problems.append(f"global_steps {engine.global_steps} != {truth['global_steps']}")
         extra = train_steps(engine, args.tp, truth["steps"], 1, seed=0)
     if rank == 0:
-        with open(args.verdict, "w") as fd:
+        with open(verdict_path, "w") as fd:
             json.dump({"ok": not errors and not problems and checked > 0, "load_error": errors, "mismatches": problems[:20],
                        "checked_tensors": checked, "extra_step_losses": extra, "world_size":
-                       torch.distributed.get_world_size(), "tp": args.tp, "ep": args.ep}, fd)
-    finish_and_exit()
+                       torch.distributed.get_world_size(), "tp": args.tp, "ep": args.ep, "stage": stage,
+                       "how": how, "load_dir": load_dir}, fd)
+    torch.distributed.barrier()
+
+def train_folded(nproc: int, tp: int, ep: int, saves, timeout: float = 900) -> None:
+    """Train and save each (stage, save_dir, truth) of `saves` at (tp, ep) over nproc ranks, in ONE launch."""
+    from pathlib import Path
+
+    from reshard_proof.launch import run_torchrun
+    args = ["--tp", tp, "--ep", ep]
+    for stage, save_dir, truth in saves:
+        args += ["--train", stage, save_dir, truth]
+    run_torchrun("reshard_proof.folded_tp_ep", nproc, args, timeout=timeout,
+                 expect_files=[Path(save_dir) / "latest" for _, save_dir, _ in saves] + [truth for *_, truth in saves])
+
+
+def judge_folded_together(loads, timeout: float = 1200) -> dict:
+    """Judge loads (nproc, tp, ep, stage, how, load_dir, truth, verdict) with one launch per
+    (nproc, tp, ep), each load in a fresh engine of its stage. {str(verdict): verdict dict, or the
+    exception judging it raised}; should a shared launch fail, its loads are judged one per launch."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from reshard_proof.launch import run_torchrun
+    groups: dict[tuple, list[tuple]] = {}
+    for nproc, tp, ep, *load in loads:
+        groups.setdefault((nproc, tp, ep), []).append(tuple(map(str, load)))
+    found: dict = {}
+    for (nproc, tp, ep), group in groups.items():
+        batches = [group]
+        for batch in batches:  # grows by one batch per load should the shared launch fail
+            args = ["--tp", tp, "--ep", ep]
+            for load in batch:
+                args += ["--load", *load]
+            try:
+                run_torchrun("reshard_proof.folded_tp_ep", nproc, args, timeout=timeout,
+                             expect_files=[load[4] for load in batch])
+            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
+                if len(batch) > 1:
+                    print(f"[folded_tp_ep] the shared check at nproc={nproc} tp={tp} ep={ep} failed; judging its "
+                          f"{len(batch)} loads one by one: {str(error)[-2000:]}", file=sys.stderr, flush=True)
+                    batches += [[load] for load in batch]
+                else:
+                    found[batch[0][4]] = error
+                continue
+            for load in batch:
+                found[load[4]] = json.loads(Path(load[4]).read_text())
+    return found
 
 
 if __name__ == "__main__":

@@ -236,6 +236,17 @@ def train_moe_checkpoint(variant: str, ep: int, world: int, save_dir, truth_path
     return run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout, expect_files=[truth_path])
 
 
+def train_moe_checkpoints(ep: int, world: int, saves: Sequence[tuple], *, steps: int = 3,
+                          timeout: float = 1200) -> subprocess.CompletedProcess:
+    """Train each (variant, save_dir, truth_path) of `saves` on `world` ranks at expert-parallel
+    size `ep` in ONE launch, a fresh engine each (reshard_proof.moe_run train --save)."""
+    args = ["train", "--ep", ep, "--steps", steps]
+    for save in saves:
+        args += ["--save", *save]
+    return run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout,
+                        expect_files=[truth for *_, truth in saves])
+
+
 def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequence[tuple], *,
                     timeout: float = 600) -> list[dict]:
     """Load each (load_dir, verdict_path[, how]) in one job of `world` ranks at `ep`; returns the
@@ -252,3 +263,38 @@ def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequen
         with open(verdict_path) as handle:
             verdicts.append(json.load(handle))
     return verdicts
+
+
+def check_moe_together(jobs: Sequence[tuple], *, timeout: float = 600) -> dict:
+    """Judge loads of many MoE / AutoEP sources with one launch per (ep, world): jobs are
+    (ep, world, variant, truth_path, how, load_dir, verdict_path), how as in check_moe_loads
+    ("native", "in_job" or "universal"); each load gets a fresh engine of its own variant
+    (moe_run check --job), since starting a 2-4 rank job costs far more than one more engine.
+    Returns {str(verdict_path): verdict dict, or the exception judging it raised}. Should a shared
+    launch fail as a whole, each of its loads is judged in a launch of its own, so that every test
+    still gets its own verdict or its own error."""
+    by_size: dict[tuple[int, int], list[tuple]] = {}
+    for ep, world, *job in jobs:
+        by_size.setdefault((ep, world), []).append(tuple(map(str, job)))
+    found: dict = {}
+    for (ep, world), group in by_size.items():
+        batches = [group]
+        for batch in batches:  # grows by one batch per load should the shared launch fail
+            args = ["check", "--ep", ep]
+            for job in batch:
+                args += ["--job", *job]
+            try:
+                run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout,
+                             expect_files=[job[4] for job in batch])
+            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
+                if len(batch) > 1:
+                    print(f"[proof.launch] the shared MoE check at ep={ep} world={world} failed; judging its "
+                          f"{len(batch)} loads one by one: {str(error)[-2000:]}", file=sys.stderr, flush=True)
+                    batches += [[job] for job in batch]
+                else:
+                    found[batch[0][4]] = error
+                continue
+            for job in batch:
+                with open(job[4]) as handle:
+                    found[job[4]] = json.load(handle)
+    return found

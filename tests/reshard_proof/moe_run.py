@@ -7,6 +7,11 @@
         --load-dir /tmp/out1 --verdict /tmp/v1.json [--load-dir /tmp/out2 --verdict /tmp/v2.json ...] \
         [--in-job-load-dir /tmp/ck --in-job-verdict /tmp/v3.json]   # reshard.deepspeed.load_checkpoint
         [--universal-load-dir /tmp/u --universal-verdict /tmp/v4.json]  # ds_to_universal output, load_universal
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.moe_run train --ep 2 \
+        --save moe_z2_fp32 /tmp/a /tmp/a.truth.pt --save autoep_z2_fp32 /tmp/b /tmp/b.truth.pt   # several, one launch
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.moe_run check --ep 1 \
+        --job moe_z2_fp32 /tmp/ck.truth.pt native /tmp/out1 /tmp/v1.json \
+        --job autoep_z2_fp32 /tmp/ae.truth.pt in_job /tmp/ae /tmp/v2.json   # loads of several sources, one launch
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard_proof.engine_state), expert names are rewritten from the LOCAL
@@ -143,22 +148,28 @@ def merged_engine_state(engine) -> dict:
     return merged
 
 
-def _common(argv_parser: argparse.ArgumentParser) -> None:
-    argv_parser.add_argument("--variant", required=True)
+def _common(argv_parser: argparse.ArgumentParser, required: bool = True) -> None:
+    argv_parser.add_argument("--variant", required=required)
     argv_parser.add_argument("--ep", type=int, required=True, help="expert-parallel size of the engine")
-    argv_parser.add_argument("--truth", required=True)
+    argv_parser.add_argument("--truth", required=required)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train")
-    _common(train)
-    train.add_argument("--save-dir", required=True)
+    _common(train, required=False)
+    train.add_argument("--save-dir")
+    train.add_argument("--save", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE_DIR", "TRUTH"),
+                       help="train and save one more source in this launch, from a fresh engine")
     train.add_argument("--steps", type=int, default=3)
     train.add_argument("--seed", type=int, default=0)
     check = sub.add_parser("check")
-    _common(check)
+    _common(check, required=False)
+    check.add_argument("--job", nargs=5, action="append", default=[],
+                       metavar=("VARIANT", "TRUTH", "HOW", "LOAD_DIR", "VERDICT"),
+                       help="one more load of any source in this launch (HOW: native, in_job or universal), "
+                            "in a fresh engine of VARIANT at --ep, judged against TRUTH")
     check.add_argument("--load-dir", action="append", default=[])
     check.add_argument("--verdict", action="append", default=[])
     check.add_argument("--in-job-load-dir", action="append", default=[],
@@ -175,29 +186,43 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  or len(args.universal_load_dir) != len(args.universal_verdict)):
         parser.error("give one --verdict per --load-dir, --in-job-verdict per --in-job-load-dir and "
                      "--universal-verdict per --universal-load-dir")
+    if args.mode == "train" and (args.save_dir is not None) != bool(args.variant and args.truth):
+        parser.error("--save-dir goes with --variant and --truth")
+    if args.mode == "check":
+        if (args.load_dir or args.in_job_load_dir or args.universal_load_dir) and not (args.variant and args.truth):
+            parser.error("--load-dir, --in-job-load-dir and --universal-load-dir need --variant and --truth")
+        if any(how not in ("native", "in_job", "universal") for _, _, how, _, _ in args.job):
+            parser.error("a --job's HOW is native, in_job or universal")
     return args
 
 
 def train(args) -> None:
+    """Train, save and record the truth of each source (--variant/--save-dir/--truth, then each
+    --save), every one from a fresh engine at --ep over this job's ranks."""
+    saves = ([(args.variant, args.save_dir, args.truth)] if args.save_dir else []) + [tuple(s) for s in args.save]
+    for variant_name, save_dir, truth_path in saves:
+        train_one(args, get_variant(variant_name), save_dir, truth_path)
+
+
+def train_one(args, variant, save_dir: str, truth_path: str) -> None:
     import deepspeed.comm as dist
 
-    variant = get_variant(args.variant)
     engine = build_engine(variant, args.seed, ep=args.ep)
     losses = train_steps(engine, seed=args.seed, first_step=0, count=args.steps)
     tag = f"global_step{engine.global_steps}"
     client_state = make_client_state()
-    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
     dist.barrier()
     state = merged_engine_state(engine)
     loss = eval_loss(engine)
     if dist.get_rank() == 0:
-        write_truth(args.truth, {
+        write_truth(truth_path, {
             "meta": {"variant": variant.name, "world_size": dist.get_world_size(), "ep": args.ep, "seed": args.seed,
                      "steps": args.steps, "tag": tag, "optimizer_class": type(engine.optimizer).__name__,
                      "precision": variant.precision, "train_losses": losses},
             "engine": state, "client_state": client_state, "eval_loss": loss})
         print(f"[proof.moe_run] trained {variant.name} world={dist.get_world_size()} ep={args.ep} "
-              f"eval_loss={loss.item():.6f} -> {args.truth}", flush=True)
+              f"eval_loss={loss.item():.6f} -> {truth_path}", flush=True)
     dist.barrier()
 
 
@@ -261,14 +286,23 @@ def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
 
 
 def check(args) -> None:
+    """Each load in a fresh engine of its own variant (native MoE, AutoEP, any ZeRO stage and
+    precision, all at --ep over this job's ranks), judged against its own truth."""
     import deepspeed.comm as dist
 
-    variant = get_variant(args.variant)
-    truth = read_truth(args.truth)
-    loads = [(d, v, "native") for d, v in zip(args.load_dir, args.verdict)]
-    loads += [(d, v, "in_job") for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
-    loads += [(d, v, "universal") for d, v in zip(args.universal_load_dir, args.universal_verdict)]
-    for load_dir, verdict_path, how in loads:
+    loads = [(args.variant, args.truth, d, v, "native") for d, v in zip(args.load_dir, args.verdict)]
+    loads += [(args.variant, args.truth, d, v, "in_job") for d, v in zip(args.in_job_load_dir, args.in_job_verdict)]
+    loads += [(args.variant, args.truth, d, v, "universal")
+              for d, v in zip(args.universal_load_dir, args.universal_verdict)]
+    loads += [(variant, truth, d, v, how) for variant, truth, how, d, v in args.job]
+    truths: dict[str, dict] = {}
+    for variant_name, truth_path, load_dir, verdict_path, how in loads:
+        variant = get_variant(variant_name)
+        if truth_path not in truths:
+            truths[truth_path] = read_truth(truth_path)
+        truth = truths[truth_path]
+        if truth["meta"]["variant"] != variant.name:
+            raise SystemExit(f"{truth_path} is the truth of {truth['meta']['variant']!r}, not {variant.name!r}")
         verdict = check_one(variant, args, truth, load_dir, how)
         # A mismatch seen by one rank only is merged by the all_gather inside merged_engine_state;
         # the verdict is rank 0's.

@@ -6,6 +6,11 @@
         check --tp 1 --stage 2 --precision fp32 --load-dir /tmp/out --truth /tmp/tp.truth.pt \
         --verdict /tmp/v.json [--load-dir /tmp/out2 --verdict /tmp/v2.json [--truth ...] ...] \
         [--load-via native --load-via in-job --load-via universal ...]
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.tensor_parallel \
+        train --tp 2 --save 1 bf16 base /tmp/a /tmp/a.truth.pt --save 3 fp32 base /tmp/b /tmp/b.truth.pt
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.tensor_parallel \
+        check --tp 1 --load 1 bf16 base native /tmp/out /tmp/a.truth.pt /tmp/v1.json \
+        --load 2 fp16 fused in-job /tmp/c /tmp/c.truth.pt /tmp/v2.json        # any stage, precision, model
 
 The model has a column-parallel linear with bias (`up`, 9 outputs: uneven at TP 2 and 4), a
 row-parallel linear whose bias is replicated (`down`), and parameters AutoTP leaves whole on
@@ -22,7 +27,9 @@ values, frozen values (under ZeRO-3 gathered over the dp group first), counters 
 (tp, dp) from another seed, loads each directory with plain `engine.load_checkpoint`, slices
 the truth for its TP rank as DeepSpeed sizes the shards, and compares every element; then it
 trains one more step. Several directories per launch share one start-up (each with its own
-truth, or all with one). `--load-via in-job` loads that directory with
+truth, or all with one), each loaded into a fresh engine (so nothing an earlier load left can
+pass for a later one); `--load` gives each its own ZeRO stage, precision and model, and
+`train --save` trains several checkpoints at one (tp, dp) in one launch, each from a fresh engine. `--load-via in-job` loads that directory with
 `reshard.deepspeed.load_checkpoint` instead (a checkpoint at another (tp, dp), resharded in the
 job); `--load-via universal` loads a `ds_to_universal.py` output (a folder with
 `latest_universal`) with `engine.load_checkpoint` in a second engine built with
@@ -309,21 +316,31 @@ def slice_for(tensor, layout, tp_rank, local_shape):
 
 def cmd_train(args) -> None:
     import deepspeed
-    import deepspeed.comm as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    engine = build_engine(args.tp, args.stage, args.precision, args.seed, args.model)
+    saves = [(int(stage), precision, model, save_dir, truth) for stage, precision, model, save_dir, truth in args.save]
+    if args.save_dir is not None:
+        saves.insert(0, (args.stage, args.precision, args.model, args.save_dir, args.truth[0]))
+    for stage, precision, model, save_dir, truth_path in saves:
+        train_one(args, stage, precision, model, save_dir, truth_path)
+
+
+def train_one(args, stage: int, precision: str, model: str, save_dir: str, truth_path: str) -> None:
+    """Train a fresh engine from args.seed, save it, write its truth (rank 0). Collective."""
+    import deepspeed.comm as dist
+
+    engine = build_engine(args.tp, stage, precision, args.seed, model)
     train_steps(engine, args.seed, 0, args.steps)
-    engine.save_checkpoint(args.save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
+    engine.save_checkpoint(save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
     dist.barrier()
     params = dict(engine.module.named_parameters())
     truth = {"params": full_state(engine), "eval_loss": eval_loss(engine),
              "frozen": {n: v for n, v in module_values(engine).items() if not params[n].requires_grad},
-             "global_steps": engine.global_steps, "tp": args.tp, "stage": args.stage,
-             "precision": args.precision, "model": args.model}
+             "global_steps": engine.global_steps, "tp": args.tp, "stage": stage,
+             "precision": precision, "model": model}
     if dist.get_rank() == 0:
-        torch.save(truth, args.truth[0] + ".tmp")
-        os.replace(args.truth[0] + ".tmp", args.truth[0])
+        torch.save(truth, truth_path + ".tmp")
+        os.replace(truth_path + ".tmp", truth_path)
     dist.barrier()
 
 
@@ -386,13 +403,14 @@ def cmd_check(args) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     truths = args.truth if len(args.truth) == len(args.load_dir) else args.truth[:1] * len(args.load_dir)
     vias = args.load_via + ["native"] * (len(args.load_dir) - len(args.load_via))
-    engines = {}  # load_universal is read at initialize: a universal load gets an engine of its own
-    for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias):
-        universal = via == "universal"
-        if universal not in engines:
-            engines[universal] = build_engine(args.tp, args.stage, args.precision, seed=args.seed + 100,
-                                              model=args.model, load_universal=universal)
-        engine = engines[universal]
+    loads = [(args.stage, args.precision, args.model, via, load_dir, truth_path, verdict_path)
+             for load_dir, verdict_path, truth_path, via in zip(args.load_dir, args.verdict, truths, vias)]
+    loads += [(int(stage), precision, model, via, load_dir, truth_path, verdict_path)
+              for stage, precision, model, via, load_dir, truth_path, verdict_path in args.load]
+    for stage, precision, model, via, load_dir, truth_path, verdict_path in loads:
+        # a fresh engine per load (load_universal is read at initialize, so a universal load needs its own)
+        engine = build_engine(args.tp, stage, precision, seed=args.seed + 100, model=model,
+                              load_universal=via == "universal")
         truth = torch.load(truth_path, weights_only=False)
         error = load_one(engine, load_dir, via)
         errors = [None] * dist.get_world_size()
@@ -401,9 +419,12 @@ def cmd_check(args) -> None:
         problems, checked, digest, loss = [], 0, None, float("nan")
         if not load_errors:
             problems, checked, digest = judge(engine, truth)
-            if truth.get("model", "base") != args.model:
-                problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {args.model}")
-            if args.model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
+            if truth.get("model", "base") != model:
+                problems.append(f"the truth is of model {truth.get('model', 'base')}, the engine of {model}")
+            if (truth["stage"], truth["precision"]) != (stage, precision):
+                problems.append(f"the truth is of ZeRO-{truth['stage']} {truth['precision']}, "
+                                f"the engine of ZeRO-{stage} {precision}")
+            if model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
                 problems.append("lm_head.weight is no longer tied to embed.weight")
             loss = eval_loss(engine)
             tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
@@ -418,6 +439,8 @@ def cmd_check(args) -> None:
             flat = load_errors + [p for rank_problems, _, _ in everyone for p in rank_problems]
             with open(verdict_path + ".tmp", "w") as handle:
                 json.dump({"ok": not flat, "how": via, "problems": flat[:50], "load_error": "\n".join(load_errors) or None,
+                           "tp": args.tp, "dp": dist.get_world_size() // args.tp, "stage": stage,
+                           "precision": precision, "model": model, "load_dir": load_dir,
                            "eval_loss": loss if loss == loss else None,
                            "checked_per_rank": [c for _, c, _ in everyone],
                            "digest_per_rank": [d for _, _, d in everyone]}, handle)
@@ -429,7 +452,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train", "check"])
     parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stage", type=int)
+    parser.add_argument("--save", nargs=5, action="append", default=[],
+                        metavar=("STAGE", "PRECISION", "MODEL", "SAVE_DIR", "TRUTH"),
+                        help="train: one more checkpoint to train and save in this launch")
+    parser.add_argument("--load", nargs=7, action="append", default=[],
+                        metavar=("STAGE", "PRECISION", "MODEL", "VIA", "LOAD_DIR", "TRUTH", "VERDICT"),
+                        help="check: one more load, into a fresh engine of that stage, precision and model")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "bf16_optimizer"])
     parser.add_argument("--model", default="base", choices=sorted(MODELS),
                         help="base: column, row and replicated parameters; vocab: + a vocabulary-parallel "
@@ -437,7 +466,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-dir")
-    parser.add_argument("--truth", action="append", required=True,
+    parser.add_argument("--truth", action="append", default=[],
                         help="train: the truth file to write; check: one per --load-dir, or one for all")
     parser.add_argument("--load-dir", action="append", default=[])
     parser.add_argument("--verdict", action="append", default=[])
@@ -445,6 +474,10 @@ def main(argv=None) -> None:
                         help="check: per --load-dir, plain engine.load_checkpoint (default), reshard's in-job "
                              "load, or DeepSpeed's load_universal of a ds_to_universal.py output")
     args = parser.parse_args(argv)
+    if (args.save_dir is not None or args.load_dir) and (args.stage is None or not args.truth):
+        parser.error("--save-dir and --load-dir need --stage and --truth")
+    if any(load[3] not in ("native", "in-job", "universal") for load in args.load):
+        parser.error("a --load's VIA is native, in-job or universal")
     (cmd_train if args.command == "train" else cmd_check)(args)
 
 
@@ -457,11 +490,55 @@ def train_checkpoint(tp: int, dp: int, stage: int, precision: str, save_dir, tru
                   "--save-dir", save_dir, "--truth", truth], timeout=timeout, expect_files=[truth])
 
 
+def train_checkpoints(tp: int, dp: int, saves, timeout: float = 900) -> None:
+    """Train each (stage, precision, model, save_dir, truth) of `saves` at (tp, dp), in ONE launch."""
+    from reshard_proof.launch import run_torchrun
+    args = ["train", "--tp", tp]
+    for save in saves:
+        args += ["--save", *save]
+    run_torchrun("reshard_proof.tensor_parallel", tp * dp, args, timeout=timeout,
+                 expect_files=[truth for *_, truth in saves])
+
+
+def check_together(loads, timeout: float = 1200) -> dict:
+    """Judge loads (tp, dp, stage, precision, model, via, load_dir, truth, verdict) with one launch
+    per (tp, dp), each in a fresh engine of its stage, precision and model. {str(verdict): verdict
+    dict, or the exception judging it raised}; should a shared launch fail, its loads are judged
+    one per launch, so that every test gets its own verdict or its own error."""
+    import sys
+    from pathlib import Path
+
+    from reshard_proof.launch import run_torchrun
+    groups: dict[tuple, list[tuple]] = {}
+    for tp, dp, *load in loads:
+        groups.setdefault((tp, dp), []).append(tuple(map(str, load)))
+    found: dict = {}
+    for (tp, dp), group in groups.items():
+        batches = [group]
+        for batch in batches:  # grows by one batch per load should the shared launch fail
+            args = ["check", "--tp", tp]
+            for load in batch:
+                args += ["--load", *load]
+            try:
+                run_torchrun("reshard_proof.tensor_parallel", tp * dp, args, timeout=timeout,
+                             expect_files=[load[6] for load in batch])
+            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
+                if len(batch) > 1:
+                    print(f"[tensor_parallel] the shared check at tp={tp} dp={dp} failed; judging its {len(batch)} "
+                          f"loads one by one: {str(error)[-2000:]}", file=sys.stderr, flush=True)
+                    batches += [[load] for load in batch]
+                else:
+                    found[batch[0][6]] = error
+                continue
+            for load in batch:
+                found[load[6]] = json.loads(Path(load[6]).read_text())
+    return found
+
+
 def check_checkpoints(tp: int, dp: int, stage: int, precision: str, loads, verdict_dir, timeout: float = 600,
                       model: str = "base") -> list[dict]:
     """Load each (directory, truth[, "native", "in-job" or "universal"]) of `loads` at (tp, dp),
-    one engine for the plain loads and one (checkpoint.load_universal) for the universal ones;
-    the verdicts, in order."""
+    each into a fresh engine (checkpoint.load_universal for the universal ones); the verdicts, in order."""
     from pathlib import Path
 
     from reshard_proof.launch import run_torchrun
