@@ -18,9 +18,12 @@ pinned for, the in-job load, the universal export) uses what older torch release
   each load (torch_archive.load_structure refuses a storage without one by name).
 
 Under a torch without one of them, that step refuses (UnsupportedTorch, or CheckpointError naming the
-file) and says which torch has it; the rest runs. Under torch 2.5.1, reshard's offline command
-reshards the DeepSpeed checkpoints of bench/compat.py's matrix: torch-free reader, torch.save under
-skip_data as the writer, offsets found torch-free (bench/results/compat.md).
+file) and says which torch has it; the rest runs. Under torch 2.5.1+cu124 (run on CPU), the offline
+command resharded a DeepSpeed 0.19.8 ZeRO-2 fp32 checkpoint 2 -> 3 (torch-free reader, torch.save
+under skip_data as the writer, offsets found torch-free), where before it stopped in torch.load on
+the allowlist's pairs ("'tuple' object has no attribute '__module__'"). The end-to-end cell
+(`bench/compat.py --torch 2.5.1`, trained and loaded by DeepSpeed 0.16.9 over that torch) is what
+the project's torch floor waits for.
 """
 from __future__ import annotations
 
