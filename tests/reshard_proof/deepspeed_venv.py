@@ -172,11 +172,11 @@ def _site_packages(python: str) -> str:
 
 
 def _check_runs(python: str, module: str, version: str, env: dict, cwd: Path) -> None:
-    """Raise unless `python` imports `module` at `version`."""
+    """Raise unless `python` imports `module` at `version` ("2.5.1" also matches the build "2.5.1+cu124")."""
     found = subprocess.run([python, "-c", f"import {module}; print({module}.__version__)"], check=True, env=env,
                            cwd=cwd, capture_output=True, text=True)
     found = found.stdout.strip().splitlines()[-1]  # after DeepSpeed's own log lines
-    if found != version:
+    if found != version and ("+" in version or found.split("+")[0] != version):
         raise RuntimeError(f"{python}: imports {module} {found}, not {version}")
 
 
