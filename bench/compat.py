@@ -2,15 +2,18 @@
 
     python bench/compat.py                                  # 0.14.5 .. 0.19.8, every variant, 2 -> 3 and 1
     python bench/compat.py --versions 0.16.9 --variants z2_fp32 z3_bf16 --deadline 10:10
+    python bench/compat.py --versions 0.16.9 --torch 2.5.1 --update   # another torch: its own venv
     python bench/compat.py --readme-only                    # README's grid from bench/results/compat.json
 
 For each DeepSpeed release (the last patch of each minor from 0.14 to 0.19), a virtual environment
 over this interpreter's torch (reshard_proof.deepspeed_venv: its own TORCH_EXTENSIONS_DIR, the CPU
 op built once before any ranks start, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 where that release's
-checkpoint engine needs it). In it, the proof harness trains each variant on 2 CPU ranks
-(reshard_proof.train: two param groups, a frozen layer, a tied weight, a buffer, client_state, a
+checkpoint engine needs it), or with `--torch T` over torch T's own environment (built once per
+torch, reshard_proof.deepspeed_venv.torch_venv). In it, the proof harness trains each variant on 2 CPU
+ranks (reshard_proof.train: two param groups, a frozen layer, a tied weight, a buffer, client_state, a
 scheduler) and records the truth; `python -m reshard SRC DST --target-dp M` runs in *this*
-environment (DeepSpeed 0.19.8 installed, never imported); the same release loads DST at M ranks
+environment (DeepSpeed 0.19.8 installed, never imported), or with `--torch T` under that
+environment's python (so reshard itself runs on torch T); the same release loads DST at M ranks
 with plain `engine.load_checkpoint` (reshard_proof.check_load, all variants of one M in one launch)
 and compares every fp32 master and optimizer moment, counters, scheduler, frozen params, buffers and
 client_state element by element, then trains a step.
@@ -44,11 +47,11 @@ TARGETS = [3, 1]
 RESULTS = REPO / "bench" / "results"
 
 
-def _reshard(source: Path, destination: Path, m: int) -> dict:
-    """`python -m reshard` here: exit status and the summary's io line."""
+def _reshard(source: Path, destination: Path, m: int, python: str = sys.executable) -> dict:
+    """`python -m reshard` under `python` (here by default): exit status and the summary's io line."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "reshard", str(source), str(destination), "--target-dp", str(m)], check=False,
+    done = subprocess.run([python, "-m", "reshard", str(source), str(destination), "--target-dp", str(m)], check=False,
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     io = next((line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if line.startswith("  io ")), "")
     torch_files = [line.split(":", 1)[1].strip() for line in done.stdout.splitlines() if line.startswith("  torch ")]
@@ -73,19 +76,24 @@ def _judge(venv, m: int, jobs: list[tuple[str, Path, Path, Path]]) -> None:
                  expect_files=[job[3] for job in jobs], timeout=900)
 
 
-def run_release(version: str, variants, targets, workdir: Path, cache: Path, deadline: float) -> list[dict]:
+def run_release(version: str, variants, targets, workdir: Path, cache: Path, deadline: float,
+                torch_release: str | None = None) -> list[dict]:
+    """Every variant of DeepSpeed `version` over `torch_release` (None: this interpreter's torch)."""
     rows = []
     started = time.perf_counter()
-    venv = deepspeed_venv(version, cache)
+    venv = deepspeed_venv(version, cache, torch=torch_release)
     build_seconds = time.perf_counter() - started
     quirks = ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1"] if "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in venv.env() else []
+    # reshard runs here over this torch, or under the environment's python over its own torch
+    reshard_python = sys.executable if venv.torch is None else venv.python
+    torch_version = venv.torch_version()
     for variant in variants:
         if time.time() > deadline:
             break
-        row = {"deepspeed": version, "variant": variant, "quirks": quirks, "targets": {},
+        row = {"deepspeed": version, "torch": torch_version, "variant": variant, "quirks": quirks, "targets": {},
                "venv_seconds": round(build_seconds, 1)}
         rows.append(row)
-        base = workdir / version / variant
+        base = workdir / f"{version}-torch-{torch_version}" / variant
         save_dir, truth = base / "ckpt", base / "truth.pt"
         try:
             train_checkpoint(variant, 2, save_dir, truth, python=venv.python, env=venv.env(), timeout=900)
@@ -95,10 +103,11 @@ def run_release(version: str, variants, targets, workdir: Path, cache: Path, dea
         row["train"] = "ok"
         for m in targets:
             out = base / f"to{m}"
-            row["targets"][m] = {"reshard": _reshard(save_dir, out, m)}
+            row["targets"][m] = {"reshard": _reshard(save_dir, out, m, reshard_python)}
     for m in targets:
-        jobs = [(row["variant"], workdir / version / row["variant"] / f"to{m}", workdir / version / row["variant"] /
-                 "truth.pt", workdir / version / row["variant"] / f"to{m}.verdict.json")
+        base = workdir / f"{version}-torch-{torch_version}"
+        jobs = [(row["variant"], base / row["variant"] / f"to{m}", base / row["variant"] / "truth.pt",
+                 base / row["variant"] / f"to{m}.verdict.json")
                 for row in rows if row.get("train") == "ok" and row["targets"][m]["reshard"]["rc"] == 0]
         if not jobs or time.time() > deadline:
             continue
@@ -146,19 +155,28 @@ def _grid_cell(row: dict) -> str:
     return "NOT equal (see compat.md)"
 
 
+def _order(row: dict) -> tuple:
+    """Table order: DeepSpeed release, then torch (oldest first), then variant."""
+    order = {version: i for i, version in enumerate(VERSIONS)}
+    torch_release = tuple(int(part) for part in row["torch"].split("+")[0].split("."))
+    return (order.get(row["deepspeed"], len(order)), torch_release,
+            VARIANTS.index(row["variant"]) if row["variant"] in VARIANTS else len(VARIANTS))
+
+
 def write_readme_grid(rows: list[dict], dated: str, readme: Path = REPO / "README.md") -> None:
-    """README's version x variant grid, between its compat-table markers."""
+    """README's (DeepSpeed, torch) x variant grid, between its compat-table markers."""
     variants = [v for v in VARIANTS if any(row["variant"] == v for row in rows)]
-    versions = [v for v in VERSIONS if any(row["deepspeed"] == v for row in rows)]
-    by_cell = {(row["deepspeed"], row["variant"]): row for row in rows}
+    pairs = list(dict.fromkeys((row["deepspeed"], row["torch"]) for row in sorted(rows, key=_order)))
+    by_cell = {(row["deepspeed"], row["torch"], row["variant"]): row for row in rows}
     lines = ["<!-- compat-table -->",
-             f"Each cell: trained on 2 CPU ranks with that DeepSpeed (torch 2.13.0), resharded to 3 and 1, loaded "
-             f"with the same DeepSpeed, every element compared (last run {dated} UTC; full table and notes: "
-             "[bench/results/compat.md](bench/results/compat.md)).", "",
-             "| DeepSpeed | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
-    for version in versions:
-        lines.append(f"| {version} | " + " | ".join(
-            _grid_cell(by_cell[(version, v)]) if (version, v) in by_cell else "not run" for v in variants) + " |")
+             f"Each cell: trained on 2 CPU ranks with that DeepSpeed and torch, resharded to 3 and 1 by reshard "
+             f"running on the same torch, loaded with the same DeepSpeed, every element compared (last run {dated} "
+             "UTC; full table and notes: [bench/results/compat.md](bench/results/compat.md)).", "",
+             "| DeepSpeed | torch | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    for version, torch_release in pairs:
+        lines.append(f"| {version} | {torch_release} | " + " | ".join(
+            _grid_cell(by_cell[(version, torch_release, v)]) if (version, torch_release, v) in by_cell else "not run"
+            for v in variants) + " |")
     lines.append("<!-- /compat-table -->")
     text = readme.read_text()
     start, end = text.index("<!-- compat-table -->"), text.index("<!-- /compat-table -->") + len("<!-- /compat-table -->")
@@ -166,18 +184,18 @@ def write_readme_grid(rows: list[dict], dated: str, readme: Path = REPO / "READM
 
 
 def write_table(rows: list[dict], targets, path: Path, started: str) -> None:
-    import torch
     lines = [f"# DeepSpeed version matrix ({started} UTC)", "",
-             f"torch {torch.__version__}, Python {platform.python_version()}, CPU ({os.cpu_count()} cores), "
-             f"`python bench/compat.py`. Each release trains on 2 ranks (reshard_proof.train), reshard runs under "
-             f"this environment, the release loads the result with plain `load_checkpoint` and every fp32 master, "
-             f"moment, counter, scheduler, frozen param, buffer and client_state value is compared.", "",
-             "| DeepSpeed | variant | train | " + " | ".join(f"2 -> {m}" for m in targets) + " | notes |",
-             "|---|---|---|" + "---|" * len(targets) + "---|"]
+             f"Python {platform.python_version()}, CPU ({os.cpu_count()} cores), "
+             f"`python bench/compat.py`. Each release trains on 2 ranks (reshard_proof.train) over the row's torch, "
+             f"reshard runs on the same torch (this environment for this interpreter's torch, the release's "
+             f"environment for `--torch`), the release loads the result with plain `load_checkpoint` and every fp32 "
+             f"master, moment, counter, scheduler, frozen param, buffer and client_state value is compared.", "",
+             "| DeepSpeed | torch | variant | train | " + " | ".join(f"2 -> {m}" for m in targets) + " | notes |",
+             "|---|---|---|---|" + "---|" * len(targets) + "---|"]
     for row in rows:
         cells = [_cell(row["targets"].get(m)) for m in targets]
         notes = ", ".join(row["quirks"] + ([row["recheck"]] if row.get("recheck") else []))
-        lines.append(f"| {row['deepspeed']} | {row['variant']} | {row.get('train', 'not run')} | "
+        lines.append(f"| {row['deepspeed']} | {row['torch']} | {row['variant']} | {row.get('train', 'not run')} | "
                      + " | ".join(cells) + f" | {notes} |")
     path.write_text("\n".join(lines) + "\n")
 
@@ -187,6 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
     parser.add_argument("--variants", nargs="+", default=VARIANTS)
     parser.add_argument("--targets", nargs="+", type=int, default=TARGETS)
+    parser.add_argument("--torch", help="a torch release to run instead of this interpreter's (its own environment)")
     parser.add_argument("--workdir", default="/tmp/reshard-compat")
     parser.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the per-release environments live")
     parser.add_argument("--deadline", help="HH:MM (UTC): start nothing new after it")
@@ -215,12 +234,11 @@ def main(argv=None) -> None:
     for version in args.versions:
         if time.time() > deadline:
             break
-        rows += run_release(version, args.variants, args.targets, Path(args.workdir), Path(args.cache), deadline)
-        redone = {(row["deepspeed"], row["variant"]) for row in rows}
-        order = {version: i for i, version in enumerate(VERSIONS)}
-        table = sorted([row for row in kept if (row["deepspeed"], row["variant"]) not in redone] + rows,
-                       key=lambda row: (order.get(row["deepspeed"], len(order)), VARIANTS.index(row["variant"])
-                                        if row["variant"] in VARIANTS else len(VARIANTS)))
+        rows += run_release(version, args.variants, args.targets, Path(args.workdir), Path(args.cache), deadline,
+                            args.torch)
+        redone = {(row["deepspeed"], row["torch"], row["variant"]) for row in rows}
+        table = sorted([row for row in kept if (row["deepspeed"], row["torch"], row["variant"]) not in redone] + rows,
+                       key=_order)
         write_table(table, args.targets, Path(args.out), started)
         Path(args.out).with_suffix(".json").write_text(json.dumps(table, indent=1, default=str))
         write_readme_grid(table, started)

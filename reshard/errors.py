@@ -42,3 +42,7 @@ class PeerFailure(ReshardError):
 
 class TopologyError(OptionError):
     """A topology that cannot exist: a size below 1, or ep not dividing dp (see reshard.topology)."""
+
+
+class UnsupportedTorch(ReshardError):
+    """The installed torch lacks what this step needs (reshard.formats.torch_release names it)."""

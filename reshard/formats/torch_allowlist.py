@@ -26,6 +26,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+from reshard.formats.torch_release import require
+
 _lock = threading.Lock()
 _holders: Counter = Counter()
 """entry -> how many reshard scopes hold it (only entries reshard itself added)."""
@@ -40,6 +42,8 @@ def allowed_globals(entries: Iterable) -> Iterator[None]:
     import torch
 
     wanted = list(dict.fromkeys(entries))
+    if any(isinstance(entry, tuple) for entry in wanted):
+        require("named_allowlist")  # torch 2.5 would fail inside torch.load on the pair's __module__
     held = []
     with _lock:
         before = set(torch.serialization.get_safe_globals())

@@ -18,10 +18,11 @@ With torch (`load_structure`, `portable`, `materialize`, `write_skeleton`, `loca
 `os.pread` at offsets the plan names. Unlike an mmap, pread leaves nothing mapped in the
 process, so resident memory stays at what the plan holds.
 
-Writing (torch >= 2.6): the target object is built with `torch.empty` storages (never touched,
+Writing (torch >= 2.5, torch_release): the target object is built with `torch.empty` storages (never touched,
 so never resident) and saved under `torch.serialization.skip_data()`, which writes the whole
 structure and reserves each storage's bytes (they read back as zeros). Reloading that
-skeleton with `map_location="meta"` gives each storage's offset; the data then goes there
+skeleton without torch (torch_pickle.storage_offsets_of; with `map_location="meta"` where it
+holds what only torch reads) gives each storage's offset; the data then goes there
 with `os.pwrite` / `os.copy_file_range` as it arrives. The result is a normal torch file.
 
 Tensors are found the way torch.save finds them: by pickling the object with a
@@ -34,13 +35,14 @@ import os
 import pickle
 from typing import TYPE_CHECKING, Any, Iterable
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, UnsupportedTorch
 from reshard.formats import torch_pickle
 from reshard.formats.torch_classes import (
     NeedsTorch,
     globals_by_name,
     stand_in_pickle_module,
 )
+from reshard.formats.torch_release import installed_version, require
 
 # The portable tree's types and walks live in torch_tree (torch_pickle uses them too); they are
 # re-exported here, where the callers above the torch-byte layer have always found them.
@@ -85,6 +87,8 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
             from reshard.formats.torch_allowlist import allowed_globals
             with allowed_globals(safe_globals):
                 obj = torch.load(path, map_location="meta", weights_only=True)
+    except UnsupportedTorch as error:
+        raise CheckpointError(path, f"needs torch to be read, and {error}") from None
     except pickle.UnpicklingError as error:
         message = str(error)
         if "Unsupported global" in message or "weights_only" in message:
@@ -99,8 +103,11 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     for tensor in leaves_in_order(obj):
         storage = tensor.untyped_storage()
         offset = getattr(storage, "_checkpoint_offset", None)
-        if offset is None or storage.nbytes() == 0:
+        if storage.nbytes() == 0:
             continue
+        if offset is None:  # torch 2.5.1's meta load sets none (torch_release)
+            raise CheckpointError(path, f"needs torch to be read, and torch {torch.__version__}'s meta load gives no "
+                                        "storage offsets (`_checkpoint_offset`, set by torch 2.13)")
         if (int(offset), storage.nbytes()) not in records:
             raise CheckpointError(path, f"holds a view past its storage, or records out of torch.save's order: a meta "
                                         f"load places a storage of {storage.nbytes()} bytes at byte {int(offset)}, "
@@ -189,12 +196,18 @@ def write_skeleton(path: str, obj: Any, roles: dict, pickle_module=None, safe_gl
     `pickle_module` (default: pickle) pickles the structure, `safe_globals` reloads it (see
     `locate_storages`).
     """
+    _save_skeleton(path, obj, pickle_module)
+    return locate_storages(path, obj, roles, safe_globals)
+
+
+def _save_skeleton(path: str, obj: Any, pickle_module=None) -> None:
+    """torch.save `obj` under skip_data: the structure, each storage's bytes reserved."""
+    require("skip_data")
     import torch
     from torch.serialization import skip_data
 
     with skip_data():
         torch.save(obj, path, **({"pickle_module": pickle_module} if pickle_module is not None else {}))
-    return locate_storages(path, obj, roles, safe_globals)
 
 
 def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = ()) -> dict:
@@ -241,13 +254,7 @@ def _fell_back(path, why: BaseException | str) -> None:
     torch_fallbacks.append((os.fspath(path), text[:200]))
 
 
-def installed_torch_version() -> str | None:
-    """The installed torch's version, from its metadata (importing torch takes seconds)."""
-    import importlib.metadata
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+installed_torch_version = installed_version  # where callers have found it
 
 
 def writer_not_pinned() -> str | None:
@@ -297,7 +304,16 @@ def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> di
     else:
         _fell_back(path, unpinned)
     obj, roles = materialize(tree)
-    return write_skeleton(path, obj, roles, stand_in_pickle_module(safe_globals), safe_globals)
+    _save_skeleton(path, obj, stand_in_pickle_module(safe_globals))
+    # torch wrote it; the offsets are read without torch where the tree allows, so a torch whose
+    # meta load gives no offsets or takes no named allowlist (2.5, torch_release) writes here too
+    try:
+        return torch_pickle.storage_offsets_of(path, tree, globals_by_name(safe_globals))
+    except ValueError:
+        raise CheckpointError(path, "does not have the structure reshard wrote for it (changed since?)") from None
+    except NeedsTorch:
+        pass  # the tree's own NeedsTorch is already recorded for this path
+    return locate_storages(path, obj, roles, safe_globals)
 
 
 def locate_tree_storages(path: str, tree: Any, safe_globals: Iterable = ()) -> dict:
