@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resume OUT --stage 2 \
         --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
+    torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resumes JOBS.json
 
 train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6); at each save rank 0 writes
 truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
@@ -11,6 +12,12 @@ resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` w
 done; at the first on_step_begin the same quantities are compared with the truth, element by
 element; training then goes on to step 6 and its save. With --in-job the Trainer resumes through
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
+resumes: several resumes one after the other in one launch, since starting torch, DeepSpeed and
+transformers on every rank is what a resume costs; JOBS.json lists them as
+{"out", "stage", "bf16", "source", "truth", "report", "in_job"}. Each gets a Trainer, an Accelerator
+state and a DeepSpeed engine of its own (Accelerate's shared state is reset between them, the
+process group kept), and an in-job resume's replacement of the Trainer's load is undone after it,
+so a later offline resume loads through transformers' own function.
 """
 import argparse
 import os
@@ -41,10 +48,44 @@ def make_trainer(args, seed: int, callbacks):
     return Trainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
 
 
+def resume(args, rank: int) -> None:
+    """One resume from args.source at this world size, judged at its first step; rank 0 writes args.report."""
+    from transformers import TrainerCallback
+    holder = {}
+
+    class Check(TrainerCallback):
+        first = True
+
+        def on_step_begin(self, training_args, state, control, **kwargs):
+            if not self.first:
+                return
+            self.first = False
+            trainer = holder["trainer"]
+            full = full_state(trainer.model_wrapped)
+            truth = torch.load(args.truth, weights_only=True)
+            mismatches, checked = compare_with_truth(full, truth["state"])
+            holder["report"] = {"mismatches": mismatches, "checked_tensors": checked,
+                                "global_step_at_resume": state.global_step, "truth_global_step": truth["global_step"],
+                                "lr_at_resume": trainer.lr_scheduler.get_last_lr(), "truth_lr": truth["lr"],
+                                "world_size": training_args.world_size}
+
+    trainer = holder["trainer"] = make_trainer(args, seed=99, callbacks=[Check()])
+    if args.in_job:
+        from reshard.integrations.huggingface import enable_resharding
+        enable_resharding(trainer)
+    trainer.train(resume_from_checkpoint=args.source)
+    report = holder["report"]
+    report["final_global_step"] = trainer.state.global_step
+    report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
+    report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
+    if rank == 0:
+        write_report(args.report, report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("train", "resume"))
-    parser.add_argument("out")
+    parser.add_argument("mode", choices=("train", "resume", "resumes"))
+    parser.add_argument("out", help="the output directory; for resumes, JOBS.json")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--from", dest="source")
@@ -65,37 +106,24 @@ def main() -> None:
                 torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
                            os.path.join(args.out, f"truth-{state.global_step}.pt"))
 
-    class Check(TrainerCallback):
-        first = True
-
-        def on_step_begin(self, training_args, state, control, **kwargs):
-            if not self.first:
-                return
-            self.first = False
-            trainer = holder["trainer"]
-            full = full_state(trainer.model_wrapped)
-            truth = torch.load(args.truth, weights_only=True)
-            mismatches, checked = compare_with_truth(full, truth["state"])
-            holder["report"] = {"mismatches": mismatches, "checked_tensors": checked,
-                                "global_step_at_resume": state.global_step, "truth_global_step": truth["global_step"],
-                                "lr_at_resume": trainer.lr_scheduler.get_last_lr(), "truth_lr": truth["lr"],
-                                "world_size": training_args.world_size}
-
     if args.mode == "train":
         trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
         trainer.train()
+    elif args.mode == "resume":
+        resume(args, rank)
     else:
-        trainer = holder["trainer"] = make_trainer(args, seed=99, callbacks=[Check()])
-        if args.in_job:
-            from reshard.integrations.huggingface import enable_resharding
-            enable_resharding(trainer)
-        trainer.train(resume_from_checkpoint=args.source)
-        report = holder["report"]
-        report["final_global_step"] = trainer.state.global_step
-        report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
-        report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
-        if rank == 0:
-            write_report(args.report, report)
+        import json
+
+        import transformers.trainer as trainer_module
+        from accelerate.state import AcceleratorState
+        with open(args.out) as jobs_file:
+            jobs = json.load(jobs_file)
+        own_load = trainer_module.deepspeed_load_checkpoint
+        for number, job in enumerate(jobs):
+            if number:
+                AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
+            resume(argparse.Namespace(**job), rank)
+            trainer_module.deepspeed_load_checkpoint = own_load  # enable_resharding affects every Trainer
     leave_and_exit()
 
 
