@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from hf_runs import read_report, run_entry
-from trained import REPO, reshard_in_threads, reshard_with_torchrun
+from trained import reshard_in_process, reshard_in_threads, reshard_with_torchrun
 
 from reshard.jobs.save_dir_files import list_save_dir_files
 
@@ -127,17 +125,17 @@ def test_whole_output_dir_offline_then_trainer_resumes_at_3(trainer_resumes):
         assert not (destination / checkpoint / "rng_state_2.pth").exists()  # no RNG stream is invented
     assert "tokenizer/vocab.json" in list_save_dir_files(str(output_dir / "checkpoint-3"))
 
-    # the resume (in the fixture) read DST/checkpoint-3 as the reshard wrote it; verify it, then tamper
-    verify = [sys.executable, "-m", "reshard", "verify", str(destination / "checkpoint-3")]
-    assert subprocess.run(verify, cwd=REPO, capture_output=True, text=True).returncode == 0
+    # the resume (in the fixture) read DST/checkpoint-3 as the reshard wrote it; verify it, then tamper.
+    # `reshard verify` through reshard.cli.main in this process (test_bad_input runs it as a process)
+    verify = ["verify", destination / "checkpoint-3"]
+    assert reshard_in_process(*verify).returncode == 0
     vocab = destination / "checkpoint-3" / "tokenizer" / "vocab.json"
     original_vocab = vocab.read_text()
     vocab.write_text('{"<s>": 1}')
     try:
-        failed = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
+        failed = reshard_in_process(*verify)
         assert failed.returncode == 1 and "tokenizer/vocab.json" in failed.stdout
-        against = subprocess.run(verify + ["--against", str(output_dir / "checkpoint-3")], cwd=REPO,
-                                 capture_output=True, text=True)
+        against = reshard_in_process(*verify, "--against", output_dir / "checkpoint-3")
         assert against.returncode == 1 and "vocab.json: content differs" in against.stdout, \
             against.stdout + against.stderr
     finally:

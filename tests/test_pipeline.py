@@ -169,10 +169,11 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(request, pipeline_r
 
 @pytest.mark.e2e
 def test_pipeline_pp_change_without_the_layer_list_exits_2_and_writes_nothing(pipeline_runs, tmp_path):
-    from trained import reshard_cli
+    from trained import reshard_in_process
+    # the message, not the launcher: in this process (test_cli proves a real `python -m reshard` refusal exits 2)
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     out = tmp_path / "out"
-    run = reshard_cli(save_dir, out, "--target-dp", "2", "--target-pp", "1")
+    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-pp", "1")
     assert run.returncode == 2, run.stderr
     assert "mp_rank_00_model_states.pt: --target-pp 1 (the save has 2 stages)" in run.stderr
     assert "give --pipeline-layers N" in run.stderr
@@ -210,10 +211,10 @@ def test_stage_names_list_tied_modules_first_then_layers_in_order():
 
 @pytest.mark.e2e
 def test_pipeline_layers_that_do_not_reproduce_the_source_are_refused(pipeline_runs, tmp_path):
-    from trained import reshard_cli
+    from trained import reshard_in_process  # the message, not the launcher, as above
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     out = tmp_path / "out"
-    run = reshard_cli(save_dir, out, "--target-dp", "2", "--target-pp", "1", "--pipeline-layers", "6",
+    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-pp", "1", "--pipeline-layers", "6",
                       "--pipeline-tied", "embed:0,5")
     assert run.returncode == 2, run.stderr
     assert "mp_rank_01_model_states.pt: holds" in run.stderr and "differ from the model's" in run.stderr
