@@ -7,7 +7,8 @@ steps 3 and 6 (tests/entry/hf_trainer.py); resumed with `trainer.train(resume_fr
 and nothing else, at 3 and at 1 rank: at the first on_step_begin every full fp32 master and Adam
 moment equals the 2-rank original's, the step counter and learning rate continue, and training
 reaches the next save. The same for an Accelerate save_state / load_state loop (ZeRO-3).
-The four Trainer resumes run two to a launch (one per world size), in a module fixture.
+The six resumes (Trainer and Accelerate) run three to a launch, one launch per world size, in a
+module fixture (tests/entry/hf_trainer.py resumes).
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ pytestmark = pytest.mark.e2e
 STAGE = {"z2": ["--stage", "2"], "z3_bf16": ["--stage", "3", "--bf16"]}
 
 
-# The four Trainer resumes, two per world size, each pair in one launch (hf_trainer.py resumes): an
-# offline resume first, then an in-job one (whose replacement of the Trainer's load is undone after it).
-RESUMES_AT = {3: (("offline", "z2"), ("in_job", "z3_bf16")), 1: (("offline", "z3_bf16"), ("in_job", "z2"))}
+# The six resumes, three per world size, each three in one launch (hf_trainer.py resumes): a Trainer's
+# offline resume first, then an in-job one (whose replacement of the Trainer's load is undone after
+# it), then the Accelerate loop's load_state.
+RESUMES_AT = {3: (("offline", "z2"), ("in_job", "z3_bf16"), ("in_job", "accelerate_z3")),
+              1: (("offline", "z3_bf16"), ("in_job", "z2"), ("offline", "accelerate_z3"))}
 
 
-def _resume_trainers(nproc: int, jobs: list[dict]) -> None:
+def _resume_together(nproc: int, jobs: list[dict]) -> None:
     """Every job resumed at nproc ranks in one torchrun launch; should it fail, each in a launch of its own
     (a job whose report is missing then fails its own test through read_report)."""
     jobs_file = Path(jobs[0]["report"]).with_name(f"jobs-{nproc}.json")
@@ -42,22 +45,28 @@ def _resume_trainers(nproc: int, jobs: list[dict]) -> None:
     except AssertionError as error:
         print(f"[hf] the shared resume launch at {nproc} ranks failed, one launch each: {error}", flush=True)
         for job in jobs:
-            options = [*STAGE["z3_bf16" if job["bf16"] else "z2"], *(["--in-job"] if job["in_job"] else [])]
+            in_job = ["--in-job"] if job["in_job"] else []
             try:
-                run_entry("hf_trainer.py", nproc, "resume", job["out"], *options, "--from", job["source"],
-                          "--truth", job["truth"], "--report", job["report"], expect=Path(job["report"]))
+                if job.get("kind") == "accelerate":
+                    run_entry("hf_accelerate.py", nproc, "resume", job["state_dir"], "--stage", job["stage"],
+                              "--truth", job["truth"], "--report", job["report"], *in_job, expect=Path(job["report"]))
+                    continue
+                run_entry("hf_trainer.py", nproc, "resume", job["out"], *STAGE["z3_bf16" if job["bf16"] else "z2"],
+                          *in_job, "--from", job["source"], "--truth", job["truth"], "--report", job["report"],
+                          expect=Path(job["report"]))
             except AssertionError as alone:
                 print(f"[hf] {job['report']}: {alone}", flush=True)
-    print(f"\n{len(jobs)} Trainer resumes at {nproc} rank(s): {time.perf_counter() - started:.1f} s wall "
+    print(f"\n{len(jobs)} resumes at {nproc} rank(s): {time.perf_counter() - started:.1f} s wall "
           f"(one start-up; per resume: load, 3 steps, save)")
 
 
 @pytest.fixture(scope="module")
-def trainer_resumes(hf_trained, tmp_path_factory):
-    """The offline reshards the Trainer then resumes from, and the four resumes' reports:
-    {"output_dir", "destination", "reshard" (the torchrun result), "reports": {(mode, run, nproc): path}}.
+def hf_resumes(hf_trained, tmp_path_factory):
+    """The offline reshards the resumes read, and the six resumes' reports: {"output_dir", "destination",
+    "reshard" (the torchrun result), "z3_dp1", "accelerate_dp1", "reports": {(mode, run, nproc): path}}.
     z2: the whole output_dir (with a user's sub-directory) by torchrun -m reshard to 3; z3_bf16: one
-    checkpoint-N directory by two worker threads to 1. In-job resumes read the 2-rank save as it is."""
+    checkpoint-N directory by two worker threads to 1; Accelerate's state directory by one worker to 1.
+    In-job resumes read the 2-rank save as it is."""
     root = tmp_path_factory.mktemp("hf-resumes")
     output_dir = root / "output_dir"
     shutil.copytree(hf_trained("z2"), output_dir)
@@ -74,6 +83,11 @@ def trainer_resumes(hf_trained, tmp_path_factory):
                ("offline", "z3_bf16"): (z3_dp1, z3 / "truth-3.pt")}
     for run in ("z2", "z3_bf16"):
         sources[("in_job", run)] = (hf_trained(run) / "checkpoint-3", hf_trained(run) / "truth-3.pt")
+    accelerate = hf_trained("accelerate_z3")
+    accelerate_dp1 = root / "accelerate-state-dp1"
+    reshard_in_threads(accelerate / "state", accelerate_dp1, 1, 1)
+    sources[("in_job", "accelerate_z3")] = (accelerate / "state", accelerate / "truth.pt")
+    sources[("offline", "accelerate_z3")] = (accelerate_dp1, accelerate / "truth.pt")
     reports = {}
     for nproc, pairs in RESUMES_AT.items():
         jobs = []
@@ -81,16 +95,20 @@ def trainer_resumes(hf_trained, tmp_path_factory):
             source, truth = sources[(mode, run)]
             report = root / f"report-{mode}-{run}-{nproc}.json"
             reports[(mode, run, nproc)] = report
+            if run == "accelerate_z3":
+                jobs.append({"kind": "accelerate", "state_dir": str(source), "stage": 3, "truth": str(truth),
+                             "report": str(report), "in_job": mode == "in_job"})
+                continue
             jobs.append({"out": str(root / f"resumed-{mode}-{run}-{nproc}"), "stage": 3 if run == "z3_bf16" else 2,
                          "bf16": run == "z3_bf16", "source": str(source), "truth": str(truth), "report": str(report),
                          "in_job": mode == "in_job"})
-        _resume_trainers(nproc, jobs)
+        _resume_together(nproc, jobs)
     return {"output_dir": output_dir, "destination": destination, "reshard": reshard, "z3_dp1": z3_dp1,
-            "reports": reports}
+            "accelerate_dp1": accelerate_dp1, "reports": reports}
 
 
-def _resumed_trainer(trainer_resumes, mode: str, run: str, nproc: int) -> dict:
-    data = read_report(trainer_resumes["reports"][(mode, run, nproc)])
+def _resumed_trainer(hf_resumes, mode: str, run: str, nproc: int) -> dict:
+    data = read_report(hf_resumes["reports"][(mode, run, nproc)])
     assert data["mismatches"] == [], data["mismatches"]
     assert data["checked_tensors"] == 63  # 21 parameters x (fp32 master, exp_avg, exp_avg_sq)
     assert data["world_size"] == nproc
@@ -108,10 +126,10 @@ def _same_bytes(source_save_dir: Path, destination_save_dir: Path) -> list[str]:
     return names
 
 
-def test_whole_output_dir_offline_then_trainer_resumes_at_3(trainer_resumes):
+def test_whole_output_dir_offline_then_trainer_resumes_at_3(hf_resumes):
     """torchrun -m reshard OUTPUT_DIR DST: both checkpoints, every HF file (and a user's sub-directory)
     byte-identical and in the manifest, verify passes; the Trainer resumes from DST/checkpoint-3."""
-    output_dir, destination, result = (trainer_resumes[k] for k in ("output_dir", "destination", "reshard"))
+    output_dir, destination, result = (hf_resumes[k] for k in ("output_dir", "destination", "reshard"))
     assert "the global batch size is 4 at 2 ranks and becomes 6 at 3 ranks" in result.stdout
     assert "rank(s) 2 of 3 have no rng_state_{rank}.pth" in result.stdout
     assert "truth-3.pt" in result.stdout  # named as lying outside every save directory
@@ -141,41 +159,33 @@ def test_whole_output_dir_offline_then_trainer_resumes_at_3(trainer_resumes):
     finally:
         vocab.write_text(original_vocab)
 
-    _resumed_trainer(trainer_resumes, "offline", "z2", 3)
+    _resumed_trainer(hf_resumes, "offline", "z2", 3)
 
 
-def test_checkpoint_dir_offline_then_trainer_resumes_at_1(hf_trained, trainer_resumes):
+def test_checkpoint_dir_offline_then_trainer_resumes_at_1(hf_trained, hf_resumes):
     """SRC is one checkpoint-N directory (ZeRO-3, bf16); two workers as threads; resume at 1 rank."""
-    _same_bytes(hf_trained("z3_bf16") / "checkpoint-3", trainer_resumes["z3_dp1"])
-    _resumed_trainer(trainer_resumes, "offline", "z3_bf16", 1)
+    _same_bytes(hf_trained("z3_bf16") / "checkpoint-3", hf_resumes["z3_dp1"])
+    _resumed_trainer(hf_resumes, "offline", "z3_bf16", 1)
 
 
 @pytest.mark.parametrize("run,nproc", [("z2", 1), ("z3_bf16", 3)])
-def test_trainer_resumes_in_job(hf_trained, trainer_resumes, run, nproc):
+def test_trainer_resumes_in_job(hf_trained, hf_resumes, run, nproc):
     """enable_resharding(trainer), then train(resume_from_checkpoint=the 2-rank checkpoint as saved)."""
-    _resumed_trainer(trainer_resumes, "in_job", run, nproc)
+    _resumed_trainer(hf_resumes, "in_job", run, nproc)
     assert not list(hf_trained(run).rglob("*reshard*")), "in-job resharding must not write into the source"
 
 
-def _resume_accelerate(state: Path, truth: Path, nproc: int, tmp_path: Path, *extra: str) -> dict:
-    report = tmp_path / f"accelerate-{nproc}.json"
-    started = time.perf_counter()
-    run_entry("hf_accelerate.py", nproc, "resume", state, "--stage", "3", "--truth", truth, "--report", report,
-              *extra, expect=report)
-    data = read_report(report)
+def _resumed_accelerate(hf_resumes, mode: str, nproc: int) -> dict:
+    data = read_report(hf_resumes["reports"][(mode, "accelerate_z3", nproc)])
     assert data["mismatches"] == [] and data["checked_tensors"] == 63, data
     assert data["world_size"] == nproc and data["lr_at_resume"] == data["truth_lr"]
     assert data["loss_after_resume"] == data["loss_after_resume"]  # finite: NaN != NaN
-    print(f"\naccelerate load_state at {nproc} rank(s) {' '.join(extra) or 'offline'}: "
-          f"{time.perf_counter() - started:.1f} s wall")
     return data
 
 
-def test_accelerate_load_state_in_job_at_3_and_offline_at_1(hf_trained, tmp_path):
+def test_accelerate_load_state_in_job_at_3_and_offline_at_1(hf_trained, hf_resumes):
     run = hf_trained("accelerate_z3")
-    _resume_accelerate(run / "state", run / "truth.pt", 3, tmp_path, "--in-job")
-    destination = tmp_path / "state-dp1"
-    reshard_in_threads(run / "state", destination, 1, 1)
-    names = _same_bytes(run / "state", destination)
+    _resumed_accelerate(hf_resumes, "in_job", 3)
+    names = _same_bytes(run / "state", hf_resumes["accelerate_dp1"])
     assert {"random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"} <= set(names)
-    _resume_accelerate(destination, run / "truth.pt", 1, tmp_path)
+    _resumed_accelerate(hf_resumes, "offline", 1)

@@ -14,7 +14,9 @@ element; training then goes on to step 6 and its save. With --in-job the Trainer
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
 resumes: several resumes one after the other in one launch, since starting torch, DeepSpeed and
 transformers on every rank is what a resume costs; JOBS.json lists them as
-{"out", "stage", "bf16", "source", "truth", "report", "in_job"}. Each gets a Trainer, an Accelerator
+{"out", "stage", "bf16", "source", "truth", "report", "in_job"}, or, for hf_accelerate.py's resume,
+{"kind": "accelerate", "state_dir", "stage", "truth", "report", "in_job"} (put those last: Accelerate's
+DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an Accelerator
 state and a DeepSpeed engine of its own (Accelerate's shared state is reset between them, the
 process group kept), and an in-job resume's replacement of the Trainer's load is undone after it,
 so a later offline resume loads through transformers' own function.
@@ -122,7 +124,11 @@ def main() -> None:
         for number, job in enumerate(jobs):
             if number:
                 AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
-            resume(argparse.Namespace(**job), rank)
+            if job.pop("kind", "trainer") == "accelerate":
+                import hf_accelerate
+                hf_accelerate.resume(argparse.Namespace(**job), rank)
+            else:
+                resume(argparse.Namespace(**job), rank)
             trainer_module.deepspeed_load_checkpoint = own_load  # enable_resharding affects every Trainer
     leave_and_exit()
 
