@@ -8,7 +8,7 @@ and nothing else, at 3 and at 1 rank: at the first on_step_begin every full fp32
 moment equals the 2-rank original's, the step counter and learning rate continue, and training
 reaches the next save. The same for an Accelerate save_state / load_state loop (ZeRO-3).
 The six resumes (Trainer and Accelerate) run three to a launch, one launch per world size, in a
-module fixture (tests/entry/hf_trainer.py resumes).
+module fixture (tests/entry/hf_trainer.py jobs).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 STAGE = {"z2": ["--stage", "2"], "z3_bf16": ["--stage", "3", "--bf16"]}
 
 
-# The six resumes, three per world size, each three in one launch (hf_trainer.py resumes): a Trainer's
+# The six resumes, three per world size, each three in one launch (hf_trainer.py jobs): a Trainer's
 # offline resume first, then an in-job one (whose replacement of the Trainer's load is undone after
 # it), then the Accelerate loop's load_state.
 RESUMES_AT = {3: (("offline", "z2"), ("in_job", "z3_bf16"), ("in_job", "accelerate_z3")),
@@ -41,7 +41,7 @@ def _resume_together(nproc: int, jobs: list[dict]) -> None:
     jobs_file.write_text(json.dumps(jobs))
     started = time.perf_counter()
     try:
-        run_entry("hf_trainer.py", nproc, "resumes", jobs_file, expect=Path(jobs[-1]["report"]))
+        run_entry("hf_trainer.py", nproc, "jobs", jobs_file, expect=Path(jobs[-1]["report"]))
     except AssertionError as error:
         print(f"[hf] the shared resume launch at {nproc} ranks failed, one launch each: {error}", flush=True)
         for job in jobs:
@@ -96,10 +96,10 @@ def hf_resumes(hf_trained, tmp_path_factory):
             report = root / f"report-{mode}-{run}-{nproc}.json"
             reports[(mode, run, nproc)] = report
             if run == "accelerate_z3":
-                jobs.append({"kind": "accelerate", "state_dir": str(source), "stage": 3, "truth": str(truth),
+                jobs.append({"mode": "resume", "kind": "accelerate", "state_dir": str(source), "stage": 3, "truth": str(truth),
                              "report": str(report), "in_job": mode == "in_job"})
                 continue
-            jobs.append({"out": str(root / f"resumed-{mode}-{run}-{nproc}"), "stage": 3 if run == "z3_bf16" else 2,
+            jobs.append({"mode": "resume", "out": str(root / f"resumed-{mode}-{run}-{nproc}"), "stage": 3 if run == "z3_bf16" else 2,
                          "bf16": run == "z3_bf16", "source": str(source), "truth": str(truth), "report": str(report),
                          "in_job": mode == "in_job"})
         _resume_together(nproc, jobs)

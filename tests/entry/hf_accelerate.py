@@ -52,6 +52,16 @@ def train_steps(accelerator, model, optimizer, loader, scheduler, steps: int) ->
     return float(loss.detach())
 
 
+def train(args, rank: int) -> None:
+    """STEPS steps from seed 11, save_state(args.state_dir); rank 0 writes the truth to args.truth."""
+    accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=11)
+    train_steps(accelerator, model, optimizer, loader, scheduler, STEPS)
+    accelerator.save_state(args.state_dir)
+    full = full_state(model)
+    if rank == 0:
+        torch.save({"state": full, "lr": scheduler.get_last_lr()}, args.truth)
+
+
 def resume(args, rank: int) -> None:
     """A model from another seed, load_state(args.state_dir) (in-job: through enable_resharding), compared
     with args.truth, then one more step; rank 0 writes args.report."""
@@ -82,12 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     if args.mode == "train":
-        accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=11)
-        train_steps(accelerator, model, optimizer, loader, scheduler, STEPS)
-        accelerator.save_state(args.state_dir)
-        full = full_state(model)
-        if rank == 0:
-            torch.save({"state": full, "lr": scheduler.get_last_lr()}, args.truth)
+        train(args, rank)
     else:
         resume(args, rank)
     leave_and_exit()

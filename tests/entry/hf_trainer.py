@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resume OUT --stage 2 \
         --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
-    torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resumes JOBS.json
+    torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py jobs JOBS.json
 
 train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6); at each save rank 0 writes
 truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
@@ -12,11 +12,11 @@ resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` w
 done; at the first on_step_begin the same quantities are compared with the truth, element by
 element; training then goes on to step 6 and its save. With --in-job the Trainer resumes through
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
-resumes: several resumes one after the other in one launch, since starting torch, DeepSpeed and
-transformers on every rank is what a resume costs; JOBS.json lists them as
-{"out", "stage", "bf16", "source", "truth", "report", "in_job"}, or, for hf_accelerate.py's resume,
-{"kind": "accelerate", "state_dir", "stage", "truth", "report", "in_job"} (put those last: Accelerate's
-DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an Accelerator
+jobs: several trainings or resumes one after the other in one launch, since starting torch, DeepSpeed
+and transformers on every rank is what one costs; JOBS.json lists them as {"mode": "train", "out",
+"stage", "bf16"}, {"mode": "resume", "out", "stage", "bf16", "source", "truth", "report", "in_job"},
+or, for hf_accelerate.py's, the same with "kind": "accelerate" and its arguments (put those last:
+Accelerate's DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an Accelerator
 state and a DeepSpeed engine of its own (Accelerate's shared state is reset between them, the
 process group kept), and an in-job resume's replacement of the Trainer's load is undone after it,
 so a later offline resume loads through transformers' own function.
@@ -84,21 +84,10 @@ def resume(args, rank: int) -> None:
         write_report(args.report, report)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("train", "resume", "resumes"))
-    parser.add_argument("out", help="the output directory; for resumes, JOBS.json")
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--from", dest="source")
-    parser.add_argument("--truth")
-    parser.add_argument("--report")
-    parser.add_argument("--in-job", action="store_true")
-    args = parser.parse_args()
+def train(args, rank: int) -> None:
+    """6 steps from seed 11, a save every 3; at each save rank 0 writes args.out/truth-{step}.pt."""
     from transformers import TrainerCallback
-
     holder = {}
-    rank = int(os.environ.get("RANK", "0"))
 
     class Truth(TrainerCallback):
         def on_save(self, training_args, state, control, **kwargs):
@@ -108,28 +97,50 @@ def main() -> None:
                 torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
                            os.path.join(args.out, f"truth-{state.global_step}.pt"))
 
+    trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
+    trainer.train()
+
+
+def run_jobs(jobs: list[dict], rank: int) -> None:
+    """Each job in turn: {"mode": "train" or "resume", "kind": "trainer" (default) or "accelerate", and the
+    arguments of that mode}. Accelerate's shared state is reset between jobs (the process group kept);
+    an in-job resume's replacement of the Trainer's load is undone after it."""
+    import transformers.trainer as trainer_module
+    from accelerate.state import AcceleratorState
+    own_load = trainer_module.deepspeed_load_checkpoint
+    for number, job in enumerate(jobs):
+        job = dict(job)
+        if number:
+            AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
+        mode, kind = job.pop("mode"), job.pop("kind", "trainer")
+        if kind == "accelerate":
+            import hf_accelerate
+            (hf_accelerate.train if mode == "train" else hf_accelerate.resume)(argparse.Namespace(**job), rank)
+        else:
+            (train if mode == "train" else resume)(argparse.Namespace(**job), rank)
+        trainer_module.deepspeed_load_checkpoint = own_load  # enable_resharding affects every Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("train", "resume", "jobs"))
+    parser.add_argument("out", help="the output directory; for jobs, JOBS.json")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--from", dest="source")
+    parser.add_argument("--truth")
+    parser.add_argument("--report")
+    parser.add_argument("--in-job", action="store_true")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
     if args.mode == "train":
-        trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
-        trainer.train()
+        train(args, rank)
     elif args.mode == "resume":
         resume(args, rank)
     else:
         import json
-
-        import transformers.trainer as trainer_module
-        from accelerate.state import AcceleratorState
         with open(args.out) as jobs_file:
-            jobs = json.load(jobs_file)
-        own_load = trainer_module.deepspeed_load_checkpoint
-        for number, job in enumerate(jobs):
-            if number:
-                AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
-            if job.pop("kind", "trainer") == "accelerate":
-                import hf_accelerate
-                hf_accelerate.resume(argparse.Namespace(**job), rank)
-            else:
-                resume(argparse.Namespace(**job), rank)
-            trainer_module.deepspeed_load_checkpoint = own_load  # enable_resharding affects every Trainer
+            run_jobs(json.load(jobs_file), rank)
     leave_and_exit()
 
 
