@@ -16,10 +16,11 @@ jobs: several trainings or resumes one after the other in one launch, since star
 and transformers on every rank is what one costs; JOBS.json lists them as {"mode": "train", "out",
 "stage", "bf16"}, {"mode": "resume", "out", "stage", "bf16", "source", "truth", "report", "in_job"},
 or, for hf_accelerate.py's, the same with "kind": "accelerate" and its arguments (put those last:
-Accelerate's DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an Accelerator
-state and a DeepSpeed engine of its own (Accelerate's shared state is reset between them, the
-process group kept), and an in-job resume's replacement of the Trainer's load is undone after it,
-so a later offline resume loads through transformers' own function.
+Accelerate's DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an
+Accelerator state and a DeepSpeed engine of its own (Accelerate's shared state is reset between
+them, the process group kept), and an in-job resume's replacement of the Trainer's load is undone
+after it, so a later offline resume loads through transformers' own function. A training records
+its truth in the same process, from its own engine.
 """
 import argparse
 import os
