@@ -14,7 +14,10 @@ micro-batch (the number of micro-batches per step changes with dp, a fixed one d
 `check` builds the engine from another seed at (pp, world / pp), loads with plain
 `load_checkpoint` (with --in-job: reshard.deepspeed.load_checkpoint on the source itself),
 compares its stage's tensors by name and the eval loss with the truth, then runs one more
-`train_batch`; rank 0 writes the verdict as JSON.
+`train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
+checks one more save against the same truth in the same launch, in an engine of its own built the
+same way, since the launch is what costs; only fp32 saves share one, as reshard_proof's judge_together
+does (a bf16 engine built after another one in a process computed another eval loss).
 """
 from __future__ import annotations
 
@@ -117,13 +120,21 @@ def train(args) -> None:
 
 
 def check(args) -> None:
+    if args.also and args.precision != "fp32":
+        raise SystemExit("--also: only fp32 saves share a launch")
+    check_one(args, args.load, args.verdict, args.in_job)
+    for load, verdict, mode in args.also:
+        check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])
+
+
+def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal)
     rank = int(os.environ["RANK"])
-    if args.in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
+    if in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
         import reshard.deepspeed
-        path, client = reshard.deepspeed.load_checkpoint(engine, args.load)
+        path, client = reshard.deepspeed.load_checkpoint(engine, load)
     else:
-        path, client = engine.load_checkpoint(args.load)
+        path, client = engine.load_checkpoint(load)
     truths = [torch.load(os.path.join(args.truth, name), weights_only=True) for name in sorted(os.listdir(args.truth))]
     expected = {}
     for truth in truths:
@@ -155,9 +166,9 @@ def check(args) -> None:
     torch.distributed.all_gather_object(gathered, {"rank": rank, "checked": len(got), "problems": problems})
     if rank == 0:
         verdict = {"ok": all(not g["problems"] for g in gathered), "ranks": gathered}
-        with open(args.verdict + ".tmp", "w") as out:
+        with open(verdict_path + ".tmp", "w") as out:
             json.dump(verdict, out, indent=1)
-        os.replace(args.verdict + ".tmp", args.verdict)
+        os.replace(verdict_path + ".tmp", verdict_path)
     torch.distributed.barrier()
 
 
@@ -173,6 +184,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
     parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
+    parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
+                        help="check: one more save (MODE plain or in-job), in a fresh engine, same truth")
     args = parser.parse_args()
     train(args) if args.mode == "train" else check(args)
 

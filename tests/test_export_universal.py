@@ -24,41 +24,106 @@ from reshard_proof.launch import REPO_ROOT, child_env
 pytestmark = pytest.mark.e2e
 
 
-def _ds_to_universal(source, out_root) -> None:
+def _ds_to_universal_all(conversions) -> None:
+    """DeepSpeed's ds_to_universal.py for every (source, out_root), all in one Python process: its
+    `main(parse_arguments())` as its `__main__` block runs it (one extract and merge worker, so no
+    process pool), since importing DeepSpeed is most of what one conversion costs here."""
     import deepspeed.checkpoint
-    tag = (source / "latest").read_text()
     script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
-    done = subprocess.run([sys.executable, script, "--input_folder", str(source / tag),
-                           "--output_folder", str(out_root / tag), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=child_env(None), timeout=300)
+    argvs = []
+    for source, out_root in conversions:
+        tag = (source / "latest").read_text()
+        argvs.append([script, "--input_folder", str(source / tag), "--output_folder", str(out_root / tag),
+                      "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"])
+    program = ("import json, sys\n"
+               "from deepspeed.checkpoint import ds_to_universal\n"
+               "for argv in json.loads(sys.argv[1]):\n"
+               "    sys.argv = argv\n"
+               "    ds_to_universal.main(ds_to_universal.parse_arguments())\n")
+    done = subprocess.run([sys.executable, "-c", program, json.dumps(argvs)],
+                          capture_output=True, text=True, env=child_env(None), timeout=300 * len(argvs))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def _load_both(variant, m, ours, theirs, truth, out) -> dict:
+def _ds_to_universal(source, out_root) -> None:
+    _ds_to_universal_all([(source, out_root)])
+
+
+def _load_all(m, jobs) -> None:
+    """Judge every (variant, ours, theirs, truth, out) at m ranks in one launch of tests/entry/universal_load.py."""
+    args = [str(x) for job in jobs for x in job]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={m}",
-               str(REPO_ROOT / "tests" / "entry" / "universal_load.py"), variant, str(ours), str(theirs),
-               str(truth), str(out)]
-    for _ in range(2):  # a launch can die at teardown after writing its result (see proof.launch)
-        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300)
-        if out.is_file():
-            return json.loads(out.read_text())
+               str(REPO_ROOT / "tests" / "entry" / "universal_load.py"), *args]
+    outs = [job[4] for job in jobs]
+    for out in outs:
+        out.unlink(missing_ok=True)
+    for _ in range(2):  # a launch can die at teardown after writing its results (see proof.launch)
+        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300 * len(jobs))
+        if all(out.is_file() for out in outs):
+            return
     raise AssertionError((done.stdout + done.stderr)[-4000:])
 
 
-@pytest.mark.parametrize("variant,n,m,workers", [("z2_fp32", 2, 3, 2), ("z3_bf16", 2, 3, 3), ("bf16_optimizer", 2, 3, 2)])
-def test_load_universal_gives_the_same_engine_as_ds_to_universal(trained, tmp_path, variant, n, m, workers):
-    source, truth = trained(variant, n)
-    ours = tmp_path / "ours"
-    run_workers(workers, lambda t: export_universal(str(source), str(ours), memory_budget=4 << 10, transport=t))
+# variant, n, m, workers; "theirs" is ds_to_universal's output, or None where it cannot convert
+# (SGD momentum: both sides are reshard's own, so only the comparison with the truth can fail)
+CASES = {"z2_fp32": ("z2_fp32", 2, 3, 2), "z3_bf16": ("z3_bf16", 2, 3, 3),
+         "bf16_optimizer": ("bf16_optimizer", 2, 3, 2), "z2_sgd_momentum": ("z2_sgd_momentum", 2, 3, 2)}
+CONVERTED = ("z2_fp32", "z3_bf16", "bf16_optimizer")
+
+
+@pytest.fixture(scope="module")
+def universal_loads(trained, tmp_path_factory):
+    """{case: (source, ours, theirs, result or the exception that judging it raised)}: every case exported
+    by reshard, the three DeepSpeed can convert also by ds_to_universal.py (one process), and all
+    loaded at m = 3 in one torchrun launch. Should the shared launch fail, each case is loaded in a
+    launch of its own, so every test still gets its own result or its own error."""
+    root = tmp_path_factory.mktemp("universal")
+    cases = {}
+    for name, (variant, n, m, workers) in CASES.items():
+        source, truth = trained(variant, n)
+        ours = root / name / "ours"
+        run_workers(workers, lambda t, source=source, ours=ours: export_universal(str(source), str(ours),
+                                                                                  memory_budget=4 << 10, transport=t))
+        theirs = root / name / "theirs" if name in CONVERTED else ours
+        cases[name] = (variant, m, source, truth, ours, theirs, root / name / "result.json")
+    _ds_to_universal_all([(cases[name][2], cases[name][5]) for name in CONVERTED])
+    jobs = [(variant, ours, theirs, truth, out) for variant, m, source, truth, ours, theirs, out in cases.values()]
+    assert {case[1] for case in cases.values()} == {3}
+    results = {}
+    try:
+        _load_all(3, jobs)
+    except AssertionError as shared_failure:
+        print(f"[universal_loads] the shared launch failed, loading each case alone: {shared_failure}", flush=True)
+        for name, job in zip(cases, jobs):
+            try:
+                _load_all(3, [job])
+            except AssertionError as error:
+                results[name] = error
+    for name, (variant, m, source, truth, ours, theirs, out) in cases.items():
+        results.setdefault(name, out)
+        result = results[name]
+        results[name] = result if isinstance(result, BaseException) else json.loads(out.read_text())
+        cases[name] = (source, ours, theirs, results[name])
+    return cases
+
+
+def _result(case) -> dict:
+    result = case[3]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("variant,n,m,workers", [CASES[name] for name in CONVERTED])
+def test_load_universal_gives_the_same_engine_as_ds_to_universal(universal_loads, variant, n, m, workers):
+    source, ours, theirs, _ = universal_loads[variant]
     tag = (source / "latest").read_text()
     assert (ours / "latest_universal").read_text() == tag
-    _ds_to_universal(source, tmp_path / "theirs")
-    theirs_files = {p.relative_to(tmp_path / "theirs") for p in (tmp_path / "theirs").rglob("*") if p.is_file()}
+    theirs_files = {p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file()}
     ours_files = {p.relative_to(ours) for p in ours.rglob("*") if p.is_file()}
     assert ours_files == theirs_files
 
-    result = _load_both(variant, m, ours, tmp_path / "theirs", truth, tmp_path / "result.json")
+    result = _result(universal_loads[variant])
     assert result["mismatches"] == [] and result["checked_tensors"] > 0
 
     # the per-parameter files hold the same values as DeepSpeed's (ZeRO-3's optimizer_state.pt
@@ -67,7 +132,7 @@ def test_load_universal_gives_the_same_engine_as_ds_to_universal(trained, tmp_pa
         if relative.parts[-2:] == ("zero", "optimizer_state.pt") or "zero" not in relative.parts:
             continue
         a = torch.load(ours / relative, weights_only=False)
-        b = torch.load(tmp_path / "theirs" / relative, weights_only=False)
+        b = torch.load(theirs / relative, weights_only=False)
         if isinstance(b, dict):
             assert a.keys() == b.keys() and torch.equal(a["param"], b["param"]), relative
             assert a.get("cat_dim") == b.get("cat_dim")
@@ -90,15 +155,14 @@ def test_universal_workers_agree(trained, tmp_path):
         assert (outputs[1] / relative).read_bytes() == (outputs[0] / relative).read_bytes(), relative
 
 
-def test_universal_of_sgd_momentum_loads_exactly(trained, tmp_path):
+def test_universal_of_sgd_momentum_loads_exactly(universal_loads):
     """ds_to_universal.py only knows exp_avg/exp_avg_sq; reshard writes whatever per-partition state
     the optimizer keeps (momentum_buffer here), and load_universal restores it: masters and state
     equal the truth at another world size (both directories are reshard's, so only the truth
     comparison can fail)."""
-    source, truth = trained("z2_sgd_momentum", 2)
-    ours = tmp_path / "ours"
-    run_workers(2, lambda t: export_universal(str(source), str(ours), memory_budget=4 << 10, transport=t))
+    source, ours, theirs, _ = universal_loads["z2_sgd_momentum"]
+    assert theirs == ours
     tag = (source / "latest").read_text()
     assert sorted(p.name for p in (ours / tag / "zero" / "up.weight").iterdir()) == ["fp32.pt", "momentum_buffer.pt"]
-    result = _load_both("z2_sgd_momentum", 3, ours, ours, truth, tmp_path / "result.json")
+    result = _result(universal_loads["z2_sgd_momentum"])
     assert result["mismatches"] == [] and result["checked_tensors"] > 0

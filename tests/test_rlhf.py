@@ -5,7 +5,8 @@
 Uses launch/examples/ppo_actor_critic.py: it trains with real DeepSpeed, saves OpenRLHF-style
 (CKPT/_actor, CKPT/_critic, two global_step tags, a best_ tag, metric.json), records the truth of
 both engines and their client_state, and on resume compares everything bit for bit, then runs
-more PPO iterations.
+more PPO iterations. The offline and the in-job resume at 3 ranks share one launch
+(tests/entry/ppo_resumes.py runs the example's own resume for each).
 """
 from __future__ import annotations
 
@@ -21,21 +22,26 @@ from trained import REPO, reshard_in_threads, reshard_with_torchrun, tree_files
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "launch" / "examples" / "ppo_actor_critic.py"
+RESUMES = REPO / "tests" / "entry" / "ppo_resumes.py"  # several of its resumes in one launch
 KL_INIT = 0.2
 
 
-def _example(nproc: int, *args, timeout: float = 600) -> None:
+def _launch(nproc: int, script: Path, *args, expected: Path | None = None, timeout: float = 600) -> None:
     env = child_env()  # the example judges itself with reshard_proof (tests/)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(EXAMPLE), *map(str, args)]
+               str(script), *map(str, args)]
     for attempt in (1, 2):  # one retry for the rare abort at process exit, judged by the files
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        expected = Path(args[args.index("--report") + 1]) if "--report" in args else None
         if result.returncode == 0 or (attempt == 1 and expected is not None and expected.is_file()):
             if result.returncode == 0:
                 return
             continue
         raise AssertionError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+
+
+def _example(nproc: int, *args, timeout: float = 600) -> None:
+    expected = Path(args[args.index("--report") + 1]) if "--report" in args else None
+    _launch(nproc, EXAMPLE, *args, expected=expected, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +62,40 @@ def _resumed(report: Path) -> dict:
     return data
 
 
-def test_offline_reshard_of_the_whole_run(ppo_run, tmp_path):
+@pytest.fixture(scope="module")
+def resumed_at_3(ppo_run, tmp_path_factory):
+    """The whole run resharded offline to 3 (torchrun -m reshard, 2 workers, --all-tags), then resumed at 3
+    ranks from that output and, in-job, from the run as saved: both resumes in one launch
+    (tests/entry/ppo_resumes.py); should it fail, each in a launch of its own (a missing report then
+    fails its own test). {"destination", "reshard_seconds", "offline": report path, "in_job": report path}"""
     ckpt, truth = ppo_run
-    destination = tmp_path / "ckpt-dp3"
+    root = tmp_path_factory.mktemp("ppo-at-3")
+    destination = root / "ckpt-dp3"
     started = time.perf_counter()
     reshard_with_torchrun(ckpt, destination, 3, 2, "--all-tags")
-    reshard_seconds = time.perf_counter() - started
+    found = {"destination": destination, "reshard_seconds": time.perf_counter() - started,
+             "offline": root / "offline.json", "in_job": root / "in-job.json"}
+    jobs = [{"ckpt": str(destination), "in_job": False, "iterations": 2, "truth": str(truth),
+             "report": str(found["offline"])},
+            {"ckpt": str(ckpt), "in_job": True, "iterations": 2, "truth": str(truth), "report": str(found["in_job"])}]
+    jobs_file = root / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs))
+    try:
+        _launch(3, RESUMES, jobs_file, expected=found["in_job"])
+    except AssertionError as error:
+        print(f"[rlhf] the shared resume launch at 3 ranks failed, one launch each: {error}", flush=True)
+        for job in jobs:
+            try:
+                _example(3, "resume", "--ckpt", job["ckpt"], *(["--in-job"] if job["in_job"] else []),
+                         "--iterations", 2, "--truth", truth, "--report", job["report"])
+            except AssertionError as alone:
+                print(f"[rlhf] {job['report']}: {alone}", flush=True)
+    return found
+
+
+def test_offline_reshard_of_the_whole_run(ppo_run, resumed_at_3):
+    ckpt, _ = ppo_run
+    destination = resumed_at_3["destination"]
     for engine in ("_actor", "_critic"):
         source_tags = sorted(p.name for p in (ckpt / engine).iterdir() if p.is_dir())
         assert sorted(p.name for p in (destination / engine).iterdir() if p.is_dir()) == source_tags
@@ -70,18 +104,20 @@ def test_offline_reshard_of_the_whole_run(ppo_run, tmp_path):
             if (ckpt / engine / tag / "metric.json").exists():
                 assert (destination / engine / tag / "metric.json").read_bytes() == \
                        (ckpt / engine / tag / "metric.json").read_bytes()
-    report = tmp_path / "report.json"
-    _example(3, "resume", "--ckpt", destination, "--iterations", 2, "--truth", truth, "--report", report)
-    data = _resumed(report)
-    print(f"\noffline: reshard (torchrun, 2 workers, 6 checkpoints) {reshard_seconds:.2f} s wall incl. start-up, "
-          f"then native load of both engines at 3 ranks {data['load_seconds']:.3f} s")
+    data = _resumed(resumed_at_3["offline"])
+    assert not data["in_job"] and data["world_size"] == 3
+    print(f"\noffline: reshard (torchrun, 2 workers, 6 checkpoints) {resumed_at_3['reshard_seconds']:.2f} s wall "
+          f"incl. start-up, then native load of both engines at 3 ranks {data['load_seconds']:.3f} s")
 
 
 @pytest.mark.parametrize("m", [3, 1])
-def test_in_job_resume(ppo_run, tmp_path, m):
+def test_in_job_resume(request, ppo_run, tmp_path, m):
     ckpt, truth = ppo_run
-    report = tmp_path / "report.json"
-    _example(m, "resume", "--ckpt", ckpt, "--in-job", "--iterations", 2, "--truth", truth, "--report", report)
+    if m == 3:  # in the launch it shares with the offline resume at 3
+        report = request.getfixturevalue("resumed_at_3")["in_job"]
+    else:
+        report = tmp_path / "report.json"
+        _example(m, "resume", "--ckpt", ckpt, "--in-job", "--iterations", 2, "--truth", truth, "--report", report)
     data = _resumed(report)
     assert data["in_job"] and data["world_size"] == m
     assert not list(ckpt.rglob("*reshard*")), "in-job resharding must not write into the source"

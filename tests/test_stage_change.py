@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from native_compare import structural_differences, tied_storage_shared
-from trained import reshard_cli, reshard_in_threads
+from trained import reshard_in_process, reshard_in_threads
 
 from reshard.errors import OptionError
 from reshard_proof.launch import check_checkpoints
@@ -94,10 +94,12 @@ def test_field_comparison_sees_a_stage_difference(trained, stage_outputs):
 
 def test_bf16_optimizer_and_bad_stages_are_refused(trained, tmp_path):
     source, _ = trained("bf16_optimizer", N)
-    done = reshard_cli(source, tmp_path / "dst", "--target-dp", "3", "--target-stage", "3")
+    # the messages, not the launcher: reshard.cli.main in this process (test_cli proves a real
+    # `python -m reshard` refusal exits 2)
+    done = reshard_in_process(source, tmp_path / "dst", "--target-dp", "3", "--target-stage", "3")
     assert done.returncode == 2 and "BF16_Optimizer" in done.stderr and not (tmp_path / "dst").exists()
     assert str(source) in done.stderr  # the message names the checkpoint
-    done = reshard_cli(source, tmp_path / "dst", "--target-dp", "3", "--target-stage", "4")
+    done = reshard_in_process(source, tmp_path / "dst", "--target-dp", "3", "--target-stage", "4")
     assert done.returncode == 2 and "--target-stage" in done.stderr
     with pytest.raises(OptionError, match="--target-stage"):
         reshard_in_threads(source, tmp_path / "dst", 3, 1, target_stage=0)

@@ -199,6 +199,51 @@ def capture(actor, critic, state: dict) -> dict:
             "client_state": client_state(state)}
 
 
+def resume(args, rank: int) -> dict:
+    """Both engines from another seed, loaded from args.ckpt (resharded inside this job with --in-job),
+    compared with --truth, then trained on; rank 0 prints the report (and writes --report)."""
+    import deepspeed.comm as dist
+    report = {"world_size": dist.get_world_size(), "in_job": args.in_job}
+    actor, critic = build_engines(seed=1)  # different seed: nothing matches by accident
+    started = time.perf_counter()
+    loaded = {}
+    for engine, name in ((actor, "_actor"), (critic, "_critic")):
+        load_dir = os.path.join(args.ckpt, name)
+        if args.in_job:
+            import reshard.deepspeed
+            _, loaded[name] = reshard.deepspeed.load_checkpoint(engine, load_dir)
+        else:
+            _, loaded[name] = engine.load_checkpoint(load_dir)
+    report["load_seconds"] = time.perf_counter() - started
+    state = restore_state(loaded["_actor"])
+    report["kl_coef_restored"] = state["kl"].value
+    if args.truth:
+        use_proof_harness()
+        from reshard_proof.bitwise import compare_trees
+        truth = torch.load(args.truth, weights_only=False)
+        now = capture(actor, critic, state)
+        comparison = compare_trees(truth["actor"], now["actor"], "actor")
+        comparison.absorb(compare_trees(truth["critic"], now["critic"], "critic"))
+        comparison.absorb(compare_trees(truth["client_state"], now["client_state"], "client_state"))
+        comparison.absorb(compare_trees(truth["client_state"], client_state(restore_state(loaded["_critic"])),
+                                        "critic client_state"))
+        report.update(mismatches=comparison.mismatches[:50], checked_tensors=comparison.checked_tensors,
+                      checked_elements=comparison.checked_elements, kl_coef_saved=truth["client_state"]["ppo"]["kl_coef"])
+    history = []
+    for _ in range(args.iterations):
+        losses = ppo_iteration(actor, critic, state, rank)
+        history.append({**losses, "kl_coef": state["kl"].value, "iteration": state["iteration"]})
+    report["continued"] = history
+    report["finite"] = all(math.isfinite(v) for h in history for v in h.values())
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if args.report:
+            with open(args.report + ".partial", "w") as fd:
+                json.dump(report, fd, indent=1)
+            os.replace(args.report + ".partial", args.report)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("train", "resume"))
@@ -213,7 +258,6 @@ def main() -> None:
     import deepspeed.comm as dist
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    report = {"world_size": dist.get_world_size(), "in_job": args.in_job}
     if args.command == "train":
         actor, critic = build_engines(seed=0)
         state = {"iteration": 0, "kl": AdaptiveKLController(), "reward_stats": RunningMoments(),
@@ -230,43 +274,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(truth, args.truth)
     else:
-        actor, critic = build_engines(seed=1)  # different seed: nothing matches by accident
-        started = time.perf_counter()
-        loaded = {}
-        for engine, name in ((actor, "_actor"), (critic, "_critic")):
-            load_dir = os.path.join(args.ckpt, name)
-            if args.in_job:
-                import reshard.deepspeed
-                _, loaded[name] = reshard.deepspeed.load_checkpoint(engine, load_dir)
-            else:
-                _, loaded[name] = engine.load_checkpoint(load_dir)
-        report["load_seconds"] = time.perf_counter() - started
-        state = restore_state(loaded["_actor"])
-        report["kl_coef_restored"] = state["kl"].value
-        if args.truth:
-            use_proof_harness()
-            from reshard_proof.bitwise import compare_trees
-            truth = torch.load(args.truth, weights_only=False)
-            now = capture(actor, critic, state)
-            comparison = compare_trees(truth["actor"], now["actor"], "actor")
-            comparison.absorb(compare_trees(truth["critic"], now["critic"], "critic"))
-            comparison.absorb(compare_trees(truth["client_state"], now["client_state"], "client_state"))
-            comparison.absorb(compare_trees(truth["client_state"], client_state(restore_state(loaded["_critic"])),
-                                            "critic client_state"))
-            report.update(mismatches=comparison.mismatches[:50], checked_tensors=comparison.checked_tensors,
-                          checked_elements=comparison.checked_elements, kl_coef_saved=truth["client_state"]["ppo"]["kl_coef"])
-        history = []
-        for _ in range(args.iterations):
-            losses = ppo_iteration(actor, critic, state, rank)
-            history.append({**losses, "kl_coef": state["kl"].value, "iteration": state["iteration"]})
-        report["continued"] = history
-        report["finite"] = all(math.isfinite(v) for h in history for v in h.values())
-        if rank == 0:
-            print(json.dumps(report, indent=1), flush=True)
-            if args.report:
-                with open(args.report + ".partial", "w") as fd:
-                    json.dump(report, fd, indent=1)
-                os.replace(args.report + ".partial", args.report)
+        resume(args, rank)
     dist.destroy_process_group()
     os._exit(0)
 

@@ -52,6 +52,35 @@ def train_steps(accelerator, model, optimizer, loader, scheduler, steps: int) ->
     return float(loss.detach())
 
 
+def train(args, rank: int) -> None:
+    """STEPS steps from seed 11, save_state(args.state_dir); rank 0 writes the truth to args.truth."""
+    accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=11)
+    train_steps(accelerator, model, optimizer, loader, scheduler, STEPS)
+    accelerator.save_state(args.state_dir)
+    full = full_state(model)
+    if rank == 0:
+        torch.save({"state": full, "lr": scheduler.get_last_lr()}, args.truth)
+
+
+def resume(args, rank: int) -> None:
+    """A model from another seed, load_state(args.state_dir) (in-job: through enable_resharding), compared
+    with args.truth, then one more step; rank 0 writes args.report."""
+    accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=99)
+    if args.in_job:
+        from reshard.integrations.huggingface import enable_resharding
+        enable_resharding(accelerator)
+    accelerator.load_state(args.state_dir)
+    truth = torch.load(args.truth, weights_only=True)
+    mismatches, checked = compare_with_truth(full_state(model), truth["state"])
+    assert accelerator.num_processes == torch.distributed.get_world_size(), accelerator.num_processes
+    report = {"mismatches": mismatches, "checked_tensors": checked, "lr_at_resume": scheduler.get_last_lr(),
+              "truth_lr": truth["lr"], "world_size": torch.distributed.get_world_size(),
+              "accelerate_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
+    report["loss_after_resume"] = train_steps(accelerator, model, optimizer, loader, scheduler, 1)
+    if rank == 0:
+        write_report(args.report, report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("train", "resume"))
@@ -63,27 +92,9 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     if args.mode == "train":
-        accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=11)
-        train_steps(accelerator, model, optimizer, loader, scheduler, STEPS)
-        accelerator.save_state(args.state_dir)
-        full = full_state(model)
-        if rank == 0:
-            torch.save({"state": full, "lr": scheduler.get_last_lr()}, args.truth)
+        train(args, rank)
     else:
-        accelerator, model, optimizer, loader, scheduler = build(args.stage, seed=99)
-        if args.in_job:
-            from reshard.integrations.huggingface import enable_resharding
-            enable_resharding(accelerator)
-        accelerator.load_state(args.state_dir)
-        truth = torch.load(args.truth, weights_only=True)
-        mismatches, checked = compare_with_truth(full_state(model), truth["state"])
-        assert accelerator.num_processes == torch.distributed.get_world_size(), accelerator.num_processes
-        report = {"mismatches": mismatches, "checked_tensors": checked, "lr_at_resume": scheduler.get_last_lr(),
-                  "truth_lr": truth["lr"], "world_size": torch.distributed.get_world_size(),
-                  "accelerate_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
-        report["loss_after_resume"] = train_steps(accelerator, model, optimizer, loader, scheduler, 1)
-        if rank == 0:
-            write_report(args.report, report)
+        resume(args, rank)
     leave_and_exit()
 
 

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resume OUT --stage 2 \
         --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
+    torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py jobs JOBS.json
 
 train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6); at each save rank 0 writes
 truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
@@ -11,6 +12,15 @@ resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` w
 done; at the first on_step_begin the same quantities are compared with the truth, element by
 element; training then goes on to step 6 and its save. With --in-job the Trainer resumes through
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
+jobs: several trainings or resumes one after the other in one launch, since starting torch, DeepSpeed
+and transformers on every rank is what one costs; JOBS.json lists them as {"mode": "train", "out",
+"stage", "bf16"}, {"mode": "resume", "out", "stage", "bf16", "source", "truth", "report", "in_job"},
+or, for hf_accelerate.py's, the same with "kind": "accelerate" and its arguments (put those last:
+Accelerate's DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an
+Accelerator state and a DeepSpeed engine of its own (Accelerate's shared state is reset between
+them, the process group kept), and an in-job resume's replacement of the Trainer's load is undone
+after it, so a later offline resume loads through transformers' own function. A training records
+its truth in the same process, from its own engine.
 """
 import argparse
 import os
@@ -41,29 +51,10 @@ def make_trainer(args, seed: int, callbacks):
     return Trainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("train", "resume"))
-    parser.add_argument("out")
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--from", dest="source")
-    parser.add_argument("--truth")
-    parser.add_argument("--report")
-    parser.add_argument("--in-job", action="store_true")
-    args = parser.parse_args()
+def resume(args, rank: int) -> None:
+    """One resume from args.source at this world size, judged at its first step; rank 0 writes args.report."""
     from transformers import TrainerCallback
-
     holder = {}
-    rank = int(os.environ.get("RANK", "0"))
-
-    class Truth(TrainerCallback):
-        def on_save(self, training_args, state, control, **kwargs):
-            trainer = holder["trainer"]
-            full = full_state(trainer.model_wrapped)
-            if rank == 0:
-                torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
-                           os.path.join(args.out, f"truth-{state.global_step}.pt"))
 
     class Check(TrainerCallback):
         first = True
@@ -81,21 +72,76 @@ def main() -> None:
                                 "lr_at_resume": trainer.lr_scheduler.get_last_lr(), "truth_lr": truth["lr"],
                                 "world_size": training_args.world_size}
 
+    trainer = holder["trainer"] = make_trainer(args, seed=99, callbacks=[Check()])
+    if args.in_job:
+        from reshard.integrations.huggingface import enable_resharding
+        enable_resharding(trainer)
+    trainer.train(resume_from_checkpoint=args.source)
+    report = holder["report"]
+    report["final_global_step"] = trainer.state.global_step
+    report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
+    report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
+    if rank == 0:
+        write_report(args.report, report)
+
+
+def train(args, rank: int) -> None:
+    """6 steps from seed 11, a save every 3; at each save rank 0 writes args.out/truth-{step}.pt."""
+    from transformers import TrainerCallback
+    holder = {}
+
+    class Truth(TrainerCallback):
+        def on_save(self, training_args, state, control, **kwargs):
+            trainer = holder["trainer"]
+            full = full_state(trainer.model_wrapped)
+            if rank == 0:
+                torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
+                           os.path.join(args.out, f"truth-{state.global_step}.pt"))
+
+    trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
+    trainer.train()
+
+
+def run_jobs(jobs: list[dict], rank: int) -> None:
+    """Each job in turn: {"mode": "train" or "resume", "kind": "trainer" (default) or "accelerate", and the
+    arguments of that mode}. Accelerate's shared state is reset between jobs (the process group kept);
+    an in-job resume's replacement of the Trainer's load is undone after it."""
+    import transformers.trainer as trainer_module
+    from accelerate.state import AcceleratorState
+    own_load = trainer_module.deepspeed_load_checkpoint
+    for number, job in enumerate(jobs):
+        job = dict(job)
+        if number:
+            AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
+        mode, kind = job.pop("mode"), job.pop("kind", "trainer")
+        if kind == "accelerate":
+            import hf_accelerate
+            (hf_accelerate.train if mode == "train" else hf_accelerate.resume)(argparse.Namespace(**job), rank)
+        else:
+            (train if mode == "train" else resume)(argparse.Namespace(**job), rank)
+        trainer_module.deepspeed_load_checkpoint = own_load  # enable_resharding affects every Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("train", "resume", "jobs"))
+    parser.add_argument("out", help="the output directory; for jobs, JOBS.json")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--from", dest="source")
+    parser.add_argument("--truth")
+    parser.add_argument("--report")
+    parser.add_argument("--in-job", action="store_true")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
     if args.mode == "train":
-        trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
-        trainer.train()
+        train(args, rank)
+    elif args.mode == "resume":
+        resume(args, rank)
     else:
-        trainer = holder["trainer"] = make_trainer(args, seed=99, callbacks=[Check()])
-        if args.in_job:
-            from reshard.integrations.huggingface import enable_resharding
-            enable_resharding(trainer)
-        trainer.train(resume_from_checkpoint=args.source)
-        report = holder["report"]
-        report["final_global_step"] = trainer.state.global_step
-        report["final_save"] = os.path.isdir(os.path.join(args.out, f"checkpoint-{STEPS}", f"global_step{STEPS}"))
-        report["final_loss_finite"] = all(torch.isfinite(p.detach()).all().item() for p in trainer.model.parameters())
-        if rank == 0:
-            write_report(args.report, report)
+        import json
+        with open(args.out) as jobs_file:
+            run_jobs(json.load(jobs_file), rank)
     leave_and_exit()
 
 
