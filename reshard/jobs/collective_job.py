@@ -30,7 +30,6 @@ from typing import Protocol
 
 from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_file
-from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
 from reshard.errors import ReshardError
@@ -76,12 +75,7 @@ from reshard.jobs.preflight import output_bytes
 from reshard.jobs.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
-from reshard.formats.stage_change import (
-    check_stage_change,
-    is_stage_change,
-    plan_stage_change,
-    stage_change_note,
-)
+from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
@@ -251,16 +245,15 @@ def tensor_parallel_notes(spec) -> list[str]:
 
 
 def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
-                     stage: int | None, plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
-    """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader.
-    `stage`: the target ZeRO stage when it changes, else None."""
+                     zero: ZeroStageTarget, plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
+    """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader."""
     target_tp = target.tp if source.spec.tensor is not None else None
     target_ep = _moe_target_ep(source, target)
     identity = site.source_identity(source, carried)
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
-                                placement=site.placement, target_stage=stage, target_ep=target_ep)
+                                placement=site.placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
-                         opts.target_stage or source.spec.stage, target_ep)
+                         zero.stage, target_ep)
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
                      needed_bytes=site.output_bytes(source, opts.target_dp, target),
@@ -282,9 +275,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     source, carried, source_notes, site = placement.inspect(opts, unit, transport)
     target = target_topology(opts, source)
     clock.lap("inspect")
-    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
-    plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
-            plan_reshard(source.spec, target, transport.size, opts.memory_budget, ownership=site.ownership))
+    zero = zero_stage_target(source.spec, opts.target_stage)  # the target's ZeRO stage, this one or another
+    plan = zero.plan(source, target, transport.size, opts.memory_budget, ownership=site.ownership)
     memory = PeakAnonymousMemory()  # after planning: the plan's tables are at their largest
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
@@ -294,8 +286,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     result.notes += tensor_parallel_notes(source.spec)
-    if stage:
-        result.notes.append(stage_change_note(source.spec, stage))
+    result.notes += zero.notes(source.spec)
     node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
     if node_of_worker is not None:
         result.nodes = len(set(node_of_worker))
@@ -315,7 +306,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     check_peers(transport, failure, "checking the open-file limit")
 
     life = Lifecycle(unit.destination, source.tag, leader=site.leader, overwrite=opts.overwrite, peers=site.peers)
-    start = site.begin(life, transport, lambda: _describe_output(opts, unit, source, target, stage, plan, carried, site))
+    start = site.begin(life, transport, lambda: _describe_output(opts, unit, source, target, zero, plan, carried, site))
     clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
@@ -351,17 +342,19 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         life.publish(transport, hashes,
-                     lambda all_hashes: _publish(opts, unit, source, target, start, staging, all_hashes, carried, site))
+                     lambda all_hashes: _publish(opts, unit, source, target, zero, start, staging, all_hashes, carried,
+                                                 site))
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
     def work():
         with progress:
             return execute(plan, transport,
                            open_source=lambda: SourceReader.open(source, report.source_ranks,
-                                                                 trust_pickle=opts.trust_pickle, stage=stage),
+                                                                 trust_pickle=opts.trust_pickle,
+                                                                 extra_slots=zero.source_slots),
                            open_sink=lambda: TargetWriter.create(
                                source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
-                               model_states_ranks=site.model_states_ranks, stage=stage),
+                               model_states_ranks=site.model_states_ranks, files_of=zero.files),
                            opening="opening source files and creating target files", opened=opened,
                            finish=flush, finishing="flushing target files", after=publish,
                            start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
@@ -382,8 +375,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start: Start, staging: Staging,
-             worker_hashes: list, carried: list[str], site: Site) -> None:
+def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, zero: ZeroStageTarget, start: Start,
+             staging: Staging, worker_hashes: list, carried: list[str], site: Site) -> None:
     here = site.leader_copies(source)  # the whole files no worker copied in `flush`
     staging.copy_in(source.tag_dir, here, source.other_dirs)
     staged = save_dir_files.staging_dir(staging.tag_dir)
@@ -393,8 +386,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    target_entry = {"dp_world_size": opts.target_dp, "stage": opts.target_stage or spec.stage,
-                    **(site.placement or {})}
+    target_entry = {"dp_world_size": opts.target_dp, "stage": zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
     if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
