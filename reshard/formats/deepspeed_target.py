@@ -55,7 +55,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
                  ) -> list[TargetFile]:
     """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file;
     `model_states` says otherwise: node-local storage writes it on local rank 0 of every node), at
-    the source's ZeRO stage (another stage: reshard.formats.stage_change.stage_target_files)."""
+    the source's ZeRO stage (another stage: reshard.formats.stage_change.StageChange.files)."""
     spec = source.spec
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp)

@@ -10,6 +10,7 @@ before any byte is moved. Files are opened read-only; nothing here can modify th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,16 +31,17 @@ class SourceReader:
     _pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False, stage: int | None = None
-             ) -> "SourceReader":
-        """Readers of source `ranks`; with a ZeRO `stage` change also the slots its extra spaces read."""
+    def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False,
+             extra_slots: Callable[[SourceCheckpoint, int, dict], dict] | None = None) -> "SourceReader":
+        """Readers of source `ranks`. `extra_slots(source, rank, found)`: the slots the target reads
+        besides the checked partitions `found` ({slot: (path, TensorRef)}), such as a ZeRO stage
+        change's (reshard.formats.stage_change.StageChange.source_slots)."""
         reader = cls()
         try:
             for rank in ranks:
                 found = source_rank_tensors(source, rank, trust_pickle=trust_pickle)
-                if stage is not None and stage != source.spec.stage:
-                    from reshard.formats.stage_change import source_slots
-                    found.update(source_slots(source, rank, found, stage))
+                if extra_slots is not None:
+                    found.update(extra_slots(source, rank, found))
                 for slot, (path, ref) in found.items():
                     if path not in reader.fds:
                         reader.fds[path] = os.open(path, os.O_RDONLY)

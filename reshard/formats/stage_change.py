@@ -2,9 +2,14 @@
 
     python -m reshard SRC DST --target-dp 3 --target-stage 3       # ZeRO-2 at 2 ranks -> ZeRO-3 at 3
 
-    from reshard.formats.stage_change import plan_stage_change, stage_target_files
-    plan = plan_stage_change(source, Topology(dp=3), stage=3, workers=2, budget_bytes=1 << 30)
-    files = stage_target_files(source, Topology(dp=3), rank=1, stage=3)
+    from reshard.formats.stage_change import zero_stage_target
+    zero = zero_stage_target(source.spec, 3)           # StageChange(3); SameStage when it stays
+    plan = zero.plan(source, Topology(dp=3), workers=2, budget_bytes=1 << 30)
+    files = zero.files(source, Topology(dp=3), rank=1)
+
+Whether the stage changes is decided once, by `zero_stage_target`: the job then plans, reads and
+writes through the value it returns, and the reader (reshard.formats.source_reader) and writer
+(reshard.formats.target_writer) take its `source_slots` and `files` without knowing of stages.
 
 A stage change is a target layout of another stage over the same logical space: trainable
 parameters in optimizer-group order, the same at every stage (`CheckpointSpec.params`). So the
@@ -38,7 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -48,9 +53,10 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_metadata import rank_metadata
 from reshard.formats.deepspeed_schema import OPTIM as OPT
 from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
-from reshard.formats.deepspeed_target import TargetFile, own_storage, shape_type
+from reshard.formats.deepspeed_target import TargetFile, own_storage, shape_type, target_files
 from reshard.formats.torch_archive import NewTensor, TensorRef
 from reshard.layouts.zero import ParamSpec, PieceTable, Stream, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
+from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.topology import Topology
 
@@ -59,6 +65,68 @@ STAGES = (1, 2, 3)
 
 def is_stage_change(spec: CheckpointSpec, stage: int | None) -> bool:
     return stage is not None and stage != spec.stage
+
+
+@dataclasses.dataclass(frozen=True)
+class SameStage:
+    """The target at the source's ZeRO stage: planned by reshard.planning.checkpoint_plan, its files
+    those of reshard.formats.deepspeed_target.target_files, no source slots besides the partitions."""
+
+    stage: int
+    changed_to = None
+    """The stage an output fingerprint records: none (fingerprints stay as before stage changes)."""
+
+    def plan(self, source: SourceCheckpoint, target: Topology, workers: int, budget_bytes: int,
+             ownership: Ownership | None = None) -> ReshardPlan:
+        return plan_reshard(source.spec, target, workers, budget_bytes, ownership=ownership)
+
+    def notes(self, spec: CheckpointSpec) -> list[str]:
+        return []
+
+    def files(self, source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
+              ) -> list[TargetFile]:
+        return target_files(source, target, rank, model_states=model_states)
+
+    def source_slots(self, source: SourceCheckpoint, rank: int, found: dict) -> dict:
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageChange:
+    """The target at another ZeRO stage (this module's docstring): its own plan spaces, files and
+    source slots."""
+
+    stage: int
+
+    @property
+    def changed_to(self) -> int:
+        """The stage an output fingerprint records."""
+        return self.stage
+
+    def plan(self, source: SourceCheckpoint, target: Topology, workers: int, budget_bytes: int,
+             ownership: Ownership | None = None) -> ReshardPlan:
+        return plan_stage_change(source, target, self.stage, workers, budget_bytes, ownership)
+
+    def notes(self, spec: CheckpointSpec) -> list[str]:
+        return [stage_change_note(spec, self.stage)]
+
+    def files(self, source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
+              ) -> list[TargetFile]:
+        """`model_states` is not asked: a stage change writes DeepSpeed's own choice (node-local
+        outputs do not combine with it, reshard.jobs.options)."""
+        return stage_target_files(source, target, rank, self.stage)
+
+    def source_slots(self, source: SourceCheckpoint, rank: int, found: dict) -> dict:
+        return source_slots(source, rank, found, self.stage)
+
+
+ZeroStageTarget = Union[SameStage, StageChange]
+
+
+def zero_stage_target(spec: CheckpointSpec, stage: int | None) -> ZeroStageTarget:
+    """The target's ZeRO stage as a value the job plans, reads and writes through: `stage`
+    (--target-stage) when it differs from the source's, else the source's. Decided once per checkpoint."""
+    return StageChange(stage) if is_stage_change(spec, stage) else SameStage(spec.stage)
 
 
 def check_stage_change(spec: CheckpointSpec, stage: int, path: str) -> None:
@@ -133,10 +201,12 @@ def _frozen_side(frozen, stage: int, world_size: int) -> tuple[PieceTable, tuple
 
 
 def plan_stage_change(source: SourceCheckpoint, target: Topology, stage: int, workers: int,
-                      budget_bytes: int) -> ReshardPlan:
-    """Spaces "optim", then "frozen" (when either side is ZeRO-3), then "module" (3 -> 1/2)."""
+                      budget_bytes: int, ownership: Ownership | None = None) -> ReshardPlan:
+    """Spaces "optim", then "frozen" (when either side is ZeRO-3), then "module" (3 -> 1/2).
+    `ownership`: who reads and writes which ranks, when not the arithmetic blocks."""
     spec, new_spec = source.spec, target_spec(source.spec, stage)
-    ownership = Ownership.between(spec.topology, target, workers)
+    if ownership is None:
+        ownership = Ownership.between(spec.topology, target, workers)
     new = new_spec.layout(target.dp)
     spaces = [plan_space("optim", spec.layout(spec.dp_world_size).pieces, new.pieces, spec.streams,
                          buffer_numels(new), ownership, budget_bytes)]

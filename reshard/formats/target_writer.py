@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reshard.files.byte_io import copy_bytes, hash_file, pwrite_exact
@@ -40,7 +41,6 @@ from reshard.formats.torch_archive import (
     refs_in,
     write_tree_skeleton,
 )
-from reshard.formats.stage_change import is_stage_change, stage_target_files
 from reshard.topology import Topology
 
 
@@ -81,17 +81,17 @@ class TargetWriter:
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
                reuse_existing: bool = False, only: set[str] | None = None,
-               model_states_ranks: set[int] | None = None, stage: int | None = None) -> "TargetWriter":
+               model_states_ranks: set[int] | None = None, files_of: Callable[..., list] = target_files
+               ) -> "TargetWriter":
         """The files of target `ranks` (only those named in `only`, when given: an array task's share;
-        `model_states_ranks`: the ranks that write the ZeRO-1/2 model-states file, when not rank 0),
-        at ZeRO `stage` (default: the source's)."""
+        `model_states_ranks`: the ranks that write the ZeRO-1/2 model-states file, when not rank 0).
+        `files_of(source, target, rank, model_states=...)` says what they are: the source's ZeRO stage
+        by default, another's through reshard.formats.stage_change.StageChange.files."""
         writer = cls()
         try:
             for rank in ranks:
                 model_states = None if model_states_ranks is None else rank in model_states_ranks
-                files = (stage_target_files(source, target, rank, stage) if is_stage_change(source.spec, stage)
-                         else target_files(source, target, rank, model_states=model_states))
-                for file in files:
+                for file in files_of(source, target, rank, model_states=model_states):
                     if only is not None and file.name not in only:
                         continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)

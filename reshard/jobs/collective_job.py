@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_file
-from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
 from reshard.errors import ReshardError
@@ -53,6 +54,7 @@ from reshard.jobs.lifecycle import (
     destination_names,
     publish_tag_dir,
 )
+from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
@@ -61,7 +63,7 @@ from reshard.jobs.manifest import (
     source_identity,
 )
 from reshard.jobs.options import ReshardOptions
-from reshard.planning.plan import ReshardPlan
+from reshard.planning.plan import Ownership, ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
     outputs_of,
@@ -73,12 +75,7 @@ from reshard.jobs.preflight import output_bytes
 from reshard.jobs.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
-from reshard.formats.stage_change import (
-    check_stage_change,
-    is_stage_change,
-    plan_stage_change,
-    stage_change_note,
-)
+from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
@@ -114,19 +111,12 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     clock.lap("start-up")
     try:
         started = time.perf_counter()
-        def discover():
-            check_paths(opts.source, opts.destination)
-            return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
-
-        views = None
-        if opts.node_local:
-            units, notes, views = _node_local_units(opts, transport)
-        else:
-            units, notes = on_rank0(transport, discover)
+        placement = NodeLocal() if opts.node_local else WholeWorld(leader=transport.rank == 0)
+        units, notes = placement.units(opts, transport)
         result = ReshardResult(notes=notes)
         clock.lap("inspect")
         for unit in units:
-            result.checkpoints.append(_run_unit(opts, unit, transport, clock, views))
+            result.checkpoints.append(_run_unit(opts, unit, transport, clock, placement))
             clock = PhaseClock()
         if transport.rank == 0:
             for destination in dict.fromkeys(unit.destination for unit in units):
@@ -138,18 +128,110 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
             transport.close()
 
 
-def _node_local_units(opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str], list]:
-    """The one checkpoint of a node-local job, from what every worker sees (reshard.jobs.node_local)."""
-    from reshard.jobs.node_local import survey_source
-    failure = None
-    try:
-        check_paths(opts.source, opts.destination)
-    except ReshardError as error:
-        failure = error
-    check_peers(transport, failure, "checking SRC and DST")
-    source, destination = os.path.abspath(opts.source), os.path.abspath(opts.destination)
-    tag, views = survey_source(transport, source, opts.tag)
-    return [Unit(source, tag, destination, tag)], [], views
+class Site(Protocol):
+    """This worker's place in one checkpoint's output: who leads the destination steps, who writes
+    which target file, what the output's identity and fingerprint hold, who copies the files that
+    travel whole. What differs between a whole-world job (`WholeWorld`) and a node-local one
+    (reshard.jobs.node_local.NodeSite); the job itself never asks which it runs."""
+
+    leader: bool
+    """This worker runs the destination steps (lock, staging, journal, manifest, publish)."""
+    peers: tuple[int, ...] | None
+    """The workers whose files make up the leader's output (None: every worker)."""
+    ownership: Ownership | None
+    """Who reads each source rank and writes each target rank (None: the planner's own)."""
+    model_states_ranks: set[int] | None
+    """Target ranks that write the ZeRO-1/2 model-states file (None: dp rank 0)."""
+    placement: dict | None
+    """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
+
+    def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
+    def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
+    def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start: ...
+    def copy_share(self, source: SourceCheckpoint, start: Start, staging: Staging, transport: Transport) -> dict:
+        """This worker's share of the files that travel whole, copied into staging: {name: manifest entry}."""
+    def leader_copies(self, source: SourceCheckpoint) -> tuple[str, ...]:
+        """The files that travel whole which the leader copies when it publishes."""
+    def scripts_from(self, source: SourceCheckpoint) -> str | None:
+        """Where the output's recovery scripts come from (None: it has none)."""
+
+
+class Placement(Protocol):
+    """Where a job's target goes: the checkpoints it reshards, and each one's `Site` on this worker.
+    Decided once, from the options (`run_job`)."""
+
+    def units(self, opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str]]: ...
+    def whole_file_job(self, unit: Unit) -> Callable | None:
+        """The job that reshards `unit` whole file by whole file instead (reshard.jobs.whole_file_job), else None."""
+    def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
+                ) -> tuple[SourceCheckpoint, list[str], list[str], Site]:
+        """(source, carried save-directory files, notes, this worker's Site), on every worker. Collective."""
+
+
+class WholeWorld:
+    """The target of a job whose workers all see SRC and DST: one output that worker 0 leads, made of
+    every worker's files; the files that travel whole are shared out among all workers by bytes.
+    Both a `Placement` and, for each checkpoint, its `Site`."""
+
+    peers = None
+    ownership = None
+    model_states_ranks = None
+    placement = None  # fingerprints and manifests as before node-local outputs existed
+
+    def __init__(self, leader: bool):
+        self.leader = leader
+
+    def units(self, opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str]]:
+        def discover():
+            check_paths(opts.source, opts.destination)
+            return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
+        return on_rank0(transport, discover)
+
+    def whole_file_job(self, unit: Unit) -> Callable | None:
+        tag_dir = os.path.join(unit.source, unit.tag)
+        if is_pipeline(tag_dir):  # per-stage ZeRO-1 re-cut, whole tensors
+            from reshard.jobs.pipeline_job import run_pipeline_unit
+            return run_pipeline_unit
+        if is_zero0_moe(tag_dir):  # whole tensors, no rounds
+            from reshard.jobs.zero0_job import run_zero0_unit
+            return run_zero0_unit
+        return None
+
+    def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
+                ) -> tuple[SourceCheckpoint, list[str], list[str], Site]:
+        def inspect():  # on worker 0
+            check_paths(unit.source, unit.destination)
+            source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
+                                        read_tensors=not opts.dry_run)
+            if is_stage_change(source.spec, opts.target_stage):
+                check_stage_change(source.spec, opts.target_stage, source.tag_dir)
+            carried = save_dir_files.list_save_dir_files(source.save_dir)
+            return source, carried, preflight(opts, source, target_topology(opts, source), carried)
+
+        source, carried, notes = on_rank0(transport, inspect)
+        return source, carried, notes, self
+
+    def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict:
+        names = [n for r in range(source.spec.topology.world_size)
+                 for n in map(os.path.basename, source.source_files(r))]
+        return source_identity(source.tag_dir, set(names) | set(source.other_files)
+                               | set(save_dir_files.manifest_names(carried)))
+
+    def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int:
+        return output_bytes(source, target_dp, target_tp=target.tp)
+
+    def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start:
+        return life.begin(transport, describe)
+
+    def copy_share(self, source: SourceCheckpoint, start: Start, staging: Staging, transport: Transport) -> dict:
+        sizes = {name: start.identity[name]["bytes"] for name in source.other_files}  # worker 0's survey
+        return staging.copy_in_hashed(source.tag_dir, file_shares(sizes, transport.size)[transport.rank])
+
+    def leader_copies(self, source: SourceCheckpoint) -> tuple[str, ...]:
+        return ()
+
+    def scripts_from(self, source: SourceCheckpoint) -> str | None:
+        return source.save_dir
 
 
 def tensor_parallel_notes(spec) -> list[str]:
@@ -163,30 +245,18 @@ def tensor_parallel_notes(spec) -> list[str]:
 
 
 def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
-                     stage: int | None, plan: ReshardPlan, carried: list[str], site=None) -> JobOutput:
-    """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader.
-    `stage`: the target ZeRO stage when it changes, else None.
-    `site`: this worker's node in a node-local job (reshard.jobs.node_local.NodeSite), else None."""
+                     zero: ZeroStageTarget, plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
+    """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader."""
     target_tp = target.tp if source.spec.tensor is not None else None
     target_ep = _moe_target_ep(source, target)
-    if site is None:
-        names = [n for r in range(source.spec.topology.world_size)
-                 for n in map(os.path.basename, source.source_files(r))]
-        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
-                                   | set(save_dir_files.manifest_names(carried)))
-        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
-                                    target_stage=stage, target_ep=target_ep)
-    else:
-        identity = site.identity
-        out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
-                                    placement={"node": site.node, "ranks_per_node": opts.target_ranks_per_node},
-                                    target_stage=stage, target_ep=target_ep)
+    identity = site.source_identity(source, carried)
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+                                placement=site.placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
-                         opts.target_stage or source.spec.stage, target_ep)
+                         zero.stage, target_ep)
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
-                     needed_bytes=output_bytes(source, opts.target_dp, target_tp=target.tp) if site is None
-                     else site.needed_bytes,
+                     needed_bytes=site.output_bytes(source, opts.target_dp, target),
                      earlier=outputs.get(source.tag), latest=unit.latest)
 
 
@@ -195,38 +265,18 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
     return target.ep if source.spec.experts is not None else None
 
 
-def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock, views=None
-              ) -> CheckpointResult:
-    """`views`: what every worker sees of SRC in a node-local job (reshard.jobs.node_local), else None."""
-    if views is None and is_pipeline(os.path.join(unit.source, unit.tag)):  # per-stage ZeRO-1 re-cut, whole tensors
-        from reshard.jobs.pipeline_job import run_pipeline_unit
-        return run_pipeline_unit(opts, unit, transport, clock)
-    if views is None and is_zero0_moe(os.path.join(unit.source, unit.tag)):  # whole tensors, no rounds
-        from reshard.jobs.zero0_job import run_zero0_unit
-        return run_zero0_unit(opts, unit, transport, clock)
+def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
+              placement: Placement) -> CheckpointResult:
+    whole_file_job = placement.whole_file_job(unit)  # ZeRO-0 MoE, pipeline: no rounds through the exchange
+    if whole_file_job is not None:
+        return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()
     fallbacks_before = len(torch_fallbacks)  # what this job read or wrote with torch, and why
-
-    def inspect():
-        check_paths(unit.source, unit.destination)
-        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-        if is_stage_change(source.spec, opts.target_stage):
-            check_stage_change(source.spec, opts.target_stage, source.tag_dir)
-        carried = save_dir_files.list_save_dir_files(source.save_dir)
-        return source, carried, preflight(opts, source, target_topology(opts, source), carried)
-
-    site = None
-    if views is None:
-        source, carried, source_notes = on_rank0(transport, inspect)
-    else:
-        (source, source_notes, site), carried = _node_local_source(opts, unit, transport, views), []
-    leader = transport.rank == 0 if site is None else site.leader  # runs the destination steps
+    source, carried, source_notes, site = placement.inspect(opts, unit, transport)
     target = target_topology(opts, source)
     clock.lap("inspect")
-    stage = opts.target_stage if is_stage_change(source.spec, opts.target_stage) else None
-    plan = (plan_stage_change(source, target, stage, transport.size, opts.memory_budget) if stage else
-            plan_reshard(source.spec, target, transport.size, opts.memory_budget,
-                         ownership=None if site is None else site.ownership))
+    zero = zero_stage_target(source.spec, opts.target_stage)  # the target's ZeRO stage, this one or another
+    plan = zero.plan(source, target, transport.size, opts.memory_budget, ownership=site.ownership)
     memory = PeakAnonymousMemory()  # after planning: the plan's tables are at their largest
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
                               source.spec.topology, target, transport.size, transport.name,
@@ -236,8 +286,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     if source.spec.stage == 3:
         result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
     result.notes += tensor_parallel_notes(source.spec)
-    if stage:
-        result.notes.append(stage_change_note(source.spec, stage))
+    result.notes += zero.notes(source.spec)
     node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
     if node_of_worker is not None:
         result.nodes = len(set(node_of_worker))
@@ -256,10 +305,8 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         failure = error
     check_peers(transport, failure, "checking the open-file limit")
 
-    life = Lifecycle(unit.destination, source.tag, leader=leader, overwrite=opts.overwrite,
-                     peers=None if site is None else site.peers)  # a node's leader publishes its node's files
-    describe = lambda: _describe_output(opts, unit, source, target, stage, plan, carried, site)
-    start = life.begin(transport, describe) if site is None else life.begin_per_node(transport, site.node, describe)
+    life = Lifecycle(unit.destination, source.tag, leader=site.leader, overwrite=opts.overwrite, peers=site.peers)
+    start = site.begin(life, transport, lambda: _describe_output(opts, unit, source, target, zero, plan, carried, site))
     clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
@@ -277,9 +324,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     def flush(reader, writer) -> dict:
         writer.wait_for_copies()
-        # the files that travel whole, shared out by bytes; a node-local job's leader copies its node's
-        copied = {} if site is not None else staging.copy_in_hashed(
-            source.tag_dir, file_shares(_copy_sizes(source, start), transport.size)[transport.rank])
+        copied = site.copy_share(source, start, staging, transport)  # of the files that travel whole
         if rewrites_expert_files(source):  # AutoEP with AutoTP layers: TP rank and folding per file
             copied.update(write_expert_files(source, target, staging.tag_dir,
                                              sorted(target_expert_files(source, target))[transport.rank::transport.size],
@@ -297,17 +342,19 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         life.publish(transport, hashes,
-                     lambda all_hashes: _publish(opts, unit, source, target, start, staging, all_hashes, carried, site))
+                     lambda all_hashes: _publish(opts, unit, source, target, zero, start, staging, all_hashes, carried,
+                                                 site))
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
     def work():
         with progress:
             return execute(plan, transport,
                            open_source=lambda: SourceReader.open(source, report.source_ranks,
-                                                                 trust_pickle=opts.trust_pickle, stage=stage),
+                                                                 trust_pickle=opts.trust_pickle,
+                                                                 extra_slots=zero.source_slots),
                            open_sink=lambda: TargetWriter.create(
                                source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
-                               model_states_ranks=None if site is None else site.model_states_ranks, stage=stage),
+                               model_states_ranks=site.model_states_ranks, files_of=zero.files),
                            opening="opening source files and creating target files", opened=opened,
                            finish=flush, finishing="flushing target files", after=publish,
                            start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
@@ -328,10 +375,9 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start: Start, staging: Staging,
-             worker_hashes: list, carried: list[str], site=None) -> None:
-    # Every worker copied its share of the other files (`flush`); a node's leader all of its node's.
-    here = source.other_files if site is not None else ()
+def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, zero: ZeroStageTarget, start: Start,
+             staging: Staging, worker_hashes: list, carried: list[str], site: Site) -> None:
+    here = site.leader_copies(source)  # the whole files no worker copied in `flush`
     staging.copy_in(source.tag_dir, here, source.other_dirs)
     staged = save_dir_files.staging_dir(staging.tag_dir)
     files = {name: {"bytes": os.path.getsize(os.path.join(staging.tag_dir, name)),
@@ -340,50 +386,17 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, start
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    target_entry = {"dp_world_size": opts.target_dp, "stage": opts.target_stage or spec.stage,
-                    **({} if site is None else {"node": site.node, "ranks_per_node": opts.target_ranks_per_node})}
+    target_entry = {"dp_world_size": opts.target_dp, "stage": zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
     if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
         target_entry["tp_world_size"] = target.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
         target_entry["ep"] = _moe_target_ep(source, target)
-    # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
     publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
                                       reshard_version=__version__),
-                    unit.latest, scripts_from=source.save_dir if site is None or site.node == 0 else None,
+                    unit.latest, scripts_from=site.scripts_from(source),
                     carried=carried)
-
-
-def _copy_sizes(source: SourceCheckpoint, start: Start) -> dict[str, int]:
-    """Bytes of each file copied whole (expert files, other files), from worker 0's survey."""
-    return {name: start.identity[name]["bytes"] for name in source.other_files}
-
-
-def _node_local_source(opts: ReshardOptions, unit: Unit, transport: Transport, views) -> tuple:
-    """(source, notes, NodeSite) of a node-local job: inspected by a worker that sees rank 0's files."""
-    from reshard.formats.deepspeed_schema import classify
-    from reshard.jobs.node_local import node_model_template, prepare_unit
-    roles = [classify(name) for name in views[transport.rank].files]
-    seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
-
-    def inspect(carry_model_bytes):
-        source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
-                                    read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes, node_local=True)
-        if rewrites_expert_files(source):
-            from reshard.errors import UnsupportedCheckpoint
-            raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; node-local "
-                                                              "resharding of it is not supported yet")
-        return source, preflight(opts, source, target_topology(opts, source), [], ranks=seen)
-
-    source, notes, site = prepare_unit(transport, unit, views, opts.target_dp, opts.target_ranks_per_node, inspect)
-    failure = None
-    try:
-        source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank), opts.trust_pickle)
-    except ReshardError as error:
-        failure = error
-    check_peers(transport, failure, "reading this node's model-states file")
-    return source, notes, site
 
 
 class _progress:

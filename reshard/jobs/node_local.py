@@ -36,10 +36,16 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from reshard.errors import CheckpointError, OptionError
+from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.folded_expert_files import rewrites_expert_files
 from reshard.files.paths import check_tag
+from reshard.jobs.destination import check_paths
+from reshard.jobs.preflight import preflight, target_topology
+from reshard.jobs.runs import Unit
 from reshard.planning.plan import Ownership
+from reshard.transport.collective import check_peers
 from reshard.transport.nodes import NODE_RANK_VARIABLES
 
 
@@ -211,7 +217,8 @@ def node_local_ownership(needed: Sequence[Sequence[str]], seen: Sequence[frozens
 
 @dataclass(frozen=True)
 class NodeSite:
-    """One worker's place in a node-local job: its node, whether it manages that node's DST."""
+    """One worker's place in a node-local job: its node, whether it manages that node's DST
+    (a reshard.jobs.collective_job.Site: each node's output is its own, led by its first worker)."""
 
     node: int
     leader: bool
@@ -227,6 +234,31 @@ class NodeSite:
     """Target ranks that write the ZeRO-1/2 model-states file (local rank 0 of each node)."""
     needed_bytes: int
     """About how many bytes this node's output takes (the free-space check)."""
+    ranks_per_node: int
+
+    @property
+    def placement(self) -> dict:
+        """Which part of the target this node's output is (its fingerprint and manifest say so)."""
+        return {"node": self.node, "ranks_per_node": self.ranks_per_node}
+
+    def source_identity(self, source, carried) -> dict:
+        return self.identity  # from every node's survey: no one worker sees every file
+
+    def output_bytes(self, source, target_dp: int, target) -> int:
+        return self.needed_bytes
+
+    def begin(self, life, transport, describe):
+        return life.begin_per_node(transport, self.node, describe)  # each node's leader decides for its DST
+
+    def copy_share(self, source, start, staging, transport) -> dict:
+        return {}  # the leader copies its node's whole files (`leader_copies`): other nodes' workers cannot
+
+    def leader_copies(self, source) -> tuple[str, ...]:
+        return source.other_files  # those this node holds (`prepare_unit`)
+
+    def scripts_from(self, source) -> str | None:
+        # DeepSpeed copies its recovery scripts on global rank 0 only: in a node-local save, node 0's directory
+        return source.save_dir if self.node == 0 else None
 
 
 def needed_files(spec, bf16_prefix: bool) -> list[list[str]]:
@@ -281,7 +313,8 @@ def prepare_unit(transport, unit, views: Sequence[WorkerView], target_ranks: int
                     peers=tuple(w for w, n in enumerate(nodes) if n == node), hosts_targets=bool(ranks_here),
                     ownership=ownership, identity=identity, model_states_ranks=model_ranks,
                     needed_bytes=node_output_bytes(spec, identity, source.model_name(0), len(ranks_here),
-                                                   target_ranks, bool(model_ranks)))
+                                                   target_ranks, bool(model_ranks)),
+                    ranks_per_node=ranks_per_node)
     return source, notes, site
 
 
@@ -325,3 +358,53 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     if isinstance(template.get("shared_params"), dict):
         template["shared_params"] = dict(source.model_template["shared_params"]) if site.node == 0 else {}
     return dataclasses.replace(source, model_template=template)
+
+
+class NodeLocal:
+    """The target of a node-local job (a reshard.jobs.collective_job.Placement): one checkpoint,
+    read where each node sees its files, each node's part written into that node's DST."""
+
+    def __init__(self):
+        self.views: list[WorkerView] = []
+        """What every worker sees of SRC (`survey_source`), once `units` ran."""
+
+    def units(self, opts, transport) -> tuple[list[Unit], list[str]]:
+        """The one checkpoint of the job, from what every worker sees. Collective."""
+        failure = None
+        try:
+            check_paths(opts.source, opts.destination)
+        except ReshardError as error:
+            failure = error
+        check_peers(transport, failure, "checking SRC and DST")
+        source, destination = os.path.abspath(opts.source), os.path.abspath(opts.destination)
+        tag, self.views = survey_source(transport, source, opts.tag)
+        return [Unit(source, tag, destination, tag)], []
+
+    def whole_file_job(self, unit: Unit) -> None:
+        return None  # every layout goes through the rounds, whose ownership says who reads what where
+
+    def inspect(self, opts, unit: Unit, transport) -> tuple:
+        """(source, carried, notes, NodeSite): inspected by a worker that sees rank 0's files; no
+        save-directory files are carried (each node's DST keeps its own)."""
+        roles = [schema.classify(name) for name in self.views[transport.rank].files]
+        seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
+
+        def inspect(carry_model_bytes):
+            source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
+                                        read_tensors=not opts.dry_run, carry_model_bytes=carry_model_bytes,
+                                        node_local=True)
+            if rewrites_expert_files(source):
+                raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; "
+                                                                  "node-local resharding of it is not supported yet")
+            return source, preflight(opts, source, target_topology(opts, source), [], ranks=seen)
+
+        source, notes, site = prepare_unit(transport, unit, self.views, opts.target_dp, opts.target_ranks_per_node,
+                                           inspect)
+        failure = None
+        try:
+            source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank),
+                                         opts.trust_pickle)
+        except ReshardError as error:
+            failure = error
+        check_peers(transport, failure, "reading this node's model-states file")
+        return source, [], notes, site
