@@ -118,10 +118,16 @@ def _capture_module_values(engine, names: dict[int, str]) -> dict:
     params = list(engine.module.named_parameters())
     module_values, frozen_values = {}, {}
     gather = engine.zero_optimization_partition_weights()
-    context = (deepspeed.zero.GatheredParameters([param for _, param in params], modifier_rank=None)
-               if gather else _NullContext())
-    with context:
-        for name, param in params:
+    for name, param in params:
+        # One parameter per gather. Before 0.19, DeepSpeed's coalesced ZeRO-3 all-gather waits on its
+        # last gloo handle only (runtime/zero/partition_parameters.py `_allgather_params_coalesced`:
+        # `launch_handles[-1].wait()`, and the CPU synchronize() is a no-op), so on CPU an earlier
+        # parameter could be read before its gather landed: 0.16.9 once gave rank 0 zeros for all 63
+        # elements of one weight while the eval loss equalled the truth (0.15.4 once gave uninitialised
+        # values). 0.19.8 waits on every handle; a single parameter takes the blocking `_allgather_params`
+        # in every release.
+        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if gather else _NullContext()
+        with context:
             target = module_values if id(param) in names else frozen_values
             target[name] = param.detach().clone()
     return {"module": module_values, "frozen": frozen_values}
