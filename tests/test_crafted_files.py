@@ -289,8 +289,9 @@ def test_a_big_endian_file_is_refused_before_torch_sees_it(tmp_path):
 # -- the torch-free writer runs for pinned torch versions only --------------------------------------
 
 @pytest.mark.parametrize("version,pinned", [("2.13.0+cpu", True), ("2.13.1", True), ("2.14.1", True),
-                                            ("2.11.0+cu130", True), ("2.11.1", False),
-                                            ("2.14.0", False), ("2.15.0", False), ("2.6.0", False)])
+                                            ("2.11.0+cu130", True), ("2.4.1+cu121", True), ("2.5.1", True),
+                                            ("2.11.1", False), ("2.14.0", False), ("2.15.0", False),
+                                            ("2.6.0", False), ("2.5.0", False)])
 def test_the_torch_free_writer_runs_only_for_pinned_torch_versions(tmp_path, monkeypatch, version, pinned):
     from reshard.formats.torch_archive import NewTensor, write_tree_skeleton
 
@@ -302,8 +303,8 @@ def test_the_torch_free_writer_runs_only_for_pinned_torch_versions(tmp_path, mon
     if pinned:
         assert fallbacks == []
     else:
-        why = (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.11.0, 2.13.x "
-               "and 2.14.1 only, so torch writes this file")
+        why = (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.4.1, 2.5.1, "
+               "2.11.0, 2.13.x, 2.14.1 only, so torch writes this file")
         assert fallbacks == [(str(tmp_path / "out.pt"), why)]
     assert set(offsets) == {("w",)} and torch.load(tmp_path / "out.pt", weights_only=True)["step"] == 3
 

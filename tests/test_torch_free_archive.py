@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from torch_trees import comparable_tree
 
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import torch_pickle, torch_zip
@@ -30,35 +31,15 @@ from reshard.formats.torch_archive import (
     write_skeleton,
     write_tree_skeleton,
 )
-from reshard.formats.torch_classes import NeedsTorch, TorchGlobal, TorchSize
+from reshard.formats.torch_classes import NeedsTorch, TorchSize
 
 SAFE = classes.safe_globals()
-
-
-def _comparable(value):
-    """torch's objects and reshard's stand-ins in one form (torch.Size vs TorchSize, dtypes)."""
-    if isinstance(value, (torch.Size, TorchSize)):
-        return ("Size", tuple(value))
-    if isinstance(value, torch.dtype):
-        return ("global", str(value))
-    if isinstance(value, TorchGlobal):
-        return ("global", value.name)
-    if isinstance(value, dict):
-        return (type(value).__name__, [(k, _comparable(v)) for k, v in value.items()],
-                _comparable(getattr(value, "_metadata", None)))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [_comparable(v) for v in value])
-    if isinstance(value, float) and value != value:
-        return ("nan",)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return (type(value).__name__, _comparable(vars(value)))
-    return value
 
 
 def _same_tree_as_torch(path) -> None:
     by_torch = portable(load_structure(path, SAFE))
     without = torch_pickle.read_portable(path, torch_pickle.globals_by_name(SAFE))
-    assert _comparable(without) == _comparable(by_torch), path
+    assert comparable_tree(without) == comparable_tree(by_torch), path
 
 
 def _same_skeleton_as_torch(tree, tmp_path, name="target.pt") -> None:
@@ -187,7 +168,7 @@ def test_zip64_sizes_and_offsets_are_torchs(tmp_path):
                 b.seek(position)
                 assert a.read(start - position) == b.read(start - position), position
                 position = end
-        assert _comparable(torch_pickle.read_portable(str(pure))) == _comparable(portable(load_structure(pure)))
+        assert comparable_tree(torch_pickle.read_portable(str(pure))) == comparable_tree(portable(load_structure(pure)))
     finally:
         for path in (by_torch, pure):
             if path.exists():

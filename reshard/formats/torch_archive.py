@@ -8,7 +8,7 @@ Without torch first: `load_portable`, `write_tree_skeleton` and `locate_tree_sto
 write with reshard.formats.torch_pickle / torch_zip (no `import torch`, the same trees and
 the same bytes as below, see torch_pickle for the subset), and fall back to torch for content
 outside that subset (torch_classes.NeedsTorch) and --trust-pickle, and for writing when the
-installed torch is not one the writer's bytes are pinned for (`writer_not_pinned`). Files that
+installed torch is not one the writer's bytes are pinned for (`pinned_writer_layout`). Files that
 torch.save would not write (damaged, crafted) are refused by name on either way
 (torch_pickle.open_archive), never read one way by reshard and another by torch.
 
@@ -242,11 +242,19 @@ def locate_storages(path: str, obj: Any, roles: dict, safe_globals: Iterable = (
 torch_fallbacks: list[tuple[str, str]] = []
 """(path, why) of every file this process read or wrote with torch after trying without it."""
 
-PINNED_WRITER_VERSIONS = ("2.11.0", "2.13.", "2.14.1")
-"""torch releases whose torch.save bytes the torch-free writer is pinned to by tests: an entry
-ending in "." is a prefix (every 2.13 patch), any other an exact release
-(tests/test_torch_free_archive.py byte-identity on 2.13; DESIGN §8: 2.14.1 writes the same bytes;
-docs/versions.md: 2.11.0, checked on a GPU host)."""
+PINNED_WRITER_LAYOUTS = {
+    "2.4.1": torch_pickle.TORCH_2_4_LAYOUT,
+    "2.5.1": torch_pickle.TORCH_2_4_LAYOUT,
+    "2.11.0": torch_pickle.TORCH_2_11_LAYOUT,
+    "2.13.": torch_pickle.TORCH_2_11_LAYOUT,
+    "2.14.1": torch_pickle.TORCH_2_11_LAYOUT,
+}
+"""torch release -> the torch.save record layout the torch-free writer mirrors for it, for the
+releases a test has compared its bytes with; an entry ending in "." is a prefix (every 2.13
+patch), any other an exact release. 2.13: tests/test_torch_free_archive.py against the installed
+torch; 2.14.1: DESIGN section 8; 2.11.0: on a GPU host (docs/versions.md); 2.4.1 and 2.5.1:
+files those releases wrote, kept in tests/data/torch_saves and compared byte for byte in
+tests/test_torch_save_layouts.py (made by bench/torch_save_layouts.py under each release)."""
 
 
 def _fell_back(path, why: BaseException | str) -> None:
@@ -257,19 +265,20 @@ def _fell_back(path, why: BaseException | str) -> None:
 installed_torch_version = installed_version  # where callers have found it
 
 
-def writer_not_pinned() -> str | None:
-    """Why the torch-free writer must not write for the installed torch, or None when it may:
-    its bytes mirror torch 2.13's, checked by tests for PINNED_WRITER_VERSIONS only. Without
-    torch installed there is no other writer, and 2.13's files load in every torch since."""
-    version = installed_torch_version()
+def pinned_writer_layout(version: str | None = None) -> tuple[torch_pickle.SaveLayout | None, str | None]:
+    """(layout, None) when the torch-free writer may write for torch `version` (default: the
+    installed one), in that release's record layout; (None, why not) when torch must write. Without
+    torch installed there is no other writer, and the 2.11-2.14 layout loads in every torch since 2.4."""
+    version = version or installed_torch_version()
     if version is None:
-        return None
+        return torch_pickle.TORCH_2_11_LAYOUT, None
     release = version.split("+")[0]
-    if any(release.startswith(pinned) if pinned.endswith(".") else release == pinned
-           for pinned in PINNED_WRITER_VERSIONS):
-        return None
-    return (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch 2.11.0, 2.13.x and "
-            "2.14.1 only, so torch writes this file")
+    for pinned, layout in PINNED_WRITER_LAYOUTS.items():
+        if release.startswith(pinned) if pinned.endswith(".") else release == pinned:
+            return layout, None
+    return None, (f"torch {version} is installed; the torch-free writer's bytes are pinned for torch "
+                  f"{', '.join(p + 'x' if p.endswith('.') else p for p in PINNED_WRITER_LAYOUTS)} only, "
+                  "so torch writes this file")
 
 
 def load_portable(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False) -> Any:
@@ -293,12 +302,12 @@ def write_tree_skeleton(path: str, tree: Any, safe_globals: Iterable = ()) -> di
     """`write_skeleton(path, *materialize(tree), stand_in_pickle_module(safe_globals), safe_globals)`:
     the same bytes and offsets, written without torch unless the tree needs it
     (torch_pickle.NeedsTorch) or the installed torch is not one the writer's bytes are pinned for
-    (`writer_not_pinned`). `safe_globals` names the tree's stand-ins (for DeepSpeed's files,
+    (`pinned_writer_layout`). `safe_globals` names the tree's stand-ins (for DeepSpeed's files,
     deepspeed_classes.safe_globals()): both ways write them under those names."""
-    unpinned = writer_not_pinned()
+    layout, unpinned = pinned_writer_layout()
     if unpinned is None:
         try:
-            return torch_pickle.write_skeleton_tree(path, tree, globals_by_name(safe_globals))
+            return torch_pickle.write_skeleton_tree(path, tree, globals_by_name(safe_globals), layout)
         except NeedsTorch as error:
             _fell_back(path, error)
     else:

@@ -56,8 +56,10 @@ Supported subset (torch 2.13; anything else -> NeedsTorch):
   `_save`'s `persistent_id`: ('storage', <legacy storage class>, str(order of first use),
   'cpu', numel of the typed storage). Trees may hold TensorRef/NewTensor leaves, plain Python
   data, OrderedDicts, torch_classes stand-ins and the caller's stand-ins (`extra_globals`).
-- Records written: data.pkl, .format_version "1", .storage_alignment "64", byteorder
-  "little", data/<key> per storage in order of first use (reserved, not written), then what
+- Records written (`SaveLayout`, by the torch release the bytes are pinned to): data.pkl,
+  .format_version "1" and .storage_alignment "64" (torch 2.11-2.14; not in 2.4.1 or 2.5.1),
+  byteorder "little", data/<key> per storage (reserved, not written) in order of first use
+  (2.11-2.14) or with the keys sorted as text, "10" before "2" (2.4.1, 2.5.1), then what
   torch_zip.ArchiveWriter.finish adds (version, .data/serialization_id).
 """
 from __future__ import annotations
@@ -69,7 +71,7 @@ import pickle
 import struct
 import types
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -88,7 +90,7 @@ from reshard.formats.torch_classes import (
 from reshard.formats.torch_tree import NewTensor, TensorRef, is_ref, map_leaves, refs_in
 from reshard.formats.torch_zip import ArchiveFormatError, ArchiveReader, ArchiveWriter
 
-__all__ = ["NeedsTorch", "globals_by_name", "read_portable", "write_skeleton_tree", "storage_offsets_of"]
+__all__ = ["NeedsTorch", "SaveLayout", "globals_by_name", "read_portable", "write_skeleton_tree", "storage_offsets_of"]
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -751,13 +753,33 @@ def _skeleton_object(tree: Any) -> tuple[Any, list]:
     return map_leaves(tree, build, is_ref), tensors
 
 
-def write_skeleton_tree(path: str | os.PathLike, tree: Any, extra_globals: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class SaveLayout:
+    """The records torch.save writes around data.pkl, which differ between torch releases
+    (torch/serialization.py `_save`); data.pkl and the zip container are the same in all of them."""
+
+    releases: str
+    """The releases whose bytes a test has compared with this layout's (torch_archive.PINNED_WRITER_LAYOUTS)."""
+    format_records: bool
+    """`.format_version` "1" and `.storage_alignment` "64" follow data.pkl."""
+    storage_keys_as_text: bool
+    """Storage records in `sorted(serialized_storages.keys())` order: the keys are decimal strings,
+    so "10" comes before "2"; otherwise in order of first use (`for key in serialized_storages`)."""
+
+
+TORCH_2_4_LAYOUT = SaveLayout("2.4.1, 2.5.1", format_records=False, storage_keys_as_text=True)
+TORCH_2_11_LAYOUT = SaveLayout("2.11.0, 2.13.x, 2.14.1", format_records=True, storage_keys_as_text=False)
+
+
+def write_skeleton_tree(path: str | os.PathLike, tree: Any, extra_globals: dict | None = None,
+                        layout: SaveLayout = TORCH_2_11_LAYOUT) -> dict:
     """torch.save(materialize(tree)[0], path) under skip_data with
     torch_classes.stand_in_pickle_module(allowlist) as pickle module, byte for byte, without torch.
     `extra_globals`: {dotted name: stand-in class} (`globals_by_name(allowlist)`), the names the
     tree's stand-ins are written under (a stand-in it does not name is refused); returns {role: byte offset of its storage's data}
-    (TensorRef storage key or NewTensor slot), as torch_archive.write_skeleton does. Raises
-    NeedsTorch before creating the file when the tree is outside the subset."""
+    (TensorRef storage key or NewTensor slot), as torch_archive.write_skeleton does. `layout`:
+    the records of the torch release the bytes must equal (SaveLayout). Raises NeedsTorch before
+    creating the file when the tree is outside the subset."""
     obj, _ = _skeleton_object(tree)
     buffer = io.BytesIO()
     pickler = _SkeletonPickler(buffer, extra_globals or {})
@@ -770,11 +792,14 @@ def write_skeleton_tree(path: str | os.PathLike, tree: Any, extra_globals: dict 
     writer = ArchiveWriter(os.fspath(path))
     try:
         writer.add("data.pkl", buffer.getvalue())
-        writer.add(".format_version", b"1")
-        writer.add(".storage_alignment", b"64")
+        if layout.format_records:
+            writer.add(".format_version", b"1")
+            writer.add(".storage_alignment", b"64")
         writer.add("byteorder", b"little")
         offsets: dict = {}
-        for key, storage in pickler.storages.items():
+        keys = sorted(pickler.storages) if layout.storage_keys_as_text else list(pickler.storages)
+        for key in keys:
+            storage = pickler.storages[key]
             at = writer.reserve(f"data/{key}", storage.nbytes)
             if storage.nbytes and offsets.setdefault(storage.role, at) != at:
                 raise AssertionError(f"{path}: one source storage was saved twice")
