@@ -15,6 +15,7 @@ import pytest
 
 from reshard.errors import UnsupportedTorch
 from reshard.formats import torch_allowlist, torch_release
+from reshard.formats.torch_archive import pinned_writer_layout
 from reshard.formats.torch_release import missing, release_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,9 +47,12 @@ def test_named_allowlist_is_refused_by_name_under_an_older_torch(monkeypatch):
         pass
 
 
-def test_pyproject_floor_is_a_release_the_torch_path_runs_under():
-    """The floor names a torch with skip_data (the writer for unpinned releases), and README says it."""
+def test_pyproject_floor_is_a_release_the_writer_serves():
+    """The floor names a torch the torch-free writer is pinned for, or one with skip_data (the
+    writer for unpinned releases), and so is every later release; README says it."""
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    floor = next(re.fullmatch(r"torch>=(\d+\.\d+)", dep).group(1) for dep in dependencies if dep.startswith("torch"))
-    assert missing("skip_data", floor + ".0") is None
+    floor = next(re.fullmatch(r"torch>=(\d+\.\d+(?:\.\d+)?)", dep).group(1)
+                 for dep in dependencies if dep.startswith("torch"))
+    assert pinned_writer_layout(floor)[0] is not None or missing("skip_data", floor) is None
+    assert missing("skip_data", "2.5.0") is None  # every release after 2.4.1 (the last 2.4) has it
     assert f"torch {floor} or later" in (REPO / "README.md").read_text()
