@@ -5,6 +5,8 @@
         -m reshard SRC DST --target-dp 32
     # one host playing two nodes (tests, bench): two agents --nnodes=2, or one agent told the node size
     RESHARD_RANKS_PER_NODE=2 torchrun --standalone --nproc_per_node=4 -m reshard SRC DST --target-dp 3
+    # MPI: ranks spanning nodes (or told the node size) get the same two levels, MPI between leaders
+    RESHARD_RANKS_PER_NODE=2 mpiexec -n 4 python -m reshard SRC DST --target-dp 3
 
     layout = NodeLayout.from_environment()                  # node, local rank, node size, number of nodes
     transport = join_nodes(layout, backend="auto", timeout_seconds=600)
@@ -14,7 +16,8 @@ abstract Unix sockets, one memfd send segment each, `ForkedTransport`), under a 
 holds the node index, so two simulated nodes on one host stay apart. Each node's local rank 0
 is its leader; the leaders, one per node, form a torch.distributed group of their own (gloo, or
 NCCL with CUDA), rank = node index, through torchrun's store (MASTER_ADDR, MASTER_PORT). Only
-the leaders import torch; the other workers never do.
+the leaders import torch; the other workers never do. Under an MPI launcher the leaders talk over an
+MPI communicator of their own instead (`join_mpi_nodes`), and nobody imports torch.
 
 A round (`all_to_all`), for worker s on node n sending to worker d:
 1. every worker packs its round into its shared segment (the exchange's `send_buffers`) and tells
@@ -146,6 +149,54 @@ def join_nodes(layout: NodeLayout, backend: str = "auto", timeout_seconds: float
                 first = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 raise WorkerLost(f"worker {layout.rank} (leader of node {layout.node}): the node leaders did not "
                                  f"all meet within {timeout_seconds:g}s: {first}") from None
+        return NodesTransport(layout, local, leaders)
+    except BaseException:
+        local.close()
+        if leaders is not None:
+            leaders.close()
+        raise
+
+
+def join_mpi_nodes(timeout_seconds: float = 600) -> "NodesTransport | None":
+    """Under an MPI launcher (mpiexec, srun --mpi): the two-level transport when the job's ranks span
+    several nodes, with MPI between the node leaders; None when they all share one node (the plain
+    MPI transport then serves, as before).
+
+    The nodes are MPI's own: the ranks that share memory (`Split_type(COMM_TYPE_SHARED)`), or each run
+    of RESHARD_RANKS_PER_NODE consecutive ranks (one host playing several nodes). Local rank 0 of each
+    node leads; the leaders' communicator (`Split`) numbers the nodes. The workers of a node meet over
+    shared memory as torchrun's do, under a name made of a token world rank 0 draws and broadcasts,
+    so two MPI jobs on one host stay apart. Every call here is collective over COMM_WORLD."""
+    from reshard.transport.mpi import MPITransport, import_mpi
+    from reshard.transport.same_host import join_workers_on_this_host
+    MPI = import_mpi()
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if RANKS_PER_NODE_VARIABLE in os.environ:
+        per_node = _integer(RANKS_PER_NODE_VARIABLE)
+        if per_node < 1:
+            raise OptionError(f"{RANKS_PER_NODE_VARIABLE} must be >= 1, got {per_node}")
+        node_comm = world.Split(rank // per_node, rank)
+    else:
+        node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    leaders_comm = world.Split(0 if local_rank == 0 else MPI.UNDEFINED, rank)
+    leader = leaders_comm != MPI.COMM_NULL
+    nodes = world.allreduce(1 if leader else 0)
+    if nodes < 2:
+        node_comm.Free()
+        if leader:
+            leaders_comm.Free()
+        return None
+    node = node_comm.bcast(leaders_comm.Get_rank() if leader else None, root=0)
+    token = world.bcast(os.urandom(16).hex() if rank == 0 else None, root=0)
+    node_comm.Free()
+    layout = NodeLayout(rank, size, node, nodes, local_rank, local_size)
+    local = join_workers_on_this_host(local_rank, local_size, f"mpi job {token}\nnode={node}", timeout_seconds)
+    leaders = None
+    try:
+        if leader:
+            leaders = MPITransport(comm=leaders_comm, timeout_seconds=timeout_seconds, owns_process=True)
         return NodesTransport(layout, local, leaders)
     except BaseException:
         local.close()
