@@ -3,6 +3,7 @@
     python bench/multinode.py                          # 100M, best of 2
     python bench/multinode.py --sizes 100M 1G 2.5G --repeat 3 --per-node 1 2
     python bench/multinode.py --scratch /big/disk      # where sources and outputs go (default /tmp)
+    python bench/multinode.py --per-node 2 --memory-budget 8M   # a leader's memory under a small budget
 
 For each size, the ZeRO-2 fp32 checkpoint of bench/launchers.py (a `bench_model.LADDER` model at
 N=2 ranks, synthetic_checkpoint.py, cached in SCRATCH) is resharded to M=3 by each contender, in
@@ -20,7 +21,9 @@ turns (one turn runs every contender once, so a busy moment of a shared machine 
 
 Walls are whole commands (perf_counter around the processes), best of --repeat, warm page cache
 (one untimed `--workers` run first). The outputs of every contender are compared file by file with
-the `--workers` output of the same turn. Writes bench/results/multinode-<timestamp>.json and
+the `--workers` output of the same turn. Each worker's peak RSS (VmHWM) and peak anonymous memory
+are recorded, and each node leader's staging peak (the most cross-node bytes it held at once,
+leaving and arriving, `reshard.transport.nodes.staging_window`) beside `--memory-budget`. Writes bench/results/multinode-<timestamp>.json and
 bench/results/multinode.json, and prints a table.
 """
 from __future__ import annotations
@@ -50,8 +53,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+MEMORY_BUDGET: list[str] = []
+"""`--memory-budget SIZE` for every reshard contender, when given on the command line."""
+
+
 def _job(src: str, dst: str, result: str) -> list[str]:
-    return [src, dst, "--target-dp", str(TARGET_RANKS), "--quiet", "--result-json", result]
+    return [src, dst, "--target-dp", str(TARGET_RANKS), "--quiet", "--result-json", result, *MEMORY_BUDGET]
 
 
 def run_once(contender: str, src: str, dst: str, scratch: str) -> dict:
@@ -88,6 +95,8 @@ def run_once(contender: str, src: str, dst: str, scratch: str) -> dict:
             "nodes": checkpoint["nodes"], "bytes_between_nodes": checkpoint["bytes_between_nodes"],
             "plan_bytes_between_nodes": checkpoint["plan_bytes_between_nodes"], "phases": checkpoint["phases"],
             "peak_rss_bytes": [w["peak_rss_bytes"] for w in checkpoint["workers_report"]],
+            "peak_anonymous_bytes": [w["peak_anonymous_bytes"] for w in checkpoint["workers_report"]],
+            "staging_peak_bytes": [w.get("staging_peak_bytes", 0) for w in checkpoint["workers_report"]],
             "torch_imported": [w["torch_imported"] for w in checkpoint["workers_report"]]}
 
 
@@ -128,7 +137,10 @@ def main(argv=None) -> int:
                         help="workers per simulated node (one contender nodes-2xK each)")
     parser.add_argument("--scratch", default=os.path.join("/tmp", "reshard-multinode"))
     parser.add_argument("--keep-sources", action="store_true", help="leave the synthetic sources in SCRATCH")
+    parser.add_argument("--memory-budget", help="reshard's --memory-budget for every contender (default: its own)")
     args = parser.parse_args(argv)
+    if args.memory_budget:
+        MEMORY_BUDGET[:] = ["--memory-budget", args.memory_budget]
     os.makedirs(args.scratch, exist_ok=True)
     contenders = ["floor", "workers", "torchrun", "nodes-floor-2x1", *(f"nodes-2x{k}" for k in args.per_node)]
     with open(os.path.join(args.scratch, "noop.py"), "w") as fd:
@@ -145,6 +157,7 @@ def main(argv=None) -> int:
     record = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": load_after,
               "source_ranks": SOURCE_RANKS, "target_ranks": TARGET_RANKS, "repeat": args.repeat,
+              "memory_budget": args.memory_budget or "default (1G)",
               "page_cache": "warm", "sizes": results}
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     for name in (f"multinode-{stamp}.json", "multinode.json"):
@@ -162,6 +175,12 @@ def main(argv=None) -> int:
         print(f"{r['size']:>6} {r['source_bytes'] / 1e9:6.2f} " +
               " ".join(f"{r['best_seconds'][name]:15.2f}" for name in contenders) +
               f"  {crossing}{'' if same else '  (SOME OUTPUT DIFFERS)'}")
+        for name in contenders:
+            if name.startswith("nodes-") and "floor" not in name:
+                run = min(r["runs"][name], key=lambda run: run["seconds"])
+                print(f"{'':>14}{name}: peak RSS / anon / staging per worker (MB): " + ", ".join(
+                    f"{rss / 1e6:.0f}/{anon / 1e6:.0f}/{staged / 1e6:.2f}" for rss, anon, staged in
+                    zip(run["peak_rss_bytes"], run["peak_anonymous_bytes"], run["staging_peak_bytes"])))
     return 0
 
 

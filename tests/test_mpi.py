@@ -114,6 +114,32 @@ def test_mpiexec_job_is_byte_identical_to_torchrun(trained, torchrun_output, tmp
 
 @needs_mpi
 @pytest.mark.e2e
+def test_mpiexec_over_two_nodes_uses_shared_memory_inside_and_mpi_between_the_leaders(trained, torchrun_output,
+                                                                                      tmp_path):
+    """RESHARD_RANKS_PER_NODE=2 makes 4 MPI ranks on this host two nodes of two (reshard.transport.nodes,
+    join_mpi_nodes): the same bytes as torchrun, exactly the plan's bytes between the nodes, moved by
+    the leaders in pieces under the budget, and no process imports torch."""
+    from reshard.planning.plan import round_cap
+    from reshard.transport.nodes import staging_window
+    source, _ = trained("z3_bf16", 2)
+    reference = torchrun_output("z3_bf16", 2, 4)
+    destination, result_json = tmp_path / "dst", tmp_path / "result.json"
+    run = mpiexec_reshard(4, source, destination, "--target-dp", 4, "--memory-budget", "1K", "--quiet",
+                          "--result-json", result_json, env={"RESHARD_RANKS_PER_NODE": "2"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    (checkpoint,) = json.loads(result_json.read_text())["checkpoints"]  # the file, not stdout (DESIGN.md section 8)
+    assert checkpoint["transport"].startswith("shared memory inside 2 nodes, mpi/MPICH"), checkpoint["transport"]
+    assert checkpoint["nodes"] == 2 and checkpoint["workers"] == 4
+    assert checkpoint["bytes_between_nodes"] == checkpoint["plan_bytes_between_nodes"] > 0
+    reports = checkpoint["workers_report"]
+    assert reports[1]["bytes_between_nodes"] == reports[3]["bytes_between_nodes"] == 0  # leaders: ranks 0, 2
+    assert all(r["staging_peak_bytes"] <= 2 * staging_window(round_cap(1024)) for r in reports)
+    assert not any(r["torch_imported"] for r in reports)
+    assert tree_files(destination) == tree_files(reference)
+
+
+@needs_mpi
+@pytest.mark.e2e
 @pytest.mark.parametrize("failure", ["kill", "stall"])
 def test_a_worker_that_dies_or_hangs_ends_the_mpi_job(trained, tmp_path, failure):
     """kill: the launcher sees a dead process; stall: the watchdog aborts after --timeout."""

@@ -24,9 +24,10 @@ from test_chunked_plan import chunked_optim, zero3_cases
 from test_plan import STREAMS, cases
 
 from reshard.layouts.zero import buffer_numels
-from reshard.planning.plan import ReshardPlan, plan_space
+from reshard.jobs.options import parse_size
+from reshard.planning.plan import ReshardPlan, plan_space, round_cap
 from reshard.transport import _choose
-from reshard.transport.nodes import NodeLayout, NodesTransport
+from reshard.transport.nodes import NodeLayout, NodesTransport, staging_window
 from reshard.transport.same_host import join_workers_on_this_host
 from threaded_transport import in_threads
 
@@ -115,12 +116,16 @@ def _count(sender: int, receiver: int, round_: int) -> int:
     return (sender * 7 + receiver * 3 + round_ * 5) % 11
 
 
-def test_two_level_all_to_all_delivers_every_block_and_counts_what_crossed_nodes():
+@pytest.mark.parametrize("round_cap", [None, 16, 40], ids=["one-piece", "pieces-of-8", "pieces-of-20"])
+def test_two_level_all_to_all_delivers_every_block_and_counts_what_crossed_nodes(round_cap):
     ranks_of_node = [[0, 3, 4], [2], [1, 5]]  # ranks interleaved over uneven nodes: nothing assumes blocks of ranks
     node_of = {r: node for node, ranks in enumerate(ranks_of_node) for r in ranks}
     transports = _two_level(ranks_of_node)
     assert all(isinstance(t, NodesTransport) for t in transports), transports
     size = len(transports)
+    if round_cap is not None:  # what the exchange does: a leader holds a round's cross-node bytes in pieces
+        for transport in transports:
+            transport.bound_staging(round_cap)
     try:
         def exchange(transport):
             me, received = transport.rank, []
@@ -159,6 +164,16 @@ def test_two_level_all_to_all_delivers_every_block_and_counts_what_crossed_nodes
                        if node_of[d] != node)
             assert [results[r][3] for r in ranks] == [sent] + [0] * (len(ranks) - 1)
             crossed += sent
+            leader = transports[ranks[0]]
+            whole_round = max(  # a round's cross-node bytes at this node, leaving and arriving
+                sum(_count(s, d, round_) for s in ranks for d in range(size) if node_of[d] != node) +
+                sum(_count(s, d, round_) for d in ranks for s in range(size) if node_of[s] != node)
+                for round_ in (0, 1, 2, 9))
+            if round_cap is None:  # one piece: a round's whole traffic at once
+                assert leader.staging_peak_bytes == whole_round
+            else:  # each way at most the window (or one byte per node, below a window that small)
+                bound = 2 * max(staging_window(round_cap), len(ranks_of_node))
+                assert leader.staging_peak_bytes <= bound < whole_round  # so the rounds did go in pieces
         assert crossed > 0
         assert transports[4].node_of_worker == (0, 2, 1, 0, 0, 2)
     finally:
@@ -210,7 +225,7 @@ def test_two_torchrun_nodes_write_the_one_node_bytes_and_send_what_the_plan_says
     source, _ = trained("z2_fp32", 2)
     destination, result_path = tmp_path / "dst", tmp_path / "result.json"
     codes, outputs = launch_torchrun_nodes(
-        "reshard", 2, per_node, [source, destination, "--target-dp", "3", "--memory-budget", "16K", "--quiet",
+        "reshard", 2, per_node, [source, destination, "--target-dp", "3", "--memory-budget", "1K", "--quiet",
                                  "--result-json", result_path], timeout=240)
     assert codes == [0, 0], "\n".join(output[-3000:] for output in outputs)
     assert tree_files(destination) == tree_files(reference)
@@ -222,3 +237,11 @@ def test_two_torchrun_nodes_write_the_one_node_bytes_and_send_what_the_plan_says
     reports = result["workers_report"]
     assert all(r["bytes_between_nodes"] == 0 for r in reports if r["worker"] not in leaders)
     assert [r["torch_imported"] for r in reports] == [r["worker"] in leaders for r in reports]  # only leaders
+    # A leader holds a round's cross-node bytes in pieces of the window the budget gives, each way (at
+    # the smallest budget: the bytes above were moved in pieces, and still land where the 16K run put them).
+    window = staging_window(round_cap(parse_size("1K")))
+    assert all(0 < r["staging_peak_bytes"] <= 2 * window for r in reports if r["worker"] in leaders)
+    assert all(r["staging_peak_bytes"] == 0 for r in reports if r["worker"] not in leaders)
+    # and its anonymous memory (torch and gloo included, sampled after every round with the staging
+    # buffer still held) within the budget + 300 MB the benchmarks allow a worker
+    assert all(r["peak_anonymous_bytes"] <= parse_size("1K") + 300 * 10**6 for r in reports if r["worker"] in leaders)

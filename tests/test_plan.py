@@ -204,3 +204,12 @@ def test_a_tensor_larger_than_the_budget_is_split_across_rounds():
     want = expected_targets([dst.pieces], plan.spaces, [buffer_numels(dst)], 3)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key])
+
+
+@given(st.lists(st.integers(-5, 40), max_size=60))
+@settings(max_examples=60, deadline=None)
+def test_sorted_distinct_is_numpy_unique(values):
+    from reshard.planning.plan import sorted_distinct
+    array = np.array(values, dtype=np.int64)
+    assert np.array_equal(sorted_distinct(array), np.unique(array))
+    assert sorted_distinct(array).dtype == array.dtype

@@ -56,3 +56,14 @@ def test_pyproject_floor_is_a_release_the_writer_serves():
     assert pinned_writer_layout(floor)[0] is not None or missing("skip_data", floor) is None
     assert missing("skip_data", "2.5.0") is None  # every release after 2.4.1 (the last 2.4) has it
     assert f"torch {floor} or later" in (REPO / "README.md").read_text()
+
+
+
+def test_installed_version_is_the_distributions_without_importing_torch(monkeypatch):
+    """Read from torch/version.py (a few ms) instead of importlib.metadata (tens of ms in every writer
+    process): the same string, and torch stays unimported (as in a worker, which has not imported it)."""
+    import importlib.metadata
+    import sys
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert torch_release.installed_version() == importlib.metadata.version("torch")
+    assert "torch" not in sys.modules

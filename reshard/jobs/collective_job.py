@@ -364,6 +364,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     moved = life.run(work)
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.bytes_between_nodes = getattr(transport, "bytes_between_nodes", 0) - crossed_before
+    report.staging_peak_bytes = getattr(transport, "staging_peak_bytes", 0)
     report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = memory.sample()
     report.torch_imported = "torch" in sys.modules

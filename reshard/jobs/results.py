@@ -82,6 +82,9 @@ class WorkerReport:
     `python -m reshard --workers W` reads and writes without it where the files allow."""
     bytes_between_nodes: int = 0
     """Bytes this worker sent to other nodes for this checkpoint (a node leader, reshard.transport.nodes)."""
+    staging_peak_bytes: int = 0
+    """Most cross-node bytes this worker held at once, leaving and arriving together (a node leader,
+    reshard.transport.nodes: at most two staging windows, `staging_window`; 0 on other workers)."""
     torch_files: list = field(default_factory=list)
     """[(path, why)] of each file this worker read or wrote with torch after the torch-free reader
     or writer refused it (torch_archive.torch_fallbacks), so the summary can say which and why."""
@@ -129,6 +132,7 @@ class CheckpointResult:
                 "plan_bytes_between_nodes": self.plan_bytes_between_nodes, "phases": self.phases,
                 "workers_report": [{"worker": r.worker, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written,
                                     "bytes_carried": r.bytes_carried, "bytes_between_nodes": r.bytes_between_nodes,
+                                    "staging_peak_bytes": r.staging_peak_bytes,
                                     "peak_rss_bytes": r.peak_rss_bytes, "peak_anonymous_bytes": r.peak_anonymous_bytes,
                                     "torch_imported": r.torch_imported, "phases": r.phases} for r in self.reports],
                 "notes": list(self.notes)}
@@ -204,7 +208,9 @@ class CheckpointResult:
         lines.append(f"  phases : {_phase_line(self.phases)} (slowest worker each)")
         if self.nodes > 1:
             lines.append(f"  nodes  : {self.nodes}; {_human(self.bytes_between_nodes)} crossed between them "
-                         f"({self.bytes_between_nodes} bytes; the plan: {self.plan_bytes_between_nodes})")
+                         f"({self.bytes_between_nodes} bytes; the plan: {self.plan_bytes_between_nodes}); "
+                         f"a leader held at most {_human(max(r.staging_peak_bytes for r in self.reports))} of it "
+                         "at a time, leaving and arriving")
         lines.append(f"  {'worker':>6} {'reads ranks':>14} {'writes ranks':>14} {'read':>10} {'written':>10} "
                      f"{'peak RSS':>10} {'peak anon':>10}")
         for r in self.reports:

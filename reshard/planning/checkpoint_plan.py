@@ -23,7 +23,7 @@ import numpy as np
 
 from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layouts.zero import PieceTable, buffer_numels, logical_bases, table_from_columns
-from reshard.planning.plan import Ownership, ReshardPlan, plan_space
+from reshard.planning.plan import Ownership, ReshardPlan, plan_space, sorted_distinct
 from reshard.layouts.zero import zero3_chunk
 from reshard.layouts.tensor_pieces import (
     GlobalSpace,
@@ -129,7 +129,7 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
                                                                       target_tp=target.tp)
         targets = module_pieces(module, module_space, target, "target")
         # only dp rank 0 of each TP rank holds module tensors: windows sized for those ranks
-        holders = np.bincount(ownership.writers(np.unique(targets.rank)), minlength=ownership.workers)
+        holders = np.bincount(ownership.writers(sorted_distinct(targets.rank)), minlength=ownership.workers)
         spaces.append(plan_space("module", module_pieces(module, module_space, source, "source"), targets,
                                  spec.module_streams, module_buffer_numels(module, module_space, target.tp),
                                  ownership, budget_bytes, round_offset=spaces[0].rounds,

@@ -254,6 +254,15 @@ start the read-ahead pipeline sooner and touch fewer fresh buffer pages (bench/l
 ZeRO-2 on 2 shared cores: exchange+write 6-11 s with 64-192 MiB budgets, 13-18 s with 1 GiB)."""
 
 
+def sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """np.unique(values) for a 1-d integer array, without np.unique: its first call imports numpy.ma
+    (about 12 ms of CPU in every worker process, for masked arrays reshard never has)."""
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+
+
 def round_cap(budget_bytes: int) -> int:
     """Bytes a worker may send, and may receive, in one round: a third of the budget (two send
     buffers, one being filled while the other is in flight, and one receive buffer), at most
@@ -679,7 +688,7 @@ class _WindowIndex:
         # sorted key, and a window's candidates start where it first passes the window
         self.key_end = np.maximum.accumulate(end) if len(end) else end
         del end
-        self.rank_keys = np.unique(seg.dst_rank) * windows.span
+        self.rank_keys = sorted_distinct(seg.dst_rank) * windows.span
 
     def window(self, k: int) -> Segments:
         """Every segment's part in window k (`_clip_to_window`), in this index's order."""

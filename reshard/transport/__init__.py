@@ -146,13 +146,20 @@ def transport_from_environment(backend: str = "auto", timeout_seconds: float = 6
     auto: the initialised torch.distributed group if there is one; under torchrun (and `backend`
     "auto"), shared memory when all workers run on this host, shared memory inside each node and
     torch.distributed between nodes when they span several, else torch.distributed; MPI
+    (shared memory inside each node and MPI between their leaders when the ranks span several nodes)
     when an MPI launcher started the process (OMPI_COMM_WORLD_RANK, PMI_RANK or PMIX_RANK set); else torch.distributed if WORLD_SIZE > 1, else one worker alone.
     `timeout_seconds` bounds every collective: a worker whose peer died fails (torch) or aborts
     the MPI job (mpi) instead of hanging.
     """
     chosen = _choose(kind, backend)
     if chosen == "mpi":
+        from reshard.transport import same_host
         from reshard.transport.mpi import MPITransport
+        if same_host.available():  # ranks on several nodes: shared memory inside each, MPI between leaders
+            from reshard.transport.nodes import join_mpi_nodes
+            two_levels = join_mpi_nodes(timeout_seconds)
+            if two_levels is not None:
+                return two_levels
         return MPITransport(timeout_seconds=timeout_seconds, owns_process=True)
     if chosen == "nodes":
         from reshard.transport.nodes import NodeLayout, join_nodes

@@ -32,7 +32,7 @@ import numpy as np
 
 from reshard.transport.collective import check_peers
 from reshard.transport.failpoints import failpoint
-from reshard.planning.plan import ReshardPlan, RoundBlock
+from reshard.planning.plan import ReshardPlan, RoundBlock, round_cap
 from reshard.transport.read_once import reads_and_copies
 from reshard.layouts.strided_runs import row_runs
 
@@ -161,6 +161,9 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
     largest_send, largest_receive = view.buffer_bytes()
     incoming_buffer = np.empty(largest_receive, dtype=np.uint8)
     shared = getattr(transport, "send_buffers", None)  # the forked transport's: packed where peers read
+    bound_staging = getattr(transport, "bound_staging", None)  # node leaders (reshard.transport.nodes)
+    if bound_staging is not None:  # hold a round's cross-node bytes in pieces, under the budget
+        bound_staging(round_cap(plan.budget_bytes))
     ahead = _RoundReader(plan, view, range(start_round, plan.rounds), reader, largest_send,
                          shared(2, largest_send) if shared is not None else None)
     since_durable = 0

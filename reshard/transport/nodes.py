@@ -5,6 +5,8 @@
         -m reshard SRC DST --target-dp 32
     # one host playing two nodes (tests, bench): two agents --nnodes=2, or one agent told the node size
     RESHARD_RANKS_PER_NODE=2 torchrun --standalone --nproc_per_node=4 -m reshard SRC DST --target-dp 3
+    # MPI: ranks spanning nodes (or told the node size) get the same two levels, MPI between leaders
+    RESHARD_RANKS_PER_NODE=2 mpiexec -n 4 python -m reshard SRC DST --target-dp 3
 
     layout = NodeLayout.from_environment()                  # node, local rank, node size, number of nodes
     transport = join_nodes(layout, backend="auto", timeout_seconds=600)
@@ -14,7 +16,8 @@ abstract Unix sockets, one memfd send segment each, `ForkedTransport`), under a 
 holds the node index, so two simulated nodes on one host stay apart. Each node's local rank 0
 is its leader; the leaders, one per node, form a torch.distributed group of their own (gloo, or
 NCCL with CUDA), rank = node index, through torchrun's store (MASTER_ADDR, MASTER_PORT). Only
-the leaders import torch; the other workers never do.
+the leaders import torch; the other workers never do. Under an MPI launcher the leaders talk over an
+MPI communicator of their own instead (`join_mpi_nodes`), and nobody imports torch.
 
 A round (`all_to_all`), for worker s on node n sending to worker d:
 1. every worker packs its round into its shared segment (the exchange's `send_buffers`) and tells
@@ -26,8 +29,17 @@ A round (`all_to_all`), for worker s on node n sending to worker d:
    the block s -> d, copied from s's segment. One `all_to_all_single` between the leaders moves
    these node blocks; each leader receives the blocks for its node straight into its own shared
    segment, laid out the same way (d, then s);
-4. the leader tells each of its workers where its blocks from each other node start there; the
+4. the leader tells each of its workers where its blocks from each other node lie there; the
    worker copies them out; the round ends when every worker of the node has its copy.
+Steps 3 and 4 go in pieces: a leader holds at most `staging_window` bytes of the round's
+cross-node traffic each way at a time (half the round's share of `--memory-budget`, which the
+exchange hands over through `bound_staging`). Each leader cuts every node block into the same
+number of near-equal pieces, the number the busiest leader needs (the leaders agree on it with one
+small all-gather per round); piece k of every block goes in the k-th `all_to_all_single`, lands in
+the same window of the leader's segment, and the workers copy their parts of it out and say so
+before piece k + 1 arrives there. So a leader holds at most one round cap (a third of the budget)
+beyond what every worker holds, whatever the node size; the summary's `nodes` line and the
+report's `staging_peak_bytes` say how much it held at most.
 So each byte crossing nodes is packed by its worker once (into shared memory), gathered by its
 leader once, sent once, and copied once by its receiver; `bytes_between_nodes` counts what this
 node's leader sent, which over all leaders is exactly what the plan says must cross
@@ -35,9 +47,9 @@ node's leader sent, which over all leaders is exactly what the plan says must cr
 
 Why leaders and not every worker with its counterparts on other nodes: the other workers need no
 torch and no process group (start-up is most of a small job's time), the network sees one message
-per pair of nodes and round instead of one per pair of workers, and with NCCL one GPU per node
-stages the traffic. The cost: a leader holds its node's outgoing and incoming bytes of a round,
-up to (node size) x the round's share of the budget each way, beyond its own buffers.
+per pair of nodes and piece instead of one per pair of workers, and with NCCL one GPU per node
+stages the traffic. The cost: a leader holds a staging window each way beyond its own buffers,
+and a round whose cross-node bytes exceed the window takes several collectives.
 
 Objects (agreement, reports) go the same two levels: inside the node over the worker sockets,
 between nodes over the leaders' group. A worker that dies makes its node's workers fail at once
@@ -145,6 +157,54 @@ def join_nodes(layout: NodeLayout, backend: str = "auto", timeout_seconds: float
         raise
 
 
+def join_mpi_nodes(timeout_seconds: float = 600) -> "NodesTransport | None":
+    """Under an MPI launcher (mpiexec, srun --mpi): the two-level transport when the job's ranks span
+    several nodes, with MPI between the node leaders; None when they all share one node (the plain
+    MPI transport then serves, as before).
+
+    The nodes are MPI's own: the ranks that share memory (`Split_type(COMM_TYPE_SHARED)`), or each run
+    of RESHARD_RANKS_PER_NODE consecutive ranks (one host playing several nodes). Local rank 0 of each
+    node leads; the leaders' communicator (`Split`) numbers the nodes. The workers of a node meet over
+    shared memory as torchrun's do, under a name made of a token world rank 0 draws and broadcasts,
+    so two MPI jobs on one host stay apart. Every call here is collective over COMM_WORLD."""
+    from reshard.transport.mpi import MPITransport, import_mpi
+    from reshard.transport.same_host import join_workers_on_this_host
+    MPI = import_mpi()
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if RANKS_PER_NODE_VARIABLE in os.environ:
+        per_node = _integer(RANKS_PER_NODE_VARIABLE)
+        if per_node < 1:
+            raise OptionError(f"{RANKS_PER_NODE_VARIABLE} must be >= 1, got {per_node}")
+        node_comm = world.Split(rank // per_node, rank)
+    else:
+        node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    leaders_comm = world.Split(0 if local_rank == 0 else MPI.UNDEFINED, rank)
+    leader = leaders_comm != MPI.COMM_NULL
+    nodes = world.allreduce(1 if leader else 0)
+    if nodes < 2:
+        node_comm.Free()
+        if leader:
+            leaders_comm.Free()
+        return None
+    node = node_comm.bcast(leaders_comm.Get_rank() if leader else None, root=0)
+    token = world.bcast(os.urandom(16).hex() if rank == 0 else None, root=0)
+    node_comm.Free()
+    layout = NodeLayout(rank, size, node, nodes, local_rank, local_size)
+    local = join_workers_on_this_host(local_rank, local_size, f"mpi job {token}\nnode={node}", timeout_seconds)
+    leaders = None
+    try:
+        if leader:
+            leaders = MPITransport(comm=leaders_comm, timeout_seconds=timeout_seconds, owns_process=True)
+        return NodesTransport(layout, local, leaders)
+    except BaseException:
+        local.close()
+        if leaders is not None:
+            leaders.close()
+        raise
+
+
 def _join_leaders(layout: NodeLayout, backend: str, timeout_seconds: float):
     """A process group of the node leaders (rank = node index) in torchrun's store, under a prefix
     of its own: the workers of the job never form a group of their own."""
@@ -178,6 +238,32 @@ def _starts(counts) -> list[int]:
     return starts
 
 
+def staging_window(round_cap_bytes: int) -> int:
+    """Bytes of a round's cross-node traffic a leader holds at a time each way: half a round's share of
+    the budget, so that leaving and arriving pieces together add at most one round cap (a third of
+    the budget) to what every worker holds."""
+    return max(1, round_cap_bytes // 2)
+
+
+def _piece(total: int, piece: int, pieces: int) -> tuple[int, int]:
+    """[start, stop) of piece `piece` of `pieces` near-equal pieces of `total` bytes."""
+    size = -(-total // pieces)
+    return min(total, piece * size), min(total, (piece + 1) * size)
+
+
+def _cut(blocks: list, start: int, stop: int):
+    """(key, offset inside the block, bytes) of each part of `blocks` ([(key, bytes)], laid end to end)
+    that lies in [start, stop)."""
+    at = 0
+    for key, count in blocks:
+        lo, hi = max(start, at), min(stop, at + count)
+        if lo < hi:
+            yield key, lo - at, hi - lo
+        at += count
+        if at >= stop:
+            return
+
+
 class NodesTransport:
     """The Transport of workers spread over nodes (module docstring): a ForkedTransport inside each
     node, a torch.distributed group of the node leaders between nodes."""
@@ -187,6 +273,11 @@ class NodesTransport:
         self.rank, self.size = layout.rank, layout.size
         self.bytes_between_nodes = 0
         """Bytes this node's leader sent to other nodes (0 on the other workers)."""
+        self.window: int | None = None
+        """Most bytes of a round's cross-node traffic a leader holds at a time each way (`bound_staging`)."""
+        self.staging_peak_bytes = 0
+        """Most cross-node bytes this leader held at once, leaving and arriving together (0 elsewhere)."""
+        self.staging = np.empty(0, dtype=np.uint8)
         here = local.all_gather_object(layout.rank)  # the global ranks of this node, in local order
         found = None
         if leaders is not None:
@@ -241,64 +332,100 @@ class NodesTransport:
             result[recv_at[sender]:recv_at[sender + 1]] = local.peer_segment(peer, peer_size)[at:at + peer_sends[me]]
         notes[self.layout.local_rank] = (base, None, send_counts, recv_counts)
         if self.leaders is not None:
-            placements = self._between_nodes(notes, base + send_at[-1])
-            local.messages({peer: pickle.dumps(placements[peer]) for peer in local.peers}, (),
-                           "handing out what came from other nodes")
-            placement = placements[self.layout.local_rank]
+            self._between_nodes(notes, base + send_at[-1], result, recv_at)
         else:
-            placement = pickle.loads(local.messages({}, (0,), "waiting for what came from other nodes")[0])
-        leader_size, starts = placement
-        leader_segment = local.own_segment(0) if self.leaders is not None else local.peer_segment(0, leader_size)
-        for node, at in starts.items():
-            for sender in self.ranks_of_node[node]:
-                count = recv_counts[sender]
-                result[recv_at[sender]:recv_at[sender] + count] = leader_segment[at:at + count]
-                at += count
+            self._receive_from_other_nodes(result, recv_at)
         local.messages({peer: b"" for peer in local.peers}, local.peers, "the end of a round")  # segments reusable
         return result
 
-    def _between_nodes(self, notes: dict, used: int) -> dict[int, tuple[int, dict[int, int]]]:
-        """(Leader) pack what leaves this node once per destination node, run the leaders' all-to-all
-        into this segment after `used` bytes, and say where each local worker's blocks from each node
-        start: {local rank: (segment size, {node: offset})}."""
-        local, node = self.local, self.layout.node
+    def bound_staging(self, round_cap_bytes: int) -> None:
+        """Hold at most `staging_window(round_cap_bytes)` bytes of a round's cross-node traffic at a time
+        each way on a leader (the exchange calls this with the plan's round cap): the leaders then
+        move a round in pieces. Without a bound, a round moves in one piece."""
+        self.window = staging_window(round_cap_bytes)
+
+    def _receive_from_other_nodes(self, result: np.ndarray, recv_at: list[int]) -> None:
+        """(Not a leader) copy this worker's blocks from other nodes out of the leader's segment, piece
+        by piece as the leader says where they lie; acknowledge every piece but the last (the end of
+        the round acknowledges that one), so that the leader may receive the next piece there."""
+        local = self.local
+        while True:
+            size, copies, last = pickle.loads(local.messages({}, (0,), "waiting for what came from other nodes")[0])
+            leader_segment = local.peer_segment(0, size)
+            for sender, offset, at, count in copies:
+                result[recv_at[sender] + offset:recv_at[sender] + offset + count] = leader_segment[at:at + count]
+            if last:
+                return
+            local.messages({0: b""}, (), "a piece from other nodes copied")
+
+    def _between_nodes(self, notes: dict, used: int, result: np.ndarray, recv_at: list[int]) -> None:
+        """(Leader) move what leaves and what reaches this node, in pieces of at most `self.window`
+        bytes each way: pack a piece of every block leaving for each other node into the staging
+        buffer, run the leaders' all-to-all into this segment after `used` bytes, tell each local
+        worker where its share of the piece lies there, wait until they copied it, next piece."""
+        local, node, me = self.local, self.layout.node, self.layout.local_rank
         here = self.ranks_of_node[node]
-        senders = [(notes[i][0], _starts(notes[i][2]), notes[i][2], i) for i in range(len(here))]
-        node_sends, node_recvs = [0] * self.nodes, [0] * self.nodes
-        for other, ranks in enumerate(self.ranks_of_node):
-            if other != node:
-                node_sends[other] = sum(counts[d] for d in ranks for _, _, counts, _ in senders)
-                node_recvs[other] = sum(notes[j][3][s] for j in range(len(here)) for s in ranks)
-        outgoing = np.empty(sum(node_sends), dtype=np.uint8)
-        position = 0
-        for other, ranks in enumerate(self.ranks_of_node):
-            if other == node:
-                continue
-            for d in ranks:
-                for sender_base, sender_at, counts, i in senders:
-                    count = counts[d]
-                    if count:
-                        segment = local.own_segment(0) if i == self.layout.local_rank else \
-                            local.peer_segment(i, notes[i][1])
-                        at = sender_base + sender_at[d]
-                        outgoing[position:position + count] = segment[at:at + count]
-                        position += count
+        others = [other for other in range(self.nodes) if other != node]
+        sender_at = [_starts(notes[i][2]) for i in range(len(here))]
+        # Each other node's block, in the order both ends lay it out: destination worker, then sender.
+        leaving = {other: [((i, notes[i][0] + sender_at[i][d]), notes[i][2][d]) for d in self.ranks_of_node[other]
+                           for i in range(len(here)) if notes[i][2][d]] for other in others}
+        arriving = {other: [((j, s), notes[j][3][s]) for j in range(len(here)) for s in self.ranks_of_node[other]
+                            if notes[j][3][s]] for other in others}
+        out_total = {other: sum(count for _, count in blocks) for other, blocks in leaving.items()}
+        in_total = {other: sum(count for _, count in blocks) for other, blocks in arriving.items()}
+        most = max(sum(out_total.values()), sum(in_total.values()))
+        if self.window is None:
+            pieces = 1
+        else:  # every leader runs as many all-to-alls as the busiest one needs
+            mine = -(-most // max(1, self.window - self.nodes))  # rounding each node's share up adds < 1 per node
+            pieces = max(self._leaders("agreeing on the pieces of a round", self.leaders.all_gather_object, mine))
         start = -(-max(used, local.reserved) // ALIGN) * ALIGN
-        incoming_total = sum(node_recvs)
-        segment = local.own_segment(start + incoming_total)
-        incoming = segment[start:start + incoming_total]
-        self._leaders("a round's all-to-all", self.leaders.all_to_all, outgoing, node_sends, node_recvs, out=incoming)
-        self.bytes_between_nodes += int(sum(node_sends))
-        size = len(local.own_segment(0))
-        placements: dict[int, tuple[int, dict[int, int]]] = {j: (size, {}) for j in range(len(here))}
-        at = start
-        for other, ranks in enumerate(self.ranks_of_node):
-            if other == node:
-                continue
-            for j in range(len(here)):
-                placements[j][1][other] = at
-                at += sum(notes[j][3][s] for s in ranks)
-        return placements
+        segments = {i: local.own_segment(0) if i == me else local.peer_segment(i, notes[i][1]) for i in range(len(here))}
+        for piece in range(pieces):
+            node_sends, node_recvs = [0] * self.nodes, [0] * self.nodes
+            out_span, in_span = {}, {}
+            for other in others:
+                out_span[other] = _piece(out_total[other], piece, pieces)
+                in_span[other] = _piece(in_total[other], piece, pieces)
+                node_sends[other] = out_span[other][1] - out_span[other][0]
+                node_recvs[other] = in_span[other][1] - in_span[other][0]
+            outgoing = self._outgoing(sum(node_sends))
+            position = 0
+            for other in others:
+                for (i, at), skip, count in _cut(leaving[other], *out_span[other]):
+                    outgoing[position:position + count] = segments[i][at + skip:at + skip + count]
+                    position += count
+            incoming_total = sum(node_recvs)
+            segment = local.own_segment(start + incoming_total)
+            segments[me] = local.own_segment(0)
+            self._leaders("a round's all-to-all", self.leaders.all_to_all, outgoing, node_sends, node_recvs,
+                          out=segment[start:start + incoming_total])
+            self.bytes_between_nodes += sum(node_sends)
+            self.staging_peak_bytes = max(self.staging_peak_bytes, sum(node_sends) + incoming_total)
+            copies: dict[int, list] = {j: [] for j in range(len(here))}
+            at = start
+            for other in others:
+                for (j, s), skip, count in _cut(arriving[other], *in_span[other]):
+                    copies[j].append((s, skip, at, count))
+                    at += count
+            for s, skip, at, count in copies[me]:
+                result[recv_at[s] + skip:recv_at[s] + skip + count] = segment[at:at + count]
+            last = piece == pieces - 1
+            told = {j: pickle.dumps((len(segment), copies[j], last)) for j in local.peers if copies[j] or last}
+            local.messages(told, () if last else list(told), "handing out what came from other nodes")
+        if pieces == 0:  # nothing crossed anywhere: release the workers all the same
+            local.messages({j: pickle.dumps((len(local.own_segment(0)), [], True)) for j in local.peers}, (),
+                           "handing out what came from other nodes")
+
+    def _outgoing(self, size: int) -> np.ndarray:
+        """The staging buffer for a piece leaving this node: one buffer of the window's size kept for the
+        job (its pages stay resident, so the anonymous-memory samples see them), or, unbounded, a new one."""
+        if self.window is None:
+            return np.empty(size, dtype=np.uint8)
+        if len(self.staging) < size:
+            self.staging = np.empty(max(size, self.window), dtype=np.uint8)
+        return self.staging[:size]
 
     # -- agreement --------------------------------------------------------------------------
     def broadcast_object(self, obj, src=0):

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reshard.planning.plan import sorted_distinct
+
 Run = tuple[int, int, tuple, int, int, int]
 """(byte position in the send buffer, source rank, slot, first element, elements, itemsize)"""
 
@@ -101,7 +103,7 @@ def reads_and_copies(runs: list[Run], previous: list[Run] = ()
     if len(runs) < 2:
         return list(runs), copies
     key, start, end = _columns(runs, keys)
-    if len(np.unique(key)) == len(runs):
+    if len(sorted_distinct(key)) == len(runs):
         return list(runs), copies
     order, covered_to, owner = _sweep(key, start, end)
     s = start[order]
