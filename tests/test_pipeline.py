@@ -50,8 +50,15 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
+def harness_flags(variant: str) -> list[str]:
+    """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
+    the model whose layer 1 has a frozen weight."""
+    precision, _, model = variant.partition("-")
+    return ["--precision", precision, *(["--frozen"] if model == "frozen" else [])]
+
+
 class PipelineRuns:
-    """(precision, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py."""
+    """(variant, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py."""
 
     def __init__(self, root: Path):
         self.root, self.cache = root, {}
@@ -62,7 +69,7 @@ class PipelineRuns:
         if key not in self.cache:
             base = self.root / f"{precision}-pp{pp}-dp{dp}"
             truth = base / "truth"
-            run_torchrun(HARNESS, pp * dp, ["train", "--pp", pp, "--precision", precision,
+            run_torchrun(HARNESS, pp * dp, ["train", "--pp", pp, *harness_flags(precision),
                                                  "--save", base / "ckpt", "--truth", truth],
                          expect_files=[truth / f"rank{r}.pt" for r in range(pp * dp)], timeout=500)
             self.cache[key] = (base / "ckpt", truth)
@@ -71,7 +78,7 @@ class PipelineRuns:
 
 def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -> dict:
     from reshard_proof.launch import run_torchrun
-    run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, "--precision", precision, "--load", load_dir,
+    run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, *harness_flags(precision), "--load", load_dir,
                                          "--truth", truth, "--verdict", verdict],
                  expect_files=[verdict], timeout=500)
     return json.loads(verdict.read_text())
@@ -87,6 +94,10 @@ CASES = [
     ("bf16", (2, 2), (2, 1), 3),   # dp down; W differs from both
     ("fp32", (2, 1), (1, 2), 1),   # pp down, dp up
     ("bf16", (2, 2), (3, 1), 2),   # pp up, dp down
+    # fp16 (ZeRO-1 with dynamic loss scaling): the verdict also compares the loss scaler's state
+    # (cur_scale moved from 2**8 to 2**9 in training) and skipped_steps with the source engine's
+    ("fp16", (2, 2), (2, 1), 2),   # dp down
+    ("fp16", (2, 2), (1, 1), 1),   # pp and dp down
 ]
 # Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
 # pipeline_run.py --also): two engines, one start-up.
@@ -114,7 +125,7 @@ def pp1_dp2_checks(pipeline_runs, tmp_path_factory):
     out = root / "out"
     found = {"result": reshard_case(save_dir, out, *SHARED_WITH_IN_JOB), "out": out}
     plain, in_job = root / "plain.json", root / "in-job.json"
-    base = ["check", "--pp", target[0], "--precision", precision, "--truth", truth]
+    base = ["check", "--pp", target[0], *harness_flags(precision), "--truth", truth]
     try:
         run_torchrun(HARNESS, target[0] * target[1], [*base, "--load", out, "--verdict", plain,
                                                        "--also", save_dir, in_job, "in-job"],
