@@ -98,6 +98,12 @@ CASES = [
     # (cur_scale moved from 2**8 to 2**9 in training) and skipped_steps with the source engine's
     ("fp16", (2, 2), (2, 1), 2),   # dp down
     ("fp16", (2, 2), (1, 1), 1),   # pp and dp down
+    # layer 1's weight frozen (requires_grad=False from construction): ZeRO-1 leaves it out of the
+    # optimizer files and `param_shapes`, only its layer file holds it; DeepSpeed's `parameters`
+    # partition counts trainable parameters only, so the source's stages are [0, 4, 7] here, not
+    # [0, 3, 7]. The verdict compares its module value with the source's.
+    ("fp32-frozen", (2, 2), (2, 1), 1),   # dp down
+    ("fp32-frozen", (2, 2), (1, 2), 2),   # pp down
 ]
 # Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
 # pipeline_run.py --also): two engines, one start-up.

@@ -266,9 +266,9 @@ def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
     return out
 
 
-def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
-    """The stage's source files (rank 0's, as a template), and per group its fp32 master flat and
-    its per-element optimizer states' flats, each without tail padding."""
+def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False):
+    """The stage's optimizer files (one per dp rank, memory-mapped), and per group its fp32 master
+    flat and its per-element optimizer states' flats, each without tail padding."""
     spec = source.stages[stage]
     paths = [source.optim_path(stage, rank) for rank in range(source.dp)]
     files = [load_whole(path, trust_pickle) for path in paths]
@@ -281,7 +281,26 @@ def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
         keys = [key for key, value in states[0].items()
                 if hasattr(value, "numel") and value.dim() == 1 and value.numel() == old[g].partition_numel]
         moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys})
+    return files, masters, moments
+
+
+def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
+    """read_stage, with rank 0's file alone (the template of the files written from it)."""
+    files, masters, moments = read_stage(source, stage, trust_pickle)
     return files[0], masters, moments
+
+
+def states_by_name(spec: PipelineStage, masters: list, moments: list[dict]) -> dict[str, dict]:
+    """{name: {"fp32": flat, <state>: flat}} of one stage, every group, from read_stage's flats."""
+    found = {}
+    for group, (names, numels) in enumerate(zip(spec.names, spec.numels)):
+        offset = 0
+        for name, numel in zip(names, numels):
+            states = {"fp32": masters[group][offset:offset + numel]}
+            states.update({key: flat[offset:offset + numel] for key, flat in moments[group].items()})
+            found[name] = states
+            offset += numel
+    return found
 
 
 def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
@@ -350,11 +369,7 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
                                               "of pipeline stages supports one")
         file, masters, moments = _stage_flats(source, stage, trust_pickle)
         template = template or file
-        offset = 0
-        for name, numel in zip(spec.names[0], spec.numels[0]):
-            states = {"fp32": masters[0][offset:offset + numel]}
-            states.update({key: flat[offset:offset + numel] for key, flat in moments[0].items()})
-            offset += numel
+        for name, states in states_by_name(spec, masters, moments).items():
             if name in found:
                 if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
                                                                    for k, v in states.items()):
