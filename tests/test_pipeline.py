@@ -336,3 +336,68 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
         check_budget(merged, source, one_stage, 2)
+
+
+def _rewrite(path: Path, change) -> None:
+    """Apply `change` to a DeepSpeed file's tree and save it beside, then over it (the loaded tree
+    maps the file, so writing in place would pull pages from under it)."""
+    import torch
+
+    from reshard.formats import deepspeed_classes
+    from reshard.formats.deepspeed_pipeline import load_whole
+    tree = load_whole(str(path))
+    change(tree)
+    torch.save(tree, f"{path}.new", pickle_module=deepspeed_classes)
+    os.replace(f"{path}.new", path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", [(2, 2), (1, 2)], ids=["dp-change", "pp-change"])
+def test_verify_against_passes_a_pipeline_output_and_names_what_was_corrupted(pipeline_runs, tmp_path, target):
+    # the shared (2,1) fp32 session save, resharded in threads: every master and moment joined by the
+    # target's own layout and compared by name with the source's, then one element of one moment, a
+    # counter, and one byte of a layer file changed in turn, each reported naming its file
+    import shutil
+
+    from threaded_transport import run_workers
+
+    from reshard.verify import verify_against
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    out = tmp_path / "out"
+    reshard_case(save_dir, out, "fp32", (2, 1), target, 2)
+
+    def verify(destination, workers=2):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+
+    clean = verify(out, workers=3)
+    assert clean.ok, clean.summary()
+    assert clean.checked_elements >= 3 * (888 + 984 + 41 + 984 + 24 * 4 + 576)  # fp32 + two moments, each
+    tag = "step3"
+    moment = out.parent / "moment"
+    shutil.copytree(out, moment)
+    optim = moment / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    def bump_one_exp_avg(tree):  # dp rank 1's first element: inside a parameter, not padding
+        tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1.0
+    _rewrite(optim, bump_one_exp_avg)
+    found = verify(moment)
+    assert not found.ok
+    assert any(p.startswith(f"{optim}: ") and "exp_avg: 1 of" in p for p in found.problems), found.summary()
+
+    counter = out.parent / "counter"
+    shutil.copytree(out, counter)
+    model = counter / tag / "mp_rank_00_model_states.pt"
+    _rewrite(model, lambda tree: tree.update(global_steps=tree["global_steps"] + 1))
+    found = verify(counter)
+    assert [p for p in found.problems if "['global_steps']" in p and str(model) in p], found.summary()
+
+    layer = out.parent / "layer"
+    shutil.copytree(out, layer)
+    path = layer / tag / "layer_03-model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 1
+    path.write_bytes(bytes(data))
+    from trained import reshard_in_process
+    run = reshard_in_process("verify", layer, "--against", save_dir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{path}: content differs from" in run.stdout
