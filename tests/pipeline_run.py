@@ -7,7 +7,8 @@
 
 The model: an embedding tied to the output head (`TiedLayerSpec`, key "embed"), Linear layers of
 odd sizes (so ZeRO-1 pads), a parameterless GELU and a LayerNorm; ZeRO-1, Adam, an LR scheduler;
-fp32, bf16, or fp16 with dynamic loss scaling. `--frozen`: layer 1's weight frozen from construction.
+fp32, bf16, or fp16 with dynamic loss scaling. `--frozen build|later`: layer 1's weight frozen in its
+constructor, or after the PipelineModule was built (DeepSpeed's partition counted it then).
 `train` runs a few `train_batch` steps and writes, per rank, the truth of its stage: each
 parameter's full fp32 master and Adam moments by name (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`, read from the live engine) and the eval loss on one fixed
@@ -35,25 +36,29 @@ MICRO_BATCH, SEQ, GRAD_ACCUM = 2, 5, 2
 HANG_SECONDS = 400
 
 
+FROZEN = "1.weight"  # the parameter --frozen freezes (layer 1's weight)
+
+
 class FrozenWeightLinear(torch.nn.Linear):
-    """A Linear whose weight is frozen (`requires_grad=False`) from construction on, as a model
-    freezing part of a layer does: DeepSpeed's `parameters` partition then counts only its bias
-    (runtime/pipe/module.py `_count_layer_params` counts trainable parameters), ZeRO-1 leaves the
-    weight out of its flat groups, and only the layer file holds it."""
+    """A Linear whose weight is frozen (`requires_grad=False`) from construction on (--frozen build):
+    DeepSpeed's `parameters` partition then counts only its bias (runtime/pipe/module.py
+    `_count_layer_params` builds each layer and counts its trainable parameters). Frozen after the
+    PipelineModule is built (--frozen later), the weight was counted. Either way ZeRO-1 leaves it
+    out of its flat groups, and only the layer file holds it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.weight.requires_grad_(False)
 
 
-def layer_specs(frozen: bool = False):
+def layer_specs(frozen: str | None = None):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     def head(embedding, hidden):  # the tied weight again, as the output projection
         return hidden @ embedding.weight.t()
 
     return [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM),
-            LayerSpec(FrozenWeightLinear if frozen else torch.nn.Linear, DIM, HIDDEN),
+            LayerSpec(FrozenWeightLinear if frozen == "build" else torch.nn.Linear, DIM, HIDDEN),
             torch.nn.GELU(),
             LayerSpec(torch.nn.Linear, HIDDEN, DIM),
             LayerSpec(torch.nn.LayerNorm, DIM),
@@ -88,7 +93,7 @@ def batch(seed: int):
     return ids, torch.roll(ids, 1, dims=1)
 
 
-def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: bool = False):
+def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -100,6 +105,10 @@ def build_engine(pp: int, precision: str, seed: int, universal: bool = False, fr
     torch.manual_seed(seed)
     module = PipelineModule(layers=layer_specs(frozen), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
                             base_seed=seed)
+    if frozen == "later":  # after the partition was made, as a fine-tuning script freezing part of a model does
+        for name, param in module.named_parameters():
+            if name == FROZEN:
+                param.requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
                                            config=config(precision, world // pp, universal))
     return engine
@@ -213,7 +222,8 @@ def main() -> None:
     parser.add_argument("mode", choices=["train", "check"])
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
-    parser.add_argument("--frozen", action="store_true", help="layer 1's weight frozen (FrozenWeightLinear)")
+    parser.add_argument("--frozen", choices=["build", "later"],
+                        help="layer 1's weight frozen in its constructor (FrozenWeightLinear) or after the build")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--truth", required=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import pipeline_target, stages_written_by
@@ -52,9 +52,9 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
 
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
-    the model whose layer 1 has a frozen weight."""
+    the model whose layer 1 weight is frozen after the PipelineModule was built."""
     precision, _, model = variant.partition("-")
-    return ["--precision", precision, *(["--frozen"] if model == "frozen" else [])]
+    return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else [])]
 
 
 class PipelineRuns:
@@ -98,12 +98,14 @@ CASES = [
     # (cur_scale moved from 2**8 to 2**9 in training) and skipped_steps with the source engine's
     ("fp16", (2, 2), (2, 1), 2),   # dp down
     ("fp16", (2, 2), (1, 1), 1),   # pp and dp down
-    # layer 1's weight frozen (requires_grad=False from construction): ZeRO-1 leaves it out of the
-    # optimizer files and `param_shapes`, only its layer file holds it; DeepSpeed's `parameters`
-    # partition counts trainable parameters only, so the source's stages are [0, 4, 7] here, not
-    # [0, 3, 7]. The verdict compares its module value with the source's.
+    # layer 1's weight frozen (requires_grad=False) after the PipelineModule was built: ZeRO-1 leaves
+    # it out of the optimizer files and `param_shapes`, only its layer file holds it, yet DeepSpeed's
+    # `parameters` partition had counted it. Weighing only what the optimizer holds gives [0, 4, 7]
+    # at pp 2 (the source is [0, 3, 7]) and [0, 3, 4, 6, 7] at pp 4 (DeepSpeed: [0, 1, 3, 5, 7]), so
+    # the job must find the weighting that reproduces the source. The verdict compares the frozen
+    # weight's module value with the source's.
     ("fp32-frozen", (2, 2), (2, 1), 1),   # dp down
-    ("fp32-frozen", (2, 2), (1, 2), 2),   # pp down
+    ("fp32-frozen", (2, 2), (4, 1), 2),   # pp up, dp down
 ]
 # Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
 # pipeline_run.py --also): two engines, one start-up.
@@ -401,3 +403,33 @@ def test_verify_against_passes_a_pipeline_output_and_names_what_was_corrupted(pi
     run = reshard_in_process("verify", layer, "--against", save_dir)
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"{path}: content differs from" in run.stdout
+
+
+def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did():
+    # tests/pipeline_run.py's model with layer 1's weight (984 elements) frozen: in its constructor,
+    # DeepSpeed's `parameters` partition gives [0, 4, 7]; frozen after the build, it had counted the
+    # weight and gives [0, 3, 7]. Neither the optimizer files nor param_shapes list the weight.
+    from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source, source_numels
+    from reshard.layouts.pipeline import PipelineLayers, assign_stages
+    layers, frozen = PipelineLayers(7, {"embed": (0, 6)}), {"1.weight": 984}
+    trainable = {"tied_modules.embed.weight": 888, "1.bias": 41, "3.weight": 984, "3.bias": 24, "4.weight": 24,
+                 "4.bias": 24, "5.weight": 576, "5.bias": 24}
+
+    def source_with(bounds):
+        names = [assign_stages(",".join(map(str, bounds)), layers, trainable, 2).names[s] for s in range(2)]
+        stages = tuple(PipelineStage(s, (tuple(names[s]),), (tuple(trainable[n] for n in names[s]),)) for s in range(2))
+        return PipelineSource("/ckpt", "t", 2, 1, False, False, stages, (), ())
+
+    built_frozen, frozen_later = source_with([0, 4, 7]), source_with([0, 3, 7])
+    assert check_layers_reproduce_source(built_frozen, layers, "parameters", frozen) == [{}]
+    assert check_layers_reproduce_source(frozen_later, layers, "parameters", frozen) == [frozen]
+    numels = source_numels(frozen_later)
+    assert list(assign_stages("parameters", layers, numels, 4, frozen).bounds) == [0, 1, 3, 5, 7]  # DeepSpeed's
+    assert list(assign_stages("parameters", layers, numels, 4).bounds) == [0, 3, 4, 6, 7]
+    assert "1.weight" not in {n for names in assign_stages("parameters", layers, numels, 4, frozen).names
+                              for n in names}
+    with pytest.raises(CheckpointError, match=r"also with the frozen parameters \['1.weight'\] counted"):
+        check_layers_reproduce_source(frozen_later, PipelineLayers(7, {"embed": (0, 5)}), "parameters", frozen)
+    # reproduced only by `uniform` (the caller's method fails under both weightings), the weighting is
+    # unknown: the job refuses where the two give other target stages (pipeline_job.pipeline_target)
+    assert check_layers_reproduce_source(built_frozen, layers, "uniform", frozen) == [{}, frozen]
