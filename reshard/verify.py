@@ -3,6 +3,9 @@
     python -m reshard verify DST                    # re-hash every file listed in the manifest
     torchrun --nproc_per_node=4 -m reshard verify DST --against SRC   # logical check, distributed
 
+A pipeline output (reshard.jobs.pipeline_job) is checked with whole tensors instead: see
+verify_pipeline_against.
+
 `--against` replays the reshard plan, but where the job would write a slice it reads the
 slice back from DST and compares bytes; every element of every target partition is checked
 against its source element, with the same workers and memory budget as a reshard. It also
@@ -366,8 +369,8 @@ def _pipeline_layout_problems(path: str, osd: dict, template: dict, spec, dp: in
         expected["param_alignment_paddings"] = [[0] * len(spec.names[g]) for g in range(groups)]
     found = dict(osd)
     found["partition_count"] = [int(count) for count in osd["partition_count"]]
-    found["param_slice_mappings"] = [{name: (int(address.numel), int(address.start)) for name, address in group.items()}
-                                     for group in osd["param_slice_mappings"]]
+    found["param_slice_mappings"] = [{name: (getattr(address, "numel", None), getattr(address, "start", None))
+                                      for name, address in group.items()} for group in osd["param_slice_mappings"]]
     for key, value in expected.items():
         if found[key] != value:
             problems.append(f"{path}: {key} {_clip(found[key])}, expected {_clip(value)} for dp rank {rank} of {dp}")
@@ -410,7 +413,8 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     rest_wanted = {key: value for key, value in want.items() if key not in _PIPELINE_RECOMPUTED_MODEL}
     if not _same(_plain(rest_wanted), _plain(rest)):
         problems.append(f"{model_path}: {_first_difference(_plain(rest_wanted), _plain(rest))}")
-    dims = {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp}
+    dims = want.get("checkpoint_parallel_dimensions") if kept else \
+        {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp}
     if (model.get("dp_world_size"), model.get("mp_world_size"), model.get("checkpoint_parallel_dimensions")) != \
             (target.dp, target.pp, dims):
         problems.append(f"{model_path}: dp_world_size {model.get('dp_world_size')}, mp_world_size "

@@ -174,7 +174,11 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         if model.get("module") is not None:
             raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
         if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
-            raise UnsupportedCheckpoint(model_path, "records frozen parameters; not supported for pipelines yet")
+            # engine.py `_save_checkpoint` writes them only when gradients are partitioned (ZeRO-2/3, which
+            # the pipeline engine refuses); under ZeRO-1 frozen parameters live in the layer files alone
+            raise UnsupportedCheckpoint(model_path, "records frozen_param_shapes / frozen_param_fragments, which a "
+                                                    "ZeRO-1 pipeline save does not (its frozen parameters are in the "
+                                                    "layer files); not supported")
         stage_dp = model.get("dp_world_size")
         dp = stage_dp if dp is None else dp
         if stage_dp != dp:
