@@ -3,6 +3,9 @@
     python -m reshard verify DST                    # re-hash every file listed in the manifest
     torchrun --nproc_per_node=4 -m reshard verify DST --against SRC   # logical check, distributed
 
+A pipeline output (reshard.jobs.pipeline_job) is checked with whole tensors instead: see
+verify_pipeline_against.
+
 `--against` replays the reshard plan, but where the job would write a slice it reads the
 slice back from DST and compares bytes; every element of every target partition is checked
 against its source element, with the same workers and memory budget as a reshard. It also
@@ -249,6 +252,10 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
     own_transport = transport is None
     transport = transport or transport_from_environment()
     try:
+        pipeline_tag = on_rank0(transport, lambda: _pipeline_tag(source_dir, tag))
+        if pipeline_tag is not None:
+            return verify_pipeline_against(destination, source_dir, pipeline_tag, transport, trust_pickle)
+
         def inspect_both():
             src = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
             refuse_tensor_parallel(src, "verify --against")
@@ -289,6 +296,13 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             transport.close()
 
 
+def _pipeline_tag(source_dir: str, tag: str | None) -> str | None:
+    """The source's tag when it is a pipeline save (reshard.formats.deepspeed_pipeline), else None."""
+    from reshard.formats.deepspeed_pipeline import is_pipeline
+    tag = resolve_tag(source_dir, tag)
+    return tag if is_pipeline(os.path.join(source_dir, tag)) else None
+
+
 def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> None:
     a, b = source.spec, target.spec
     for name in ("stage", "optimizer", "bf16_prefix", "params", "groups", "round_robin", "param_alignment",
@@ -296,3 +310,241 @@ def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> Non
         if getattr(a, name) != getattr(b, name):
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
                                                   f"({_clip(getattr(a, name))} vs {_clip(getattr(b, name))})")
+
+
+# Pipeline outputs (reshard.jobs.pipeline_job). The job works with whole tensors, so does this
+# check: each target stage's optimizer files are joined by the target's own layout and every
+# parameter's fp32 master and per-element state are compared by name with the source's, which
+# owes nothing to how the job cut them. Keys the job recomputes (partition counts, paddings,
+# slice mappings, world sizes, param_shapes) are checked against the target's own (pp, dp);
+# everything else must equal the source file it came from. Layer files must be the source's bytes.
+
+FP32_GROUPS = "single_partition_of_fp32_groups"
+_PIPELINE_RECOMPUTED_OPTIM = ("single_partition_of_fp32_groups", "base_optimizer_state", "partition_count",
+                              "group_paddings", "param_alignment_paddings", "param_slice_mappings")
+_PIPELINE_RECOMPUTED_MODEL = ("param_shapes", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions")
+
+
+def _plain(tree):
+    """`tree` with every tensor replaced by (dtype, shape, BLAKE3 of its bytes), for _same and
+    _first_difference; a tree nested deeper than Python's recursion limit is reported as such."""
+    import torch
+    from blake3 import blake3
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return ("tensor", str(value.dtype), tuple(value.shape), blake3(data.tobytes()).hexdigest())
+        if isinstance(value, dict):
+            return type(value)((key, walk(item)) for key, item in value.items()) \
+                if type(value) is not dict else {key: walk(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(item) for item in value)
+        return value
+    try:
+        return walk(tree)
+    except RecursionError:
+        return ("nested too deeply to compare",)
+
+
+def _pipeline_layout_problems(path: str, osd: dict, template: dict, spec, dp: int, rank: int) -> list[str]:
+    """What one target optimizer file holds against its stage's layout at `dp` and its template
+    (the source file it was derived from): sizes, recomputed keys, and every other key equal."""
+    from reshard.layouts.zero import zero12_group
+    problems = []
+    if list(osd) != list(template):
+        return [f"{path}: optimizer_state_dict keys {list(osd)}, the source's {list(template)}"]
+    for key in osd:
+        if key not in _PIPELINE_RECOMPUTED_OPTIM and not _same(_plain(template[key]), _plain(osd[key])):
+            problems.append(f"{path}: optimizer_state_dict[{key!r}]: "
+                            f"{_first_difference(_plain(template[key]), _plain(osd[key]))}")
+    groups = len(spec.names)
+    layouts = [zero12_group(range(len(spec.numels[g])), spec.numels[g], dp) for g in range(groups)]
+    expected = {"partition_count": [dp] * groups,
+                "group_paddings": [layouts[g].tail_padding(rank) for g in range(groups)],
+                "param_slice_mappings": [{spec.names[g][pid]: (numel, start)
+                                          for pid, numel, start in layouts[g].slice_mappings(rank, spec.numels[g])}
+                                         for g in range(groups)]}
+    if "param_alignment_paddings" in template:
+        expected["param_alignment_paddings"] = [[0] * len(spec.names[g]) for g in range(groups)]
+    found = dict(osd)
+    found["partition_count"] = [int(count) for count in osd["partition_count"]]
+    found["param_slice_mappings"] = [{name: (getattr(address, "numel", None), getattr(address, "start", None))
+                                      for name, address in group.items()} for group in osd["param_slice_mappings"]]
+    for key, value in expected.items():
+        if found[key] != value:
+            problems.append(f"{path}: {key} {_clip(found[key])}, expected {_clip(value)} for dp rank {rank} of {dp}")
+    masters, base, base_template = osd[FP32_GROUPS], osd["base_optimizer_state"], template["base_optimizer_state"]
+    for g in range(groups):
+        if g >= len(masters) or masters[g].numel() != layouts[g].lean_numel(rank):
+            problems.append(f"{path}: fp32 partition of group {g} has "
+                            f"{masters[g].numel() if g < len(masters) else 'no'} elements, "
+                            f"{layouts[g].lean_numel(rank)} expected")
+    if list(base) != list(base_template) or not _same(_plain(base.get("param_groups")),
+                                                      _plain(base_template.get("param_groups"))):
+        problems.append(f"{path}: base_optimizer_state param_groups (hyperparameters) differ from the source's")
+    for g in range(groups):
+        state, want = base.get("state", {}).get(g, {}), base_template.get("state", {}).get(g, {})
+        if list(state) != list(want):
+            problems.append(f"{path}: optimizer state keys of group {g} {list(state)}, the source's {list(want)}")
+            continue
+        for key, value in state.items():
+            if hasattr(value, "dim") and value.dim() == 1 and hasattr(want[key], "dim") and want[key].dim() == 1:
+                if value.numel() != layouts[g].partition_numel:
+                    problems.append(f"{path}: {key} of group {g} has {value.numel()} elements, "
+                                    f"{layouts[g].partition_numel} expected")
+            elif not _same(_plain(value), _plain(want[key])):
+                problems.append(f"{path}: {key} of group {g}: {_first_difference(_plain(want[key]), _plain(value))}")
+    return problems
+
+
+def _pipeline_stage_problems(source, target, stage: int, source_states: dict, trust_pickle: bool) -> tuple[list, int, int]:
+    """(problems, files checked, elements compared) for target stage `stage`."""
+    import torch
+
+    from reshard.formats.deepspeed_pipeline import OPTIM, load_whole, read_stage
+    from reshard.layouts.zero import zero12_group
+    problems, spec = [], target.stages[stage]
+    kept = target.pp == source.pp
+    origin = stage if kept else 0  # the job builds a new stage's files from source stage 0's
+    model_path = target.model_path(stage)
+    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin), trust_pickle)
+    rest = {key: value for key, value in model.items() if key not in _PIPELINE_RECOMPUTED_MODEL}
+    rest_wanted = {key: value for key, value in want.items() if key not in _PIPELINE_RECOMPUTED_MODEL}
+    if not _same(_plain(rest_wanted), _plain(rest)):
+        problems.append(f"{model_path}: {_first_difference(_plain(rest_wanted), _plain(rest))}")
+    dims = want.get("checkpoint_parallel_dimensions") if kept else \
+        {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp}
+    if (model.get("dp_world_size"), model.get("mp_world_size"), model.get("checkpoint_parallel_dimensions")) != \
+            (target.dp, target.pp, dims):
+        problems.append(f"{model_path}: dp_world_size {model.get('dp_world_size')}, mp_world_size "
+                        f"{model.get('mp_world_size')}, checkpoint_parallel_dimensions "
+                        f"{model.get('checkpoint_parallel_dimensions')}; expected {target.dp}, {target.pp}, {dims}")
+    source_shapes = {name: shape for s in source.stages for names, shapes in zip(s.names, s.shapes)
+                     for name, shape in zip(names, shapes)}
+    if kept and spec.names != source.stages[stage].names:
+        problems.append(f"{model_path}: param_shapes lists {_clip(spec.names)}, the source stage "
+                        f"{_clip(source.stages[stage].names)}")
+    for names, shapes in zip(spec.names, spec.shapes):
+        for name, shape in zip(names, shapes):
+            if name not in source_shapes:
+                problems.append(f"{model_path}: lists {name}, which no source stage holds")
+            elif source_shapes[name] != shape:
+                problems.append(f"{model_path}: {name} has shape {list(shape)}, the source's {list(source_shapes[name])}")
+    if problems:
+        return problems, 1, 0
+    try:
+        files, masters, moments = read_stage(target, stage, trust_pickle)
+    except CheckpointError as error:
+        return [str(error)], 1, 0
+    template = load_whole(source.optim_path(origin, 0), trust_pickle)
+    for rank, tree in enumerate(files):
+        path = target.optim_path(stage, rank)
+        others, wanted = ({k: v for k, v in tree.items() if k != OPTIM}, {k: v for k, v in template.items() if k != OPTIM})
+        if not _same(_plain(wanted), _plain(others)):
+            problems.append(f"{path}: {_first_difference(_plain(wanted), _plain(others))}")
+        problems += _pipeline_layout_problems(path, tree[OPTIM], template[OPTIM], spec, target.dp, rank)
+    elements = 0
+    for group, (names, numels) in enumerate(zip(spec.names, spec.numels)):
+        partition = zero12_group(range(len(numels)), numels, target.dp).partition_numel
+        offset = 0
+        for name, numel in zip(names, numels):
+            start, offset = offset, offset + numel
+            expected = source_states.get(name)
+            if expected is None:
+                continue  # reported above
+            states = {"fp32": masters[group][start:offset],
+                      **{key: flat[start:offset] for key, flat in moments[group].items()}}
+            if list(states) != list(expected):
+                problems.append(f"{target.optim_path(stage, 0)}: {name} holds states {list(states)}, the source "
+                                f"{list(expected)}")
+                continue
+            for key, value in states.items():
+                elements += value.numel()
+                if value.shape != expected[key].shape or not torch.equal(value, expected[key]):
+                    differs = (value != expected[key]) if value.shape == expected[key].shape else \
+                        torch.ones(value.numel(), dtype=torch.bool)
+                    first = int(differs.nonzero()[0])
+                    rank = (start + first) // partition  # the dp rank whose partition holds that element
+                    problems.append(f"{target.optim_path(stage, rank)}: {name} {key}: {int(differs.sum())} of "
+                                    f"{value.numel()} elements differ from the source (first at element {first})")
+    return problems, 1 + len(files), elements
+
+
+def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
+    """Rank 0's share: layer and other files the source's bytes, every parameter in some stage,
+    an untied one in exactly one, and stages holding ascending layer ranges."""
+    from reshard.files.byte_io import hash_file
+    from reshard.jobs.manifest import MANIFEST_NAME
+    problems, checked = [], 0
+    if set(target.layer_files) != set(source.layer_files):
+        problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, the source's "
+                        f"{sorted(source.layer_files)}")
+    extra = sorted(set(target.other_files) - set(source.other_files) - {MANIFEST_NAME})
+    if extra:
+        problems.append(f"{target.tag_dir}: holds {extra}, which the source does not")
+    for name in sorted(set(source.layer_files) | set(source.other_files)):
+        path = os.path.join(target.tag_dir, name)
+        checked += 1
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+        elif hash_file(path) != hash_file(os.path.join(source.tag_dir, name)):
+            problems.append(f"{path}: content differs from {os.path.join(source.tag_dir, name)}")
+    held: dict[str, list[int]] = {}
+    for spec in target.stages:
+        for name in (n for group in spec.names for n in group):
+            held.setdefault(name, []).append(spec.index)
+    source_names = {n for spec in source.stages for group in spec.names for n in group}
+    for name in sorted(source_names - set(held)):
+        problems.append(f"{target.tag_dir}: no stage holds {name}")
+    for name, stages in sorted(held.items()):
+        if len(stages) > 1 and not name.startswith("tied_modules."):
+            problems.append(f"{target.tag_dir}: {name} is held by stages {stages}; only tied modules are shared")
+    last = -1
+    for spec in target.stages:  # runtime/pipe/module.py: stage s holds layers parts[s] .. parts[s + 1] - 1
+        indices = sorted({int(n.partition(".")[0]) for group in spec.names for n in group
+                          if n.partition(".")[0].isdigit()})
+        if indices and indices[0] <= last:
+            problems.append(f"{target.model_path(spec.index)}: holds layer {indices[0]}, not after the previous "
+                            f"stages' last layer {last}")
+        last = max([last, *indices])
+    return problems, checked
+
+
+def verify_pipeline_against(destination: str, source_dir: str, tag: str, transport: Transport,
+                            trust_pickle: bool = False) -> VerifyResult:
+    """verify --against for a pipeline output: target stage s checked by worker s % W, the layer
+    files and the parameter cover by worker 0."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, read_stage, states_by_name
+
+    def inspect_both():
+        source = inspect_pipeline(source_dir, tag, trust_pickle)
+        if not is_pipeline(os.path.join(destination, tag)):
+            raise CheckpointError(os.path.join(destination, tag), f"is not a pipeline checkpoint, but "
+                                                                   f"{source.tag_dir} is")
+        target = inspect_pipeline(destination, tag, trust_pickle)
+        if target.bf16 != source.bf16:
+            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
+        return source, target
+    source, target = on_rank0(transport, inspect_both)
+    result = VerifyResult(destination, tag, "against source")
+    problems, files, elements = [], 0, 0
+    if transport.rank == 0:
+        problems, files = save_dir_files.differences(source.save_dir, target.save_dir)
+        more, checked = _pipeline_file_problems(source, target)
+        problems, files = problems + more, files + checked
+    mine = range(transport.rank, target.pp, transport.size)
+    source_states: dict = {}
+    if mine:  # whole tensors, as the job: every source stage joined once per worker that checks a stage
+        for stage, spec in enumerate(source.stages):
+            _, masters, moments = read_stage(source, stage, trust_pickle)
+            for name, states in states_by_name(spec, masters, moments).items():
+                source_states.setdefault(name, states)
+    for stage in mine:
+        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle)
+        problems, files, elements = problems + more, files + checked, elements + compared
+    reports = transport.all_gather_object((problems, elements, files))
+    result.problems = [p for found, _, _ in reports for p in found]
+    result.checked_elements = sum(n for _, n, _ in reports)
+    result.checked_files = sum(f for _, _, f in reports)
+    return result

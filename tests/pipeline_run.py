@@ -6,14 +6,17 @@
         check --pp 1 --precision fp32 --load /tmp/out --truth /tmp/pipe.truth --verdict /tmp/v.json
 
 The model: an embedding tied to the output head (`TiedLayerSpec`, key "embed"), Linear layers of
-odd sizes (so ZeRO-1 pads), a parameterless GELU and a LayerNorm; ZeRO-1, Adam, an LR scheduler.
+odd sizes (so ZeRO-1 pads), a parameterless GELU and a LayerNorm; ZeRO-1, Adam, an LR scheduler;
+fp32, bf16, or fp16 with dynamic loss scaling. `--frozen build|later`: layer 1's weight frozen in its
+constructor, or after the PipelineModule was built (DeepSpeed's partition counted it then).
 `train` runs a few `train_batch` steps and writes, per rank, the truth of its stage: each
 parameter's full fp32 master and Adam moments by name (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`, read from the live engine) and the eval loss on one fixed
 micro-batch (the number of micro-batches per step changes with dp, a fixed one does not).
 `check` builds the engine from another seed at (pp, world / pp), loads with plain
 `load_checkpoint` (with --in-job: reshard.deepspeed.load_checkpoint on the source itself),
-compares its stage's tensors by name and the eval loss with the truth, then runs one more
+compares its stage's tensors by name (a frozen parameter by its module value), the eval loss, the
+step counters, the LR and (fp16) the loss scaler's state with the truth, then runs one more
 `train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
 checks one more save against the same truth in the same launch, in an engine of its own built the
 same way, since the launch is what costs; only fp32 saves share one, as reshard_proof's judge_together
@@ -33,14 +36,29 @@ MICRO_BATCH, SEQ, GRAD_ACCUM = 2, 5, 2
 HANG_SECONDS = 400
 
 
-def layer_specs():
+FROZEN = "1.weight"  # the parameter --frozen freezes (layer 1's weight)
+
+
+class FrozenWeightLinear(torch.nn.Linear):
+    """A Linear whose weight is frozen (`requires_grad=False`) from construction on (--frozen build):
+    DeepSpeed's `parameters` partition then counts only its bias (runtime/pipe/module.py
+    `_count_layer_params` builds each layer and counts its trainable parameters). Frozen after the
+    PipelineModule is built (--frozen later), the weight was counted. Either way ZeRO-1 leaves it
+    out of its flat groups, and only the layer file holds it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight.requires_grad_(False)
+
+
+def layer_specs(frozen: str | None = None):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     def head(embedding, hidden):  # the tied weight again, as the output projection
         return hidden @ embedding.weight.t()
 
     return [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM),
-            LayerSpec(torch.nn.Linear, DIM, HIDDEN),
+            LayerSpec(FrozenWeightLinear if frozen == "build" else torch.nn.Linear, DIM, HIDDEN),
             torch.nn.GELU(),
             LayerSpec(torch.nn.Linear, HIDDEN, DIM),
             LayerSpec(torch.nn.LayerNorm, DIM),
@@ -61,6 +79,9 @@ def config(precision: str, dp: int, universal: bool = False) -> dict:
            "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":  # dynamic loss scaling; a short window so that the scale and its counters move
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,
+                       "hysteresis": 2, "min_loss_scale": 1}
     if universal:  # DeepSpeed's own path, the second oracle: ds_to_universal's output
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -72,30 +93,55 @@ def batch(seed: int):
     return ids, torch.roll(ids, 1, dims=1)
 
 
-def build_engine(pp: int, precision: str, seed: int, universal: bool = False):
+def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.pipe import PipelineModule
+    if precision == "fp16":  # the CPU accelerator refuses fp16, which torch computes on CPU (DESIGN.md 4)
+        get_accelerator().is_fp16_supported = lambda: True
     deepspeed.init_distributed(dist_backend="gloo")
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(seed)
-    module = PipelineModule(layers=layer_specs(), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
+    module = PipelineModule(layers=layer_specs(frozen), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
                             base_seed=seed)
+    if frozen == "later":  # after the partition was made, as a fine-tuning script freezing part of a model does
+        for name, param in module.named_parameters():
+            if name == FROZEN:
+                param.requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
                                            config=config(precision, world // pp, universal))
     return engine
 
 
 def stage_truth(engine) -> dict:
+    """Per parameter of this rank's stage: its fp32 master and Adam moments, or, for a frozen one
+    (which no optimizer holds), its module value."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     engine.optimizer._hp_optimizer_states_linked = False
     engine.optimizer._lazy_init_hp_params_optimizer_state()
     tensors = {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            tensors[name] = {"frozen": param.detach().clone()}
+            continue
         tensors[name] = {"fp32": safe_get_full_fp32_param(param).clone(),
                          "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
                          "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone()}
     return tensors
+
+
+def counters(engine) -> dict:
+    """The step counters and, under fp16, the dynamic loss scaler's state (DynamicLossScaler's
+    attributes: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis, ...)."""
+    state = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+             "skipped_steps": engine.skipped_steps, "lr": engine.optimizer.param_groups[0]["lr"]}
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if engine.fp16_enabled():
+        state["loss_scaler"] = {key: value for key, value in sorted(vars(scaler).items())
+                                if isinstance(value, (bool, int, float, str))}
+        state["dynamic_loss_scale"] = engine.optimizer.dynamic_loss_scale
+    return state
 
 
 def eval_loss(engine) -> float:
@@ -104,7 +150,7 @@ def eval_loss(engine) -> float:
 
 
 def train(args) -> None:
-    engine = build_engine(args.pp, args.precision, seed=1)
+    engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen)
     rank = int(os.environ["RANK"])
     steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
                   for step in range(args.steps) for i in range(GRAD_ACCUM)])
@@ -112,8 +158,7 @@ def train(args) -> None:
         engine.train_batch(data_iter=steps)
     # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
     engine.save_checkpoint(args.save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
-    truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "global_steps": engine.global_steps,
-             "lr": engine.optimizer.param_groups[0]["lr"]}
+    truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "counters": counters(engine)}
     os.makedirs(args.truth, exist_ok=True)
     torch.save(truth, os.path.join(args.truth, f"rank{rank}.pt"))
     torch.distributed.barrier()
@@ -128,7 +173,7 @@ def check(args) -> None:
 
 
 def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
-    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal)
+    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal, frozen=args.frozen)
     rank = int(os.environ["RANK"])
     if in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
         import reshard.deepspeed
@@ -155,10 +200,10 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     loss = eval_loss(engine)
     if loss != truths[0]["loss"]:
         problems.append(f"eval loss {loss} != {truths[0]['loss']}")
-    if engine.global_steps != truths[0]["global_steps"]:
-        problems.append(f"global_steps {engine.global_steps} != {truths[0]['global_steps']}")
-    if engine.optimizer.param_groups[0]["lr"] != truths[0]["lr"]:
-        problems.append(f"lr {engine.optimizer.param_groups[0]['lr']} != {truths[0]['lr']}")
+    loaded = counters(engine)
+    for key, want in truths[0]["counters"].items():
+        if loaded.get(key) != want:
+            problems.append(f"{key} {loaded.get(key)} != {want}")
     if (client or {}).get("note") != "pipeline":
         problems.append(f"client_state note lost: {client and client.get('note')}")
     engine.train_batch(data_iter=iter([batch(9000 + i) for i in range(GRAD_ACCUM)]))
@@ -176,7 +221,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["train", "check"])
     parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    parser.add_argument("--frozen", choices=["build", "later"],
+                        help="layer 1's weight frozen in its constructor (FrozenWeightLinear) or after the build")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--truth", required=True)

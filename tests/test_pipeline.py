@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import pipeline_target, stages_written_by
@@ -50,8 +50,15 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
+def harness_flags(variant: str) -> list[str]:
+    """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
+    the model whose layer 1 weight is frozen after the PipelineModule was built."""
+    precision, _, model = variant.partition("-")
+    return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else [])]
+
+
 class PipelineRuns:
-    """(precision, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py."""
+    """(variant, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py."""
 
     def __init__(self, root: Path):
         self.root, self.cache = root, {}
@@ -62,7 +69,7 @@ class PipelineRuns:
         if key not in self.cache:
             base = self.root / f"{precision}-pp{pp}-dp{dp}"
             truth = base / "truth"
-            run_torchrun(HARNESS, pp * dp, ["train", "--pp", pp, "--precision", precision,
+            run_torchrun(HARNESS, pp * dp, ["train", "--pp", pp, *harness_flags(precision),
                                                  "--save", base / "ckpt", "--truth", truth],
                          expect_files=[truth / f"rank{r}.pt" for r in range(pp * dp)], timeout=500)
             self.cache[key] = (base / "ckpt", truth)
@@ -71,7 +78,7 @@ class PipelineRuns:
 
 def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -> dict:
     from reshard_proof.launch import run_torchrun
-    run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, "--precision", precision, "--load", load_dir,
+    run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, *harness_flags(precision), "--load", load_dir,
                                          "--truth", truth, "--verdict", verdict],
                  expect_files=[verdict], timeout=500)
     return json.loads(verdict.read_text())
@@ -87,6 +94,18 @@ CASES = [
     ("bf16", (2, 2), (2, 1), 3),   # dp down; W differs from both
     ("fp32", (2, 1), (1, 2), 1),   # pp down, dp up
     ("bf16", (2, 2), (3, 1), 2),   # pp up, dp down
+    # fp16 (ZeRO-1 with dynamic loss scaling): the verdict also compares the loss scaler's state
+    # (cur_scale moved from 2**8 to 2**9 in training) and skipped_steps with the source engine's
+    ("fp16", (2, 2), (2, 1), 2),   # dp down
+    ("fp16", (2, 2), (1, 1), 1),   # pp and dp down
+    # layer 1's weight frozen (requires_grad=False) after the PipelineModule was built: ZeRO-1 leaves
+    # it out of the optimizer files and `param_shapes`, only its layer file holds it, yet DeepSpeed's
+    # `parameters` partition had counted it. Weighing only what the optimizer holds gives [0, 4, 7]
+    # at pp 2 (the source is [0, 3, 7]) and [0, 3, 4, 6, 7] at pp 4 (DeepSpeed: [0, 1, 3, 5, 7]), so
+    # the job must find the weighting that reproduces the source. The verdict compares the frozen
+    # weight's module value with the source's.
+    ("fp32-frozen", (2, 2), (2, 1), 1),   # dp down
+    ("fp32-frozen", (2, 2), (4, 1), 2),   # pp up, dp down
 ]
 # Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
 # pipeline_run.py --also): two engines, one start-up.
@@ -114,7 +133,7 @@ def pp1_dp2_checks(pipeline_runs, tmp_path_factory):
     out = root / "out"
     found = {"result": reshard_case(save_dir, out, *SHARED_WITH_IN_JOB), "out": out}
     plain, in_job = root / "plain.json", root / "in-job.json"
-    base = ["check", "--pp", target[0], "--precision", precision, "--truth", truth]
+    base = ["check", "--pp", target[0], *harness_flags(precision), "--truth", truth]
     try:
         run_torchrun(HARNESS, target[0] * target[1], [*base, "--load", out, "--verdict", plain,
                                                        "--also", save_dir, in_job, "in-job"],
@@ -319,3 +338,98 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
         check_budget(merged, source, one_stage, 2)
+
+
+def _rewrite(path: Path, change) -> None:
+    """Apply `change` to a DeepSpeed file's tree and save it beside, then over it (the loaded tree
+    maps the file, so writing in place would pull pages from under it)."""
+    import torch
+
+    from reshard.formats import deepspeed_classes
+    from reshard.formats.deepspeed_pipeline import load_whole
+    tree = load_whole(str(path))
+    change(tree)
+    torch.save(tree, f"{path}.new", pickle_module=deepspeed_classes)
+    os.replace(f"{path}.new", path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", [(2, 2), (1, 2)], ids=["dp-change", "pp-change"])
+def test_verify_against_passes_a_pipeline_output_and_names_what_was_corrupted(pipeline_runs, tmp_path, target):
+    # the shared (2,1) fp32 session save, resharded in threads: every master and moment joined by the
+    # target's own layout and compared by name with the source's, then one element of one moment, a
+    # counter, and one byte of a layer file changed in turn, each reported naming its file
+    import shutil
+
+    from threaded_transport import run_workers
+
+    from reshard.verify import verify_against
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    out = tmp_path / "out"
+    reshard_case(save_dir, out, "fp32", (2, 1), target, 2)
+
+    def verify(destination, workers=2):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+
+    clean = verify(out, workers=3)
+    assert clean.ok, clean.summary()
+    assert clean.checked_elements >= 3 * (888 + 984 + 41 + 984 + 24 * 4 + 576)  # fp32 + two moments, each
+    tag = "step3"
+    moment = out.parent / "moment"
+    shutil.copytree(out, moment)
+    optim = moment / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    def bump_one_exp_avg(tree):  # dp rank 1's first element: inside a parameter, not padding
+        tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1.0
+    _rewrite(optim, bump_one_exp_avg)
+    found = verify(moment)
+    assert not found.ok
+    assert any(p.startswith(f"{optim}: ") and "exp_avg: 1 of" in p for p in found.problems), found.summary()
+
+    counter = out.parent / "counter"
+    shutil.copytree(out, counter)
+    model = counter / tag / "mp_rank_00_model_states.pt"
+    _rewrite(model, lambda tree: tree.update(global_steps=tree["global_steps"] + 1))
+    found = verify(counter)
+    assert [p for p in found.problems if "['global_steps']" in p and str(model) in p], found.summary()
+
+    layer = out.parent / "layer"
+    shutil.copytree(out, layer)
+    path = layer / tag / "layer_03-model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 1
+    path.write_bytes(bytes(data))
+    from trained import reshard_in_process
+    run = reshard_in_process("verify", layer, "--against", save_dir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{path}: content differs from" in run.stdout
+
+
+def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did():
+    # tests/pipeline_run.py's model with layer 1's weight (984 elements) frozen: in its constructor,
+    # DeepSpeed's `parameters` partition gives [0, 4, 7]; frozen after the build, it had counted the
+    # weight and gives [0, 3, 7]. Neither the optimizer files nor param_shapes list the weight.
+    from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source, source_numels
+    from reshard.layouts.pipeline import PipelineLayers, assign_stages
+    layers, frozen = PipelineLayers(7, {"embed": (0, 6)}), {"1.weight": 984}
+    trainable = {"tied_modules.embed.weight": 888, "1.bias": 41, "3.weight": 984, "3.bias": 24, "4.weight": 24,
+                 "4.bias": 24, "5.weight": 576, "5.bias": 24}
+
+    def source_with(bounds):
+        names = [assign_stages(",".join(map(str, bounds)), layers, trainable, 2).names[s] for s in range(2)]
+        stages = tuple(PipelineStage(s, (tuple(names[s]),), (tuple(trainable[n] for n in names[s]),)) for s in range(2))
+        return PipelineSource("/ckpt", "t", 2, 1, False, False, stages, (), ())
+
+    built_frozen, frozen_later = source_with([0, 4, 7]), source_with([0, 3, 7])
+    assert check_layers_reproduce_source(built_frozen, layers, "parameters", frozen) == [{}]
+    assert check_layers_reproduce_source(frozen_later, layers, "parameters", frozen) == [frozen]
+    numels = source_numels(frozen_later)
+    assert list(assign_stages("parameters", layers, numels, 4, frozen).bounds) == [0, 1, 3, 5, 7]  # DeepSpeed's
+    assert list(assign_stages("parameters", layers, numels, 4).bounds) == [0, 3, 4, 6, 7]
+    assert "1.weight" not in {n for names in assign_stages("parameters", layers, numels, 4, frozen).names
+                              for n in names}
+    with pytest.raises(CheckpointError, match=r"also with the frozen parameters \['1.weight'\] counted"):
+        check_layers_reproduce_source(frozen_later, PipelineLayers(7, {"embed": (0, 5)}), "parameters", frozen)
+    # reproduced only by `uniform` (the caller's method fails under both weightings), the weighting is
+    # unknown: the job refuses where the two give other target stages (pipeline_job.pipeline_target)
+    assert check_layers_reproduce_source(built_frozen, layers, "uniform", frozen) == [{}, frozen]

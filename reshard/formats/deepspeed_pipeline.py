@@ -174,7 +174,11 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         if model.get("module") is not None:
             raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
         if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
-            raise UnsupportedCheckpoint(model_path, "records frozen parameters; not supported for pipelines yet")
+            # engine.py `_save_checkpoint` writes them only when gradients are partitioned (ZeRO-2/3, which
+            # the pipeline engine refuses); under ZeRO-1 frozen parameters live in the layer files alone
+            raise UnsupportedCheckpoint(model_path, "records frozen_param_shapes / frozen_param_fragments, which a "
+                                                    "ZeRO-1 pipeline save does not (its frozen parameters are in the "
+                                                    "layer files); not supported")
         stage_dp = model.get("dp_world_size")
         dp = stage_dp if dp is None else dp
         if stage_dp != dp:
@@ -266,9 +270,9 @@ def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
     return out
 
 
-def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
-    """The stage's source files (rank 0's, as a template), and per group its fp32 master flat and
-    its per-element optimizer states' flats, each without tail padding."""
+def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False):
+    """The stage's optimizer files (one per dp rank, memory-mapped), and per group its fp32 master
+    flat and its per-element optimizer states' flats, each without tail padding."""
     spec = source.stages[stage]
     paths = [source.optim_path(stage, rank) for rank in range(source.dp)]
     files = [load_whole(path, trust_pickle) for path in paths]
@@ -281,7 +285,26 @@ def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
         keys = [key for key, value in states[0].items()
                 if hasattr(value, "numel") and value.dim() == 1 and value.numel() == old[g].partition_numel]
         moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys})
+    return files, masters, moments
+
+
+def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
+    """read_stage, with rank 0's file alone (the template of the files written from it)."""
+    files, masters, moments = read_stage(source, stage, trust_pickle)
     return files[0], masters, moments
+
+
+def states_by_name(spec: PipelineStage, masters: list, moments: list[dict]) -> dict[str, dict]:
+    """{name: {"fp32": flat, <state>: flat}} of one stage, every group, from read_stage's flats."""
+    found = {}
+    for group, (names, numels) in enumerate(zip(spec.names, spec.numels)):
+        offset = 0
+        for name, numel in zip(names, numels):
+            states = {"fp32": masters[group][offset:offset + numel]}
+            states.update({key: flat[offset:offset + numel] for key, flat in moments[group].items()})
+            found[name] = states
+            offset += numel
+    return found
 
 
 def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
@@ -350,11 +373,7 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
                                               "of pipeline stages supports one")
         file, masters, moments = _stage_flats(source, stage, trust_pickle)
         template = template or file
-        offset = 0
-        for name, numel in zip(spec.names[0], spec.numels[0]):
-            states = {"fp32": masters[0][offset:offset + numel]}
-            states.update({key: flat[offset:offset + numel] for key, flat in moments[0].items()})
-            offset += numel
+        for name, states in states_by_name(spec, masters, moments).items():
             if name in found:
                 if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
                                                                    for k, v in states.items()):
@@ -384,38 +403,73 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     return int(3 * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
 
 
-def check_layers_reproduce_source(source: PipelineSource, layers, method: str) -> None:
+def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
+    """Every frozen parameter's element count by its stage name (`<layer>.<param>`, or
+    `tied_modules.<key>.<param>` for a tied layer of `layers`): under ZeRO-1 DeepSpeed records frozen
+    parameters nowhere but in their layer files (engine.py saves `frozen_param_shapes` only when
+    gradients are partitioned), so they are what a layer file holds besides the trainable
+    parameters and the buffers. The layer files are mapped, not read."""
+    trainable = source_numels(source)
+    buffers = {name for spec in source.stages for name in spec.buffer_names}
+    frozen = {}
+    for file in source.layer_files:
+        index = int(LAYER_RE.match(file)[1])
+        key = layers.tied_key(index)
+        prefix = f"tied_modules.{key}." if key is not None else f"{index}."
+        state = load_whole(os.path.join(source.tag_dir, file))
+        if not isinstance(state, dict):
+            raise CheckpointError(os.path.join(source.tag_dir, file), "does not hold a layer's state_dict")
+        for name, value in state.items():
+            full = prefix + str(name)
+            if full not in trainable and full not in buffers and hasattr(value, "numel"):
+                frozen[full] = int(value.numel())
+    return frozen
+
+
+def check_layers_reproduce_source(source: PipelineSource, layers, method: str,
+                                  frozen: dict[str, int] | None = None) -> list[dict[str, int]]:
     """The caller's layer list, partitioned at the source's pp by `method` (or, failing that, by
     `parameters` or `uniform`), must give every source stage exactly the parameters (and order)
-    its files hold."""
+    its files hold. Returns the weightings under which it does: {} (the frozen parameters weighed
+    nothing: frozen in their layer's constructor) and/or `frozen` (frozen after the PipelineModule
+    was built, so that `_count_layer_params` counted them)."""
     numels = source_numels(source)
     # The target's method may be explicit boundaries, or differ from the one the source was saved
-    # with: the layer list passes if any DeepSpeed method reproduces every source stage.
-    methods = list(dict.fromkeys(m for m in (method, "parameters", "uniform") if m in ("parameters", "uniform")))
-    mismatch = None
-    for tried in methods:
-        assignment = assign_stages(tried, layers, numels, source.pp)
-        bounds = list(assignment.bounds)
-        for stage, spec in enumerate(source.stages):
-            expected = list(assignment.names[stage])
-            if tuple(expected) != spec.names[0]:
-                mismatch = mismatch or (stage, spec, tried, bounds, expected)
-                break
-        else:
-            mismatch = None
+    # with: the layer list passes if any DeepSpeed method reproduces every source stage. The
+    # caller's own method is tried first, alone, so that a weighting is only taken on another
+    # method's word when the caller's reproduces the source under none.
+    own = [method] if method in ("parameters", "uniform") else []
+    mismatch, reproducing = None, []
+    for methods in (own, [m for m in ("parameters", "uniform") if m not in own]):
+        for counted in [{}] + ([dict(frozen)] if frozen else []):
+            for tried in methods:
+                assignment = assign_stages(tried, layers, numels, source.pp, counted)
+                bounds = list(assignment.bounds)
+                for stage, spec in enumerate(source.stages):
+                    expected = list(assignment.names[stage])
+                    if tuple(expected) != spec.names[0]:
+                        mismatch = mismatch or (stage, spec, tried, bounds, expected)
+                        break
+                else:
+                    reproducing.append(counted)
+                    break
+        if reproducing:
             break
-    if mismatch:
+    if not reproducing:
         stage, spec, tried, bounds, expected = mismatch
+        counted_too = (f" (also with the frozen parameters {sorted(frozen)} counted, as when they are frozen after "
+                       "the PipelineModule is built)") if frozen else ""
         raise CheckpointError(source.model_path(stage),
                               f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
                               f"partitioned by {tried!r} into {source.pp} stages (bounds {bounds}) give "
-                              f"{expected}: the layer count or tied positions differ from the model's (or the source "
-                              "was partitioned by type: or by hand, which reshard cannot reproduce)")
+                              f"{expected}{counted_too}: the layer count or tied positions differ from the model's "
+                              "(or the source was partitioned by type: or by hand, which reshard cannot reproduce)")
     for stage, spec in enumerate(source.stages):
         if spec.buffer_names or spec.shared_params:
             raise UnsupportedCheckpoint(source.model_path(stage), "lists buffers or shared parameters; changing "
                                                                   "the number of pipeline stages does not support "
                                                                   "them yet")
+    return reproducing
 
 
 def source_numels(source: PipelineSource) -> dict[str, int]:

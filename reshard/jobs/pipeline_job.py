@@ -27,6 +27,7 @@ from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     check_layers_reproduce_source,
+    frozen_numels,
     inspect_pipeline,
     joined_state_bytes,
     named_states,
@@ -98,12 +99,21 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     if topology.pp == source.pp:
         return PipelineTarget(topology, None)
     layers = pipeline_layers(opts, model)
-    check_layers_reproduce_source(source, layers, opts.pipeline_partition)
+    frozen = frozen_numels(source, layers)
+    weightings = check_layers_reproduce_source(source, layers, opts.pipeline_partition, frozen)
     try:
-        return PipelineTarget(topology, assign_stages(opts.pipeline_partition, layers, source_numels(source),
-                                                      topology.pp))
+        assignments = {assign_stages(opts.pipeline_partition, layers, source_numels(source), topology.pp, counted)
+                       for counted in weightings}
     except ValueError as error:
         raise OptionError(f"{model}: {error}") from None
+    if len(assignments) > 1:  # whether the frozen parameters weighed in DeepSpeed's partition decides the target's
+        bounds = sorted(list(a.bounds) for a in assignments)
+        raise UnsupportedCheckpoint(model, f"has frozen parameters {sorted(frozen)}; the source's stages are "
+                                           "reproduced whether they were frozen in their layer's constructor or "
+                                           "after the PipelineModule was built, and at --target-pp "
+                                           f"{topology.pp} these give different stages (bounds {bounds[0]} or "
+                                           f"{bounds[1]}): give the target's boundaries with --pipeline-partition")
+    return PipelineTarget(topology, assignments.pop())
 
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:

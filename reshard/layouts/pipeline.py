@@ -136,10 +136,15 @@ class StageAssignment:
     """Per stage, its parameter names in the optimizer's flat order."""
 
 
-def assign_stages(method: str, layers: PipelineLayers, numels: Mapping[str, int], stages: int) -> StageAssignment:
+def assign_stages(method: str, layers: PipelineLayers, numels: Mapping[str, int], stages: int,
+                  counted: Mapping[str, int] | None = None) -> StageAssignment:
     """`stage_bounds`, then every stage's names from one pass over the parameter names (a
-    100k-parameter, 96-stage model in well under a second; ValueError as stage_bounds)."""
-    bounds = stage_bounds(method, layers, numels, stages)
+    100k-parameter, 96-stage model in well under a second; ValueError as stage_bounds).
+
+    `numels`: the parameters the optimizer holds, which the stages list. `counted`: parameters
+    frozen after the PipelineModule was built, which `_count_layer_params` (run in its constructor)
+    still counted as trainable: they weigh in the `parameters` partition but no stage lists them."""
+    bounds = stage_bounds(method, layers, {**numels, **(counted or {})}, stages)
     owners = _names_by_owner(list(numels))
     return StageAssignment(method, tuple(bounds),
                            tuple(tuple(_stage_names(layers, bounds, s, owners)) for s in range(stages)))
