@@ -28,7 +28,8 @@ Call order, and which workers run each step:
    `journal(rounds_done)` after each durable stretch;
 3. `publish(transport, hashes, place)`: every worker's hashes are gathered; the leader runs
    `place(all_hashes)` (manifest, journal removed, tag directory into place, `latest` last:
-   `publish_tag_dir`, or an export's own placing); all agree. An array task has no peers to
+   `publish_tag_dir`; an export completes its staging, then places it with `publish_tag_dir` or
+   `publish_files`); all agree. An array task has no peers to
    agree with: after its share, `publish_sets` places, under DST's lock, every set whose files are
    all done, then `latest`;
 4. `run` wraps 2-3: on failure the leader keeps the staging for a resume once rounds began (an
