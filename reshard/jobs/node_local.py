@@ -419,8 +419,8 @@ class NodeLocal:
             target = checkpoint_target(opts, source)
             return source, (target, preflight(opts, source, target.topology, [], ranks=seen))
 
-        source, (target, notes), site = prepare_unit(transport, unit, self.views, opts.target_dp, opts.target_ranks_per_node,
-                                           inspect)
+        source, (target, notes), site = prepare_unit(transport, unit, self.views, opts.target_dp,
+                                                     opts.target_ranks_per_node, inspect)
         failure = None
         try:
             source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank),
