@@ -61,6 +61,31 @@ def test_a_target_node_without_workers_is_refused():
         node_local_ownership([[optim(0)]], seen, [0], 4, 2, "/ckpt/tag")
 
 
+def test_the_model_states_file_goes_where_the_placement_says(tmp_path):
+    """Node-local storage writes the ZeRO-1/2 model-states file on local rank 0 of every node: the
+    placement (with_model_states_on) moves it from DeepSpeed's dp rank 0 to those ranks, with the
+    tree rank 0's would have; the target-file builders (formats/) are not asked."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from synthetic_checkpoint import MODELS, write_checkpoint
+
+    from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag
+    from reshard.formats.deepspeed_target import target_files
+    from reshard.jobs.node_local import with_model_states_on
+    from reshard.topology import Topology
+
+    write_checkpoint(str(tmp_path), MODELS["tiny"], 2, 2)
+    source = inspect_checkpoint(str(tmp_path), resolve_tag(str(tmp_path), None))
+    target, model = Topology(dp=6), "mp_rank_00_model_states.pt"
+    placed = with_model_states_on(target_files, model_states_ranks(6, 3))
+    names = {rank: [f.name for f in placed(source, target, rank)] for rank in range(6)}
+    assert names == {rank: [optim(rank)] + ([model] if rank in (0, 3) else []) for rank in range(6)}
+    own = {rank: {f.name: f for f in target_files(source, target, rank)} for rank in range(6)}
+    assert [model in own[rank] for rank in range(6)] == [True] + [False] * 5  # DeepSpeed's own: dp rank 0 only
+    assert placed(source, target, 3)[1] == own[0][model]
+    assert [f.name for f in with_model_states_on(target_files, {1})(source, target, 0)] == [optim(0)]
+
+
 def test_tag_model_writers_and_leaders():
     views = [WorkerView(0, "global_step3"), WorkerView(1, None)]
     assert agreed_tag(views, None, "/ckpt") == "global_step3"

@@ -14,7 +14,8 @@ import pytest
 from reshard.errors import OptionError
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag
 from reshard.jobs.options import ReshardOptions
-from reshard.jobs.preflight import preflight, target_topology
+from reshard.formats.stage_change import SameStage, StageChange
+from reshard.jobs.preflight import CheckpointTarget, checkpoint_target, preflight, target_topology
 from reshard.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,3 +38,21 @@ def test_preflight_checks_the_one_target_it_is_given(tmp_path):
                                           r"AutoTP tensor-parallel metadata"):
         preflight(opts, source, target, [])
     assert preflight(opts, source, Topology(dp=3), []) == []  # the value given is the one checked
+
+
+def test_the_collective_target_is_one_value_of_topology_and_zero_stage(tmp_path):
+    """checkpoint_target: the topology and the ZeRO stage form together, worked out once on the
+    inspecting worker (the job receives it with the source); refused as target_topology refuses."""
+    source_dir = tmp_path / "src"
+    write_checkpoint(str(source_dir), MODELS["tiny"], 2, 2)  # ZeRO-2, 2 ranks
+    source = inspect_checkpoint(str(source_dir), resolve_tag(str(source_dir), None))
+
+    def target(**options):
+        return checkpoint_target(ReshardOptions(source=str(source_dir), destination=str(tmp_path / "dst"),
+                                                target_dp=3, **options).validate(), source)
+
+    assert target() == CheckpointTarget(Topology(dp=3), SameStage(2))
+    assert target(target_stage=2) == CheckpointTarget(Topology(dp=3), SameStage(2))
+    assert target(target_stage=3) == CheckpointTarget(Topology(dp=3), StageChange(3))
+    with pytest.raises(OptionError, match="has no experts, so the target ep must be 1"):
+        target(target_ep=3)  # the topology's own refusal, as target_topology gives it

@@ -15,8 +15,9 @@ Steps, and which workers run them (the same skeleton as a reshard job, `reshard.
 3. each worker writes the headers of its files, runs the rounds, then copies the tensors
    stored whole in the model-states file (buffers, ZeRO-1/2 frozen parameters) in chunks;
 4. worker 0 writes `model.safetensors.index.json` and publishes: the files are written in
-   OUT/.reshard-staging/TAG (`reshard.export.runner`: lock, journal, resume) and moved into OUT
-   with the index last, so a directory with the index is complete.
+   OUT/.reshard-staging/TAG (the lifecycle through `reshard.export.runner`: OUT checked, lock,
+   journal, resume) and moved into OUT with the index last (reshard.jobs.lifecycle.publish_files),
+   so a directory with the index is complete.
 
 Output is byte-identical whatever the number of workers and the budget.
 """
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from reshard.transport.collective import on_rank0
-from reshard.jobs.destination import STAGING, Staging, check_empty, check_paths
+from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import OptionError
 from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
@@ -37,7 +38,7 @@ from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -126,8 +127,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     started = time.perf_counter()
 
     def inspect():
-        check_paths(source_dir, destination)
-        check_empty(destination, {STAGING, LOCK_NAME}, overwrite)
+        check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the safetensors export")
         return source
@@ -150,14 +150,11 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     def publish(staging: Staging):
         # the shards are in staging; the model's other files (config, tokenizer) and the index
         # (which makes the directory a model) are written there too, then every file moves into
-        # OUT, the index last
-        index = os.path.join(destination, INDEX_NAME)
-        if os.path.lexists(index):
-            os.unlink(index)  # --overwrite: the old index must not vouch for a mix of old and new shards
+        # OUT, the index last (an old index in OUT removed first)
         copy_model_files(source.save_dir, staging.tag_dir, model_files)
         copy_model_files(source.save_dir, destination, ())  # removes an earlier export's model files from OUT
         _write_index(staging.tag_dir, layout)
-        staging.publish_files(last=INDEX_NAME)
+        publish_files(staging, last=INDEX_NAME)
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,

@@ -38,7 +38,7 @@ import torch
 
 from reshard.files.byte_io import pwrite_exact
 from reshard.transport.collective import on_rank0
-from reshard.jobs.destination import STAGING, Staging, check_empty, check_paths
+from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
 from reshard.export.runner import ExportOutput, run_export
@@ -48,7 +48,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
-from reshard.jobs.lock import LOCK_NAME
+from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
 from reshard.files.paths import confined, tag_problem
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
@@ -272,8 +272,7 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_
     started = time.perf_counter()
 
     def inspect():
-        check_paths(source_dir, destination)
-        check_empty(destination, {STAGING, LOCK_NAME}, overwrite)
+        check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the universal export")
         check_universal_names(source)
@@ -286,10 +285,10 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_
                           durable_every)
 
     def publish(staging: Staging):
-        # the parameters' files are in staging/zero; the rest, then the tag directory into place by
-        # one rename, then latest_universal (replaced atomically) names it
+        # the parameters' files are in staging/zero; the rest, then the lifecycle's publish: the
+        # tag directory into place by one rename, then latest_universal (replaced atomically) names it
         write_universal_metadata(source, staging.tag_dir, trust_pickle)
-        staging.publish(source.tag, latest_name=LATEST_UNIVERSAL)
+        publish_tag_dir(staging, None, source.tag, scripts_from=None, latest_name=LATEST_UNIVERSAL)
 
     def open_writer(owned, staged, reuse_existing):
         zero_dir = os.path.join(staged, "zero")

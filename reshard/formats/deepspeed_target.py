@@ -51,11 +51,10 @@ class TargetFile:
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
-def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
-                 ) -> list[TargetFile]:
-    """The files rank `rank` of the `target` topology owns (rank 0 also owns the ZeRO-1/2 model file;
-    `model_states` says otherwise: node-local storage writes it on local rank 0 of every node), at
-    the source's ZeRO stage (another stage: reshard.formats.stage_change.StageChange.files)."""
+def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+    """The files rank `rank` of the `target` topology owns as DeepSpeed saves them (dp rank 0 of each
+    TP rank also owns the ZeRO-1/2 model-states file), at the source's ZeRO stage (another stage:
+    reshard.formats.stage_change.StageChange.files)."""
     spec = source.spec
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp)
@@ -70,16 +69,32 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int, *, model
         if spec.tensor is not None and spec.experts is not None:
             _set_model_folding(tree, target, rank)
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
-    elif at.dp == 0 if model_states is None else model_states:
-        tree = zero12_model_tree(source, layout)
-        if spec.tensor is not None:
-            _reslice_tensor_parallel_model(tree, spec, target, at.tp)
-        if spec.tensor is not None and spec.experts is not None:
-            _set_model_folding(tree, target, target.rank_of(0, at.tp))
-        files.append(TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0)))
+    elif at.dp == 0:
+        files.append(_zero12_model_file(source, target, rank, layout))
     for file in files:
         retarget_parallel_sizes(file.tree, spec.topology, target)
     return files
+
+
+def zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int) -> TargetFile:
+    """The ZeRO-1/2 model-states file of rank `rank`'s TP rank, written by `rank` (DeepSpeed's own
+    save writes it from dp rank 0 only, `target_files`; a job that places it elsewhere asks here)."""
+    spec = source.spec
+    at = target.coordinates(rank)
+    file = _zero12_model_file(source, target, rank, spec.layout(target, target.tp, at.tp))
+    retarget_parallel_sizes(file.tree, spec.topology, target)
+    return file
+
+
+def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, layout) -> TargetFile:
+    spec = source.spec
+    at = target.coordinates(rank)
+    tree = zero12_model_tree(source, layout)
+    if spec.tensor is not None:
+        _reslice_tensor_parallel_model(tree, spec, target, at.tp)
+    if spec.tensor is not None and spec.experts is not None:
+        _set_model_folding(tree, target, target.rank_of(0, at.tp))
+    return TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, source.model_name(0))
 
 
 def retarget_parallel_sizes(tree: Any, source: Topology, target: Topology) -> None:

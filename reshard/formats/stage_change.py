@@ -83,9 +83,8 @@ class SameStage:
     def notes(self, spec: CheckpointSpec) -> list[str]:
         return []
 
-    def files(self, source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
-              ) -> list[TargetFile]:
-        return target_files(source, target, rank, model_states=model_states)
+    def files(self, source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+        return target_files(source, target, rank)
 
     def source_slots(self, source: SourceCheckpoint, rank: int, found: dict) -> dict:
         return {}
@@ -110,10 +109,7 @@ class StageChange:
     def notes(self, spec: CheckpointSpec) -> list[str]:
         return [stage_change_note(spec, self.stage)]
 
-    def files(self, source: SourceCheckpoint, target: Topology, rank: int, *, model_states: bool | None = None
-              ) -> list[TargetFile]:
-        """`model_states` is not asked: a stage change writes DeepSpeed's own choice (node-local
-        outputs do not combine with it, reshard.jobs.options)."""
+    def files(self, source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
         return stage_target_files(source, target, rank, self.stage)
 
     def source_slots(self, source: SourceCheckpoint, rank: int, found: dict) -> dict:

@@ -81,17 +81,15 @@ class TargetWriter:
     @classmethod
     def create(cls, source: SourceCheckpoint, tag_dir: str, target: Topology, ranks, *,
                reuse_existing: bool = False, only: set[str] | None = None,
-               model_states_ranks: set[int] | None = None, files_of: Callable[..., list] = target_files
-               ) -> "TargetWriter":
-        """The files of target `ranks` (only those named in `only`, when given: an array task's share;
-        `model_states_ranks`: the ranks that write the ZeRO-1/2 model-states file, when not rank 0).
-        `files_of(source, target, rank, model_states=...)` says what they are: the source's ZeRO stage
-        by default, another's through reshard.formats.stage_change.StageChange.files."""
+               files_of: Callable[..., list] = target_files) -> "TargetWriter":
+        """The files of target `ranks` (only those named in `only`, when given: an array task's share).
+        `files_of(source, target, rank)` says what they are: DeepSpeed's at the source's ZeRO stage
+        by default; the job's own choice otherwise (another stage, reshard.formats.stage_change;
+        the model-states file placed elsewhere, reshard.jobs.node_local)."""
         writer = cls()
         try:
             for rank in ranks:
-                model_states = None if model_states_ranks is None else rank in model_states_ranks
-                for file in files_of(source, target, rank, model_states=model_states):
+                for file in files_of(source, target, rank):
                     if only is not None and file.name not in only:
                         continue
                     writer._open_file(source, os.path.join(tag_dir, file.name), file, rank, reuse_existing)

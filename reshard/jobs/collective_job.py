@@ -66,16 +66,17 @@ from reshard.jobs.options import ReshardOptions
 from reshard.planning.plan import Ownership, ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
+    CheckpointTarget,
+    checkpoint_target,
     outputs_of,
     preflight,
-    target_topology,
 )
 from reshard.files.resources import PeakAnonymousMemory, ensure_open_files, files_per_worker, peak_resident_bytes
 from reshard.jobs.preflight import output_bytes
 from reshard.jobs.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
-from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
+from reshard.formats.stage_change import ZeroStageTarget
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
@@ -140,14 +141,15 @@ class Site(Protocol):
     """The workers whose files make up the leader's output (None: every worker)."""
     ownership: Ownership | None
     """Who reads each source rank and writes each target rank (None: the planner's own)."""
-    model_states_ranks: set[int] | None
-    """Target ranks that write the ZeRO-1/2 model-states file (None: dp rank 0)."""
     placement: dict | None
     """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
 
     def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start: ...
+    def files_of(self, zero: ZeroStageTarget) -> Callable[[SourceCheckpoint, Topology, int], list]:
+        """What a target rank this worker owns writes (reshard.formats.target_writer.TargetWriter's
+        `files_of`): the stage form's files, where this output places them."""
     def copy_share(self, source: SourceCheckpoint, start: Start, staging: Staging, transport: Transport) -> dict:
         """This worker's share of the files that travel whole, copied into staging: {name: manifest entry}."""
     def leader_copies(self, source: SourceCheckpoint) -> tuple[str, ...]:
@@ -164,8 +166,9 @@ class Placement(Protocol):
     def whole_file_job(self, unit: Unit) -> Callable | None:
         """The job that reshards `unit` whole file by whole file instead (reshard.jobs.whole_file_job), else None."""
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
-                ) -> tuple[SourceCheckpoint, list[str], list[str], Site]:
-        """(source, carried save-directory files, notes, this worker's Site), on every worker. Collective."""
+                ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
+        """(source, target, carried save-directory files, notes, this worker's Site), on every worker:
+        the target worked out once where the source is inspected, received with it. Collective."""
 
 
 class WholeWorld:
@@ -175,7 +178,6 @@ class WholeWorld:
 
     peers = None
     ownership = None
-    model_states_ranks = None
     placement = None  # fingerprints and manifests as before node-local outputs existed
 
     def __init__(self, leader: bool):
@@ -198,18 +200,17 @@ class WholeWorld:
         return None
 
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
-                ) -> tuple[SourceCheckpoint, list[str], list[str], Site]:
+                ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
             source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
                                         read_tensors=not opts.dry_run)
-            if is_stage_change(source.spec, opts.target_stage):
-                check_stage_change(source.spec, opts.target_stage, source.tag_dir)
+            target = checkpoint_target(opts, source)
             carried = save_dir_files.list_save_dir_files(source.save_dir)
-            return source, carried, preflight(opts, source, target_topology(opts, source), carried)
+            return source, target, carried, preflight(opts, source, target.topology, carried)
 
-        source, carried, notes = on_rank0(transport, inspect)
-        return source, carried, notes, self
+        source, target, carried, notes = on_rank0(transport, inspect)
+        return source, target, carried, notes, self
 
     def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict:
         names = [n for r in range(source.spec.topology.world_size)
@@ -222,6 +223,9 @@ class WholeWorld:
 
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start:
         return life.begin(transport, describe)
+
+    def files_of(self, zero: ZeroStageTarget) -> Callable[[SourceCheckpoint, Topology, int], list]:
+        return zero.files  # as DeepSpeed saves them
 
     def copy_share(self, source: SourceCheckpoint, start: Start, staging: Staging, transport: Transport) -> dict:
         sizes = {name: start.identity[name]["bytes"] for name in source.other_files}  # worker 0's survey
@@ -244,19 +248,20 @@ def tensor_parallel_notes(spec) -> list[str]:
             for kind, names in kinds.items()]
 
 
-def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology,
-                     zero: ZeroStageTarget, plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
+def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: CheckpointTarget,
+                     plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
     """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader."""
-    target_tp = target.tp if source.spec.tensor is not None else None
-    target_ep = _moe_target_ep(source, target)
+    topology, zero = target.topology, target.zero
+    target_tp = topology.tp if source.spec.tensor is not None else None
+    target_ep = _moe_target_ep(source, topology)
     identity = site.source_identity(source, carried)
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=site.placement, target_stage=zero.changed_to, target_ep=target_ep)
-    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, target.tp,
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, topology.tp,
                          zero.stage, target_ep)
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
-                     needed_bytes=site.output_bytes(source, opts.target_dp, target),
+                     needed_bytes=site.output_bytes(source, opts.target_dp, topology),
                      earlier=outputs.get(source.tag), latest=unit.latest)
 
 
@@ -272,10 +277,9 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()
     fallbacks_before = len(torch_fallbacks)  # what this job read or wrote with torch, and why
-    source, carried, source_notes, site = placement.inspect(opts, unit, transport)
-    target = target_topology(opts, source)
+    source, checkpoint, carried, source_notes, site = placement.inspect(opts, unit, transport)
     clock.lap("inspect")
-    zero = zero_stage_target(source.spec, opts.target_stage)  # the target's ZeRO stage, this one or another
+    target, zero = checkpoint.topology, checkpoint.zero  # decided once, where the source was inspected
     plan = zero.plan(source, target, transport.size, opts.memory_budget, ownership=site.ownership)
     memory = PeakAnonymousMemory()  # after planning: the plan's tables are at their largest
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.spec.describe(),
@@ -306,7 +310,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     check_peers(transport, failure, "checking the open-file limit")
 
     life = Lifecycle(unit.destination, source.tag, leader=site.leader, overwrite=opts.overwrite, peers=site.peers)
-    start = site.begin(life, transport, lambda: _describe_output(opts, unit, source, target, zero, plan, carried, site))
+    start = site.begin(life, transport, lambda: _describe_output(opts, unit, source, checkpoint, plan, carried, site))
     clock.lap("plan")
     result.notes += start.notes
     if start.mode == "complete":
@@ -342,7 +346,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def publish(reader, writer, hashes: dict) -> tuple[int, int, int]:
         clock.lap("hash")  # waiting here for a slower peer's fsync or hash: still that phase, not publishing
         life.publish(transport, hashes,
-                     lambda all_hashes: _publish(opts, unit, source, target, zero, start, staging, all_hashes, carried,
+                     lambda all_hashes: _publish(opts, unit, source, checkpoint, start, staging, all_hashes, carried,
                                                  site))
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
@@ -354,7 +358,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
                                                                  extra_slots=zero.source_slots),
                            open_sink=lambda: TargetWriter.create(
                                source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
-                               model_states_ranks=site.model_states_ranks, files_of=zero.files),
+                               files_of=site.files_of(zero)),
                            opening="opening source files and creating target files", opened=opened,
                            finish=flush, finishing="flushing target files", after=publish,
                            start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
@@ -376,7 +380,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     return result
 
 
-def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, zero: ZeroStageTarget, start: Start,
+def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarget, start: Start,
              staging: Staging, worker_hashes: list, carried: list[str], site: Site) -> None:
     here = site.leader_copies(source)  # the whole files no worker copied in `flush`
     staging.copy_in(source.tag_dir, here, source.other_dirs)
@@ -387,13 +391,13 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: Topology, zero:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    target_entry = {"dp_world_size": opts.target_dp, "stage": zero.stage, **(site.placement or {})}
+    target_entry = {"dp_world_size": opts.target_dp, "stage": target.zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
     if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
-        target_entry["tp_world_size"] = target.tp
+        target_entry["tp_world_size"] = target.topology.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
-        target_entry["ep"] = _moe_target_ep(source, target)
+        target_entry["ep"] = _moe_target_ep(source, target.topology)
     publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
                                       reshard_version=__version__),
                     unit.latest, scripts_from=site.scripts_from(source),

@@ -32,6 +32,15 @@ from reshard.jobs.manifest import JOURNAL_NAME
 from reshard.files.paths import check_tag, confined, is_inside, open_new_file
 
 STAGING = ".reshard-staging"
+RESHARD_NAMES = frozenset({STAGING, LOCK_NAME})
+"""What reshard itself keeps in a destination while a job runs (its staging and its lock): never the
+user's, so the check that DST is empty (`check_empty`) passes over them in every kind of job."""
+DEEPSPEED_NAMES = frozenset({schema.LATEST, *schema.RECOVERY_SCRIPTS})
+"""What DeepSpeed writes into a save directory beside its tag directories (`latest`, the recovery
+scripts; engine.py `save_checkpoint`, `_copy_recovery_script`): a reshard output writes them anew."""
+SAVE_DIR_NAMES = RESHARD_NAMES | DEEPSPEED_NAMES
+"""Names in a save directory that are neither a tag directory nor the user's: a save directory's
+carried files (reshard.jobs.save_dir_files) leave them out, a whole-file job's DST may hold them."""
 ARRAY_SUFFIX = ".array"
 """DST/.reshard-staging/TAG.array: the bookkeeping of a SLURM array job (reshard.jobs.array_job) for TAG."""
 ARRAY_RECORD = "record.json"
@@ -172,7 +181,12 @@ class Staging:
         output complete, e.g. a safetensors index) after all others; then remove the staging.
 
         For outputs that are a directory of files rather than a tag directory: no single rename
-        can place them, so the marker goes last, and until it is there the output is incomplete."""
+        can place them, so the marker goes last, and until it is there the output is incomplete.
+        An earlier `last` in DST (--overwrite) is removed first: it must not vouch for a mix of old
+        and new files while they move."""
+        marker = confined(self.destination, os.path.join(self.destination, last))
+        if os.path.lexists(marker):
+            os.unlink(marker)
         _fsync_dir(self.tag_dir)
         names = []
         for root, dirs, files in os.walk(self.tag_dir):

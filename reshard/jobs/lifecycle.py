@@ -28,7 +28,8 @@ Call order, and which workers run each step:
    `journal(rounds_done)` after each durable stretch;
 3. `publish(transport, hashes, place)`: every worker's hashes are gathered; the leader runs
    `place(all_hashes)` (manifest, journal removed, tag directory into place, `latest` last:
-   `publish_tag_dir`, or an export's own placing); all agree. An array task has no peers to
+   `publish_tag_dir`; an export completes its staging, then places it with `publish_tag_dir` or
+   `publish_files`); all agree. An array task has no peers to
    agree with: after its share, `publish_sets` places, under DST's lock, every set whose files are
    all done, then `latest`;
 4. `run` wraps 2-3: on failure the leader keeps the staging for a resume once rounds began (an
@@ -53,6 +54,8 @@ from dataclasses import dataclass, field, replace
 from reshard.jobs import save_dir_files
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import (
+    DEEPSPEED_NAMES,
+    RESHARD_NAMES,
     STAGING,
     Staging,
     check_empty,
@@ -61,8 +64,8 @@ from reshard.jobs.destination import (
     write_latest,
 )
 from reshard.errors import OptionError, PeerFailure, ReshardError
-from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
-from reshard.jobs.lock import LOCK_NAME, DestinationLock
+from reshard.formats.deepspeed_schema import LATEST
+from reshard.jobs.lock import DestinationLock
 from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal, write_journal
 from reshard.files.paths import confined
 from reshard.files.resources import check_free_space, disk_full_message, is_disk_full
@@ -92,7 +95,9 @@ class JobOutput:
     output_fingerprint: str
     """Identifies the output (reshard.jobs.manifest.output_fingerprint / export_fingerprint)."""
     ours: set[str]
-    """Names directly in DST that belong to this output (and reshard): anything else needs --overwrite."""
+    """Names directly in DST that belong to this output (and reshard): anything else needs --overwrite.
+    The lifecycle is the one place that checks it (`decide_start`); reshard's own staging and lock
+    (reshard.jobs.destination.RESHARD_NAMES) are always among them."""
     plan_fingerprint: str | None = None
     """Identifies the rounds (reshard.jobs.manifest.plan_fingerprint); None: nothing to resume (whole files)."""
     rounds: int = 0
@@ -130,9 +135,9 @@ def destination_names(earlier_outputs, carried: list[str]) -> set[str]:
     """The names in DST a reshard of a DeepSpeed save may find there without --overwrite: staging and
     lock always; with an earlier output of this source there, its tags, `latest`, the recovery
     scripts and the save directory's carried files (reshard.jobs.save_dir_files)."""
-    ours = {STAGING, LOCK_NAME}
+    ours = set(RESHARD_NAMES)
     if earlier_outputs:
-        ours |= set(earlier_outputs) | {LATEST, *RECOVERY_SCRIPTS} | save_dir_files.top_level_names(carried)
+        ours |= set(earlier_outputs) | DEEPSPEED_NAMES | save_dir_files.top_level_names(carried)
     return ours
 
 
@@ -261,7 +266,7 @@ def decide_start(destination: str, tag: str, output: JobOutput, lock: Destinatio
         start.mode = "complete"
         start.notes.append(already_complete_note(final))
         return start
-    check_empty(destination, output.ours, overwrite)
+    check_empty(destination, output.ours | RESHARD_NAMES, overwrite)
     start.created_destination = not os.path.lexists(destination)
     staging = Staging(destination, tag)
     found, needed_bytes, already_written = resume.survey(staging, output)
@@ -287,18 +292,36 @@ def allocated_bytes(directory: str) -> int:
     return total
 
 
-def publish_tag_dir(staging: Staging, manifest: Manifest, latest: str | None, scripts_from: str | None,
-                    carried: list[str] = ()) -> None:
-    """Publish a DeepSpeed tag directory from staging: manifest, journal removed, the save directory's
-    carried files (before the tag directory and `latest`: a resume finds them once it finds the
-    checkpoint), then the tag directory by one rename and `latest` last (reshard.jobs.destination)."""
-    manifest.write(staging.tag_dir)
-    journal = os.path.join(staging.tag_dir, JOURNAL_NAME)
-    if os.path.lexists(journal):  # an array task's staging has none
-        os.unlink(journal)
+def publish_tag_dir(staging: Staging, manifest: Manifest | None, latest: str | None, scripts_from: str | None,
+                    carried: list[str] = (), latest_name: str = LATEST) -> None:
+    """Publish a tag directory from staging, once the job has written everything into it: the
+    manifest (None: an export, which has none), the journal removed (until then a failure leaves a
+    staging the same command resumes), the save directory's carried files (before the tag
+    directory and `latest`: a resume finds them once it finds the checkpoint), then the tag
+    directory by one rename and the pointer file `latest_name` (`latest`, or a universal
+    checkpoint's `latest_universal`) last, replaced atomically (reshard.jobs.destination)."""
+    if manifest is not None:
+        manifest.write(staging.tag_dir)
+    _remove_journal(staging)
     if carried:
         save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), carried, staging.destination)
-    staging.publish(latest, scripts_from=scripts_from)
+    staging.publish(latest, scripts_from=scripts_from, latest_name=latest_name)
+
+
+def publish_files(staging: Staging, last: str) -> None:
+    """Publish an output that is a directory of files (the safetensors export), once the job has
+    written everything into staging: the journal removed, then every file moved into DST by an
+    atomic rename, `last` (the file that makes the directory complete) after all others
+    (reshard.jobs.destination.Staging.publish_files)."""
+    _remove_journal(staging)
+    staging.publish_files(last=last)
+
+
+def _remove_journal(staging: Staging) -> None:
+    """The staging is no longer an interrupted run (an array task's staging has no journal)."""
+    journal = os.path.join(staging.tag_dir, JOURNAL_NAME)
+    if os.path.lexists(journal):
+        os.unlink(journal)
 
 
 @dataclass(frozen=True)
@@ -369,11 +392,6 @@ def latest_is(destination: str, tag: str) -> bool:
             return fd.read() == tag
     except OSError:
         return False
-
-
-def remove_journal(staging: Staging) -> None:
-    """The first step of an export's publish: the staging is no longer an interrupted run."""
-    os.unlink(os.path.join(staging.tag_dir, JOURNAL_NAME))
 
 
 class Lifecycle:

@@ -39,10 +39,11 @@ from typing import Sequence
 from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_target import zero12_model_file
 from reshard.formats.folded_expert_files import rewrites_expert_files
 from reshard.files.paths import check_tag
 from reshard.jobs.destination import check_paths
-from reshard.jobs.preflight import preflight, target_topology
+from reshard.jobs.preflight import checkpoint_target, preflight
 from reshard.jobs.runs import Unit
 from reshard.planning.plan import Ownership
 from reshard.transport.collective import check_peers
@@ -162,6 +163,19 @@ def model_states_ranks(target_ranks: int, ranks_per_node: int) -> set[int]:
     return set(range(0, target_ranks, ranks_per_node))
 
 
+def with_model_states_on(files_of, ranks: set[int]):
+    """`files_of(source, target, rank)` (DeepSpeed's files, where dp rank 0 writes the ZeRO-1/2
+    model-states file) with that file written by `ranks` instead (`model_states_ranks`): node-local
+    storage puts one on every node. The target-file builders know nothing of nodes."""
+    def files(source, target, rank: int) -> list:
+        found = files_of(source, target, rank)
+        kept = [f for f in found if schema.classify(f.name).kind != "model"]
+        if rank not in ranks:
+            return kept
+        return found if len(kept) < len(found) else [*found, zero12_model_file(source, target, rank)]
+    return files
+
+
 def node_leaders(worker_nodes: Sequence[int], target_ranks: int, ranks_per_node: int) -> dict[int, int]:
     """Node -> the first worker there, for every node that hosts target ranks."""
     leaders: dict[int, int] = {}
@@ -250,6 +264,11 @@ class NodeSite:
     def begin(self, life, transport, describe):
         return life.begin_per_node(transport, self.node, describe)  # each node's leader decides for its DST
 
+    def files_of(self, zero):
+        if self.model_states_ranks is None:  # ZeRO-3: every rank writes its own model-states file anyway
+            return zero.files
+        return with_model_states_on(zero.files, self.model_states_ranks)
+
     def copy_share(self, source, start, staging, transport) -> dict:
         return {}  # the leader copies its node's whole files (`leader_copies`): other nodes' workers cannot
 
@@ -282,8 +301,9 @@ def node_output_bytes(spec, identity: dict, model_name: str, ranks_here: int, ta
 def prepare_unit(transport, unit, views: Sequence[WorkerView], target_ranks: int, ranks_per_node: int,
                  inspect) -> tuple:
     """Inspect on the worker that can, rebase the result on this worker's own SRC, and plan who
-    reads and writes what. `inspect(carry_model_bytes)` -> (SourceCheckpoint, notes), run on the
-    inspecting worker with the source ranks it sees. Collective. Returns (source, notes, NodeSite)."""
+    reads and writes what. `inspect(carry_model_bytes)` -> (SourceCheckpoint, found), run on the
+    inspecting worker with the source ranks it sees (`found`: what else it worked out there, which
+    every worker receives). Collective. Returns (source, found, NodeSite)."""
     import dataclasses
 
     from reshard.transport.collective import on_worker
@@ -294,7 +314,7 @@ def prepare_unit(transport, unit, views: Sequence[WorkerView], target_ranks: int
     target_nodes = set(range(target_node(target_ranks - 1, ranks_per_node) + 1))
     lacking = any(not any(model12 in v.files for v in views if v.node == node) for node in target_nodes)
     zero3 = any(schema.classify(n).kind == "zero3_model" for v in views for n in v.files)
-    source, notes = on_worker(transport, first, lambda: inspect(True if lacking and not zero3 else None))
+    source, found = on_worker(transport, first, lambda: inspect(True if lacking and not zero3 else None))
     spec = source.spec
     needed = needed_files(spec, spec.bf16_prefix)
     ownership = node_local_ownership(needed, [v.files for v in views], nodes, target_ranks, ranks_per_node, tag_dir)
@@ -315,7 +335,7 @@ def prepare_unit(transport, unit, views: Sequence[WorkerView], target_ranks: int
                     needed_bytes=node_output_bytes(spec, identity, source.model_name(0), len(ranks_here),
                                                    target_ranks, bool(model_ranks)),
                     ranks_per_node=ranks_per_node)
-    return source, notes, site
+    return source, found, site
 
 
 def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_pickle: bool = False):
@@ -384,8 +404,8 @@ class NodeLocal:
         return None  # every layout goes through the rounds, whose ownership says who reads what where
 
     def inspect(self, opts, unit: Unit, transport) -> tuple:
-        """(source, carried, notes, NodeSite): inspected by a worker that sees rank 0's files; no
-        save-directory files are carried (each node's DST keeps its own)."""
+        """(source, target, carried, notes, NodeSite): inspected, and the target worked out, by a worker
+        that sees rank 0's files; no save-directory files are carried (each node's DST keeps its own)."""
         roles = [schema.classify(name) for name in self.views[transport.rank].files]
         seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these
 
@@ -396,10 +416,11 @@ class NodeLocal:
             if rewrites_expert_files(source):
                 raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP checkpoint with AutoTP layers; "
                                                                   "node-local resharding of it is not supported yet")
-            return source, preflight(opts, source, target_topology(opts, source), [], ranks=seen)
+            target = checkpoint_target(opts, source)
+            return source, (target, preflight(opts, source, target.topology, [], ranks=seen))
 
-        source, notes, site = prepare_unit(transport, unit, self.views, opts.target_dp, opts.target_ranks_per_node,
-                                           inspect)
+        source, (target, notes), site = prepare_unit(transport, unit, self.views, opts.target_dp,
+                                                     opts.target_ranks_per_node, inspect)
         failure = None
         try:
             source = node_model_template(source, site, site.ownership.target_ranks_of(transport.rank),
@@ -407,4 +428,4 @@ class NodeLocal:
         except ReshardError as error:
             failure = error
         check_peers(transport, failure, "reading this node's model-states file")
-        return source, [], notes, site
+        return source, target, [], notes, site

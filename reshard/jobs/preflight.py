@@ -1,7 +1,8 @@
-"""What every kind of job checks and finds before it writes: the target topology, the batch config
-and tensor-parallel target it refuses, the notes it prints, and earlier outputs in DST.
+"""What every kind of job checks and finds before it writes: the target (topology and ZeRO stage), the
+batch config and tensor-parallel target it refuses, the notes it prints, and earlier outputs in DST.
 
-    from reshard.jobs.preflight import outputs_of, preflight, target_topology
+    from reshard.jobs.preflight import checkpoint_target, outputs_of, preflight, target_topology
+    target = checkpoint_target(opts, source)           # CheckpointTarget(topology, zero): the collective job's
     target = target_topology(opts, source)             # OptionError naming the file where DeepSpeed could not load it
     notes = preflight(opts, source, target, carried)   # refusals, or notes for the summary
     earlier = outputs_of(dst, source.save_dir, target_dp=3)   # tag -> Manifest reshard wrote there from this source
@@ -11,12 +12,14 @@ Shared by the collective job (reshard.jobs.collective_job) and the array tasks (
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from reshard.jobs import save_dir_files
 from reshard.jobs.batch_config import batch_config_problem, batch_size_warning
 from reshard.errors import OptionError, ReshardError
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.jobs.manifest import Manifest
 from reshard.jobs.options import ReshardOptions
 from reshard.topology import Topology
@@ -90,6 +93,25 @@ def outputs_of(destination: str, source_save_dir: str, target_dp: int, target_tp
 def target_topology(opts: ReshardOptions, source: SourceCheckpoint) -> Topology:
     """The target topology for `source`, refused (naming the file) where DeepSpeed could not build it."""
     return opts.checked_target(source.spec.topology, source.expert_problem, source.model_path(0))
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What the collective job writes for one checkpoint: worked out once, on the worker that inspects
+    it, and received by every worker with the source (reshard.jobs.collective_job.Placement.inspect)."""
+
+    topology: Topology
+    """dp, tp, ep, pp (`target_topology`)."""
+    zero: ZeroStageTarget
+    """The ZeRO stage form (reshard.formats.stage_change): it plans, names the target files and the
+    extra source slots."""
+
+
+def checkpoint_target(opts: ReshardOptions, source: SourceCheckpoint) -> CheckpointTarget:
+    """The stage change refused where it does not apply (naming the tag directory), then the topology."""
+    if is_stage_change(source.spec, opts.target_stage):
+        check_stage_change(source.spec, opts.target_stage, source.tag_dir)
+    return CheckpointTarget(target_topology(opts, source), zero_stage_target(source.spec, opts.target_stage))
 
 
 def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) -> int:

@@ -27,16 +27,11 @@ import re
 import shutil
 
 from reshard.files.byte_io import hash_file
-from reshard.jobs.destination import STAGING
-from reshard.formats import deepspeed_schema as schema
-from reshard.jobs.lock import LOCK_NAME
-
+from reshard.jobs.destination import SAVE_DIR_NAMES
 from reshard.files.paths import confined, open_new_file
 
 PREFIX = "../"
 """Manifest and source-identity names of save-directory files are relative to the tag directory."""
-
-_DEEPSPEED_NAMES = {schema.LATEST, *schema.RECOVERY_SCRIPTS, STAGING, LOCK_NAME}
 
 
 def list_save_dir_files(save_dir: str) -> list[str]:
@@ -45,7 +40,7 @@ def list_save_dir_files(save_dir: str) -> list[str]:
     found = []
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
-        if name in _DEEPSPEED_NAMES or is_tag_dir(path):
+        if name in SAVE_DIR_NAMES or is_tag_dir(path):
             continue
         if os.path.isfile(path):
             found.append(name)

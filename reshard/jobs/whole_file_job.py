@@ -28,11 +28,9 @@ from dataclasses import dataclass
 
 from reshard.files.byte_io import hash_file
 from reshard.transport.collective import check_peers, on_rank0
-from reshard.jobs.destination import STAGING, check_paths
+from reshard.jobs.destination import SAVE_DIR_NAMES, check_paths
 from reshard.planning.file_shares import file_shares
-from reshard.formats.deepspeed_schema import LATEST, RECOVERY_SCRIPTS
 from reshard.jobs.lifecycle import JobOutput, Lifecycle, publish_tag_dir
-from reshard.jobs.lock import LOCK_NAME
 from reshard.jobs.manifest import Manifest, source_identity
 from reshard.jobs.options import ReshardOptions
 from reshard.files.resources import anonymous_rss_bytes, peak_resident_bytes
@@ -81,7 +79,8 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
 
     def describe() -> JobOutput:  # whole files: nothing to resume, no earlier output compared
         identity = source_identity(source.tag_dir, set(source.identified))
-        return JobOutput(fingerprint_of(identity), {STAGING, LOCK_NAME, LATEST, *RECOVERY_SCRIPTS}, identity=identity)
+        # DST may hold reshard's staging and lock, `latest` and the recovery scripts, as a save directory does
+        return JobOutput(fingerprint_of(identity), set(SAVE_DIR_NAMES), identity=identity)
 
     start = life.begin(transport, describe)
     identity = start.identity
