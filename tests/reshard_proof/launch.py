@@ -56,7 +56,7 @@ def child_env(env: dict | None = None) -> dict:
     return child
 
 
-RANKS_WITHOUT_AGENT = frozenset({"reshard_proof.train", "reshard_proof.check_load"})
+RANKS_WITHOUT_AGENT = frozenset({"reshard_proof.train", "reshard_proof.check_load", "tests.pipeline_run"})
 """Proof entry points run_torchrun starts as their ranks themselves (run_ranks), without torchrun's
 agent: the same gloo job of separate processes, one start-up of torch fewer per launch.
 RESHARD_PROOF_TORCHRUN=1 in the environment starts them under torchrun again."""
