@@ -26,7 +26,8 @@ class TrainedCheckpoints:
 
     `prepare(wanted)` trains the missing ones among many (variant, N) in one launch per N, each in
     a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
-    ~10-20 s a launch costs to start; a fixture that is about to ask for many calls it first."""
+    ~10-20 s a launch costs to start. The session calls it once, for every checkpoint its tests name
+    with `@pytest.mark.trains` (conftest.py `trained`, `checkpoints_named`)."""
 
     def __init__(self, root: Path):
         self.root = root
