@@ -5,6 +5,9 @@
 
 A test that starts a process (torchrun, a python subprocess, forked workers) or trains is marked
 `@pytest.mark.e2e`; an unmarked one that tries fails at that call (`refuse_processes_outside_e2e`).
+A test that asks `trained` for checkpoints names them with `@pytest.mark.trains((variant, n[, steps]), ...)`
+(on the module, or on a parametrized case): the session trains every one named by a test it runs
+in one launch per N when the first test asks. An unnamed one is trained on first use, alone.
 """
 from __future__ import annotations
 
@@ -20,10 +23,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory):
-    """trained(variant, n) -> (save_dir, truth_path): a real checkpoint, trained once per session."""
-    from trained import TrainedCheckpoints
-    return TrainedCheckpoints(tmp_path_factory.mktemp("trained"))
+def trained(tmp_path_factory, request):
+    """trained(variant, n) -> (save_dir, truth_path): a real checkpoint, trained once per session.
+    Every checkpoint the session's tests name with `@pytest.mark.trains` is trained when the first
+    test asks, one launch per N (trained.TrainedCheckpoints.prepare), since the launch is what costs."""
+    from trained import TrainedCheckpoints, checkpoints_named
+    checkpoints = TrainedCheckpoints(tmp_path_factory.mktemp("trained"))
+    for steps, wanted in checkpoints_named(request.session.items).items():
+        checkpoints.prepare(wanted, steps=steps)
+    return checkpoints
 
 
 @pytest.fixture(scope="session")

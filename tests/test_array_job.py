@@ -25,6 +25,9 @@ from reshard.layouts.zero import buffer_numels
 from reshard.jobs.options import ReshardOptions
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z3_bf16", 2))
+
 VARIANT, N, M, K = "z3_bf16", 2, 4, 3
 ENTRY = REPO / "tests" / "entry" / "array_task.py"
 

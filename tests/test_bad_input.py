@@ -27,7 +27,7 @@ from trained import reshard_cli, reshard_in_process, reshard_in_threads, reshard
 
 from reshard.files.byte_io import hash_file
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.trains(("z2_fp32", 2), ("z2_fp32", 3), ("z2_fp32", 2, 2))]
 
 VARIANT, N = "z2_fp32", 2
 

@@ -15,6 +15,9 @@ from reshard.errors import OptionError
 from reshard.jobs.options import ReshardOptions, parse_size
 from reshard.jobs.results import PHASES
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z3_bf16", 2), ("z2_fp32", 2))
+
 
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("4G", 4 << 30), ("1.5G", int(1.5 * (1 << 30))),
                                            ("65536", 65536), ("8KiB", 8 << 10), ("2t", 2 << 40)])

@@ -19,6 +19,9 @@ from trained import REPO, reshard_cli
 
 from reshard.deepspeed_version import release_of, version_problem
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z2_fp32", 2))
+
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 

@@ -31,6 +31,9 @@ from reshard.formats.deepspeed_inspect import read_storages
 from reshard.formats.torch_archive import load_portable, load_structure, refs_in
 from reshard.formats.torch_zip import ArchiveWriter
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z2_fp32", 2))
+
 
 def _optim_like(tmp_path, name="optim.pt"):
     """A small file shaped like a DeepSpeed optimizer state (flat fp32 buffers, scalars)."""

@@ -14,6 +14,9 @@ import torch
 
 from reshard.formats import deepspeed_classes as classes
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z1_fp16", 2))
+
 
 def _deepspeed_object():
     """An optimizer-states-like object built from DeepSpeed's own classes."""

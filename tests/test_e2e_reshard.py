@@ -10,9 +10,9 @@ every fp32 master weight and optimizer state element, counters, per-group hyperp
 scheduler, loss scaler, frozen parameters, buffers, client_state and the eval loss, then trains
 one more step. DeepSpeed's own zero_to_fp32 and `reshard verify --against` must agree too.
 
-The matrix and the in-job cases are resharded first and judged together: all loads at one M share
-one torchrun launch (tests/trained.py judge_together), each in a fresh engine of its variant. The
-launch is what costs (~20-35 s on 2 cores); one more load in it costs about a second.
+The matrix, the W=3 torchrun case and the in-job cases are resharded first and judged together: all
+loads at one M, plain and in-job, share one launch (tests/trained.py judge_together), each in a fresh
+engine of its variant. The launch is what costs (~20-35 s on 2 cores); one more load in it about a second.
 """
 from __future__ import annotations
 
@@ -74,30 +74,83 @@ def _selected(request, test_name: str, cases: list, names: tuple) -> list:
 
 
 @pytest.fixture(scope="module")
-def matrix_outputs(trained, tmp_path_factory, request):
-    """{case: (source, truth, destination, reshard result or its error, verdicts)}: every MATRIX case
-    resharded in threads, then all loads at one M judged in one torchrun launch (judge_together)."""
-    root = tmp_path_factory.mktemp("matrix")
-    outputs, jobs = {}, []
-    cases = _selected(request, "test_reshard_loads_bit_exactly", MATRIX, ("variant", "n", "m", "workers"))
-    trained.prepare([(variant, n) for variant, n, _, _ in cases])  # one training launch per N
-    for variant, n, m, workers in cases:
+def judged_loads(trained, tmp_path_factory, request):
+    """{"matrix": {case: (source, truth, destination, reshard result or its error, verdict path, verdicts)},
+    "in_job": {case: (files of its source before, after, verdicts, verdict path)}, "torchrun_w3": (truth,
+    destination, verdicts, verdict path) or None}: every MATRIX case this session runs resharded in
+    threads, the W=3 torchrun case resharded, every IN_JOB case loaded straight from its source, and all
+    these loads at one M, plain and in-job alike, judged in one torchrun launch (judge_together)."""
+    root = tmp_path_factory.mktemp("judged")
+    found, jobs = {"matrix": {}, "in_job": {}, "torchrun_w3": None}, []
+    for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
+                                            ("variant", "n", "m", "workers")):
         case = _case_id(variant, n, m, workers)
         source = truth = None
-        destination = root / case / "dst"
+        destination, verdict_path = root / case / "dst", root / case / "verdict.json"
         try:
             source, truth = trained(variant, n)
             result = reshard_in_threads(source, destination, m, workers, memory_budget=64 << 10)
         except Exception as error:  # noqa: BLE001 (raised by this case's test)
             result = error
         else:
-            jobs.append((m, variant, destination, truth, root / case / "verdict.json"))
-        outputs[(variant, n, m, workers)] = (source, truth, destination, result, root / case / "verdict.json")
-    verdicts = judge_together(jobs)
-    return {key: (*value, verdicts) for key, value in outputs.items()}
+            jobs.append((m, variant, destination, truth, verdict_path))
+        found["matrix"][(variant, n, m, workers)] = (source, truth, destination, result, verdict_path)
+
+    if any(item.originalname == "test_torchrun_workers_more_than_source_and_target" for item in request.session.items
+           if item.module is request.module):
+        source, truth = trained("z3_bf16", 2)
+        destination, verdict_path = root / "torchrun-w3" / "dst", root / "torchrun-w3" / "verdict.json"
+        try:
+            reshard_with_torchrun(source, destination, 1, 3, "--memory-budget", "16K")
+        except Exception as error:  # noqa: BLE001 (raised by its test)
+            found["torchrun_w3"] = error
+        else:
+            jobs.append((1, "z3_bf16", destination, truth, verdict_path))
+            found["torchrun_w3"] = (truth, destination, verdict_path)
+
+    def listing(source):
+        return sorted(p.relative_to(source) for p in source.rglob("*"))
+
+    in_job, before, failed = {}, {}, {}
+    for case in _selected(request, "test_in_job_resharding_loads_bit_exactly", IN_JOB, ("variant", "n", "m")):
+        verdict_path = root / f"{_case_id(*case)}.json"
+        try:
+            in_job[case] = trained(case[0], case[1])
+        except Exception as error:  # noqa: BLE001 (raised by this case's test)
+            failed[str(verdict_path)] = error
+        else:
+            before[case] = listing(in_job[case][0])
+            jobs.append((case[2], case[0], *in_job[case], verdict_path, True))
+        found["in_job"][case] = verdict_path
+
+    verdicts = {**judge_together(jobs), **failed}
+    found["matrix"] = {key: (*value, verdicts) for key, value in found["matrix"].items()}
+    found["in_job"] = {case: (before.get(case), listing(in_job[case][0]) if case in in_job else None, verdicts,
+                              verdict_path) for case, verdict_path in found["in_job"].items()}
+    if isinstance(found["torchrun_w3"], tuple):
+        truth, destination, verdict_path = found["torchrun_w3"]
+        found["torchrun_w3"] = (truth, destination, verdicts, verdict_path)
+    return found
 
 
-@pytest.mark.parametrize("variant,n,m,workers", MATRIX, ids=[_case_id(*case) for case in MATRIX])
+@pytest.fixture(scope="module")
+def matrix_outputs(judged_loads):
+    """The MATRIX cases of judged_loads."""
+    return judged_loads["matrix"]
+
+
+@pytest.fixture(scope="module")
+def in_job_verdicts(judged_loads):
+    """The IN_JOB cases of judged_loads."""
+    return judged_loads["in_job"]
+
+
+def _cases(cases) -> list:
+    """`cases` as parameters, each marked with the checkpoint it trains (its variant at N)."""
+    return [pytest.param(*case, id=_case_id(*case), marks=pytest.mark.trains(case[:2])) for case in cases]
+
+
+@pytest.mark.parametrize("variant,n,m,workers", _cases(MATRIX))
 def test_reshard_loads_bit_exactly(matrix_outputs, variant, n, m, workers):
     source, truth, destination, result, verdict_path, verdicts = matrix_outputs[(variant, n, m, workers)]
     if isinstance(result, BaseException):
@@ -121,14 +174,18 @@ def test_reshard_loads_bit_exactly(matrix_outputs, variant, n, m, workers):
     assert checked.checked_elements > 0
 
 
-def test_torchrun_workers_more_than_source_and_target(trained, tmp_path):
-    """W=3 processes over gloo for N=2 -> M=1: workers that read nothing, workers that write nothing."""
-    source, truth = trained("z3_bf16", 2)
-    destination = tmp_path / "dst"
-    reshard_with_torchrun(source, destination, 1, 3, "--memory-budget", "16K")
-    _assert_loads_exactly("z3_bf16", 1, destination, truth, tmp_path / "verdict.json")
+@pytest.mark.trains(("z3_bf16", 2))
+def test_torchrun_workers_more_than_source_and_target(judged_loads):
+    """W=3 processes over gloo for N=2 -> M=1: workers that read nothing, workers that write nothing
+    (resharded by judged_loads, and judged in its launch at M=1)."""
+    case = judged_loads["torchrun_w3"]
+    if isinstance(case, BaseException):
+        raise case
+    _, _, verdicts, verdict_path = case
+    _assert_exact(verdict_of(verdicts, verdict_path), 1)
 
 
+@pytest.mark.trains(("z2_bf16", 2))
 def test_torchrun_shrink_and_grow_zero2(trained, tmp_path):
     """Separate processes over gloo, N=2 -> M=4 with W=2, tiny budget: tensors split across many rounds."""
     source, truth = trained("z2_bf16", 2)
@@ -137,6 +194,7 @@ def test_torchrun_shrink_and_grow_zero2(trained, tmp_path):
     _assert_loads_exactly("z2_bf16", 4, destination, truth, tmp_path / "verdict.json")
 
 
+@pytest.mark.trains(("z3_bf16", 3), ("z2_round_robin", 2), ("bf16_optimizer", 2))
 @pytest.mark.parametrize("variant,n,m", [("z3_bf16", 3, 2), ("z2_round_robin", 2, 3), ("bf16_optimizer", 2, 3)])
 def test_output_is_byte_identical_whatever_the_workers_and_budget(trained, tmp_path, variant, n, m):
     source, _ = trained(variant, n)
@@ -153,6 +211,7 @@ def test_output_is_byte_identical_whatever_the_workers_and_budget(trained, tmp_p
         assert mismatch == [] and errors == [], (other, mismatch, errors)
 
 
+@pytest.mark.trains(("z2_fp16", 3))
 def test_source_checkpoint_is_untouched(trained, tmp_path):
     from reshard.files.byte_io import hash_file
     source, _ = trained("z2_fp16", 3)
@@ -166,32 +225,7 @@ IN_JOB = [("z3_fp16", 2, 3), ("bf16_optimizer", 3, 2), ("z2_round_robin", 2, 3),
           ("z3_subgroups", 2, 1), ("z2_fp32", 2, 3)]
 
 
-@pytest.fixture(scope="module")
-def in_job_verdicts(trained, tmp_path_factory, request):
-    """{case: (files of its source before, after, verdicts, verdict path)}: every IN_JOB case loaded
-    straight from its source, all loads at one M in one torchrun launch (judge_together)."""
-    root = tmp_path_factory.mktemp("in-job")
-
-    def listing(source):
-        return sorted(p.relative_to(source) for p in source.rglob("*"))
-
-    sources, before, verdicts = {}, {}, {}
-    cases = _selected(request, "test_in_job_resharding_loads_bit_exactly", IN_JOB, ("variant", "n", "m"))
-    trained.prepare([(variant, n) for variant, n, _ in cases])
-    for case in cases:
-        try:
-            sources[case] = trained(case[0], case[1])
-        except Exception as error:  # noqa: BLE001 (raised by this case's test)
-            verdicts[str(root / f"{_case_id(*case)}.json")] = error
-        else:
-            before[case] = listing(sources[case][0])
-    verdicts.update(judge_together([(m, variant, *sources[(variant, n, m)], root / f"{_case_id(variant, n, m)}.json")
-                                    for variant, n, m in sources], in_job=True))
-    return {case: (before.get(case), listing(sources[case][0]) if case in sources else None,
-                   verdicts, root / f"{_case_id(*case)}.json") for case in cases}
-
-
-@pytest.mark.parametrize("variant,n,m", IN_JOB, ids=[_case_id(*case) for case in IN_JOB])
+@pytest.mark.parametrize("variant,n,m", _cases(IN_JOB))
 def test_in_job_resharding_loads_bit_exactly(in_job_verdicts, variant, n, m):
     """reshard.deepspeed.load_checkpoint at M ranks straight from the N-rank checkpoint: no copy on
     disk, and every rank's torch.serialization.get_safe_globals() is the same after the load as
@@ -204,27 +238,48 @@ def test_in_job_resharding_loads_bit_exactly(in_job_verdicts, variant, n, m):
     assert after == before
 
 
-@pytest.mark.parametrize("variant,n,m", [("z2_fp32", 2, 3), ("z3_bf16", 3, 2), ("z1_bf16", 2, 3)])
-def test_deepspeeds_universal_converter_reads_the_output(trained, tmp_path, variant, n, m):
-    """ds_to_universal.py on DST gives every parameter's fp32 weight and optimizer state of the truth."""
-    import subprocess
-    import sys
+UNIVERSAL = [("z2_fp32", 2, 3), ("z3_bf16", 3, 2), ("z1_bf16", 2, 3)]
 
+
+@pytest.fixture(scope="module")
+def universal_conversions(trained, tmp_path_factory, request):
+    """{case: (truth path, ds_to_universal's output, why it failed or None)}: every UNIVERSAL case this
+    session runs resharded in threads, then every output converted by DeepSpeed's ds_to_universal.py
+    in one process (reshard_proof.ds_universal), since importing DeepSpeed is most of what one costs."""
+    from reshard_proof.ds_universal import ds_to_universal_all
+    root = tmp_path_factory.mktemp("universal-oracle")
+    cases = _selected(request, "test_deepspeeds_universal_converter_reads_the_output", UNIVERSAL, ("variant", "n", "m"))
+    found, conversions = {}, []
+    for variant, n, m in cases:
+        try:
+            source, truth_path = trained(variant, n)
+            destination = root / _case_id(variant, n, m) / "dst"
+            reshard_in_threads(source, destination, m, 2)
+            tag = (destination / "latest").read_text()
+        except Exception as error:  # noqa: BLE001 (raised by this case's test)
+            found[(variant, n, m)] = error
+            continue
+        out = root / _case_id(variant, n, m) / "universal" / tag
+        conversions.append((destination / tag, out))
+        found[(variant, n, m)] = (truth_path, out)
+    failures = ds_to_universal_all(conversions) if conversions else {}
+    return {case: value if isinstance(value, BaseException) else (*value, failures.get(str(value[1])))
+            for case, value in found.items()}
+
+
+@pytest.mark.trains(*[case[:2] for case in UNIVERSAL])
+@pytest.mark.parametrize("variant,n,m", UNIVERSAL)
+def test_deepspeeds_universal_converter_reads_the_output(universal_conversions, variant, n, m):
+    """ds_to_universal.py on DST gives every parameter's fp32 weight and optimizer state of the truth."""
     import torch
 
     from reshard_proof.bitwise import compare_trees
     from reshard_proof.truth_file import read_truth
-    source, truth_path = trained(variant, n)
-    destination = tmp_path / "dst"
-    reshard_in_threads(source, destination, m, 2)
-    tag = (destination / "latest").read_text()
-    import deepspeed.checkpoint
-    script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
-    out = tmp_path / "universal" / tag
-    done = subprocess.run([sys.executable, script, "--input_folder", str(destination / tag), "--output_folder", str(out),
-                           "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    case = universal_conversions[(variant, n, m)]
+    if isinstance(case, BaseException):
+        raise case
+    truth_path, out, failure = case
+    assert failure is None, failure
     master = read_truth(str(truth_path))["engine"]["master"]
     for name, entry in master.items():
         expected = {"fp32": entry["fp32"].flatten(), **{k: v.flatten() for k, v in entry["state"].items()}}
@@ -235,6 +290,7 @@ def test_deepspeeds_universal_converter_reads_the_output(trained, tmp_path, vari
             assert comparison.ok, comparison.mismatches
 
 
+@pytest.mark.trains(("z3_fp32", 2))
 def test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up(trained, tmp_path):
     """load_optimizer_states=False under ZeRO-3: DeepSpeed reads the directory with zero_to_fp32, so the
     in-job path reshards into a temporary directory; the module comes back exact and nothing is left."""

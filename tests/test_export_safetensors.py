@@ -25,7 +25,7 @@ from reshard.export.hf_layout import INDEX_NAME
 from reshard.export.safetensors_job import parse_shard_size
 from reshard_proof.launch import run_torchrun
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.trains(("z3_bf16", 2), ("z2_fp32", 2))]
 
 
 def _read_dir(directory: Path) -> dict:

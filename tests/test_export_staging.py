@@ -26,9 +26,9 @@ from reshard.export import export_safetensors, export_universal
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.export.universal import UniversalWriter
 
-pytestmark = pytest.mark.e2e
-
 VARIANT, N = "z2_fp32", 2
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.trains((VARIANT, N))]
 BUDGET = 1 << 10  # many rounds on the tiny checkpoint
 EXPORTS = {
     "universal": (export_universal, UniversalWriter, {}),

@@ -10,7 +10,6 @@ scheduler) must be equal element for element, and the masters equal to the truth
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,34 +18,15 @@ import torch
 from threaded_transport import run_workers
 
 from reshard.export import export_universal
+from reshard_proof.ds_universal import ds_to_universal_all
 from reshard_proof.launch import REPO_ROOT, child_env
-
-pytestmark = pytest.mark.e2e
-
-
-def _ds_to_universal_all(conversions) -> None:
-    """DeepSpeed's ds_to_universal.py for every (source, out_root), all in one Python process: its
-    `main(parse_arguments())` as its `__main__` block runs it (one extract and merge worker, so no
-    process pool), since importing DeepSpeed is most of what one conversion costs here."""
-    import deepspeed.checkpoint
-    script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
-    argvs = []
-    for source, out_root in conversions:
-        tag = (source / "latest").read_text()
-        argvs.append([script, "--input_folder", str(source / tag), "--output_folder", str(out_root / tag),
-                      "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"])
-    program = ("import json, sys\n"
-               "from deepspeed.checkpoint import ds_to_universal\n"
-               "for argv in json.loads(sys.argv[1]):\n"
-               "    sys.argv = argv\n"
-               "    ds_to_universal.main(ds_to_universal.parse_arguments())\n")
-    done = subprocess.run([sys.executable, "-c", program, json.dumps(argvs)],
-                          capture_output=True, text=True, env=child_env(None), timeout=300 * len(argvs))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def _ds_to_universal(source, out_root) -> None:
-    _ds_to_universal_all([(source, out_root)])
+    """DeepSpeed's ds_to_universal.py on `source`'s latest tag, into `out_root`/TAG (tests/test_expert_parallel.py)."""
+    tag = (source / "latest").read_text()
+    failures = ds_to_universal_all([(source / tag, out_root / tag)])
+    assert not failures, failures
 
 
 def _load_all(m, jobs) -> None:
@@ -69,6 +49,8 @@ def _load_all(m, jobs) -> None:
 CASES = {"z2_fp32": ("z2_fp32", 2, 3, 2), "z3_bf16": ("z3_bf16", 2, 3, 3),
          "bf16_optimizer": ("bf16_optimizer", 2, 3, 2), "z2_sgd_momentum": ("z2_sgd_momentum", 2, 3, 2)}
 CONVERTED = ("z2_fp32", "z3_bf16", "bf16_optimizer")
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.trains(*[(variant, n) for variant, n, _, _ in CASES.values()])]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +68,10 @@ def universal_loads(trained, tmp_path_factory):
                                                                                   memory_budget=4 << 10, transport=t))
         theirs = root / name / "theirs" if name in CONVERTED else ours
         cases[name] = (variant, m, source, truth, ours, theirs, root / name / "result.json")
-    _ds_to_universal_all([(cases[name][2], cases[name][5]) for name in CONVERTED])
+    conversions = [(cases[name][2] / (cases[name][2] / "latest").read_text(),
+                    cases[name][5] / (cases[name][2] / "latest").read_text()) for name in CONVERTED]
+    failures = ds_to_universal_all(conversions)
+    assert not failures, failures
     jobs = [(variant, ours, theirs, truth, out) for variant, m, source, truth, ours, theirs, out in cases.values()]
     assert {case[1] for case in cases.values()} == {3}
     results = {}

@@ -50,7 +50,8 @@ def _check_schema(doc: dict) -> None:
     assert doc["total_bytes"] == sum(doc["files"].values())
 
 
-@pytest.mark.parametrize("variant,n", KINDS, ids=[f"{v}-n{n}" for v, n in KINDS])
+@pytest.mark.parametrize("variant,n", [pytest.param(*kind, id=f"{kind[0]}-n{kind[1]}", marks=pytest.mark.trains(kind))
+                                       for kind in KINDS])
 def test_inspect_describes_every_kind(trained, variant, n, capsys):
     source, truth_path = trained(variant, n)
     truth = torch.load(truth_path, weights_only=True)
@@ -88,6 +89,7 @@ def test_inspect_describes_every_kind(trained, variant, n, capsys):
     assert f"ZeRO-{meta['zero_stage']}, dp {n}" in text and "no problems found" in text
 
 
+@pytest.mark.trains(("z3_bf16", 2))
 def test_inspect_reads_no_tensor_bytes(trained, monkeypatch):
     """Only pickles and the step counters of the optimizer files (a few bytes each) are read."""
     source, _ = trained("z3_bf16", 2)
@@ -104,6 +106,7 @@ def test_inspect_reads_no_tensor_bytes(trained, monkeypatch):
     assert read and max(read) <= 8, read  # step counters only
 
 
+@pytest.mark.trains(("z2_fp32", 2))
 def test_inspect_fixed_batch_lists_sizes(trained, tmp_path):
     original, _ = trained("z2_fp32", 2)
     copy = tmp_path / "src"
@@ -120,6 +123,7 @@ def test_inspect_fixed_batch_lists_sizes(trained, tmp_path):
     assert "train_batch_size 12" in report.targets["batch_config"]
 
 
+@pytest.mark.trains(("z2_fp32", 2), ("z2_fp32", 4))
 def test_damaged_checkpoint_is_reported_with_exit_2(trained, tmp_path):
     original, _ = trained("z2_fp32", 2)
     other, _ = trained("z2_fp32", 4)

@@ -19,6 +19,9 @@ from trained import judge, launches_of
 
 from reshard_proof.launch import check_checkpoints
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z3_fp32", 2), ("z2_bf16", 2), ("z1_fp16", 2))
+
 # Not compared: the load's wall time.
 _VARIES_BY_LAUNCH = {"load_seconds"}
 

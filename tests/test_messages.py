@@ -23,6 +23,8 @@ from reshard.jobs.destination import STAGING, stale_staging_notes
 from reshard.jobs.manifest import JOURNAL_NAME
 
 VARIANT, N = "z2_fp32", 2
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains((VARIANT, N))
 
 
 @pytest.fixture

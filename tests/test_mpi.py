@@ -20,6 +20,9 @@ from reshard.errors import OptionError
 from reshard.transport import _choose, is_first_worker
 from reshard.transport.mpi import _Watchdog
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z3_bf16", 2))
+
 MPIEXEC = shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
 

@@ -31,6 +31,9 @@ from reshard.transport.nodes import NodeLayout, NodesTransport, staging_window
 from reshard.transport.same_host import join_workers_on_this_host
 from threaded_transport import in_threads
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z2_fp32", 2))
+
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                     "GROUP_WORLD_SIZE", "RESHARD_NODE_RANK", "SLURM_NODEID", "SLURM_NNODES", "RESHARD_RANKS_PER_NODE",
                     "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")

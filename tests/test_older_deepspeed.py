@@ -21,7 +21,7 @@ from test_torch_free_archive import SAFE, _same_skeleton_as_torch, _same_tree_as
 from trained import reshard_cli
 
 from reshard.formats.torch_archive import load_portable
-from reshard_proof.launch import run_torchrun, train_checkpoint
+from reshard_proof.launch import run_torchrun, train_checkpoints
 
 OLDER = "0.16.9"
 VARIANTS = ("z2_fp32", "z3_fp32")
@@ -29,15 +29,15 @@ VARIANTS = ("z2_fp32", "z3_fp32")
 
 @pytest.fixture(scope="session")
 def older_deepspeed(tmp_path_factory):
-    """variant -> (save_dir, truth), trained on 2 ranks with DeepSpeed 0.16.9; and the environment."""
+    """variant -> (save_dir, truth), trained on 2 ranks with DeepSpeed 0.16.9, all in one launch (a
+    fresh engine each, reshard_proof.train --also: 0.16.9 writes the files a launch of its own
+    writes, byte for byte, as 0.19.8 does in tests/test_trained_together.py); and the environment."""
     from reshard_proof.deepspeed_venv import deepspeed_venv
     venv = deepspeed_venv(OLDER)
     root = tmp_path_factory.mktemp(f"deepspeed-{OLDER}")
-    trained = {}
-    for variant in VARIANTS:
-        save_dir, truth = root / variant / "ckpt", root / variant / "truth.pt"
-        train_checkpoint(variant, 2, save_dir, truth, python=venv.python, env=venv.env())
-        trained[variant] = (save_dir, truth)
+    trained = {variant: (root / variant / "ckpt", root / variant / "truth.pt") for variant in VARIANTS}
+    train_checkpoints(2, [(variant, *paths) for variant, paths in trained.items()], python=venv.python,
+                      env=venv.env())
     return venv, trained
 
 

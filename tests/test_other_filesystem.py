@@ -21,6 +21,8 @@ from trained import reshard_cli, tree_files
 from reshard.export import export_universal
 
 VARIANT, N, M = "z2_fp32", 2, 3
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains((VARIANT, N))
 
 
 @pytest.fixture

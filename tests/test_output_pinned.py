@@ -23,7 +23,7 @@ import pytest
 import torch
 from trained import REPO, reshard_cli, reshard_in_threads, reshard_with_torchrun
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.trains(("z2_fp32", 2), ("z3_bf16", 3))]
 
 TRUTH_DIGESTS = {
     ("z2_fp32", 2): "9b0aeb62c60a521a18a127d2ddbe3f8f20201a85006b7f831e67c4c8175a892a",

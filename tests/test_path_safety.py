@@ -25,9 +25,9 @@ import pytest
 from trained import REPO, reshard_cli, reshard_in_process, reshard_in_threads, tree_state
 
 
-pytestmark = pytest.mark.e2e
-
 VARIANT, N = "z2_fp32", 2
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.trains((VARIANT, N), ("z3_fp32", 2))]
 
 
 @pytest.fixture
@@ -184,6 +184,7 @@ SWAPS = [("z1_fp32", "zero_pp_rank_{}_mp_rank_00_optim_states.pt"),
          ("bf16_optimizer", "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt")]
 
 
+@pytest.mark.trains(*[(variant, 2) for variant, _ in SWAPS])
 @pytest.mark.parametrize("variant,pattern", SWAPS, ids=[v for v, _ in SWAPS])
 def test_swapped_rank_files_are_refused_by_name(trained, tmp_path, variant, pattern):
     original, _ = trained(variant, 2)

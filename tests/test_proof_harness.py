@@ -31,6 +31,8 @@ from reshard_proof.variants import VARIANTS, get_variant  # noqa: E402
 from reshard_proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32  # noqa: E402
 
 SOURCE_RANKS = 2
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(*[(variant, SOURCE_RANKS) for variant in ("z2_fp32", "z3_bf16", "bf16_optimizer")])
 
 
 # --- single process ---------------------------------------------------------------------------

@@ -79,6 +79,8 @@ CASES = {
     "z3_param_shapes": ("z3_fp32", MODEL1_Z3, _set("param_shapes", 0, "up.weight", torch.Size([13, 9])), MODEL0_Z3,
                         "param_shapes[0].up.weight", "[13, 9]", "[9, 13]"),
 }
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(*sorted({(case[0], 2) for case in CASES.values()}))
 
 
 @pytest.mark.e2e

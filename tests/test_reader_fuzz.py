@@ -19,6 +19,9 @@ import collections
 import pytest
 from reader_fuzz import KINDS, Mutator, base_files, judge
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z2_fp32", 2))
+
 
 def test_mutants_of_torch_files_are_read_as_torch_reads_them_or_refused(tmp_path):
     bases = base_files(tmp_path / "bases")

@@ -16,6 +16,9 @@ from reshard.jobs.batch_config import batch_config_problem, batch_recomputing_la
 from reshard.errors import ReshardError
 from reshard.jobs.save_dir_files import list_save_dir_files, per_rank_rng_notes
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z3_bf16", 2))
+
 HF_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 
 

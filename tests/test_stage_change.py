@@ -19,8 +19,6 @@ from reshard.errors import OptionError
 from reshard_proof.launch import check_checkpoints
 from reshard_proof.zero_to_fp32_check import check_zero_to_fp32
 
-pytestmark = pytest.mark.e2e
-
 N = 2
 # source variant, target stage, target dp, workers: every direction, every precision
 MATRIX = [
@@ -35,6 +33,9 @@ MATRIX = [
     ("z3_exclude_frozen", 2, 3, 2),  # no frozen parameters saved: none to move
 ]
 NATIVE = [("z1_fp16", 3, 3), ("z3_bf16", 1, 3), ("z3_fp32", 2, 3)]
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.trains(*[(variant, N) for variant, *_ in MATRIX], ("bf16_optimizer", N),
+                                                  ("z3_subgroups", N))]
 
 
 def _name(variant, stage, m, *_):
@@ -71,6 +72,7 @@ def test_loads_at_the_target_stage_equal_to_the_truth(stage_outputs, variant, st
     assert check_zero_to_fp32(str(destination), str(truth), stage=stage) == []
 
 
+@pytest.mark.trains(*[(f"{variant}@stage{stage}", m) for variant, stage, m in NATIVE])
 @pytest.mark.parametrize("variant,stage,m", NATIVE, ids=[_name(*case) for case in NATIVE])
 def test_files_match_what_deepspeed_saves_at_the_target_stage(trained, stage_outputs, variant, stage, m):
     destination, _, _ = stage_outputs[(variant, stage, m)]

@@ -12,6 +12,9 @@ from reshard.formats.deepspeed_schema import model_file_name_of, optim_file_name
 from reshard.jobs.options import ReshardOptions
 from reshard.topology import Topology
 
+# the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
+pytestmark = pytest.mark.trains(("z2_fp32", 2))
+
 
 def test_sizes_and_description():
     assert Topology(4).describe() == "dp=4 tp=1 ep=1"

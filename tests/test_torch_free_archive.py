@@ -239,6 +239,7 @@ VARIANTS = [("z1_fp16", 2), ("z2_fp32", 2), ("z3_bf16", 3), ("bf16_optimizer", 2
 
 
 @pytest.mark.e2e
+@pytest.mark.trains(*VARIANTS)
 @pytest.mark.parametrize("variant,n", VARIANTS)
 def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, variant, n):
     """Every file of a real save (model and optim states, client_state, MoE expert files) reads

@@ -26,7 +26,8 @@ class TrainedCheckpoints:
 
     `prepare(wanted)` trains the missing ones among many (variant, N) in one launch per N, each in
     a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
-    ~10-20 s a launch costs to start; a fixture that is about to ask for many calls it first."""
+    ~10-20 s a launch costs to start. The session calls it once, for every checkpoint its tests name
+    with `@pytest.mark.trains` (conftest.py `trained`, `checkpoints_named`)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -55,8 +56,8 @@ class TrainedCheckpoints:
                 by_n.setdefault(n, []).append(variant)
         for n, variants in by_n.items():
             jobs = [(variant, *self._paths(variant, n, steps)) for variant in variants]
-            try:
-                train_checkpoints(n, jobs, steps=steps)
+            try:  # a launch's own timeout, and about a minute more for each engine under load
+                train_checkpoints(n, jobs, steps=steps, timeout=600 + 60 * (len(jobs) - 1))
             except Exception as error:  # noqa: BLE001 (each __call__ trains, or fails, on its own)
                 print(f"[trained.prepare] the shared launch at N={n} failed; each checkpoint trains on first use: "
                       f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
@@ -106,6 +107,21 @@ class AutoTPCheckpoints:
                 continue
             self.cache.update({key: self._paths(key) for key in group})
         return failed
+
+
+def checkpoints_named(items) -> dict[int, list[tuple[str, int]]]:
+    """{steps: [(variant, n), ...]} named by `@pytest.mark.trains((variant, n[, steps]), ...)` on the
+    `items` that use the `trained` fixture, in the order first named: what the session trains up front."""
+    found: dict[int, list[tuple[str, int]]] = {}
+    for item in items:
+        if "trained" not in getattr(item, "fixturenames", ()):
+            continue
+        for mark in item.iter_markers("trains"):
+            for variant, n, *steps in mark.args:
+                wanted = found.setdefault(steps[0] if steps else 3, [])
+                if (variant, n) not in wanted:
+                    wanted.append((variant, n))
+    return found
 
 
 def reshard_in_threads(source, destination, target_dp: int, workers: int, **options):
@@ -165,15 +181,19 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
     earlier ZeRO-3 engine left in the process), since starting the job costs ~20-35 s on 2 cores and
     one more load in it ~1 s. Returns {str(verdict_path): verdict dict, or the exception judging it
     raised}. Should the shared launch fail as a whole, each job is judged in a launch of its own, so
-    every test still gets its own verdict or its own error."""
+    every test still gets its own verdict or its own error. A job may end in a sixth element, True
+    to load that one in-job: plain and in-job loads at one M share the launch (check_load --also-in-job)."""
     found: dict = {}
+    in_job_verdicts = {str(job[4]) for job in jobs if in_job or (len(job) > 5 and job[5])}
     for m, group in launches_of(jobs).items():
+        group.sort(key=lambda job: job[3] in in_job_verdicts)  # plain loads first (a stable sort)
         (variant, load_dir, truth, verdict_path), *rest = group
+        first_in_job = verdict_path in in_job_verdicts
         args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth, "--verdict", verdict_path]
         for job in rest:
-            args += ["--also", *job]
-        if in_job:
-            args.append("--in-job")  # check_load applies it to every --also job too
+            args += ["--also-in-job" if job[3] in in_job_verdicts and not first_in_job else "--also", *job]
+        if first_in_job:
+            args.append("--in-job")  # check_load applies it to every --also job too: all of them are in-job
         try:
             run_torchrun("reshard_proof.check_load", m, args, expect_files=[job[3] for job in group])
         except Exception as error:  # noqa: BLE001 (judged one by one below, each with its own verdict or error)
@@ -181,7 +201,8 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
                   f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
             for variant, load_dir, truth, verdict_path in group:
                 try:
-                    found[verdict_path] = judge(variant, m, load_dir, truth, verdict_path, in_job=in_job)
+                    found[verdict_path] = judge(variant, m, load_dir, truth, verdict_path,
+                                                in_job=verdict_path in in_job_verdicts)
                 except Exception as error:  # noqa: BLE001 (raised by the test that owns this job)
                     found[verdict_path] = error
             continue
@@ -194,7 +215,7 @@ def launches_of(jobs) -> dict[int, list[tuple[str, str, str, str]]]:
     """{M: [(variant, load_dir, truth, verdict_path), ...]}: the check_load launches judge_together
     starts, one per M, holding every job at that M in the order given."""
     by_m: dict[int, list[tuple[str, str, str, str]]] = {}
-    for m, variant, load_dir, truth, verdict_path in jobs:
+    for m, variant, load_dir, truth, verdict_path, *_ in jobs:
         by_m.setdefault(m, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
     return by_m
 

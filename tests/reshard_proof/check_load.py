@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.check_load \
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
         [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
-        [--also VARIANT LOAD_DIR TRUTH VERDICT ...]
+        [--also VARIANT LOAD_DIR TRUTH VERDICT ...] [--also-in-job VARIANT LOAD_DIR TRUTH VERDICT ...]
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
@@ -12,7 +12,9 @@ mismatches are merged on rank 0, then `--extra-steps` more steps must give finit
 With --in-job the checkpoint is loaded by reshard.deepspeed.load_checkpoint (the drop-in that
 reshards over the job's process group when the world size differs) instead of the plain call.
 Each `--also` judges one more checkpoint in the same launch, in a fresh engine of its own
-variant (a variant may name a ZeRO stage: `z2_bf16@stage3`), saving a launch per checkpoint.
+variant (a variant may name a ZeRO stage: `z2_bf16@stage3`), saving a launch per checkpoint;
+`--in-job` applies to them too. Each `--also-in-job` is judged after them, loaded in-job whatever
+`--in-job` says, so plain and in-job loads at one M share a launch.
 Exit code 0 whenever the run completes, whatever the verdict; see verdict_file.py for its schema.
 """
 
@@ -55,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="load with reshard.deepspeed.load_checkpoint instead of engine.load_checkpoint")
     parser.add_argument("--also", nargs=4, action="append", default=[], metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
                         help="judge one more checkpoint in this launch (repeatable)")
+    parser.add_argument("--also-in-job", nargs=4, action="append", default=[],
+                        metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
+                        help="judge one more checkpoint in this launch, loaded in-job (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -98,9 +103,10 @@ def main(argv=None) -> None:
     args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     init_distributed()
     judge(args)
-    for variant_name, load_dir, truth_path, verdict_path in args.also:
-        judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
-                                    "truth": truth_path, "verdict": verdict_path}))
+    for in_job, jobs in ((args.in_job, args.also), (True, args.also_in_job)):
+        for variant_name, load_dir, truth_path, verdict_path in jobs:
+            judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
+                                        "truth": truth_path, "verdict": verdict_path, "in_job": in_job}))
 
 
 def judge(args: argparse.Namespace) -> None:

@@ -56,25 +56,96 @@ def child_env(env: dict | None = None) -> dict:
     return child
 
 
+RANKS_WITHOUT_AGENT = frozenset({"reshard_proof.train", "reshard_proof.check_load", "tests.pipeline_run"})
+"""Proof entry points run_torchrun starts as their ranks themselves (run_ranks), without torchrun's
+agent: the same gloo job of separate processes, one start-up of torch fewer per launch.
+RESHARD_PROOF_TORCHRUN=1 in the environment starts them under torchrun again."""
+RANK_GRACE_SECONDS = 5.0
+"""How long the other ranks may run on after one failed (to flush what they print) before they are
+killed, as torchrun's agent stops a job's workers when one fails."""
+
+
+def run_ranks(module: str, nproc: int, args: Sequence[str], *, env: dict | None = None, timeout: float = 600,
+              python: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m module *args` as ranks 0..nproc-1 of one job on this host, each process given the
+    variables torchrun's agent gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, MASTER_ADDR, MASTER_PORT: torch/distributed/elastic/agent/server/local_elastic_agent.py
+    `_start_workers`), rank 0's TCPStore on a free port serving the rendezvous (env://), but no agent:
+    the agent imports torch before it starts a rank, 3-4 s of CPU per launch on this machine, all
+    before any rank begins. As the agent does, the job ends when one rank fails (the others are
+    killed RANK_GRACE_SECONDS later). The result holds every rank's output, rank by rank, and the
+    exit status of the first rank that failed (0 when none did); TimeoutExpired after `timeout`."""
+    import tempfile
+    command = [python or sys.executable, "-m", module, *map(str, args)]
+    base, port = child_env(env), _free_port()
+    ranks, logs = [], []
+    try:
+        for rank in range(nproc):
+            logs.append(tempfile.TemporaryFile(mode="w+"))
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank),
+                            ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            ranks.append(subprocess.Popen(command, env=rank_env, cwd=REPO_ROOT, stdout=logs[-1],
+                                          stderr=subprocess.STDOUT, text=True))
+        deadline, failed_at, first_failure = time.monotonic() + timeout, None, 0
+        while any(rank.poll() is None for rank in ranks):
+            now = time.monotonic()
+            if failed_at is None:
+                failures = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
+                if failures:
+                    failed_at, first_failure = now, failures[0]
+            if now > deadline or (failed_at is not None and now - failed_at > RANK_GRACE_SECONDS):
+                break
+            time.sleep(0.05)
+        timed_out = any(rank.poll() is None for rank in ranks) and failed_at is None
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
+        output = ""
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            output += f"--- rank {rank} ---\n{log.read()}"
+            log.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=output.encode())
+    if not first_failure:
+        first_failure = next((rank.returncode for rank in ranks if rank.returncode), 0)
+    return subprocess.CompletedProcess(command, first_failure, output, "")
+
+
 def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | None = None, timeout: float = 600,
                  expect_files: Iterable[str | os.PathLike] = (), python: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args`.
+    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args`, or for the
+    modules of RANKS_WITHOUT_AGENT the same ranks without the agent (run_ranks).
     `python`: the interpreter to run (another DeepSpeed's virtual environment); this one by default."""
     command = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", module, *map(str, args)]
+    without_agent = module in RANKS_WITHOUT_AGENT and os.environ.get("RESHARD_PROOF_TORCHRUN") != "1"
+    if without_agent:  # what the error messages show
+        command = [f"{nproc} ranks without torchrun's agent:", command[0], *command[5:]]
     expected = [Path(path) for path in expect_files]
     for attempt in (1, 2):
         for path in expected:  # stale files from an earlier run must not pass for this one's
             path.unlink(missing_ok=True)
         try:
-            result = subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
-                                    timeout=timeout)
+            if without_agent:
+                result = run_ranks(module, nproc, args, env=env, timeout=timeout, python=python)
+            else:
+                result = subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
+                                        timeout=timeout)
         except subprocess.TimeoutExpired as expired:
             output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
             raise TorchrunError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-OUTPUT_TAIL_CHARS:]}")
         if result.returncode == 0:
             return result
         output = result.stdout + result.stderr
+        if without_agent and attempt == 1 and "EADDRINUSE" in output:
+            # the free port run_ranks picked was taken before rank 0 listened on it: a new port
+            print(f"[proof.launch] {module}: port taken before rank 0 listened; retrying once", file=sys.stderr,
+                  flush=True)
+            continue
         died_at_exit = all(_looks_complete(path) for path in expected) and expected
         if died_at_exit and attempt == 1:
             print(f"[proof.launch] {module} exited {result.returncode} after writing its files; retrying once. "
@@ -103,15 +174,18 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
 
 
 def train_checkpoints(n: int, jobs: Sequence[tuple], *, steps: int = 3, seed: int = 0,
-                      timeout: float = 600) -> subprocess.CompletedProcess:
+                      timeout: float = 600, python: str | None = None,
+                      env: dict | None = None) -> subprocess.CompletedProcess:
     """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path),
     trained one after the other, each in a fresh engine (reshard_proof.train --also); every one
-    writes the files a train_checkpoint launch of its own writes."""
+    writes the files a train_checkpoint launch of its own writes. `python`, `env`: as train_checkpoint's
+    (another DeepSpeed's virtual environment)."""
     (variant, save_dir, truth_path), *rest = jobs
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
     for job in rest:
         args += ["--also", *job]
-    return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[job[2] for job in jobs])
+    return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[job[2] for job in jobs],
+                        python=python, env=env)
 
 
 def check_checkpoint(variant: str, m: int, load_dir, truth_path, verdict_path, *, seed: int = 1,
