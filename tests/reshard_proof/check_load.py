@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.check_load \
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
         [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
-        [--also VARIANT LOAD_DIR TRUTH VERDICT ...]
+        [--also VARIANT LOAD_DIR TRUTH VERDICT ...]        # or --also alone, once per checkpoint
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
@@ -44,10 +44,10 @@ _MISSING = "<missing from the loaded client_state>"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", required=True)
-    parser.add_argument("--load-dir", required=True)
-    parser.add_argument("--truth", required=True)
-    parser.add_argument("--verdict", required=True, help="path of the JSON verdict rank 0 writes")
+    parser.add_argument("--variant")
+    parser.add_argument("--load-dir")
+    parser.add_argument("--truth")
+    parser.add_argument("--verdict", help="path of the JSON verdict rank 0 writes")
     parser.add_argument("--seed", type=int, default=1, help="model seed of the target engine; differ from train's")
     parser.add_argument("--tag", default=None, help="checkpoint tag; default: the one in LOAD_DIR/latest")
     parser.add_argument("--extra-steps", type=int, default=1)
@@ -55,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="load with reshard.deepspeed.load_checkpoint instead of engine.load_checkpoint")
     parser.add_argument("--also", nargs=4, action="append", default=[], metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
                         help="judge one more checkpoint in this launch (repeatable)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    first = (args.variant, args.load_dir, args.truth, args.verdict)
+    if None in first and (any(value is not None for value in first) or not args.also):
+        parser.error("give --variant, --load-dir, --truth and --verdict together, or only --also")
+    return args
 
 
 # Relative tolerance of the eval loss when the loading engine runs another ZeRO stage than the
@@ -95,9 +99,10 @@ def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     init_distributed()
-    judge(args)
+    if args.load_dir is not None:  # else every checkpoint comes with --also (launch.judge_in_shared_launches)
+        args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
+        judge(args)
     for variant_name, load_dir, truth_path, verdict_path in args.also:
         judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
                                     "truth": truth_path, "verdict": verdict_path}))
