@@ -432,7 +432,11 @@ def cmd_check(args) -> None:
             if model != "base" and engine.module.lm_head.weight is not engine.module.embed.weight:
                 problems.append("lm_head.weight is no longer tied to embed.weight")
             loss = eval_loss(engine)
-            tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2  # TP changes the reduction order
+            # Every load of the suite changes TP, which changes the reduction order (the row-parallel
+            # all-reduce sums partial products): bf16/fp16 losses there differed by up to 1.9e-3 from
+            # the truth's (15 loads, engines reset by start_as_a_fresh_process; negative controls: 0.1),
+            # fp32 ones by 0 in 10 of 10, which the arithmetic does not promise. So no exact comparison.
+            tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2
             if abs(loss - truth["eval_loss"]) > tolerance:
                 problems.append(f"eval loss {loss} vs truth {truth['eval_loss']}")
             losses = train_steps(engine, args.seed, 100, 1)
