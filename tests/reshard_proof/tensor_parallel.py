@@ -434,7 +434,7 @@ def cmd_check(args) -> None:
             loss = eval_loss(engine)
             # Every load of the suite changes TP, which changes the reduction order (the row-parallel
             # all-reduce sums partial products): bf16/fp16 losses there differed by up to 1.9e-3 from
-            # the truth's (15 loads, engines reset by start_as_a_fresh_process; negative controls: 0.1),
+            # the truth's (13 loads, engines reset by start_as_a_fresh_process; negative controls: 0.1),
             # fp32 ones by 0 in 10 of 10, which the arithmetic does not promise. So no exact comparison.
             tolerance = 1e-4 if truth["precision"] == "fp32" else 2e-2
             if abs(loss - truth["eval_loss"]) > tolerance:
