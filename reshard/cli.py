@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return SUBCOMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     started = process_started()
+    options = None
     try:
         options = options_from_args(args)
         if options.workers > 1:
@@ -251,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_job(options, started=started)
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")
+        record = options.result_json if options is not None else args.result_json
+        if record and _is_worker0():
+            from reshard.jobs.results import write_refusal_json
+            write_refusal_json(record, error)
         return 2
     except WorkerLost as error:  # a torchrun peer on this host died or never came: every worker says so
         print(f"reshard: error: {error}", file=sys.stderr)

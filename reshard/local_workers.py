@@ -69,6 +69,7 @@ def _reap(children: list[int], patience: float | None):
 def run_local_workers(options, started: float | None) -> int:
     """Run the job of `options` with `options.workers` forked processes; return the exit status."""
     from reshard.jobs.collective_job import run_job
+    from reshard.jobs.results import write_refusal_json
     from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
     workers = options.workers
@@ -97,6 +98,8 @@ def run_local_workers(options, started: float | None) -> int:
         except ReshardError as error:
             if rank == 0:
                 print(f"reshard: error: {error}", file=sys.stderr)
+                if options.result_json:
+                    write_refusal_json(options.result_json, error)
             code = 2
         except WorkerLost as error:  # every worker that saw it says so: the lost one may have said nothing
             print(f"reshard: error: {error}", file=sys.stderr)

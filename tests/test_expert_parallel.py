@@ -36,7 +36,7 @@ from reshard.layouts.expert_placement import ExpertPlacement, expert_name_parts,
 from reshard.layouts.zero import ParamSpec, buffer_numels
 from reshard.planning.plan import Ownership, Stream, plan_space
 from reshard.topology import Topology
-from trained import JudgedCase
+from trained import JudgedCase, judge_cases
 
 SLOT = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -377,10 +377,7 @@ def moe_cases(request, moe_trained, tmp_path_factory):
             PREPARE[key[0]](moe_trained, case, key[1])
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
-    jobs = [load[:7] for case in cases.values() if case.error is None for load in case.loads]
-    verdicts = check_moe_together(jobs, timeout=1800) if jobs else {}
-    for case in cases.values():
-        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    judge_cases(cases, lambda loads: check_moe_together(loads, timeout=1800))
     return cases
 
 
@@ -994,10 +991,7 @@ def folded_cases(request, tmp_path_factory):
             FOLDED_PREPARE[test](case, *(saves[name] for name in FOLDED_NEEDS[test]))
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
-    loads = [load for case in cases.values() if case.error is None for load in case.loads]
-    verdicts = judge_folded_together(loads) if loads else {}
-    for case in cases.values():
-        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    judge_cases(cases, judge_folded_together)
     return cases
 
 

@@ -11,6 +11,7 @@ node's directory with plain `engine.load_checkpoint`, every element compared wit
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -244,15 +245,31 @@ def test_a_file_on_no_node_is_refused_before_any_data_moves(node_local_checkpoin
     for node in range(NODES):
         shutil.copytree(node_dir(root, node, "src"), node_dir(tmp_path, node, "src"))
     os.unlink(node_dir(tmp_path, 1, "src") / "global_step3" / optim(3))
+    # Judged by files and exit codes (DESIGN.md section 8), not by the agents' output: worker 0 writes
+    # the refusal to --result-json. (The count of "exitcode : 2" lines in torchrun's summary was a race
+    # too: an agent lists the workers that had exited when it polled and SIGTERMs the rest,
+    # torch/distributed/elastic/multiprocessing/api.py `SubprocessContext._poll`.)
     codes, outputs = launch_torchrun_nodes("reshard", NODES, 2, lambda k: [
         node_dir(tmp_path, k, "src"), node_dir(tmp_path, k, "dst"), "--target-dp", 3, "--node-local",
-        "--target-ranks-per-node", 2, "--quiet"], timeout=240)
-    assert all(code not in (0, None) for code in codes), codes
-    text = "\n".join(outputs)
-    assert f"global_step3/{optim(3)}: is on no node" in text, text[-3000:]
-    assert text.count("exitcode  : 2") == 4, text[-3000:]  # every worker of both agents exits 2
+        "--target-ranks-per-node", 2, "--quiet", "--result-json", node_dir(tmp_path, k, "result.json")], timeout=240)
+    assert all(code not in (0, None) for code in codes), codes  # both agents: their workers failed
+    record = json.loads(node_dir(tmp_path, 0, "result.json").read_text())  # global rank 0 runs on node 0
+    assert record["refused"] and record["exit_status"] == 2, record
+    assert f"global_step3/{optim(3)}: is on no node" in record["error"], record
+    assert not node_dir(tmp_path, 1, "result.json").exists()  # one record, from worker 0 only
     for node in range(NODES):
         assert not node_dir(tmp_path, node, "dst").exists()  # nothing created, nothing read into
+
+
+def test_a_refusal_is_recorded_in_the_result_json(tmp_path):
+    """What the node-local refusal test reads: a refused job writes its record to --result-json and exits 2."""
+    from trained import reshard_in_process
+    (tmp_path / "src").mkdir()
+    record = tmp_path / "result.json"
+    result = reshard_in_process(tmp_path / "src", tmp_path / "dst", "--target-dp", 2, "--result-json", record)
+    assert result.returncode == 2, result.stderr
+    assert json.loads(record.read_text()) == {"refused": True, "exit_status": 2,
+                                              "error": result.stderr.strip().removeprefix("reshard: error: ")}
 
 
 @pytest.mark.e2e

@@ -348,7 +348,7 @@ def tp_cases(request, autotp, tmp_path_factory):
     checked by its `_prepare_*` function, then every load at one (tp, dp) judged in ONE launch,
     whatever its source, stage, precision and model (reshard_proof.tensor_parallel `check_together`),
     since the launch is what costs. What failed while preparing or judging a case fails its test only."""
-    from trained import JudgedCase, selected_tests
+    from trained import JudgedCase, judge_cases, selected_tests
 
     from reshard_proof.tensor_parallel import check_together
     cases: dict[str, JudgedCase] = {}
@@ -358,10 +358,7 @@ def tp_cases(request, autotp, tmp_path_factory):
             TP_PREPARE[test](autotp, case)
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
-    loads = [load for case in cases.values() if case.error is None for load in case.loads]
-    verdicts = check_together(loads) if loads else {}
-    for case in cases.values():
-        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict)) for load in case.loads}
+    judge_cases(cases, check_together)
     return cases
 
 

@@ -10,13 +10,19 @@ once (`judge_together`: one launch per M, since the launch is what costs).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from reshard_proof.launch import check_checkpoint, run_torchrun, train_checkpoint, train_checkpoints
+from reshard_proof.launch import (
+    check_checkpoint,
+    judge_in_shared_launches,
+    run_torchrun,
+    shared_launches,
+    train_checkpoint,
+    train_checkpoints,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,44 +186,32 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
     engine each, fp32, bf16 and fp16 alike: reshard_proof.engine_setup.build_engine undoes what an
     earlier ZeRO-3 engine left in the process), since starting the job costs ~20-35 s on 2 cores and
     one more load in it ~1 s. Returns {str(verdict_path): verdict dict, or the exception judging it
-    raised}. Should the shared launch fail as a whole, each job is judged in a launch of its own, so
-    every test still gets its own verdict or its own error. A job may end in a sixth element, True
-    to load that one in-job: plain and in-job loads at one M share the launch (check_load --also-in-job)."""
-    found: dict = {}
-    in_job_verdicts = {str(job[4]) for job in jobs if in_job or (len(job) > 5 and job[5])}
-    for m, group in launches_of(jobs).items():
-        group.sort(key=lambda job: job[3] in in_job_verdicts)  # plain loads first (a stable sort)
-        (variant, load_dir, truth, verdict_path), *rest = group
-        first_in_job = verdict_path in in_job_verdicts
-        args = ["--variant", variant, "--load-dir", load_dir, "--truth", truth, "--verdict", verdict_path]
-        for job in rest:
-            args += ["--also-in-job" if job[3] in in_job_verdicts and not first_in_job else "--also", *job]
-        if first_in_job:
-            args.append("--in-job")  # check_load applies it to every --also job too: all of them are in-job
-        try:
-            run_torchrun("reshard_proof.check_load", m, args, expect_files=[job[3] for job in group])
-        except Exception as error:  # noqa: BLE001 (judged one by one below, each with its own verdict or error)
-            print(f"[judge_together] the shared launch at M={m} failed, judging its {len(group)} loads one by one: "
-                  f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
-            for variant, load_dir, truth, verdict_path in group:
-                try:
-                    found[verdict_path] = judge(variant, m, load_dir, truth, verdict_path,
-                                                in_job=verdict_path in in_job_verdicts)
-                except Exception as error:  # noqa: BLE001 (raised by the test that owns this job)
-                    found[verdict_path] = error
-            continue
-        for job in group:
-            found[job[3]] = json.loads(Path(job[3]).read_text())
-    return found
+    raised} (reshard_proof.launch `judge_in_shared_launches`: should the shared launch fail as a
+    whole, each job is judged in a launch of its own). A job may end in a sixth element, True to
+    load that one in-job: plain and in-job loads at one M share the launch (check_load
+    --also-in-job), plain loads first."""
+    in_job_of = _in_job_of(in_job)
+    return judge_in_shared_launches("reshard_proof.check_load", sorted(jobs, key=in_job_of),  # stable
+                                    launch=_check_load_launch,
+                                    job_args=lambda job: ["--also-in-job" if in_job_of(job) else "--also", *job[1:5]],
+                                    verdict=lambda job: job[4])
+
+
+def _in_job_of(in_job: bool):
+    """Whether a judge_together job loads in-job: all of them with in_job, else those whose sixth element says so."""
+    return lambda job: in_job or (len(job) > 5 and bool(job[5]))
+
+
+def _check_load_launch(job):
+    """(M, base args) of a judge_together job: one check_load launch per M, every job added by --also(-in-job)."""
+    return job[0], []
 
 
 def launches_of(jobs) -> dict[int, list[tuple[str, str, str, str]]]:
     """{M: [(variant, load_dir, truth, verdict_path), ...]}: the check_load launches judge_together
     starts, one per M, holding every job at that M in the order given."""
-    by_m: dict[int, list[tuple[str, str, str, str]]] = {}
-    for m, variant, load_dir, truth, verdict_path, *_ in jobs:
-        by_m.setdefault(m, []).append((variant, str(load_dir), str(truth), str(verdict_path)))
-    return by_m
+    return {m: [tuple(map(str, job[1:5])) for job in group]
+            for (m, *_), group in shared_launches(jobs, _check_load_launch).items()}
 
 
 class JudgedCase:
@@ -236,6 +230,18 @@ class JudgedCase:
         if self.error is not None:
             raise self.error
         return [(load, verdict_of(self.verdicts, load.verdict)) for load in self.loads]
+
+
+def judge_cases(cases, judge) -> None:
+    """Judge the loads of every case prepared without error in one call of `judge` (loads ->
+    {str(verdict path): verdict, or the exception judging it raised}, e.g. judge_together), and
+    hand each case its own verdicts. `cases`: JudgedCases, or a dict of them."""
+    cases = list(cases.values()) if isinstance(cases, dict) else list(cases)
+    loads = [load for case in cases if case.error is None for load in case.loads]
+    verdicts = judge(loads) if loads else {}
+    for case in cases:
+        case.verdicts = {str(load.verdict): verdicts.get(str(load.verdict), LookupError(f"no verdict for {load}"))
+                         for load in case.loads}
 
 
 def selected_tests(request, names) -> list[tuple[str, object]]:

@@ -115,7 +115,8 @@ class ReshardOptions:
     """With node_local: target rank r runs on node r // this, and its files are written there."""
     result_json: str | None = flag(None, metavar="PATH")
     """Also write the result (bytes, seconds, phases, workers, bytes between nodes and the plan's
-    figure) as JSON to PATH, from worker 0."""
+    figure) as JSON to PATH, from worker 0; a refused job writes {"refused": true, "exit_status": 2,
+    "error"} there instead."""
 
     def validate(self) -> "ReshardOptions":
         if self.target_dp is None:

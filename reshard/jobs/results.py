@@ -264,12 +264,7 @@ class ReshardResult:
 
     def write_json(self, path: str) -> None:
         """`as_dict()` as JSON at `path` (`--result-json`), written whole, then renamed into place."""
-        import json
-        import os
-        temporary = f"{path}.tmp{os.getpid()}"
-        with open(temporary, "w") as file:
-            json.dump(self.as_dict(), file, indent=2)
-        os.replace(temporary, path)
+        _write_json(path, self.as_dict())
 
     def summary(self) -> str:
         parts = [c.summary() for c in self.checkpoints] + [f"note: {n}" for n in self.notes]
@@ -302,3 +297,19 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def write_refusal_json(path: str, error: BaseException, exit_status: int = 2) -> None:
+    """The record of a refused job at `path` (`--result-json`): {"refused": true, "exit_status",
+    "error"}, so that a caller judges a refusal by a file and the exit status, not by what reached
+    a launcher's output (under load, a launcher can lose its workers' last lines)."""
+    _write_json(path, {"refused": True, "exit_status": exit_status, "error": str(error)})
+
+
+def _write_json(path: str, record: dict) -> None:
+    """`record` as JSON at `path`, written whole, then renamed into place."""
+    import json
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as file:
+        json.dump(record, file, indent=2)
+    os.replace(temporary, path)

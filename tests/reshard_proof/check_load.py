@@ -4,6 +4,7 @@
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
         [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
         [--also VARIANT LOAD_DIR TRUTH VERDICT ...] [--also-in-job VARIANT LOAD_DIR TRUTH VERDICT ...]
+                                        # or only --also / --also-in-job, once per checkpoint
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
@@ -46,10 +47,10 @@ _MISSING = "<missing from the loaded client_state>"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", required=True)
-    parser.add_argument("--load-dir", required=True)
-    parser.add_argument("--truth", required=True)
-    parser.add_argument("--verdict", required=True, help="path of the JSON verdict rank 0 writes")
+    parser.add_argument("--variant")
+    parser.add_argument("--load-dir")
+    parser.add_argument("--truth")
+    parser.add_argument("--verdict", help="path of the JSON verdict rank 0 writes")
     parser.add_argument("--seed", type=int, default=1, help="model seed of the target engine; differ from train's")
     parser.add_argument("--tag", default=None, help="checkpoint tag; default: the one in LOAD_DIR/latest")
     parser.add_argument("--extra-steps", type=int, default=1)
@@ -60,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--also-in-job", nargs=4, action="append", default=[],
                         metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
                         help="judge one more checkpoint in this launch, loaded in-job (repeatable)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    first = (args.variant, args.load_dir, args.truth, args.verdict)
+    if None in first and (any(value is not None for value in first) or not (args.also or args.also_in_job)):
+        parser.error("give --variant, --load-dir, --truth and --verdict together, or only --also / --also-in-job")
+    return args
 
 
 # Relative tolerance of the eval loss when the loading engine runs another ZeRO stage than the
@@ -100,9 +105,9 @@ def merge_rank_mismatches(per_rank: list[list[str]]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     init_distributed()
-    judge(args)
+    if args.load_dir is not None:  # else every checkpoint comes with --also (launch.judge_in_shared_launches)
+        judge(args)
     for in_job, jobs in ((args.in_job, args.also), (True, args.also_in_job)):
         for variant_name, load_dir, truth_path, verdict_path in jobs:
             judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
@@ -113,6 +118,7 @@ def judge(args: argparse.Namespace) -> None:
     """Load one checkpoint in a fresh engine, compare, train on, write its verdict. Collective."""
     import torch.distributed as dist  # deepspeed.comm <= 0.16 has no all_gather_object
 
+    args.load_dir = node_path(args.load_dir)  # each node's own directory of a node-local checkpoint
     variant = get_variant(args.variant)
     truth = read_truth(args.truth)
     if truth["meta"]["variant"] != variant.name:

@@ -67,6 +67,15 @@ def restart_zero3_param_ids() -> None:
     Init.param_id = 0
 
 
+def start_as_a_fresh_process() -> None:
+    """Undo what an earlier ZeRO-3 engine of this process left behind for the next engine, of any
+    stage (undo_zero3_linear_patch, restart_zero3_param_ids). Every builder of proof engines calls
+    it first: build_engine here, and reshard_proof.tensor_parallel and folded_tp_ep, which build
+    their own models."""
+    undo_zero3_linear_patch()
+    restart_zero3_param_ids()
+
+
 def build_engine(variant: Variant, seed: int, ep: int = 1):
     """A fresh model from `seed`, wrapped by deepspeed.initialize with the variant's config
     (MoE and AutoEP variants: experts sharded over `ep` expert-parallel ranks). The engine starts
@@ -75,8 +84,7 @@ def build_engine(variant: Variant, seed: int, ep: int = 1):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    undo_zero3_linear_patch()
-    restart_zero3_param_ids()
+    start_as_a_fresh_process()
 
     if variant.precision == "fp16":
         # DeepSpeed's CPU accelerator refuses fp16, but torch computes in fp16 on CPU; lying

@@ -81,9 +81,14 @@ def ds_config(stage: int, tp: int, ep: int, precision: str = "fp32") -> dict:
 
 
 def build_engine(stage: int, tp: int, ep: int, seed: int, precision: str = "fp32"):
+    """A fresh FoldedProofModel from `seed` in an engine at (tp, ep), started as in a fresh process
+    even after other engines in this one (engine_setup.start_as_a_fresh_process)."""
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
+    from reshard_proof.engine_setup import start_as_a_fresh_process
+
+    start_as_a_fresh_process()
     torch.manual_seed(seed)
     model = FoldedProofModel()
     engine, _, _, _ = deepspeed.initialize(
@@ -263,36 +268,12 @@ def train_folded(nproc: int, tp: int, ep: int, saves, timeout: float = 900) -> N
 def judge_folded_together(loads, timeout: float = 1200) -> dict:
     """Judge loads (nproc, tp, ep, stage, how, load_dir, truth, verdict) with one launch per
     (nproc, tp, ep), each load in a fresh engine of its stage. {str(verdict): verdict dict, or the
-    exception judging it raised}; should a shared launch fail, its loads are judged one per launch."""
-    import json
-    import sys
-    from pathlib import Path
-
-    from reshard_proof.launch import run_torchrun
-    groups: dict[tuple, list[tuple]] = {}
-    for nproc, tp, ep, *load in loads:
-        groups.setdefault((nproc, tp, ep), []).append(tuple(map(str, load)))
-    found: dict = {}
-    for (nproc, tp, ep), group in groups.items():
-        batches = [group]
-        for batch in batches:  # grows by one batch per load should the shared launch fail
-            args = ["--tp", tp, "--ep", ep]
-            for load in batch:
-                args += ["--load", *load]
-            try:
-                run_torchrun("reshard_proof.folded_tp_ep", nproc, args, timeout=timeout,
-                             expect_files=[load[4] for load in batch])
-            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
-                if len(batch) > 1:
-                    print(f"[folded_tp_ep] the shared check at nproc={nproc} tp={tp} ep={ep} failed; judging its "
-                          f"{len(batch)} loads one by one: {str(error)[-2000:]}", file=sys.stderr, flush=True)
-                    batches += [[load] for load in batch]
-                else:
-                    found[batch[0][4]] = error
-                continue
-            for load in batch:
-                found[load[4]] = json.loads(Path(load[4]).read_text())
-    return found
+    exception judging it raised} (reshard_proof.launch `judge_in_shared_launches`: a failed shared
+    launch is judged again one load per launch)."""
+    from reshard_proof.launch import judge_in_shared_launches
+    return judge_in_shared_launches("reshard_proof.folded_tp_ep", loads, timeout=timeout,
+                                    launch=lambda load: (load[0], ["--tp", load[1], "--ep", load[2]]),
+                                    job_args=lambda load: ["--load", *load[3:8]], verdict=lambda load: load[7])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -339,36 +339,59 @@ def check_moe_loads(variant: str, ep: int, world: int, truth_path, loads: Sequen
     return verdicts
 
 
+def shared_launches(jobs: Sequence[tuple], launch: Callable[[tuple], tuple[int, Sequence]]) -> dict[tuple, list[tuple]]:
+    """{(nproc, *base args): [job, ...]}: the launches judge_in_shared_launches starts, one per
+    distinct `launch(job)`, each holding its jobs in the order given."""
+    launches: dict[tuple, list[tuple]] = {}
+    for job in jobs:
+        nproc, base_args = launch(job)
+        launches.setdefault((nproc, *map(str, base_args)), []).append(job)
+    return launches
+
+
+def judge_in_shared_launches(module: str, jobs: Sequence[tuple], *, launch: Callable[[tuple], tuple[int, Sequence]],
+                             job_args: Callable[[tuple], Sequence], verdict: Callable[[tuple], str | os.PathLike],
+                             timeout: float = 600) -> dict:
+    """Judge `jobs` with one torchrun launch of `module` per launch key, since starting a 2-4 rank job
+    costs far more than one more engine in it: `launch(job)` gives (nproc, base args) of the launch
+    a job belongs in, `job_args(job)` the arguments that add the job to it (`--job ...`, `--load ...`),
+    `verdict(job)` the JSON file the job's verdict is written to. The jobs of one launch keep their
+    order. Returns {str(verdict path): the verdict dict, or the exception judging it raised}.
+
+    Should a shared launch fail as a whole (one job's bad input can end the process for all), each
+    of its jobs is judged again in a launch of its own, so that every test still meets its own
+    verdict or its own error rather than its neighbour's."""
+    found: dict = {}
+    for (nproc, *base_args), group in shared_launches(jobs, launch).items():
+        batches = [group]
+        for batch in batches:  # grows by one batch per job should the shared launch fail
+            paths = [Path(verdict(job)) for job in batch]
+            args = [*base_args, *(arg for job in batch for arg in job_args(job))]
+            try:
+                run_torchrun(module, nproc, args, timeout=timeout, expect_files=paths)
+            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
+                if len(batch) > 1:
+                    print(f"[proof.launch] the shared launch of {module} on {nproc} ranks ({' '.join(base_args)}) "
+                          f"failed; judging its {len(batch)} jobs one by one: {str(error)[-2000:]}",
+                          file=sys.stderr, flush=True)
+                    batches += [[job] for job in batch]
+                else:
+                    found[str(paths[0])] = error
+                continue
+            for path in paths:
+                try:
+                    found[str(path)] = json.loads(path.read_text())
+                except (OSError, ValueError) as error:  # exit 0 without its verdict: this job's error only
+                    found[str(path)] = TorchrunError(f"{module} exited 0 without a readable verdict {path}: {error}")
+    return found
+
+
 def check_moe_together(jobs: Sequence[tuple], *, timeout: float = 600) -> dict:
     """Judge loads of many MoE / AutoEP sources with one launch per (ep, world): jobs are
     (ep, world, variant, truth_path, how, load_dir, verdict_path), how as in check_moe_loads
     ("native", "in_job" or "universal"); each load gets a fresh engine of its own variant
-    (moe_run check --job), since starting a 2-4 rank job costs far more than one more engine.
-    Returns {str(verdict_path): verdict dict, or the exception judging it raised}. Should a shared
-    launch fail as a whole, each of its loads is judged in a launch of its own, so that every test
-    still gets its own verdict or its own error."""
-    by_size: dict[tuple[int, int], list[tuple]] = {}
-    for ep, world, *job in jobs:
-        by_size.setdefault((ep, world), []).append(tuple(map(str, job)))
-    found: dict = {}
-    for (ep, world), group in by_size.items():
-        batches = [group]
-        for batch in batches:  # grows by one batch per load should the shared launch fail
-            args = ["check", "--ep", ep]
-            for job in batch:
-                args += ["--job", *job]
-            try:
-                run_torchrun("reshard_proof.moe_run", world, args, timeout=timeout,
-                             expect_files=[job[4] for job in batch])
-            except Exception as error:  # noqa: BLE001 (judged one by one, or raised by the test owning it)
-                if len(batch) > 1:
-                    print(f"[proof.launch] the shared MoE check at ep={ep} world={world} failed; judging its "
-                          f"{len(batch)} loads one by one: {str(error)[-2000:]}", file=sys.stderr, flush=True)
-                    batches += [[job] for job in batch]
-                else:
-                    found[batch[0][4]] = error
-                continue
-            for job in batch:
-                with open(job[4]) as handle:
-                    found[job[4]] = json.load(handle)
-    return found
+    (moe_run check --job). {str(verdict_path): verdict dict, or the exception judging it raised}
+    (judge_in_shared_launches: a failed shared launch is judged again one load per launch)."""
+    return judge_in_shared_launches("reshard_proof.moe_run", jobs, timeout=timeout,
+                                    launch=lambda job: (job[1], ["check", "--ep", job[0]]),
+                                    job_args=lambda job: ["--job", *job[2:7]], verdict=lambda job: job[6])
