@@ -140,21 +140,15 @@ def join_nodes(layout: NodeLayout, backend: str = "auto", timeout_seconds: float
     from reshard.transport.same_host import job_identity, join_workers_on_this_host
     local = join_workers_on_this_host(layout.local_rank, layout.local_size,
                                       f"{job_identity()}\nnode={layout.node}", timeout_seconds)
-    leaders = None
-    try:
-        if layout.leader:
-            try:
-                leaders = _join_leaders(layout, backend, timeout_seconds)
-            except RuntimeError as error:  # another node's leader never came (the store or the group timed out)
-                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                raise WorkerLost(f"worker {layout.rank} (leader of node {layout.node}): the node leaders did not "
-                                 f"all meet within {timeout_seconds:g}s: {first}") from None
-        return NodesTransport(layout, local, leaders)
-    except BaseException:
-        local.close()
-        if leaders is not None:
-            leaders.close()
-        raise
+
+    def join_leaders():
+        try:
+            return _join_leaders(layout, backend, timeout_seconds)
+        except RuntimeError as error:  # another node's leader never came (the store or the group timed out)
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise WorkerLost(f"worker {layout.rank} (leader of node {layout.node}): the node leaders did not "
+                             f"all meet within {timeout_seconds:g}s: {first}") from None
+    return _two_levels(layout, local, join_leaders)
 
 
 def join_mpi_nodes(timeout_seconds: float = 600) -> "NodesTransport | None":
@@ -193,10 +187,17 @@ def join_mpi_nodes(timeout_seconds: float = 600) -> "NodesTransport | None":
     node_comm.Free()
     layout = NodeLayout(rank, size, node, nodes, local_rank, local_size)
     local = join_workers_on_this_host(local_rank, local_size, f"mpi job {token}\nnode={node}", timeout_seconds)
+    return _two_levels(layout, local, lambda: MPITransport(comm=leaders_comm, timeout_seconds=timeout_seconds,
+                                                           owns_process=True))
+
+
+def _two_levels(layout: NodeLayout, local, join_leaders) -> "NodesTransport":
+    """The NodesTransport over this node's shared memory `local` and, on the node's leader, the
+    transport `join_leaders()` gives; should either fail, what was opened is closed."""
     leaders = None
     try:
-        if leader:
-            leaders = MPITransport(comm=leaders_comm, timeout_seconds=timeout_seconds, owns_process=True)
+        if layout.leader:
+            leaders = join_leaders()
         return NodesTransport(layout, local, leaders)
     except BaseException:
         local.close()
