@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,9 @@ def pipeline_exports(pipeline_runs, tmp_path_factory):
 
     from reshard.export import export_safetensors, export_universal
     root = tmp_path_factory.mktemp("pipeline-export")
-    found = {}
+    for variant, pp, dp in SAVES.values():  # trained (or found) first: the timings below are the exports' own
+        pipeline_runs(variant, pp, dp)
+    started, found = time.perf_counter(), {}
     for name, (variant, pp, dp) in SAVES.items():
         save, truth = pipeline_runs(variant, pp, dp)
         entry = {"save": save, "truth": truth, "st": root / name / "st", "ours": root / name / "ours",
@@ -112,8 +115,18 @@ def pipeline_exports(pipeline_runs, tmp_path_factory):
                                                              transport=t))
         run_workers(2, lambda t, e=entry: export_universal(str(e["save"]), str(e["ours"]), transport=t))
         found[name] = entry
+    exported = time.perf_counter()
     failures = ds_to_universal_all([(e["save"] / "step3", e["theirs"] / "step3") for e in found.values()])
-    assert not failures, failures
+    # DeepSpeed 0.19.8's converter fails on the frozen save: with layer 1's weight out of stage 0's flat,
+    # the tied embedding is split over stage 0's two dp ranks but whole on stage 1's dp rank 0, and
+    # extract_zero_shards writes both stages' fragments to the same zero/<name>/0/fp32.<dp> files, so
+    # stage 0's rank-1 piece is left over: 888 + 422 elements merged (no pipeline_replicated_params
+    # entry in universal_checkpoint_info to skip stage 1's copy). reshard writes each tied
+    # parameter from its first stage, whole: compared with the truth below.
+    assert list(failures) == [str(found["frozen"]["theirs"] / "step3")], failures
+    assert "shape '[37, 24]' is invalid for input of size 1310" in failures[str(found["frozen"]["theirs"] / "step3")]
+    found["frozen"]["theirs"] = None
+    converted = time.perf_counter()
     verdict = root / "universal.json"
     args = ["check", "--pp", 1, "--precision", "fp32", "--universal", "--load", found["fp32"]["ours"],
             "--truth", found["fp32"]["truth"], "--verdict", verdict]
@@ -121,6 +134,8 @@ def pipeline_exports(pipeline_runs, tmp_path_factory):
         args += ["--safetensors", entry["st"], entry["truth"], entry["st_verdict"]]
     run_torchrun(HARNESS, 2, args, expect_files=[verdict, *(e["st_verdict"] for e in found.values())], timeout=500)
     found["universal_verdict"] = json.loads(verdict.read_text())
+    print(f"[pipeline_exports] exports {exported - started:.1f} s, ds_to_universal {converted - exported:.1f} s, "
+          f"judge launch {time.perf_counter() - converted:.1f} s", flush=True)
     return found
 
 
@@ -159,27 +174,47 @@ def test_universal_export_loads_with_load_universal_at_another_pp_and_dp(pipelin
     assert sum(rank["checked"] for rank in verdict["ranks"]) == 2 * len(NAMES)
 
 
+def _truth(truth_dir: Path) -> dict:
+    found = {}
+    for path in sorted(truth_dir.iterdir()):
+        found.update(torch.load(path, weights_only=True)["tensors"])
+    return found
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("save", list(SAVES))
-def test_universal_export_equals_ds_to_universal_file_by_file(pipeline_exports, save):
+def test_universal_export_holds_the_truth_and_equals_ds_to_universal_file_by_file(pipeline_exports, save):
     entry = pipeline_exports[save]
-    ours, theirs = entry["ours"], entry["theirs"]
+    ours, theirs, tag = entry["ours"], entry["theirs"], "step3"
+    assert (ours / "latest_universal").read_text() == tag
     ours_files = {p.relative_to(ours) for p in ours.rglob("*") if p.is_file()}
+    # every trainable parameter's master and Adam moments equal the source engine's; the frozen weight's
+    # value (beyond ds_to_universal, which writes nothing for it) equals its layer file's
+    truth = _truth(entry["truth"])
+    assert sorted(truth) == sorted(NAMES)
+    for name, states in truth.items():
+        for key, want in states.items():
+            got = torch.load(ours / tag / "zero" / name / f"{'fp32' if key == 'frozen' else key}.pt", weights_only=True)
+            assert got.keys() == ({"param"} if key == "frozen" else {"cat_dim", "param"}), (name, key)
+            assert got["param"].dtype == torch.float32 and torch.equal(got["param"], want.float()), (name, key)
+        assert (ours / tag / "zero" / name / "step.pt").is_file() == ("frozen" not in states), name
+    for stage in range(2):
+        name = f"mp_rank_{stage:02d}_model_states.pt"
+        assert (ours / tag / name).read_bytes() == (entry["save"] / tag / name).read_bytes()
+    if theirs is None:  # DeepSpeed's converter fails on this save (see the fixture)
+        return
     theirs_files = {p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file()}
-    # beyond ds_to_universal: the frozen weight's value, from its layer file (DeepSpeed writes nothing for it)
-    extra = {Path("step3/zero/1.weight/fp32.pt")} if save == "frozen" else set()
-    assert ours_files == theirs_files | extra, sorted(ours_files ^ theirs_files)
-    assert (ours / "latest_universal").read_text() == "step3"
+    assert ours_files == theirs_files, sorted(ours_files ^ theirs_files)
     checked = 0
     for relative in sorted(theirs_files):
         a, b = ours / relative, theirs / relative
-        if relative.name.startswith("mp_rank_"):
-            assert a.read_bytes() == (entry["save"] / relative).read_bytes(), relative
+        if relative.name.startswith("mp_rank_") or relative.name == "latest_universal":
+            assert a.read_bytes() == b.read_bytes(), relative
         elif relative.name == "optimizer_state.pt":
             mine, deepspeeds = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
             assert mine.keys() == deepspeeds.keys()
             assert mine["param_groups"] == deepspeeds["param_groups"]
-        elif relative.suffix == ".pt":
+        else:
             mine, deepspeeds = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
             if isinstance(deepspeeds, dict):
                 assert mine.keys() == deepspeeds.keys(), relative
@@ -188,13 +223,7 @@ def test_universal_export_equals_ds_to_universal_file_by_file(pipeline_exports, 
                 checked += 1
             else:
                 assert torch.equal(torch.as_tensor(mine), torch.as_tensor(deepspeeds)), relative
-    assert checked >= 3 * (len(NAMES) - (save == "frozen"))  # fp32, exp_avg, exp_avg_sq of every trainable one
-    if save == "frozen":
-        truth = {}
-        for path in sorted(entry["truth"].iterdir()):
-            truth.update(torch.load(path, weights_only=True)["tensors"])
-        frozen = torch.load(ours / "step3/zero/1.weight/fp32.pt", weights_only=True)["param"]
-        assert torch.equal(frozen, truth["1.weight"]["frozen"])
+    assert checked == 3 * len(NAMES)  # fp32, exp_avg, exp_avg_sq of every parameter
 
 
 @pytest.mark.e2e

@@ -65,7 +65,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
 from reshard.export.hf_layout import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
@@ -295,8 +295,12 @@ def _run_work(transport, life: Lifecycle, write, place) -> None:
 
 
 def pipeline_tag_of(source_dir: str, tag: str | None) -> str | None:
-    """The tag (given, or `latest`'s) when it is a PipelineModule save, else None (worker 0)."""
-    tag = resolve_tag(source_dir, tag)
+    """The tag (given, or `latest`'s) when it is a PipelineModule save, else None (worker 0; a source
+    whose tag cannot be found is left to the non-pipeline export, which reports it)."""
+    try:
+        tag = resolve_tag(source_dir, tag)
+    except ReshardError:
+        return None
     return tag if is_pipeline(os.path.join(source_dir, tag)) else None
 
 
