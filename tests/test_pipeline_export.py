@@ -250,3 +250,32 @@ def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
     refused = reshard_in_process("export", save, busy, "--format", "safetensors")
     assert refused.returncode == 2 and "not empty" in refused.stderr
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.e2e
+def test_a_failed_pipeline_export_leaves_nothing_and_the_same_command_then_succeeds(pipeline_runs, tmp_path,
+                                                                                     monkeypatch):
+    # the one lifecycle: worker 1 fails writing its stage (a full disk); every worker learns it, the
+    # staging, the lock and the OUT this run created are removed; the same command then publishes
+    import errno
+
+    from threaded_transport import run_workers
+
+    from reshard.errors import ReshardError
+    from reshard.export import export_universal, pipeline_export
+    save, _ = pipeline_runs("fp32", 2, 1)
+    real = pipeline_export.read_stage
+
+    def disk_full_on_stage_1(source, stage, trust_pickle=False):
+        if stage == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
+        return real(source, stage, trust_pickle)
+
+    monkeypatch.setattr(pipeline_export, "read_stage", disk_full_on_stage_1)
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match="No space left on device"):
+        run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
+    assert not out.exists(), sorted(out.rglob("*"))
+    monkeypatch.setattr(pipeline_export, "read_stage", real)
+    run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
+    assert sorted(p.name for p in out.iterdir()) == ["latest_universal", "step3"]
