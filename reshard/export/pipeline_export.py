@@ -312,13 +312,16 @@ def _inspect(source_dir: str, destination: str, tag: str, trust_pickle: bool):
 
 # ---- safetensors ------------------------------------------------------------------------------
 
-def safetensors_files(model: PipelineModel, out_dtype: str, max_shard_bytes: int) -> tuple[ExportFile, ...]:
-    """The shards, as reshard.export.hf_layout lays out a save without a pipeline."""
+def safetensors_files(model: PipelineModel, out_dtype: str, max_shard_bytes: int,
+                      tag_dir: str = "") -> tuple[ExportFile, ...]:
+    """The shards, as reshard.export.hf_layout lays out a save without a pipeline (`tag_dir`: where the
+    layer files named in a refusal are)."""
     tensors = []
     for i, t in enumerate(model.tensors):
         dtype = out_dtype if t.stage >= 0 else out_dtype_for(t.dtype, out_dtype)
         if dtype not in SAFETENSORS_DTYPES:
-            raise UnsupportedCheckpoint(t.layer_file, f"{t.name} is {dtype}, which safetensors cannot store")
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, t.layer_file),
+                                        f"{t.name} is {dtype}, which safetensors cannot store")
         tensors.append(ExportTensor(t.name, t.shape, dtype, TRAINABLE if t.stage >= 0 else LAYER, i))
     shards = pack_in_order(tensors, max_shard_bytes)
     files = []
@@ -375,7 +378,7 @@ def export_pipeline_safetensors(source_dir: str, destination: str, tag: str, out
 
     def inspect():
         source, model = _inspect(source_dir, destination, tag, trust_pickle)
-        files = safetensors_files(model, out_dtype, max_shard_bytes)
+        files = safetensors_files(model, out_dtype, max_shard_bytes, source.tag_dir)
         owned = [range(w, len(files), transport.size) for w in range(transport.size)]
         tensors = {f: [model.tensors[t.index] for t in files[f].tensors] for f in range(len(files))}
         check_budget(source, [stages_of(tensors, own) for own in owned], budget, "the safetensors export")
