@@ -275,7 +275,7 @@ def main() -> None:
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
                         help="check: one more save (MODE plain or in-job), in a fresh engine, same truth")
     parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
-                        help="check: then a safetensors export of a pipeline save, loaded into a PipelineModule at pp 1")
+                        help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
     args = parser.parse_args()
     train(args) if args.mode == "train" else check(args)
 
