@@ -76,7 +76,7 @@ from reshard.export.hf_layout import (
     safetensors_header,
     write_index,
 )
-from reshard.export.model_files import copy_model_files, model_files_in
+from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
 from reshard.export.universal_names import LATEST_UNIVERSAL, OPTIMIZER_STATE, check_directory_name
 from reshard.files.byte_io import pwrite_exact
 from reshard.files.paths import confined, open_new_file
@@ -260,7 +260,8 @@ class PipelineExportResult:
                 + (f"\n  tied: {tied}" if tied else "")
                 + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
                 + ("\n  load with \"checkpoint\": {\"load_universal\": true}" if self.format == "universal" else "")
-                + "".join(f"\n  note: {note}" for note in self.notes))
+                + "".join(f"\n  note: {note}" for note in [*self.notes, *(missing_notes(self.model_files)
+                                                                      if self.format == "safetensors" else [])]))
 
 
 def _begin(transport, source: PipelineSource, destination: str, overwrite: bool, export: dict) -> Lifecycle:
