@@ -185,6 +185,9 @@ model.safetensors.index.json, written last.
 --format universal writes what DeepSpeed's ds_to_universal.py writes (OUT/TAG/zero/<param>/
 {fp32,exp_avg,exp_avg_sq,step}.pt, zero/optimizer_state.pt, the model-states files,
 OUT/latest_universal): load it at any size with "checkpoint": {"load_universal": true}.
+A PipelineModule save (layer_XX-model_states.pt files) is exported under the names
+PipelineModule.state_dict() gives (<layer index>.<name>, tied_modules.<key>.<name>), frozen
+parameters and buffers from its layer files (docs/supported.md, Pipeline parallelism).
 --dtype and --max-shard-size apply to safetensors only."""
 
 

@@ -50,6 +50,14 @@ def torchrun_output(trained, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pipeline_runs(tmp_path_factory):
+    """pipeline_runs(variant, pp, dp) -> (save_dir, truth_dir): a PipelineModule save (tests/pipeline_run.py),
+    trained once per session and shared by tests/test_pipeline.py and tests/test_pipeline_export.py."""
+    from test_pipeline import PipelineRuns
+    return PipelineRuns(tmp_path_factory.mktemp("pipeline"))
+
+
+@pytest.fixture(scope="session")
 def hf_trained(tmp_path_factory):
     """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
     from hf_runs import HfRuns

@@ -21,6 +21,9 @@ step counters, the LR and (fp16) the loss scaler's state with the truth, then ru
 checks one more save against the same truth in the same launch, in an engine of its own built the
 same way, since the launch is what costs; only fp32 saves share one, as reshard_proof's judge_together
 does (a bf16 engine built after another one in a process computed another eval loss).
+`--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
+strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
+(tests/test_pipeline_export.py).
 """
 from __future__ import annotations
 
@@ -170,6 +173,44 @@ def check(args) -> None:
     check_one(args, args.load, args.verdict, args.in_job)
     for load, verdict, mode in args.also:
         check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])
+    for directory, truth, verdict in args.safetensors:
+        check_safetensors(directory, truth, verdict)
+
+
+def check_safetensors(directory: str, truth_dir: str, verdict_path: str) -> None:
+    """A safetensors export of a pipeline save (`reshard export --format safetensors`), loaded with
+    strict=True into a PipelineModule built afresh from the same layers at pp=1: every tensor of its
+    state_dict() must equal the truth (a trainable parameter's fp32 master, a frozen one's value)."""
+    from deepspeed.pipe import PipelineModule
+    from safetensors.torch import load_file
+    state = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(directory, name)))
+    expected = {}
+    for name in sorted(os.listdir(truth_dir)):
+        for key, states in torch.load(os.path.join(truth_dir, name), weights_only=True)["tensors"].items():
+            expected[key] = states["fp32"] if "fp32" in states else states["frozen"]
+    torch.manual_seed(4242)
+    module = PipelineModule(layers=layer_specs(), num_stages=1, loss_fn=loss_fn, partition_method="parameters")
+    problems = []
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        problems.append(f"load_state_dict(strict=True): {error}")
+    loaded = module.state_dict()
+    if sorted(loaded) != sorted(expected):
+        problems.append(f"state_dict names {sorted(loaded)} != the truth's {sorted(expected)}")
+    for name, want in expected.items():
+        got = loaded.get(name)
+        if got is None or got.dtype != want.dtype or not torch.equal(got, want):
+            problems.append(f"{name}: differs from the truth")
+    if int(os.environ["RANK"]) == 0:
+        with open(verdict_path + ".tmp", "w") as out:
+            json.dump({"ok": not problems, "problems": problems, "checked": len(expected), "names": sorted(state)},
+                      out, indent=1)
+        os.replace(verdict_path + ".tmp", verdict_path)
+    torch.distributed.barrier()
 
 
 def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
@@ -233,6 +274,8 @@ def main() -> None:
     parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
                         help="check: one more save (MODE plain or in-job), in a fresh engine, same truth")
+    parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
+                        help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
     args = parser.parse_args()
     train(args) if args.mode == "train" else check(args)
 

@@ -84,11 +84,6 @@ def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -
     return json.loads(verdict.read_text())
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory):
-    return PipelineRuns(tmp_path_factory.mktemp("pipeline"))
-
-
 CASES = [
     ("fp32", (2, 1), (2, 2), 2),   # dp up; W equals the target dp
     ("bf16", (2, 2), (2, 1), 3),   # dp down; W differs from both

@@ -28,7 +28,9 @@ Where each tensor's values come from:
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,7 +180,6 @@ def safetensors_header(file: ExportFile) -> bytes:
 
     Written here rather than by `safetensors.torch.save_file` because that needs every tensor
     in memory at once; reshard reserves the file and fills it at offsets as slices arrive."""
-    import json
     header = {"__metadata__": {"format": "pt"}}
     for t in file.tensors:
         header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
@@ -200,3 +201,15 @@ def pack_in_order(tensors: list, limit: int) -> list[list]:
         size += tensor.nbytes
     groups.append(current)
     return groups
+
+
+def write_index(directory: str, total_size: int, weight_map: dict) -> None:
+    """`model.safetensors.index.json` as transformers' save_pretrained writes it, atomically."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    path = os.path.join(directory, INDEX_NAME)
+    with open(path + ".partial", "w") as fd:
+        json.dump(index, fd, indent=2, sort_keys=True)
+        fd.write("\n")
+        fd.flush()
+        os.fsync(fd.fileno())
+    os.replace(path + ".partial", path)

@@ -23,8 +23,6 @@ Output is byte-identical whatever the number of workers and the budget.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -32,8 +30,9 @@ from dataclasses import dataclass, field
 from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import OptionError
-from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout
+from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout, write_index
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
+from reshard.export.pipeline_export import export_pipeline_safetensors, pipeline_tag_of
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -125,6 +124,10 @@ def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", ma
 def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust_pickle, overwrite, durable_every,
          transport):
     started = time.perf_counter()
+    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
+    if pipeline_tag is not None:  # a PipelineModule save: its own whole-tensor export, the same lifecycle
+        return export_pipeline_safetensors(source_dir, destination, pipeline_tag, out_dtype, max_shard_bytes, budget,
+                                           trust_pickle, overwrite, transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
@@ -153,7 +156,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
         # OUT, the index last (an old index in OUT removed first)
         copy_model_files(source.save_dir, staging.tag_dir, model_files)
         copy_model_files(source.save_dir, destination, ())  # removes an earlier export's model files from OUT
-        _write_index(staging.tag_dir, layout)
+        write_index(staging.tag_dir, layout.total_size, layout.weight_map())
         publish_files(staging, last=INDEX_NAME)
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
@@ -162,15 +165,3 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
                           notes=output.notes, model_files=model_files)
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _write_index(directory: str, layout: ExportLayout) -> None:
-    """`model.safetensors.index.json` as transformers' save_pretrained writes it, atomically."""
-    index = {"metadata": {"total_size": layout.total_size}, "weight_map": layout.weight_map()}
-    path = os.path.join(directory, INDEX_NAME)
-    with open(path + ".partial", "w") as fd:
-        json.dump(index, fd, indent=2, sort_keys=True)
-        fd.write("\n")
-        fd.flush()
-        os.fsync(fd.fileno())
-    os.replace(path + ".partial", path)

@@ -41,7 +41,9 @@ from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
+from reshard.export.pipeline_export import export_pipeline_universal, pipeline_tag_of
 from reshard.export.runner import ExportOutput, run_export
+from reshard.export.universal_names import LATEST_UNIVERSAL, check_directory_name
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
@@ -50,32 +52,14 @@ from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
-from reshard.files.paths import confined, tag_problem
+from reshard.files.paths import confined
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
-LATEST_UNIVERSAL = "latest_universal"
 # Bundles per worker: enough that the writers' shares even out, few enough that rounds stay large.
 BUNDLES_PER_WORKER = 4
 # Per-parameter files kept open at once by a writer.
 _OPEN_FILES = 256
-
-
-OPTIMIZER_STATE = "optimizer_state.pt"
-"""The one file zero/ holds beside the parameters' directories."""
-
-
-def check_directory_name(name: str, source: SourceCheckpoint) -> str:
-    """A parameter or buffer name becomes a directory under zero/ (as in ds_to_universal): it must be
-    one plain path component, so a crafted checkpoint cannot make reshard write outside OUT, and
-    not the name of the file zero/ holds."""
-    problem = tag_problem(name)
-    if problem is None and name == OPTIMIZER_STATE:
-        problem = f"is the name of the file zero/{OPTIMIZER_STATE} the universal format writes"
-    if problem is not None:
-        raise UnsupportedCheckpoint(source.model_path(0), f"parameter name {name!r} {problem}: it cannot be a "
-                                                          "directory of a universal checkpoint")
-    return name
 
 
 def check_universal_names(source: SourceCheckpoint) -> None:
@@ -270,6 +254,10 @@ def export_universal(source: str, destination: str, *, tag: str | None = None, m
 
 def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_every, transport) -> UniversalResult:
     started = time.perf_counter()
+    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
+    if pipeline_tag is not None:  # a PipelineModule save: its own whole-tensor export, the same lifecycle
+        return export_pipeline_universal(source_dir, destination, pipeline_tag, budget, trust_pickle, overwrite,
+                                         transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
