@@ -21,8 +21,8 @@ compares its stage's tensors by name (a frozen parameter by its module value), t
 step counters, the LR and (fp16) the loss scaler's state with the truth, then runs one more
 `train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
 checks one more save against the same truth in the same launch, in an engine of its own built the
-same way, since the launch is what costs; only fp32 saves share one, as reshard_proof's judge_together
-does (a bf16 engine built after another one in a process computed another eval loss).
+same way, since the launch is what costs; fp32 and fp16 saves share one, bf16 ones do not (a bf16
+engine built after another one in a process computed another eval loss).
 """
 from __future__ import annotations
 
@@ -192,8 +192,8 @@ def train(args) -> None:
 
 
 def check(args) -> None:
-    if args.also and args.precision != "fp32":
-        raise SystemExit("--also: only fp32 saves share a launch")
+    if args.also and args.precision == "bf16":
+        raise SystemExit("--also: bf16 saves do not share a launch")
     check_one(args, args.load, args.verdict, args.in_job)
     for load, verdict, mode in args.also:
         check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])

@@ -114,13 +114,13 @@ CASES = [
     ("fp32-groups", (2, 2), (1, 2), 1),   # pp down
     ("fp32-groups", (2, 2), (3, 1), 2),   # pp up, dp down
 ]
-# Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
+# Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 or fp16: see
 # pipeline_run.py --also): two engines, one start-up.
 SHARED_WITH_IN_JOB = ("fp32", (2, 1), (1, 2), 1)
 # Each judged in the launch that also loads its source in-job (reshard.deepspeed.load_checkpoint) at
 # the target (pp, dp): one more engine in a launch that runs anyway.
 IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
-                ("fp32-frozen", (2, 2), (4, 1), 2)]
+                ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1)]
 
 
 def reshard_case(save_dir, out: Path, precision, source, target, workers):
