@@ -505,3 +505,22 @@ def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
     with pytest.raises(UnsupportedCheckpoint, match=r"mp_rank_00_model_states.pt: lists shared parameters .* "
                                                     r"_get_shared_params"):
         check_layers_reproduce_source(dataclasses.replace(source, stages=(shared, stages[1])), layers, "parameters")
+
+
+@pytest.mark.e2e
+def test_stages_disagreeing_on_a_param_groups_hyperparameters_are_refused(pipeline_runs, tmp_path):
+    # new stages take each group's hyperparameters from stage 0's file: the shared session save with
+    # stage 1's weight_decay changed must be refused, naming stage 1's file
+    import shutil
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, named_states
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    copy = tmp_path / "save"
+    shutil.copytree(save_dir, copy)
+    path = copy / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    _rewrite(path, lambda tree: tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].update(
+        weight_decay=0.5))
+    with pytest.raises(UnsupportedCheckpoint, match=r"param group 0 has hyperparameters .*'weight_decay': 0.5.*"
+                                                    r"new stages take stage 0's") as refused:
+        named_states(inspect_pipeline(str(copy), "step3"))
+    assert str(path) in str(refused.value)

@@ -378,7 +378,7 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
         if (hyper := _hyperparameters(file)) != (first := _hyperparameters(template)):
             group = next(g for g, (a, b) in enumerate(zip(hyper, first)) if a != b) if len(hyper) == len(first) else 0
             raise UnsupportedCheckpoint(path, f"param group {group} has hyperparameters {hyper[group]}, stage 0's "
-                                              f"{first[group]}: a new stage cannot take one stage's")
+                                              f"{first[group]}; new stages take stage 0's, so every stage must agree")
         for name, states in states_by_name(spec, masters, moments).items():
             if name in found:
                 if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
