@@ -266,9 +266,11 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     """A PipelineModule save at another (pp, dp), into this PipelineEngine: every rank rebuilds, in
     memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
     full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
-    the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, named by the engine's
-    `param_names`). So the layer list and partition method the offline job asks for come from the
-    engine itself. Layer files are read from the
+    the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, one flat per param
+    group, named by the engine's `param_names`; each parameter must sit in the group the save put
+    it in, whose hyperparameters the file carries). So the layer list and partition method the
+    offline job asks for come from the engine itself, and so does the stage's `buffer_names`
+    (engine.py `_get_buffer_names`). Layer files, buffers included, are read from the
     source as they are (named by global layer index, the same at any pp)."""
     import collections
     import itertools
@@ -278,6 +280,8 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         joined_state_bytes,
         load_whole,
         named_states,
+        source_groups,
+        stage_flats,
         stage_model_name,
     )
     from reshard.files.resources import human
@@ -285,10 +289,19 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
     model_path = source.model_path(0)
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
-    if groups is None or len(groups) != 1:
-        raise UnsupportedCheckpoint(model_path, "in-job resharding of pipeline checkpoints serves a ZeRO-1 engine "
-                                                "with one param group; reshard offline (python -m reshard)")
-    params = [(engine.param_names[param], param) for param in groups[0]]
+    saved_groups, group_of = source_groups(source)
+    if groups is None or len(groups) != saved_groups:
+        raise UnsupportedCheckpoint(model_path, f"has {saved_groups} optimizer param group(s); in-job resharding "
+                                                "of pipeline checkpoints serves a ZeRO-1 engine with as many, this "
+                                                f"engine has {'no ZeRO-1 optimizer' if groups is None else len(groups)}")
+    named = [[(engine.param_names[param], param) for param in group] for group in groups]
+    params = [pair for group in named for pair in group]
+    for group, pairs in enumerate(named):
+        for name, _ in pairs:
+            if group_of.get(name, group) != group:
+                raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
+                                                        f"in group {group}: its hyperparameters would be another "
+                                                        "group's")
     needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params))
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
@@ -296,22 +309,24 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
     template, states = named_states(source, trust_pickle)
-    names = [name for name, _ in params]
     for name, param in params:
         if name not in states or states[name]["fp32"].numel() != param.numel():
             found = "holds no parameter" if name not in states else \
                 f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
             raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages) "
                                                     "trains: the engine's model differs from the saved one")
-    keys = [key for key in states[names[0]] if key != "fp32"] if names else []
-    master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
-    moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}
+    group_names = [[name for name, _ in pairs] for pairs in named]
+    masters, moments = stage_flats(states, group_names)
     model = load_whole(model_path, trust_pickle)
-    model.update(param_shapes=[collections.OrderedDict((name, param.shape) for name, param in params)],
+    if hasattr(engine, "_get_buffer_names"):  # this stage's, as DeepSpeed would save them (not used by its load)
+        model["buffer_names"] = engine._get_buffer_names()
+    model.update(param_shapes=[collections.OrderedDict((name, param.shape) for name, param in pairs)
+                               for pairs in named],
                  dp_world_size=dp, mp_world_size=pp,
                  checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
                                                  "pp_degree": pp})
-    ranks = build_optimizers(template, [tuple(names)], [tuple(p.numel() for _, p in params)], [master], [moments], dp)
+    ranks = build_optimizers(template, [tuple(names) for names in group_names],
+                             [tuple(p.numel() for _, p in pairs) for pairs in named], masters, moments, dp)
     optimizer = next(itertools.islice(ranks, dp_rank, None))
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:

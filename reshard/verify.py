@@ -409,8 +409,10 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     origin = stage if kept else 0  # the job builds a new stage's files from source stage 0's
     model_path = target.model_path(stage)
     model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin), trust_pickle)
-    rest = {key: value for key, value in model.items() if key not in _PIPELINE_RECOMPUTED_MODEL}
-    rest_wanted = {key: value for key, value in want.items() if key not in _PIPELINE_RECOMPUTED_MODEL}
+    # with new stages, each stage's buffer_names follow its layers (checked in _pipeline_file_problems)
+    recomputed = _PIPELINE_RECOMPUTED_MODEL + (() if kept else ("buffer_names",))
+    rest = {key: value for key, value in model.items() if key not in recomputed}
+    rest_wanted = {key: value for key, value in want.items() if key not in recomputed}
     if not _same(_plain(rest_wanted), _plain(rest)):
         problems.append(f"{model_path}: {_first_difference(_plain(rest_wanted), _plain(rest))}")
     dims = want.get("checkpoint_parallel_dimensions") if kept else \
@@ -497,6 +499,17 @@ def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
     source_names = {n for spec in source.stages for group in spec.names for n in group}
     for name in sorted(source_names - set(held)):
         problems.append(f"{target.tag_dir}: no stage holds {name}")
+    buffers = {name: [spec.index for spec in target.stages if name in spec.buffer_names]
+               for spec in source.stages for name in spec.buffer_names}
+    for name, stages in sorted(buffers.items()):
+        owner = name.partition(".")[0] + "."  # a layer's buffer sits with that layer's parameters
+        with_params = sorted({s for n, ss in held.items() if n.startswith(owner) for s in ss})
+        if not stages or (owner[:-1].isdigit() and with_params and stages != with_params):
+            problems.append(f"{target.tag_dir}: buffer {name} is listed by stages {stages}, its layer's "
+                            f"parameters are on stages {with_params}")
+    extra_buffers = sorted({n for spec in target.stages for n in spec.buffer_names} - set(buffers))
+    if extra_buffers:
+        problems.append(f"{target.tag_dir}: lists buffers {extra_buffers}, which no source stage does")
     for name, stages in sorted(held.items()):
         if len(stages) > 1 and not name.startswith("tied_modules."):
             problems.append(f"{target.tag_dir}: {name} is held by stages {stages}; only tied modules are shared")

@@ -9,6 +9,8 @@ The model: an embedding tied to the output head (`TiedLayerSpec`, key "embed"), 
 odd sizes (so ZeRO-1 pads), a parameterless GELU and a LayerNorm; ZeRO-1, Adam, an LR scheduler;
 fp32, bf16, or fp16 with dynamic loss scaling. `--frozen build|later`: layer 1's weight frozen in its
 constructor, or after the PipelineModule was built (DeepSpeed's partition counted it then).
+`--groups`: two optimizer param groups (no weight decay on biases and the LayerNorm, the usual
+split) and a persistent buffer drawn from the seed in the LayerNorm layer (ScaledLayerNorm).
 `train` runs a few `train_batch` steps and writes, per rank, the truth of its stage: each
 parameter's full fp32 master and Adam moments by name (`safe_get_full_fp32_param`,
 `safe_get_full_optimizer_state`, read from the live engine) and the eval loss on one fixed
@@ -19,8 +21,8 @@ compares its stage's tensors by name (a frozen parameter by its module value), t
 step counters, the LR and (fp16) the loss scaler's state with the truth, then runs one more
 `train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
 checks one more save against the same truth in the same launch, in an engine of its own built the
-same way, since the launch is what costs; only fp32 saves share one, as reshard_proof's judge_together
-does (a bf16 engine built after another one in a process computed another eval loss).
+same way, since the launch is what costs; fp32 and fp16 saves share one, bf16 ones do not (a bf16
+engine built after another one in a process computed another eval loss).
 `--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
 strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
 (tests/test_pipeline_export.py).
@@ -54,7 +56,26 @@ class FrozenWeightLinear(torch.nn.Linear):
         self.weight.requires_grad_(False)
 
 
-def layer_specs(frozen: str | None = None):
+class ScaledLayerNorm(torch.nn.LayerNorm):
+    """A LayerNorm times a persistent buffer drawn from the seed (--groups): only its layer file
+    holds the buffer, so an engine built from another seed computes another loss until it loads."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.register_buffer("scale", torch.rand(dim) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def param_groups(module) -> list[dict]:
+    """--groups: weight decay on matrices only (DeepSpeed's flat per group keeps each group's order)."""
+    named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+    return [{"params": [p for _, p in named if p.dim() > 1]},
+            {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def layer_specs(frozen: str | None = None, groups: bool = False):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     def head(embedding, hidden):  # the tied weight again, as the output projection
@@ -64,7 +85,7 @@ def layer_specs(frozen: str | None = None):
             LayerSpec(FrozenWeightLinear if frozen == "build" else torch.nn.Linear, DIM, HIDDEN),
             torch.nn.GELU(),
             LayerSpec(torch.nn.Linear, HIDDEN, DIM),
-            LayerSpec(torch.nn.LayerNorm, DIM),
+            LayerSpec(ScaledLayerNorm if groups else torch.nn.LayerNorm, DIM),
             LayerSpec(torch.nn.Linear, DIM, DIM),
             TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM, forward_fn=head)]
 
@@ -96,7 +117,8 @@ def batch(seed: int):
     return ids, torch.roll(ids, 1, dims=1)
 
 
-def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None):
+def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None,
+                 groups: bool = False):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -106,13 +128,14 @@ def build_engine(pp: int, precision: str, seed: int, universal: bool = False, fr
     deepspeed.init_distributed(dist_backend="gloo")
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(seed)
-    module = PipelineModule(layers=layer_specs(frozen), num_stages=pp, loss_fn=loss_fn, partition_method="parameters",
-                            base_seed=seed)
+    module = PipelineModule(layers=layer_specs(frozen, groups), num_stages=pp, loss_fn=loss_fn,
+                            partition_method="parameters", base_seed=seed)
     if frozen == "later":  # after the partition was made, as a fine-tuning script freezing part of a model does
         for name, param in module.named_parameters():
             if name == FROZEN:
                 param.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
+    parameters = param_groups(module) if groups else [p for p in module.parameters()]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=parameters,
                                            config=config(precision, world // pp, universal))
     return engine
 
@@ -131,6 +154,8 @@ def stage_truth(engine) -> dict:
         tensors[name] = {"fp32": safe_get_full_fp32_param(param).clone(),
                          "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
                          "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone()}
+    for name, buffer in engine.module.named_buffers():
+        tensors[name] = {"buffer": buffer.detach().clone()}
     return tensors
 
 
@@ -138,7 +163,9 @@ def counters(engine) -> dict:
     """The step counters and, under fp16, the dynamic loss scaler's state (DynamicLossScaler's
     attributes: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis, ...)."""
     state = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-             "skipped_steps": engine.skipped_steps, "lr": engine.optimizer.param_groups[0]["lr"]}
+             "skipped_steps": engine.skipped_steps, "lr": engine.optimizer.param_groups[0]["lr"],
+             "hyperparameters": [{key: group[key] for key in ("lr", "weight_decay")}
+                                 for group in engine.optimizer.param_groups]}
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if engine.fp16_enabled():
         state["loss_scaler"] = {key: value for key, value in sorted(vars(scaler).items())
@@ -153,7 +180,7 @@ def eval_loss(engine) -> float:
 
 
 def train(args) -> None:
-    engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen)
+    engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen, groups=args.groups)
     rank = int(os.environ["RANK"])
     steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
                   for step in range(args.steps) for i in range(GRAD_ACCUM)])
@@ -168,8 +195,8 @@ def train(args) -> None:
 
 
 def check(args) -> None:
-    if args.also and args.precision != "fp32":
-        raise SystemExit("--also: only fp32 saves share a launch")
+    if args.also and args.precision == "bf16":
+        raise SystemExit("--also: bf16 saves do not share a launch")
     check_one(args, args.load, args.verdict, args.in_job)
     for load, verdict, mode in args.also:
         check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])
@@ -214,7 +241,8 @@ def check_safetensors(directory: str, truth_dir: str, verdict_path: str) -> None
 
 
 def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
-    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal, frozen=args.frozen)
+    engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal, frozen=args.frozen,
+                          groups=args.groups)
     rank = int(os.environ["RANK"])
     if in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
         import reshard.deepspeed
@@ -265,6 +293,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     parser.add_argument("--frozen", choices=["build", "later"],
                         help="layer 1's weight frozen in its constructor (FrozenWeightLinear) or after the build")
+    parser.add_argument("--groups", action="store_true", help="two param groups and a buffer (ScaledLayerNorm)")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--truth", required=True)

@@ -52,9 +52,11 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
 
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
-    the model whose layer 1 weight is frozen after the PipelineModule was built."""
+    the model whose layer 1 weight is frozen after the PipelineModule was built, with "-groups" the
+    model with two optimizer param groups and a buffer."""
     precision, _, model = variant.partition("-")
-    return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else [])]
+    return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else []),
+            *(["--groups"] if model == "groups" else [])]
 
 
 class PipelineRuns:
@@ -101,10 +103,19 @@ CASES = [
     # weight's module value with the source's.
     ("fp32-frozen", (2, 2), (2, 1), 1),   # dp down
     ("fp32-frozen", (2, 2), (4, 1), 2),   # pp up, dp down
+    # two optimizer param groups (no weight decay on biases and the LayerNorm) and a persistent buffer:
+    # each target stage's groups re-cut apart (group paddings, slice mappings, Adam state and
+    # hyperparameters per group), `buffer_names` recomputed, the buffer loaded from its layer file
+    ("fp32-groups", (2, 2), (1, 2), 1),   # pp down
+    ("fp32-groups", (2, 2), (3, 1), 2),   # pp up, dp down
 ]
-# Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 only: see
+# Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 or fp16: see
 # pipeline_run.py --also): two engines, one start-up.
 SHARED_WITH_IN_JOB = ("fp32", (2, 1), (1, 2), 1)
+# Each judged in the launch that also loads its source in-job (reshard.deepspeed.load_checkpoint) at
+# the target (pp, dp): one more engine in a launch that runs anyway.
+IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
+                ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1)]
 
 
 def reshard_case(save_dir, out: Path, precision, source, target, workers):
@@ -116,17 +127,28 @@ def reshard_case(save_dir, out: Path, precision, source, target, workers):
 
 
 @pytest.fixture(scope="module")
-def pp1_dp2_checks(pipeline_runs, tmp_path_factory):
-    """SHARED_WITH_IN_JOB resharded, then judged at (1, 2) in the launch that also loads its source in-job
+def with_in_job(pipeline_runs, tmp_path_factory):
+    """case of IN_JOB_CASES -> its judgings (with_in_job_checks), each made once per module."""
+    cache = {}
+
+    def judged(case):
+        if case not in cache:
+            cache[case] = with_in_job_checks(pipeline_runs, tmp_path_factory, case)
+        return cache[case]
+    return judged
+
+
+def with_in_job_checks(pipeline_runs, tmp_path_factory, case):
+    """`case` resharded, then judged at its target in the launch that also loads its source in-job
     through reshard.deepspeed.load_checkpoint: {"result", "out", "plain": verdict, "in_job": verdict}
     (a verdict is the exception judging it raised, should that fail). Should the shared launch fail,
     each is judged in a launch of its own."""
     from reshard_proof.launch import run_torchrun
-    precision, source, target, _ = SHARED_WITH_IN_JOB
+    precision, source, target, _ = case
     save_dir, truth = pipeline_runs(precision, *source)
-    root = tmp_path_factory.mktemp("pipeline-pp1-dp2")
+    root = tmp_path_factory.mktemp(f"pipeline-{precision}-pp{target[0]}-dp{target[1]}")
     out = root / "out"
-    found = {"result": reshard_case(save_dir, out, *SHARED_WITH_IN_JOB), "out": out}
+    found = {"result": reshard_case(save_dir, out, *case), "out": out}
     plain, in_job = root / "plain.json", root / "in-job.json"
     base = ["check", "--pp", target[0], *harness_flags(precision), "--truth", truth]
     try:
@@ -134,7 +156,7 @@ def pp1_dp2_checks(pipeline_runs, tmp_path_factory):
                                                        "--also", save_dir, in_job, "in-job"],
                      expect_files=[plain, in_job], timeout=500)
     except Exception as error:  # noqa: BLE001 (each judged alone below, with its own verdict or error)
-        print(f"[pp1_dp2_checks] the shared launch failed, judging each alone: {error}", flush=True)
+        print(f"[with_in_job] the shared launch failed, judging each alone: {error}", flush=True)
         for verdict, extra in ((plain, ["--load", out]), (in_job, ["--load", save_dir, "--in-job"])):
             try:
                 run_torchrun(HARNESS, target[0] * target[1], [*base, *extra, "--verdict", verdict],
@@ -157,8 +179,8 @@ def _verdict(verdict) -> dict:
 def test_pipeline_reshard_loads_natively_equal_to_the_source(request, pipeline_runs, tmp_path, precision, source,
                                                              target, workers):
     save_dir, truth = pipeline_runs(precision, *source)
-    if (precision, source, target, workers) == SHARED_WITH_IN_JOB:
-        shared = request.getfixturevalue("pp1_dp2_checks")
+    if (precision, source, target, workers) in IN_JOB_CASES:
+        shared = request.getfixturevalue("with_in_job")((precision, source, target, workers))
         result, out = shared["result"], shared["out"]
     else:
         out = tmp_path / "out"
@@ -173,7 +195,16 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(request, pipeline_r
     for name in names:  # layer files travel unchanged
         if LAYER_RE.match(name):
             assert (tag_dir / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
-    if (precision, source, target, workers) == SHARED_WITH_IN_JOB:
+    if precision.endswith("-groups"):  # the buffer listed by the stage holding layer 4; verify --against agrees
+        from threaded_transport import run_workers
+
+        from reshard.formats.deepspeed_pipeline import load_whole
+        from reshard.verify import verify_against
+        assert [load_whole(str(tag_dir / f"mp_rank_{s:02d}_model_states.pt"))["buffer_names"] for s in range(
+            target[0])] == {1: [["4.scale"]], 3: [[], ["4.scale"], []]}[target[0]]
+        checked = run_workers(2, lambda t: verify_against(str(out), str(save_dir), transport=t))[0]
+        assert checked.ok, checked.summary()
+    if (precision, source, target, workers) in IN_JOB_CASES:
         verdict = _verdict(shared["plain"])
     else:
         verdict = check_at(*target, precision, out, truth, tmp_path / "verdict.json")
@@ -259,11 +290,12 @@ def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_a_
 
 
 @pytest.mark.e2e
-def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(pp1_dp2_checks):
-    # (2, 1) -> (1, 2) through reshard.deepspeed.load_checkpoint on the source itself, in the check launch
-    # at (1, 2) it shares with the offline output's; the verdict compares every master and moment, loss,
-    # counters, lr, client_state
-    result = _verdict(pp1_dp2_checks["in_job"])
+@pytest.mark.parametrize("case", IN_JOB_CASES, ids=lambda case: f"{case[0]}-{case[1]}-to-{case[2]}")
+def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(with_in_job, case):
+    # through reshard.deepspeed.load_checkpoint on the source itself, in the check launch at the target it
+    # shares with the offline output's; the verdict compares every master and moment (a frozen weight
+    # and a buffer by value), loss, counters, lr and each param group's hyperparameters, client_state
+    result = _verdict(with_in_job(case)["in_job"])
     assert result["ok"], result
     assert sum(rank["checked"] for rank in result["ranks"]) >= 9
 
@@ -428,3 +460,62 @@ def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did(
     # reproduced only by `uniform` (the caller's method fails under both weightings), the weighting is
     # unknown: the job refuses where the two give other target stages (pipeline_job.pipeline_target)
     assert check_layers_reproduce_source(built_frozen, layers, "uniform", frozen) == [{}, frozen]
+
+
+def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
+    # tests/pipeline_run.py --groups: no weight decay on biases and the LayerNorm (group 1), a buffer in
+    # layer 4. Each target stage lists each group in its own order; a stage missing a group is refused.
+    import dataclasses
+
+    from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source
+    from reshard.jobs.pipeline_job import check_no_empty_group
+    from reshard.layouts.pipeline import PipelineLayers, assign_stages, split_by_group
+    layers = PipelineLayers(7, {"embed": (0, 6)})
+    numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,
+              "4.weight": 24, "4.bias": 24, "5.weight": 576, "5.bias": 24}
+    group_of = {name: 0 if name.endswith(".weight") and not name.startswith("4.") else 1 for name in numels}
+    saved = assign_stages("parameters", layers, numels, 2)
+    stages = tuple(PipelineStage(s, groups, tuple(tuple(numels[n] for n in g) for g in groups),
+                                 buffer_names=("4.scale",) if "4.bias" in saved.names[s] else ())
+                   for s, groups in enumerate(split_by_group(names, group_of, 2) for names in saved.names))
+    source = PipelineSource("/ckpt", "t", 2, 2, False, False, stages, (), ())
+    assert stages[1].names == (("tied_modules.embed.weight", "3.weight", "5.weight"), ("3.bias", "4.weight", "4.bias",
+                                                                                        "5.bias"))
+    assert check_layers_reproduce_source(source, layers, "parameters") == [{}]
+    three = assign_stages("parameters", layers, numels, 3, buffers=["4.scale"])
+    assert list(three.bounds) == [0, 3, 5, 7]
+    assert [split_by_group(names, group_of, 2) for names in three.names] == [
+        (("tied_modules.embed.weight", "1.weight"), ("1.bias",)), (("3.weight",), ("3.bias", "4.weight", "4.bias")),
+        (("tied_modules.embed.weight", "5.weight"), ("5.bias",))]
+    assert three.buffer_names == ((), ("4.scale",), ())
+    check_no_empty_group(source, three)
+    with pytest.raises(UnsupportedCheckpoint, match=r"at --target-pp 4, stage 0 \(layers 0..0\) would hold no "
+                                                    r"parameter of optimizer param group 1 \(of 2\)"):
+        check_no_empty_group(source, assign_stages("parameters", layers, numels, 4))
+    # a group not in the stage's order (biases listed last to first) cannot be reproduced: refused
+    shuffled = dataclasses.replace(stages[1], names=(stages[1].names[0], stages[1].names[1][::-1]))
+    with pytest.raises(CheckpointError, match="a param group does not list the stage's parameters in their order"):
+        check_layers_reproduce_source(dataclasses.replace(source, stages=(stages[0], shuffled)), layers, "parameters")
+    shared = dataclasses.replace(stages[0], shared_params=("5.weight",))
+    with pytest.raises(UnsupportedCheckpoint, match=r"mp_rank_00_model_states.pt: lists shared parameters .* "
+                                                    r"_get_shared_params"):
+        check_layers_reproduce_source(dataclasses.replace(source, stages=(shared, stages[1])), layers, "parameters")
+
+
+@pytest.mark.e2e
+def test_stages_disagreeing_on_a_param_groups_hyperparameters_are_refused(pipeline_runs, tmp_path):
+    # new stages take each group's hyperparameters from stage 0's file: the shared session save with
+    # stage 1's weight_decay changed must be refused, naming stage 1's file
+    import shutil
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, named_states
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    copy = tmp_path / "save"
+    shutil.copytree(save_dir, copy)
+    path = copy / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    _rewrite(path, lambda tree: tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].update(
+        weight_decay=0.5))
+    with pytest.raises(UnsupportedCheckpoint, match=r"param group 0 has hyperparameters .*'weight_decay': 0.5.*"
+                                                    r"new stages take stage 0's") as refused:
+        named_states(inspect_pipeline(str(copy), "step3"))
+    assert str(path) in str(refused.value)

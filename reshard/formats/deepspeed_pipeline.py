@@ -26,8 +26,11 @@ Changing the number of stages needs what the checkpoint does not record: the lay
 (trailing layers without a state_dict, and a TiedLayerSpec with a `forward_fn`, leave no file) and
 the positions of the tied layers; the caller gives them (reshard.layouts.pipeline.PipelineLayers),
 they are checked against the source's own stage assignment, and `write_repartitioned_stage`
-rebuilds each target stage from every parameter's full fp32 master and optimizer states
-(one param group, no buffers, no shared parameters).
+rebuilds each target stage from every parameter's full fp32 master and optimizer states: one
+ZeRO-1 flat per optimizer param group (a parameter keeps its group; the group's hyperparameters
+and scalar state come from the source), and the stage's `buffer_names` recomputed for its layers
+(the buffers themselves travel in the layer files). Shared parameters (`shared_params`, one
+tensor under two names inside the model, not a TiedLayerSpec) are refused with a pp change.
 
 This is the whole-tensor path: a stage's optimizer files are loaded whole (memory-mapped), one
 stage at a time per worker; it is not the bounded-memory round exchange of reshard.jobs.collective_job.
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.layouts.pipeline import assign_stages
+from reshard.layouts.pipeline import assign_stages, split_by_group
 from reshard.layouts.zero import Zero12Group, zero12_group
 
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
@@ -368,11 +371,14 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
     template, found = None, {}
     for stage, spec in enumerate(source.stages):
         path = source.optim_path(stage, 0)
-        if len(spec.names) != 1:
-            raise UnsupportedCheckpoint(path, f"has {len(spec.names)} optimizer param groups; changing the number "
-                                              "of pipeline stages supports one")
         file, masters, moments = _stage_flats(source, stage, trust_pickle)
         template = template or file
+        # a new stage takes each group's hyperparameters (the torch param_groups, which
+        # Optimizer.load_state_dict restores) from stage 0's file: every stage must agree
+        if (hyper := _hyperparameters(file)) != (first := _hyperparameters(template)):
+            group = next(g for g, (a, b) in enumerate(zip(hyper, first)) if a != b) if len(hyper) == len(first) else 0
+            raise UnsupportedCheckpoint(path, f"param group {group} has hyperparameters {hyper[group]}, stage 0's "
+                                              f"{first[group]}; new stages take stage 0's, so every stage must agree")
         for name, states in states_by_name(spec, masters, moments).items():
             if name in found:
                 if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
@@ -382,6 +388,34 @@ def named_states(source: PipelineSource, trust_pickle: bool = False):
                 continue
             found[name] = states
     return template, found
+
+
+def _hyperparameters(file: dict) -> list[dict]:
+    """Each torch param group of an optimizer file without its `params` indices."""
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in file[OPTIM][BASE]["param_groups"]]
+
+
+def source_groups(source: PipelineSource) -> tuple[int, dict[str, int]]:
+    """(the number of optimizer param groups, each parameter's group), the same on every stage:
+    each stage's optimizer is built from the script's own param groups, so a tied parameter sits
+    in one group on every stage holding it."""
+    count, group_of = len(source.stages[0].names), {}
+    for spec in source.stages:
+        if len(spec.names) != count:
+            raise UnsupportedCheckpoint(source.model_path(spec.index), f"has {len(spec.names)} optimizer param "
+                                                                       f"groups, stage 0 has {count}")
+        for group, names in enumerate(spec.names):
+            for name in names:
+                if group_of.setdefault(name, group) != group:
+                    raise CheckpointError(source.model_path(spec.index), f"puts {name} in param group {group}, an "
+                                                                         f"earlier stage in {group_of[name]}")
+    return count, group_of
+
+
+def source_buffers(source: PipelineSource) -> list[str]:
+    """Every persistent buffer's name once (`buffer_names`), stage order; a tied module's once."""
+    return list(dict.fromkeys(name for spec in source.stages for name in spec.buffer_names))
 
 
 def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
@@ -434,6 +468,7 @@ def check_layers_reproduce_source(source: PipelineSource, layers, method: str,
     nothing: frozen in their layer's constructor) and/or `frozen` (frozen after the PipelineModule
     was built, so that `_count_layer_params` counted them)."""
     numels = source_numels(source)
+    groups, group_of = source_groups(source)
     # The target's method may be explicit boundaries, or differ from the one the source was saved
     # with: the layer list passes if any DeepSpeed method reproduces every source stage. The
     # caller's own method is tried first, alone, so that a weighting is only taken on another
@@ -446,8 +481,8 @@ def check_layers_reproduce_source(source: PipelineSource, layers, method: str,
                 assignment = assign_stages(tried, layers, numels, source.pp, counted)
                 bounds = list(assignment.bounds)
                 for stage, spec in enumerate(source.stages):
-                    expected = list(assignment.names[stage])
-                    if tuple(expected) != spec.names[0]:
+                    expected = split_by_group(assignment.names[stage], group_of, groups)
+                    if expected != spec.names:
                         mismatch = mismatch or (stage, spec, tried, bounds, expected)
                         break
                 else:
@@ -457,18 +492,27 @@ def check_layers_reproduce_source(source: PipelineSource, layers, method: str,
             break
     if not reproducing:
         stage, spec, tried, bounds, expected = mismatch
+        held, expected = [list(g) for g in spec.names], [list(g) for g in expected]
+        if groups == 1:
+            held, expected = held[0], expected[0]
         counted_too = (f" (also with the frozen parameters {sorted(frozen)} counted, as when they are frozen after "
                        "the PipelineModule is built)") if frozen else ""
         raise CheckpointError(source.model_path(stage),
-                              f"holds {list(spec.names[0])}, but {layers.count} layers (tied {dict(layers.tied)}) "
+                              f"holds {held}, but {layers.count} layers (tied {dict(layers.tied)}) "
                               f"partitioned by {tried!r} into {source.pp} stages (bounds {bounds}) give "
                               f"{expected}{counted_too}: the layer count or tied positions differ from the model's "
-                              "(or the source was partitioned by type: or by hand, which reshard cannot reproduce)")
+                              "(or the source was partitioned by type: or by hand, which reshard cannot reproduce"
+                              + (", or a param group does not list the stage's parameters in their order"
+                                 if groups > 1 else "") + ")")
     for stage, spec in enumerate(source.stages):
-        if spec.buffer_names or spec.shared_params:
-            raise UnsupportedCheckpoint(source.model_path(stage), "lists buffers or shared parameters; changing "
-                                                                  "the number of pipeline stages does not support "
-                                                                  "them yet")
+        if spec.shared_params:
+            # runtime/engine.py `_get_shared_params` fills the table on global rank 0 alone (stage 0's
+            # file): what the other stages' layers share, and so a new stage's table, is not recorded
+            raise UnsupportedCheckpoint(source.model_path(stage),
+                                        f"lists shared parameters {sorted(spec.shared_params)} (one tensor under two "
+                                        "names, not a TiedLayerSpec); DeepSpeed records them for stage 0 alone "
+                                        "(engine.py _get_shared_params on global rank 0), so changing the number "
+                                        "of pipeline stages does not support them")
     return reproducing
 
 
@@ -482,31 +526,46 @@ def source_numels(source: PipelineSource) -> dict[str, int]:
     return numels
 
 
+def stage_flats(states: dict, groups: Sequence[Sequence[str]]) -> tuple[list, list[dict]]:
+    """Per param group, the fp32 master flat and each per-element state's flat of `groups`' names
+    (their unpadded concatenation, stage_1_and_2.py's flat order), from named_states' tensors."""
+    import torch
+    masters, moments = [], []
+    for names in groups:
+        keys = [key for key in states[names[0]] if key != "fp32"] if names else []
+        masters.append(torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0))
+        moments.append({key: torch.cat([states[name][key] for name in names]) for key in keys})
+    return masters, moments
+
+
 def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, names: Sequence[str],
                               target_pp: int, stage: int, target_dp: int, tag_dir: str,
-                              trust_pickle: bool = False) -> list[str]:
+                              trust_pickle: bool = False, buffer_names: Sequence[str] | None = None) -> list[str]:
     """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files.
-    `names`: the stage's parameters in flat order (reshard.layouts.pipeline.StageAssignment)."""
+    `names`: the stage's parameters in flat order, `buffer_names` its buffers
+    (reshard.layouts.pipeline.StageAssignment); each parameter keeps its source param group."""
     import collections
 
     import torch
 
     numels = source_numels(source)
-    shapes = {name: shape for spec in source.stages for name, shape in zip(spec.names[0], spec.shapes[0])}
-    names = list(names)
-    keys = [key for key in states[names[0]] if key != "fp32"] if names else []
-    master = torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0)
-    moments = {key: torch.cat([states[name][key] for name in names]) for key in keys}
+    shapes = {name: shape for spec in source.stages for group_names, group_shapes in zip(spec.names, spec.shapes)
+              for name, shape in zip(group_names, group_shapes)}
+    groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
+    masters, moments = stage_flats(states, groups)
     model = load_whole(source.model_path(0), trust_pickle)
-    model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in names)]
+    model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in group)
+                             for group in groups]
+    if buffer_names is not None:
+        model["buffer_names"] = list(buffer_names)
     model["dp_world_size"] = target_dp
     model["mp_world_size"] = target_pp
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
                                                "pp_degree": target_pp}
     paths = [os.path.join(tag_dir, stage_model_name(stage))]
     torch.save(model, paths[0], pickle_module=classes)
-    trees = build_optimizers(template, [tuple(names)], [tuple(numels[n] for n in names)], [master], [moments],
-                             target_dp)
+    trees = build_optimizers(template, list(groups), [tuple(numels[n] for n in group) for group in groups], masters,
+                             moments, target_dp)
     for rank, tree in enumerate(trees):
         path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
         torch.save(tree, path, pickle_module=classes)

@@ -31,13 +31,15 @@ from reshard.formats.deepspeed_pipeline import (
     inspect_pipeline,
     joined_state_bytes,
     named_states,
+    source_buffers,
+    source_groups,
     source_numels,
     write_repartitioned_stage,
     write_stage_files,
 )
 from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
-from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages
+from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages, split_by_group
 from reshard.files.resources import human
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.jobs.runs import Unit
@@ -102,8 +104,8 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     frozen = frozen_numels(source, layers)
     weightings = check_layers_reproduce_source(source, layers, opts.pipeline_partition, frozen)
     try:
-        assignments = {assign_stages(opts.pipeline_partition, layers, source_numels(source), topology.pp, counted)
-                       for counted in weightings}
+        assignments = {assign_stages(opts.pipeline_partition, layers, source_numels(source), topology.pp, counted,
+                                     source_buffers(source)) for counted in weightings}
     except ValueError as error:
         raise OptionError(f"{model}: {error}") from None
     if len(assignments) > 1:  # whether the frozen parameters weighed in DeepSpeed's partition decides the target's
@@ -113,7 +115,26 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                                            "after the PipelineModule was built, and at --target-pp "
                                            f"{topology.pp} these give different stages (bounds {bounds[0]} or "
                                            f"{bounds[1]}): give the target's boundaries with --pipeline-partition")
-    return PipelineTarget(topology, assignments.pop())
+    assignment = assignments.pop()
+    check_no_empty_group(source, assignment)
+    return PipelineTarget(topology, assignment)
+
+
+def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) -> None:
+    """Refuse target stages DeepSpeed could not build: runtime/zero/stage_1_and_2.py `__init__` reads
+    each param group's first trainable parameter (`self.bit16_groups[i][0].dtype`), so a stage
+    holding no parameter of some group (or none at all) fails there before it could load."""
+    groups, group_of = source_groups(source)
+    for stage, names in enumerate(assignment.names):
+        for group, members in enumerate(split_by_group(names, group_of, groups)):
+            if not members:
+                layers = f"layers {assignment.bounds[stage]}..{assignment.bounds[stage + 1] - 1}"
+                raise UnsupportedCheckpoint(
+                    source.model_path(0), f"at --target-pp {len(assignment.names)}, stage {stage} ({layers}) would "
+                                          f"hold no parameter of optimizer param group {group}" +
+                                          (f" (of {groups})" if groups > 1 else "") + "; DeepSpeed's ZeRO-1 cannot "
+                                          "build such a stage (stage_1_and_2.py __init__ reads each group's first "
+                                          "parameter): give other boundaries with --pipeline-partition")
 
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
@@ -198,7 +219,8 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         for stage in writes[transport.rank]:
             if repartition:
                 paths += write_repartitioned_stage(source, states, template, assignment.names[stage], target.pp,
-                                                   stage, target.dp, tag_dir, opts.trust_pickle)
+                                                   stage, target.dp, tag_dir, opts.trust_pickle,
+                                                   assignment.buffer_names[stage] if assignment.buffer_names else None)
             else:
                 paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
                 report.bytes_read += sum(identity[name]["bytes"] for name in identity

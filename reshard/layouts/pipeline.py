@@ -12,7 +12,13 @@ DeepSpeed 0.19.8, runtime/pipe/module.py:
   function counts 0); `type:REGEX` weighs layers by class name, which a checkpoint does not record.
 - `__init__` assigns `self.tied_modules` before `_build` adds the layers, so a stage's
   `named_parameters()` (and the optimizer's flat order) lists `tied_modules.<key>.*` first, keys
-  in order of first occurrence in the stage, then `<global layer index>.*` in index order.
+  in order of first occurrence in the stage, then `<global layer index>.*` in index order. The
+  same module walk gives the stage's `buffer_names` (runtime/engine.py `_get_buffer_names`, its
+  persistent buffers, owner by owner in that order).
+- Several optimizer param groups: runtime/zero/stage_1_and_2.py `__init__` flattens each group's
+  trainable parameters in the order the group lists them; a script building its groups from the
+  stage's `named_parameters()` (the usual "no weight decay on biases and norms" split) lists each
+  group in the stage's order, filtered (`split_by_group`; checked against the source's stages).
 The partition functions are runtime/utils.py `partition_uniform` and `partition_balanced`
 (dynamic programming over the linear partition problem, ties resolved towards the later split),
 restated here from their definitions and tested against DeepSpeed's own.
@@ -134,20 +140,38 @@ class StageAssignment:
     """DeepSpeed's `parts`: stage s holds layers bounds[s] .. bounds[s + 1] - 1."""
     names: tuple[tuple[str, ...], ...]
     """Per stage, its parameter names in the optimizer's flat order."""
+    buffer_names: tuple[tuple[str, ...], ...] = ()
+    """Per stage, its persistent buffers in `buffer_names` order (empty when none were given)."""
 
 
 def assign_stages(method: str, layers: PipelineLayers, numels: Mapping[str, int], stages: int,
-                  counted: Mapping[str, int] | None = None) -> StageAssignment:
+                  counted: Mapping[str, int] | None = None, buffers: Sequence[str] = ()) -> StageAssignment:
     """`stage_bounds`, then every stage's names from one pass over the parameter names (a
     100k-parameter, 96-stage model in well under a second; ValueError as stage_bounds).
 
     `numels`: the parameters the optimizer holds, which the stages list. `counted`: parameters
     frozen after the PipelineModule was built, which `_count_layer_params` (run in its constructor)
-    still counted as trainable: they weigh in the `parameters` partition but no stage lists them."""
+    still counted as trainable: they weigh in the `parameters` partition but no stage lists them.
+    `buffers`: every persistent buffer's name once (buffers weigh nothing in any partition)."""
     bounds = stage_bounds(method, layers, {**numels, **(counted or {})}, stages)
-    owners = _names_by_owner(list(numels))
+    owners, buffer_owners = _names_by_owner(list(numels)), _names_by_owner(list(buffers))
+    # a buffer of the PipelineModule's own attributes (a loss_fn module, registered in __init__
+    # before tied_modules) is on every stage, first
+    everywhere = [name for name in buffers if name.partition(".")[0] != "tied_modules"
+                  and not name.partition(".")[0].isdigit()]
     return StageAssignment(method, tuple(bounds),
-                           tuple(tuple(_stage_names(layers, bounds, s, owners)) for s in range(stages)))
+                           tuple(tuple(_stage_names(layers, bounds, s, owners)) for s in range(stages)),
+                           tuple(tuple(everywhere + _stage_names(layers, bounds, s, buffer_owners))
+                                 for s in range(stages)) if buffers else ())
+
+
+def split_by_group(names: Sequence[str], group_of: Mapping[str, int], groups: int) -> tuple[tuple[str, ...], ...]:
+    """A stage's parameters (in its flat order) per optimizer param group: each group in the
+    stage's order, filtered to the group's members (see the module docstring)."""
+    split: list[list[str]] = [[] for _ in range(groups)]
+    for name in names:
+        split[group_of[name]].append(name)
+    return tuple(tuple(group) for group in split)
 
 
 def _names_by_owner(names: Sequence[str]) -> dict[tuple[str, str], list[str]]:
