@@ -1,4 +1,4 @@
-"""DeepSpeed PipelineModule checkpoints: dp changes per stage; other pp refused by name.
+"""DeepSpeed PipelineModule checkpoints to any (pp, dp): stages re-cut or re-assigned, loaded natively and in-job.
 
     python -m pytest -q tests/test_pipeline.py -m "not e2e"   # seconds, no DeepSpeed run
     python -m pytest -q tests/test_pipeline.py                # trains on 2 and 4 CPU ranks
