@@ -20,13 +20,6 @@ from reshard_proof.ds_universal import ds_to_universal_all
 from reshard_proof.launch import REPO_ROOT, TorchrunError, run_torchrun
 
 
-def _ds_to_universal(source, out_root) -> None:
-    """DeepSpeed's ds_to_universal.py on `source`'s latest tag, into `out_root`/TAG (tests/test_expert_parallel.py)."""
-    tag = (source / "latest").read_text()
-    failures = ds_to_universal_all([(source / tag, out_root / tag)])
-    assert not failures, failures
-
-
 def _load_all(m, jobs) -> None:
     """Judge every (variant, ours, theirs, truth, out) at m ranks in one launch of tests/entry/universal_load.py
     (reshard_proof.launch.run_torchrun: ranks without torchrun's agent; retried once should it die at
