@@ -225,14 +225,19 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
 def train_checkpoints(n: int, jobs: Sequence[tuple], *, steps: int = 3, seed: int = 0,
                       timeout: float = 600, python: str | None = None,
                       env: dict | None = None) -> subprocess.CompletedProcess:
-    """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path),
-    trained one after the other, each in a fresh engine (reshard_proof.train --also); every one
-    writes the files a train_checkpoint launch of its own writes. `python`, `env`: as train_checkpoint's
-    (another DeepSpeed's virtual environment)."""
-    (variant, save_dir, truth_path), *rest = jobs
+    """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path[, steps]),
+    trained one after the other, each in a fresh engine (reshard_proof.train --also, --also-steps for
+    a job whose steps differ from the first's; those come last); every one writes the files a
+    train_checkpoint launch of its own writes. `steps`: of the jobs that name none. `python`, `env`:
+    as train_checkpoint's (another DeepSpeed's virtual environment)."""
+    (variant, save_dir, truth_path, *own), *rest = jobs
+    steps = own[0] if own else steps
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
     for job in rest:
-        args += ["--also", *job]
+        if len(job) > 3 and job[3] != steps:
+            args += ["--also-steps", *job]
+        else:
+            args += ["--also", *job[:3]]
     return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[job[2] for job in jobs],
                         python=python, env=env)
 
