@@ -192,18 +192,30 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
     one more load in it ~1 s. Returns {str(verdict_path): verdict dict, or the exception judging it
     raised} (reshard_proof.launch `judge_in_shared_launches`: should the shared launch fail as a
     whole, each job is judged in a launch of its own). A job may end in a sixth element, True to
-    load that one in-job: plain and in-job loads at one M share the launch (check_load
-    --also-in-job), plain loads first."""
-    in_job_of = _in_job_of(in_job)
-    return judge_in_shared_launches("reshard_proof.check_load", sorted(jobs, key=in_job_of),  # stable
+    load that one in-job, or MODULE_ONLY to load it in-job without its optimizer states (its
+    "verdict" then is check_load.judge_module_only's result): plain, in-job and module-only loads
+    at one M share the launch (check_load --also-in-job, --also-module-only), in that order."""
+    kind_of = _kind_of(in_job)
+    flags = ("--also", "--also-in-job", "--also-module-only")
+    return judge_in_shared_launches("reshard_proof.check_load", sorted(jobs, key=kind_of),  # stable
                                     launch=_check_load_launch,
-                                    job_args=lambda job: ["--also-in-job" if in_job_of(job) else "--also", *job[1:5]],
+                                    job_args=lambda job: [flags[kind_of(job)], *job[1:5]],
                                     verdict=lambda job: job[4])
 
 
-def _in_job_of(in_job: bool):
-    """Whether a judge_together job loads in-job: all of them with in_job, else those whose sixth element says so."""
-    return lambda job: in_job or (len(job) > 5 and bool(job[5]))
+MODULE_ONLY = "module_only"
+"""A judge_together job's sixth element for an in-job load without optimizer states."""
+
+
+def _kind_of(in_job: bool):
+    """0 (plain), 1 (in-job) or 2 (module-only) of a judge_together job: in-job for all of them with
+    in_job (module-only ones stay module-only), else as its sixth element says."""
+    def kind(job) -> int:
+        how = job[5] if len(job) > 5 else False
+        if how == MODULE_ONLY:
+            return 2
+        return 1 if in_job or how else 0
+    return kind
 
 
 def _check_load_launch(job):
