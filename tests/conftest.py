@@ -26,11 +26,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 def trained(tmp_path_factory, request):
     """trained(variant, n) -> (save_dir, truth_path): a real checkpoint, trained once per session.
     Every checkpoint the session's tests name with `@pytest.mark.trains` is trained when the first
-    test asks, one launch per N (trained.TrainedCheckpoints.prepare), since the launch is what costs."""
+    test asks, one launch per N whatever the steps (trained.TrainedCheckpoints.prepare), since the
+    launch is what costs."""
     from trained import TrainedCheckpoints, checkpoints_named
     checkpoints = TrainedCheckpoints(tmp_path_factory.mktemp("trained"))
-    for steps, wanted in checkpoints_named(request.session.items).items():
-        checkpoints.prepare(wanted, steps=steps)
+    checkpoints.prepare([(variant, n, steps) for steps, wanted in checkpoints_named(request.session.items).items()
+                         for variant, n in wanted])  # one launch per N, whatever the steps
     return checkpoints
 
 

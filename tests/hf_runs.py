@@ -12,32 +12,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from reshard_proof.launch import child_env
+from reshard_proof.launch import TorchrunError, run_torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 ENTRY = Path(__file__).resolve().parent / "entry"
 RUNS = {"z2": ("hf_trainer.py", ["--stage", "2"]), "z3_bf16": ("hf_trainer.py", ["--stage", "3", "--bf16"]),
         "accelerate_z3": ("hf_accelerate.py", ["--stage", "3"])}
 
 
 def run_entry(script: str, nproc: int, *args, expect: Path | None = None, timeout: float = 600) -> None:
-    """torchrun --standalone the entry script; retried once when it died at exit after writing `expect`."""
-    env = child_env()  # the entry scripts import reshard_proof (tests/)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ENTRY / script), *map(str, args)]
-    for attempt in (1, 2):
-        if expect is not None:
-            expect.unlink(missing_ok=True)
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        if result.returncode == 0:
-            return
-        if attempt == 1 and expect is not None and expect.is_file():
-            continue
-        raise AssertionError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    """The entry script as an nproc-rank job (reshard_proof.launch.run_torchrun: its ranks started
+    without torchrun's agent, RANKS_WITHOUT_AGENT); retried once when it died at exit after writing
+    `expect`. A failure raises AssertionError with the tail of the output."""
+    try:
+        run_torchrun(ENTRY / script, nproc, args, timeout=timeout, expect_files=[expect] if expect is not None else [])
+    except TorchrunError as error:
+        raise AssertionError(str(error)) from None
 
 
 def read_report(path: Path) -> dict:

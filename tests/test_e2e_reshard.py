@@ -10,9 +10,9 @@ every fp32 master weight and optimizer state element, counters, per-group hyperp
 scheduler, loss scaler, frozen parameters, buffers, client_state and the eval loss, then trains
 one more step. DeepSpeed's own zero_to_fp32 and `reshard verify --against` must agree too.
 
-The matrix, the W=3 torchrun case and the in-job cases are resharded first and judged together: all
-loads at one M, plain and in-job, share one launch (tests/trained.py judge_together), each in a fresh
-engine of its variant. The launch is what costs (~20-35 s on 2 cores); one more load in it about a second.
+The matrix, the W=3 torchrun case, the in-job cases and the module-only in-job load are resharded
+first and judged together: all loads at one M, plain, in-job and module-only, share one launch
+(tests/trained.py judge_together), each in a fresh engine of its variant. The launch is what costs (~20-35 s on 2 cores); one more load in it about a second.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import filecmp
 import os
 
 import pytest
-from trained import judge, judge_together, reshard_in_threads, reshard_with_torchrun, verdict_of
+from trained import MODULE_ONLY, judge, judge_together, reshard_in_threads, reshard_with_torchrun, verdict_of
 
 from reshard_proof.zero_to_fp32_check import UNSUPPORTED, check_zero_to_fp32
 
@@ -77,9 +77,10 @@ def _selected(request, test_name: str, cases: list, names: tuple) -> list:
 def judged_loads(trained, tmp_path_factory, request):
     """{"matrix": {case: (source, truth, destination, reshard result or its error, verdict path, verdicts)},
     "in_job": {case: (files of its source before, after, verdicts, verdict path)}, "torchrun_w3": (truth,
-    destination, verdicts, verdict path) or None}: every MATRIX case this session runs resharded in
-    threads, the W=3 torchrun case resharded, every IN_JOB case loaded straight from its source, and all
-    these loads at one M, plain and in-job alike, judged in one torchrun launch (judge_together)."""
+    destination, verdicts, verdict path) or None, "module_only": (verdicts, result path)}: every MATRIX
+    case this session runs resharded in threads, the W=3 torchrun case resharded, every IN_JOB case
+    loaded straight from its source, the module-only in-job load, and all these loads at one M, plain,
+    in-job and module-only alike, judged in one launch (judge_together)."""
     root = tmp_path_factory.mktemp("judged")
     found, jobs = {"matrix": {}, "in_job": {}, "torchrun_w3": None}, []
     for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
@@ -123,10 +124,23 @@ def judged_loads(trained, tmp_path_factory, request):
             jobs.append((case[2], case[0], *in_job[case], verdict_path, True))
         found["in_job"][case] = verdict_path
 
+    if any(item.originalname == "test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up"
+           for item in request.session.items if item.module is request.module):
+        result_path = root / "module-only.json"
+        try:
+            source, truth = trained("z3_fp32", 2)
+        except Exception as error:  # noqa: BLE001 (raised by its test)
+            failed[str(result_path)] = error
+        else:
+            jobs.append((3, "z3_fp32", source, truth, result_path, MODULE_ONLY))
+        found["module_only"] = result_path
+
     verdicts = {**judge_together(jobs), **failed}
     found["matrix"] = {key: (*value, verdicts) for key, value in found["matrix"].items()}
     found["in_job"] = {case: (before.get(case), listing(in_job[case][0]) if case in in_job else None, verdicts,
                               verdict_path) for case, verdict_path in found["in_job"].items()}
+    if "module_only" in found:
+        found["module_only"] = (verdicts, found["module_only"])
     if isinstance(found["torchrun_w3"], tuple):
         truth, destination, verdict_path = found["torchrun_w3"]
         found["torchrun_w3"] = (truth, destination, verdicts, verdict_path)
@@ -291,20 +305,11 @@ def test_deepspeeds_universal_converter_reads_the_output(universal_conversions, 
 
 
 @pytest.mark.trains(("z3_fp32", 2))
-def test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up(trained, tmp_path):
+def test_in_job_module_only_load_of_zero3_goes_through_staging_and_cleans_up(judged_loads):
     """load_optimizer_states=False under ZeRO-3: DeepSpeed reads the directory with zero_to_fp32, so the
-    in-job path reshards into a temporary directory; the module comes back exact and nothing is left."""
-    import json
-    import subprocess
-    import sys
-
-    from reshard_proof.launch import REPO_ROOT, child_env
-    source, truth = trained("z3_fp32", 2)
-    out = tmp_path / "result.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-               str(REPO_ROOT / "tests" / "entry" / "module_only_load.py"), "z3_fp32", str(source), str(truth), str(out)]
-    done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300)
-    assert out.is_file(), (done.stdout + done.stderr)[-3000:]
-    result = json.loads(out.read_text())
+    in-job path reshards into a temporary directory; the module comes back exact and nothing is left.
+    Loaded at 3 ranks in the launch judged_loads shares at M=3 (check_load --also-module-only)."""
+    verdicts, result_path = judged_loads["module_only"]
+    result = verdict_of(verdicts, result_path)
     assert result["mismatches"] == [] and result["checked_tensors"] > 0
     assert result["through_staging"] == 1 and result["staging_left"] == []

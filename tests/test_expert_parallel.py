@@ -361,11 +361,38 @@ class MoeCase(JudgedCase):
         return load
 
 
+def _convert(case: MoeCase, source, out, name_latest: bool = False) -> None:
+    """Have DeepSpeed's ds_to_universal.py (`--inject_missing_state`) convert `source`'s latest tag
+    into out/TAG before the case's loads are judged (`_convert_all`); `name_latest`: and write
+    out/latest_universal naming TAG."""
+    case.values.setdefault("conversions", []).append((source, out, name_latest))
+
+
+def _convert_all(cases) -> None:
+    """Every conversion (`_convert`) of every case prepared without error, in one process
+    (reshard_proof.ds_universal `ds_to_universal_all`), since importing DeepSpeed is most of what
+    one costs. A case whose conversion failed gets that as its error (its test raises it)."""
+    from reshard_proof.ds_universal import ds_to_universal_all
+    jobs = [(case, source, out, name_latest, (source / "latest").read_text()) for case in cases.values()
+            if case.error is None for source, out, name_latest in case.values.get("conversions", [])]
+    try:
+        failures = ds_to_universal_all([(source / tag, out / tag) for _, source, out, _, tag in jobs]) if jobs else {}
+    except Exception as error:  # noqa: BLE001 (a timeout, say: raised by each case's test)
+        failures = {str(out / tag): repr(error) for _, _, out, _, tag in jobs}
+    for case, source, out, name_latest, tag in jobs:
+        why = failures.get(str(out / tag))
+        if why is not None:
+            case.error = case.error or AssertionError(f"ds_to_universal.py on {source / tag}: {why}")
+        elif name_latest:
+            (out / "latest_universal").write_text(tag)
+
+
 @pytest.fixture(scope="module")
 def moe_cases(request, moe_trained, tmp_path_factory):
     """{(test name, source_key): MoeCase} of the selected end-to-end MoE load tests, all judged
     together: every load at one (ep, world) in ONE launch, whatever its source and variant
-    (reshard_proof.launch.check_moe_together), since the launch is what costs. Each test then
+    (reshard_proof.launch.check_moe_together), since the launch is what costs; every case's
+    ds_to_universal.py conversions before that, in one process (`_convert_all`). Each test then
     asserts on its own verdicts; what failed while preparing or judging a case fails its test only."""
     from trained import selected_tests
 
@@ -377,6 +404,7 @@ def moe_cases(request, moe_trained, tmp_path_factory):
             PREPARE[key[0]](moe_trained, case, key[1])
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
+    _convert_all(cases)  # before judging: some loads read a conversion
     judge_cases(cases, lambda loads: check_moe_together(loads, timeout=1800))
     return cases
 
@@ -460,16 +488,14 @@ def _prepare_moe_loads(moe_trained, case: MoeCase, source_key) -> None:
     if source_key == ("autoep_z3_fp32", 2, 4):
         # DeepSpeed's universal path at ZeRO-3 gives every master and moment right, but every
         # param group group 0's hyperparameters, and drops buffers.
-        from test_export_universal import _ds_to_universal
-        _ds_to_universal(source, tmp_path / "universal")
+        _convert(case, source, tmp_path / "universal")
         case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
                   role="z3_universal")
     if source_key == ("autoep_z2_fp32", 2, 2):
         # Against DeepSpeed, in the same job: its plain load of the ep2 source into the ep1 engine
         # reports success and gives experts 2 and 3 other experts' optimizer partitions; its
         # universal path (ds_to_universal + load_universal) gives every master and moment right.
-        from test_export_universal import _ds_to_universal
-        _ds_to_universal(source, tmp_path / "universal")
+        _convert(case, source, tmp_path / "universal")
         case.load(1, 2, variant, truth, source, "deepspeed-plain", role="deepspeed_plain")
         case.load(1, 2, variant, truth, tmp_path / "universal", "deepspeed-universal", how="universal",
                   role="deepspeed_universal")
@@ -819,22 +845,10 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
-    import subprocess
-    import sys
-
-    import deepspeed.checkpoint
-
-    from reshard_proof.launch import child_env
     source, truth = moe_trained("moe_z1_fp32", 1, 2)
     ours, theirs = case.root / "ours", case.root / "theirs"
     _reshard(source, ours, 3, 1, 2)
-    script = os.path.join(os.path.dirname(deepspeed.checkpoint.__file__), "ds_to_universal.py")
-    done = subprocess.run([sys.executable, script, "--input_folder", str(source / "global_step3"),
-                           "--output_folder", str(theirs / "global_step3"), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=child_env(None), timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    (theirs / "latest_universal").write_text("global_step3")
+    _convert(case, source, theirs, name_latest=True)
     case.values["truth"] = truth
     case.load(1, 3, "moe_z1_fp32", truth, ours, "native")
     case.load(1, 3, "moe_z1_fp32", truth, theirs, "universal", how="universal", role="universal")

@@ -10,8 +10,6 @@ scheduler) must be equal element for element, and the masters equal to the truth
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,29 +17,18 @@ from threaded_transport import run_workers
 
 from reshard.export import export_universal
 from reshard_proof.ds_universal import ds_to_universal_all
-from reshard_proof.launch import REPO_ROOT, child_env
-
-
-def _ds_to_universal(source, out_root) -> None:
-    """DeepSpeed's ds_to_universal.py on `source`'s latest tag, into `out_root`/TAG (tests/test_expert_parallel.py)."""
-    tag = (source / "latest").read_text()
-    failures = ds_to_universal_all([(source / tag, out_root / tag)])
-    assert not failures, failures
+from reshard_proof.launch import REPO_ROOT, TorchrunError, run_torchrun
 
 
 def _load_all(m, jobs) -> None:
-    """Judge every (variant, ours, theirs, truth, out) at m ranks in one launch of tests/entry/universal_load.py."""
-    args = [str(x) for job in jobs for x in job]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={m}",
-               str(REPO_ROOT / "tests" / "entry" / "universal_load.py"), *args]
-    outs = [job[4] for job in jobs]
-    for out in outs:
-        out.unlink(missing_ok=True)
-    for _ in range(2):  # a launch can die at teardown after writing its results (see proof.launch)
-        done = subprocess.run(command, env=child_env(None), capture_output=True, text=True, timeout=300 * len(jobs))
-        if all(out.is_file() for out in outs):
-            return
-    raise AssertionError((done.stdout + done.stderr)[-4000:])
+    """Judge every (variant, ours, theirs, truth, out) at m ranks in one launch of tests/entry/universal_load.py
+    (reshard_proof.launch.run_torchrun: ranks without torchrun's agent; retried once should it die at
+    teardown after writing every result). A failure raises AssertionError with the tail of the output."""
+    try:
+        run_torchrun(REPO_ROOT / "tests" / "entry" / "universal_load.py", m, [str(x) for job in jobs for x in job],
+                     timeout=300 * len(jobs), expect_files=[job[4] for job in jobs])
+    except TorchrunError as error:
+        raise AssertionError(str(error)) from None
 
 
 # variant, n, m, workers; "theirs" is ds_to_universal's output, or None where it cannot convert

@@ -11,13 +11,11 @@ more PPO iterations. The offline and the in-job resume at 3 ranks share one laun
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from reshard_proof.launch import child_env
+from reshard_proof.launch import TorchrunError, run_torchrun
 from trained import REPO, reshard_in_threads, reshard_with_torchrun, tree_files
 
 pytestmark = pytest.mark.e2e
@@ -27,16 +25,14 @@ KL_INIT = 0.2
 
 
 def _launch(nproc: int, script: Path, *args, expected: Path | None = None, timeout: float = 600) -> None:
-    env = child_env()  # the example judges itself with reshard_proof (tests/)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), *map(str, args)]
-    for attempt in (1, 2):  # one retry for the rare abort at process exit, judged by the files
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        if result.returncode == 0 or (attempt == 1 and expected is not None and expected.is_file()):
-            if result.returncode == 0:
-                return
-            continue
-        raise AssertionError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    """`script` as an nproc-rank job (reshard_proof.launch.run_torchrun: ranks started without torchrun's
+    agent, RANKS_WITHOUT_AGENT; the example judges itself with reshard_proof, which child_env puts on
+    PYTHONPATH); one retry for the rare abort at process exit, judged by `expected`. A failure raises
+    AssertionError with the tail of the output."""
+    try:
+        run_torchrun(script, nproc, args, timeout=timeout, expect_files=[expected] if expected is not None else [])
+    except TorchrunError as error:
+        raise AssertionError(str(error)) from None
 
 
 def _example(nproc: int, *args, timeout: float = 600) -> None:

@@ -1,15 +1,17 @@
 """judge_in_shared_launches: many jobs share one torchrun launch, and a launch that fails as a whole
 is judged again one job per launch, so every job still meets its own verdict or its own error.
 
-    python -m pytest -q tests/test_shared_launch.py        # 5 launches of a torch-only module, ~30 s
+    python -m pytest -q tests/test_shared_launch.py        # 5 launches of a few-line module, seconds
 
 Every harness that judges many loads (check_together, judge_folded_together, check_moe_together,
 tests/trained.py judge_together) goes through reshard_proof.launch.judge_in_shared_launches. Its
 fallback only runs when a shared launch fails, which no passing suite shows, so it is driven here:
 one job's input is corrupt, the process judging it raises, and the launch it shares with two good
-jobs ends non-zero. The module is a few lines under a real torchrun (starting DeepSpeed engines
-would only add minutes): it judges its jobs in order, as reshard_proof.check_load does, and dies on
-the first input it cannot read, as check_load dies on a truth file it cannot read.
+jobs ends non-zero. The module is a few lines (starting DeepSpeed engines would only add minutes),
+launched as those harnesses' modules are, its ranks started without torchrun's agent
+(reshard_proof.launch.RANKS_WITHOUT_AGENT; RESHARD_PROOF_TORCHRUN=1 puts the agent back for all):
+it judges its jobs in order, as reshard_proof.check_load does, and dies on the first input it
+cannot read, as check_load dies on a truth file it cannot read.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import textwrap
 
 import pytest
 
+from reshard_proof import launch
 from reshard_proof.launch import TorchrunError, judge_in_shared_launches, shared_launches
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +46,8 @@ def judge_module(tmp_path, monkeypatch):
                 json.dump({"ok": value == 1, "source": source}, handle)
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    # started as the judging harnesses' modules are (check_load, moe_run, tensor_parallel, folded_tp_ep)
+    monkeypatch.setattr(launch, "RANKS_WITHOUT_AGENT", launch.RANKS_WITHOUT_AGENT | {MODULE})
     return tmp_path
 
 

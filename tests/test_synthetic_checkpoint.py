@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
-from make_checkpoint import child_env, ensure_checkpoint  # noqa: E402
+from make_checkpoint import ensure_checkpoint  # noqa: E402
 from synthetic_checkpoint import MODELS, check_with_zero_to_fp32, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -106,12 +105,12 @@ def test_files_and_trees_are_deepspeeds(checkpoints, stage, n):
 @pytest.mark.parametrize("stage,n", CASES)
 def test_deepspeed_loads_the_known_state(checkpoints, stage, n, tmp_path):
     _, synthetic = checkpoints(stage, n)
+    from reshard_proof.launch import run_torchrun
     verdict = tmp_path / "verdict.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               str(BENCH / "synthetic_load_check.py"), str(synthetic), "--model", "tiny", "--stage", str(stage),
-               "--seed", "3", "--verdict", str(verdict)]
-    run = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    # n ranks without torchrun's agent (reshard_proof.launch.RANKS_WITHOUT_AGENT); raises with the
+    # output's tail should the job fail
+    run_torchrun(BENCH / "synthetic_load_check.py", n, [synthetic, "--model", "tiny", "--stage", stage, "--seed", 3,
+                                                        "--verdict", verdict], timeout=300, expect_files=[verdict])
     result = json.loads(verdict.read_text())
     assert result["mismatches"] == [] and result["ranks"] == n
     # 27 trainable params x (fp32, exp_avg, exp_avg_sq [, ZeRO-2 module weight]) + the frozen one

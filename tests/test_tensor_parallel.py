@@ -21,8 +21,6 @@ fresh engine (`tp_cases`); each test asserts on its own verdicts.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -347,7 +345,8 @@ def tp_cases(request, autotp, tmp_path_factory):
     """{test name: JudgedCase} of the selected end-to-end tests: each test's reshards made and
     checked by its `_prepare_*` function, then every load at one (tp, dp) judged in ONE launch,
     whatever its source, stage, precision and model (reshard_proof.tensor_parallel `check_together`),
-    since the launch is what costs. What failed while preparing or judging a case fails its test only."""
+    since the launch is what costs; every case's ds_to_universal.py conversions before that, in one
+    process (`_convert_all`). What failed while preparing or judging a case fails its test only."""
     from trained import JudgedCase, judge_cases, selected_tests
 
     from reshard_proof.tensor_parallel import check_together
@@ -358,6 +357,7 @@ def tp_cases(request, autotp, tmp_path_factory):
             TP_PREPARE[test](autotp, case)
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
+    _convert_all(cases)  # before judging: some loads read a conversion
     judge_cases(cases, check_together)
     return cases
 
@@ -395,7 +395,7 @@ def _reshard(source, destination, tp, dp, workers):
 def _prepare_zero2_fp32(autotp, case) -> None:
     source, truth = _source(autotp, case, "z2_fp32_tp2_dp2")
     tmp_path = case.root
-    case.values["converted"] = _universal(source, tmp_path / "u-source")
+    _convert(case, source, tmp_path / "u-source")  # loaded below: converted before the loads are judged
     to_1x3 = _reshard(source, tmp_path / "tp1dp3", 1, 3, workers=2)
     # the command line with --target-tp, 3 local workers (W differs from 4 and 4)
     from trained import reshard_cli
@@ -408,6 +408,7 @@ def _prepare_zero2_fp32(autotp, case) -> None:
     assert saved_parallel_sizes(source / "global_step3") == {(2, None)}
     assert saved_parallel_sizes(tmp_path / "tp4dp1" / "global_step3") == {(4, None)}
     assert saved_parallel_sizes(to_1x3 / "global_step3") == {(1, None)}
+    _convert(case, tmp_path / "tp4dp1", tmp_path / "u-output")
     # each check resumes from the source itself in-job, in a fresh engine (reshard.deepspeed.load_checkpoint:
     # module weights resliced; at tp 1 x dp 3 one TP rank's model states shared by three dp ranks), loads
     # the offline output, then DeepSpeed's universal conversion of the source in a load_universal engine
@@ -431,7 +432,7 @@ def test_zero2_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(tp_cases):
         _assert_universal_agrees(universal, native, ranks=ranks)
     assert len(set(verdicts[4]["digest_per_rank"])) == 4  # four different shards were compared
     # DeepSpeed's own converter reads the output (its affine maps) as it reads the source
-    assert case.values["converted"] == _universal(case.root / "tp4dp1", case.root / "u-output")
+    assert _universal(case, case.root / "u-source") == _universal(case, case.root / "u-output")
 
 
 def _assert_universal_agrees(universal: dict, native: dict, ranks: int) -> None:
@@ -444,25 +445,46 @@ def _assert_universal_agrees(universal: dict, native: dict, ranks: int) -> None:
     assert universal["digest_per_rank"] == native["digest_per_rank"]
 
 
-def _universal(save_dir, out, trainable: int = 8, files_per_param: int = 4) -> dict:
-    """{param/file: tensor bytes} of `ds_to_universal.py` on the checkpoint, written to
-    out/global_step3 with `out/latest_universal` naming it, so that an engine with
-    `checkpoint.load_universal` loads `out` (ds_to_universal.py's `main` leaves
-    `_create_latest_file` commented out).
+def _convert(case, save_dir, out) -> None:
+    """Have DeepSpeed's ds_to_universal.py convert the checkpoint at `save_dir` into
+    out/global_step3 before the case's loads are judged: every case's conversions run in one
+    process (`_convert_all`, called by tp_cases), since importing DeepSpeed is most of what one costs."""
+    case.values.setdefault("conversions", []).append((save_dir, out))
+
+
+def _convert_all(cases) -> None:
+    """Run the conversions (`_convert`) of every case prepared without error in one process
+    (reshard_proof.ds_universal `ds_to_universal_each`, `--no_strict`), each with its own outcome and
+    printout, and name each output in out/latest_universal, so that an engine with
+    `checkpoint.load_universal` loads `out` (ds_to_universal.py's `main` leaves `_create_latest_file`
+    commented out). What a conversion gave is read, and checked, by its test (`_universal`)."""
+    from reshard_proof.ds_universal import ds_to_universal_each
+    jobs = [(case, save_dir, out) for case in cases.values() if case.error is None
+            for save_dir, out in case.values.get("conversions", [])]
+    try:
+        outcomes = ds_to_universal_each([(save_dir / "global_step3", out / "global_step3")
+                                         for _, save_dir, out in jobs], options=["--no_strict"]) if jobs else []
+    except Exception as error:  # noqa: BLE001 (a timeout, say: each test reading a conversion raises it)
+        outcomes = [(repr(error), "")] * len(jobs)
+    for (case, save_dir, out), (why, printed) in zip(jobs, outcomes):
+        case.values.setdefault("converted", {})[out] = (why, printed)
+        if why is None:
+            (out / "latest_universal").write_text("global_step3")
+
+
+def _universal(case, out, trainable: int = 8, files_per_param: int = 4) -> dict:
+    """{param/file: tensor bytes} of `ds_to_universal.py`'s conversion into `out` (`_convert`, run by
+    tp_cases before the loads are judged), which must have succeeded.
 
     DeepSpeed 0.19.8's strict check fails its own AutoTP checkpoints with frozen parameters
     ("Unused patterns=[...frozen...] while merging tp slices": the replicated-pattern list names
     them, the optimizer never saw them) after merging every trainable parameter; `--no_strict`
     turns that into the warning checked here, and the conversion completes."""
     import torch
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(save_dir / "global_step3"), "--output_folder", str(out / "global_step3"),
-               "--num_extract_workers", "1", "--num_merge_workers", "1", "--no_strict"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Warning: Unused patterns=['^frozen" in done.stdout, done.stdout[-3000:]
-    (out / "latest_universal").write_text("global_step3")
+    why, printed = case.values["converted"][out]
+    assert why is None, why[-3000:] + printed[-3000:]
+    assert "Warning: Unused patterns=['^frozen" in printed, printed[-3000:]
+    assert (out / "latest_universal").read_text() == "global_step3"
     zero = out / "global_step3" / "zero"
     # the parameters DeepSpeed merged (masters with moments); `fp32.pt` alone is its copy of the
     # module value of a parameter without optimizer state: frozen ones, and (vocabulary parallel)
@@ -552,7 +574,8 @@ def _prepare_fused(autotp, case) -> None:
         assert info["sub_param_shard_widths"][r"^gate_up\.weight$"] == [[2, 2, 1], [2, 2, 1]]
     again = torch.load(via_tp1 / "global_step3" / "mp_rank_01_model_states.pt", weights_only=False)
     assert again["universal_checkpoint_info"] == states[1]["universal_checkpoint_info"]
-    case.values["paths"] = (source, to_3x1)
+    _convert(case, source, tmp_path / "u-source")
+    _convert(case, to_3x1, tmp_path / "u-output")
     _load(case, "to-1x2", 1, 2, to_1x2, truth)
     _load(case, "to-3x1", 3, 1, to_3x1, truth)
     _load(case, "in-job-3x1", 3, 1, source, truth, "in-job")
@@ -574,8 +597,7 @@ def test_vocabulary_parallel_and_fused_sub_parameters_fp16_tp2_dp1_to_tp1_dp2_an
         assert verdict["ok"], verdict["problems"]
     # DeepSpeed's converter merges the vocabulary and sub-parameter shards of the output as of the source
     case = tp_cases[name]
-    source, to_3x1 = case.values["paths"]
-    assert _universal(source, case.root / "u-source", 11) == _universal(to_3x1, case.root / "u-output", 11)
+    assert _universal(case, case.root / "u-source", 11) == _universal(case, case.root / "u-output", 11)
 
 
 def _prepare_bf16_optimizer(autotp, case) -> None:
@@ -606,6 +628,8 @@ def _prepare_zero3_fp32(autotp, case) -> None:
     assert [up[t]["shard_shape"] for t in range(4)] == [[3, 8], [2, 8], [2, 8], [2, 8]]
     assert {n: list(s) for group in states["param_shapes"] for n, s in group.items()}["down.weight"] == [8, 2]
     case.values["paths"] = (source, truth, to_1x3, to_4x1)
+    _convert(case, source, tmp_path / "u-source")
+    _convert(case, to_4x1, tmp_path / "u-output")
     # each (tp, dp): the offline output, then the source itself resharded in-job
     for (tp, dp), output in (((1, 3), to_1x3), ((4, 1), to_4x1)):
         _load(case, f"native-{tp}x{dp}", tp, dp, output, truth)
@@ -635,7 +659,8 @@ def test_zero3_fp32_tp2_dp2_to_tp1_dp3_and_tp4_dp1(tp_cases):
     assert sorted(consolidated) == sorted(want)
     assert all(torch.equal(consolidated[n].float(), want[n]) for n in want)
     # DeepSpeed's own converter reads the output's ZeRO-3 files and affine maps as it reads the source's
-    assert _universal(source, tmp_path / "u-source", files_per_param=3) == _universal(to_4x1, tmp_path / "u-output", files_per_param=3)
+    assert _universal(case, tmp_path / "u-source", files_per_param=3) == \
+        _universal(case, tmp_path / "u-output", files_per_param=3)
 
 
 def _prepare_zero3_bf16(autotp, case) -> None:

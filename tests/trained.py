@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 class TrainedCheckpoints:
     """variant, N, steps -> (save_dir, truth path), trained on first use.
 
-    `prepare(wanted)` trains the missing ones among many (variant, N) in one launch per N, each in
-    a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
+    `prepare(wanted)` trains the missing ones among many (variant, N[, steps]) in one launch per N,
+    each in a fresh engine (reshard_proof.train --also), the same files a launch each writes, without the
     ~10-20 s a launch costs to start. The session calls it once, for every checkpoint its tests name
     with `@pytest.mark.trains` (conftest.py `trained`, `checkpoints_named`)."""
 
@@ -53,23 +53,27 @@ class TrainedCheckpoints:
         return self.cache[key]
 
     def prepare(self, wanted, steps: int = 3) -> None:
-        """Train every (variant, n) of `wanted` not trained yet, one launch per n. Should a shared
-        launch fail, nothing is cached from it: each later call trains its own, so every test
+        """Train every (variant, n[, steps]) of `wanted` not trained yet (`steps` for those that name
+        none), one launch per n whatever the steps (reshard_proof.train --also-steps). Should a
+        shared launch fail, nothing is cached from it: each later call trains its own, so every test
         still meets its own checkpoint or its own error."""
-        by_n: dict[int, list[str]] = {}
-        for variant, n in wanted:
-            if (variant, n, steps) not in self.cache and variant not in by_n.get(n, []):
-                by_n.setdefault(n, []).append(variant)
-        for n, variants in by_n.items():
-            jobs = [(variant, *self._paths(variant, n, steps)) for variant in variants]
+        by_n: dict[int, list[tuple[str, int]]] = {}
+        for variant, n, *own in wanted:
+            key = (variant, own[0] if own else steps)
+            if (variant, n, key[1]) not in self.cache and key not in by_n.get(n, []):
+                by_n.setdefault(n, []).append(key)
+        for n, keys in by_n.items():
+            first = keys[0][1]
+            keys.sort(key=lambda key: key[1] != first)  # the first one's step count first (--also), stable
+            jobs = [(variant, *self._paths(variant, n, count), count) for variant, count in keys]
             try:  # a launch's own timeout, and about a minute more for each engine under load
-                train_checkpoints(n, jobs, steps=steps, timeout=600 + 60 * (len(jobs) - 1))
+                train_checkpoints(n, jobs, timeout=600 + 60 * (len(jobs) - 1))
             except Exception as error:  # noqa: BLE001 (each __call__ trains, or fails, on its own)
                 print(f"[trained.prepare] the shared launch at N={n} failed; each checkpoint trains on first use: "
                       f"{str(error)[-2000:]}", file=sys.stderr, flush=True)
                 continue
-            for variant, save_dir, truth in jobs:
-                self.cache[(variant, n, steps)] = (save_dir, truth)
+            for variant, save_dir, truth, count in jobs:
+                self.cache[(variant, n, count)] = (save_dir, truth)
 
 
 class AutoTPCheckpoints:
@@ -188,18 +192,30 @@ def judge_together(jobs, *, in_job: bool = False) -> dict:
     one more load in it ~1 s. Returns {str(verdict_path): verdict dict, or the exception judging it
     raised} (reshard_proof.launch `judge_in_shared_launches`: should the shared launch fail as a
     whole, each job is judged in a launch of its own). A job may end in a sixth element, True to
-    load that one in-job: plain and in-job loads at one M share the launch (check_load
-    --also-in-job), plain loads first."""
-    in_job_of = _in_job_of(in_job)
-    return judge_in_shared_launches("reshard_proof.check_load", sorted(jobs, key=in_job_of),  # stable
+    load that one in-job, or MODULE_ONLY to load it in-job without its optimizer states (its
+    "verdict" then is check_load.judge_module_only's result): plain, in-job and module-only loads
+    at one M share the launch (check_load --also-in-job, --also-module-only), in that order."""
+    kind_of = _kind_of(in_job)
+    flags = ("--also", "--also-in-job", "--also-module-only")
+    return judge_in_shared_launches("reshard_proof.check_load", sorted(jobs, key=kind_of),  # stable
                                     launch=_check_load_launch,
-                                    job_args=lambda job: ["--also-in-job" if in_job_of(job) else "--also", *job[1:5]],
+                                    job_args=lambda job: [flags[kind_of(job)], *job[1:5]],
                                     verdict=lambda job: job[4])
 
 
-def _in_job_of(in_job: bool):
-    """Whether a judge_together job loads in-job: all of them with in_job, else those whose sixth element says so."""
-    return lambda job: in_job or (len(job) > 5 and bool(job[5]))
+MODULE_ONLY = "module_only"
+"""A judge_together job's sixth element for an in-job load without optimizer states."""
+
+
+def _kind_of(in_job: bool):
+    """0 (plain), 1 (in-job) or 2 (module-only) of a judge_together job: in-job for all of them with
+    in_job (module-only ones stay module-only), else as its sixth element says."""
+    def kind(job) -> int:
+        how = job[5] if len(job) > 5 else False
+        if how == MODULE_ONLY:
+            return 2
+        return 1 if in_job or how else 0
+    return kind
 
 
 def _check_load_launch(job):

@@ -4,7 +4,8 @@
         --variant z2_fp32 --load-dir /tmp/ck --truth /tmp/ck.truth.pt --verdict /tmp/verdict.json \
         [--seed 1] [--tag TAG] [--extra-steps 1] [--in-job] \
         [--also VARIANT LOAD_DIR TRUTH VERDICT ...] [--also-in-job VARIANT LOAD_DIR TRUTH VERDICT ...]
-                                        # or only --also / --also-in-job, once per checkpoint
+        [--also-module-only VARIANT LOAD_DIR TRUTH RESULT ...]
+                                        # or only --also / --also-in-job / --also-module-only
 
 The target engine is built from another seed, so nothing matches by accident. Every rank compares
 its own view with the truth (full fp32 masters and optimizer states, module values, frozen params,
@@ -15,7 +16,9 @@ reshards over the job's process group when the world size differs) instead of th
 Each `--also` judges one more checkpoint in the same launch, in a fresh engine of its own
 variant (a variant may name a ZeRO stage: `z2_bf16@stage3`), saving a launch per checkpoint;
 `--in-job` applies to them too. Each `--also-in-job` is judged after them, loaded in-job whatever
-`--in-job` says, so plain and in-job loads at one M share a launch.
+`--in-job` says, so plain and in-job loads at one M share a launch. Each `--also-module-only` comes
+last: an in-job load with load_optimizer_states=False (judge_module_only), whose RESULT says what
+came back and whether it went through reshard's staging directory.
 Exit code 0 whenever the run completes, whatever the verdict; see verdict_file.py for its schema.
 """
 
@@ -61,10 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--also-in-job", nargs=4, action="append", default=[],
                         metavar=("VARIANT", "LOAD_DIR", "TRUTH", "VERDICT"),
                         help="judge one more checkpoint in this launch, loaded in-job (repeatable)")
+    parser.add_argument("--also-module-only", nargs=4, action="append", default=[],
+                        metavar=("VARIANT", "LOAD_DIR", "TRUTH", "RESULT"),
+                        help="load one more checkpoint in-job without its optimizer states (repeatable)")
     args = parser.parse_args(argv)
     first = (args.variant, args.load_dir, args.truth, args.verdict)
-    if None in first and (any(value is not None for value in first) or not (args.also or args.also_in_job)):
-        parser.error("give --variant, --load-dir, --truth and --verdict together, or only --also / --also-in-job")
+    if None in first and (any(value is not None for value in first)
+                          or not (args.also or args.also_in_job or args.also_module_only)):
+        parser.error("give --variant, --load-dir, --truth and --verdict together, or only --also / --also-in-job / "
+                     "--also-module-only")
     return args
 
 
@@ -112,6 +120,50 @@ def main(argv=None) -> None:
         for variant_name, load_dir, truth_path, verdict_path in jobs:
             judge(argparse.Namespace(**{**vars(args), "variant": variant_name, "load_dir": load_dir,
                                         "truth": truth_path, "verdict": verdict_path, "in_job": in_job}))
+    for variant_name, load_dir, truth_path, result_path in args.also_module_only:
+        judge_module_only(variant_name, load_dir, truth_path, result_path, seed=args.seed)
+
+
+def judge_module_only(variant_name: str, load_dir: str, truth_path: str, result_path: str, *, seed: int) -> None:
+    """reshard.deepspeed.load_checkpoint with load_optimizer_states=False in a fresh engine of the
+    variant. Under ZeRO-3 DeepSpeed then runs zero_to_fp32 on the load directory itself, so the
+    in-job path reshards through a temporary staging directory: rank 0 writes to `result_path`
+    its module, frozen and client_state mismatches with the truth, how many loads went through
+    staging (reshard.deepspeed._load_through_staging, spied on for this load only) and the staging
+    directories left behind in the temporary directory. Collective."""
+    import glob
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    import reshard.deepspeed
+    from reshard_proof.engine_state import _capture_module_values, _trainable_names
+    engine = build_engine(get_variant(variant_name), seed)
+    staging = os.path.join(tempfile.gettempdir(), "reshard-injob-staging-*")
+    staging_before = set(glob.glob(staging))
+    through_staging, original = [], reshard.deepspeed._load_through_staging
+
+    def spy(*args, **kwargs):
+        through_staging.append(True)
+        return original(*args, **kwargs)
+    reshard.deepspeed._load_through_staging = spy
+    try:
+        _, client_state = reshard.deepspeed.load_checkpoint(engine, load_dir, load_optimizer_states=False)
+    finally:
+        reshard.deepspeed._load_through_staging = original
+    values = _capture_module_values(engine, _trainable_names(engine))
+    truth = read_truth(truth_path)
+    comparison = compare_trees(truth["engine"]["module"], values["module"], "module")
+    comparison.absorb(compare_trees(truth["engine"]["frozen"], values["frozen"], "frozen"))
+    comparison.absorb(compare_trees(truth["client_state"], {k: client_state.get(k) for k in truth["client_state"]},
+                                    "client_state"))
+    staging_after = set(glob.glob(staging))
+    if dist.get_rank() == 0:
+        write_verdict(result_path, {"mismatches": comparison.mismatches, "checked_tensors": comparison.checked_tensors,
+                                    "staging_left": sorted(staging_after - staging_before),
+                                    "through_staging": len(through_staging)})
+    dist.barrier()
 
 
 def judge(args: argparse.Namespace) -> None:

@@ -56,36 +56,73 @@ def child_env(env: dict | None = None) -> dict:
     return child
 
 
-RANKS_WITHOUT_AGENT = frozenset({"reshard_proof.train", "reshard_proof.check_load", "tests.pipeline_run"})
-"""Proof entry points run_torchrun starts as their ranks themselves (run_ranks), without torchrun's
-agent: the same gloo job of separate processes, one start-up of torch fewer per launch.
-RESHARD_PROOF_TORCHRUN=1 in the environment starts them under torchrun again."""
+RANKS_WITHOUT_AGENT = frozenset({
+    "reshard_proof.train", "reshard_proof.check_load", "reshard_proof.moe_run", "reshard_proof.folded_tp_ep",
+    "reshard_proof.tensor_parallel", "tests.pipeline_run",
+    # scripts, by their path in the checkout
+    "tests/entry/universal_load.py", "tests/entry/hf_trainer.py",
+    "tests/entry/hf_accelerate.py", "tests/entry/ppo_resumes.py", "launch/examples/ppo_actor_critic.py",
+    "bench/synthetic_load_check.py",
+})
+"""Proof entry points (modules, or scripts by their path relative to the checkout) run_torchrun starts
+as their ranks themselves (run_ranks), without torchrun's agent: the same gloo job of separate
+processes, one start-up of torch fewer per launch. Each of them joins its job through
+deepspeed.init_distributed (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and needs nothing
+that only the agent gives (TORCHELASTIC_*: its store, its run id). `python -m reshard` is not one
+of them: it picks its transport by TORCHELASTIC_RUN_ID (reshard.transport), so the tests that
+launch it keep the agent. RESHARD_PROOF_TORCHRUN=1 in the environment starts them all under
+torchrun again."""
+
+
+def program_of(module: str | os.PathLike) -> tuple[list[str], str]:
+    """(what follows the interpreter, or torchrun's options, in a command line; its key in
+    RANKS_WITHOUT_AGENT) of `module`: a module name (`-m module`), or the path of a script (a
+    str ending in .py, or a path), run as torchrun runs a script: `python SCRIPT`, its folder first
+    on sys.path."""
+    if isinstance(module, os.PathLike) or str(module).endswith(".py"):
+        script = Path(module).resolve()
+        try:
+            key = script.relative_to(REPO_ROOT).as_posix()
+        except ValueError:
+            key = str(script)
+        return [str(script)], key
+    return ["-m", module], module
+
+
 RANK_GRACE_SECONDS = 5.0
 """How long the other ranks may run on after one failed (to flush what they print) before they are
 killed, as torchrun's agent stops a job's workers when one fails."""
 
 
-def run_ranks(module: str, nproc: int, args: Sequence[str], *, env: dict | None = None, timeout: float = 600,
-              python: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m module *args` as ranks 0..nproc-1 of one job on this host, each process given the
-    variables torchrun's agent gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    GROUP_RANK, MASTER_ADDR, MASTER_PORT: torch/distributed/elastic/agent/server/local_elastic_agent.py
-    `_start_workers`), rank 0's TCPStore on a free port serving the rendezvous (env://), but no agent:
-    the agent imports torch before it starts a rank, 3-4 s of CPU per launch on this machine, all
-    before any rank begins. As the agent does, the job ends when one rank fails (the others are
+def run_ranks(module: str | os.PathLike, nproc: int, args, *, env: dict | None = None,
+              timeout: float = 600, python: str | None = None, nodes: int = 1) -> subprocess.CompletedProcess:
+    """`python -m module *args` (or `python SCRIPT *args`: program_of) as ranks 0..nproc-1 of one job
+    on this host, each process given the variables torchrun's agent gives its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT:
+    torch/distributed/elastic/agent/server/local_elastic_agent.py `_start_workers`), rank 0's
+    TCPStore on a free port serving the rendezvous (env://), but no agent: the agent imports torch
+    before it starts a rank, 3-4 s of CPU per launch on this machine, all before any rank begins.
+    `nodes` > 1: nproc ranks on each of that many nodes played on this host, as launch_torchrun_nodes'
+    agents play them (node k holds ranks k*nproc.., its GROUP_RANK k; `args` may be a function of
+    the node index). As the agent does, the job ends when one rank fails (the others are
     killed RANK_GRACE_SECONDS later). The result holds every rank's output, rank by rank, and the
     exit status of the first rank that failed (0 when none did); TimeoutExpired after `timeout`."""
     import tempfile
-    command = [python or sys.executable, "-m", module, *map(str, args)]
-    base, port = child_env(env), _free_port()
+
+    def command_of(node: int) -> list[str]:
+        return [python or sys.executable, *program_of(module)[0], *map(str, args(node) if callable(args) else args)]
+    command = command_of(0)
+    base, port, world = child_env(env), _free_port(), nodes * nproc
     ranks, logs = [], []
     try:
-        for rank in range(nproc):
+        for rank in range(world):
+            node, local = divmod(rank, nproc)
             logs.append(tempfile.TemporaryFile(mode="w+"))
-            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank),
-                            ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            ranks.append(subprocess.Popen(command, env=rank_env, cwd=REPO_ROOT, stdout=logs[-1],
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(nodes),
+                            ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))
+            ranks.append(subprocess.Popen(command_of(node), env=rank_env, cwd=REPO_ROOT, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, text=True))
         deadline, failed_at, first_failure = time.monotonic() + timeout, None, 0
         while any(rank.poll() is None for rank in ranks):
@@ -115,23 +152,35 @@ def run_ranks(module: str, nproc: int, args: Sequence[str], *, env: dict | None 
     return subprocess.CompletedProcess(command, first_failure, output, "")
 
 
-def run_torchrun(module: str, nproc: int, args: Sequence[str], *, env: dict | None = None, timeout: float = 600,
-                 expect_files: Iterable[str | os.PathLike] = (), python: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args`, or for the
-    modules of RANKS_WITHOUT_AGENT the same ranks without the agent (run_ranks).
+def runs_without_agent(module: str | os.PathLike) -> bool:
+    """Whether run_torchrun and run_torchrun_nodes start `module`'s ranks without torchrun's agent."""
+    return program_of(module)[1] in RANKS_WITHOUT_AGENT and os.environ.get("RESHARD_PROOF_TORCHRUN") != "1"
+
+
+def run_torchrun(module: str | os.PathLike, nproc: int, args: Sequence[str], *, env: dict | None = None,
+                 timeout: float = 600, expect_files: Iterable[str | os.PathLike] = (),
+                 python: str | None = None, nodes: int = 1) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module *args` (or a
+    script's path in place of `-m module`: program_of), or for the entry points of RANKS_WITHOUT_AGENT
+    the same ranks without the agent (run_ranks; only these take `nodes`, see run_torchrun_nodes).
     `python`: the interpreter to run (another DeepSpeed's virtual environment); this one by default."""
+    program = program_of(module)[0]
+    shown_args = args(0) if callable(args) else args
     command = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", module, *map(str, args)]
-    without_agent = module in RANKS_WITHOUT_AGENT and os.environ.get("RESHARD_PROOF_TORCHRUN") != "1"
+               *program, *map(str, shown_args)]
+    without_agent = runs_without_agent(module)
+    if nodes > 1 and not without_agent:
+        raise ValueError(f"{module}: several nodes under torchrun's agents are run_torchrun_nodes' to start")
     if without_agent:  # what the error messages show
-        command = [f"{nproc} ranks without torchrun's agent:", command[0], *command[5:]]
+        command = [f"{nodes} x {nproc} ranks without torchrun's agent:" if nodes > 1 else
+                   f"{nproc} ranks without torchrun's agent:", command[0], *command[5:]]
     expected = [Path(path) for path in expect_files]
     for attempt in (1, 2):
         for path in expected:  # stale files from an earlier run must not pass for this one's
             path.unlink(missing_ok=True)
         try:
             if without_agent:
-                result = run_ranks(module, nproc, args, env=env, timeout=timeout, python=python)
+                result = run_ranks(module, nproc, args, env=env, timeout=timeout, python=python, nodes=nodes)
             else:
                 result = subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
                                         timeout=timeout)
@@ -176,14 +225,19 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
 def train_checkpoints(n: int, jobs: Sequence[tuple], *, steps: int = 3, seed: int = 0,
                       timeout: float = 600, python: str | None = None,
                       env: dict | None = None) -> subprocess.CompletedProcess:
-    """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path),
-    trained one after the other, each in a fresh engine (reshard_proof.train --also); every one
-    writes the files a train_checkpoint launch of its own writes. `python`, `env`: as train_checkpoint's
-    (another DeepSpeed's virtual environment)."""
-    (variant, save_dir, truth_path), *rest = jobs
+    """Train several variants on n ranks in one launch: jobs are (variant, save_dir, truth_path[, steps]),
+    trained one after the other, each in a fresh engine (reshard_proof.train --also, --also-steps for
+    a job whose steps differ from the first's; those come last); every one writes the files a
+    train_checkpoint launch of its own writes. `steps`: of the jobs that name none. `python`, `env`:
+    as train_checkpoint's (another DeepSpeed's virtual environment)."""
+    (variant, save_dir, truth_path, *own), *rest = jobs
+    steps = own[0] if own else steps
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
     for job in rest:
-        args += ["--also", *job]
+        if len(job) > 3 and job[3] != steps:
+            args += ["--also-steps", *job]
+        else:
+            args += ["--also", *job[:3]]
     return run_torchrun("reshard_proof.train", n, args, timeout=timeout, expect_files=[job[2] for job in jobs],
                         python=python, env=env)
 
@@ -263,7 +317,12 @@ def launch_torchrun_nodes(module: str, nnodes: int, nproc_per_node: int, args, *
 
 def run_torchrun_nodes(module: str, nnodes: int, nproc_per_node: int, args, *, env: dict | None = None,
                        timeout: float = 600, expect_files: Iterable[str | os.PathLike] = ()) -> list[str]:
-    """`launch_torchrun_nodes`, judged and retried as run_torchrun; returns each agent's output."""
+    """`launch_torchrun_nodes`, judged and retried as run_torchrun; returns each agent's output.
+    The entry points of RANKS_WITHOUT_AGENT run as the same ranks without the agents (run_ranks
+    `nodes`, GROUP_RANK the node index as the agents give it): one output, every node's ranks'."""
+    if runs_without_agent(module):
+        return [run_torchrun(module, nproc_per_node, args, env=env, timeout=timeout, expect_files=expect_files,
+                             nodes=nnodes).stdout]
     expected = [Path(path) for path in expect_files]
     for attempt in (1, 2):
         for path in expected:

@@ -2,7 +2,7 @@
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.train \
         --variant z2_fp32 --save-dir /tmp/ck --truth /tmp/ck.truth.pt [--steps 3] [--seed 0] [--tag TAG] \
-        [--also VARIANT SAVE_DIR TRUTH ...]
+        [--also VARIANT SAVE_DIR TRUTH ...] [--also-steps VARIANT SAVE_DIR TRUTH STEPS ...]
 
 Order matters: train, save, then capture the engine (so nothing the capture touches can leak into
 the checkpoint), then the eval loss (eval mode, no_grad: changes nothing), then rank 0 writes the
@@ -11,6 +11,7 @@ truth file atomically. See truth_file.py for its schema.
 Each `--also` trains one more variant in the same launch, one after the other, each in a fresh
 engine from the same seed (build_engine), with the same steps and tag rules, saving a launch per
 checkpoint; its files are byte for byte those of a launch of its own (tests/test_trained_together.py).
+Each `--also-steps` does the same with a step count of its own (after every `--also`).
 """
 
 import argparse
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tag", default=None, help="checkpoint tag; default global_step{steps}")
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE_DIR", "TRUTH"),
                         help="train one more variant in this launch (repeatable)")
+    parser.add_argument("--also-steps", nargs=4, action="append", default=[],
+                        metavar=("VARIANT", "SAVE_DIR", "TRUTH", "STEPS"),
+                        help="train one more variant in this launch, STEPS steps (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -74,12 +78,16 @@ def require_same_on_every_rank(what: str, value) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    for name, *_ in [(args.variant,), *args.also]:
+    for name, *_ in [(args.variant,), *args.also, *args.also_steps]:
         get_variant(name)  # an unknown name fails before any training
+    steps = [int(job[3]) for job in args.also_steps]  # a bad count fails before any training too
     init_distributed()
     train(args)
     for name, save_dir, truth_path in args.also:
         train(argparse.Namespace(**{**vars(args), "variant": name, "save_dir": save_dir, "truth": truth_path}))
+    for (name, save_dir, truth_path, _), count in zip(args.also_steps, steps):
+        train(argparse.Namespace(**{**vars(args), "variant": name, "save_dir": save_dir, "truth": truth_path,
+                                    "steps": count}))
 
 
 def train(args: argparse.Namespace) -> None:
