@@ -139,6 +139,10 @@ def verify_main(argv: list[str]) -> int:
     return 0 if result.ok else 1
 
 
+#: How long a torchrun worker other than worker 0 waits before leaving on a refusal with --result-json.
+REFUSAL_RECORD_GRACE_SECONDS = 3.0
+
+
 def _is_worker0() -> bool:
     return is_first_worker()  # torchrun's RANK or the MPI launcher's rank
 
@@ -259,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         if record and _is_worker0():
             from reshard.jobs.results import write_refusal_json
             write_refusal_json(record, error)
+        elif record and "TORCHELASTIC_RUN_ID" in os.environ:
+            # Every worker learnt of the refusal at once. torchrun's agent SIGTERMs the workers still
+            # running as soon as it sees one exit non-zero (torch/distributed/elastic/multiprocessing/
+            # api.py `SubprocessContext._poll`), which, under load, could end worker 0 before it wrote
+            # the record: the other workers leave a moment later.
+            import time
+            time.sleep(REFUSAL_RECORD_GRACE_SECONDS)
         return 2
     except WorkerLost as error:  # a torchrun peer on this host died or never came: every worker says so
         print(f"reshard: error: {error}", file=sys.stderr)
