@@ -65,7 +65,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
 from reshard.export.hf_layout import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
@@ -80,7 +80,7 @@ from reshard.export.model_files import copy_model_files, missing_notes, model_fi
 from reshard.export.universal_names import LATEST_UNIVERSAL, OPTIMIZER_STATE, check_directory_name
 from reshard.files.byte_io import pwrite_exact
 from reshard.files.paths import confined, open_new_file
-from reshard.files.resources import human, peak_resident_bytes
+from reshard.files.resources import peak_resident_bytes
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_inspect import resolve_tag
 from reshard.formats.deepspeed_pipeline import (
@@ -99,6 +99,7 @@ from reshard.formats.deepspeed_pipeline import (
 from reshard.jobs.destination import RESHARD_NAMES, Staging, check_paths
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, publish_files, publish_tag_dir
 from reshard.jobs.manifest import export_files_fingerprint, source_identity
+from reshard.jobs.pipeline_job import refuse_over_budget, stages_written_by
 from reshard.transport.collective import check_peers, on_rank0
 
 TRAINABLE = "optim"
@@ -227,11 +228,8 @@ def check_budget(source: PipelineSource, stages_by_worker: list, budget: int, wh
     --memory-budget that cannot hold it is refused (no rounds to cut: whole tensors)."""
     needed = [max((joined_state_bytes(source, 1, kept_stage=s) for s in stages), default=0)
               for stages in stages_by_worker]
-    worst = max(range(len(needed)), key=needed.__getitem__)
-    if needed[worst] > budget:
-        raise OptionError(f"{source.optim_path(0, 0)}: {what} of a pipeline checkpoint joins each stage's "
-                          f"optimizer files whole; worker {worst} would hold about {human(needed[worst])}, over "
-                          f"--memory-budget {human(budget)}: give --memory-budget {human(needed[worst])} or more")
+    refuse_over_budget(source, needed, budget, f"{what} of a pipeline checkpoint joins each stage's optimizer files "
+                                               "whole")
     return needed
 
 
@@ -463,8 +461,7 @@ def export_pipeline_universal(source_dir: str, destination: str, tag: str, budge
 
     def inspect():
         source, model = _inspect(source_dir, destination, tag, trust_pickle)
-        check_budget(source, [list(range(w, source.pp, transport.size)) for w in range(transport.size)], budget,
-                     "the universal export")
+        check_budget(source, stages_written_by(source.pp, transport.size), budget, "the universal export")
         return source, model
 
     source, model = on_rank0(transport, inspect)
@@ -473,7 +470,7 @@ def export_pipeline_universal(source_dir: str, destination: str, tag: str, budge
     def write(staging: Staging) -> None:
         zero_dir = os.path.join(staging.tag_dir, "zero")
         os.makedirs(zero_dir, exist_ok=True)
-        for stage in range(transport.rank, source.pp, transport.size):
+        for stage in stages_written_by(source.pp, transport.size)[transport.rank]:
             _write_universal_stage(source, model, stage, zero_dir, trust_pickle)
 
     def place(staging: Staging) -> None:

@@ -154,15 +154,21 @@ def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineT
     """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
     path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
     needed = whole_tensor_bytes(source, target, workers)
-    worst = max(range(workers), key=needed.__getitem__)
-    if needed[worst] > opts.memory_budget:
-        more = " (more workers do not help: every worker building a stage joins every source stage)" \
-            if target.stages is not None else " or more workers, up to one per stage"
-        raise OptionError(f"{source.optim_path(0, 0)}: pipeline checkpoints are resharded with whole tensors (not "
-                          f"the bounded rounds of ZeRO checkpoints); worker {worst} would hold about "
-                          f"{human(needed[worst])}, over --memory-budget {human(opts.memory_budget)}: give "
-                          f"--memory-budget {human(needed[worst])} or more{more}")
+    more = " (more workers do not help: every worker building a stage joins every source stage)" \
+        if target.stages is not None else " or more workers, up to one per stage"
+    refuse_over_budget(source, needed, opts.memory_budget, "pipeline checkpoints are resharded with whole tensors "
+                       "(not the bounded rounds of ZeRO checkpoints)", more)
     return needed
+
+
+def refuse_over_budget(source: PipelineSource, needed: list[int], budget: int, why: str, more: str = "") -> None:
+    """OptionError naming the source's first optimizer file, `why` whole tensors are held, and the
+    budget to give, when the neediest worker's `needed` bytes exceed --memory-budget `budget`."""
+    worst = max(range(len(needed)), key=needed.__getitem__)
+    if needed[worst] > budget:
+        raise OptionError(f"{source.optim_path(0, 0)}: {why}; worker {worst} would hold about {human(needed[worst])}, "
+                          f"over --memory-budget {human(budget)}: give --memory-budget {human(needed[worst])} or "
+                          f"more{more}")
 
 
 def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
