@@ -314,22 +314,13 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
     # layer (KeyError: 0 in bf16_optimizer.py _load_legacy_checkpoint). Its optimizer files differ from
     # ZeRO-1's by the keys it does not write (no zero_stage, loss_scaler, param_alignment_paddings): the
     # shared ZeRO-1 save, rewritten so, stands in for one without a training of its own.
-    import shutil
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    copy, path = _copy_of_the_shared_save(pipeline_runs, tmp_path)
 
-    import torch
-
-    from reshard.formats import deepspeed_classes
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
-    copy = tmp_path / "save"
-    shutil.copytree(save_dir, copy)
-    path = copy / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    tree = load_whole(str(path))
-    for key in ("zero_stage", "loss_scaler", "param_alignment_paddings"):
-        del tree["optimizer_state_dict"][key]
-    # beside, then over it: the loaded tree maps the file, so writing it in place would pull pages from under it
-    torch.save(tree, f"{path}.new", pickle_module=deepspeed_classes)  # DeepSpeed's class names, as reshard writes
-    os.replace(f"{path}.new", path)
+    def drop_zero1_keys(tree):
+        for key in ("zero_stage", "loss_scaler", "param_alignment_paddings"):
+            del tree["optimizer_state_dict"][key]
+    _rewrite(path, drop_zero1_keys)
     with pytest.raises(UnsupportedCheckpoint) as refused:
         inspect_pipeline(str(copy), "step3")
     assert str(path) in str(refused.value)
@@ -365,6 +356,15 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
         check_budget(merged, source, one_stage, 2)
+
+
+def _copy_of_the_shared_save(pipeline_runs, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the session's fp32 (2, 1) save to rewrite, and its stage 1 optimizer file's path."""
+    import shutil
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    copy = tmp_path / "save"
+    shutil.copytree(save_dir, copy)
+    return copy, copy / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
 
 
 def _rewrite(path: Path, change) -> None:
@@ -506,13 +506,8 @@ def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
 def test_stages_disagreeing_on_a_param_groups_hyperparameters_are_refused(pipeline_runs, tmp_path):
     # new stages take each group's hyperparameters from stage 0's file: the shared session save with
     # stage 1's weight_decay changed must be refused, naming stage 1's file
-    import shutil
-
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, named_states
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
-    copy = tmp_path / "save"
-    shutil.copytree(save_dir, copy)
-    path = copy / "step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    copy, path = _copy_of_the_shared_save(pipeline_runs, tmp_path)
     _rewrite(path, lambda tree: tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].update(
         weight_decay=0.5))
     with pytest.raises(UnsupportedCheckpoint, match=r"param group 0 has hyperparameters .*'weight_decay': 0.5.*"
