@@ -11,6 +11,10 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
+A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target stage instead: a stage's
+model-states file and optimizer files are built together from the stage's whole tensors
+(reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one target stage
+is one item (`stage_item`), dealt by size with the layer files, which are copied as they are.
 
 A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
 destination check, staging, lock, free space, clean-up), resuming per file
@@ -18,7 +22,8 @@ destination check, staging, lock, free space, clean-up), resuming per file
 beside the staging tag directory in DST/.reshard-staging/TAG.array/: `record.json` (what the set
 is: output fingerprint, K, every file and its owner, the manifest fields; written once, by
 whichever task comes first, and compared by every later one), `done/NAME.json` (NAME is complete
-and fsynced: its size and BLAKE3: the per-file completion marker), and `task-I/` (where the
+and fsynced: its size and BLAKE3: the per-file completion marker; a pipeline stage's lists every
+file of the stage), and `task-I/` (where the
 lifecycle keeps the task's lock: one live run per task). Tasks may run at any time, in any order,
 on any hosts that see SRC and DST, one after another or at once, and may be retried: a retried
 task redoes the files it had not finished.
