@@ -96,7 +96,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
         if applies:
-            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp and pp change)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
     topology = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
