@@ -327,6 +327,21 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
     assert "BF16_Optimizer" in str(refused.value) and "_load_legacy_checkpoint" in str(refused.value)
 
 
+
+@pytest.mark.e2e
+def test_a_stage_without_its_model_states_file_is_refused_naming_it(pipeline_runs, tmp_path):
+    # DeepSpeed's node-local storage writes mp_rank_XX_model_states.pt only where a node's local rank 0
+    # runs stage XX (seen on 2 nodes x 2 ranks at pp 4: stages 1 and 3 had none): the shared save
+    # without stage 1's file stands in for such a save gathered into one directory
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    copy, _ = _copy_of_the_shared_save(pipeline_runs, tmp_path)
+    missing = copy / "step3" / "mp_rank_01_model_states.pt"
+    missing.unlink()
+    with pytest.raises(CheckpointError, match="is missing: the save has stage model files \\[0\\] and optimizer "
+                                              "files of stages 0..1. A save with use_node_local_storage") as refused:
+        inspect_pipeline(str(copy), "step3")
+    assert str(refused.value).startswith(str(missing))
+
 def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     from reshard.formats.deepspeed_pipeline import source_numels
     from reshard.jobs.pipeline_job import PipelineTarget, check_budget

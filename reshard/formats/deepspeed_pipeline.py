@@ -161,8 +161,17 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
     if not stage_models:
         raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
     pp = len(stage_models)
-    if sorted(stage_models) != list(range(pp)):
-        raise CheckpointError(tag_dir, f"has stage model files {sorted(stage_models)}; expected 0..{pp - 1}")
+    stages_seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank, _ in optims), default=0)
+    if missing := [s for s in range(max(stages_seen)) if s not in stage_models]:
+        # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
+        # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and
+        # DeepSpeed 0.19.8's own load of such a save fails ("checkpoint count 1 is different from
+        # saved mp_world_size 4", state_dict_factory.py) on every rank
+        raise CheckpointError(os.path.join(tag_dir, stage_model_name(missing[0])),
+                              f"is missing: the save has stage model files {sorted(stage_models)} and optimizer "
+                              f"files of stages 0..{stages_seen[1] - 1}. A save with use_node_local_storage writes a "
+                              "stage's model-states file only on a node whose local rank 0 runs that stage (and "
+                              "DeepSpeed cannot load such a save either)")
     stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
     if len(bf16_flags) > 1:
         raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
