@@ -50,6 +50,19 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
+
+def test_target_pp_for_a_save_without_pipeline_stages_is_refused():
+    # ZeRO and ZeRO-0 MoE saves take their target from ReshardOptions.checked_target: --target-pp 2
+    # was ignored there, exit 0 with a pp-1 output
+    from reshard.topology import Topology
+    path = "/ckpt/global_step3/mp_rank_00_model_states.pt"
+    opts = ReshardOptions(source="a", destination="b", target_dp=2, target_pp=2)
+    with pytest.raises(OptionError, match=f"{path}: --target-pp 2 is for DeepSpeed PipelineModule checkpoints; "
+                                          "this one has no pipeline stages"):
+        opts.checked_target(Topology(dp=4), lambda target: None, path)
+    opts.target_pp = 1
+    assert opts.checked_target(Topology(dp=4), lambda target: None, path) == Topology(dp=2)
+
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
     the model whose layer 1 weight is frozen after the PipelineModule was built, with "-groups" the
