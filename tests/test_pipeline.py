@@ -50,6 +50,19 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
+
+def test_target_pp_for_a_save_without_pipeline_stages_is_refused():
+    # ZeRO and ZeRO-0 MoE saves take their target from ReshardOptions.checked_target: --target-pp 2
+    # was ignored there, exit 0 with a pp-1 output
+    from reshard.topology import Topology
+    path = "/ckpt/global_step3/mp_rank_00_model_states.pt"
+    opts = ReshardOptions(source="a", destination="b", target_dp=2, target_pp=2)
+    with pytest.raises(OptionError, match=f"{path}: --target-pp 2 is for DeepSpeed PipelineModule checkpoints; "
+                                          "this one has no pipeline stages"):
+        opts.checked_target(Topology(dp=4), lambda target: None, path)
+    opts.target_pp = 1
+    assert opts.checked_target(Topology(dp=4), lambda target: None, path) == Topology(dp=2)
+
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
     the model whose layer 1 weight is frozen after the PipelineModule was built, with "-groups" the
@@ -326,6 +339,21 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
     assert str(path) in str(refused.value)
     assert "BF16_Optimizer" in str(refused.value) and "_load_legacy_checkpoint" in str(refused.value)
 
+
+
+@pytest.mark.e2e
+def test_a_stage_without_its_model_states_file_is_refused_naming_it(pipeline_runs, tmp_path):
+    # DeepSpeed's node-local storage writes mp_rank_XX_model_states.pt only where a node's local rank 0
+    # runs stage XX (seen on 2 nodes x 2 ranks at pp 4: stages 1 and 3 had none): the shared save
+    # without stage 1's file stands in for such a save gathered into one directory
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    copy, _ = _copy_of_the_shared_save(pipeline_runs, tmp_path)
+    missing = copy / "step3" / "mp_rank_01_model_states.pt"
+    missing.unlink()
+    with pytest.raises(CheckpointError, match="is missing: the save has stage model files \\[0\\] and optimizer "
+                                              "files of stages 0..1. A save with use_node_local_storage") as refused:
+        inspect_pipeline(str(copy), "step3")
+    assert str(refused.value).startswith(str(missing))
 
 def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     from reshard.formats.deepspeed_pipeline import source_numels

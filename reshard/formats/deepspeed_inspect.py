@@ -100,7 +100,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
                                     "to nvme); resharding it is not supported yet")
     roles = {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
              if os.path.isfile(os.path.join(tag_dir, name))}
-    _refuse_unsupported_files(tag_dir, roles)
+    _refuse_unsupported_files(tag_dir, roles, node_local)
     optim = {n: r for n, r in roles.items() if r.kind == "optim"}
     if not optim:
         raise UnsupportedCheckpoint(tag_dir, "holds no *_optim_states.pt files, so it is not a ZeRO checkpoint "
@@ -303,7 +303,7 @@ def _with_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, model_path:
     return dataclasses.replace(spec, topology=Topology(dp=spec.topology.dp, tp=tp), params=params, tensor=tensor)
 
 
-def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
+def _refuse_unsupported_files(tag_dir: str, roles: dict, node_local: bool = False) -> None:
     for name, role in roles.items():
         if role.kind == "expert" and (schema.expert_file_mp_rank(name) or 0) > 0:
             continue  # refused by _refuse_tensor_and_expert_parallel, which reads the model file first
@@ -316,10 +316,13 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict) -> None:
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file of DeepSpeed's "
                                                                      "old layout (no layer index); reshard reshards "
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
-        if role.kind == "pipeline":
-            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; only the "
-                                                                     "offline job (python -m reshard, reshard.jobs.pipeline_job) "
-                                                                     "reshards pipeline checkpoints so far")
+        if role.kind == "pipeline":  # reshard.jobs.pipeline_job and array_job take them before inspecting
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; --node-local "
+                                        "does not reshard pipeline checkpoints yet: gather every node's files of the "
+                                        "tag into one directory that every worker sees and run without --node-local "
+                                        "(torchrun, --workers or SLURM array mode)" if node_local else
+                                        "is a pipeline-parallel layer file; pipeline checkpoints are resharded by "
+                                        "python -m reshard (torchrun, --workers, SLURM array mode), not by this path")
 
 
 def _check_rank_files(tag_dir: str, n: int, present: dict, what: str, name_of, complete: bool = True) -> None:

@@ -121,6 +121,12 @@ def stage_model_name(stage: int) -> str:
     return f"mp_rank_{stage:02d}_model_states.pt"
 
 
+def stage_file_names(stage: int, dp: int, bf16: bool) -> list[str]:
+    """The files of stage `stage` at `dp` ranks, in the order they are written: its model-states
+    file, then one optimizer file per dp rank."""
+    return [stage_model_name(stage), *(schema.optim_file_name(rank, bf16, stage) for rank in range(dp))]
+
+
 def load_whole(path: str, trust_pickle: bool = False):
     """A DeepSpeed file as torch loads it, with reshard's stand-ins for DeepSpeed's classes."""
     import torch
@@ -155,8 +161,17 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
     if not stage_models:
         raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
     pp = len(stage_models)
-    if sorted(stage_models) != list(range(pp)):
-        raise CheckpointError(tag_dir, f"has stage model files {sorted(stage_models)}; expected 0..{pp - 1}")
+    stages_seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank, _ in optims), default=0)
+    if missing := [s for s in range(max(stages_seen)) if s not in stage_models]:
+        # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
+        # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and
+        # DeepSpeed 0.19.8's own load of such a save fails ("checkpoint count 1 is different from
+        # saved mp_world_size 4", state_dict_factory.py) on every rank
+        raise CheckpointError(os.path.join(tag_dir, stage_model_name(missing[0])),
+                              f"is missing: the save has stage model files {sorted(stage_models)} and optimizer "
+                              f"files of stages 0..{stages_seen[1] - 1}. A save with use_node_local_storage writes a "
+                              "stage's model-states file only on a node whose local rank 0 runs that stage (and "
+                              "DeepSpeed cannot load such a save either)")
     stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
     if len(bf16_flags) > 1:
         raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
@@ -352,16 +367,10 @@ def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_di
                       trust_pickle: bool = False) -> list[str]:
     """Write stage `stage`'s model-states file (dp_world_size updated) and its `target_dp` optimizer
     files into `tag_dir`; return the paths written."""
-    import torch
     model = load_whole(source.model_path(stage), trust_pickle)
     model["dp_world_size"] = target_dp
-    paths = [os.path.join(tag_dir, stage_model_name(stage))]
-    torch.save(model, paths[0], pickle_module=classes)
-    for rank, tree in enumerate(target_optimizers(source, stage, target_dp, trust_pickle)):
-        path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
-        torch.save(tree, path, pickle_module=classes)
-        paths.append(path)
-    return paths
+    return _save_stage(model, target_optimizers(source, stage, target_dp, trust_pickle), stage, target_dp,
+                       source.bf16, tag_dir)
 
 
 def named_states(source: PipelineSource, trust_pickle: bool = False):
@@ -562,14 +571,19 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
     model["mp_world_size"] = target_pp
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
                                                "pp_degree": target_pp}
-    paths = [os.path.join(tag_dir, stage_model_name(stage))]
-    torch.save(model, paths[0], pickle_module=classes)
     trees = build_optimizers(template, list(groups), [tuple(numels[n] for n in group) for group in groups], masters,
                              moments, target_dp)
-    for rank, tree in enumerate(trees):
-        path = os.path.join(tag_dir, schema.optim_file_name(rank, source.bf16, stage))
+    return _save_stage(model, trees, stage, target_dp, source.bf16, tag_dir)
+
+
+def _save_stage(model: dict, optimizers: Iterator[dict], stage: int, dp: int, bf16: bool, tag_dir: str) -> list[str]:
+    """Save a stage's model-states tree, then each of its optimizer trees as it comes, under
+    `stage_file_names`; return the paths written."""
+    import torch
+    paths = [os.path.join(tag_dir, name) for name in stage_file_names(stage, dp, bf16)]
+    torch.save(model, paths[0], pickle_module=classes)
+    for path, tree in zip(paths[1:], optimizers, strict=True):
         torch.save(tree, path, pickle_module=classes)
-        paths.append(path)
     return paths
 
 

@@ -11,6 +11,10 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
+A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target stage instead: a stage's
+model-states file and optimizer files are built together from the stage's whole tensors
+(reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one target stage
+is one item (`stage_item`), dealt by size with the layer files, which are copied as they are.
 
 A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
 destination check, staging, lock, free space, clean-up), resuming per file
@@ -18,7 +22,8 @@ destination check, staging, lock, free space, clean-up), resuming per file
 beside the staging tag directory in DST/.reshard-staging/TAG.array/: `record.json` (what the set
 is: output fingerprint, K, every file and its owner, the manifest fields; written once, by
 whichever task comes first, and compared by every later one), `done/NAME.json` (NAME is complete
-and fsynced: its size and BLAKE3: the per-file completion marker), and `task-I/` (where the
+and fsynced: its size and BLAKE3: the per-file completion marker; a pipeline stage's lists every
+file of the stage), and `task-I/` (where the
 lifecycle keeps the task's lock: one live run per task). Tasks may run at any time, in any order,
 on any hosts that see SRC and DST, one after another or at once, and may be retried: a retried
 task redoes the files it had not finished.
@@ -40,7 +45,7 @@ import sys
 import time
 import urllib.parse
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,6 +64,7 @@ from reshard.jobs.destination import (
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_pipeline import PipelineSource, inspect_pipeline, is_pipeline, stage_file_names
 from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
     refuse_experts,
@@ -83,6 +89,17 @@ from reshard.jobs.manifest import (
     write_json_atomically,
 )
 from reshard.jobs.options import ReshardOptions
+from reshard.jobs.pipeline_job import (
+    WHOLE_TENSORS,
+    PipelineTarget,
+    build_stages,
+    describe_target,
+    pipeline_output,
+    pipeline_target,
+    refuse_over_budget,
+    stage_output_bytes,
+    whole_tensor_bytes,
+)
 from reshard.planning.plan import ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
@@ -227,16 +244,18 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def _inspect(opts: ReshardOptions, unit: Unit) -> tuple[SourceCheckpoint, Topology, list, list]:
-    """The source, the target topology, its save-directory files, and the notes (or refusal) of the
-    collective job's preflight."""
+def _inspect(opts: ReshardOptions, unit: Unit) -> "_ZeroUnit | _PipelineUnit":
+    """One checkpoint inspected, its target worked out, and the options checked against it."""
     check_paths(unit.source, unit.destination)
+    if is_pipeline(os.path.join(unit.source, unit.tag)):
+        source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        return _PipelineUnit(source, pipeline_target(opts, source))
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     refuse_experts(source, "SLURM array mode for")
     target = target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
     carried = save_dir_files.list_save_dir_files(source.save_dir)
-    return source, target, carried, preflight(opts, source, target, carried)
+    return _ZeroUnit(source, target, carried, preflight(opts, source, target, carried))
 
 
 def run_array_task(opts: ReshardOptions) -> ReshardResult:
@@ -247,16 +266,17 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
     result = ReshardResult(notes=notes)
     inspected = [_inspect(opts, unit) for unit in units]
-    files = [f for index, (source, target, carried, _) in enumerate(inspected)
-             for f in files_of(index, source, target, carried)]
+    files = [f for index, job in enumerate(inspected) for f in job.files(index)]
     owners = deal_files(files, tasks)
-    for index, (unit, (source, target, carried, source_notes)) in enumerate(zip(units, inspected)):
-        mine = [f for f, owner in zip(files, owners) if f.unit == index and owner == task]
-        unit_owners = {f.name: owner for f, owner in zip(files, owners) if f.unit == index}
+    shares = []
+    for index, job in enumerate(inspected):
+        unit_files = [(f, owner) for f, owner in zip(files, owners) if f.unit == index]
+        shares.append(({f.name: owner for f, owner in unit_files}, [f for f, owner in unit_files if owner == task]))
+        job.check(opts, [f for f, _ in unit_files], shares[-1][0])  # every task refuses what any task could not do
+    for unit, job, (unit_owners, mine) in zip(units, inspected, shares):
         same = [u for u in units if u.destination == unit.destination]
         place = {"destination_tags": [u.tag for u in same], "latest": next((u.latest for u in same if u.latest), None)}
-        result.checkpoints.append(_run_share(opts, unit, source, target, carried, unit_owners, mine, place))
-        result.checkpoints[-1].notes[:0] = source_notes
+        result.checkpoints.append(job.run_share(opts, unit, unit_owners, mine, place))
     if not opts.dry_run:
         for destination in dict.fromkeys(unit.destination for unit in units):
             same = [unit for unit in units if unit.destination == destination]
@@ -267,38 +287,164 @@ def run_array_task(opts: ReshardOptions) -> ReshardResult:
     return result
 
 
-def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, target: Topology, carried: list,
-               owners: dict, mine: list, place: dict) -> CheckpointResult:
-    """This task's files of one checkpoint, on the one lifecycle (reshard.jobs.lifecycle) resuming per
-    file. `place`: every tag going to the unit's destination, and `latest`."""
-    started = time.perf_counter()
-    spec = source.spec
-    plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
-    ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
-    result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
-                              target, opts.array_tasks,
-                              f"no collectives (array task {opts.array_task} of {opts.array_tasks})",
-                              plan.rounds, 0.0, opts.dry_run, plan)
-    report = WorkerReport(opts.array_task, (), ranks)
-    result.reports = [report]
-    if spec.stage == 3:
-        result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
-    if opts.dry_run:
-        result.notes.append(f"task {opts.array_task} writes {len(mine)} file(s), "
-                            f"{sum(f.nbytes for f in mine)} bytes: {', '.join(f.name for f in mine) or '-'}")
-        return result
+@dataclass(frozen=True)
+class ArrayOutput:
+    """What one checkpoint's array set is, whatever kind of checkpoint: its record's and manifest's
+    entries, and where the files it copies come from."""
 
-    names = [n for r in range(spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-    identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
-                               | set(save_dir_files.manifest_names(carried)))
-    fingerprint = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp)
-    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp)
-    array_dir = _array_dir(unit.destination, source.tag)
+    tag: str
+    tag_dir: str
+    """The source tag directory (its other files are copied as they are)."""
+    save_dir: str
+    fingerprint: str
+    source: dict
+    """The manifest's "source" entry, "files" (the source identity) included."""
+    target: dict
+    """The manifest's "target" entry."""
+    outputs: dict
+    """Earlier outputs of this source in DST (reshard.jobs.preflight.outputs_of): complete check, names allowed."""
+    carried: list = field(default_factory=list)
+    """Files of the save directory carried beside the tag directory (reshard.jobs.save_dir_files)."""
+    other_dirs: list = field(default_factory=list)
+    """Sub-directories of the source tag directory, re-created when the set is published."""
+
+
+@dataclass
+class _ZeroUnit:
+    """A ZeRO-1/2/3 checkpoint: target files dealt one by one, each written through the one-worker
+    plan restricted to it (`restrict_to_files`)."""
+
+    source: SourceCheckpoint
+    target: Topology
+    carried: list
+    notes: list
+
+    def files(self, index: int) -> list[ArrayFile]:
+        return files_of(index, self.source, self.target, self.carried)
+
+    def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
+        pass  # the rounds keep every task within --memory-budget
+
+    def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
+        source, target, carried = self.source, self.target, self.carried
+        started = time.perf_counter()
+        spec = source.spec
+        plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
+        ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
+        result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
+                                  target, opts.array_tasks, _no_collectives(opts), plan.rounds, 0.0, opts.dry_run,
+                                  plan, notes=list(self.notes))
+        report = WorkerReport(opts.array_task, (), ranks)
+        result.reports = [report]
+        if spec.stage == 3:
+            result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+        if opts.dry_run:
+            result.notes.append(_dry_run_note(opts, mine, [f.name for f in mine]))
+            return result
+        names = [n for r in range(spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                                   | set(save_dir_files.manifest_names(carried)))
+        output = ArrayOutput(source.tag, source.tag_dir, source.save_dir,
+                             output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp),
+                             manifest_source_entry(source, identity),
+                             {"dp_world_size": opts.target_dp, "stage": spec.stage},
+                             outputs_of(unit.destination, source.save_dir, opts.target_dp), carried,
+                             list(source.other_dirs))
+
+        def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
+            return _write_targets(opts, source, target, tag_dir, array_dir, targets, report)
+        return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
+
+
+PIPELINE_STAGE = ".reshard-pipeline-stage-"
+"""The item standing for one target stage of a pipeline checkpoint (all its files; a dot-name, which
+no file of a pipeline tag directory can have: reshard.formats.deepspeed_pipeline skips them)."""
+
+
+def stage_item(stage: int) -> str:
+    return f"{PIPELINE_STAGE}{stage:02d}"
+
+
+@dataclass
+class _PipelineUnit:
+    """A DeepSpeed PipelineModule checkpoint (reshard.jobs.pipeline_job): a target stage's
+    model-states file and optimizer files are built together from that stage's whole tensors, so
+    a target stage is one item, dealt by its size with the layer files (copied as they are)."""
+
+    source: PipelineSource
+    target: PipelineTarget
+
+    def files(self, index: int) -> list[ArrayFile]:
+        return pipeline_files(index, self.source, self.target)
+
+    def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
+        """pipeline_job.check_budget for array tasks: a task holds, one stage at a time, what building
+        its neediest stage takes; every task refuses when some task would exceed --memory-budget."""
+        per_stage = whole_tensor_bytes(self.source, self.target, self.target.topology.pp)  # stage s alone
+        needed = [max((per_stage[f.rank] for f in files if f.rank is not None and owners[f.name] == task),
+                      default=0) for task in range(opts.array_tasks)]
+        refuse_over_budget(self.source, needed, opts.memory_budget, WHOLE_TENSORS, who="array task")
+
+    def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
+        source, target = self.source, self.target
+        started = time.perf_counter()
+        stages = [f.rank for f in mine if f.rank is not None]
+        result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
+                                  Topology(dp=source.dp, pp=source.pp), target.topology, opts.array_tasks,
+                                  _no_collectives(opts), 0, 0.0, opts.dry_run)
+        report = WorkerReport(opts.array_task, (), tuple(sorted(stages)))
+        result.reports = [report]
+        result.notes.append(f"pipeline: {describe_target(opts, source, target)}; whole tensors, one stage at a time")
+        if opts.dry_run:
+            result.notes.append(_dry_run_note(opts, mine, [name for f in mine for name in (
+                stage_file_names(f.rank, target.topology.dp, source.bf16) if f.rank is not None else [f.name])]))
+            return result
+        made = pipeline_output(opts, source, target)
+        identity = source_identity(source.tag_dir, made.identified)
+        output = ArrayOutput(source.tag, source.tag_dir, source.save_dir, made.fingerprint(source, identity, target),
+                             {**made.manifest_source, "files": identity}, made.manifest_target,
+                             outputs_of(unit.destination, source.save_dir, target.topology.dp))
+
+        def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
+            for stage, paths in build_stages(source, target, [f.rank for f in targets], tag_dir, opts.trust_pickle,
+                                             report):
+                entries = {os.path.basename(path): _durable_entry(path) for path in paths}
+                report.bytes_written += sum(entry["bytes"] for entry in entries.values())
+                write_json_atomically(_done_path(array_dir, stage_item(stage)), {"files": entries})
+            return 0
+        return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
+
+
+def pipeline_files(unit_index: int, source: PipelineSource, target: PipelineTarget) -> list[ArrayFile]:
+    """Every item of one pipeline checkpoint's output, weighed: each target stage (`stage_item`,
+    `rank` the stage; pipeline_job.stage_output_bytes), then each file copied as it is (the layer
+    files and any other file of the tag directory)."""
+    items = [ArrayFile(unit_index, stage_item(stage), nbytes, stage)
+             for stage, nbytes in enumerate(stage_output_bytes(source, target))]
+    return items + [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
+                    for name in (*source.layer_files, *source.other_files)]
+
+
+def _no_collectives(opts: ReshardOptions) -> str:
+    return f"no collectives (array task {opts.array_task} of {opts.array_tasks})"
+
+
+def _dry_run_note(opts: ReshardOptions, mine: list, names: list[str]) -> str:
+    return (f"task {opts.array_task} writes {len(names)} file(s), {sum(f.nbytes for f in mine)} bytes: "
+            f"{', '.join(names) or '-'}")
+
+
+def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: dict, mine: list, place: dict,
+               result: CheckpointResult, report: WorkerReport, started: float, write_targets) -> CheckpointResult:
+    """This task's items of one checkpoint, on the one lifecycle (reshard.jobs.lifecycle) resuming per
+    item. `place`: every tag going to the unit's destination, and `latest`. `write_targets(staging
+    tag directory, array_dir, items)` writes the items that are target files, marks each done once
+    it is durable, and returns the number of rounds that moved data."""
+    array_dir = _array_dir(unit.destination, output.tag)
     record = {
-        "fingerprint": fingerprint, "tasks": opts.array_tasks, "tag": source.tag, "owners": owners,
-        "source": manifest_source_entry(source, identity),
-        "target": {"dp_world_size": opts.target_dp, "stage": spec.stage}, "other_dirs": list(source.other_dirs),
-        "save_dir_files": carried,
+        "fingerprint": output.fingerprint, "tasks": opts.array_tasks, "tag": output.tag, "owners": owners,
+        "source": output.source, "target": output.target, "other_dirs": list(output.other_dirs),
+        "save_dir_files": output.carried,
         **place}
     resume = ResumeByFile(
         {f.name: f.nbytes for f in mine}, functools.partial(_is_done, array_dir),
@@ -307,9 +453,10 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, targe
         os.path.join(array_dir, f"task-{opts.array_task}"),
         f"The files this task finished stay marked done in {array_dir}; fix the cause and re-run array task "
         f"{opts.array_task} to write the rest")
-    life = Lifecycle(unit.destination, source.tag, leader=True, overwrite=opts.overwrite, resume=resume)
-    start = life.begin(LocalTransport(), lambda: JobOutput(fingerprint, destination_names(outputs, carried),
-                                                           earlier=outputs.get(source.tag)))
+    life = Lifecycle(unit.destination, output.tag, leader=True, overwrite=opts.overwrite, resume=resume)
+    start = life.begin(LocalTransport(), lambda: JobOutput(output.fingerprint,
+                                                           destination_names(output.outputs, output.carried),
+                                                           earlier=output.outputs.get(output.tag)))
     result.notes += start.notes
     if start.mode == "complete":
         return result
@@ -319,18 +466,17 @@ def _run_share(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint, targe
     def work() -> None:  # an OSError becomes the lifecycle's WriteFailed, ending with `resume.rerun`
         for f in todo:
             if f.name == SAVE_DIR_FILES:
-                entries = save_dir_files.stage(source.save_dir, carried,
+                entries = save_dir_files.stage(output.save_dir, output.carried,
                                                save_dir_files.staging_dir(staging.tag_dir), unit.destination)
                 report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
                 write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
             elif f.rank is None:
-                staging.copy_in(source.tag_dir, [f.name])
+                staging.copy_in(output.tag_dir, [f.name])
                 path = os.path.join(staging.tag_dir, f.name)
                 report.bytes_carried += os.path.getsize(path)
                 _mark_done(array_dir, f.name, path)
         targets = [f for f in todo if f.rank is not None]
-        result.rounds = _write_targets(opts, source, target, staging.tag_dir, array_dir, targets, report) \
-            if targets else 0
+        result.rounds = write_targets(staging.tag_dir, array_dir, targets) if targets else 0
 
     life.run(work)
     report.peak_rss_bytes = peak_resident_bytes()
@@ -382,10 +528,15 @@ def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: st
     return rounds
 
 
-def _mark_done(array_dir: str, name: str, path: str) -> None:
+def _durable_entry(path: str) -> dict:
+    """fsync the file at `path`, then its manifest entry."""
     with open(path, "rb+") as fd:
         os.fsync(fd.fileno())
-    write_json_atomically(_done_path(array_dir, name), {"bytes": os.path.getsize(path), "blake3": hash_file(path)})
+    return {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
+
+
+def _mark_done(array_dir: str, name: str, path: str) -> None:
+    write_json_atomically(_done_path(array_dir, name), _durable_entry(path))
 
 
 def _missing(record: dict, array_dir: str) -> list[str]:
@@ -424,17 +575,20 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
     """Manifest from the done markers, then the tag directory into place (reshard.jobs.lifecycle.publish_tag_dir)."""
     staging = Staging(destination, record["tag"])
     files = {}
-    for name in record["owners"]:
-        entry = _read_json(_done_path(array_dir, name))
-        if name == SAVE_DIR_FILES:
-            files.update(entry["save_dir_files"])
+    for item in record["owners"]:
+        marker = _read_json(_done_path(array_dir, item))
+        if item == SAVE_DIR_FILES:
+            files.update(marker["save_dir_files"])
             continue
-        path = os.path.join(staging.tag_dir, name)
-        if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
-            raise ReshardError(f"{path}: marked done with {entry['bytes']} bytes but "
-                               f"{'missing' if not os.path.isfile(path) else f'{os.path.getsize(path)} bytes'}; "
-                               f"remove {_done_path(array_dir, name)} and re-run array task {record['owners'][name]}")
-        files[name] = entry
+        # a file, or several built together (a pipeline stage: {"files": {name: entry}})
+        for name, entry in (marker["files"].items() if "files" in marker else [(item, marker)]):
+            path = os.path.join(staging.tag_dir, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+                raise ReshardError(f"{path}: marked done with {entry['bytes']} bytes but "
+                                   f"{'missing' if not os.path.isfile(path) else f'{os.path.getsize(path)} bytes'}; "
+                                   f"remove {_done_path(array_dir, item)} and re-run array task "
+                                   f"{record['owners'][item]}")
+            files[name] = entry
     staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
     publish_tag_dir(staging, Manifest(record["fingerprint"], source=record["source"], target=record["target"],
                                       files=files, reshard_version=__version__),

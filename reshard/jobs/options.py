@@ -209,6 +209,9 @@ class ReshardOptions:
         topology that does not validate, or one whose ep `expert_problem(target)` (a checkpoint's
         own check: None when its experts fit) says cannot hold the experts."""
         from reshard.errors import TopologyError
+        if self.target_pp not in (None, 1):  # pipeline saves go to reshard.jobs.pipeline_job, which takes it
+            raise OptionError(f"{path}: --target-pp {self.target_pp} is for DeepSpeed PipelineModule checkpoints; "
+                              "this one has no pipeline stages (no layer_XX-model_states.pt files)")
         try:
             target = self.target_for(source)
         except TopologyError as error:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
@@ -34,6 +35,7 @@ from reshard.formats.deepspeed_pipeline import (
     source_buffers,
     source_groups,
     source_numels,
+    stage_model_name,
     write_repartitioned_stage,
     write_stage_files,
 )
@@ -94,7 +96,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
         if applies:
-            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp and pp change)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
     topology = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
@@ -156,17 +158,21 @@ def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineT
     needed = whole_tensor_bytes(source, target, workers)
     more = " (more workers do not help: every worker building a stage joins every source stage)" \
         if target.stages is not None else " or more workers, up to one per stage"
-    refuse_over_budget(source, needed, opts.memory_budget, "pipeline checkpoints are resharded with whole tensors "
-                       "(not the bounded rounds of ZeRO checkpoints)", more)
+    refuse_over_budget(source, needed, opts.memory_budget, WHOLE_TENSORS, more)
     return needed
 
 
-def refuse_over_budget(source: PipelineSource, needed: list[int], budget: int, why: str, more: str = "") -> None:
+WHOLE_TENSORS = "pipeline checkpoints are resharded with whole tensors (not the bounded rounds of ZeRO checkpoints)"
+
+
+def refuse_over_budget(source: PipelineSource, needed: list[int], budget: int, why: str, more: str = "",
+                       who: str = "worker") -> None:
     """OptionError naming the source's first optimizer file, `why` whole tensors are held, and the
-    budget to give, when the neediest worker's `needed` bytes exceed --memory-budget `budget`."""
+    budget to give, when the neediest worker's `needed` bytes exceed --memory-budget `budget`
+    (`who`: what an index of `needed` is, "worker" or "array task")."""
     worst = max(range(len(needed)), key=needed.__getitem__)
     if needed[worst] > budget:
-        raise OptionError(f"{source.optim_path(0, 0)}: {why}; worker {worst} would hold about {human(needed[worst])}, "
+        raise OptionError(f"{source.optim_path(0, 0)}: {why}; {who} {worst} would hold about {human(needed[worst])}, "
                           f"over --memory-budget {human(budget)}: give --memory-budget {human(needed[worst])} or "
                           f"more{more}")
 
@@ -182,59 +188,114 @@ def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -
     return target, check_budget(opts, source, target, workers)
 
 
+def stage_output_bytes(source: PipelineSource, target: PipelineTarget) -> list[int]:
+    """About the bytes of each target stage's files (its model-states file and its optimizer files),
+    from the source files' sizes: what SLURM array tasks are dealt by (reshard.jobs.array_job)."""
+    sizes = [stage_source_bytes(source, s) for s in range(source.pp)]
+    if target.stages is None:
+        return sizes
+    numels = source_numels(source)
+    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
+    return [int(per_element * sum(numels[n] for n in names)) for names in target.stages.names]
+
+
+def describe_target(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> str:
+    """How the target's stages are made (the summary's note)."""
+    topology = target.topology
+    if target.stages is not None:
+        return (f"layers re-assigned to {topology.pp} stages by {opts.pipeline_partition!r} (bounds "
+                f"{list(target.stages.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {topology.dp}")
+    return f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {topology.dp}"
+
+
+@dataclass(frozen=True)
+class PipelineOutput:
+    """What a pipeline job's output is, whoever writes it (this job's workers, or SLURM array tasks,
+    reshard.jobs.array_job): the same fingerprint and manifest either way."""
+
+    carried: tuple[str, ...]
+    """Files copied unchanged: the layer files, and any other file of the tag directory."""
+    identified: tuple[str, ...]
+    """The source files the fingerprint and the manifest name (reshard.jobs.manifest.source_identity)."""
+    placement: dict | None
+    """With another pp, what decides the new stages (in the fingerprint); None when the stages are kept."""
+    manifest_source: dict
+    """The manifest's "source" entry, less "files"."""
+    manifest_target: dict
+
+    def fingerprint(self, source: PipelineSource, identity: dict, target: PipelineTarget) -> str:
+        return output_fingerprint(source.save_dir, source.tag, identity, target.topology.dp, placement=self.placement)
+
+
+def pipeline_output(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> PipelineOutput:
+    carried = (*source.layer_files, *source.other_files)
+    identified = (*carried, *(stage_model_name(s) for s in range(source.pp)),
+                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
+    topology = target.topology
+    placement = ({"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+                  "partition": opts.pipeline_partition} if target.stages is not None else None)
+    return PipelineOutput(
+        carried, identified, placement,
+        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
+         "description": source.describe()},
+        {"dp_world_size": topology.dp, "pp": topology.pp, "stage": 1})
+
+
+def build_stages(source: PipelineSource, target: PipelineTarget, stages, tag_dir: str, trust_pickle: bool,
+                 report: WorkerReport) -> Iterator[tuple[int, list[str]]]:
+    """Write target stages `stages` (each its model-states file and its optimizer files) into
+    `tag_dir`, one after another, yielding (stage, paths written) as each is complete; adds the
+    source bytes read to `report.bytes_read`. With another pp, every source stage's states are
+    joined once, before the first stage (reshard.formats.deepspeed_pipeline.named_states)."""
+    assignment, topology = target.stages, target.topology
+    if assignment is not None and stages:  # every source stage feeds the new stages
+        template, states = named_states(source, trust_pickle)
+        report.bytes_read += sum(stage_source_bytes(source, s) for s in range(source.pp))
+    for stage in stages:
+        if assignment is not None:
+            yield stage, write_repartitioned_stage(source, states, template, assignment.names[stage], topology.pp,
+                                                   stage, topology.dp, tag_dir, trust_pickle,
+                                                   assignment.buffer_names[stage] if assignment.buffer_names else None)
+        else:
+            paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle)
+            report.bytes_read += stage_source_bytes(source, stage)
+            yield stage, paths
+
+
+def stage_source_bytes(source: PipelineSource, stage: int) -> int:
+    """Bytes of source stage `stage`'s model-states file and optimizer files."""
+    return os.path.getsize(source.model_path(stage)) + sum(os.path.getsize(source.optim_path(stage, d))
+                                                          for d in range(source.dp))
+
+
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
 
     source, (planned, needed) = inspect_on_worker0(
         unit, transport, clock, lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
         lambda source: checked_target(opts, source, transport.size))
-    target, assignment = planned.topology, planned.stages
+    target = planned.topology
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
                               opts.dry_run)
     writes = stages_written_by(target.pp, transport.size)
-    repartition = assignment is not None
-    if repartition:
-        how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds "
-               f"{list(assignment.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
-    else:
-        how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
-    result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors "
-                        f"(largest worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
-                        "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
+    result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {len(source.layer_files)} layer files "
+                        f"copied unchanged; whole tensors (largest worker about {human(max(needed))} of "
+                        f"--memory-budget {human(opts.memory_budget)}); stages built by workers "
+                        + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
 
-    carried = (*source.layer_files, *source.other_files)
-    identified = (*carried, *(f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)),
-                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
-    whole_files = WholeFileSource(
-        source.tag, source.tag_dir, identified, carried, (),
-        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
-         "description": source.describe()},
-        save_dir=source.save_dir)
-    placement = ({"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-                  "partition": opts.pipeline_partition} if repartition else None)
+    output = pipeline_output(opts, source, planned)
+    whole_files = WholeFileSource(source.tag, source.tag_dir, output.identified, output.carried, (),
+                                  output.manifest_source, save_dir=source.save_dir)
 
     def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
-        paths = []
-        if repartition and writes[transport.rank]:  # every source stage feeds the new stages
-            template, states = named_states(source, opts.trust_pickle)
-            report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
-        for stage in writes[transport.rank]:
-            if repartition:
-                paths += write_repartitioned_stage(source, states, template, assignment.names[stage], target.pp,
-                                                   stage, target.dp, tag_dir, opts.trust_pickle,
-                                                   assignment.buffer_names[stage] if assignment.buffer_names else None)
-            else:
-                paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
-                report.bytes_read += sum(identity[name]["bytes"] for name in identity
-                                         if name.endswith(f"mp_rank_{stage:02d}_optim_states.pt")
-                                         or name == f"mp_rank_{stage:02d}_model_states.pt")
-        return paths
+        return [path for _, paths in build_stages(source, planned, writes[transport.rank], tag_dir, opts.trust_pickle,
+                                                  report) for path in paths]
 
     return run_whole_file_job(
         opts, unit, transport, clock, result, started, whole_files,
-        lambda identity: output_fingerprint(source.save_dir, source.tag, identity, target.dp, placement=placement),
-        {"dp_world_size": target.dp, "pp": target.pp, "stage": 1}, WorkerReport(transport.rank, (), ()), build)
+        lambda identity: output.fingerprint(source, identity, planned),
+        output.manifest_target, WorkerReport(transport.rank, (), ()), build)
