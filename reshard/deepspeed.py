@@ -246,20 +246,27 @@ def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int,
     (pp, dp) (DeepSpeed loads it as it is); else its PipelineSource, to be rebuilt in the job. A
     pipeline save offered to an engine that is not a pipeline engine is refused by name."""
     from reshard.formats.deepspeed_inspect import resolve_tag
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
+    from reshard.formats.deepspeed_pipeline import (
+        inspect_pipeline,
+        is_pipeline,
+        refuse_model_axis,
+        saved_pipeline_topology,
+    )
     tag = resolve_tag(os.path.abspath(load_dir), tag)
     tag_dir = os.path.join(load_dir, tag)
     if not is_pipeline(tag_dir):
         return None
-    saved = saved_pipeline_topology(tag_dir)
-    if saved == engine_pipeline:
+    saved = saved_pipeline_topology(tag_dir)[:2]  # (pp, dp)
+    if saved == engine_pipeline:  # with a model axis too: DeepSpeed's own load checks the engine's tp
         return tag
     if engine_pipeline is None:
         raise UnsupportedCheckpoint(os.path.join(tag_dir, "mp_rank_00_model_states.pt"),
                                     f"is a pipeline checkpoint (pp, dp) = {saved}, saved by a PipelineModule; this "
                                     "engine is not a pipeline engine, and reshard does not turn pipeline saves into "
                                     "plain ones")
-    return inspect_pipeline(load_dir, tag, trust_pickle=trust_pickle)  # refuses what the offline job refuses
+    source = inspect_pipeline(load_dir, tag, trust_pickle=trust_pickle)  # refuses what the offline job refuses
+    refuse_model_axis(source, f"the in-job load at another (pp, dp) than the save's {saved}")
+    return source
 
 
 def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):

@@ -528,7 +528,13 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
                             trust_pickle: bool = False) -> VerifyResult:
     """verify --against for a pipeline output: target stage s checked by worker s % W, the layer
     files and the parameter cover by worker 0."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, read_stage, states_by_name
+    from reshard.formats.deepspeed_pipeline import (
+        inspect_pipeline,
+        is_pipeline,
+        read_stage,
+        refuse_model_axis,
+        states_by_name,
+    )
 
     def inspect_both():
         source = inspect_pipeline(source_dir, tag, trust_pickle)
@@ -536,6 +542,7 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
             raise CheckpointError(os.path.join(destination, tag), f"is not a pipeline checkpoint, but "
                                                                    f"{source.tag_dir} is")
         target = inspect_pipeline(destination, tag, trust_pickle)
+        refuse_model_axis(source, "verify --against")
         if target.bf16 != source.bf16:
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
         return source, target

@@ -46,7 +46,7 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1), _source())
     kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=3, target_pp=2), _source())
     assert (kept.topology.pp, kept.topology.dp, kept.stages) == (2, 3, None)
-    with pytest.raises(OptionError, match="--target-tp 2 is not supported for pipeline"):
+    with pytest.raises(OptionError, match="--target-tp 2: the save's pipeline model axis has tp 1"):
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 

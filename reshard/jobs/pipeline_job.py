@@ -16,6 +16,11 @@ peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. W
 the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
 manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job, shared with
 reshard.jobs.zero0_job.
+
+With a model axis (PipeModelDataParallelTopology, tp > 1) every model rank's column of stages is a
+pipeline of its own (reshard.formats.deepspeed_pipeline): the work units are the (stage, model rank)
+pairs, unit stage * tp + model (its `mp_rank_XX`) built by worker (stage * tp + model) % W, each from its
+own column's files, and tp is kept: --target-tp other than the source's is refused.
 """
 from __future__ import annotations
 
@@ -88,8 +93,12 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
         raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
                                            + PP_CHANGE_MISSING)
-    refused = [(opts.target_tp not in (None, 1), f"--target-tp {opts.target_tp}"),
-               (opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+    if opts.target_tp not in (None, source.tp):
+        raise OptionError(f"{model}: --target-tp {opts.target_tp}: the save's pipeline model axis has tp {source.tp} "
+                          "(PipeModelDataParallelTopology); changing it means re-cutting every Megatron-style "
+                          "slice along its own dim (universal_checkpoint_info patterns), which reshard does not do "
+                          f"for pipeline checkpoints yet: leave --target-tp out or give {source.tp}")
+    refused = [(opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
                (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
@@ -97,7 +106,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
             raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp changes)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
-    topology = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
+    topology = Topology(dp=opts.target_dp, tp=source.tp, pp=opts.target_pp or source.pp)
     if topology.pp == source.pp:
         return PipelineTarget(topology, None)
     layers = pipeline_layers(opts, model)
@@ -139,15 +148,16 @@ def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) ->
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """Per worker, about the most bytes of tensors it holds at once: the largest
-    `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
-    writes = stages_written_by(target.topology.pp, workers)
+    `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none)."""
+    writes = stage_files_written_by(target.topology.pp, target.topology.tp, workers)
     dp = target.topology.dp
     if target.stages is None:
-        return [max((joined_state_bytes(source, dp, kept_stage=s) for s in stages), default=0) for stages in writes]
+        return [max((joined_state_bytes(source, dp, kept_stage=s, model=m) for s, m in units), default=0)
+                for units in writes]
     numels = source_numels(source)
     elements = [sum(numels[n] for n in names) for names in target.stages.names]
-    return [max((joined_state_bytes(source, dp, target_elements=elements[t]) for t in stages), default=0)
-            for stages in writes]
+    return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=m) for t, m in units), default=0)
+            for units in writes]
 
 
 def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
@@ -176,6 +186,15 @@ def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(w, pp, workers)) for w in range(workers))
 
 
+def stage_files_written_by(pp: int, tp: int, workers: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per worker, the (stage, model rank) units whose files it builds: unit stage * tp + model (its
+    `mp_rank_XX`, reshard.layouts.pipeline.stage_model_rank) by worker unit % W, as stages_written_by
+    over pp * tp units; ordered by model rank, then stage, so that a worker re-assigning stages joins
+    one model rank's column at a time."""
+    return tuple(tuple(sorted(((unit // tp, unit % tp) for unit in units), key=lambda unit: (unit[1], unit[0])))
+                 for units in stages_written_by(pp * tp, workers))
+
+
 def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
     """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is written."""
     target = pipeline_target(opts, source)
@@ -190,51 +209,59 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         lambda source: checked_target(opts, source, transport.size))
     target, assignment = planned.topology, planned.stages
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
-                              Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
-                              opts.dry_run)
-    writes = stages_written_by(target.pp, transport.size)
+                              Topology(dp=source.dp, tp=source.tp, pp=source.pp), target, transport.size,
+                              transport.name, 0, 0.0, opts.dry_run)
+    writes = stage_files_written_by(target.pp, source.tp, transport.size)
     repartition = assignment is not None
     if repartition:
         how = (f"layers re-assigned to {target.pp} stages by {opts.pipeline_partition!r} (bounds "
                f"{list(assignment.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {target.dp}")
     else:
         how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {target.dp}"
+    if source.tp > 1:
+        how += f", per model rank (tp {source.tp} kept)"
     result.notes.append(f"pipeline: {how}; {len(source.layer_files)} layer files copied unchanged; whole tensors "
                         f"(largest worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
-                        "stages built by workers " + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
+                        + ("(stage, model rank) units" if source.tp > 1 else "stages") + " built by workers " +
+                        ", ".join(f"{w}: {[u if source.tp > 1 else u[0] for u in units]}"
+                                  for w, units in enumerate(writes) if units))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result
 
     carried = (*source.layer_files, *source.other_files)
-    identified = (*carried, *(f"mp_rank_{s:02d}_model_states.pt" for s in range(source.pp)),
-                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
+    units = [(s, m) for s in range(source.pp) for m in range(source.tp)]
+    identified = (*carried, *(os.path.basename(source.model_path(s, m)) for s, m in units),
+                  *(os.path.basename(source.optim_path(s, d, m)) for s, m in units for d in range(source.dp)))
     whole_files = WholeFileSource(
         source.tag, source.tag_dir, identified, carried, (),
-        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
-         "description": source.describe()},
+        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "tp": source.tp,
+         "stage": 1, "description": source.describe()},
         save_dir=source.save_dir)
     placement = ({"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
                   "partition": opts.pipeline_partition} if repartition else None)
 
     def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
-        paths = []
-        if repartition and writes[transport.rank]:  # every source stage feeds the new stages
-            template, states = named_states(source, opts.trust_pickle)
-            report.bytes_read += sum(entry["bytes"] for name, entry in identity.items() if name not in carried)
-        for stage in writes[transport.rank]:
+        paths, column = [], None
+        for stage, model in writes[transport.rank]:
             if repartition:
+                if column != model:  # every source stage of this model rank's column feeds its new stages
+                    column, (template, states) = model, named_states(source, opts.trust_pickle, model)
+                    report.bytes_read += sum(os.path.getsize(source.optim_path(s, d, model))
+                                             for s in range(source.pp) for d in range(source.dp))
                 paths += write_repartitioned_stage(source, states, template, assignment.names[stage], target.pp,
                                                    stage, target.dp, tag_dir, opts.trust_pickle,
-                                                   assignment.buffer_names[stage] if assignment.buffer_names else None)
+                                                   assignment.buffer_names[stage] if assignment.buffer_names else None,
+                                                   model_rank=model)
             else:
-                paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle)
-                report.bytes_read += sum(identity[name]["bytes"] for name in identity
-                                         if name.endswith(f"mp_rank_{stage:02d}_optim_states.pt")
-                                         or name == f"mp_rank_{stage:02d}_model_states.pt")
+                paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle, model_rank=model)
+                read = {os.path.basename(source.model_path(stage, model)),
+                        *(os.path.basename(source.optim_path(stage, d, model)) for d in range(source.dp))}
+                report.bytes_read += sum(identity[name]["bytes"] for name in read)
         return paths
 
     return run_whole_file_job(
         opts, unit, transport, clock, result, started, whole_files,
         lambda identity: output_fingerprint(source.save_dir, source.tag, identity, target.dp, placement=placement),
-        {"dp_world_size": target.dp, "pp": target.pp, "stage": 1}, WorkerReport(transport.rank, (), ()), build)
+        {"dp_world_size": target.dp, "pp": target.pp, "tp": target.tp, "stage": 1}, WorkerReport(transport.rank, (), ()),
+        build)
