@@ -6,12 +6,12 @@
 The e2e tests train tests/pipeline_run.py's Megatron-style model (`--mp 2`: a column-parallel and a
 row-parallel Linear whose slices differ per model rank, seeded by model rank; the tied embedding,
 LayerNorm and a Linear replicated) once per session (`pipeline_runs("fp32-mp2", 2, 1)`), reshard it
-with threads, and judge each output twice: file by file, every (stage, model rank)'s fp32 masters and
+with threads, and judge each output three ways: file by file, every (stage, model rank)'s fp32 masters and
 Adam moments joined from its optimizer files equal the truth of that model rank (and not the other
 one's, where the slices differ), and in a real engine at the target (pp, tp, dp) loading with plain
 `load_checkpoint` from another seed (tests/pipeline_run.py check: every master and moment by name
 against its model rank's truth, eval loss on a fixed micro-batch, counters, LR, client_state, then
-one more `train_batch`).
+one more `train_batch`), and by `verify --against` (which must also name a swap of two model ranks' files).
 """
 from __future__ import annotations
 
@@ -93,6 +93,30 @@ def _check_files_against_truth(out, truth_dir) -> int:
     return compared
 
 
+def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> None:
+    """verify --against (threads) passes the output, and names the file when stage 0's two model ranks'
+    optimizer files are swapped in a copy."""
+    import shutil
+
+    from threaded_transport import run_workers
+
+    from reshard.verify import verify_against
+
+    def verify(destination):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+    clean = verify(out)
+    assert clean.ok, clean.summary()
+    swapped = out.parent / "swapped"
+    shutil.copytree(out, swapped)
+    first, second = (swapped / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt" for i in (0, 1))
+    first.rename(swapped / "step3" / "held")
+    second.rename(first)
+    (swapped / "step3" / "held").rename(second)
+    found = verify(swapped)
+    assert not found.ok
+    assert any(p.startswith(f"{first}: 1.weight fp32: ") for p in found.problems), found.summary()
+
+
 # (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the
 # stages kept with dp up (the per-stage re-cut, 8 ranks at the target)
 TARGETS = [((1, 2), 3), ((2, 2), 2)]
@@ -124,6 +148,7 @@ def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipel
     for name in layers:  # layer files travel unchanged, each model rank's under its own -model_XX name
         assert (out / "step3" / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
     assert _check_files_against_truth(out, truth) == 3 * {1: 9, 2: 10}[target[0]] * 2
+    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers)
     verdict = check_at(*target, VARIANT, out, truth, tmp_path / "verdict.json")
     assert verdict["ok"], verdict
     assert [rank["checked"] for rank in verdict["ranks"]] == [{1: 9, 2: 5}[target[0]]] * (target[0] * 2 * target[1])
