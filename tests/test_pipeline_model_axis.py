@@ -11,15 +11,18 @@ Adam moments joined from its optimizer files equal the truth of that model rank 
 one's, where the slices differ), and in a real engine at the target (pp, tp, dp) loading with plain
 `load_checkpoint` from another seed (tests/pipeline_run.py check: every master and moment by name
 against its model rank's truth, eval loss on a fixed micro-batch, counters, LR, client_state, then
-one more `train_batch`), and by `verify --against` (which must also name a swap of two model ranks' files).
+one more `train_batch`; at (1, 2, 2) the same launch also loads the source in-job through
+reshard.deepspeed.load_checkpoint), and by `verify --against` (which must also name a swap of two
+model ranks' files).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
-from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.errors import OptionError
 from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import pipeline_target, stage_files_written_by
@@ -120,13 +123,15 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> 
 # (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the
 # stages kept with dp up (the per-stage re-cut, 8 ranks at the target)
 TARGETS = [((1, 2), 3), ((2, 2), 2)]
+IN_JOB_TARGET = (1, 2)  # also loaded in-job from the source (reshard.deepspeed.load_checkpoint), same launch
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("target, workers", TARGETS, ids=["pp-down-dp-up", "dp-up"])
 def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipeline_runs, tmp_path, target,
                                                                             workers):
-    from test_pipeline import check_at
+    from reshard_proof.launch import run_torchrun
+    from test_pipeline import HARNESS, check_at, harness_flags
     from trained import reshard_in_threads
 
     from reshard.formats.deepspeed_pipeline import LAYER_RE
@@ -149,9 +154,19 @@ def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipel
         assert (out / "step3" / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
     assert _check_files_against_truth(out, truth) == 3 * {1: 9, 2: 10}[target[0]] * 2
     _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers)
-    verdict = check_at(*target, VARIANT, out, truth, tmp_path / "verdict.json")
-    assert verdict["ok"], verdict
-    assert [rank["checked"] for rank in verdict["ranks"]] == [{1: 9, 2: 5}[target[0]]] * (target[0] * 2 * target[1])
+    if target == IN_JOB_TARGET:  # the in-job load of the source, in a second engine of the same launch
+        verdicts = [tmp_path / "verdict.json", tmp_path / "in-job.json"]
+        run_torchrun(HARNESS, target[0] * 2 * target[1],
+                     ["check", "--pp", target[0], *harness_flags(VARIANT), "--truth", truth, "--load", out,
+                      "--verdict", verdicts[0], "--also", save_dir, verdicts[1], "in-job"],
+                     expect_files=verdicts, timeout=500)
+    else:
+        verdicts = [tmp_path / "verdict.json"]
+        check_at(*target, VARIANT, out, truth, verdicts[0])
+    for path in verdicts:
+        verdict = json.loads(path.read_text())
+        assert verdict["ok"], (path.name, verdict)
+        assert [rank["checked"] for rank in verdict["ranks"]] == [{1: 9, 2: 5}[target[0]]] * (target[0] * 2 * target[1])
 
 
 @pytest.mark.e2e
@@ -182,8 +197,8 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     assert "mp_rank_00_model_states.pt: is a pipeline save with a model axis (tp 2" in run.stderr
     assert "the export does not support it" in run.stderr
     assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load at the save's (pp, dp)
-    with pytest.raises(UnsupportedCheckpoint, match="the in-job load at another"):
-        pipeline_to_load(str(save_dir), None, (1, 2))
+    in_job = pipeline_to_load(str(save_dir), None, (1, 2))  # rebuilt per model rank (judged in the test above)
+    assert (in_job.pp, in_job.dp, in_job.tp) == (2, 1, 2)
     # a model rank's layer file missing: refused naming it
     broken = tmp_path / "broken"
     shutil.copytree(save_dir, broken)
