@@ -195,6 +195,12 @@ def stage_files_written_by(pp: int, tp: int, workers: int) -> tuple[tuple[tuple[
                  for units in stages_written_by(pp * tp, workers))
 
 
+def column_files(source: PipelineSource, stage: int, model: int) -> tuple[str, ...]:
+    """The names of (stage, model rank)'s model-states file and optimizer files in the source."""
+    return (os.path.basename(source.model_path(stage, model)),
+            *(os.path.basename(source.optim_path(stage, d, model)) for d in range(source.dp)))
+
+
 def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
     """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is written."""
     target = pipeline_target(opts, source)
@@ -230,9 +236,8 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         return result
 
     carried = (*source.layer_files, *source.other_files)
-    units = [(s, m) for s in range(source.pp) for m in range(source.tp)]
-    identified = (*carried, *(os.path.basename(source.model_path(s, m)) for s, m in units),
-                  *(os.path.basename(source.optim_path(s, d, m)) for s, m in units for d in range(source.dp)))
+    identified = (*carried, *(name for s in range(source.pp) for m in range(source.tp)
+                              for name in column_files(source, s, m)))
     whole_files = WholeFileSource(
         source.tag, source.tag_dir, identified, carried, (),
         {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "tp": source.tp,
@@ -247,17 +252,15 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
             if repartition:
                 if column != model:  # every source stage of this model rank's column feeds its new stages
                     column, (template, states) = model, named_states(source, opts.trust_pickle, model)
-                    report.bytes_read += sum(os.path.getsize(source.optim_path(s, d, model))
-                                             for s in range(source.pp) for d in range(source.dp))
+                    report.bytes_read += sum(identity[name]["bytes"] for s in range(source.pp)
+                                             for name in column_files(source, s, model))
                 paths += write_repartitioned_stage(source, states, template, assignment.names[stage], target.pp,
                                                    stage, target.dp, tag_dir, opts.trust_pickle,
                                                    assignment.buffer_names[stage] if assignment.buffer_names else None,
                                                    model_rank=model)
             else:
                 paths += write_stage_files(source, stage, target.dp, tag_dir, opts.trust_pickle, model_rank=model)
-                read = {os.path.basename(source.model_path(stage, model)),
-                        *(os.path.basename(source.optim_path(stage, d, model)) for d in range(source.dp))}
-                report.bytes_read += sum(identity[name]["bytes"] for name in read)
+                report.bytes_read += sum(identity[name]["bytes"] for name in column_files(source, stage, model))
         return paths
 
     return run_whole_file_job(
