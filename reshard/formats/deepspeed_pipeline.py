@@ -43,7 +43,11 @@ shapes; the values differ. DeepSpeed loads layer files by position, not name: mo
 entry (state_dict_factory.py `SDLoaderBase.load` with is_pipe_parallel) when their count equals the
 model-parallel size. So each model rank's column of stages is a pipeline of its own: changing pp or
 dp with tp kept is that change applied per column, the layer files keeping their names. Changing
-tp (reslicing) is refused.
+tp (reslicing) is refused: which dim each parameter is sliced on is not in the files but in the
+`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does);
+without them DeepSpeed's ds_to_universal joins every parameter's slices on dim 0 (on the (2, 2, 1)
+test save, whose info is empty: a row-parallel [24, 21] weight came out [48, 21], the replicated
+[37, 24] embedding [74, 24]).
 
 Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
 the stage's parameters (a tied module's parameters sit in every stage holding it, named
