@@ -251,8 +251,8 @@ def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int,
     tag_dir = os.path.join(load_dir, tag)
     if not is_pipeline(tag_dir):
         return None
-    saved = saved_pipeline_topology(tag_dir)
-    if saved == engine_pipeline:
+    saved = saved_pipeline_topology(tag_dir)[:2]  # (pp, dp)
+    if saved == engine_pipeline:  # with a model axis too: DeepSpeed's own load checks the engine's tp
         return tag
     if engine_pipeline is None:
         raise UnsupportedCheckpoint(os.path.join(tag_dir, "mp_rank_00_model_states.pt"),
@@ -271,7 +271,9 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     it in, whose hyperparameters the file carries). So the layer list and partition method the
     offline job asks for come from the engine itself, and so does the stage's `buffer_names`
     (engine.py `_get_buffer_names`). Layer files, buffers included, are read from the
-    source as they are (named by global layer index, the same at any pp)."""
+    source as they are (named by global layer index, the same at any pp). With a model axis the
+    engine's must be the save's (tp kept): each rank rebuilds from its own model rank's column of
+    stages (`get_slice_parallel_rank`), as the offline job does."""
     import collections
     import itertools
 
@@ -285,9 +287,16 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         stage_model_name,
     )
     from reshard.files.resources import human
+    from reshard.layouts.pipeline import stage_model_rank
     pp, dp = _engine_pipeline(engine)
     stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
-    model_path = source.model_path(0)
+    # runtime/pipe/topology.py PipelineParallelGrid: the model (tensor-slicing) axis, 1 without one
+    tp, model_rank = int(engine.grid.get_slice_parallel_world_size()), int(engine.grid.get_slice_parallel_rank())
+    model_path = source.model_path(0, model_rank if model_rank < source.tp else 0)
+    if tp != source.tp:
+        raise UnsupportedCheckpoint(model_path, f"was saved with a pipeline model axis of tp {source.tp}, this engine "
+                                                f"has {tp}; in-job resharding of pipeline checkpoints keeps tp "
+                                                "(changing it would re-cut every Megatron-style slice)")
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
     saved_groups, group_of = source_groups(source)
     if groups is None or len(groups) != saved_groups:
@@ -302,13 +311,13 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                 raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
                                                         f"in group {group}: its hyperparameters would be another "
                                                         "group's")
-    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params))
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params), model=model_rank)
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
                            f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
-    template, states = named_states(source, trust_pickle)
+    template, states = named_states(source, trust_pickle, model_rank)
     for name, param in params:
         if name not in states or states[name]["fp32"].numel() != param.numel():
             found = "holds no parameter" if name not in states else \
@@ -322,7 +331,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         model["buffer_names"] = engine._get_buffer_names()
     model.update(param_shapes=[collections.OrderedDict((name, param.shape) for name, param in pairs)
                                for pairs in named],
-                 dp_world_size=dp, mp_world_size=pp,
+                 dp_world_size=dp, mp_world_size=pp * tp,
                  checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
                                                  "pp_degree": pp})
     ranks = build_optimizers(template, [tuple(names) for names in group_names],
@@ -334,16 +343,19 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         os.makedirs(tag_dir)
         # engine.py `_get_all_ckpt_names` globs every stage's mp_rank_XX file and state_dict_factory.py
         # `check_ckpt_list` reads `mp_world_size` from the first: the other stages' names serve a stub
-        served = {os.path.join(tag_dir, stage_model_name(s)): {"mp_world_size": pp} for s in range(pp)}
-        served[os.path.join(tag_dir, stage_model_name(stage))] = classes.to_deepspeed(model)
-        served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16, stage))] = \
+        served = {os.path.join(tag_dir, stage_model_name(s, m, tp)): {"mp_world_size": pp * tp}
+                  for s in range(pp) for m in range(tp)}
+        served[os.path.join(tag_dir, stage_model_name(stage, model_rank, tp))] = classes.to_deepspeed(model)
+        served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16,
+                                                            stage_model_rank(stage, model_rank, tp)))] = \
             classes.to_deepspeed(optimizer)
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
         load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if torch.distributed.get_rank() == 0:
-        print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job "
+        print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job"
+              f"{f' (tp {tp} kept)' if tp > 1 else ''} "
               f"in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
     return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 

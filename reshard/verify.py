@@ -398,8 +398,10 @@ def _pipeline_layout_problems(path: str, osd: dict, template: dict, spec, dp: in
     return problems
 
 
-def _pipeline_stage_problems(source, target, stage: int, source_states: dict, trust_pickle: bool) -> tuple[list, int, int]:
-    """(problems, files checked, elements compared) for target stage `stage`."""
+def _pipeline_stage_problems(source, target, stage: int, source_states: dict, trust_pickle: bool,
+                             model_rank: int = 0) -> tuple[list, int, int]:
+    """(problems, files checked, elements compared) for target stage `stage` of model rank
+    `model_rank` (`source_states`: that model rank's column of the source)."""
     import torch
 
     from reshard.formats.deepspeed_pipeline import OPTIM, load_whole, read_stage
@@ -407,8 +409,8 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     problems, spec = [], target.stages[stage]
     kept = target.pp == source.pp
     origin = stage if kept else 0  # the job builds a new stage's files from source stage 0's
-    model_path = target.model_path(stage)
-    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin), trust_pickle)
+    model_path = target.model_path(stage, model_rank)
+    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin, model_rank), trust_pickle)
     # with new stages, each stage's buffer_names follow its layers (checked in _pipeline_file_problems)
     recomputed = _PIPELINE_RECOMPUTED_MODEL + (() if kept else ("buffer_names",))
     rest = {key: value for key, value in model.items() if key not in recomputed}
@@ -418,10 +420,11 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     dims = want.get("checkpoint_parallel_dimensions") if kept else \
         {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp}
     if (model.get("dp_world_size"), model.get("mp_world_size"), model.get("checkpoint_parallel_dimensions")) != \
-            (target.dp, target.pp, dims):
+            (target.dp, target.pp * target.tp, dims):
         problems.append(f"{model_path}: dp_world_size {model.get('dp_world_size')}, mp_world_size "
                         f"{model.get('mp_world_size')}, checkpoint_parallel_dimensions "
-                        f"{model.get('checkpoint_parallel_dimensions')}; expected {target.dp}, {target.pp}, {dims}")
+                        f"{model.get('checkpoint_parallel_dimensions')}; expected {target.dp}, "
+                        f"{target.pp * target.tp}, {dims}")
     source_shapes = {name: shape for s in source.stages for names, shapes in zip(s.names, s.shapes)
                      for name, shape in zip(names, shapes)}
     if kept and spec.names != source.stages[stage].names:
@@ -436,12 +439,12 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     if problems:
         return problems, 1, 0
     try:
-        files, masters, moments = read_stage(target, stage, trust_pickle)
+        files, masters, moments = read_stage(target, stage, trust_pickle, model_rank)
     except CheckpointError as error:
         return [str(error)], 1, 0
-    template = load_whole(source.optim_path(origin, 0), trust_pickle)
+    template = load_whole(source.optim_path(origin, 0, model_rank), trust_pickle)
     for rank, tree in enumerate(files):
-        path = target.optim_path(stage, rank)
+        path = target.optim_path(stage, rank, model_rank)
         others, wanted = ({k: v for k, v in tree.items() if k != OPTIM}, {k: v for k, v in template.items() if k != OPTIM})
         if not _same(_plain(wanted), _plain(others)):
             problems.append(f"{path}: {_first_difference(_plain(wanted), _plain(others))}")
@@ -458,7 +461,7 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
             states = {"fp32": masters[group][start:offset],
                       **{key: flat[start:offset] for key, flat in moments[group].items()}}
             if list(states) != list(expected):
-                problems.append(f"{target.optim_path(stage, 0)}: {name} holds states {list(states)}, the source "
+                problems.append(f"{target.optim_path(stage, 0, model_rank)}: {name} holds states {list(states)}, the source "
                                 f"{list(expected)}")
                 continue
             for key, value in states.items():
@@ -468,7 +471,7 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
                         torch.ones(value.numel(), dtype=torch.bool)
                     first = int(differs.nonzero()[0])
                     rank = (start + first) // partition  # the dp rank whose partition holds that element
-                    problems.append(f"{target.optim_path(stage, rank)}: {name} {key}: {int(differs.sum())} of "
+                    problems.append(f"{target.optim_path(stage, rank, model_rank)}: {name} {key}: {int(differs.sum())} of "
                                     f"{value.numel()} elements differ from the source (first at element {first})")
     return problems, 1 + len(files), elements
 
@@ -526,9 +529,11 @@ def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
 
 def verify_pipeline_against(destination: str, source_dir: str, tag: str, transport: Transport,
                             trust_pickle: bool = False) -> VerifyResult:
-    """verify --against for a pipeline output: target stage s checked by worker s % W, the layer
-    files and the parameter cover by worker 0."""
+    """verify --against for a pipeline output: target (stage, model rank) unit u = stage * tp + model
+    checked by worker u % W (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds
+    them), the layer files and the parameter cover by worker 0."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, read_stage, states_by_name
+    from reshard.jobs.pipeline_job import stage_files_written_by
 
     def inspect_both():
         source = inspect_pipeline(source_dir, tag, trust_pickle)
@@ -538,6 +543,9 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
         target = inspect_pipeline(destination, tag, trust_pickle)
         if target.bf16 != source.bf16:
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
+        if target.tp != source.tp:
+            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
+                                                  f"{target.tp}, the source's {source.tp}")
         return source, target
     source, target = on_rank0(transport, inspect_both)
     result = VerifyResult(destination, tag, "against source")
@@ -546,15 +554,15 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
         problems, files = save_dir_files.differences(source.save_dir, target.save_dir)
         more, checked = _pipeline_file_problems(source, target)
         problems, files = problems + more, files + checked
-    mine = range(transport.rank, target.pp, transport.size)
-    source_states: dict = {}
-    if mine:  # whole tensors, as the job: every source stage joined once per worker that checks a stage
-        for stage, spec in enumerate(source.stages):
-            _, masters, moments = read_stage(source, stage, trust_pickle)
-            for name, states in states_by_name(spec, masters, moments).items():
-                source_states.setdefault(name, states)
-    for stage in mine:
-        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle)
+    column, source_states = None, {}
+    for stage, model in stage_files_written_by(target.pp, target.tp, transport.size)[transport.rank]:
+        if model != column:  # whole tensors, as the job: every source stage of the model rank's column joined once
+            column, source_states = model, {}
+            for index, spec in enumerate(source.stages):
+                _, masters, moments = read_stage(source, index, trust_pickle, model)
+                for name, states in states_by_name(spec, masters, moments).items():
+                    source_states.setdefault(name, states)
+        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle, model)
         problems, files, elements = problems + more, files + checked, elements + compared
     reports = transport.all_gather_object((problems, elements, files))
     result.problems = [p for found, _, _ in reports for p in found]

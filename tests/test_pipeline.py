@@ -46,7 +46,7 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1), _source())
     kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=3, target_pp=2), _source())
     assert (kept.topology.pp, kept.topology.dp, kept.stages) == (2, 3, None)
-    with pytest.raises(OptionError, match="--target-tp 2 is not supported for pipeline"):
+    with pytest.raises(OptionError, match="--target-tp 2: the save's pipeline model axis has tp 1"):
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
@@ -66,10 +66,16 @@ def test_target_pp_for_a_save_without_pipeline_stages_is_refused():
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
     the model whose layer 1 weight is frozen after the PipelineModule was built, with "-groups" the
-    model with two optimizer param groups and a buffer."""
+    model with two optimizer param groups and a buffer, with "-mp2" the Megatron-style model sliced
+    over a model axis of 2 (PipeModelDataParallelTopology)."""
     precision, _, model = variant.partition("-")
     return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else []),
-            *(["--groups"] if model == "groups" else [])]
+            *(["--groups"] if model == "groups" else []), *(["--mp", model_ranks(variant)] if model == "mp2" else [])]
+
+
+def model_ranks(variant: str) -> int:
+    """The variant's model (tensor-slicing) axis: 2 for "-mp2", else 1; a launch has pp * dp * that ranks."""
+    return 2 if variant.endswith("-mp2") else 1
 
 
 class PipelineRuns:
@@ -84,17 +90,18 @@ class PipelineRuns:
         if key not in self.cache:
             base = self.root / f"{precision}-pp{pp}-dp{dp}"
             truth = base / "truth"
-            run_torchrun(HARNESS, pp * dp, ["train", "--pp", pp, *harness_flags(precision),
-                                                 "--save", base / "ckpt", "--truth", truth],
-                         expect_files=[truth / f"rank{r}.pt" for r in range(pp * dp)], timeout=500)
+            world = pp * dp * model_ranks(precision)
+            run_torchrun(HARNESS, world, ["train", "--pp", pp, *harness_flags(precision),
+                                          "--save", base / "ckpt", "--truth", truth],
+                         expect_files=[truth / f"rank{r}.pt" for r in range(world)], timeout=500)
             self.cache[key] = (base / "ckpt", truth)
         return self.cache[key]
 
 
 def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -> dict:
     from reshard_proof.launch import run_torchrun
-    run_torchrun(HARNESS, pp * dp, ["check", "--pp", pp, *harness_flags(precision), "--load", load_dir,
-                                         "--truth", truth, "--verdict", verdict],
+    run_torchrun(HARNESS, pp * dp * model_ranks(precision), ["check", "--pp", pp, *harness_flags(precision),
+                                                             "--load", load_dir, "--truth", truth, "--verdict", verdict],
                  expect_files=[verdict], timeout=500)
     return json.loads(verdict.read_text())
 

@@ -234,15 +234,15 @@ def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
     assert over.returncode == 2, over.stderr
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: the universal export of a pipeline checkpoint" in over.stderr
     assert not (tmp_path / "small").exists()
-    # a model axis: DeepSpeed names layer files layer_XX-model_YY-model_states.pt
+    # a model axis suffix on one layer file of a save without one (tp_degree 1): inconsistent, refused
     axis = tmp_path / "axis"
     shutil.copytree(save, axis)
     layer = axis / "step3" / "layer_01-model_states.pt"
     layer.rename(axis / "step3" / "layer_01-model_00-model_states.pt")
     refused = reshard_in_process("export", axis, tmp_path / "out", "--format", "safetensors")
     assert refused.returncode == 2, refused.stderr
-    assert "layer_01-model_00-model_states.pt: is a layer file of a pipeline with a model (tensor-parallel) axis" \
-        in refused.stderr
+    assert "layer_01-model_00-model_states.pt: has a -model_XX suffix (a model axis), but mp_rank_00_model_states.pt " \
+        "says tp_degree 1" in refused.stderr
     # OUT holding something else: the lifecycle refuses before anything is written
     busy = tmp_path / "busy"
     busy.mkdir()

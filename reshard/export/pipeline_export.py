@@ -89,6 +89,7 @@ from reshard.formats.deepspeed_pipeline import (
     OPTIM,
     PipelineSource,
     inspect_pipeline,
+    refuse_model_axis,
     is_pipeline,
     joined_state_bytes,
     load_whole,
@@ -306,6 +307,7 @@ def pipeline_tag_of(source_dir: str, tag: str | None) -> str | None:
 def _inspect(source_dir: str, destination: str, tag: str, trust_pickle: bool):
     check_paths(source_dir, destination)
     source = inspect_pipeline(source_dir, tag, trust_pickle)
+    refuse_model_axis(source, "the export")
     return source, module_tensors(source, trust_pickle)
 
 

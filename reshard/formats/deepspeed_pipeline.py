@@ -1,4 +1,4 @@
-"""DeepSpeed PipelineModule checkpoints (ZeRO-1): what a tag holds, and each stage's files rebuilt for a new dp.
+"""DeepSpeed PipelineModule checkpoints (ZeRO-1), with or without a model axis: what a tag holds, and each stage's files rebuilt.
 
     from reshard.formats.deepspeed_pipeline import is_pipeline, inspect_pipeline, write_stage_files
     if is_pipeline(tag_dir):
@@ -16,6 +16,38 @@ Files of a pipeline save (DeepSpeed 0.19.8, runtime/pipe/module.py `ckpt_layer_p
                                              checkpoint_parallel_dimensions {pp_degree, tp_degree}
     [bf16_]zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt
                                              ZeRO-1 partition of dp rank d over stage s's parameters
+
+With a model (tensor-slicing) axis, `PipelineModule(..., topology=PipeModelDataParallelTopology(
+num_pp, num_mp, num_dp))` (runtime/pipe/topology.py; axes (pipe, data, model), model fastest), checked
+on a real (pp, tp, dp) = (2, 2, 1) save of DeepSpeed 0.19.8 on CPU:
+
+    layer_{idx:02d}-model_{m:02d}-model_states.pt
+                                             layer idx of model rank m (module.py `ckpt_layer_path`:
+                                             `topology.get_rank_repr`, which omits data and pipe);
+                                             written by dp rank 0 of the rank holding (stage, m)
+                                             (`save_state_dict`), a replicated layer once per m
+    mp_rank_{s * tp + m:02d}_model_states.pt one per (stage s, model rank m): the grid's
+                                             model-parallel rank (topology.py `PipelineParallelGrid`
+                                             `get_model_parallel_rank`, reshard.layouts.pipeline.
+                                             `stage_model_rank`), written by dp rank 0 (engine.py
+                                             `save_non_zero_checkpoint`); mp_world_size = pp * tp,
+                                             checkpoint_parallel_dimensions {pp_degree: pp,
+                                             tp_degree: tp} (engine.py `_checkpoint_parallel_metadata`)
+    [bf16_]zero_pp_rank_{d}_mp_rank_{s * tp + m:02d}_optim_states.pt
+                                             ZeRO-1 partition of dp rank d over (s, m)'s parameters
+                                             (engine.py `_get_zero_ckpt_name`)
+
+Each model rank's stages hold the same parameter names and, for Megatron-style even slices, the same
+shapes; the values differ. DeepSpeed loads layer files by position, not name: module.py
+`load_state_dir` globs `layer_{idx:02d}-*model_states.pt`, sorts them and takes the model rank's
+entry (state_dict_factory.py `SDLoaderBase.load` with is_pipe_parallel) when their count equals the
+model-parallel size. So each model rank's column of stages is a pipeline of its own: changing pp or
+dp with tp kept is that change applied per column, the layer files keeping their names. Changing
+tp (reslicing) is refused: which dim each parameter is sliced on is not in the files but in the
+`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does);
+without them DeepSpeed's ds_to_universal joins every parameter's slices on dim 0 (on the (2, 2, 1)
+test save, whose info is empty: a row-parallel [24, 21] weight came out [48, 21], the replicated
+[37, 24] embedding [74, 24]).
 
 Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
 the stage's parameters (a tied module's parameters sit in every stage holding it, named
@@ -45,7 +77,7 @@ from dataclasses import dataclass
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.layouts.pipeline import assign_stages, split_by_group
+from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
 from reshard.layouts.zero import Zero12Group, zero12_group
 
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
@@ -60,13 +92,15 @@ def is_pipeline(tag_dir: str) -> bool:
     return os.path.isdir(tag_dir) and any(LAYER_RE.match(name) for name in os.listdir(tag_dir))
 
 
-def saved_pipeline_topology(tag_dir: str) -> tuple[int, int]:
-    """(pp, dp) of a pipeline save from its file names alone: the stage model-states files, and the
-    optimizer files of stage 0 (no pickle is read)."""
+def saved_pipeline_topology(tag_dir: str) -> tuple[int, int, int]:
+    """(pp, dp, tp) of a pipeline save from its file names alone: the model ranks of the layer files'
+    `-model_XX` suffixes, the stage model-states files (one per stage and model rank), and the
+    optimizer files of the first (stage 0, model rank 0) (no pickle is read)."""
     names = os.listdir(tag_dir)
-    pp = sum(1 for name in names if _STAGE_MODEL_RE.match(name))
+    tp = len({match[3] for name in names if (match := LAYER_RE.match(name))} - {None}) or 1
+    files = sum(1 for name in names if _STAGE_MODEL_RE.match(name))
     dp = sum(1 for name in names if (role := schema.classify(name)).kind == "optim" and role.mp_rank == 0)
-    return pp, dp
+    return files // tp, dp, tp
 
 
 @dataclass(frozen=True)
@@ -96,35 +130,51 @@ class PipelineSource:
     bf16_optimizer: bool
     """BF16_Optimizer files (no `zero_stage`; fp32 partitions saved with their padding)."""
     stages: tuple[PipelineStage, ...]
+    """Per stage, its layout; with a model axis, model rank 0's (every model rank's is the same)."""
     layer_files: tuple[str, ...]
     other_files: tuple[str, ...]
     """Files copied as they are besides the layer files (none known today; kept for safety)."""
+    tp: int = 1
+    """Model (tensor-slicing) ranks of PipeModelDataParallelTopology; 1 without a model axis."""
 
     @property
     def tag_dir(self) -> str:
         return os.path.join(self.save_dir, self.tag)
 
-    def model_path(self, stage: int = 0) -> str:
-        return os.path.join(self.tag_dir, stage_model_name(stage))
+    def model_path(self, stage: int = 0, model: int = 0) -> str:
+        return os.path.join(self.tag_dir, stage_model_name(stage, model, self.tp))
 
-    def optim_path(self, stage: int, dp_rank: int) -> str:
-        return os.path.join(self.tag_dir, schema.optim_file_name(dp_rank, self.bf16, stage))
+    def optim_path(self, stage: int, dp_rank: int, model: int = 0) -> str:
+        return os.path.join(self.tag_dir, schema.optim_file_name(dp_rank, self.bf16,
+                                                                 stage_model_rank(stage, model, self.tp)))
 
     def describe(self) -> str:
         optimizer = "BF16_Optimizer" if self.bf16_optimizer else "ZeRO-1"
         params = sum(len(group) for stage in self.stages for group in stage.names)
-        return (f"pipeline pp={self.pp} dp={self.dp}, {optimizer}{' bf16' if self.bf16 else ''}, "
-                f"{len(self.layer_files)} layer files, {params} stage parameters")
+        axis = f" tp={self.tp} (model axis)" if self.tp > 1 else ""
+        return (f"pipeline pp={self.pp} dp={self.dp}{axis}, {optimizer}{' bf16' if self.bf16 else ''}, "
+                f"{len(self.layer_files)} layer files, {params} stage parameters" + (" per model rank" if axis else ""))
 
 
-def stage_model_name(stage: int) -> str:
-    return f"mp_rank_{stage:02d}_model_states.pt"
+def stage_model_name(stage: int, model: int = 0, tp: int = 1) -> str:
+    """The model-states file of (stage, model rank) with `tp` model ranks (stage_model_rank)."""
+    return f"mp_rank_{stage_model_rank(stage, model, tp):02d}_model_states.pt"
 
 
-def stage_file_names(stage: int, dp: int, bf16: bool) -> list[str]:
-    """The files of stage `stage` at `dp` ranks, in the order they are written: its model-states
-    file, then one optimizer file per dp rank."""
-    return [stage_model_name(stage), *(schema.optim_file_name(rank, bf16, stage) for rank in range(dp))]
+def refuse_model_axis(source: PipelineSource, doing: str) -> None:
+    """UnsupportedCheckpoint naming the first stage file when the save has a model axis and `doing`
+    (a path other than the offline reshard with tp kept) does not serve one."""
+    if source.tp > 1:
+        raise UnsupportedCheckpoint(source.model_path(0), f"is a pipeline save with a model axis (tp {source.tp}, "
+                                                          f"PipeModelDataParallelTopology); {doing} does not support "
+                                                          "it (`reshard SRC DST` with tp kept does)")
+
+
+def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 1) -> list[str]:
+    """The files of (stage `stage`, model rank `model`) at `dp` ranks and `tp` model ranks, in the
+    order they are written: its model-states file, then one optimizer file per dp rank."""
+    return [stage_model_name(stage, model, tp),
+            *(schema.optim_file_name(rank, bf16, stage_model_rank(stage, model, tp)) for rank in range(dp))]
 
 
 def load_whole(path: str, trust_pickle: bool = False):
@@ -138,18 +188,16 @@ def load_whole(path: str, trust_pickle: bool = False):
 
 
 def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> PipelineSource:
-    """Read the model-states file of every stage and the first optimizer file of each; refuse by
-    name what the per-stage ZeRO-1 re-cut does not handle."""
+    """Read the model-states file of every (stage, model rank) and the first optimizer file of each;
+    refuse by name what the per-stage ZeRO-1 re-cut does not handle."""
     tag_dir = os.path.join(save_dir, tag)
     names = sorted(os.listdir(tag_dir))
-    layer_files, stage_models, optims, others = [], {}, {}, []
+    layer_files, layer_models, stage_models, optims, others = [], {}, {}, {}, []
     for name in names:
         path = os.path.join(tag_dir, name)
         if match := LAYER_RE.match(name):
-            if match[2]:
-                raise UnsupportedCheckpoint(path, "is a layer file of a pipeline with a model (tensor-parallel) axis; "
-                                                  "only pipelines without one are supported")
             layer_files.append(name)
+            layer_models.setdefault(int(match[1]), {})[None if match[3] is None else int(match[3])] = name
         elif match := _STAGE_MODEL_RE.match(name):
             stage_models[int(match[1])] = name
         elif (role := schema.classify(name)).kind == "optim":
@@ -160,68 +208,106 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
             others.append(name)
     if not stage_models:
         raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
-    pp = len(stage_models)
-    stages_seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank, _ in optims), default=0)
-    if missing := [s for s in range(max(stages_seen)) if s not in stage_models]:
+    seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank, _ in optims), default=0)
+    if missing := [s for s in range(max(seen)) if s not in stage_models]:
         # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
         # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and
         # DeepSpeed 0.19.8's own load of such a save fails ("checkpoint count 1 is different from
         # saved mp_world_size 4", state_dict_factory.py) on every rank
-        raise CheckpointError(os.path.join(tag_dir, stage_model_name(missing[0])),
+        raise CheckpointError(os.path.join(tag_dir, f"mp_rank_{missing[0]:02d}_model_states.pt"),
                               f"is missing: the save has stage model files {sorted(stage_models)} and optimizer "
-                              f"files of stages 0..{stages_seen[1] - 1}. A save with use_node_local_storage writes a "
+                              f"files of stages 0..{seen[1] - 1}. A save with use_node_local_storage writes a "
                               "stage's model-states file only on a node whose local rank 0 runs that stage (and "
                               "DeepSpeed cannot load such a save either)")
+    first = load_whole(os.path.join(tag_dir, stage_models[0]), trust_pickle)
+    tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
+    tp = _check_layer_models(tag_dir, layer_models, tp)
+    if len(stage_models) % tp:
+        raise CheckpointError(tag_dir, f"has {len(stage_models)} stage model files, not a multiple of tp_degree {tp}")
+    pp = len(stage_models) // tp
     stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
     if len(bf16_flags) > 1:
         raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
     bf16 = bf16_flags.pop() if bf16_flags else False
     for stage in range(pp):
-        model_path = os.path.join(tag_dir, stage_model_name(stage))
-        model = load_whole(model_path, trust_pickle)
-        dims = model.get("checkpoint_parallel_dimensions") or {}
-        if dims.get("tp_degree", 1) != 1:
-            raise UnsupportedCheckpoint(model_path, f"has tp_degree {dims['tp_degree']}: pipelines with a model "
-                                                    "axis are not supported")
-        if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp:
-            raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
-                                              f"{model.get('mp_world_size')}, but {pp} stage files are present")
-        if model.get("optimizer") is not None:  # engine.py `_save_checkpoint`: ZeRO-0 keeps it here
-            raise UnsupportedCheckpoint(model_path, "holds the optimizer state (ZeRO stage 0); pipeline checkpoints "
-                                                    "are supported under ZeRO stage 1 only")
-        if model.get("module") is not None:
-            raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
-        if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
-            # engine.py `_save_checkpoint` writes them only when gradients are partitioned (ZeRO-2/3, which
-            # the pipeline engine refuses); under ZeRO-1 frozen parameters live in the layer files alone
-            raise UnsupportedCheckpoint(model_path, "records frozen_param_shapes / frozen_param_fragments, which a "
-                                                    "ZeRO-1 pipeline save does not (its frozen parameters are in the "
-                                                    "layer files); not supported")
-        stage_dp = model.get("dp_world_size")
-        dp = stage_dp if dp is None else dp
-        if stage_dp != dp:
-            raise CheckpointError(model_path, f"has dp_world_size {stage_dp}, stage 0 has {dp}")
-        missing = [d for d in range(dp) if (stage, d) not in optims]
-        if missing:
-            raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], bf16, stage)),
-                                  f"is missing: dp_world_size is {dp}, so stage {stage} has {dp} optimizer files")
-        first = load_whole(os.path.join(tag_dir, schema.optim_file_name(0, bf16, stage)), trust_pickle)[OPTIM]
-        stage_bf16_optimizer = _check_optimizer(first, os.path.join(tag_dir, schema.optim_file_name(0, bf16, stage)),
-                                                model, dp)
-        if bf16_optimizer is not None and stage_bf16_optimizer != bf16_optimizer:
-            raise CheckpointError(model_path, "stages were saved by different optimizer wrappers")
-        bf16_optimizer = stage_bf16_optimizer
-        groups = [list(shapes.items()) for shapes in model["param_shapes"]]
-        stages.append(PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
-                                    tuple(tuple(_numel(s) for _, s in g) for g in groups),
-                                    tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
-                                    tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ())))
-    extra = sorted(key for key in optims if key[0] >= pp or key[1] >= dp)
+        for model_rank in range(tp):
+            index = stage_model_rank(stage, model_rank, tp)
+            model_path = os.path.join(tag_dir, stage_model_name(stage, model_rank, tp))
+            model = first if index == 0 else load_whole(model_path, trust_pickle)
+            dims = model.get("checkpoint_parallel_dimensions") or {}
+            if dims.get("tp_degree", 1) != tp:
+                raise CheckpointError(model_path, f"has tp_degree {dims.get('tp_degree', 1)}, "
+                                                  f"{stage_model_name(0)} has {tp}")
+            if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp * tp:
+                raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
+                                                  f"{model.get('mp_world_size')}, but {len(stage_models)} stage files "
+                                                  f"of tp_degree {tp} are present")
+            _check_stage_model(model, model_path)
+            stage_dp = model.get("dp_world_size")
+            dp = stage_dp if dp is None else dp
+            if stage_dp != dp:
+                raise CheckpointError(model_path, f"has dp_world_size {stage_dp}, stage 0 has {dp}")
+            missing = [d for d in range(dp) if (index, d) not in optims]
+            if missing:
+                raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], bf16, index)),
+                                      f"is missing: dp_world_size is {dp}, so each stage has {dp} optimizer files")
+            optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16, index))
+            stage_bf16_optimizer = _check_optimizer(load_whole(optim_path, trust_pickle)[OPTIM], optim_path, model, dp)
+            if bf16_optimizer is not None and stage_bf16_optimizer != bf16_optimizer:
+                raise CheckpointError(model_path, "stages were saved by different optimizer wrappers")
+            bf16_optimizer = stage_bf16_optimizer
+            groups = [list(shapes.items()) for shapes in model["param_shapes"]]
+            spec = PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
+                                 tuple(tuple(_numel(s) for _, s in g) for g in groups),
+                                 tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
+                                 tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ()))
+            if model_rank == 0:
+                stages.append(spec)
+            elif (spec.names, spec.shapes, spec.buffer_names) != (stages[-1].names, stages[-1].shapes,
+                                                                  stages[-1].buffer_names):
+                # the per-column path reuses model rank 0's layout (stage assignment, budget, groups)
+                raise UnsupportedCheckpoint(model_path, f"holds other parameters, shapes or buffers than model rank "
+                                                        f"0 of stage {stage} ({stage_model_name(stage, 0, tp)}); "
+                                                        "only even (Megatron-style) slices are supported")
+    extra = sorted(key for key in optims if key[0] >= pp * tp or key[1] >= dp)
     if extra:
         raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
-                              f"should not exist: the save has {pp} stages of {dp} dp ranks")
+                              f"should not exist: the save has {pp * tp} stage files of {dp} dp ranks")
     return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
-                          tuple(others))
+                          tuple(others), tp)
+
+
+def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> int:
+    """tp, once every layer file agrees with it: with a model axis one file per model rank 00..tp-1
+    of each layer, each with its `-model_XX` suffix; without one, no suffix (module.py
+    `ckpt_layer_path`). `layer_models`: layer index -> {model rank or None: file name}."""
+    expected = set(range(tp)) if tp > 1 else {None}
+    for index, models in sorted(layer_models.items()):
+        stray = sorted(set(models) - expected, key=str)
+        if stray:
+            why = (f"has a -model_XX suffix (a model axis), but {stage_model_name(0)} says tp_degree 1" if tp == 1
+                   else f"is a layer file of model rank {stray[0]}, but the save's tp_degree is {tp}")
+            raise CheckpointError(os.path.join(tag_dir, models[stray[0]]), why)
+        if missing := sorted(expected - set(models), key=str):
+            raise CheckpointError(os.path.join(tag_dir, f"layer_{index:02d}-model_{missing[0]:02d}-model_states.pt"),
+                                  f"is missing: the save's tp_degree is {tp}, and layer {index} has files of model "
+                                  f"ranks {sorted(models, key=str)}")
+    return tp
+
+
+def _check_stage_model(model: dict, model_path: str) -> None:
+    """What a ZeRO-1 pipeline stage file holds, refused by name otherwise."""
+    if model.get("optimizer") is not None:  # engine.py `_save_checkpoint`: ZeRO-0 keeps it here
+        raise UnsupportedCheckpoint(model_path, "holds the optimizer state (ZeRO stage 0); pipeline checkpoints "
+                                                "are supported under ZeRO stage 1 only")
+    if model.get("module") is not None:
+        raise UnsupportedCheckpoint(model_path, "holds module weights; a pipeline stage file holds none")
+    if model.get("frozen_param_fragments") or model.get("frozen_param_shapes"):
+        # engine.py `_save_checkpoint` writes them only when gradients are partitioned (ZeRO-2/3, which
+        # the pipeline engine refuses); under ZeRO-1 frozen parameters live in the layer files alone
+        raise UnsupportedCheckpoint(model_path, "records frozen_param_shapes / frozen_param_fragments, which a "
+                                                "ZeRO-1 pipeline save does not (its frozen parameters are in the "
+                                                "layer files); not supported")
 
 
 def _numel(shape) -> int:
@@ -288,11 +374,11 @@ def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
     return out
 
 
-def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False):
-    """The stage's optimizer files (one per dp rank, memory-mapped), and per group its fp32 master
-    flat and its per-element optimizer states' flats, each without tail padding."""
+def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False, model: int = 0):
+    """The stage's optimizer files (one per dp rank, memory-mapped; of model rank `model`), and per
+    group its fp32 master flat and its per-element optimizer states' flats, each without tail padding."""
     spec = source.stages[stage]
-    paths = [source.optim_path(stage, rank) for rank in range(source.dp)]
+    paths = [source.optim_path(stage, rank, model) for rank in range(source.dp)]
     files = [load_whole(path, trust_pickle) for path in paths]
     osds = [f[OPTIM] for f in files]
     old = [_group_layout(spec, g, source.dp) for g in range(len(spec.names))]
@@ -306,9 +392,9 @@ def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False):
     return files, masters, moments
 
 
-def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool):
+def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool, model: int = 0):
     """read_stage, with rank 0's file alone (the template of the files written from it)."""
-    files, masters, moments = read_stage(source, stage, trust_pickle)
+    files, masters, moments = read_stage(source, stage, trust_pickle, model)
     return files[0], masters, moments
 
 
@@ -356,31 +442,33 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
         yield {**template, OPTIM: osd}
 
 
-def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False) -> Iterator[dict]:
-    """Every target dp rank's optimizer file for `stage`, the number of stages unchanged."""
+def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False,
+                      model: int = 0) -> Iterator[dict]:
+    """Every target dp rank's optimizer file for (`stage`, model rank `model`), the stages unchanged."""
     spec = source.stages[stage]
-    template, masters, moments = _stage_flats(source, stage, trust_pickle)
+    template, masters, moments = _stage_flats(source, stage, trust_pickle, model)
     return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp)
 
 
 def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
-                      trust_pickle: bool = False) -> list[str]:
-    """Write stage `stage`'s model-states file (dp_world_size updated) and its `target_dp` optimizer
-    files into `tag_dir`; return the paths written."""
-    model = load_whole(source.model_path(stage), trust_pickle)
+                      trust_pickle: bool = False, model_rank: int = 0) -> list[str]:
+    """Write (stage `stage`, model rank `model_rank`)'s model-states file (dp_world_size updated) and
+    its `target_dp` optimizer files into `tag_dir`, under their source names (the stages and the
+    model axis kept); return the paths written."""
+    model = load_whole(source.model_path(stage, model_rank), trust_pickle)
     model["dp_world_size"] = target_dp
-    return _save_stage(model, target_optimizers(source, stage, target_dp, trust_pickle), stage, target_dp,
-                       source.bf16, tag_dir)
+    return _save_stage(model, target_optimizers(source, stage, target_dp, trust_pickle, model_rank),
+                       stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp), tag_dir)
 
 
-def named_states(source: PipelineSource, trust_pickle: bool = False):
+def named_states(source: PipelineSource, trust_pickle: bool = False, model: int = 0):
     """(stage 0's optimizer file as a template, {name: {"fp32": flat, <state>: flat}}) over every
-    stage; a tied parameter, held by several stages, must be equal in each."""
+    stage of model rank `model`'s column; a tied parameter, held by several stages, must be equal in each."""
     import torch
     template, found = None, {}
     for stage, spec in enumerate(source.stages):
-        path = source.optim_path(stage, 0)
-        file, masters, moments = _stage_flats(source, stage, trust_pickle)
+        path = source.optim_path(stage, 0, model)
+        file, masters, moments = _stage_flats(source, stage, trust_pickle, model)
         template = template or file
         # a new stage takes each group's hyperparameters (the torch param_groups, which
         # Optimizer.load_state_dict restores) from stage 0's file: every stage must agree
@@ -428,18 +516,19 @@ def source_buffers(source: PipelineSource) -> list[str]:
 
 
 def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
-                       target_elements: int = 0) -> int:
+                       target_elements: int = 0, model: int = 0) -> int:
     """About the most bytes of tensors (beyond the interpreter's own) that building one target stage
     from whole tensors holds, from the optimizer files' sizes: with the stages kept
     (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
     one target rank's file at a time: 3 x their bytes (mapped pages, flats, and what torch.cat,
-    torch.save and the allocator keep besides) + 1/D. With the stages changed
+    torch.save and the allocator keep besides) + 1/D. With a model axis, of model rank `model`'s
+    column. With the stages changed
     (`named_states` + `write_repartitioned_stage`, or the in-job load), every source stage joined
     and kept: 3 x all optimizer bytes, plus the target stage's `target_elements` joined and one
     target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
     files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
     (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x."""
-    sizes = [sum(os.path.getsize(source.optim_path(s, d)) for d in range(source.dp)) for s in range(source.pp)]
+    sizes = [sum(os.path.getsize(source.optim_path(s, d, model)) for d in range(source.dp)) for s in range(source.pp)]
     if kept_stage is not None:
         return 3 * sizes[kept_stage] + sizes[kept_stage] // target_dp
     per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
@@ -451,11 +540,14 @@ def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
     `tied_modules.<key>.<param>` for a tied layer of `layers`): under ZeRO-1 DeepSpeed records frozen
     parameters nowhere but in their layer files (engine.py saves `frozen_param_shapes` only when
     gradients are partitioned), so they are what a layer file holds besides the trainable
-    parameters and the buffers. The layer files are mapped, not read."""
+    parameters and the buffers. The layer files are mapped, not read; with a model axis, model rank
+    0's (every model rank's stages hold the same names and sizes, inspect_pipeline)."""
     trainable = source_numels(source)
     buffers = {name for spec in source.stages for name in spec.buffer_names}
     frozen = {}
     for file in source.layer_files:
+        if LAYER_RE.match(file)[3] not in (None, "00"):
+            continue
         index = int(LAYER_RE.match(file)[1])
         key = layers.tied_key(index)
         prefix = f"tied_modules.{key}." if key is not None else f"{index}."
@@ -549,9 +641,11 @@ def stage_flats(states: dict, groups: Sequence[Sequence[str]]) -> tuple[list, li
 
 def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, names: Sequence[str],
                               target_pp: int, stage: int, target_dp: int, tag_dir: str,
-                              trust_pickle: bool = False, buffer_names: Sequence[str] | None = None) -> list[str]:
-    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files.
-    `names`: the stage's parameters in flat order, `buffer_names` its buffers
+                              trust_pickle: bool = False, buffer_names: Sequence[str] | None = None,
+                              model_rank: int = 0) -> list[str]:
+    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files,
+    of model rank `model_rank` (`states`, `template`: named_states of that rank's column; the model
+    axis kept). `names`: the stage's parameters in flat order, `buffer_names` its buffers
     (reshard.layouts.pipeline.StageAssignment); each parameter keeps its source param group."""
     import collections
 
@@ -562,25 +656,25 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
               for name, shape in zip(group_names, group_shapes)}
     groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
     masters, moments = stage_flats(states, groups)
-    model = load_whole(source.model_path(0), trust_pickle)
+    model = load_whole(source.model_path(0, model_rank), trust_pickle)
     model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in group)
                              for group in groups]
     if buffer_names is not None:
         model["buffer_names"] = list(buffer_names)
     model["dp_world_size"] = target_dp
-    model["mp_world_size"] = target_pp
+    model["mp_world_size"] = target_pp * source.tp  # engine.py: the grid's model-parallel size, pp * tp
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
                                                "pp_degree": target_pp}
     trees = build_optimizers(template, list(groups), [tuple(numels[n] for n in group) for group in groups], masters,
                              moments, target_dp)
-    return _save_stage(model, trees, stage, target_dp, source.bf16, tag_dir)
+    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp), tag_dir)
 
 
-def _save_stage(model: dict, optimizers: Iterator[dict], stage: int, dp: int, bf16: bool, tag_dir: str) -> list[str]:
+def _save_stage(model: dict, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str) -> list[str]:
     """Save a stage's model-states tree, then each of its optimizer trees as it comes, under
-    `stage_file_names`; return the paths written."""
+    `names` (stage_file_names); return the paths written."""
     import torch
-    paths = [os.path.join(tag_dir, name) for name in stage_file_names(stage, dp, bf16)]
+    paths = [os.path.join(tag_dir, name) for name in names]
     torch.save(model, paths[0], pickle_module=classes)
     for path, tree in zip(paths[1:], optimizers, strict=True):
         torch.save(tree, path, pickle_module=classes)
@@ -599,7 +693,8 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
         return None
     source = inspect_pipeline(save_dir, tag, trust_pickle)
     return {"kind": "pipeline", "save_dir": save_dir, "tag": tag, "description": source.describe(),
-            "pp": source.pp, "dp": source.dp, "bf16": source.bf16, "layer_files": list(source.layer_files),
+            "pp": source.pp, "dp": source.dp, "tp": source.tp, "bf16": source.bf16,
+            "layer_files": list(source.layer_files),
             "stages": [{"stage": spec.index, "params": sum(len(g) for g in spec.names),
                         "elements": sum(sum(g) for g in spec.numels), "groups": len(spec.names),
                         "tied": sorted({n.split(".")[1] for g in spec.names for n in g
@@ -608,12 +703,15 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
 
 def pipeline_summary_text(summary: dict) -> str:
     lines = [f"{summary['save_dir']} tag {summary['tag']}: {summary['description']}"]
+    tp = summary.get("tp", 1)
     for stage in summary["stages"]:
         tied = f", tied {', '.join(stage['tied'])}" if stage["tied"] else ""
-        lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements, "
-                     f"{stage['groups']} group(s){tied}; mp_rank_{stage['stage']:02d}_model_states.pt + "
-                     f"{summary['dp']} optimizer files")
+        files = " / ".join(stage_model_name(stage["stage"], m, tp) for m in range(tp))
+        each = " per model rank" if tp > 1 else ""
+        lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements"
+                     f"{each}, {stage['groups']} group(s){tied}; {files}, each + {summary['dp']} optimizer files")
     lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
     lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
-                 "and --pipeline-tied (the checkpoint does not record them)")
+                 "and --pipeline-tied (the checkpoint does not record them)"
+                 + (f"; the model axis (tp {tp}) is kept, --target-tp other than {tp} is refused" if tp > 1 else ""))
     return "\n".join(lines)

@@ -64,7 +64,13 @@ from reshard.jobs.destination import (
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_pipeline import PipelineSource, inspect_pipeline, is_pipeline, stage_file_names
+from reshard.formats.deepspeed_pipeline import (
+    PipelineSource,
+    inspect_pipeline,
+    is_pipeline,
+    refuse_model_axis,
+    stage_file_names,
+)
 from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
     refuse_experts,
@@ -249,6 +255,7 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> "_ZeroUnit | _PipelineUnit":
     check_paths(unit.source, unit.destination)
     if is_pipeline(os.path.join(unit.source, unit.tag)):
         source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        refuse_model_axis(source, "SLURM array mode (--array-task)")  # its items are whole stages of model rank 0
         return _PipelineUnit(source, pipeline_target(opts, source))
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
@@ -406,8 +413,8 @@ class _PipelineUnit:
                              outputs_of(unit.destination, source.save_dir, target.topology.dp))
 
         def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
-            for stage, paths in build_stages(source, target, [f.rank for f in targets], tag_dir, opts.trust_pickle,
-                                             report):
+            for (stage, _), paths in build_stages(source, target, [(f.rank, 0) for f in targets], tag_dir,
+                                                  opts.trust_pickle, report):
                 entries = {os.path.basename(path): _durable_entry(path) for path in paths}
                 report.bytes_written += sum(entry["bytes"] for entry in entries.values())
                 write_json_atomically(_done_path(array_dir, stage_item(stage)), {"files": entries})

@@ -16,12 +16,17 @@ peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. W
 the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
 manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job, shared with
 reshard.jobs.zero0_job.
+
+With a model axis (PipeModelDataParallelTopology, tp > 1) every model rank's column of stages is a
+pipeline of its own (reshard.formats.deepspeed_pipeline): the work units are the (stage, model rank)
+pairs, unit stage * tp + model (its `mp_rank_XX`) built by worker (stage * tp + model) % W, each from its
+own column's files, and tp is kept: --target-tp other than the source's is refused.
 """
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
@@ -35,7 +40,6 @@ from reshard.formats.deepspeed_pipeline import (
     source_buffers,
     source_groups,
     source_numels,
-    stage_model_name,
     write_repartitioned_stage,
     write_stage_files,
 )
@@ -90,8 +94,12 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
         raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
                                            + PP_CHANGE_MISSING)
-    refused = [(opts.target_tp not in (None, 1), f"--target-tp {opts.target_tp}"),
-               (opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+    if opts.target_tp not in (None, source.tp):
+        raise OptionError(f"{model}: --target-tp {opts.target_tp}: the save's pipeline model axis has tp {source.tp} "
+                          "(PipeModelDataParallelTopology); changing it means re-cutting every Megatron-style "
+                          "slice along its own dim (universal_checkpoint_info patterns), which reshard does not do "
+                          f"for pipeline checkpoints yet: leave --target-tp out or give {source.tp}")
+    refused = [(opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
                (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
@@ -99,7 +107,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
             raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp and pp change)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
-    topology = Topology(dp=opts.target_dp, pp=opts.target_pp or source.pp)
+    topology = Topology(dp=opts.target_dp, tp=source.tp, pp=opts.target_pp or source.pp)
     if topology.pp == source.pp:
         return PipelineTarget(topology, None)
     layers = pipeline_layers(opts, model)
@@ -141,15 +149,16 @@ def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) ->
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """Per worker, about the most bytes of tensors it holds at once: the largest
-    `joined_state_bytes` over the stages it builds (0 for a worker building none)."""
-    writes = stages_written_by(target.topology.pp, workers)
+    `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none)."""
+    writes = stage_files_written_by(target.topology.pp, target.topology.tp, workers)
     dp = target.topology.dp
     if target.stages is None:
-        return [max((joined_state_bytes(source, dp, kept_stage=s) for s in stages), default=0) for stages in writes]
+        return [max((joined_state_bytes(source, dp, kept_stage=s, model=m) for s, m in units), default=0)
+                for units in writes]
     numels = source_numels(source)
     elements = [sum(numels[n] for n in names) for names in target.stages.names]
-    return [max((joined_state_bytes(source, dp, target_elements=elements[t]) for t in stages), default=0)
-            for stages in writes]
+    return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=m) for t, m in units), default=0)
+            for units in writes]
 
 
 def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
@@ -182,6 +191,21 @@ def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(w, pp, workers)) for w in range(workers))
 
 
+def stage_files_written_by(pp: int, tp: int, workers: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per worker, the (stage, model rank) units whose files it builds: unit stage * tp + model (its
+    `mp_rank_XX`, reshard.layouts.pipeline.stage_model_rank) by worker unit % W, as stages_written_by
+    over pp * tp units; ordered by model rank, then stage, so that a worker re-assigning stages joins
+    one model rank's column at a time."""
+    return tuple(tuple(sorted(((unit // tp, unit % tp) for unit in units), key=lambda unit: (unit[1], unit[0])))
+                 for units in stages_written_by(pp * tp, workers))
+
+
+def column_files(source: PipelineSource, stage: int, model: int) -> tuple[str, ...]:
+    """The names of (stage, model rank)'s model-states file and optimizer files in the source."""
+    return (os.path.basename(source.model_path(stage, model)),
+            *(os.path.basename(source.optim_path(stage, d, model)) for d in range(source.dp)))
+
+
 def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
     """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is written."""
     target = pipeline_target(opts, source)
@@ -203,9 +227,11 @@ def describe_target(opts: ReshardOptions, source: PipelineSource, target: Pipeli
     """How the target's stages are made (the summary's note)."""
     topology = target.topology
     if target.stages is not None:
-        return (f"layers re-assigned to {topology.pp} stages by {opts.pipeline_partition!r} (bounds "
-                f"{list(target.stages.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {topology.dp}")
-    return f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {topology.dp}"
+        how = (f"layers re-assigned to {topology.pp} stages by {opts.pipeline_partition!r} (bounds "
+               f"{list(target.stages.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {topology.dp}")
+    else:
+        how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {topology.dp}"
+    return how + (f", per model rank (tp {source.tp} kept)" if source.tp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -229,43 +255,44 @@ class PipelineOutput:
 
 def pipeline_output(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> PipelineOutput:
     carried = (*source.layer_files, *source.other_files)
-    identified = (*carried, *(stage_model_name(s) for s in range(source.pp)),
-                  *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp)))
+    identified = (*carried, *(name for s in range(source.pp) for m in range(source.tp)
+                              for name in column_files(source, s, m)))
     topology = target.topology
     placement = ({"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
                   "partition": opts.pipeline_partition} if target.stages is not None else None)
     return PipelineOutput(
         carried, identified, placement,
-        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "stage": 1,
-         "description": source.describe()},
-        {"dp_world_size": topology.dp, "pp": topology.pp, "stage": 1})
+        {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "tp": source.tp,
+         "stage": 1, "description": source.describe()},
+        {"dp_world_size": topology.dp, "pp": topology.pp, "tp": topology.tp, "stage": 1})
 
 
-def build_stages(source: PipelineSource, target: PipelineTarget, stages, tag_dir: str, trust_pickle: bool,
-                 report: WorkerReport) -> Iterator[tuple[int, list[str]]]:
-    """Write target stages `stages` (each its model-states file and its optimizer files) into
-    `tag_dir`, one after another, yielding (stage, paths written) as each is complete; adds the
-    source bytes read to `report.bytes_read`. With another pp, every source stage's states are
-    joined once, before the first stage (reshard.formats.deepspeed_pipeline.named_states)."""
+def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence[tuple[int, int]], tag_dir: str,
+                 trust_pickle: bool, report: WorkerReport) -> Iterator[tuple[tuple[int, int], list[str]]]:
+    """Write the target's (stage, model rank) `units` (each its model-states file and its optimizer
+    files) into `tag_dir`, one after another, yielding (unit, paths written) as each is complete;
+    adds the source bytes read to `report.bytes_read`. With another pp, every source stage of a
+    model rank's column is joined once, before that column's first unit
+    (reshard.formats.deepspeed_pipeline.named_states; stage_files_written_by orders units by model rank)."""
     assignment, topology = target.stages, target.topology
-    if assignment is not None and stages:  # every source stage feeds the new stages
-        template, states = named_states(source, trust_pickle)
-        report.bytes_read += sum(stage_source_bytes(source, s) for s in range(source.pp))
-    for stage in stages:
+    column = None
+    for stage, model in units:
         if assignment is not None:
-            yield stage, write_repartitioned_stage(source, states, template, assignment.names[stage], topology.pp,
-                                                   stage, topology.dp, tag_dir, trust_pickle,
-                                                   assignment.buffer_names[stage] if assignment.buffer_names else None)
+            if column != model:  # every source stage of this model rank's column feeds its new stages
+                column, (template, states) = model, named_states(source, trust_pickle, model)
+                report.bytes_read += sum(stage_source_bytes(source, s, model) for s in range(source.pp))
+            yield (stage, model), write_repartitioned_stage(
+                source, states, template, assignment.names[stage], topology.pp, stage, topology.dp, tag_dir,
+                trust_pickle, assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model)
         else:
-            paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle)
-            report.bytes_read += stage_source_bytes(source, stage)
-            yield stage, paths
+            paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle, model_rank=model)
+            report.bytes_read += stage_source_bytes(source, stage, model)
+            yield (stage, model), paths
 
 
-def stage_source_bytes(source: PipelineSource, stage: int) -> int:
-    """Bytes of source stage `stage`'s model-states file and optimizer files."""
-    return os.path.getsize(source.model_path(stage)) + sum(os.path.getsize(source.optim_path(stage, d))
-                                                          for d in range(source.dp))
+def stage_source_bytes(source: PipelineSource, stage: int, model: int = 0) -> int:
+    """Bytes of source (stage, model rank)'s model-states file and optimizer files."""
+    return sum(os.path.getsize(os.path.join(source.tag_dir, name)) for name in column_files(source, stage, model))
 
 
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
@@ -276,13 +303,15 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         lambda source: checked_target(opts, source, transport.size))
     target = planned.topology
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
-                              Topology(dp=source.dp, pp=source.pp), target, transport.size, transport.name, 0, 0.0,
-                              opts.dry_run)
-    writes = stages_written_by(target.pp, transport.size)
+                              Topology(dp=source.dp, tp=source.tp, pp=source.pp), target, transport.size,
+                              transport.name, 0, 0.0, opts.dry_run)
+    writes = stage_files_written_by(target.pp, source.tp, transport.size)
     result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {len(source.layer_files)} layer files "
                         f"copied unchanged; whole tensors (largest worker about {human(max(needed))} of "
-                        f"--memory-budget {human(opts.memory_budget)}); stages built by workers "
-                        + ", ".join(f"{w}: {list(s)}" for w, s in enumerate(writes) if s))
+                        f"--memory-budget {human(opts.memory_budget)}); "
+                        + ("(stage, model rank) units" if source.tp > 1 else "stages") + " built by workers " +
+                        ", ".join(f"{w}: {[u if source.tp > 1 else u[0] for u in units]}"
+                                  for w, units in enumerate(writes) if units))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
         return result

@@ -165,6 +165,19 @@ def assign_stages(method: str, layers: PipelineLayers, numels: Mapping[str, int]
                                  for s in range(stages)) if buffers else ())
 
 
+def stage_model_rank(stage: int, model: int, tp: int) -> int:
+    """The `mp_rank_XX` index of the files of pipeline stage `stage`, model (tensor-slicing) rank
+    `model`, with `tp` model ranks: runtime/pipe/topology.py `PipelineParallelGrid.__init__` makes a
+    rank's model-parallel rank (`get_model_parallel_rank`, which runtime/engine.py uses as
+    `checkpoint_mp_rank` in `_get_ckpt_name` and `_get_zero_ckpt_name`) its index among the sorted
+    global ranks of its data-parallel coordinate; `PipeModelDataParallelTopology` orders the axes
+    (pipe, data, model), model fastest, so that index is stage * tp + model (checked on a real
+    (pp, tp, dp) = (2, 2, 1) save: mp_rank_01 holds stage 0's model-rank-1 slices)."""
+    if not (0 <= model < tp and stage >= 0):
+        raise ValueError(f"stage {stage}, model rank {model} of {tp}")
+    return stage * tp + model
+
+
 def split_by_group(names: Sequence[str], group_of: Mapping[str, int], groups: int) -> tuple[tuple[str, ...], ...]:
     """A stage's parameters (in its flat order) per optimizer param group: each group in the
     stage's order, filtered to the group's members (see the module docstring)."""

@@ -1,0 +1,208 @@
+"""PipelineModule checkpoints with a model axis (PipeModelDataParallelTopology): another (pp, dp), tp kept.
+
+    python -m pytest -q tests/test_pipeline_model_axis.py -m "not e2e"   # naming and numbering, no DeepSpeed run
+    python -m pytest -q tests/test_pipeline_model_axis.py                # trains (pp, tp, dp) = (2, 2, 1) on 4 CPU ranks
+
+The e2e tests train tests/pipeline_run.py's Megatron-style model (`--mp 2`: a column-parallel and a
+row-parallel Linear whose slices differ per model rank, seeded by model rank; the tied embedding,
+LayerNorm and a Linear replicated) once per session (`pipeline_runs("fp32-mp2", 2, 1)`), reshard it
+with threads, and judge each output three ways: file by file, every (stage, model rank)'s fp32 masters and
+Adam moments joined from its optimizer files equal the truth of that model rank (and not the other
+one's, where the slices differ), and in a real engine at the target (pp, tp, dp) loading with plain
+`load_checkpoint` from another seed (tests/pipeline_run.py check: every master and moment by name
+against its model rank's truth, eval loss on a fixed micro-batch, counters, LR, client_state, then
+one more `train_batch`; at (1, 2, 2) the same launch also loads the source in-job through
+reshard.deepspeed.load_checkpoint), and by `verify --against` (which must also name a swap of two
+model ranks' files).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from reshard.errors import OptionError
+from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
+from reshard.jobs.options import ReshardOptions
+from reshard.jobs.pipeline_job import pipeline_target, stage_files_written_by
+from reshard.layouts.pipeline import stage_model_rank
+
+VARIANT, SOURCE = "fp32-mp2", (2, 1)  # (pp, dp) of the session's save; tp 2
+LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
+
+
+def test_stage_files_are_numbered_stage_times_tp_plus_model_rank():
+    # PipelineParallelGrid: the model-parallel rank is the index among a data coordinate's ranks, the
+    # axes (pipe, data, model) with model fastest; on the real (2, 2, 1) save mp_rank_01 is stage 0's
+    # model rank 1 (the e2e test below checks it against the truth by value)
+    assert [stage_model_rank(s, m, 2) for s in range(3) for m in range(2)] == [0, 1, 2, 3, 4, 5]
+    assert stage_model_rank(1, 0, 1) == 1  # without a model axis, the stage
+    assert stage_model_name(1, 1, 2) == "mp_rank_03_model_states.pt"
+    source = PipelineSource("/ckpt", "t", 2, 3, True, False, (), (), (), tp=2)
+    assert source.optim_path(1, 2, 1) == "/ckpt/t/bf16_zero_pp_rank_2_mp_rank_03_optim_states.pt"
+    with pytest.raises(ValueError):
+        stage_model_rank(0, 2, 2)
+
+
+def test_each_stage_and_model_rank_is_built_by_one_worker_one_column_at_a_time():
+    # unit stage * tp + model by worker unit % W; each worker's units by model rank first
+    assert stage_files_written_by(2, 2, 3) == (((0, 0), (1, 1)), ((0, 1),), ((1, 0),))
+    assert stage_files_written_by(2, 2, 2) == (((0, 0), (1, 0)), ((0, 1), (1, 1)))
+    assert stage_files_written_by(3, 1, 2) == (((0, 0), (2, 0)), ((1, 0),))  # no model axis: the stages
+
+
+def test_the_model_axis_is_kept_and_another_tp_refused_by_name():
+    stage = PipelineStage(0, (("tied_modules.embed.weight",),), ((888,),))
+    source = PipelineSource("/ckpt", "t", 2, 1, False, False, (stage, stage), (), (), tp=2)
+    kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2), source)
+    assert (kept.topology.pp, kept.topology.tp, kept.topology.dp, kept.stages) == (2, 2, 2, None)
+    assert pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), source).topology.tp == 2
+    with pytest.raises(OptionError, match=r"/ckpt/t/mp_rank_00_model_states.pt: --target-tp 1: the save's pipeline "
+                                          r"model axis has tp 2 .* leave --target-tp out or give 2"):
+        pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=1), source)
+
+
+def _truth_by_model_rank(truth_dir) -> dict[int, dict[str, dict]]:
+    import torch
+    found: dict[int, dict[str, dict]] = {}
+    for name in sorted(os.listdir(truth_dir)):
+        truth = torch.load(os.path.join(truth_dir, name), weights_only=True)
+        found.setdefault(truth["model_rank"], {}).update(truth["tensors"])
+    return found
+
+
+def _check_files_against_truth(out, truth_dir) -> int:
+    """Every (stage, model rank)'s masters and moments, joined from the output's optimizer files, equal
+    that model rank's truth and, for a sliced parameter, differ from the other model rank's. Returns
+    how many tensors were compared."""
+    import torch
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, read_stage, states_by_name
+    truth = _truth_by_model_rank(truth_dir)
+    target = inspect_pipeline(str(out), "step3")
+    compared = 0
+    for stage, spec in enumerate(target.stages):
+        for model in range(target.tp):
+            _, masters, moments = read_stage(target, stage, model=model)
+            for name, states in states_by_name(spec, masters, moments).items():
+                for key, flat in states.items():
+                    want = truth[model][name][key].reshape(-1)
+                    assert torch.equal(flat, want), f"{target.optim_path(stage, 0, model)}: {name} {key}"
+                    other = truth[1 - model][name][key].reshape(-1)
+                    if name.startswith(("1.", "3.weight")):  # the sliced parameters: a mix-up would show
+                        assert not torch.equal(flat, other), f"{name} {key} is the same on both model ranks"
+                    compared += 1
+    return compared
+
+
+def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> None:
+    """verify --against (threads) passes the output, and names the file when stage 0's two model ranks'
+    optimizer files are swapped in a copy."""
+    import shutil
+
+    from threaded_transport import run_workers
+
+    from reshard.verify import verify_against
+
+    def verify(destination):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+    clean = verify(out)
+    assert clean.ok, clean.summary()
+    swapped = out.parent / "swapped"
+    shutil.copytree(out, swapped)
+    first, second = (swapped / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt" for i in (0, 1))
+    first.rename(swapped / "step3" / "held")
+    second.rename(first)
+    (swapped / "step3" / "held").rename(second)
+    found = verify(swapped)
+    assert not found.ok
+    assert any(p.startswith(f"{first}: 1.weight fp32: ") for p in found.problems), found.summary()
+
+
+# (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the
+# stages kept with dp up (the per-stage re-cut, 8 ranks at the target)
+TARGETS = [((1, 2), 3), ((2, 2), 2)]
+IN_JOB_TARGET = (1, 2)  # also loaded in-job from the source (reshard.deepspeed.load_checkpoint), same launch
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target, workers", TARGETS, ids=["pp-down-dp-up", "dp-up"])
+def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipeline_runs, tmp_path, target,
+                                                                            workers):
+    from reshard_proof.launch import run_torchrun
+    from test_pipeline import HARNESS, check_at, harness_flags
+    from trained import reshard_in_threads
+
+    from reshard.formats.deepspeed_pipeline import LAYER_RE
+    save_dir, truth = pipeline_runs(VARIANT, *SOURCE)
+    out = tmp_path / "out"
+    options = {"target_pp": target[0], **LAYERS} if target[0] != SOURCE[0] else {}
+    result = reshard_in_threads(save_dir, out, target[1], workers, **options)
+    [checkpoint] = result.checkpoints
+    topology = checkpoint.target_topology
+    assert (topology.pp, topology.tp, topology.dp) == (target[0], 2, target[1])
+    names = sorted(os.listdir(out / "step3"))
+    assert [n for n in names if n.endswith("optim_states.pt")] == sorted(
+        f"zero_pp_rank_{d}_mp_rank_{s * 2 + m:02d}_optim_states.pt"
+        for s in range(target[0]) for m in range(2) for d in range(target[1]))
+    assert [n for n in names if n.startswith("mp_rank_")] == [f"mp_rank_{i:02d}_model_states.pt"
+                                                               for i in range(target[0] * 2)]
+    layers = [n for n in names if LAYER_RE.match(n)]
+    assert layers == sorted(n for n in os.listdir(save_dir / "step3") if LAYER_RE.match(n)) and len(layers) == 12
+    for name in layers:  # layer files travel unchanged, each model rank's under its own -model_XX name
+        assert (out / "step3" / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
+    assert _check_files_against_truth(out, truth) == 3 * {1: 9, 2: 10}[target[0]] * 2
+    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers)
+    if target == IN_JOB_TARGET:  # the in-job load of the source, in a second engine of the same launch
+        verdicts = [tmp_path / "verdict.json", tmp_path / "in-job.json"]
+        run_torchrun(HARNESS, target[0] * 2 * target[1],
+                     ["check", "--pp", target[0], *harness_flags(VARIANT), "--truth", truth, "--load", out,
+                      "--verdict", verdicts[0], "--also", save_dir, verdicts[1], "in-job"],
+                     expect_files=verdicts, timeout=500)
+    else:
+        verdicts = [tmp_path / "verdict.json"]
+        check_at(*target, VARIANT, out, truth, verdicts[0])
+    for path in verdicts:
+        verdict = json.loads(path.read_text())
+        assert verdict["ok"], (path.name, verdict)
+        assert [rank["checked"] for rank in verdict["ranks"]] == [{1: 9, 2: 5}[target[0]]] * (target[0] * 2 * target[1])
+
+
+@pytest.mark.e2e
+def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name(pipeline_runs, tmp_path):
+    import shutil
+
+    from trained import reshard_in_process
+
+    from reshard.deepspeed import pipeline_to_load
+    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text, saved_pipeline_topology
+    save_dir, _ = pipeline_runs(VARIANT, *SOURCE)
+    tag_dir = save_dir / "step3"
+    assert saved_pipeline_topology(str(tag_dir)) == (2, 1, 2)
+    summary = pipeline_summary(str(save_dir), None)
+    assert (summary["pp"], summary["dp"], summary["tp"]) == (2, 1, 2)
+    # per model rank: the tied embedding (37 x 24), column-parallel 21 x 24 + 21, row-parallel 24 x 21 + 24 | the
+    # tied embedding, LayerNorm 24 + 24, Linear 24 x 24 + 24
+    assert [(s["params"], s["elements"]) for s in summary["stages"]] == [(5, 888 + 525 + 528), (5, 888 + 48 + 600)]
+    text = pipeline_summary_text(summary)
+    assert "pp=2 dp=1 tp=2 (model axis)" in text and "mp_rank_02_model_states.pt / mp_rank_03_model_states.pt" in text
+    out = tmp_path / "out"
+    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-tp", "1")
+    assert run.returncode == 2, run.stderr
+    assert f"{tag_dir}/mp_rank_00_model_states.pt: --target-tp 1: the save's pipeline model axis has tp 2" in run.stderr
+    assert not out.exists()
+    run = reshard_in_process("export", save_dir, tmp_path / "export", "--format", "safetensors")
+    assert run.returncode == 2, run.stderr
+    assert "mp_rank_00_model_states.pt: is a pipeline save with a model axis (tp 2" in run.stderr
+    assert "the export does not support it" in run.stderr
+    assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load at the save's (pp, dp)
+    in_job = pipeline_to_load(str(save_dir), None, (1, 2))  # rebuilt per model rank (judged in the test above)
+    assert (in_job.pp, in_job.dp, in_job.tp) == (2, 1, 2)
+    # a model rank's layer file missing: refused naming it
+    broken = tmp_path / "broken"
+    shutil.copytree(save_dir, broken)
+    (broken / "step3" / "layer_03-model_01-model_states.pt").unlink()
+    run = reshard_in_process(broken, tmp_path / "out2", "--target-dp", "2")
+    assert run.returncode == 2, run.stderr
+    assert "layer_03-model_01-model_states.pt: is missing: the save's tp_degree is 2" in run.stderr
