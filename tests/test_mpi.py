@@ -153,7 +153,7 @@ def test_a_worker_that_dies_or_hangs_ends_the_mpi_job(trained, tmp_path, failure
     destination = tmp_path / "dst"
     started = time.monotonic()
     run = mpiexec_reshard(3, source, destination, "--target-dp", 4, "--memory-budget", "16K", "--quiet",
-                          "--timeout", 15, env={"RESHARD_FAILPOINTS": f"{failure}@round=1,worker=1"}, timeout=240)
+                          "--timeout", 5, env={"RESHARD_FAILPOINTS": f"{failure}@round=1,worker=1"}, timeout=240)
     elapsed = time.monotonic() - started
     assert run.returncode != 0, run.stdout + run.stderr
     assert not (destination / "latest").exists()
