@@ -51,6 +51,13 @@ MATRIX = [
     ("z2_fp16_overflow", 2, 3, 2),  # a skipped step: Adam's step lags global_steps, the scale was cut
 ]
 
+# `python -m reshard` under torchrun (separate worker processes over gloo), resharded by judged_loads
+# and judged in its shared launch: test name -> (variant, N, M, W, --memory-budget)
+TORCHRUN_CASES = {
+    "test_torchrun_workers_more_than_source_and_target": ("z3_bf16", 2, 1, 3, "16K"),
+    "test_torchrun_grows_zero2_over_gloo_with_a_tiny_budget": ("z2_bf16", 2, 3, 2, "4K"),
+}
+
 
 def _assert_exact(verdict, m):
     assert verdict["ok"], "\n".join([verdict.get("load_error") or ""] + verdict["mismatches"][:20])
@@ -76,13 +83,13 @@ def _selected(request, test_name: str, cases: list, names: tuple) -> list:
 @pytest.fixture(scope="module")
 def judged_loads(trained, tmp_path_factory, request):
     """{"matrix": {case: (source, truth, destination, reshard result or its error, verdict path, verdicts)},
-    "in_job": {case: (files of its source before, after, verdicts, verdict path)}, "torchrun_w3": (truth,
-    destination, verdicts, verdict path) or None, "module_only": (verdicts, result path)}: every MATRIX
-    case this session runs resharded in threads, the W=3 torchrun case resharded, every IN_JOB case
+    "in_job": {case: (files of its source before, after, verdicts, verdict path)}, "torchrun": {test:
+    (verdicts, verdict path or the error resharding raised)}, "module_only": (verdicts, result path)}:
+    every MATRIX case this session runs resharded in threads, the TORCHRUN_CASES resharded, every IN_JOB case
     loaded straight from its source, the module-only in-job load, and all these loads at one M, plain,
     in-job and module-only alike, judged in one launch (judge_together)."""
     root = tmp_path_factory.mktemp("judged")
-    found, jobs = {"matrix": {}, "in_job": {}, "torchrun_w3": None}, []
+    found, jobs = {"matrix": {}, "in_job": {}, "torchrun": {}}, []
     for variant, n, m, workers in _selected(request, "test_reshard_loads_bit_exactly", MATRIX,
                                             ("variant", "n", "m", "workers")):
         case = _case_id(variant, n, m, workers)
@@ -97,17 +104,18 @@ def judged_loads(trained, tmp_path_factory, request):
             jobs.append((m, variant, destination, truth, verdict_path))
         found["matrix"][(variant, n, m, workers)] = (source, truth, destination, result, verdict_path)
 
-    if any(item.originalname == "test_torchrun_workers_more_than_source_and_target" for item in request.session.items
-           if item.module is request.module):
-        source, truth = trained("z3_bf16", 2)
-        destination, verdict_path = root / "torchrun-w3" / "dst", root / "torchrun-w3" / "verdict.json"
+    for test, (variant, n, m, workers, budget) in TORCHRUN_CASES.items():
+        if not any(item.originalname == test for item in request.session.items if item.module is request.module):
+            continue
+        source, truth = trained(variant, n)
+        destination, verdict_path = root / test / "dst", root / test / "verdict.json"
         try:
-            reshard_with_torchrun(source, destination, 1, 3, "--memory-budget", "16K")
+            reshard_with_torchrun(source, destination, m, workers, "--memory-budget", budget)
         except Exception as error:  # noqa: BLE001 (raised by its test)
-            found["torchrun_w3"] = error
+            found["torchrun"][test] = error
         else:
-            jobs.append((1, "z3_bf16", destination, truth, verdict_path))
-            found["torchrun_w3"] = (truth, destination, verdict_path)
+            jobs.append((m, variant, destination, truth, verdict_path))
+            found["torchrun"][test] = verdict_path
 
     def listing(source):
         return sorted(p.relative_to(source) for p in source.rglob("*"))
@@ -141,9 +149,7 @@ def judged_loads(trained, tmp_path_factory, request):
                               verdict_path) for case, verdict_path in found["in_job"].items()}
     if "module_only" in found:
         found["module_only"] = (verdicts, found["module_only"])
-    if isinstance(found["torchrun_w3"], tuple):
-        truth, destination, verdict_path = found["torchrun_w3"]
-        found["torchrun_w3"] = (truth, destination, verdicts, verdict_path)
+    found["torchrun"] = {test: (verdicts, case) for test, case in found["torchrun"].items()}
     return found
 
 
@@ -188,24 +194,25 @@ def test_reshard_loads_bit_exactly(matrix_outputs, variant, n, m, workers):
     assert checked.checked_elements > 0
 
 
+def _torchrun_verdict(judged_loads, test: str, m: int) -> None:
+    verdicts, case = judged_loads["torchrun"][test]
+    if isinstance(case, BaseException):
+        raise case
+    _assert_exact(verdict_of(verdicts, case), m)
+
+
 @pytest.mark.trains(("z3_bf16", 2))
 def test_torchrun_workers_more_than_source_and_target(judged_loads):
     """W=3 processes over gloo for N=2 -> M=1: workers that read nothing, workers that write nothing
     (resharded by judged_loads, and judged in its launch at M=1)."""
-    case = judged_loads["torchrun_w3"]
-    if isinstance(case, BaseException):
-        raise case
-    _, _, verdicts, verdict_path = case
-    _assert_exact(verdict_of(verdicts, verdict_path), 1)
+    _torchrun_verdict(judged_loads, "test_torchrun_workers_more_than_source_and_target", 1)
 
 
 @pytest.mark.trains(("z2_bf16", 2))
-def test_torchrun_shrink_and_grow_zero2(trained, tmp_path):
-    """Separate processes over gloo, N=2 -> M=4 with W=2, tiny budget: tensors split across many rounds."""
-    source, truth = trained("z2_bf16", 2)
-    destination = tmp_path / "dst"
-    reshard_with_torchrun(source, destination, 4, 2, "--memory-budget", "4K")
-    _assert_loads_exactly("z2_bf16", 4, destination, truth, tmp_path / "verdict.json")
+def test_torchrun_grows_zero2_over_gloo_with_a_tiny_budget(judged_loads):
+    """Separate processes over gloo, N=2 -> M=3 with W=2, budget 4K: tensors split across many rounds
+    (resharded by judged_loads, and judged in its launch at M=3, where the matrix's loads are)."""
+    _torchrun_verdict(judged_loads, "test_torchrun_grows_zero2_over_gloo_with_a_tiny_budget", 3)
 
 
 @pytest.mark.trains(("z3_bf16", 3), ("z2_round_robin", 2), ("bf16_optimizer", 2))
