@@ -209,10 +209,14 @@ def judge_at(pipeline_runs, tmp_path_factory, cases) -> dict:
     found, judgings = {}, []  # (case, key, variant, load, truth, verdict, mode)
     for case in cases:
         precision, source, _, _ = case
-        save_dir, truth = pipeline_runs(precision, *source)
         root = tmp_path_factory.mktemp(f"pipeline-{precision}-pp{source[0]}-dp{source[1]}-to-pp{target[0]}-dp{target[1]}")
         out = root / "out"
-        found[case] = {"result": reshard_case(save_dir, out, *case), "out": out}
+        try:
+            save_dir, truth = pipeline_runs(precision, *source)
+            found[case] = {"result": reshard_case(save_dir, out, *case), "out": out}
+        except Exception as error:  # noqa: BLE001 (this case's tests raise it; the others are judged)
+            found[case] = {"result": error, "out": out, "plain": error, "in_job": error}
+            continue
         judgings.append((case, "plain", precision, out, truth, root / "plain.json", "plain"))
         if case in IN_JOB_CASES:
             judgings.append((case, "in_job", precision, save_dir, truth, root / "in-job.json", "in-job"))
@@ -224,18 +228,18 @@ def judge_at(pipeline_runs, tmp_path_factory, cases) -> dict:
                                       "--load", load, "--verdict", verdict, *(["--in-job"] if mode == "in-job" else []),
                                       *[str(arg) for j in more for arg in ("--judge", *j[2:])]],
                      expect_files=[j[5] for j in group], timeout=500)
-    try:
-        launch(judgings)
-    except Exception as error:  # noqa: BLE001 (raised by the test that owns the verdict)
-        if len(judgings) == 1:
-            found[judgings[0][0]][judgings[0][1]] = error
-        else:
+    alone = judgings if len(judgings) == 1 else []
+    if len(judgings) > 1:
+        try:
+            launch(judgings)
+        except Exception as error:  # noqa: BLE001 (each judged alone below, with its own verdict or error)
             print(f"[judge_at] the shared launch at {target} failed, judging each alone: {error}", flush=True)
-            for judging in judgings:
-                try:
-                    launch([judging])
-                except Exception as alone:  # noqa: BLE001 (raised by the test that owns this verdict)
-                    found[judging[0]][judging[1]] = alone
+            alone = judgings
+    for judging in alone:
+        try:
+            launch([judging])
+        except Exception as failed:  # noqa: BLE001 (raised by the test that owns this verdict)
+            found[judging[0]][judging[1]] = failed
     for case, key, *_, verdict, _ in judgings:
         found[case].setdefault(key, json.loads(verdict.read_text()) if verdict.is_file() else None)
     return found
@@ -253,7 +257,7 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(judged, pipeline_ru
                                                              workers):
     save_dir, _ = pipeline_runs(precision, *source)
     shared = judged((precision, source, target, workers))
-    result, out = shared["result"], shared["out"]
+    result, out = _verdict(shared["result"]), shared["out"]
     [checkpoint] = result.checkpoints
     assert (checkpoint.target_topology.pp, checkpoint.target_topology.dp) == target
     tag_dir = out / "step3"
