@@ -21,8 +21,14 @@ compares its stage's tensors by name (a frozen parameter by its module value), t
 step counters, the LR and (fp16) the loss scaler's state with the truth, then runs one more
 `train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
 checks one more save against the same truth in the same launch, in an engine of its own built the
-same way, since the launch is what costs; fp32 and fp16 saves share one, bf16 ones do not (a bf16
-engine built after another one in a process computed another eval loss).
+same way, since the launch is what costs; `--judge VARIANT LOAD TRUTH VERDICT plain|in-job`
+(repeatable) one more save of another variant (tests/test_pipeline.py harness_flags' names) against
+its own truth, and `train --more VARIANT SAVE TRUTH` (repeatable) trains one more variant after the
+first, each in an engine of its own. Every precision shares a launch: a bf16 engine built after
+fp16 and fp32 ones here trained and judged bit for bit as in a launch of its own (checked by hand).
+The other eval loss once seen in a shared launch came from a ZeRO-3 engine's patch of
+torch.nn.functional.linear (tests/reshard_proof/engine_setup.py undo_zero3_linear_patch); this
+harness builds ZeRO-1 engines only.
 `--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
 strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
 (tests/test_pipeline_export.py).
@@ -241,6 +247,7 @@ def build_engine(pp: int, precision: str, seed: int, universal: bool = False, fr
     deepspeed.init_distributed(dist_backend="gloo")
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(seed)
+    ModelAxis.rank, ModelAxis.size, ModelAxis.group = 0, 1, None  # a model-axis engine before this one set them
     if mp > 1:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=world // (pp * mp))
@@ -300,7 +307,29 @@ def eval_loss(engine) -> float:
     return float(engine.eval_batch(iter([fixed]), num_micro_batches=1))
 
 
+def variant_settings(variant: str) -> dict:
+    """A variant's name (tests/test_pipeline.py harness_flags spells the same rule as flags) as this
+    harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
+    "-groups" two param groups and a buffer, with "-mp2" a model axis of 2."""
+    precision, _, model = variant.partition("-")
+    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2"):
+        raise SystemExit(f"unknown variant {variant!r}")
+    return {"precision": precision, "frozen": "later" if model == "frozen" else None, "groups": model == "groups",
+            "mp": 2 if model == "mp2" else 1}
+
+
+def with_variant(args, variant: str) -> argparse.Namespace:
+    """`args` with the precision and model flags of `variant`: the same launch, another engine's settings."""
+    return argparse.Namespace(**{**vars(args), **variant_settings(variant)})
+
+
 def train(args) -> None:
+    train_one(args, args.save, args.truth)
+    for variant, save, truth in args.more:  # each its own engine, save and truth, one after another
+        train_one(with_variant(args, variant), save, truth)
+
+
+def train_one(args, save: str, truth_dir: str) -> None:
     engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen, groups=args.groups, mp=args.mp)
     rank = int(os.environ["RANK"])
     steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
@@ -308,20 +337,22 @@ def train(args) -> None:
     for _ in range(args.steps):
         engine.train_batch(data_iter=steps)
     # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
-    engine.save_checkpoint(args.save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
+    engine.save_checkpoint(save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
     truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "counters": counters(engine),
              "model_rank": ModelAxis.rank}
-    os.makedirs(args.truth, exist_ok=True)
-    torch.save(truth, os.path.join(args.truth, f"rank{rank}.pt"))
+    os.makedirs(truth_dir, exist_ok=True)
+    torch.save(truth, os.path.join(truth_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()
 
 
 def check(args) -> None:
-    if args.also and args.precision == "bf16":
-        raise SystemExit("--also: bf16 saves do not share a launch")
     check_one(args, args.load, args.verdict, args.in_job)
     for load, verdict, mode in args.also:
         check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])
+    for variant, load, truth, verdict, mode in args.judge:
+        judged = with_variant(args, variant)
+        judged.truth = truth
+        check_one(judged, load, verdict, {"plain": False, "in-job": True}[mode])
     for directory, truth, verdict in args.safetensors:
         check_safetensors(directory, truth, verdict)
 
@@ -428,6 +459,11 @@ def main() -> None:
     parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
                         help="check: one more save (MODE plain or in-job), in a fresh engine, same truth")
+    parser.add_argument("--more", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE", "TRUTH"),
+                        help="train: then one more variant (e.g. fp16, fp32-frozen) in an engine of its own")
+    parser.add_argument("--judge", nargs=5, action="append", default=[],
+                        metavar=("VARIANT", "LOAD", "TRUTH", "VERDICT", "MODE"),
+                        help="check: then one more save of another variant (MODE plain or in-job), its own truth")
     parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
                         help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
     args = parser.parse_args()

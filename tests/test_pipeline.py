@@ -78,24 +78,50 @@ def model_ranks(variant: str) -> int:
     return 2 if variant.endswith("-mp2") else 1
 
 
+# The variants trained one after another in ONE launch (tests/pipeline_run.py train --more), each in
+# its own engine with its own save and truth, when the first of them is asked for at that (pp, dp):
+# the pipeline test files use all of them there, and the launch (torch + DeepSpeed imported on every
+# rank) is what costs. Checked by hand (DeepSpeed 0.19.8, torch 2.13): the four saves and truths of
+# one such launch, bf16 trained last, equal those of one launch each tensor for tensor, eval loss included.
+TRAINED_TOGETHER = {(2, 2): ("bf16", "fp16", "fp32-frozen", "fp32-groups")}
+
+
 class PipelineRuns:
-    """(variant, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py."""
+    """(variant, pp, dp) -> (save_dir, truth_dir), trained once per session with tests/pipeline_run.py;
+    the first one asked at a (pp, dp) of TRAINED_TOGETHER trains its companions in the same launch."""
 
     def __init__(self, root: Path):
         self.root, self.cache = root, {}
 
     def __call__(self, precision: str, pp: int, dp: int):
-        from reshard_proof.launch import run_torchrun
         key = (precision, pp, dp)
         if key not in self.cache:
-            base = self.root / f"{precision}-pp{pp}-dp{dp}"
-            truth = base / "truth"
-            world = pp * dp * model_ranks(precision)
-            run_torchrun(HARNESS, world, ["train", "--pp", pp, *harness_flags(precision),
-                                          "--save", base / "ckpt", "--truth", truth],
-                         expect_files=[truth / f"rank{r}.pt" for r in range(world)], timeout=500)
-            self.cache[key] = (base / "ckpt", truth)
+            companions = TRAINED_TOGETHER.get((pp, dp), ())
+            together = [precision] + [v for v in companions if precision in companions and v != precision
+                                      and (v, pp, dp) not in self.cache]
+            try:
+                self.train(together, pp, dp)
+            except Exception as error:  # noqa: BLE001 (the asked variant alone below, failing on its own)
+                if len(together) == 1:
+                    raise
+                print(f"[pipeline_runs] the shared launch of {together} failed; {precision} trains alone: {error}",
+                      flush=True)
+                self.train([precision], pp, dp)
         return self.cache[key]
+
+    def train(self, variants: list[str], pp: int, dp: int) -> None:
+        from reshard_proof.launch import run_torchrun
+        places = {v: (self.root / f"{v}-pp{pp}-dp{dp}" / "ckpt", self.root / f"{v}-pp{pp}-dp{dp}" / "truth")
+                  for v in variants}
+        world = pp * dp * model_ranks(variants[0])
+        [first, *more] = variants
+        run_torchrun(HARNESS, world, ["train", "--pp", pp, *harness_flags(first), "--save", places[first][0],
+                                      "--truth", places[first][1],
+                                      *[arg for v in more for arg in ("--more", v, *places[v])]],
+                     expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(world)],
+                     timeout=500)
+        for variant, place in places.items():
+            self.cache[(variant, pp, dp)] = place
 
 
 def check_at(pp: int, dp: int, precision: str, load_dir, truth, verdict: Path) -> dict:
@@ -129,11 +155,9 @@ CASES = [
     ("fp32-groups", (2, 2), (1, 2), 1),   # pp down
     ("fp32-groups", (2, 2), (3, 1), 2),   # pp up, dp down
 ]
-# Judged in one launch at (pp, dp) = (1, 2) with the in-job load of its own source (fp32 or fp16: see
-# pipeline_run.py --also): two engines, one start-up.
+# Each also loads its source in-job (reshard.deepspeed.load_checkpoint) at the target (pp, dp), in the
+# launch that judges the cases there (`judged`): one more engine in a launch that runs anyway.
 SHARED_WITH_IN_JOB = ("fp32", (2, 1), (1, 2), 1)
-# Each judged in the launch that also loads its source in-job (reshard.deepspeed.load_checkpoint) at
-# the target (pp, dp): one more engine in a launch that runs anyway.
 IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
                 ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1)]
 
@@ -146,45 +170,78 @@ def reshard_case(save_dir, out: Path, precision, source, target, workers):
     return reshard_in_threads(save_dir, out, target[1], workers, **options)
 
 
+def cases_selected(items) -> list:
+    """The CASES and IN_JOB_CASES the session's `items` of this module run, in CASES order."""
+    named = set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(getattr(item, "module", None), "__name__", None) != __name__:
+            continue
+        if "case" in params:
+            named.add(params["case"])
+        elif "precision" in params:
+            named.add(tuple(params[k] for k in ("precision", "source", "target", "workers")))
+    return [case for case in CASES if case in named]
+
+
 @pytest.fixture(scope="module")
-def with_in_job(pipeline_runs, tmp_path_factory):
-    """case of IN_JOB_CASES -> its judgings (with_in_job_checks), each made once per module."""
-    cache = {}
+def judged(request, pipeline_runs, tmp_path_factory):
+    """case -> {"result", "out", "plain": verdict, "in_job": verdict (IN_JOB_CASES)}. The first case asked
+    at a target (pp, dp) reshards every selected case at that target, and all are judged in ONE check
+    launch there (judge_at), each engine with its variant's flags and truth."""
+    cache, selected = {}, cases_selected(request.session.items)
 
     def judged(case):
         if case not in cache:
-            cache[case] = with_in_job_checks(pipeline_runs, tmp_path_factory, case)
+            group = [other for other in selected if other[2] == case[2] and other not in cache]
+            cache.update(judge_at(pipeline_runs, tmp_path_factory, group if case in group else [case]))
         return cache[case]
     return judged
 
 
-def with_in_job_checks(pipeline_runs, tmp_path_factory, case):
-    """`case` resharded, then judged at its target in the launch that also loads its source in-job
-    through reshard.deepspeed.load_checkpoint: {"result", "out", "plain": verdict, "in_job": verdict}
-    (a verdict is the exception judging it raised, should that fail). Should the shared launch fail,
-    each is judged in a launch of its own."""
+def judge_at(pipeline_runs, tmp_path_factory, cases) -> dict:
+    """`cases` (one target (pp, dp)) resharded, then judged at that target in one launch: each output
+    loaded plainly and, for IN_JOB_CASES, the case's source loaded in-job through
+    reshard.deepspeed.load_checkpoint, each in an engine of its own. A verdict is the exception judging
+    it raised, should that fail: should the shared launch fail, each is judged in a launch of its own."""
     from reshard_proof.launch import run_torchrun
-    precision, source, target, _ = case
-    save_dir, truth = pipeline_runs(precision, *source)
-    root = tmp_path_factory.mktemp(f"pipeline-{precision}-pp{target[0]}-dp{target[1]}")
-    out = root / "out"
-    found = {"result": reshard_case(save_dir, out, *case), "out": out}
-    plain, in_job = root / "plain.json", root / "in-job.json"
-    base = ["check", "--pp", target[0], *harness_flags(precision), "--truth", truth]
-    try:
-        run_torchrun(HARNESS, target[0] * target[1], [*base, "--load", out, "--verdict", plain,
-                                                       "--also", save_dir, in_job, "in-job"],
-                     expect_files=[plain, in_job], timeout=500)
-    except Exception as error:  # noqa: BLE001 (each judged alone below, with its own verdict or error)
-        print(f"[with_in_job] the shared launch failed, judging each alone: {error}", flush=True)
-        for verdict, extra in ((plain, ["--load", out]), (in_job, ["--load", save_dir, "--in-job"])):
-            try:
-                run_torchrun(HARNESS, target[0] * target[1], [*base, *extra, "--verdict", verdict],
-                             expect_files=[verdict], timeout=500)
-            except Exception as alone:  # noqa: BLE001 (raised by the test that owns this verdict)
-                found["plain" if verdict == plain else "in_job"] = alone
-    for key, verdict in (("plain", plain), ("in_job", in_job)):
-        found.setdefault(key, json.loads(verdict.read_text()) if verdict.is_file() else None)
+    target = cases[0][2]
+    found, judgings = {}, []  # (case, key, variant, load, truth, verdict, mode)
+    for case in cases:
+        precision, source, _, _ = case
+        root = tmp_path_factory.mktemp(f"pipeline-{precision}-pp{source[0]}-dp{source[1]}-to-pp{target[0]}-dp{target[1]}")
+        out = root / "out"
+        try:
+            save_dir, truth = pipeline_runs(precision, *source)
+            found[case] = {"result": reshard_case(save_dir, out, *case), "out": out}
+        except Exception as error:  # noqa: BLE001 (this case's tests raise it; the others are judged)
+            found[case] = {"result": error, "out": out, "plain": error, "in_job": error}
+            continue
+        judgings.append((case, "plain", precision, out, truth, root / "plain.json", "plain"))
+        if case in IN_JOB_CASES:
+            judgings.append((case, "in_job", precision, save_dir, truth, root / "in-job.json", "in-job"))
+    world = target[0] * target[1]
+
+    def launch(group):
+        (_, _, variant, load, truth, verdict, mode), *more = group
+        run_torchrun(HARNESS, world, ["check", "--pp", target[0], *harness_flags(variant), "--truth", truth,
+                                      "--load", load, "--verdict", verdict, *(["--in-job"] if mode == "in-job" else []),
+                                      *[str(arg) for j in more for arg in ("--judge", *j[2:])]],
+                     expect_files=[j[5] for j in group], timeout=500)
+    alone = judgings if len(judgings) == 1 else []
+    if len(judgings) > 1:
+        try:
+            launch(judgings)
+        except Exception as error:  # noqa: BLE001 (each judged alone below, with its own verdict or error)
+            print(f"[judge_at] the shared launch at {target} failed, judging each alone: {error}", flush=True)
+            alone = judgings
+    for judging in alone:
+        try:
+            launch([judging])
+        except Exception as failed:  # noqa: BLE001 (raised by the test that owns this verdict)
+            found[judging[0]][judging[1]] = failed
+    for case, key, *_, verdict, _ in judgings:
+        found[case].setdefault(key, json.loads(verdict.read_text()) if verdict.is_file() else None)
     return found
 
 
@@ -196,15 +253,11 @@ def _verdict(verdict) -> dict:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("precision, source, target, workers", CASES)
-def test_pipeline_reshard_loads_natively_equal_to_the_source(request, pipeline_runs, tmp_path, precision, source,
-                                                             target, workers):
-    save_dir, truth = pipeline_runs(precision, *source)
-    if (precision, source, target, workers) in IN_JOB_CASES:
-        shared = request.getfixturevalue("with_in_job")((precision, source, target, workers))
-        result, out = shared["result"], shared["out"]
-    else:
-        out = tmp_path / "out"
-        result = reshard_case(save_dir, out, precision, source, target, workers)
+def test_pipeline_reshard_loads_natively_equal_to_the_source(judged, pipeline_runs, precision, source, target,
+                                                             workers):
+    save_dir, _ = pipeline_runs(precision, *source)
+    shared = judged((precision, source, target, workers))
+    result, out = _verdict(shared["result"]), shared["out"]
     [checkpoint] = result.checkpoints
     assert (checkpoint.target_topology.pp, checkpoint.target_topology.dp) == target
     tag_dir = out / "step3"
@@ -224,10 +277,7 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(request, pipeline_r
             target[0])] == {1: [["4.scale"]], 3: [[], ["4.scale"], []]}[target[0]]
         checked = run_workers(2, lambda t: verify_against(str(out), str(save_dir), transport=t))[0]
         assert checked.ok, checked.summary()
-    if (precision, source, target, workers) in IN_JOB_CASES:
-        verdict = _verdict(shared["plain"])
-    else:
-        verdict = check_at(*target, precision, out, truth, tmp_path / "verdict.json")
+    verdict = _verdict(shared["plain"])
     assert verdict["ok"], verdict
     assert sum(rank["checked"] for rank in verdict["ranks"]) >= 9  # every parameter on some rank
 
@@ -311,11 +361,11 @@ def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_a_
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", IN_JOB_CASES, ids=lambda case: f"{case[0]}-{case[1]}-to-{case[2]}")
-def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(with_in_job, case):
+def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(judged, case):
     # through reshard.deepspeed.load_checkpoint on the source itself, in the check launch at the target it
     # shares with the offline output's; the verdict compares every master and moment (a frozen weight
     # and a buffer by value), loss, counters, lr and each param group's hyperparameters, client_state
-    result = _verdict(with_in_job(case)["in_job"])
+    result = _verdict(judged(case)["in_job"])
     assert result["ok"], result
     assert sum(rank["checked"] for rank in result["ranks"]) >= 9
 
