@@ -221,7 +221,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                               "DeepSpeed cannot load such a save either)")
     first = load_whole(os.path.join(tag_dir, stage_models[0]), trust_pickle)
     tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
-    tp = _check_layer_models(tag_dir, layer_models, tp)
+    _check_layer_models(tag_dir, layer_models, tp)
     if len(stage_models) % tp:
         raise CheckpointError(tag_dir, f"has {len(stage_models)} stage model files, not a multiple of tp_degree {tp}")
     pp = len(stage_models) // tp
@@ -277,8 +277,8 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                           tuple(others), tp)
 
 
-def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> int:
-    """tp, once every layer file agrees with it: with a model axis one file per model rank 00..tp-1
+def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> None:
+    """Refuse a layer file that disagrees with `tp`: with a model axis one file per model rank 00..tp-1
     of each layer, each with its `-model_XX` suffix; without one, no suffix (module.py
     `ckpt_layer_path`). `layer_models`: layer index -> {model rank or None: file name}."""
     expected = set(range(tp)) if tp > 1 else {None}
@@ -292,7 +292,6 @@ def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) ->
             raise CheckpointError(os.path.join(tag_dir, f"layer_{index:02d}-model_{missing[0]:02d}-model_states.pt"),
                                   f"is missing: the save's tp_degree is {tp}, and layer {index} has files of model "
                                   f"ranks {sorted(models, key=str)}")
-    return tp
 
 
 def _check_stage_model(model: dict, model_path: str) -> None:
@@ -546,9 +545,10 @@ def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
     buffers = {name for spec in source.stages for name in spec.buffer_names}
     frozen = {}
     for file in source.layer_files:
-        if LAYER_RE.match(file)[3] not in (None, "00"):
+        match = LAYER_RE.match(file)
+        if match[3] not in (None, "00"):
             continue
-        index = int(LAYER_RE.match(file)[1])
+        index = int(match[1])
         key = layers.tied_key(index)
         prefix = f"tied_modules.{key}." if key is not None else f"{index}."
         state = load_whole(os.path.join(source.tag_dir, file))

@@ -40,6 +40,7 @@ from reshard.formats.deepspeed_pipeline import (
     source_buffers,
     source_groups,
     source_numels,
+    stage_file_names,
     write_repartitioned_stage,
     write_stage_files,
 )
@@ -202,8 +203,7 @@ def stage_files_written_by(pp: int, tp: int, workers: int) -> tuple[tuple[tuple[
 
 def column_files(source: PipelineSource, stage: int, model: int) -> tuple[str, ...]:
     """The names of (stage, model rank)'s model-states file and optimizer files in the source."""
-    return (os.path.basename(source.model_path(stage, model)),
-            *(os.path.basename(source.optim_path(stage, d, model)) for d in range(source.dp)))
+    return tuple(stage_file_names(stage, source.dp, source.bf16, model, source.tp))
 
 
 def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
