@@ -22,7 +22,7 @@ step counters, the LR and (fp16) the loss scaler's state with the truth, then ru
 `train_batch`; rank 0 writes the verdict as JSON. `--also LOAD VERDICT plain|in-job` (repeatable)
 checks one more save against the same truth in the same launch, in an engine of its own built the
 same way, since the launch is what costs; `--judge VARIANT LOAD TRUTH VERDICT plain|in-job`
-(repeatable) one more save of another variant (tests/test_pipeline.py harness_flags' names) against
+(repeatable) one more save of another variant (variant_settings' names) against
 its own truth, and `train --more VARIANT SAVE TRUTH` (repeatable) trains one more variant after the
 first, each in an engine of its own. Every precision shares a launch: a bf16 engine built after
 fp16 and fp32 ones here trained and judged bit for bit as in a launch of its own (checked by hand).
@@ -308,7 +308,7 @@ def eval_loss(engine) -> float:
 
 
 def variant_settings(variant: str) -> dict:
-    """A variant's name (tests/test_pipeline.py harness_flags spells the same rule as flags) as this
+    """A variant's name (`--variant`, `--more`, `--judge`; tests/test_pipeline.py names them) as this
     harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
     "-groups" two param groups and a buffer, with "-mp2" a model axis of 2."""
     precision, _, model = variant.partition("-")
@@ -450,6 +450,8 @@ def main() -> None:
     parser.add_argument("--groups", action="store_true", help="two param groups and a buffer (ScaledLayerNorm)")
     parser.add_argument("--mp", type=int, default=1,
                         help="model (tensor-slicing) axis: PipeModelDataParallelTopology(pp, mp, world / (pp * mp))")
+    parser.add_argument("--variant", help="the precision and model flags above by a variant's name (variant_settings): "
+                                           "fp32, fp16, bf16, each optionally with -frozen, -groups or -mp2")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--truth", required=True)
@@ -467,6 +469,8 @@ def main() -> None:
     parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
                         help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
     args = parser.parse_args()
+    if args.variant:
+        args = with_variant(args, args.variant)
     train(args) if args.mode == "train" else check(args)
 
 

@@ -50,7 +50,6 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
-
 def test_target_pp_for_a_save_without_pipeline_stages_is_refused():
     # ZeRO and ZeRO-0 MoE saves take their target from ReshardOptions.checked_target: --target-pp 2
     # was ignored there, exit 0 with a pp-1 output
@@ -63,14 +62,14 @@ def test_target_pp_for_a_save_without_pipeline_stages_is_refused():
     opts.target_pp = 1
     assert opts.checked_target(Topology(dp=4), lambda target: None, path) == Topology(dp=2)
 
+
 def harness_flags(variant: str) -> list[str]:
     """tests/pipeline_run.py's flags for a variant: a precision (fp32, fp16, bf16), with "-frozen"
     the model whose layer 1 weight is frozen after the PipelineModule was built, with "-groups" the
     model with two optimizer param groups and a buffer, with "-mp2" the Megatron-style model sliced
-    over a model axis of 2 (PipeModelDataParallelTopology)."""
-    precision, _, model = variant.partition("-")
-    return ["--precision", precision, *(["--frozen", "later"] if model == "frozen" else []),
-            *(["--groups"] if model == "groups" else []), *(["--mp", model_ranks(variant)] if model == "mp2" else [])]
+    over a model axis of 2 (PipeModelDataParallelTopology); the harness reads the name
+    (pipeline_run.variant_settings)."""
+    return ["--variant", variant]
 
 
 def model_ranks(variant: str) -> int:
