@@ -1,14 +1,15 @@
 """SLURM array mode for DeepSpeed PipelineModule checkpoints: K tasks without collectives, out of
-order, one failing mid-stage and re-run, publish the collective pipeline job's output byte for byte.
+order, one failing mid-unit and re-run, publish the collective pipeline job's output byte for byte.
 
     python -m pytest -q tests/test_pipeline_array.py -m "not e2e"   # the dealing of items to tasks, no DeepSpeed run
-    python -m pytest -q tests/test_pipeline_array.py                # the session's fp32 (2, 1) pipeline save
+    python -m pytest -q tests/test_pipeline_array.py                # the session's fp32 and fp32-mp2 (2, 1) saves
 
-A target stage (its model-states file and its optimizer files, built together from the stage's
-whole tensors) is one item; the layer files are items of their own, dealt by size with the
-stages. The e2e tests reshard the shared save (conftest `pipeline_runs`, also used by
-tests/test_pipeline.py, whose native loads prove the collective job's output) with the collective
-job, in threads, and with array tasks in this process, then compare every file, manifest included.
+A target (stage, model rank) unit (its model-states file and its optimizer files, built together
+from the unit's whole tensors; a stage, without a model axis) is one item; the layer files are
+items of their own, dealt by size with the units. The e2e tests reshard the shared saves (conftest
+`pipeline_runs`, also used by tests/test_pipeline.py and tests/test_pipeline_model_axis.py, whose
+native loads prove the collective job's output) with the collective job, in threads, and with array
+tasks in this process, then compare every file, manifest included.
 """
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ from reshard.topology import Topology
 PP_CHANGE = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}
 
 
-def _fake_source(root: Path) -> PipelineSource:
+def _fake_source(root: Path, tp: int = 1) -> PipelineSource:
     """A (pp, dp) = (2, 2) save of tests/pipeline_run.py's parameter names, files of zeros sized
-    12 bytes per element (an fp32 master and two moments), layer files of assorted sizes."""
+    12 bytes per element (an fp32 master and two moments), layer files of assorted sizes; with `tp`
+    model ranks, each (stage, model rank)'s files, model rank m's optimizer files m + 1 times as large
+    (so that a unit weighed by another's files would show)."""
     numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,
               "4.weight": 24, "4.bias": 24, "5.weight": 576, "5.bias": 24}
     saved = assign_stages("parameters", PipelineLayers(7, {"embed": (0, 6)}), numels, 2)
@@ -41,42 +44,50 @@ def _fake_source(root: Path) -> PipelineSource:
                    for s, names in enumerate(saved.names))
     layers = ("layer_00-model_states.pt", "layer_01-model_states.pt", "layer_03-model_states.pt",
               "layer_04-model_states.pt", "layer_05-model_states.pt")
-    source = PipelineSource(str(root), "t", 2, 2, False, False, stages, layers, ("metric.json",))
+    if tp > 1:
+        layers = tuple(name.replace("-model_states", f"-model_{m:02d}-model_states") for name in layers
+                       for m in range(tp))
+    source = PipelineSource(str(root), "t", 2, 2, False, False, stages, layers, ("metric.json",), tp)
     (root / "t").mkdir()
     for stage in stages:
-        (root / "t" / f"mp_rank_{stage.index:02d}_model_states.pt").write_bytes(b"\0" * 700)
-        for rank in range(2):
-            Path(source.optim_path(stage.index, rank)).write_bytes(b"\0" * (12 * sum(stage.numels[0]) // 2))
+        for model in range(tp):
+            Path(source.model_path(stage.index, model)).write_bytes(b"\0" * 700)
+            for rank in range(2):
+                Path(source.optim_path(stage.index, rank, model)).write_bytes(
+                    b"\0" * ((model + 1) * 12 * sum(stage.numels[0]) // 2))
     for i, name in enumerate((*layers, "metric.json")):
-        (root / "t" / name).write_bytes(b"\0" * (4000 - 600 * i))
+        (root / "t" / name).write_bytes(b"\0" * (4000 - 300 * i))
     return source
 
 
-def test_pipeline_items_are_dealt_whole_once_each_deterministically(tmp_path):
-    source = _fake_source(tmp_path)
+@pytest.mark.parametrize("tp", [1, 2], ids=["stages", "model-axis"])
+def test_pipeline_items_are_dealt_whole_once_each_deterministically(tmp_path, tp):
+    source = _fake_source(tmp_path, tp)
     numels = {n: c for stage in source.stages for n, c in zip(stage.names[0], stage.numels[0])}
-    targets = {"kept": PipelineTarget(Topology(dp=3, pp=2), None),
-               "pp 3": PipelineTarget(Topology(dp=2, pp=3),
+    targets = {"kept": PipelineTarget(Topology(dp=3, tp=tp, pp=2), None),
+               "pp 3": PipelineTarget(Topology(dp=2, tp=tp, pp=3),
                                       assign_stages("parameters", PipelineLayers(7, {"embed": (0, 6)}), numels, 3))}
     for label, target in targets.items():
         items = pipeline_files(0, source, target)
         sizes = stage_output_bytes(source, target)
-        stages = [f for f in items if f.name.startswith(PIPELINE_STAGE)]
-        assert [(f.rank, f.nbytes) for f in stages] == list(enumerate(sizes)), label
+        units = [f for f in items if f.name.startswith(PIPELINE_STAGE)]
+        # one item per (stage, model rank), its rank the unit's mp_rank_XX index stage * tp + model
+        assert [(f.rank, f.nbytes) for f in units] == list(enumerate(sizes)), label
+        assert len({f.name for f in units}) == target.topology.pp * tp
         assert sorted(f.name for f in items if f.rank is None) == sorted((*source.layer_files, "metric.json"))
-        if target.stages is None:  # a kept stage weighs its source files
-            assert sizes[1] == 700 + 12 * sum(source.stages[1].numels[0])
+        if target.stages is None:  # a kept unit weighs its own source files: model rank 1's twice as large
+            assert sizes[1 * tp + tp - 1] == 700 + tp * 12 * sum(source.stages[1].numels[0])
         pp, dp = target.topology.pp, target.topology.dp
-        output = {f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)} | {
-            f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(pp) for d in range(dp)} | {
+        output = {f"mp_rank_{u:02d}_model_states.pt" for u in range(pp * tp)} | {
+            f"zero_pp_rank_{d}_mp_rank_{u:02d}_optim_states.pt" for u in range(pp * tp) for d in range(dp)} | {
             *source.layer_files, "metric.json"}
         for tasks in (1, 2, 3, 5):
             owners = deal_files(items, tasks)
             shuffled = items[1::2] + items[::2]  # the same items in another order: the same owners
             assert dict(zip(shuffled, deal_files(shuffled, tasks))) == dict(zip(items, owners))
             # the tasks' shares together write every file of the output once
-            written = [name for f in items for name in (stage_file_names(f.rank, dp, False) if f.rank is not None
-                                                         else [f.name])]
+            written = [name for f in items for name in (stage_file_names(f.rank // tp, dp, False, f.rank % tp, tp)
+                                                         if f.rank is not None else [f.name])]
             assert len(written) == len(output) and set(written) == output, label
             loads = [sum(f.nbytes for f, o in zip(items, owners) if o == t) for t in range(tasks)]
             assert max(loads) - min(loads) <= max(f.nbytes for f in items), (label, tasks, loads)
@@ -96,17 +107,20 @@ def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(pipelin
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("target, tasks, options", [((2, 3), 2, {}), ((3, 2), 3, {"target_pp": 3, **PP_CHANGE})],
-                         ids=["dp-change", "pp-change"])
+@pytest.mark.parametrize("variant, target, tasks, options", [
+    ("fp32", (2, 3), 2, {}), ("fp32", (3, 2), 3, {"target_pp": 3, **PP_CHANGE}),
+    # the model-axis save of tests/test_pipeline_model_axis.py ((pp, tp, dp) = (2, 2, 1)): its units are
+    # (stage, model rank) pairs, each model rank's column joined for the new stage
+    ("fp32-mp2", (1, 2), 3, {"target_pp": 1, **PP_CHANGE})], ids=["dp-change", "pp-change", "model-axis-pp-change"])
 def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipeline_runs, tmp_path, monkeypatch,
-                                                                            target, tasks, options):
+                                                                            variant, target, tasks, options):
     import torch
 
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from reshard.jobs.array_job import publish_main
     from reshard.jobs.collective_job import run_job
     from reshard.jobs.pipeline_job import pipeline_target
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    save_dir, _ = pipeline_runs(variant, 2, 1)
     dp = target[1]
     expected, destination = tmp_path / "collective", tmp_path / "array"
     reshard_in_threads(save_dir, expected, dp, 2, **options)
@@ -115,16 +129,18 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
         return ReshardOptions(source=str(save_dir), destination=str(destination), target_dp=dp, array_task=task,
                               array_tasks=tasks, quiet=True, **options).validate()
 
-    # the task to fail: one dealt a stage and some layer files
+    # the task to fail: one dealt a unit and some layer files
     source = inspect_pipeline(str(save_dir), "step3")
+    tp = source.tp
     items = pipeline_files(0, source, pipeline_target(opts(0), source))
     owners = deal_files(items, tasks)
     failing = next(t for t in range(tasks) if {f.rank is None for f, o in zip(items, owners) if o == t} == {True, False})
-    stage = next(f.rank for f, o in zip(items, owners) if o == failing and f.rank is not None)
+    unit = next(f.rank for f, o in zip(items, owners) if o == failing and f.rank is not None)
     its_layers = [f.name for f, o in zip(items, owners) if o == failing and f.rank is None]
     its_items = owners.count(failing)
-    # the disk fills as the task saves its stage's second file (dp rank 0's optimizer file)
-    fills_at = stage_file_names(stage, dp, False)[1]
+    # the disk fills as the task saves its unit's second file (dp rank 0's optimizer file)
+    unit_files = stage_file_names(unit // tp, dp, False, unit % tp, tp)
+    fills_at = unit_files[1]
     save = torch.save
 
     def save_until_full(obj, path, *args, **kwargs):
@@ -138,7 +154,7 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
     monkeypatch.undo()
     staged = destination / ".reshard-staging" / "step3"
     kept = {name: os.stat(staged / name) for name in its_layers}  # marked done: a re-run must leave them
-    assert (staged / stage_file_names(stage, dp, False)[0]).is_file()  # the stage was begun, not finished
+    assert (staged / unit_files[0]).is_file()  # the unit was begun, not finished
     for task in reversed([t for t in range(tasks) if t != failing]):
         run_job(opts(task))
     assert publish_main([str(destination)]) == 1 and not (destination / "latest").exists()
@@ -150,5 +166,6 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name
     assert tree_files(destination) == tree_files(expected)  # every file, the manifest included
     names = os.listdir(destination / "step3")
-    assert sum(bool(LAYER_RE.match(n)) for n in names) == 6 and f"mp_rank_{target[0] - 1:02d}_model_states.pt" in names
+    assert sum(bool(LAYER_RE.match(n)) for n in names) == 6 * tp
+    assert f"mp_rank_{target[0] * tp - 1:02d}_model_states.pt" in names
     assert "nothing to do" in run_job(opts(failing)).summary()  # a retry after the end

@@ -11,10 +11,11 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
-A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target stage instead: a stage's
-model-states file and optimizer files are built together from the stage's whole tensors
-(reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one target stage
-is one item (`stage_item`), dealt by size with the layer files, which are copied as they are.
+A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target (stage, model rank) unit
+instead: a unit's model-states file and optimizer files are built together from its whole tensors
+(reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one unit (a stage,
+without a model axis) is one item (`stage_item`), dealt by size with the layer files, which are
+copied as they are.
 
 A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
 destination check, staging, lock, free space, clean-up), resuming per file
@@ -22,8 +23,8 @@ destination check, staging, lock, free space, clean-up), resuming per file
 beside the staging tag directory in DST/.reshard-staging/TAG.array/: `record.json` (what the set
 is: output fingerprint, K, every file and its owner, the manifest fields; written once, by
 whichever task comes first, and compared by every later one), `done/NAME.json` (NAME is complete
-and fsynced: its size and BLAKE3: the per-file completion marker; a pipeline stage's lists every
-file of the stage), and `task-I/` (where the
+and fsynced: its size and BLAKE3: the per-file completion marker; a pipeline unit's lists every
+file of the unit), and `task-I/` (where the
 lifecycle keeps the task's lock: one live run per task). Tasks may run at any time, in any order,
 on any hosts that see SRC and DST, one after another or at once, and may be retried: a retried
 task redoes the files it had not finished.
@@ -68,7 +69,6 @@ from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     inspect_pipeline,
     is_pipeline,
-    refuse_model_axis,
     stage_file_names,
 )
 from reshard.formats.deepspeed_spec import (
@@ -255,7 +255,6 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> "_ZeroUnit | _PipelineUnit":
     check_paths(unit.source, unit.destination)
     if is_pipeline(os.path.join(unit.source, unit.tag)):
         source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        refuse_model_axis(source, "SLURM array mode (--array-task)")  # its items are whole stages of model rank 0
         return _PipelineUnit(source, pipeline_target(opts, source))
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
@@ -364,19 +363,22 @@ class _ZeroUnit:
 
 
 PIPELINE_STAGE = ".reshard-pipeline-stage-"
-"""The item standing for one target stage of a pipeline checkpoint (all its files; a dot-name, which
-no file of a pipeline tag directory can have: reshard.formats.deepspeed_pipeline skips them)."""
+"""The item standing for one target (stage, model rank) unit of a pipeline checkpoint (all its files;
+a dot-name, which no file of a pipeline tag directory can have: reshard.formats.deepspeed_pipeline
+skips them)."""
 
 
-def stage_item(stage: int) -> str:
-    return f"{PIPELINE_STAGE}{stage:02d}"
+def stage_item(stage: int, model: int = 0, tp: int = 1) -> str:
+    """The item of target (stage, model rank); without a model axis, of the stage."""
+    return f"{PIPELINE_STAGE}{stage:02d}" + (f"-model-{model:02d}" if tp > 1 else "")
 
 
 @dataclass
 class _PipelineUnit:
-    """A DeepSpeed PipelineModule checkpoint (reshard.jobs.pipeline_job): a target stage's
-    model-states file and optimizer files are built together from that stage's whole tensors, so
-    a target stage is one item, dealt by its size with the layer files (copied as they are)."""
+    """A DeepSpeed PipelineModule checkpoint (reshard.jobs.pipeline_job): a target (stage, model rank)
+    unit's model-states file and optimizer files are built together from that unit's whole tensors,
+    so a unit is one item (its ArrayFile.rank the unit's index stage * tp + model, its `mp_rank_XX`),
+    dealt by its size with the layer files (copied as they are)."""
 
     source: PipelineSource
     target: PipelineTarget
@@ -385,26 +387,31 @@ class _PipelineUnit:
         return pipeline_files(index, self.source, self.target)
 
     def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
-        """pipeline_job.check_budget for array tasks: a task holds, one stage at a time, what building
-        its neediest stage takes; every task refuses when some task would exceed --memory-budget."""
-        per_stage = whole_tensor_bytes(self.source, self.target, self.target.topology.pp)  # stage s alone
-        needed = [max((per_stage[f.rank] for f in files if f.rank is not None and owners[f.name] == task),
+        """pipeline_job.check_budget for array tasks: a task holds, one unit at a time, what building
+        its neediest unit takes; every task refuses when some task would exceed --memory-budget."""
+        topology = self.target.topology  # with pp * tp workers, worker u builds unit u alone
+        per_unit = whole_tensor_bytes(self.source, self.target, topology.pp * topology.tp)
+        needed = [max((per_unit[f.rank] for f in files if f.rank is not None and owners[f.name] == task),
                       default=0) for task in range(opts.array_tasks)]
         refuse_over_budget(self.source, needed, opts.memory_budget, WHOLE_TENSORS, who="array task")
 
     def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
         source, target = self.source, self.target
+        tp = target.topology.tp
         started = time.perf_counter()
-        stages = [f.rank for f in mine if f.rank is not None]
+        # by model rank, then stage: a task re-assigning stages joins each model rank's column once (build_stages)
+        units = sorted(((f.rank // tp, f.rank % tp) for f in mine if f.rank is not None), key=lambda u: (u[1], u[0]))
         result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
-                                  Topology(dp=source.dp, pp=source.pp), target.topology, opts.array_tasks,
-                                  _no_collectives(opts), 0, 0.0, opts.dry_run)
-        report = WorkerReport(opts.array_task, (), tuple(sorted(stages)))
+                                  Topology(dp=source.dp, tp=source.tp, pp=source.pp), target.topology,
+                                  opts.array_tasks, _no_collectives(opts), 0, 0.0, opts.dry_run)
+        report = WorkerReport(opts.array_task, (), tuple(sorted(f.rank for f in mine if f.rank is not None)))
         result.reports = [report]
-        result.notes.append(f"pipeline: {describe_target(opts, source, target)}; whole tensors, one stage at a time")
+        result.notes.append(f"pipeline: {describe_target(opts, source, target)}; whole tensors, one "
+                            + ("(stage, model rank) unit" if tp > 1 else "stage") + " at a time")
         if opts.dry_run:
             result.notes.append(_dry_run_note(opts, mine, [name for f in mine for name in (
-                stage_file_names(f.rank, target.topology.dp, source.bf16) if f.rank is not None else [f.name])]))
+                stage_file_names(f.rank // tp, target.topology.dp, source.bf16, f.rank % tp, tp)
+                if f.rank is not None else [f.name])]))
             return result
         made = pipeline_output(opts, source, target)
         identity = source_identity(source.tag_dir, made.identified)
@@ -413,21 +420,23 @@ class _PipelineUnit:
                              outputs_of(unit.destination, source.save_dir, target.topology.dp))
 
         def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
-            for (stage, _), paths in build_stages(source, target, [(f.rank, 0) for f in targets], tag_dir,
-                                                  opts.trust_pickle, report):
+            todo = {(f.rank // tp, f.rank % tp) for f in targets}
+            for (stage, model), paths in build_stages(source, target, [u for u in units if u in todo], tag_dir,
+                                                      opts.trust_pickle, report):
                 entries = {os.path.basename(path): _durable_entry(path) for path in paths}
                 report.bytes_written += sum(entry["bytes"] for entry in entries.values())
-                write_json_atomically(_done_path(array_dir, stage_item(stage)), {"files": entries})
+                write_json_atomically(_done_path(array_dir, stage_item(stage, model, tp)), {"files": entries})
             return 0
         return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
 
 
 def pipeline_files(unit_index: int, source: PipelineSource, target: PipelineTarget) -> list[ArrayFile]:
-    """Every item of one pipeline checkpoint's output, weighed: each target stage (`stage_item`,
-    `rank` the stage; pipeline_job.stage_output_bytes), then each file copied as it is (the layer
-    files and any other file of the tag directory)."""
-    items = [ArrayFile(unit_index, stage_item(stage), nbytes, stage)
-             for stage, nbytes in enumerate(stage_output_bytes(source, target))]
+    """Every item of one pipeline checkpoint's output, weighed: each target (stage, model rank) unit
+    (`stage_item`, `rank` its index stage * tp + model; pipeline_job.stage_output_bytes), then each
+    file copied as it is (the layer files and any other file of the tag directory)."""
+    tp = target.topology.tp
+    items = [ArrayFile(unit_index, stage_item(index // tp, index % tp, tp), nbytes, index)
+             for index, nbytes in enumerate(stage_output_bytes(source, target))]
     return items + [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
                     for name in (*source.layer_files, *source.other_files)]
 

@@ -213,14 +213,19 @@ def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -
 
 
 def stage_output_bytes(source: PipelineSource, target: PipelineTarget) -> list[int]:
-    """About the bytes of each target stage's files (its model-states file and its optimizer files),
-    from the source files' sizes: what SLURM array tasks are dealt by (reshard.jobs.array_job)."""
-    sizes = [stage_source_bytes(source, s) for s in range(source.pp)]
-    if target.stages is None:
-        return sizes
-    numels = source_numels(source)
-    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
-    return [int(per_element * sum(numels[n] for n in names)) for names in target.stages.names]
+    """About the bytes of each target (stage, model rank) unit's files (its model-states file and its
+    optimizer files), indexed stage * tp + model (its `mp_rank_XX`), from the source files' sizes: what
+    SLURM array tasks are dealt by (reshard.jobs.array_job). A kept unit weighs its source files."""
+    tp = target.topology.tp
+    if target.stages is None and tp == source.tp:
+        return [stage_source_bytes(source, s, m) for s in range(source.pp) for m in range(tp)]
+    numels = source_numels(source)  # per model rank (every column has model rank 0's layout)
+    per_column = sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
+    per_element = sum(stage_source_bytes(source, s, m) for s in range(source.pp)
+                      for m in range(source.tp)) / max(1, per_column * source.tp)
+    names = target.stages.names if target.stages is not None else [
+        [n for group in spec.names for n in group] for spec in source.stages]
+    return [int(per_element * sum(numels[n] for n in stage) * source.tp / tp) for stage in names for _ in range(tp)]
 
 
 def describe_target(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> str:
