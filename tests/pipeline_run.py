@@ -190,7 +190,7 @@ def layer_specs(frozen: str | None = None, groups: bool = False, mp: int = 1):
                 LayerSpec(ColumnParallelLinear, DIM, MP_HIDDEN),
                 torch.nn.GELU(),
                 LayerSpec(RowParallelLinear, MP_HIDDEN, DIM),
-                LayerSpec(torch.nn.LayerNorm, DIM),
+                LayerSpec(ScaledLayerNorm if groups else torch.nn.LayerNorm, DIM),
                 LayerSpec(torch.nn.Linear, DIM, DIM),
                 TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM, forward_fn=head)]
     return [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM),
@@ -310,12 +310,12 @@ def eval_loss(engine) -> float:
 def variant_settings(variant: str) -> dict:
     """A variant's name (`--variant`, `--more`, `--judge`; tests/test_pipeline.py names them) as this
     harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
-    "-groups" two param groups and a buffer, with "-mp2" a model axis of 2."""
+    "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2": both)."""
     precision, _, model = variant.partition("-")
-    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2"):
+    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2"):
         raise SystemExit(f"unknown variant {variant!r}")
-    return {"precision": precision, "frozen": "later" if model == "frozen" else None, "groups": model == "groups",
-            "mp": 2 if model == "mp2" else 1}
+    return {"precision": precision, "frozen": "later" if model == "frozen" else None,
+            "groups": model.startswith("groups"), "mp": 2 if model.endswith("mp2") else 1}
 
 
 def with_variant(args, variant: str) -> argparse.Namespace:

@@ -82,7 +82,9 @@ def model_ranks(variant: str) -> int:
 # the pipeline test files use all of them there, and the launch (torch + DeepSpeed imported on every
 # rank) is what costs. Checked by hand (DeepSpeed 0.19.8, torch 2.13): the four saves and truths of
 # one such launch, bf16 trained last, equal those of one launch each tensor for tensor, eval loss included.
-TRAINED_TOGETHER = {(2, 2): ("bf16", "fp16", "fp32-frozen", "fp32-groups")}
+# At (2, 1) the model-axis variants (tests/test_pipeline_model_axis.py; 4 ranks, so not with plain fp32's 2).
+TRAINED_TOGETHER = {(2, 2): ("bf16", "fp16", "fp32-frozen", "fp32-groups"),
+                    (2, 1): ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2")}
 
 
 class PipelineRuns:
@@ -158,7 +160,7 @@ CASES = [
 # launch that judges the cases there (`judged`): one more engine in a launch that runs anyway.
 SHARED_WITH_IN_JOB = ("fp32", (2, 1), (1, 2), 1)
 IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
-                ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1)]
+                ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1), ("bf16", (2, 2), (3, 1), 2)]
 
 
 def reshard_case(save_dir, out: Path, precision, source, target, workers):
@@ -169,18 +171,18 @@ def reshard_case(save_dir, out: Path, precision, source, target, workers):
     return reshard_in_threads(save_dir, out, target[1], workers, **options)
 
 
-def cases_selected(items) -> list:
-    """The CASES and IN_JOB_CASES the session's `items` of this module run, in CASES order."""
+def cases_selected(items, cases=CASES, module=__name__) -> list:
+    """The `cases` (CASES and IN_JOB_CASES by default) the session's `items` of `module` run, in `cases` order."""
     named = set()
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if getattr(getattr(item, "module", None), "__name__", None) != __name__:
+        if getattr(getattr(item, "module", None), "__name__", None) != module:
             continue
         if "case" in params:
             named.add(params["case"])
         elif "precision" in params:
             named.add(tuple(params[k] for k in ("precision", "source", "target", "workers")))
-    return [case for case in CASES if case in named]
+    return [case for case in cases if case in named]
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +200,9 @@ def judged(request, pipeline_runs, tmp_path_factory):
     return judged
 
 
-def judge_at(pipeline_runs, tmp_path_factory, cases) -> dict:
-    """`cases` (one target (pp, dp)) resharded, then judged at that target in one launch: each output
-    loaded plainly and, for IN_JOB_CASES, the case's source loaded in-job through
+def judge_at(pipeline_runs, tmp_path_factory, cases, in_job=IN_JOB_CASES) -> dict:
+    """`cases` (one target (pp, dp), one model axis) resharded, then judged at that target in one launch:
+    each output loaded plainly and, for `in_job` ones, the case's source loaded in-job through
     reshard.deepspeed.load_checkpoint, each in an engine of its own. A verdict is the exception judging
     it raised, should that fail: should the shared launch fail, each is judged in a launch of its own."""
     from reshard_proof.launch import run_torchrun
@@ -217,9 +219,9 @@ def judge_at(pipeline_runs, tmp_path_factory, cases) -> dict:
             found[case] = {"result": error, "out": out, "plain": error, "in_job": error}
             continue
         judgings.append((case, "plain", precision, out, truth, root / "plain.json", "plain"))
-        if case in IN_JOB_CASES:
+        if case in in_job:
             judgings.append((case, "in_job", precision, save_dir, truth, root / "in-job.json", "in-job"))
-    world = target[0] * target[1]
+    world = target[0] * target[1] * model_ranks(cases[0][0])
 
     def launch(group):
         (_, _, variant, load, truth, verdict, mode), *more = group

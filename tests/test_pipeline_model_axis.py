@@ -5,19 +5,19 @@
 
 The e2e tests train tests/pipeline_run.py's Megatron-style model (`--mp 2`: a column-parallel and a
 row-parallel Linear whose slices differ per model rank, seeded by model rank; the tied embedding,
-LayerNorm and a Linear replicated) once per session (`pipeline_runs("fp32-mp2", 2, 1)`), reshard it
-with threads, and judge each output three ways: file by file, every (stage, model rank)'s fp32 masters and
-Adam moments joined from its optimizer files equal the truth of that model rank (and not the other
-one's, where the slices differ), and in a real engine at the target (pp, tp, dp) loading with plain
-`load_checkpoint` from another seed (tests/pipeline_run.py check: every master and moment by name
-against its model rank's truth, eval loss on a fixed micro-batch, counters, LR, client_state, then
-one more `train_batch`; at (1, 2, 2) the same launch also loads the source in-job through
-reshard.deepspeed.load_checkpoint), and by `verify --against` (which must also name a swap of two
-model ranks' files).
+LayerNorm and a Linear replicated) once per session in fp32, bf16 and fp32 with two param groups and
+a buffer (`pipeline_runs(VARIANT, 2, 1)`, one launch), reshard each with threads, and judge each
+output three ways: file by file, every (stage, model rank)'s fp32 masters and Adam moments joined
+from its optimizer files equal the truth of that model rank (and not the other one's, where the
+slices differ), and in a real engine at the target (pp, tp, dp) loading with plain `load_checkpoint`
+from another seed (tests/pipeline_run.py check: every master and moment by name against its model
+rank's truth, eval loss on a fixed micro-batch, counters, LR, client_state, then one more
+`train_batch`; every variant at one target in one launch, which at (1, 2, 2) also loads the fp32 and
+bf16 sources in-job through reshard.deepspeed.load_checkpoint), and by `verify --against` (which must
+also name a swap of two model ranks' files).
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -96,7 +96,7 @@ def _check_files_against_truth(out, truth_dir) -> int:
     return compared
 
 
-def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> None:
+def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, prefix: str = "") -> None:
     """verify --against (threads) passes the output, and names the file when stage 0's two model ranks'
     optimizer files are swapped in a copy."""
     import shutil
@@ -111,7 +111,7 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> 
     assert clean.ok, clean.summary()
     swapped = out.parent / "swapped"
     shutil.copytree(out, swapped)
-    first, second = (swapped / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt" for i in (0, 1))
+    first, second = (swapped / "step3" / f"{prefix}zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt" for i in (0, 1))
     first.rename(swapped / "step3" / "held")
     second.rename(first)
     (swapped / "step3" / "held").rename(second)
@@ -123,28 +123,48 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int) -> 
 # (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the
 # stages kept with dp up (the per-stage re-cut, 8 ranks at the target)
 TARGETS = [((1, 2), 3), ((2, 2), 2)]
-IN_JOB_TARGET = (1, 2)  # also loaded in-job from the source (reshard.deepspeed.load_checkpoint), same launch
+# The model-axis variants (tests/pipeline_run.py variant_settings), trained in one launch
+# (test_pipeline.TRAINED_TOGETHER) and judged at each target in one launch (test_pipeline.judge_at): fp32;
+# bf16 (ZeRO-1 with bf16 weights, fp32 masters in the optimizer files, `bf16_` file names); and fp32 with two
+# param groups and a buffer in the LayerNorm layer (each model rank's layer file holding its own copy).
+VARIANTS = ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2")
+CASES = [(variant, SOURCE, target, workers) for target, workers in TARGETS for variant in VARIANTS]
+# also loaded in-job from the source (reshard.deepspeed.load_checkpoint), in the same launch
+IN_JOB_CASES = [(variant, SOURCE, (1, 2), 3) for variant in ("fp32-mp2", "bf16-mp2")]
+
+
+@pytest.fixture(scope="module")
+def judged(request, pipeline_runs, tmp_path_factory):
+    """case -> {"result", "out", "plain": verdict, "in_job": verdict (IN_JOB_CASES)}: the first case asked at
+    a target reshards every selected case there, and one launch judges them all (test_pipeline.judge_at)."""
+    from test_pipeline import cases_selected, judge_at
+    cache, selected = {}, cases_selected(request.session.items, CASES, __name__)
+
+    def judged(case):
+        if case not in cache:
+            group = [other for other in selected if other[2] == case[2] and other not in cache]
+            cache.update(judge_at(pipeline_runs, tmp_path_factory, group if case in group else [case], IN_JOB_CASES))
+        return cache[case]
+    return judged
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("target, workers", TARGETS, ids=["pp-down-dp-up", "dp-up"])
-def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipeline_runs, tmp_path, target,
-                                                                            workers):
-    from reshard_proof.launch import run_torchrun
-    from test_pipeline import HARNESS, check_at, harness_flags
-    from trained import reshard_in_threads
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-to-pp{case[2][0]}-dp{case[2][1]}")
+def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipeline_runs, judged, case):
+    from test_pipeline import _verdict
 
     from reshard.formats.deepspeed_pipeline import LAYER_RE
-    save_dir, truth = pipeline_runs(VARIANT, *SOURCE)
-    out = tmp_path / "out"
-    options = {"target_pp": target[0], **LAYERS} if target[0] != SOURCE[0] else {}
-    result = reshard_in_threads(save_dir, out, target[1], workers, **options)
+    variant, source, target, workers = case
+    save_dir, truth = pipeline_runs(variant, *source)
+    shared = judged(case)
+    result, out = _verdict(shared["result"]), shared["out"]
     [checkpoint] = result.checkpoints
     topology = checkpoint.target_topology
     assert (topology.pp, topology.tp, topology.dp) == (target[0], 2, target[1])
     names = sorted(os.listdir(out / "step3"))
+    prefix = "bf16_" if variant.startswith("bf16") else ""
     assert [n for n in names if n.endswith("optim_states.pt")] == sorted(
-        f"zero_pp_rank_{d}_mp_rank_{s * 2 + m:02d}_optim_states.pt"
+        f"{prefix}zero_pp_rank_{d}_mp_rank_{s * 2 + m:02d}_optim_states.pt"
         for s in range(target[0]) for m in range(2) for d in range(target[1]))
     assert [n for n in names if n.startswith("mp_rank_")] == [f"mp_rank_{i:02d}_model_states.pt"
                                                                for i in range(target[0] * 2)]
@@ -153,20 +173,15 @@ def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipel
     for name in layers:  # layer files travel unchanged, each model rank's under its own -model_XX name
         assert (out / "step3" / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
     assert _check_files_against_truth(out, truth) == 3 * {1: 9, 2: 10}[target[0]] * 2
-    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers)
-    if target == IN_JOB_TARGET:  # the in-job load of the source, in a second engine of the same launch
-        verdicts = [tmp_path / "verdict.json", tmp_path / "in-job.json"]
-        run_torchrun(HARNESS, target[0] * 2 * target[1],
-                     ["check", "--pp", target[0], *harness_flags(VARIANT), "--truth", truth, "--load", out,
-                      "--verdict", verdicts[0], "--also", save_dir, verdicts[1], "in-job"],
-                     expect_files=verdicts, timeout=500)
-    else:
-        verdicts = [tmp_path / "verdict.json"]
-        check_at(*target, VARIANT, out, truth, verdicts[0])
-    for path in verdicts:
-        verdict = json.loads(path.read_text())
-        assert verdict["ok"], (path.name, verdict)
-        assert [rank["checked"] for rank in verdict["ranks"]] == [{1: 9, 2: 5}[target[0]]] * (target[0] * 2 * target[1])
+    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers, prefix)
+    # every rank checks its stage's parameters (the tied embedding on both stages) and buffers (--groups:
+    # the LayerNorm's, on the one stage holding it), each model rank's against its own truth
+    buffers = 1 if "-groups" in variant else 0
+    for key in ("plain", "in_job") if case in IN_JOB_CASES else ("plain",):
+        verdict = _verdict(shared[key])
+        assert verdict["ok"], (key, verdict)
+        assert len(verdict["ranks"]) == target[0] * 2 * target[1]
+        assert sum(rank["checked"] for rank in verdict["ranks"]) == 2 * target[1] * (9 + target[0] - 1 + buffers)
 
 
 @pytest.mark.e2e
