@@ -312,9 +312,9 @@ def variant_settings(variant: str) -> dict:
     harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
     "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2": both)."""
     precision, _, model = variant.partition("-")
-    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2"):
+    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2", "frozen-mp2"):
         raise SystemExit(f"unknown variant {variant!r}")
-    return {"precision": precision, "frozen": "later" if model == "frozen" else None,
+    return {"precision": precision, "frozen": "later" if model.startswith("frozen") else None,
             "groups": model.startswith("groups"), "mp": 2 if model.endswith("mp2") else 1}
 
 

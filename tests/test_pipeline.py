@@ -84,7 +84,7 @@ def model_ranks(variant: str) -> int:
 # one such launch, bf16 trained last, equal those of one launch each tensor for tensor, eval loss included.
 # At (2, 1) the model-axis variants (tests/test_pipeline_model_axis.py; 4 ranks, so not with plain fp32's 2).
 TRAINED_TOGETHER = {(2, 2): ("bf16", "fp16", "fp32-frozen", "fp32-groups"),
-                    (2, 1): ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2")}
+                    (2, 1): ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2", "fp32-frozen-mp2")}
 
 
 class PipelineRuns:

@@ -96,9 +96,11 @@ def _check_files_against_truth(out, truth_dir) -> int:
     return compared
 
 
-def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, prefix: str = "") -> None:
+def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, dp: int, prefix: str = "") -> None:
     """verify --against (threads) passes the output, and names the file when stage 0's two model ranks'
-    optimizer files are swapped in a copy."""
+    optimizer files of its last dp rank are swapped in a copy (the first dp rank's can hold nothing but
+    the replicated embedding, equal on both model ranks: with the column-parallel weight frozen, dp rank 0
+    of stage 0 at dp 2 holds 720 of its 888 elements, and such a swap changes nothing)."""
     import shutil
 
     from threaded_transport import run_workers
@@ -111,13 +113,16 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, pre
     assert clean.ok, clean.summary()
     swapped = out.parent / "swapped"
     shutil.copytree(out, swapped)
-    first, second = (swapped / "step3" / f"{prefix}zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt" for i in (0, 1))
+    first, second = (swapped / "step3" / f"{prefix}zero_pp_rank_{dp - 1}_mp_rank_{i:02d}_optim_states.pt"
+                     for i in (0, 1))
     first.rename(swapped / "step3" / "held")
     second.rename(first)
     (swapped / "step3" / "held").rename(second)
     found = verify(swapped)
     assert not found.ok
-    assert any(p.startswith(f"{first}: 1.weight fp32: ") for p in found.problems), found.summary()
+    sliced = ("1.weight", "1.bias", "3.weight")  # the parameters whose values differ per model rank
+    assert any(p.startswith(tuple(f"{first}: {name} fp32: " for name in sliced)) for p in found.problems), \
+        found.summary()
 
 
 # (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the
@@ -125,9 +130,11 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, pre
 TARGETS = [((1, 2), 3), ((2, 2), 2)]
 # The model-axis variants (tests/pipeline_run.py variant_settings), trained in one launch
 # (test_pipeline.TRAINED_TOGETHER) and judged at each target in one launch (test_pipeline.judge_at): fp32;
-# bf16 (ZeRO-1 with bf16 weights, fp32 masters in the optimizer files, `bf16_` file names); and fp32 with two
-# param groups and a buffer in the LayerNorm layer (each model rank's layer file holding its own copy).
-VARIANTS = ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2")
+# bf16 (ZeRO-1 with bf16 weights, fp32 masters in the optimizer files, `bf16_` file names); fp32 with two
+# param groups and a buffer in the LayerNorm layer (each model rank's layer file holding its own copy); and
+# fp32 with the column-parallel weight frozen after the build (each model rank's slice only in its layer
+# file, compared by value in the verdict; the pp change reads the frozen numels from -model_XX layer files).
+VARIANTS = ("fp32-mp2", "bf16-mp2", "fp32-groups-mp2", "fp32-frozen-mp2")
 CASES = [(variant, SOURCE, target, workers) for target, workers in TARGETS for variant in VARIANTS]
 # also loaded in-job from the source (reshard.deepspeed.load_checkpoint), in the same launch
 IN_JOB_CASES = [(variant, SOURCE, (1, 2), 3) for variant in ("fp32-mp2", "bf16-mp2")]
@@ -172,8 +179,9 @@ def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipel
     assert layers == sorted(n for n in os.listdir(save_dir / "step3") if LAYER_RE.match(n)) and len(layers) == 12
     for name in layers:  # layer files travel unchanged, each model rank's under its own -model_XX name
         assert (out / "step3" / name).read_bytes() == (save_dir / "step3" / name).read_bytes()
-    assert _check_files_against_truth(out, truth) == 3 * {1: 9, 2: 10}[target[0]] * 2
-    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers, prefix)
+    frozen = 1 if "-frozen" in variant else 0  # the column-parallel weight: in no optimizer file, only its layer files
+    assert _check_files_against_truth(out, truth) == 3 * ({1: 9, 2: 10}[target[0]] - frozen) * 2
+    _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers, target[1], prefix)
     # every rank checks its stage's parameters (the tied embedding on both stages) and buffers (--groups:
     # the LayerNorm's, on the one stage holding it), each model rank's against its own truth
     buffers = 1 if "-groups" in variant else 0
