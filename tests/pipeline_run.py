@@ -429,7 +429,7 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
             expected.update(truth["tensors"])
     saved_tp = truths[0].get("tp", 1)
     if saved_tp != ModelAxis.size:  # another tp: this rank's slice of each tensor joined over the saved ranks
-        expected = sliced_truth(truths, saved_tp)
+        expected = sliced_truth(truths, ModelAxis.size, ModelAxis.rank)
     problems = []
     if path is None:
         problems.append("load_checkpoint returned None")
@@ -465,10 +465,10 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     torch.distributed.barrier()
 
 
-def sliced_truth(truths: list, saved_tp: int) -> dict:
-    """Every tensor of the truth as this rank holds it at ModelAxis.size: the saved model ranks'
-    tensors joined by this model's own layers (layer 1 ColumnParallelLinear: dim 0; layer 3
-    RowParallelLinear: weight dim 1, bias whole; the rest whole), then this rank's even slice."""
+def sliced_truth(truths: list, tp: int, rank: int) -> dict:
+    """Every tensor of the truth (every saved rank's) as model rank `rank` of `tp` holds it: the saved
+    model ranks' tensors joined by this model's own layers (layer 1 ColumnParallelLinear: dim 0;
+    layer 3 RowParallelLinear: weight dim 1, bias whole; the rest whole), then that rank's even slice."""
     by_rank: dict[int, dict] = {}
     for truth in truths:
         by_rank.setdefault(truth["model_rank"], {}).update(truth["tensors"])
@@ -476,8 +476,8 @@ def sliced_truth(truths: list, saved_tp: int) -> dict:
     for name, states in by_rank[0].items():
         dim = 0 if name.startswith("1.") else 1 if name == "3.weight" else None
         expected[name] = {key: value if dim is None else
-                          torch.cat([by_rank[m][name][key] for m in range(saved_tp)], dim=dim).chunk(
-                              ModelAxis.size, dim=dim)[ModelAxis.rank].contiguous()
+                          torch.cat([by_rank[m][name][key] for m in range(len(by_rank))], dim=dim).chunk(
+                              tp, dim=dim)[rank].contiguous()
                           for key, value in states.items()}
     return expected
 
