@@ -193,9 +193,14 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     text = pipeline_summary_text(summary)
     assert "pp=2 dp=1 tp=2 (model axis)" in text and "mp_rank_02_model_states.pt / mp_rank_03_model_states.pt" in text
     out = tmp_path / "out"
-    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-tp", "1")
+    # this save's client state has an empty universal_checkpoint_info: which dim each parameter is
+    # sliced on is not recorded (tests/test_pipeline_tp_change.py changes tp of a save that has it)
+    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-tp", "1", "--pipeline-layers", "7",
+                             "--pipeline-tied", "embed:0,6")
     assert run.returncode == 2, run.stderr
-    assert f"{tag_dir}/mp_rank_00_model_states.pt: --target-tp 1: the save's pipeline model axis has tp 2" in run.stderr
+    assert (f"{tag_dir}/mp_rank_00_model_states.pt: --target-tp 1 (the save has tp 2): has a universal_checkpoint_info "
+            "with none of tp_replicated_parameter_patterns, parameter_to_average_patterns, ") in run.stderr
+    assert "so which dim each parameter is sliced on over the model axis is not recorded" in run.stderr
     assert not out.exists()
     run = reshard_in_process("export", save_dir, tmp_path / "export", "--format", "safetensors")
     assert run.returncode == 2, run.stderr

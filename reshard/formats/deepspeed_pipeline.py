@@ -23,7 +23,8 @@ on a real (pp, tp, dp) = (2, 2, 1) save of DeepSpeed 0.19.8 on CPU:
 
     layer_{idx:02d}-model_{m:02d}-model_states.pt
                                              layer idx of model rank m (module.py `ckpt_layer_path`:
-                                             `topology.get_rank_repr`, which omits data and pipe);
+                                             `topology.get_rank_repr`, which omits data and pipe, so
+                                             at tp 1 too: `-model_00`, `PipelineSource.model_axis`);
                                              written by dp rank 0 of the rank holding (stage, m)
                                              (`save_state_dict`), a replicated layer once per m
     mp_rank_{s * tp + m:02d}_model_states.pt one per (stage s, model rank m): the grid's
@@ -42,12 +43,26 @@ shapes; the values differ. DeepSpeed loads layer files by position, not name: mo
 `load_state_dir` globs `layer_{idx:02d}-*model_states.pt`, sorts them and takes the model rank's
 entry (state_dict_factory.py `SDLoaderBase.load` with is_pipe_parallel) when their count equals the
 model-parallel size. So each model rank's column of stages is a pipeline of its own: changing pp or
-dp with tp kept is that change applied per column, the layer files keeping their names. Changing
-tp (reslicing) is refused: which dim each parameter is sliced on is not in the files but in the
-`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does);
-without them DeepSpeed's ds_to_universal joins every parameter's slices on dim 0 (on the (2, 2, 1)
-test save, whose info is empty: a row-parallel [24, 21] weight came out [48, 21], the replicated
-[37, 24] embedding [74, 24]).
+dp with tp kept is that change applied per column, the layer files keeping their names.
+
+Changing tp (reslicing): which dim each parameter is sliced on is not in the files but in the
+`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does), the
+same in every stage file; reshard.layouts.model_axis reads them as ds_to_universal.py
+`merge_tp_slices` does (replicated, row on dim 1, vocabulary, two fused sub-parameters, the rest on
+dim 0) and refuses what it cannot serve by name: no patterns at all (without them ds_to_universal
+joins every parameter on dim 0: on the (2, 2, 1) "-mp2" test save, whose info is empty, a
+row-parallel [24, 21] weight came out [48, 21], the replicated [37, 24] embedding [74, 24]), averaged
+parameters whose ranks differ, a padded vocabulary, fused sub-parameter views, an affine map, and a
+target tp that does not cut a sliced dim evenly. `model_axis_states` joins every model rank's column
+(named_states) into whole per-name fp32 masters and moments, `cut_model_axis_states` cuts a target
+model rank's slice, and `write_repartitioned_stage` writes each target (stage, model rank) at the
+target's local shapes (`param_shapes`, mp_world_size pp * tp, checkpoint_parallel_dimensions
+tp_degree; universal_checkpoint_info and the rest of client_state carried). Since DeepSpeed's
+`parameters` partition weighs local (sliced) parameter counts, the stages are re-assigned with the
+target's (reshard.jobs.pipeline_job). Every layer file's tensors (weights in the training dtype,
+buffers, frozen parameters; by their stage names) are joined and re-cut by the same rule and
+written under the target's `-model_XX` names (`write_model_axis_layer_files`), replicated ones
+checked equal on every source rank.
 
 Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
 the stage's parameters (a tied module's parameters sit in every stage holding it, named
@@ -863,6 +878,7 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
 
 
 def pipeline_summary_text(summary: dict) -> str:
+    """`reshard inspect`'s lines for pipeline_summary's dict."""
     lines = [f"{summary['save_dir']} tag {summary['tag']}: {summary['description']}"]
     tp = summary.get("tp", 1)
     for stage in summary["stages"]:
@@ -872,7 +888,9 @@ def pipeline_summary_text(summary: dict) -> str:
         lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements"
                      f"{each}, {stage['groups']} group(s){tied}; {files}, each + {summary['dp']} optimizer files")
     lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
+    axis = tp > 1 or "(model axis)" in summary["description"]
     lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
                  "and --pipeline-tied (the checkpoint does not record them)"
-                 + (f"; the model axis (tp {tp}) is kept, --target-tp other than {tp} is refused" if tp > 1 else ""))
+                 + (f"; --target-tp T (the model axis has tp {tp}) needs them too, and universal_checkpoint_info "
+                    "patterns in the client state saying how each parameter is sliced" if axis else ""))
     return "\n".join(lines)

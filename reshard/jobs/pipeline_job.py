@@ -2,6 +2,7 @@
 
     python -m reshard SRC DST --target-dp 3                 # job.py hands pipeline saves here
     python -m reshard SRC DST --target-dp 2 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
+    python -m reshard SRC DST --target-dp 2 --target-tp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
 
 With another number of stages, the layers are re-assigned as DeepSpeed's PipelineModule assigns
 them (reshard.layouts.pipeline: `--pipeline-partition`, the layer count and tied positions the
@@ -20,7 +21,14 @@ reshard.jobs.zero0_job.
 With a model axis (PipeModelDataParallelTopology, tp > 1) every model rank's column of stages is a
 pipeline of its own (reshard.formats.deepspeed_pipeline): the work units are the (stage, model rank)
 pairs, unit stage * tp + model (its `mp_rank_XX`) built by worker (stage * tp + model) % W, each from its
-own column's files, and tp is kept: --target-tp other than the source's is refused.
+own column's files when tp is kept. With --target-tp T other than the source's (a save with a model
+axis whose client state carries universal_checkpoint_info patterns, reshard.layouts.model_axis),
+the layer list is needed as for another pp: DeepSpeed's `parameters` partition weighs the local
+(sliced) parameter counts, so the stages are re-assigned with the target's local sizes
+(`model_axis_plan`); every worker building a unit joins every source tensor whole over all model
+ranks once (deepspeed_pipeline.model_axis_states, 4 x all optimizer bytes in the budget check) and
+cuts each of its units from it, and the layer files, no longer copied, are re-cut per layer (the
+k-th layer by worker k % W, `layer_files_written_by`).
 """
 from __future__ import annotations
 
