@@ -269,7 +269,7 @@ def test_deepspeeds_own_universal_path_agrees_at_another_tp(tp_changes):
 
 
 @pytest.mark.e2e
-def test_a_tp_the_hidden_sizes_do_not_divide_or_an_unlisted_save_is_refused_by_name(pipeline_runs, tmp_path):
+def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a_dry_run(pipeline_runs, tmp_path):
     from trained import reshard_in_process
     save_dir, _ = pipeline_runs(VARIANT, *SOURCE)
     layers = ["--pipeline-layers", "7", "--pipeline-tied", "embed:0,6"]
@@ -281,4 +281,19 @@ def test_a_tp_the_hidden_sizes_do_not_divide_or_an_unlisted_save_is_refused_by_n
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1")
     assert run.returncode == 2, run.stderr
     assert "--target-tp 1 (the save has tp 2): DeepSpeed's `parameters` partition" in run.stderr
+    assert not (tmp_path / "out").exists()
+    # the whole-tensor budget: every source tensor of every model rank joined (4 x the optimizer bytes)
+    optimizer_bytes = sum(os.path.getsize(save_dir / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt")
+                          for i in range(4))
+    budget = 4 * optimizer_bytes
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
+                             *layers, "--memory-budget", str(budget))
+    assert run.returncode == 2, run.stderr
+    assert "over --memory-budget" in run.stderr and "joins every source stage of every model rank" in run.stderr
+    assert not (tmp_path / "out").exists()
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
+                             *layers, "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
+            "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
     assert not (tmp_path / "out").exists()

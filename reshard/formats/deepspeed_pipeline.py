@@ -710,7 +710,8 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
     model["dp_world_size"] = target_dp
     model["mp_world_size"] = target_pp * tp  # engine.py: the grid's model-parallel size, pp * tp
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
-                                               "pp_degree": target_pp, "tp_degree": tp}
+                                               "pp_degree": target_pp,
+                                               **({"tp_degree": tp} if target_tp is not None else {})}
     trees = build_optimizers(template, list(groups), [tuple(_numel(shapes[n]) for n in group) for group in groups],
                              masters, moments, target_dp)
     return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir)
