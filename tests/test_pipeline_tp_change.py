@@ -13,8 +13,8 @@ back to (2, 2, 1). Judged file by file (every (stage, model rank)'s masters and 
 its optimizer files, and every layer file's weights, equal the slice of the truth joined over the
 saved model ranks, cut by the harness's own knowledge of its layers, not by reshard's rule) and in
 real engines with plain `load_checkpoint` in two launches: pp 1 ((1, 4, 1) and (1, 1, 4)) and pp 2
-((2, 1, 2), the round trip at (2, 2, 1), and DeepSpeed's own ds_to_universal output loaded with
-load_universal at (2, 1, 2), the second oracle): every master and moment by name, the eval loss on
+((2, 1, 2) and the round trip at (2, 2, 1)), DeepSpeed's own ds_to_universal output loaded with
+load_universal at each of the three targets in the same launches (the second oracle): every master and moment by name, the eval loss on
 a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum adds in another order), counters,
 client_state, then one more `train_batch`.
 """
@@ -158,9 +158,9 @@ def _variant(tp: int) -> str:
 
 @pytest.fixture(scope="module")
 def tp_changes(pipeline_runs, tmp_path_factory):
-    """{target: {"result", "out", "verdict"}}, "universal": {"verdict"} and "truth": every target resharded
-    in threads, the round trip from (1, 1, 4), ds_to_universal of the source, judged in two launches (pp 1,
-    pp 2)."""
+    """{target: {"result", "out", "verdict"}}, ("universal", target): {"verdict"} and "truth": every target
+    resharded in threads, the round trip from (1, 1, 4), ds_to_universal of the source loaded at each
+    target, judged in two launches (pp 1, pp 2)."""
     from reshard_proof.ds_universal import ds_to_universal_all
     from reshard_proof.launch import run_torchrun
     from test_pipeline import HARNESS
@@ -179,18 +179,24 @@ def tp_changes(pipeline_runs, tmp_path_factory):
                                                       **LAYERS)}
     universal = root / "universal"
     assert ds_to_universal_all([(save_dir / "step3", universal / "step3")]) == {}
-    found["universal"] = {"verdict": root / "universal.json"}
+    for target in TARGETS:  # DeepSpeed's own path at each target: one more engine in the launches below
+        found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
                               "--verdict", first["verdict"],
-                              "--judge", _variant(1), second["out"], truth, second["verdict"], "plain"],
-                 expect_files=[first["verdict"], second["verdict"]], timeout=500)
+                              "--also", universal, found[("universal", (1, 4, 1))]["verdict"], "universal",
+                              "--judge", _variant(1), second["out"], truth, second["verdict"], "plain",
+                              "--judge", _variant(1), universal, truth, found[("universal", (1, 1, 4))]["verdict"],
+                              "universal"],
+                 expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
+                               found[("universal", (1, 1, 4))]["verdict"]], timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
                               "--verdict", at_2["verdict"],
-                              "--also", universal, found["universal"]["verdict"], "universal",
+                              "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
                               "--judge", _variant(2), back["out"], truth, back["verdict"], "plain"],
-                 expect_files=[at_2["verdict"], back["verdict"], found["universal"]["verdict"]], timeout=500)
+                 expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"]],
+                 timeout=500)
     for entry in found.values():
         entry["verdict"] = json.loads(entry["verdict"].read_text())
     found["truth"] = truth
@@ -261,11 +267,14 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
 
 
 @pytest.mark.e2e
-def test_deepspeeds_own_universal_path_agrees_at_another_tp(tp_changes):
-    # ds_to_universal joins each tensor by the same patterns; load_universal cuts the (2, 1, 2) slices
-    verdict = tp_changes["universal"]["verdict"]
+@pytest.mark.parametrize("target", TARGETS, ids=["tp-up-pp-down", "tp-down-pp-down-dp-up", "tp-down-dp-up"])
+def test_deepspeeds_own_universal_path_agrees_at_each_target(tp_changes, target):
+    # ds_to_universal joins each tensor by the same patterns and load_universal cuts the target's slices:
+    # the same verdict against the same sliced truth as reshard's output
+    verdict = tp_changes[("universal", target)]["verdict"]
     assert verdict["ok"], verdict
-    assert [rank["checked"] for rank in verdict["ranks"]] == [3, 3, 7, 7]
+    assert [rank["checked"] for rank in verdict["ranks"]] == [rank["checked"] for rank in
+                                                              tp_changes[target]["verdict"]["ranks"]]
 
 
 @pytest.mark.e2e
