@@ -6,17 +6,18 @@
 The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and
 a row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias
 replicated; the script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client
-state) once at (2, 2, 1) (one launch), reshard it with threads to (1, 4, 1) (tp up, pp down), (1, 1, 4)
-(tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the target's local sizes),
-and, from the (1, 1, 4) output (tp 1 with PipeModelDataParallelTopology's `-model_00` layer files),
-back to (2, 2, 1). Judged file by file (every (stage, model rank)'s masters and moments joined from
-its optimizer files, and every layer file's weights, equal the slice of the truth joined over the
-saved model ranks, cut by the harness's own knowledge of its layers, not by reshard's rule) and in
-real engines with plain `load_checkpoint` in two launches: pp 1 ((1, 4, 1) and (1, 1, 4)) and pp 2
-((2, 1, 2) and the round trip at (2, 2, 1)), DeepSpeed's own ds_to_universal output loaded with
-load_universal at each of the three targets in the same launches (the second oracle): every master and moment by name, the eval loss on
-a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum adds in another order), counters,
-client_state, then one more `train_batch`.
+state) in ONE launch: at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed
+names its layer files `-model_00`). The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
+pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the
+target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
+file by file (every (stage, model rank)'s masters and moments joined from its optimizer files, and
+every layer file's weights, equal the slice of the truth joined over the saved model ranks, cut by
+the harness's own knowledge of its layers, not by reshard's rule) and in real engines with plain
+`load_checkpoint` in two launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and
+moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
+adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
+ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
+targets in the same launches, is the second oracle.
 """
 from __future__ import annotations
 
@@ -150,6 +151,8 @@ LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_
 # (pp, tp, dp) -> workers: W differing from the worlds where it can
 TARGETS = {(1, 4, 1): 3, (1, 1, 4): 2, (2, 1, 2): 1}
 ROUND_TRIP = (2, 2, 1)  # from the (1, 1, 4) output back to the source's topology
+TP1_VARIANT = "fp32-mp1u"  # the same model saved by DeepSpeed at (2, 1, 2) with PipeModelDataParallelTopology
+FROM_TP1 = ("from tp 1", (2, 2, 1))  # that save resharded to tp 2
 
 
 def _variant(tp: int) -> str:
@@ -157,7 +160,22 @@ def _variant(tp: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tp_changes(pipeline_runs, tmp_path_factory):
+def tp_saves(tmp_path_factory):
+    """{"fp32-mp2u": (save, truth), "fp32-mp1u": (save, truth)}: ONE training launch on 4 ranks, the
+    (2, 2, 1) save, then (tests/pipeline_run.py train --more) the same model at (2, 1, 2) built with
+    PipeModelDataParallelTopology at tp 1, as DeepSpeed writes it (`-model_00` layer files)."""
+    from reshard_proof.launch import run_torchrun
+    from test_pipeline import HARNESS
+    root = tmp_path_factory.mktemp("pipeline-tp-saves")
+    places = {v: (root / v / "ckpt", root / v / "truth") for v in (VARIANT, TP1_VARIANT)}
+    run_torchrun(HARNESS, 4, ["train", "--pp", 2, "--variant", VARIANT, "--save", places[VARIANT][0],
+                              "--truth", places[VARIANT][1], "--more", TP1_VARIANT, *places[TP1_VARIANT]],
+                 expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(4)], timeout=500)
+    return places
+
+
+@pytest.fixture(scope="module")
+def tp_changes(tp_saves, tmp_path_factory):
     """{target: {"result", "out", "verdict"}}, ("universal", target): {"verdict"} and "truth": every target
     resharded in threads, the round trip from (1, 1, 4), ds_to_universal of the source loaded at each
     target, judged in two launches (pp 1, pp 2)."""
@@ -165,7 +183,7 @@ def tp_changes(pipeline_runs, tmp_path_factory):
     from reshard_proof.launch import run_torchrun
     from test_pipeline import HARNESS
     from trained import reshard_in_threads
-    save_dir, truth = pipeline_runs(VARIANT, *SOURCE)
+    save_dir, truth = tp_saves[VARIANT]
     root = tmp_path_factory.mktemp("pipeline-tp-change")
     found = {}
     for (pp, tp, dp), workers in TARGETS.items():
@@ -177,6 +195,10 @@ def tp_changes(pipeline_runs, tmp_path_factory):
     found[ROUND_TRIP] = {"out": back, "verdict": root / "round-trip.json",
                          "result": reshard_in_threads(found[(1, 1, 4)]["out"], back, 1, 2, target_pp=2, target_tp=2,
                                                       **LAYERS)}
+    tp1_save, tp1_truth = tp_saves[TP1_VARIANT]
+    up = root / "from-tp-1"
+    found[FROM_TP1] = {"out": up, "verdict": root / "from-tp-1.json", "truth": tp1_truth,
+                       "result": reshard_in_threads(tp1_save, up, 1, 3, target_pp=2, target_tp=2, **LAYERS)}
     universal = root / "universal"
     assert ds_to_universal_all([(save_dir / "step3", universal / "step3")]) == {}
     for target in TARGETS:  # DeepSpeed's own path at each target: one more engine in the launches below
@@ -194,9 +216,10 @@ def tp_changes(pipeline_runs, tmp_path_factory):
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
                               "--verdict", at_2["verdict"],
                               "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
-                              "--judge", _variant(2), back["out"], truth, back["verdict"], "plain"],
-                 expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"]],
-                 timeout=500)
+                              "--judge", _variant(2), back["out"], truth, back["verdict"], "plain",
+                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain"],
+                 expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"],
+                               found[FROM_TP1]["verdict"]], timeout=500)
     for entry in found.values():
         entry["verdict"] = json.loads(entry["verdict"].read_text())
     found["truth"] = truth
@@ -242,14 +265,15 @@ def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("target", [*TARGETS, ROUND_TRIP], ids=["tp-up-pp-down", "tp-down-pp-down-dp-up",
-                                                                 "tp-down-dp-up", "tp-1-back-to-2"])
+@pytest.mark.parametrize("target", [*TARGETS, ROUND_TRIP, FROM_TP1],
+                         ids=["tp-up-pp-down", "tp-down-pp-down-dp-up", "tp-down-dp-up", "tp-1-back-to-2",
+                              "deepspeeds-tp-1-save-to-2"])
 def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, target):
-    pp, tp, dp = target
     entry = tp_changes[target]
+    pp, tp, dp = target if target != FROM_TP1 else FROM_TP1[1]
     [checkpoint] = entry["result"].checkpoints
     topology = checkpoint.target_topology
-    assert (topology.pp, topology.tp, topology.dp) == target
+    assert (topology.pp, topology.tp, topology.dp) == (pp, tp, dp)
     names = sorted(os.listdir(entry["out"] / "step3"))
     assert [n for n in names if n.endswith("optim_states.pt")] == sorted(
         f"zero_pp_rank_{d}_mp_rank_{s * tp + m:02d}_optim_states.pt" for s in range(pp) for m in range(tp)
@@ -259,7 +283,7 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
     assert [n for n in names if n.startswith("layer_")] == [f"layer_{i:02d}-model_{m:02d}-model_states.pt"
                                                             for i in range(6) for m in range(tp)]
     params = {1: 9, 2: 10}[pp]  # the tied embedding on both stages at pp 2
-    compared = _check_files_against_sliced_truth(entry["out"], tp_changes["truth"], tp)
+    compared = _check_files_against_sliced_truth(entry["out"], entry.get("truth", tp_changes["truth"]), tp)
     assert compared == tp * (3 * params + 9)  # 9 layer-file tensors: embed, 1.w/b, 3.w/b, 4.w/b, 5.w/b
     verdict = entry["verdict"]
     assert verdict["ok"], verdict
@@ -278,9 +302,20 @@ def test_deepspeeds_own_universal_path_agrees_at_each_target(tp_changes, target)
 
 
 @pytest.mark.e2e
-def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a_dry_run(pipeline_runs, tmp_path):
+def test_deepspeed_saves_a_tp_1_model_axis_with_model_00_layer_files_and_it_is_read(tp_saves):
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    save_dir, _ = tp_saves[TP1_VARIANT]
+    assert sorted(n for n in os.listdir(save_dir / "step3") if n.startswith("layer_")) == [
+        f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)]
+    source = inspect_pipeline(str(save_dir), "step3")
+    assert (source.pp, source.tp, source.dp, source.model_axis) == (2, 1, 2, True)
+    assert "pp=2 dp=2 tp=1 (model axis)" in source.describe()
+
+
+@pytest.mark.e2e
+def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a_dry_run(tp_saves, tmp_path):
     from trained import reshard_in_process
-    save_dir, _ = pipeline_runs(VARIANT, *SOURCE)
+    save_dir, _ = tp_saves[VARIANT]
     layers = ["--pipeline-layers", "7", "--pipeline-tied", "embed:0,6"]
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "1", "--target-tp", "3", *layers)
     assert run.returncode == 2, run.stderr
