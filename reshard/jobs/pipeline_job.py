@@ -32,6 +32,7 @@ k-th layer by worker k % W, `layer_files_written_by`).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -59,9 +60,9 @@ from reshard.formats.deepspeed_pipeline import (
     write_repartitioned_stage,
     write_stage_files,
 )
-from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules, target_local_shapes
 from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
+from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules, target_local_shapes
 from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages, split_by_group
 from reshard.files.resources import human
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
@@ -138,7 +139,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
         if applies:
-            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp and pp change)")
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp, pp and a model axis's tp change)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
     topology = Topology(dp=opts.target_dp, tp=opts.target_tp if tp_changed else source.tp,
@@ -151,7 +152,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     numels, rules, shapes = source_numels(source), None, None
     if tp_changed:  # the target's partition weighs the parameters at the target's local shapes
         rules, shapes = model_axis_plan(source, layers, topology.tp)
-        numels = {name: _numel(shapes[name]) for name in numels}
+        numels = {name: math.prod(shapes[name]) for name in numels}
         weightings = [{name: count * source.tp // topology.tp if not rules.rule(name).whole else count
                        for name, count in counted.items()} for counted in weightings]
     try:
@@ -187,13 +188,6 @@ def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: i
     return rules, shapes
 
 
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
-
-
 def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) -> None:
     """Refuse target stages DeepSpeed could not build: runtime/zero/stage_1_and_2.py `__init__` reads
     each param group's first trainable parameter (`self.bit16_groups[i][0].dtype`), so a stage
@@ -219,7 +213,7 @@ def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: 
     if target.stages is None:
         return [max((joined_state_bytes(source, dp, kept_stage=s, model=m) for s, m in units), default=0)
                 for units in writes]
-    numels = {n: _numel(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
+    numels = {n: math.prod(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
     elements = [sum(numels[n] for n in names) for names in target.stages.names]
     return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=None if target.tp_changed else m)
                  for t, m in units), default=0) for units in writes]
@@ -282,7 +276,7 @@ def stage_output_bytes(source: PipelineSource, target: PipelineTarget) -> list[i
     sizes = [stage_source_bytes(source, s) for s in range(source.pp)]
     if target.stages is None:
         return sizes
-    numels = {n: _numel(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
+    numels = {n: math.prod(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
     per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
     return [int(per_element * sum(numels[n] for n in names)) for names in target.stages.names]
 
