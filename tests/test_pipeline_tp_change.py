@@ -310,6 +310,10 @@ def test_deepspeed_saves_a_tp_1_model_axis_with_model_00_layer_files_and_it_is_r
     source = inspect_pipeline(str(save_dir), "step3")
     assert (source.pp, source.tp, source.dp, source.model_axis) == (2, 1, 2, True)
     assert "pp=2 dp=2 tp=1 (model axis)" in source.describe()
+    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
+    summary = pipeline_summary(str(save_dir), None)
+    assert summary["model_axis"] and "--target-tp T (the model axis has tp 1) needs them too" in \
+        pipeline_summary_text(summary)
 
 
 @pytest.mark.e2e

@@ -872,7 +872,7 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
         return None
     source = inspect_pipeline(save_dir, tag, trust_pickle)
     return {"kind": "pipeline", "save_dir": save_dir, "tag": tag, "description": source.describe(),
-            "pp": source.pp, "dp": source.dp, "tp": source.tp, "bf16": source.bf16,
+            "pp": source.pp, "dp": source.dp, "tp": source.tp, "model_axis": source.has_model_axis, "bf16": source.bf16,
             "layer_files": list(source.layer_files),
             "stages": [{"stage": spec.index, "params": sum(len(g) for g in spec.names),
                         "elements": sum(sum(g) for g in spec.numels), "groups": len(spec.names),
@@ -891,7 +891,7 @@ def pipeline_summary_text(summary: dict) -> str:
         lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements"
                      f"{each}, {stage['groups']} group(s){tied}; {files}, each + {summary['dp']} optimizer files")
     lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
-    axis = tp > 1 or "(model axis)" in summary["description"]
+    axis = summary.get("model_axis", tp > 1)
     lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
                  "and --pipeline-tied (the checkpoint does not record them)"
                  + (f"; --target-tp T (the model axis has tp {tp}) needs them too, and universal_checkpoint_info "
