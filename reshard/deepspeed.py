@@ -296,7 +296,8 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     if tp != source.tp:
         raise UnsupportedCheckpoint(model_path, f"was saved with a pipeline model axis of tp {source.tp}, this engine "
                                                 f"has {tp}; in-job resharding of pipeline checkpoints keeps tp "
-                                                "(changing it would re-cut every Megatron-style slice)")
+                                                "(`reshard SRC DST --target-tp T` with the layer list re-cuts "
+                                                "every slice offline, by the save's universal_checkpoint_info)")
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
     saved_groups, group_of = source_groups(source)
     if groups is None or len(groups) != saved_groups:

@@ -44,6 +44,12 @@ import torch
 
 VOCAB, DIM, HIDDEN = 37, 24, 41
 MP_HIDDEN = 42  # --mp 2: 21 rows / columns per model rank
+MP_HIDDEN_U = 44  # the "-mpNu" variants: 44 cuts evenly for tp 1, 2 and 4
+# "-mpNu": the client state Megatron-DeepSpeed saves (universal_checkpoint_info) for this model: which
+# stage parameters every model rank holds whole and which are row-parallel (cut on dim 1); the rest
+# (layer 1's column-parallel weight and bias) are cut on dim 0, ds_to_universal's default
+UNIVERSAL_INFO = {"tp_replicated_parameter_patterns": [r"tied_modules\.embed\.", r"3\.bias", r"4\.", r"5\."],
+                  "parameter_with_row_parallelism_patterns": [r"3\.weight"]}
 MICRO_BATCH, SEQ, GRAD_ACCUM = 2, 5, 2
 HANG_SECONDS = 400
 
@@ -179,17 +185,17 @@ def param_groups(module) -> list[dict]:
             {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
 
 
-def layer_specs(frozen: str | None = None, groups: bool = False, mp: int = 1):
+def layer_specs(frozen: str | None = None, groups: bool = False, mp: int = 1, hidden: int | None = None):
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     def head(embedding, hidden):  # the tied weight again, as the output projection
         return hidden @ embedding.weight.t()
 
-    if mp > 1:  # the same seven layers, the two wide Linears sliced over the model axis
+    if hidden:  # the same seven layers, the two wide Linears sliced over the model axis
         return [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM),
-                LayerSpec(ColumnParallelLinear, DIM, MP_HIDDEN),
+                LayerSpec(ColumnParallelLinear, DIM, hidden),
                 torch.nn.GELU(),
-                LayerSpec(RowParallelLinear, MP_HIDDEN, DIM),
+                LayerSpec(RowParallelLinear, hidden, DIM),
                 LayerSpec(ScaledLayerNorm if groups else torch.nn.LayerNorm, DIM),
                 LayerSpec(torch.nn.Linear, DIM, DIM),
                 TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, DIM, forward_fn=head)]
@@ -237,7 +243,7 @@ def batch(seed: int):
 
 
 def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None,
-                 groups: bool = False, mp: int = 1):
+                 groups: bool = False, mp: int = 1, info: bool = False):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -248,11 +254,12 @@ def build_engine(pp: int, precision: str, seed: int, universal: bool = False, fr
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(seed)
     ModelAxis.rank, ModelAxis.size, ModelAxis.group = 0, 1, None  # a model-axis engine before this one set them
-    if mp > 1:
+    if mp > 1 or info:  # "-mpNu" at tp 1 too: PipeModelDataParallelTopology, as a Megatron script builds it
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=world // (pp * mp))
         ModelAxis.rank, ModelAxis.size = topology.get_coord(torch.distributed.get_rank()).model, mp
-        module = PipelineModule(layers=layer_specs(frozen, groups, mp), topology=topology, loss_fn=loss_fn,
+        module = PipelineModule(layers=layer_specs(frozen, groups, mp, MP_HIDDEN_U if info else MP_HIDDEN),
+                                topology=topology, loss_fn=loss_fn,
                                 partition_method="parameters", base_seed=seed)
         ModelAxis.group = module._grid.get_slice_parallel_group()
     else:
@@ -310,12 +317,17 @@ def eval_loss(engine) -> float:
 def variant_settings(variant: str) -> dict:
     """A variant's name (`--variant`, `--more`, `--judge`; tests/test_pipeline.py names them) as this
     harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
-    "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2": both)."""
+    "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2",
+    "-frozen-mp2": both), with "-mp1u", "-mp2u", "-mp4u" a model axis of 1, 2, 4 (hidden MP_HIDDEN_U)
+    saving UNIVERSAL_INFO as client state."""
     precision, _, model = variant.partition("-")
-    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2", "frozen-mp2"):
+    if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2",
+                                                                   "frozen-mp2", "mp1u", "mp2u", "mp4u"):
         raise SystemExit(f"unknown variant {variant!r}")
+    axis = model.rpartition("-")[2]
     return {"precision": precision, "frozen": "later" if model.startswith("frozen") else None,
-            "groups": model.startswith("groups"), "mp": 2 if model.endswith("mp2") else 1}
+            "groups": model.startswith("groups"), "mp": int(axis[2]) if axis.startswith("mp") else 1,
+            "info": axis.endswith("u")}
 
 
 def with_variant(args, variant: str) -> argparse.Namespace:
@@ -330,16 +342,18 @@ def train(args) -> None:
 
 
 def train_one(args, save: str, truth_dir: str) -> None:
-    engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen, groups=args.groups, mp=args.mp)
+    engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen, groups=args.groups, mp=args.mp,
+                          info=args.info)
     rank = int(os.environ["RANK"])
     steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
                   for step in range(args.steps) for i in range(GRAD_ACCUM)])
     for _ in range(args.steps):
         engine.train_batch(data_iter=steps)
     # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
-    engine.save_checkpoint(save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info": {}})
+    engine.save_checkpoint(save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info":
+                                                            UNIVERSAL_INFO if args.info else {}})
     truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "counters": counters(engine),
-             "model_rank": ModelAxis.rank}
+             "model_rank": ModelAxis.rank, "tp": ModelAxis.size}
     os.makedirs(truth_dir, exist_ok=True)
     torch.save(truth, os.path.join(truth_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()
@@ -348,11 +362,13 @@ def train_one(args, save: str, truth_dir: str) -> None:
 def check(args) -> None:
     check_one(args, args.load, args.verdict, args.in_job)
     for load, verdict, mode in args.also:
-        check_one(args, load, verdict, {"plain": False, "in-job": True}[mode])
+        moded, in_job = in_mode(args, mode)
+        check_one(moded, load, verdict, in_job)
     for variant, load, truth, verdict, mode in args.judge:
         judged = with_variant(args, variant)
         judged.truth = truth
-        check_one(judged, load, verdict, {"plain": False, "in-job": True}[mode])
+        judged, in_job = in_mode(judged, mode)
+        check_one(judged, load, verdict, in_job)
     for directory, truth, verdict in args.safetensors:
         check_safetensors(directory, truth, verdict)
 
@@ -393,9 +409,16 @@ def check_safetensors(directory: str, truth_dir: str, verdict_path: str) -> None
     torch.distributed.barrier()
 
 
+def in_mode(args, mode: str) -> tuple[argparse.Namespace, bool]:
+    """(args, in_job) for check_one of an --also / --judge MODE: "plain", "in-job" (reshard's in-job
+    API), or "universal" (a ds_to_universal output, loaded with load_universal: DeepSpeed's own path)."""
+    universal = argparse.Namespace(**{**vars(args), "universal": args.universal or mode == "universal"})
+    return universal, {"plain": False, "in-job": True, "universal": False}[mode]
+
+
 def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal, frozen=args.frozen,
-                          groups=args.groups, mp=args.mp)
+                          groups=args.groups, mp=args.mp, info=args.info)
     rank = int(os.environ["RANK"])
     if in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
         import reshard.deepspeed
@@ -407,6 +430,9 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     for truth in truths:  # with a model axis, the truth of this rank's model rank: names repeat, values differ
         if truth.get("model_rank", 0) == ModelAxis.rank:
             expected.update(truth["tensors"])
+    saved_tp = truths[0].get("tp", 1)
+    if saved_tp != ModelAxis.size:  # another tp: this rank's slice of each tensor joined over the saved ranks
+        expected = sliced_truth(truths, ModelAxis.size, ModelAxis.rank)
     problems = []
     if path is None:
         problems.append("load_checkpoint returned None")
@@ -421,7 +447,9 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
                 gap = float((want.float() - value.float()).abs().max()) if want.shape == value.shape else "shape"
                 problems.append(f"{name}.{key}: differs (max abs {gap})")
     loss = eval_loss(engine)
-    if loss != truths[0]["loss"]:
+    # at another tp the row-parallel sums add their partial products in another order: equal to
+    # rounding, not bit for bit (at the same tp the loss must be the saved one exactly)
+    if loss != truths[0]["loss"] and (saved_tp == ModelAxis.size or abs(loss - truths[0]["loss"]) > 1e-5):
         problems.append(f"eval loss {loss} != {truths[0]['loss']}")
     loaded = counters(engine)
     for key, want in truths[0]["counters"].items():
@@ -438,6 +466,23 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
             json.dump(verdict, out, indent=1)
         os.replace(verdict_path + ".tmp", verdict_path)
     torch.distributed.barrier()
+
+
+def sliced_truth(truths: list, tp: int, rank: int) -> dict:
+    """Every tensor of the truth (every saved rank's) as model rank `rank` of `tp` holds it: the saved
+    model ranks' tensors joined by this model's own layers (layer 1 ColumnParallelLinear: dim 0;
+    layer 3 RowParallelLinear: weight dim 1, bias whole; the rest whole), then that rank's even slice."""
+    by_rank: dict[int, dict] = {}
+    for truth in truths:
+        by_rank.setdefault(truth["model_rank"], {}).update(truth["tensors"])
+    expected = {}
+    for name, states in by_rank[0].items():
+        dim = 0 if name.startswith("1.") else 1 if name == "3.weight" else None
+        expected[name] = {key: value if dim is None else
+                          torch.cat([by_rank[m][name][key] for m in range(len(by_rank))], dim=dim).chunk(
+                              tp, dim=dim)[rank].contiguous()
+                          for key, value in states.items()}
+    return expected
 
 
 def main() -> None:
@@ -460,14 +505,15 @@ def main() -> None:
     parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
     parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
-                        help="check: one more save (MODE plain or in-job), in a fresh engine, same truth")
+                        help="check: one more save (MODE plain, in-job or universal), in a fresh engine, same truth")
     parser.add_argument("--more", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE", "TRUTH"),
                         help="train: then one more variant (e.g. fp16, fp32-frozen) in an engine of its own")
     parser.add_argument("--judge", nargs=5, action="append", default=[],
                         metavar=("VARIANT", "LOAD", "TRUTH", "VERDICT", "MODE"),
-                        help="check: then one more save of another variant (MODE plain or in-job), its own truth")
+                        help="check: then one more save of another variant (MODE plain, in-job or universal), its own truth")
     parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
                         help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
+    parser.set_defaults(info=False)  # a variant "-mpNu" sets it (variant_settings)
     args = parser.parse_args()
     if args.variant:
         args = with_variant(args, args.variant)

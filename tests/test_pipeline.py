@@ -46,7 +46,7 @@ def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1), _source())
     kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=3, target_pp=2), _source())
     assert (kept.topology.pp, kept.topology.dp, kept.stages) == (2, 3, None)
-    with pytest.raises(OptionError, match="--target-tp 2: the save's pipeline model axis has tp 1"):
+    with pytest.raises(OptionError, match="--target-tp 2: the save has no pipeline model axis"):
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), _source())
 
 
@@ -73,8 +73,10 @@ def harness_flags(variant: str) -> list[str]:
 
 
 def model_ranks(variant: str) -> int:
-    """The variant's model (tensor-slicing) axis: 2 for "-mp2", else 1; a launch has pp * dp * that ranks."""
-    return 2 if variant.endswith("-mp2") else 1
+    """The variant's model (tensor-slicing) axis: N for "-mpN" or "-mpNu", else 1; a launch has pp * dp * that
+    ranks."""
+    axis = variant.rpartition("-")[2]  # the last part: "fp32-groups-mp2" -> "mp2"
+    return int(axis[2]) if axis.startswith("mp") else 1
 
 
 # The variants trained one after another in ONE launch (tests/pipeline_run.py train --more), each in

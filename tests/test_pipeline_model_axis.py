@@ -22,7 +22,7 @@ import os
 
 import pytest
 
-from reshard.errors import OptionError
+from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import pipeline_target, stage_files_written_by
@@ -52,15 +52,20 @@ def test_each_stage_and_model_rank_is_built_by_one_worker_one_column_at_a_time()
     assert stage_files_written_by(3, 1, 2) == (((0, 0), (2, 0)), ((1, 0),))  # no model axis: the stages
 
 
-def test_the_model_axis_is_kept_and_another_tp_refused_by_name():
+def test_the_model_axis_is_kept_and_another_tp_needs_the_layer_list():
     stage = PipelineStage(0, (("tied_modules.embed.weight",),), ((888,),))
     source = PipelineSource("/ckpt", "t", 2, 1, False, False, (stage, stage), (), (), tp=2)
     kept = pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2), source)
     assert (kept.topology.pp, kept.topology.tp, kept.topology.dp, kept.stages) == (2, 2, 2, None)
     assert pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=2), source).topology.tp == 2
-    with pytest.raises(OptionError, match=r"/ckpt/t/mp_rank_00_model_states.pt: --target-tp 1: the save's pipeline "
-                                          r"model axis has tp 2 .* leave --target-tp out or give 2"):
+    # DeepSpeed's `parameters` partition weighs the local (sliced) parameter counts: another tp may
+    # give other stages, so the layer list is needed as for another pp
+    with pytest.raises(UnsupportedCheckpoint, match=r"/ckpt/t/mp_rank_00_model_states.pt: --target-tp 1 \(the save "
+                                                    r"has tp 2\): DeepSpeed's `parameters` partition .* give "
+                                                    r"--pipeline-layers N"):
         pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=1), source)
+    with pytest.raises(OptionError, match=r"--target-tp must be at least 1"):
+        pipeline_target(ReshardOptions(source="a", destination="b", target_dp=2, target_tp=0, **LAYERS), source)
 
 
 def _truth_by_model_rank(truth_dir) -> dict[int, dict[str, dict]]:
@@ -211,9 +216,14 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     text = pipeline_summary_text(summary)
     assert "pp=2 dp=1 tp=2 (model axis)" in text and "mp_rank_02_model_states.pt / mp_rank_03_model_states.pt" in text
     out = tmp_path / "out"
-    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-tp", "1")
+    # this save's client state has an empty universal_checkpoint_info: which dim each parameter is
+    # sliced on is not recorded (tests/test_pipeline_tp_change.py changes tp of a save that has it)
+    run = reshard_in_process(save_dir, out, "--target-dp", "2", "--target-tp", "1", "--pipeline-layers", "7",
+                             "--pipeline-tied", "embed:0,6")
     assert run.returncode == 2, run.stderr
-    assert f"{tag_dir}/mp_rank_00_model_states.pt: --target-tp 1: the save's pipeline model axis has tp 2" in run.stderr
+    assert (f"{tag_dir}/mp_rank_00_model_states.pt: --target-tp 1 (the save has tp 2): has a universal_checkpoint_info "
+            "with none of tp_replicated_parameter_patterns, parameter_to_average_patterns, ") in run.stderr
+    assert "so which dim each parameter is sliced on over the model axis is not recorded" in run.stderr
     assert not out.exists()
     run = reshard_in_process("export", save_dir, tmp_path / "export", "--format", "safetensors")
     assert run.returncode == 2, run.stderr

@@ -23,7 +23,8 @@ on a real (pp, tp, dp) = (2, 2, 1) save of DeepSpeed 0.19.8 on CPU:
 
     layer_{idx:02d}-model_{m:02d}-model_states.pt
                                              layer idx of model rank m (module.py `ckpt_layer_path`:
-                                             `topology.get_rank_repr`, which omits data and pipe);
+                                             `topology.get_rank_repr`, which omits data and pipe, so
+                                             at tp 1 too: `-model_00`, `PipelineSource.model_axis`);
                                              written by dp rank 0 of the rank holding (stage, m)
                                              (`save_state_dict`), a replicated layer once per m
     mp_rank_{s * tp + m:02d}_model_states.pt one per (stage s, model rank m): the grid's
@@ -42,12 +43,26 @@ shapes; the values differ. DeepSpeed loads layer files by position, not name: mo
 `load_state_dir` globs `layer_{idx:02d}-*model_states.pt`, sorts them and takes the model rank's
 entry (state_dict_factory.py `SDLoaderBase.load` with is_pipe_parallel) when their count equals the
 model-parallel size. So each model rank's column of stages is a pipeline of its own: changing pp or
-dp with tp kept is that change applied per column, the layer files keeping their names. Changing
-tp (reslicing) is refused: which dim each parameter is sliced on is not in the files but in the
-`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does);
-without them DeepSpeed's ds_to_universal joins every parameter's slices on dim 0 (on the (2, 2, 1)
-test save, whose info is empty: a row-parallel [24, 21] weight came out [48, 21], the replicated
-[37, 24] embedding [74, 24]).
+dp with tp kept is that change applied per column, the layer files keeping their names.
+
+Changing tp (reslicing): which dim each parameter is sliced on is not in the files but in the
+`universal_checkpoint_info` patterns a script saves as client state (Megatron-DeepSpeed does), the
+same in every stage file; reshard.layouts.model_axis reads them as ds_to_universal.py
+`merge_tp_slices` does (replicated, row on dim 1, vocabulary, two fused sub-parameters, the rest on
+dim 0) and refuses what it cannot serve by name: no patterns at all (without them ds_to_universal
+joins every parameter on dim 0: on the (2, 2, 1) "-mp2" test save, whose info is empty, a
+row-parallel [24, 21] weight came out [48, 21], the replicated [37, 24] embedding [74, 24]), averaged
+parameters whose ranks differ, a padded vocabulary, fused sub-parameter views, an affine map, and a
+target tp that does not cut a sliced dim evenly. `model_axis_states` joins every model rank's column
+(named_states) into whole per-name fp32 masters and moments, `cut_model_axis_states` cuts a target
+model rank's slice, and `write_repartitioned_stage` writes each target (stage, model rank) at the
+target's local shapes (`param_shapes`, mp_world_size pp * tp, checkpoint_parallel_dimensions
+tp_degree; universal_checkpoint_info and the rest of client_state carried). Since DeepSpeed's
+`parameters` partition weighs local (sliced) parameter counts, the stages are re-assigned with the
+target's (reshard.jobs.pipeline_job). Every layer file's tensors (weights in the training dtype,
+buffers, frozen parameters; by their stage names) are joined and re-cut by the same rule and
+written under the target's `-model_XX` names (`write_model_axis_layer_files`), replicated ones
+checked equal on every source rank.
 
 Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
 the stage's parameters (a tied module's parameters sit in every stage holding it, named
@@ -136,10 +151,18 @@ class PipelineSource:
     """Files copied as they are besides the layer files (none known today; kept for safety)."""
     tp: int = 1
     """Model (tensor-slicing) ranks of PipeModelDataParallelTopology; 1 without a model axis."""
+    model_axis: bool = False
+    """The layer files carry a `-model_XX` suffix: saved with PipeModelDataParallelTopology, which
+    DeepSpeed names so at tp 1 too (topology.py `get_rank_repr` keeps the model axis: `model_00`)."""
 
     @property
     def tag_dir(self) -> str:
         return os.path.join(self.save_dir, self.tag)
+
+    @property
+    def has_model_axis(self) -> bool:
+        """Saved with PipeModelDataParallelTopology: tp > 1, or `-model_00` layer files at tp 1."""
+        return self.tp > 1 or self.model_axis
 
     def model_path(self, stage: int = 0, model: int = 0) -> str:
         return os.path.join(self.tag_dir, stage_model_name(stage, model, self.tp))
@@ -151,7 +174,7 @@ class PipelineSource:
     def describe(self) -> str:
         optimizer = "BF16_Optimizer" if self.bf16_optimizer else "ZeRO-1"
         params = sum(len(group) for stage in self.stages for group in stage.names)
-        axis = f" tp={self.tp} (model axis)" if self.tp > 1 else ""
+        axis = f" tp={self.tp} (model axis)" if self.has_model_axis else ""
         return (f"pipeline pp={self.pp} dp={self.dp}{axis}, {optimizer}{' bf16' if self.bf16 else ''}, "
                 f"{len(self.layer_files)} layer files, {params} stage parameters" + (" per model rank" if axis else ""))
 
@@ -162,12 +185,13 @@ def stage_model_name(stage: int, model: int = 0, tp: int = 1) -> str:
 
 
 def refuse_model_axis(source: PipelineSource, doing: str) -> None:
-    """UnsupportedCheckpoint naming the first stage file when the save has a model axis and `doing`
-    (a path other than the offline reshard with tp kept) does not serve one."""
-    if source.tp > 1:
+    """UnsupportedCheckpoint naming the first stage file when the save has a model axis (tp > 1, or
+    PipeModelDataParallelTopology's `-model_00` layer files at tp 1) and `doing` (a path other than
+    the offline reshard) does not serve one."""
+    if source.has_model_axis:
         raise UnsupportedCheckpoint(source.model_path(0), f"is a pipeline save with a model axis (tp {source.tp}, "
                                                           f"PipeModelDataParallelTopology); {doing} does not support "
-                                                          "it (`reshard SRC DST` with tp kept does)")
+                                                          "it (`reshard SRC DST` does)")
 
 
 def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 1) -> list[str]:
@@ -221,7 +245,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                               "DeepSpeed cannot load such a save either)")
     first = load_whole(os.path.join(tag_dir, stage_models[0]), trust_pickle)
     tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
-    _check_layer_models(tag_dir, layer_models, tp)
+    model_axis = _check_layer_models(tag_dir, layer_models, tp)
     if len(stage_models) % tp:
         raise CheckpointError(tag_dir, f"has {len(stage_models)} stage model files, not a multiple of tp_degree {tp}")
     pp = len(stage_models) // tp
@@ -274,24 +298,29 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
                               f"should not exist: the save has {pp * tp} stage files of {dp} dp ranks")
     return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
-                          tuple(others), tp)
+                          tuple(others), tp, model_axis)
 
 
-def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> None:
+def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> bool:
     """Refuse a layer file that disagrees with `tp`: with a model axis one file per model rank 00..tp-1
     of each layer, each with its `-model_XX` suffix; without one, no suffix (module.py
-    `ckpt_layer_path`). `layer_models`: layer index -> {model rank or None: file name}."""
-    expected = set(range(tp)) if tp > 1 else {None}
+    `ckpt_layer_path`); at tp 1 either, every layer alike (PipeModelDataParallelTopology names
+    `-model_00`). `layer_models`: layer index -> {model rank or None: file name}. Returns whether the
+    files carry the suffix."""
+    suffixed = tp > 1 or any(None not in models for models in layer_models.values())
+    expected = set(range(tp)) if suffixed else {None}
     for index, models in sorted(layer_models.items()):
         stray = sorted(set(models) - expected, key=str)
         if stray:
-            why = (f"has a -model_XX suffix (a model axis), but {stage_model_name(0)} says tp_degree 1" if tp == 1
+            why = ("has no -model_XX suffix, but other layer files of this tp_degree 1 save have one" if stray == [None]
+                   else f"has a -model_XX suffix (a model axis), but {stage_model_name(0)} says tp_degree 1" if tp == 1
                    else f"is a layer file of model rank {stray[0]}, but the save's tp_degree is {tp}")
             raise CheckpointError(os.path.join(tag_dir, models[stray[0]]), why)
         if missing := sorted(expected - set(models), key=str):
             raise CheckpointError(os.path.join(tag_dir, f"layer_{index:02d}-model_{missing[0]:02d}-model_states.pt"),
                                   f"is missing: the save's tp_degree is {tp}, and layer {index} has files of model "
                                   f"ranks {sorted(models, key=str)}")
+    return suffixed
 
 
 def _check_stage_model(model: dict, model_path: str) -> None:
@@ -515,7 +544,7 @@ def source_buffers(source: PipelineSource) -> list[str]:
 
 
 def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
-                       target_elements: int = 0, model: int = 0) -> int:
+                       target_elements: int = 0, model: int | None = 0) -> int:
     """About the most bytes of tensors (beyond the interpreter's own) that building one target stage
     from whole tensors holds, from the optimizer files' sizes: with the stages kept
     (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
@@ -526,12 +555,21 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     and kept: 3 x all optimizer bytes, plus the target stage's `target_elements` joined and one
     target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
     files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
-    (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x."""
-    sizes = [sum(os.path.getsize(source.optim_path(s, d, model)) for d in range(source.dp)) for s in range(source.pp)]
+    (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x. With tp changed (`model` None,
+    model_axis_states), every model rank's column is joined and kept, then each tensor joined whole
+    over the model ranks (one more copy): 4 x the optimizer bytes of every (stage, model rank), plus
+    the target unit's `target_elements` (at the target's local shapes) as above. Measured on a
+    (2, 2, 1) save with 218 MiB of optimizer files (tests/pipeline_run.py's -mp2u model widened to
+    dim 1024, hidden 8192), one worker: -> (1, 1, 4) peaked at 1.25 GiB RSS, about 1.03 GiB above the
+    interpreter's own, where this says 1.1 GiB; -> (2, 1, 2) at 1.08 GiB (0.86 above), where this says 1.0."""
+    models = range(source.tp) if model is None else [model]
+    sizes = [sum(os.path.getsize(source.optim_path(s, d, m)) for d in range(source.dp) for m in models)
+             for s in range(source.pp)]
     if kept_stage is not None:
         return 3 * sizes[kept_stage] + sizes[kept_stage] // target_dp
-    per_element = sum(sizes) / max(1, sum(sum(sum(g) for g in spec.numels) for spec in source.stages))
-    return int(3 * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
+    elements = len(models) * sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
+    per_element = sum(sizes) / max(1, elements)
+    return int((3 if model is not None else 4) * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
 
 
 def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
@@ -639,35 +677,176 @@ def stage_flats(states: dict, groups: Sequence[Sequence[str]]) -> tuple[list, li
     return masters, moments
 
 
+def source_shapes(source: PipelineSource) -> dict[str, tuple[int, ...]]:
+    """Every trainable parameter's shape on one model rank (`param_shapes`), stage order."""
+    return {name: shape for spec in source.stages for group_names, group_shapes in zip(spec.names, spec.shapes)
+            for name, shape in zip(group_names, group_shapes)}
+
+
 def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, names: Sequence[str],
                               target_pp: int, stage: int, target_dp: int, tag_dir: str,
                               trust_pickle: bool = False, buffer_names: Sequence[str] | None = None,
-                              model_rank: int = 0) -> list[str]:
+                              model_rank: int = 0, target_tp: int | None = None,
+                              shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files,
-    of model rank `model_rank` (`states`, `template`: named_states of that rank's column; the model
-    axis kept). `names`: the stage's parameters in flat order, `buffer_names` its buffers
-    (reshard.layouts.pipeline.StageAssignment); each parameter keeps its source param group."""
+    of model rank `model_rank` (`states`, `template`: named_states of that rank's column, the model
+    axis kept; or, with `target_tp` other than the source's, model_axis_states' whole tensors cut for
+    that rank by cut_model_axis_states, `shapes` each parameter's shape at the target). `names`: the
+    stage's parameters in flat order, `buffer_names` its buffers (reshard.layouts.pipeline.
+    StageAssignment); each parameter keeps its source param group."""
     import collections
 
     import torch
 
-    numels = source_numels(source)
-    shapes = {name: shape for spec in source.stages for group_names, group_shapes in zip(spec.names, spec.shapes)
-              for name, shape in zip(group_names, group_shapes)}
+    tp = source.tp if target_tp is None else target_tp
+    shapes = shapes or source_shapes(source)
     groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
     masters, moments = stage_flats(states, groups)
-    model = load_whole(source.model_path(0, model_rank), trust_pickle)
+    # the per-stage keys (ds_config, universal_checkpoint_info and the rest of client_state) are the
+    # same in every source (stage, model rank) file; a model rank the source lacks takes model rank 0's
+    model = load_whole(source.model_path(0, model_rank if model_rank < source.tp else 0), trust_pickle)
     model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in group)
                              for group in groups]
     if buffer_names is not None:
         model["buffer_names"] = list(buffer_names)
     model["dp_world_size"] = target_dp
-    model["mp_world_size"] = target_pp * source.tp  # engine.py: the grid's model-parallel size, pp * tp
+    model["mp_world_size"] = target_pp * tp  # engine.py: the grid's model-parallel size, pp * tp
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
-                                               "pp_degree": target_pp}
-    trees = build_optimizers(template, list(groups), [tuple(numels[n] for n in group) for group in groups], masters,
-                             moments, target_dp)
-    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp), tag_dir)
+                                               "pp_degree": target_pp,
+                                               **({"tp_degree": tp} if target_tp is not None else {})}
+    trees = build_optimizers(template, list(groups), [tuple(_numel(shapes[n]) for n in group) for group in groups],
+                             masters, moments, target_dp)
+    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir)
+
+
+def join_model_slices(rule, pieces: Sequence, local_shape: Sequence[int], name: str, where: str):
+    """The whole tensor of one model-axis tensor from every source model rank's `pieces` (each of
+    `local_shape`, any layout), by `rule` (reshard.layouts.model_axis.ModelAxisRule): a tensor every
+    rank holds whole must be equal on every rank (ds_to_universal.py `merge_tp_slices` asserts as
+    much for the replicated; it averages the others, which reshard refuses as lossy unless they are
+    equal); a sliced one is assembled from each rank's pieces (TensorSplit.local_pieces)."""
+    import torch
+    local_shape = tuple(int(d) for d in local_shape)
+    if rule.whole:
+        first = pieces[0].reshape(local_shape)
+        for rank, other in enumerate(pieces[1:], 1):
+            if not torch.equal(first, other.reshape(local_shape)):
+                if rule.kind == "average":
+                    raise UnsupportedCheckpoint(where, f"{name} matches parameter_to_average_patterns and differs "
+                                                       f"between model ranks 0 and {rank}: ds_to_universal averages "
+                                                       "such slices, which loses their values; reshard does not")
+                raise CheckpointError(where, f"{name} is replicated over the model axis (tp_replicated_parameter_"
+                                             f"patterns) but differs between model ranks 0 and {rank}")
+        return first
+    tp = len(pieces)
+    whole = rule.joined_shape(local_shape, tp)
+    split = rule.split(whole)
+    out = torch.empty(split.view or whole, dtype=pieces[0].dtype)
+    for rank, piece in enumerate(pieces):
+        flat = piece.reshape(-1)
+        for offset, box, _ in split.local_pieces(0, whole, tp, rank):
+            region = out[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+            region.copy_(flat[offset:offset + box.numel].view(box.sizes))
+    return out.reshape(whole)
+
+
+def cut_model_slice(rule, whole, tp: int, rank: int):
+    """Model rank `rank`'s slice of `whole` at `tp` ranks (the inverse of join_model_slices; the
+    tensor itself when every rank holds it whole)."""
+    import torch
+    if rule.whole:
+        return whole
+    shape = tuple(whole.shape)
+    split, local = rule.split(shape), rule.local_shape(shape, tp)
+    view = whole.reshape(split.view or shape)
+    out = torch.empty(_numel(local), dtype=whole.dtype)
+    for offset, box, _ in split.local_pieces(0, shape, tp, rank):
+        out[offset:offset + box.numel] = view[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].reshape(-1)
+    return out.view(local)
+
+
+def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False):
+    """(model rank 0's stage 0 optimizer file as a template, {name: {"fp32": whole, <state>: whole}}):
+    named_states of every model rank's column, each tensor joined over the model ranks by its rule."""
+    shapes = source_shapes(source)
+    columns = [named_states(source, trust_pickle, model) for model in range(source.tp)]
+    template, joined = columns[0][0], {}
+    stage_of = {}
+    for spec in reversed(source.stages):
+        stage_of.update({name: spec.index for group in spec.names for name in group})
+    for name, states in columns[0][1].items():
+        rule, where = rules.rule(name), source.optim_path(stage_of[name], 0, 0)
+        joined[name] = {key: join_model_slices(rule, [column[name][key] for _, column in columns], shapes[name],
+                                               name, where) for key in states}
+    return template, joined
+
+
+def cut_model_axis_states(joined: dict, rules, names: Sequence[str], tp: int, rank: int) -> dict:
+    """model_axis_states' whole tensors of `names`, each cut for model rank `rank` of `tp`, flat."""
+    return {name: {key: cut_model_slice(rules.rule(name), whole, tp, rank).reshape(-1)
+                   for key, whole in joined[name].items()} for name in names}
+
+
+def layer_file_name(index: int, model: int | None) -> str:
+    """module.py `ckpt_layer_path`: `layer_XX-model_YY-model_states.pt` with a model axis (None: without)."""
+    return f"layer_{index:02d}" + ("" if model is None else f"-model_{model:02d}") + "-model_states.pt"
+
+
+def layer_indices(source: PipelineSource) -> list[int]:
+    """The global layer indices that have layer files, ascending."""
+    return sorted({int(LAYER_RE.match(name)[1]) for name in source.layer_files})
+
+
+def layer_tensor_name(layers, index: int, key: str) -> str:
+    """A layer file entry's stage name: `<index>.<key>`, or `tied_modules.<tied key>.<key>`."""
+    tied = layers.tied_key(index)
+    return f"tied_modules.{tied}.{key}" if tied is not None else f"{index}.{key}"
+
+
+def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int) -> None:
+    """Every tensor of model rank 0's layer files, by its rule, can be cut for `target_tp` (before
+    anything is written); UnsupportedCheckpoint naming the file otherwise."""
+    from reshard.layouts.model_axis import ModelAxisError, target_local_shapes
+    for index in layer_indices(source):
+        path = os.path.join(source.tag_dir, layer_file_name(index, 0 if source.has_model_axis else None))
+        state = load_whole(path)
+        if not isinstance(state, dict):
+            raise CheckpointError(path, "does not hold a layer's state_dict")
+        local = {layer_tensor_name(layers, index, key): tuple(value.shape) for key, value in state.items()
+                 if hasattr(value, "shape")}
+        try:
+            target_local_shapes(rules, local, source.tp, target_tp)
+        except ModelAxisError as error:
+            raise UnsupportedCheckpoint(path, f"--target-tp {target_tp}: {error}") from None
+
+
+def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: int, target_tp: int, tag_dir: str,
+                                 trust_pickle: bool = False) -> list[str]:
+    """Layer `index`'s files at `target_tp` model ranks: every tensor of the source ranks' files
+    (weights in the training dtype, buffers, frozen parameters) joined and re-cut by its rule, each
+    rank's under its `-model_XX` name; returns the paths written."""
+    import torch
+    paths = [os.path.join(source.tag_dir, layer_file_name(index, m)) for m in range(source.tp)]
+    states = [load_whole(path, trust_pickle) for path in paths]
+    for path, state in zip(paths, states):
+        if not isinstance(state, dict) or state.keys() != states[0].keys():
+            raise CheckpointError(path, f"does not hold the entries of {os.path.basename(paths[0])}")
+    joined = {}
+    for key, value in states[0].items():
+        if hasattr(value, "shape"):
+            name = layer_tensor_name(layers, index, key)
+            joined[key] = (rules.rule(name), join_model_slices(rules.rule(name), [s[key] for s in states],
+                                                               tuple(value.shape), name, paths[0]))
+    written = []
+    for rank in range(target_tp):
+        out = states[0].copy()  # an OrderedDict as the layer's state_dict(), its non-tensor entries kept
+        if hasattr(states[0], "_metadata"):  # Module.state_dict's version record, which copy() drops
+            out._metadata = states[0]._metadata
+        for key, (rule, whole) in joined.items():
+            out[key] = cut_model_slice(rule, whole, target_tp, rank).clone()
+        written.append(os.path.join(tag_dir, layer_file_name(index, rank)))
+        torch.save(out, written[-1])
+    return written
 
 
 def _save_stage(model: dict, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str) -> list[str]:
@@ -693,7 +872,7 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
         return None
     source = inspect_pipeline(save_dir, tag, trust_pickle)
     return {"kind": "pipeline", "save_dir": save_dir, "tag": tag, "description": source.describe(),
-            "pp": source.pp, "dp": source.dp, "tp": source.tp, "bf16": source.bf16,
+            "pp": source.pp, "dp": source.dp, "tp": source.tp, "model_axis": source.has_model_axis, "bf16": source.bf16,
             "layer_files": list(source.layer_files),
             "stages": [{"stage": spec.index, "params": sum(len(g) for g in spec.names),
                         "elements": sum(sum(g) for g in spec.numels), "groups": len(spec.names),
@@ -702,6 +881,7 @@ def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False)
 
 
 def pipeline_summary_text(summary: dict) -> str:
+    """`reshard inspect`'s lines for pipeline_summary's dict."""
     lines = [f"{summary['save_dir']} tag {summary['tag']}: {summary['description']}"]
     tp = summary.get("tp", 1)
     for stage in summary["stages"]:
@@ -711,7 +891,9 @@ def pipeline_summary_text(summary: dict) -> str:
         lines.append(f"  stage {stage['stage']}: {stage['params']} parameters, {stage['elements']} elements"
                      f"{each}, {stage['groups']} group(s){tied}; {files}, each + {summary['dp']} optimizer files")
     lines.append(f"  layer files: {', '.join(summary['layer_files'])}")
+    axis = summary.get("model_axis", tp > 1)
     lines.append("  reshard: --target-dp D changes dp per stage; --target-pp P also needs --pipeline-layers "
                  "and --pipeline-tied (the checkpoint does not record them)"
-                 + (f"; the model axis (tp {tp}) is kept, --target-tp other than {tp} is refused" if tp > 1 else ""))
+                 + (f"; --target-tp T (the model axis has tp {tp}) needs them too, and universal_checkpoint_info "
+                    "patterns in the client state saying how each parameter is sliced" if axis else ""))
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python -m reshard SRC DST --target-dp 3                 # job.py hands pipeline saves here
     python -m reshard SRC DST --target-dp 2 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
+    python -m reshard SRC DST --target-dp 2 --target-tp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
 
 With another number of stages, the layers are re-assigned as DeepSpeed's PipelineModule assigns
 them (reshard.layouts.pipeline: `--pipeline-partition`, the layer count and tied positions the
@@ -20,10 +21,18 @@ reshard.jobs.zero0_job.
 With a model axis (PipeModelDataParallelTopology, tp > 1) every model rank's column of stages is a
 pipeline of its own (reshard.formats.deepspeed_pipeline): the work units are the (stage, model rank)
 pairs, unit stage * tp + model (its `mp_rank_XX`) built by worker (stage * tp + model) % W, each from its
-own column's files, and tp is kept: --target-tp other than the source's is refused.
+own column's files when tp is kept. With --target-tp T other than the source's (a save with a model
+axis whose client state carries universal_checkpoint_info patterns, reshard.layouts.model_axis),
+the layer list is needed as for another pp: DeepSpeed's `parameters` partition weighs the local
+(sliced) parameter counts, so the stages are re-assigned with the target's local sizes
+(`model_axis_plan`); every worker building a unit joins every source tensor whole over all model
+ranks once (deepspeed_pipeline.model_axis_states, 4 x all optimizer bytes in the budget check) and
+cuts each of its units from it, and the layer files, no longer copied, are re-cut per layer (the
+k-th layer by worker k % W, `layer_files_written_by`).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -32,20 +41,28 @@ from dataclasses import dataclass
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
+    check_layer_files_cut,
     check_layers_reproduce_source,
+    cut_model_axis_states,
     frozen_numels,
     inspect_pipeline,
     joined_state_bytes,
+    layer_indices,
+    load_whole,
+    model_axis_states,
     named_states,
     source_buffers,
     source_groups,
     source_numels,
+    source_shapes,
     stage_file_names,
+    write_model_axis_layer_files,
     write_repartitioned_stage,
     write_stage_files,
 )
 from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
+from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules, target_local_shapes
 from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages, split_by_group
 from reshard.files.resources import human
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
@@ -86,6 +103,17 @@ class PipelineTarget:
     topology: Topology
     stages: StageAssignment | None
     """The new layer-to-stage assignment; None when the number of stages is kept."""
+    model_axis: ModelAxisRules | None = None
+    """With tp changed, how each tensor is sliced over the model axis (the save's
+    universal_checkpoint_info); None when tp is kept."""
+    shapes: dict | None = None
+    """With tp changed, every trainable parameter's shape on one target model rank."""
+    layers: PipelineLayers | None = None
+    """With tp changed, the caller's layer list (names the layer files' tensors)."""
+
+    @property
+    def tp_changed(self) -> bool:
+        return self.model_axis is not None
 
 
 def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTarget:
@@ -95,28 +123,42 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
         raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "
                                            + PP_CHANGE_MISSING)
-    if opts.target_tp not in (None, source.tp):
-        raise OptionError(f"{model}: --target-tp {opts.target_tp}: the save's pipeline model axis has tp {source.tp} "
-                          "(PipeModelDataParallelTopology); changing it means re-cutting every Megatron-style "
-                          "slice along its own dim (universal_checkpoint_info patterns), which reshard does not do "
-                          f"for pipeline checkpoints yet: leave --target-tp out or give {source.tp}")
+    tp_changed = opts.target_tp not in (None, source.tp)
+    if tp_changed and not source.has_model_axis:
+        raise OptionError(f"{model}: --target-tp {opts.target_tp}: the save has no pipeline model axis (its layer "
+                          "files have no -model_XX suffix: built without PipeModelDataParallelTopology), so there "
+                          "is no tensor slicing to change: leave --target-tp out")
+    if tp_changed and opts.target_tp < 1:
+        raise OptionError(f"{model}: --target-tp must be at least 1")
+    if tp_changed and not opts.pipeline_layers:
+        raise UnsupportedCheckpoint(model, f"--target-tp {opts.target_tp} (the save has tp {source.tp}): DeepSpeed's "
+                                           "`parameters` partition weighs each layer's parameters on one model rank, "
+                                           "so the stages may differ at another tp, and " + PP_CHANGE_MISSING)
     refused = [(opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
                (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
                (bool(opts.node_local), "--node-local")]
     for applies, option in refused:
         if applies:
-            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp and pp change)")
+            raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp, pp and a model axis's tp change)")
     if opts.target_dp < 1:
         raise OptionError(f"{model}: --target-dp must be at least 1")
-    topology = Topology(dp=opts.target_dp, tp=source.tp, pp=opts.target_pp or source.pp)
-    if topology.pp == source.pp:
+    topology = Topology(dp=opts.target_dp, tp=opts.target_tp if tp_changed else source.tp,
+                        pp=opts.target_pp or source.pp)
+    if topology.pp == source.pp and not tp_changed:
         return PipelineTarget(topology, None)
     layers = pipeline_layers(opts, model)
     frozen = frozen_numels(source, layers)
     weightings = check_layers_reproduce_source(source, layers, opts.pipeline_partition, frozen)
+    numels, rules, shapes = source_numels(source), None, None
+    if tp_changed:  # the target's partition weighs the parameters at the target's local shapes
+        rules, shapes = model_axis_plan(source, layers, topology.tp)
+        numels = {name: math.prod(shapes[name]) for name in numels}
+        weightings = [{name: count * source.tp // topology.tp if not rules.rule(name).whole else count
+                       for name, count in counted.items()} for counted in weightings]
     try:
-        assignments = {assign_stages(opts.pipeline_partition, layers, source_numels(source), topology.pp, counted,
-                                     source_buffers(source)) for counted in weightings}
+        assignments = {assign_stages(opts.pipeline_partition, layers, numels, topology.pp,
+                                     counted, source_buffers(source))
+                       for counted in weightings}
     except ValueError as error:
         raise OptionError(f"{model}: {error}") from None
     if len(assignments) > 1:  # whether the frozen parameters weighed in DeepSpeed's partition decides the target's
@@ -128,7 +170,22 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                                            f"{bounds[1]}): give the target's boundaries with --pipeline-partition")
     assignment = assignments.pop()
     check_no_empty_group(source, assignment)
-    return PipelineTarget(topology, assignment)
+    return PipelineTarget(topology, assignment, rules, shapes, layers if tp_changed else None)
+
+
+def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: int) -> tuple[ModelAxisRules, dict]:
+    """(the save's model-axis rules, each trainable parameter's shape at `target_tp`), from the
+    universal_checkpoint_info of stage 0's model-states file (client state, the same in every stage
+    file), after checking every layer file's tensors can be cut too; UnsupportedCheckpoint naming
+    the file saying what is missing or not served (reshard.layouts.model_axis)."""
+    path = source.model_path(0)
+    try:
+        rules = model_axis_rules(load_whole(path).get("universal_checkpoint_info"))
+        shapes = target_local_shapes(rules, source_shapes(source), source.tp, target_tp)
+    except ModelAxisError as error:
+        raise UnsupportedCheckpoint(path, f"--target-tp {target_tp} (the save has tp {source.tp}): {error}") from None
+    check_layer_files_cut(source, layers, rules, target_tp)
+    return rules, shapes
 
 
 def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) -> None:
@@ -156,17 +213,18 @@ def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: 
     if target.stages is None:
         return [max((joined_state_bytes(source, dp, kept_stage=s, model=m) for s, m in units), default=0)
                 for units in writes]
-    numels = source_numels(source)
+    numels = {n: math.prod(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
     elements = [sum(numels[n] for n in names) for names in target.stages.names]
-    return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=m) for t, m in units), default=0)
-            for units in writes]
+    return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=None if target.tp_changed else m)
+                 for t, m in units), default=0) for units in writes]
 
 
 def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
     path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
     needed = whole_tensor_bytes(source, target, workers)
-    more = " (more workers do not help: every worker building a stage joins every source stage)" \
+    more = (" (more workers do not help: every worker building a stage joins every source stage"
+            + (" of every model rank)" if target.tp_changed else ")")) \
         if target.stages is not None else " or more workers, up to one per stage"
     refuse_over_budget(source, needed, opts.memory_budget, WHOLE_TENSORS, more)
     return needed
@@ -217,15 +275,14 @@ def stage_output_bytes(source: PipelineSource, target: PipelineTarget) -> list[i
     optimizer files), indexed stage * tp + model (its `mp_rank_XX`), from the source files' sizes: what
     SLURM array tasks are dealt by (reshard.jobs.array_job). A kept unit weighs its source files."""
     tp = target.topology.tp
-    if target.stages is None and tp == source.tp:
+    if target.stages is None:  # stages and model axis kept
         return [stage_source_bytes(source, s, m) for s in range(source.pp) for m in range(tp)]
-    numels = source_numels(source)  # per model rank (every column has model rank 0's layout)
+    # elements on one target model rank: the target's local shapes with tp changed, else the source's
+    numels = {n: math.prod(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
     per_column = sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
     per_element = sum(stage_source_bytes(source, s, m) for s in range(source.pp)
                       for m in range(source.tp)) / max(1, per_column * source.tp)
-    names = target.stages.names if target.stages is not None else [
-        [n for group in spec.names for n in group] for spec in source.stages]
-    return [int(per_element * sum(numels[n] for n in stage) * source.tp / tp) for stage in names for _ in range(tp)]
+    return [int(per_element * sum(numels[n] for n in stage)) for stage in target.stages.names for _ in range(tp)]
 
 
 def describe_target(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> str:
@@ -236,6 +293,9 @@ def describe_target(opts: ReshardOptions, source: PipelineSource, target: Pipeli
                f"{list(target.stages.bounds)}), each stage's ZeRO-1 partitions rebuilt for dp {topology.dp}")
     else:
         how = f"{source.pp} stages kept, each stage's ZeRO-1 partitions re-cut from dp {source.dp} to {topology.dp}"
+    if target.tp_changed:
+        return how + (f", every tensor joined over the source's {source.tp} model ranks and re-cut for "
+                      f"{topology.tp} by the save's universal_checkpoint_info patterns, layer files too")
     return how + (f", per model rank (tp {source.tp} kept)" if source.tp > 1 else "")
 
 
@@ -259,12 +319,14 @@ class PipelineOutput:
 
 
 def pipeline_output(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget) -> PipelineOutput:
-    carried = (*source.layer_files, *source.other_files)
-    identified = (*carried, *(name for s in range(source.pp) for m in range(source.tp)
-                              for name in column_files(source, s, m)))
+    carried = (*(() if target.tp_changed else source.layer_files), *source.other_files)
+    identified = (*source.layer_files, *source.other_files, *(name for s in range(source.pp) for m in range(source.tp)
+                                                              for name in column_files(source, s, m)))
     topology = target.topology
     placement = ({"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
                   "partition": opts.pipeline_partition} if target.stages is not None else None)
+    if target.tp_changed:
+        placement["tp"] = topology.tp
     return PipelineOutput(
         carried, identified, placement,
         {"save_dir": source.save_dir, "tag": source.tag, "dp_world_size": source.dp, "pp": source.pp, "tp": source.tp,
@@ -282,7 +344,18 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
     assignment, topology = target.stages, target.topology
     column = None
     for stage, model in units:
-        if assignment is not None:
+        if target.tp_changed:
+            if column is None:  # every source tensor, joined whole over the model ranks, feeds every unit
+                column, (template, joined) = "all", model_axis_states(source, target.model_axis, trust_pickle)
+                report.bytes_read += sum(stage_source_bytes(source, s, m) for s in range(source.pp)
+                                         for m in range(source.tp))
+            names = assignment.names[stage]
+            states = cut_model_axis_states(joined, target.model_axis, names, topology.tp, model)
+            yield (stage, model), write_repartitioned_stage(
+                source, states, template, names, topology.pp, stage, topology.dp, tag_dir, trust_pickle,
+                assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
+                target_tp=topology.tp, shapes=target.shapes)
+        elif assignment is not None:
             if column != model:  # every source stage of this model rank's column feeds its new stages
                 column, (template, states) = model, named_states(source, trust_pickle, model)
                 report.bytes_read += sum(stage_source_bytes(source, s, model) for s in range(source.pp))
@@ -293,6 +366,25 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
             paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle, model_rank=model)
             report.bytes_read += stage_source_bytes(source, stage, model)
             yield (stage, model), paths
+
+
+def layer_files_written_by(source: PipelineSource, target: PipelineTarget, workers: int) -> tuple[tuple[int, ...], ...]:
+    """With tp changed, per worker the layer indices whose files (one per target model rank) it
+    re-cuts: the k-th layer with files by worker k % W; nothing when tp is kept (the files are copied)."""
+    indices = layer_indices(source) if target.tp_changed else []
+    return tuple(tuple(indices[w::workers]) for w in range(workers))
+
+
+def build_layer_files(source: PipelineSource, target: PipelineTarget, indices: Sequence[int], tag_dir: str,
+                      trust_pickle: bool, report: WorkerReport) -> list[str]:
+    """With tp changed, the target's layer files of `indices` (write_model_axis_layer_files)."""
+    paths = []
+    for index in indices:
+        report.bytes_read += sum(os.path.getsize(os.path.join(source.tag_dir, name)) for name in source.layer_files
+                                 if name.startswith(f"layer_{index:02d}-"))
+        paths += write_model_axis_layer_files(source, target.layers, target.model_axis, index, target.topology.tp,
+                                              tag_dir, trust_pickle)
+    return paths
 
 
 def stage_source_bytes(source: PipelineSource, stage: int, model: int = 0) -> int:
@@ -310,12 +402,15 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, tp=source.tp, pp=source.pp), target, transport.size,
                               transport.name, 0, 0.0, opts.dry_run)
-    writes = stage_files_written_by(target.pp, source.tp, transport.size)
-    result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {len(source.layer_files)} layer files "
-                        f"copied unchanged; whole tensors (largest worker about {human(max(needed))} of "
-                        f"--memory-budget {human(opts.memory_budget)}); "
-                        + ("(stage, model rank) units" if source.tp > 1 else "stages") + " built by workers " +
-                        ", ".join(f"{w}: {[u if source.tp > 1 else u[0] for u in units]}"
+    writes = stage_files_written_by(target.pp, target.tp, transport.size)
+    layer_writes = layer_files_written_by(source, planned, transport.size)
+    units_named = target.tp > 1 or source.tp > 1
+    layers_how = (f"the layer files of {len(layer_indices(source))} layers re-cut for tp {target.tp}" if planned.tp_changed
+                  else f"{len(source.layer_files)} layer files copied unchanged")
+    result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {layers_how}; whole tensors (largest "
+                        f"worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
+                        + ("(stage, model rank) units" if units_named else "stages") + " built by workers " +
+                        ", ".join(f"{w}: {[u if units_named else u[0] for u in units]}"
                                   for w, units in enumerate(writes) if units))
     if opts.dry_run:
         result.seconds = time.perf_counter() - started
@@ -326,8 +421,9 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
                                   output.manifest_source, save_dir=source.save_dir)
 
     def build(tag_dir: str, identity: dict, report: WorkerReport) -> list[str]:
-        return [path for _, paths in build_stages(source, planned, writes[transport.rank], tag_dir, opts.trust_pickle,
-                                                  report) for path in paths]
+        return [*(path for _, paths in build_stages(source, planned, writes[transport.rank], tag_dir,
+                                                    opts.trust_pickle, report) for path in paths),
+                *build_layer_files(source, planned, layer_writes[transport.rank], tag_dir, opts.trust_pickle, report)]
 
     return run_whole_file_job(
         opts, unit, transport, clock, result, started, whole_files,

@@ -1,0 +1,347 @@
+"""Changing tp (the model axis) of a PipelineModule save, by the universal_checkpoint_info patterns it carries.
+
+    python -m pytest -q tests/test_pipeline_tp_change.py -m "not e2e"   # the pure rule, joins and cuts, refusals
+    python -m pytest -q tests/test_pipeline_tp_change.py                # + trains (pp, tp, dp) = (2, 2, 1) on 4 ranks
+
+The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and
+a row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias
+replicated; the script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client
+state) in ONE launch: at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed
+names its layer files `-model_00`). The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
+pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the
+target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
+file by file (every (stage, model rank)'s masters and moments joined from its optimizer files, and
+every layer file's weights, equal the slice of the truth joined over the saved model ranks, cut by
+the harness's own knowledge of its layers, not by reshard's rule) and in real engines with plain
+`load_checkpoint` in two launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and
+moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
+adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
+ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
+targets in the same launches, is the second oracle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.layouts.model_axis import ModelAxisError, ModelAxisRule, model_axis_rules, target_local_shapes
+
+MEGATRON_LIKE = {  # the shape of Megatron-DeepSpeed's GPTModelPipe info (patterns against stage names)
+    "tp_replicated_parameter_patterns": [r"tied_modules\.embed\.position_embeddings\.weight", r"\d+\.input_layernorm\.",
+                                         r"\d+\.self_attention\.dense\.bias"],
+    "parameter_to_average_patterns": [r"\d+\.final_layernorm\."],
+    "parameter_with_row_parallelism_patterns": [r"\d+\.self_attention\.dense\.weight", r"\d+\.mlp\.dense_4h_to_h\.weight"],
+    "vocabulary_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight"],
+    "parameter_with_2_sub_params_cat_dim_0": [r"\d+\.mlp\.dense_h_to_4h\.(weight|bias)"],
+    "original_vocab_size": 64,
+}
+
+
+def test_each_pattern_list_gives_its_kind_and_dim_and_the_rest_is_dim_0():
+    rules = model_axis_rules(MEGATRON_LIKE)
+    found = {name: (rules.rule(name).kind, rules.rule(name).dim) for name in (
+        "tied_modules.embed.position_embeddings.weight", "3.input_layernorm.weight", "3.self_attention.dense.bias",
+        "9.final_layernorm.bias", "3.self_attention.dense.weight", "4.mlp.dense_4h_to_h.weight",
+        "tied_modules.embed.word_embeddings.weight", "4.mlp.dense_h_to_4h.weight", "3.self_attention.query_key_value.weight",
+        "3.self_attention.query_key_value.bias")}
+    assert found == {"tied_modules.embed.position_embeddings.weight": ("replicated", None),
+                     "3.input_layernorm.weight": ("replicated", None),
+                     "3.self_attention.dense.bias": ("replicated", None),
+                     "9.final_layernorm.bias": ("average", None),
+                     "3.self_attention.dense.weight": ("row", 1), "4.mlp.dense_4h_to_h.weight": ("row", 1),
+                     "tied_modules.embed.word_embeddings.weight": ("vocabulary", 0),
+                     "4.mlp.dense_h_to_4h.weight": ("two-sub-params", 0),
+                     "3.self_attention.query_key_value.weight": ("column", 0),
+                     "3.self_attention.query_key_value.bias": ("column", 0)}
+
+
+def test_shapes_join_and_cut_along_the_rule_and_a_tp_that_does_not_divide_is_refused():
+    rules = model_axis_rules(MEGATRON_LIKE)
+    local = {"3.self_attention.dense.weight": (24, 21), "3.self_attention.query_key_value.weight": (18, 24),
+             "3.input_layernorm.weight": (24,), "4.mlp.dense_h_to_4h.weight": (16, 24),
+             "tied_modules.embed.word_embeddings.weight": (32, 24)}
+    assert target_local_shapes(rules, local, 2, 1) == {
+        "3.self_attention.dense.weight": (24, 42), "3.self_attention.query_key_value.weight": (36, 24),
+        "3.input_layernorm.weight": (24,), "4.mlp.dense_h_to_4h.weight": (32, 24),
+        "tied_modules.embed.word_embeddings.weight": (64, 24)}
+    assert target_local_shapes(rules, {"3.self_attention.dense.weight": (24, 21)}, 2, 3) == {
+        "3.self_attention.dense.weight": (24, 14)}
+    with pytest.raises(ModelAxisError, match=r"^3.self_attention.dense.weight is row on dim 1 \(42 of shape \[24, 42\]\), "
+                                             r"which 4 model ranks do not cut evenly"):
+        target_local_shapes(rules, {"3.self_attention.dense.weight": (24, 21)}, 2, 4)
+    # two fused halves of 32 rows, each cut on its own: 4 ranks cut each 16 into 4, 32 ranks would not
+    assert target_local_shapes(rules, {"4.mlp.dense_h_to_4h.weight": (16, 24)}, 2, 4) == {
+        "4.mlp.dense_h_to_4h.weight": (8, 24)}
+    with pytest.raises(ModelAxisError, match="each of its two sub-parameters' 16"):
+        target_local_shapes(rules, {"4.mlp.dense_h_to_4h.weight": (16, 24)}, 2, 32)
+    with pytest.raises(ModelAxisError, match="do not hold two equal sub-parameters"):
+        target_local_shapes(rules, {"4.mlp.dense_h_to_4h.weight": (15, 24)}, 2, 1)
+
+
+def test_a_padded_vocabulary_and_what_the_rule_cannot_serve_are_refused_saying_what():
+    padded = dict(MEGATRON_LIKE, original_vocab_size=50)  # 64 joined rows, 14 of them Megatron's padding
+    with pytest.raises(ModelAxisError, match=r"joins to 64 vocabulary rows, original_vocab_size is 50: the padding "
+                                             r"depends on the target tp"):
+        target_local_shapes(model_axis_rules(padded), {"tied_modules.embed.word_embeddings.weight": (32, 24)}, 2, 1)
+    unsized = {key: value for key, value in MEGATRON_LIKE.items() if key != "original_vocab_size"}
+    with pytest.raises(ModelAxisError, match="has no original_vocab_size"):
+        target_local_shapes(model_axis_rules(unsized), {"tied_modules.embed.word_embeddings.weight": (32, 24)}, 2, 1)
+    # the (2, 2, 1) test save of tests/pipeline_run.py "-mp2" saves an empty info: every parameter,
+    # replicated ones too, would be joined on dim 0, as ds_to_universal does
+    with pytest.raises(ModelAxisError, match=r"has a universal_checkpoint_info with none of "
+                                             r"tp_replicated_parameter_patterns, .* so which dim each parameter is "
+                                             r"sliced on over the model axis is not recorded"):
+        model_axis_rules({})
+    with pytest.raises(ModelAxisError, match="has no universal_checkpoint_info"):
+        model_axis_rules(None)
+    with pytest.raises(ModelAxisError, match="has parameter_with_sub_params"):
+        model_axis_rules(dict(MEGATRON_LIKE, parameter_with_sub_params=[{"patterns": ["x"], "shape": [3, -1],
+                                                                         "partition_dim": 0}]))
+    with pytest.raises(ModelAxisError, match="has an affine_map"):
+        model_axis_rules(dict(MEGATRON_LIKE, affine_map={"params": {"^x$": {}}}))
+    with pytest.raises(ModelAxisError, match="not a list of regexes"):
+        model_axis_rules({"tp_replicated_parameter_patterns": r"\d+\.ln"})
+    twice = model_axis_rules({"parameter_with_row_parallelism_patterns": [r"\d+\.dense", r"3\."]})
+    with pytest.raises(ModelAxisError, match=re.escape("3.dense.weight matches more than one row pattern")):
+        twice.rule("3.dense.weight")
+
+
+def test_joining_and_cutting_tensors_follow_ds_to_universal_and_refuse_unequal_whole_tensors():
+    import torch
+
+    from reshard.formats.deepspeed_pipeline import cut_model_slice, join_model_slices
+    whole = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+    for rule, pieces_at_2 in [  # what merge_tp_slices concatenates, by its own torch calls, for tp 2
+            (ModelAxisRule("column", 0), list(whole.chunk(2, 0))),
+            (ModelAxisRule("row", 1), list(whole.chunk(2, 1))),
+            (ModelAxisRule("two-sub-params", 0), [torch.cat([half.chunk(2, 0)[r] for half in whole.chunk(2, 0)])
+                                                  for r in range(2)])]:
+        joined = join_model_slices(rule, [p.clone() for p in pieces_at_2], pieces_at_2[0].shape, "x", "/f")
+        assert torch.equal(joined, whole), rule
+        assert all(torch.equal(cut_model_slice(rule, whole, 2, r), pieces_at_2[r]) for r in range(2)), rule
+        at_4 = [cut_model_slice(rule, whole, 4, r) for r in range(4)]
+        assert torch.equal(join_model_slices(rule, at_4, at_4[0].shape, "x", "/f"), whole), rule
+    halves = [cut_model_slice(ModelAxisRule("two-sub-params", 0), whole, 2, r) for r in range(2)]
+    assert torch.equal(halves[0][:2], whole[:2]) and torch.equal(halves[0][2:], whole[4:6])  # gate, then up
+    same = [whole.clone(), whole.clone()]
+    assert torch.equal(join_model_slices(ModelAxisRule("replicated", None), same, whole.shape, "x", "/f"), whole)
+    assert torch.equal(join_model_slices(ModelAxisRule("average", None), same, whole.shape, "x", "/f"), whole)
+    other = [whole, whole + 1]
+    with pytest.raises(CheckpointError, match=r"^/f: 4.ln.weight is replicated over the model axis .* differs between "
+                                              r"model ranks 0 and 1"):
+        join_model_slices(ModelAxisRule("replicated", None), other, whole.shape, "4.ln.weight", "/f")
+    with pytest.raises(UnsupportedCheckpoint, match=r"^/f: 9.final.bias matches parameter_to_average_patterns and "
+                                                    r"differs .* which loses their values"):
+        join_model_slices(ModelAxisRule("average", None), other, whole.shape, "9.final.bias", "/f")
+
+
+def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():
+    # runtime/pipe/module.py ckpt_layer_path: topology.get_rank_repr omits data and pipe, keeps model
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipeDataParallelTopology
+    assert PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2).get_rank_repr(rank=3) == "model_00"
+    assert PipeDataParallelTopology(num_pp=2, num_dp=2).get_rank_repr(rank=3) == ""
+
+
+VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
+LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
+# (pp, tp, dp) -> workers: W differing from the worlds where it can
+TARGETS = {(1, 4, 1): 3, (1, 1, 4): 2, (2, 1, 2): 1}
+ROUND_TRIP = (2, 2, 1)  # from the (1, 1, 4) output back to the source's topology
+TP1_VARIANT = "fp32-mp1u"  # the same model saved by DeepSpeed at (2, 1, 2) with PipeModelDataParallelTopology
+FROM_TP1 = ("from tp 1", (2, 2, 1))  # that save resharded to tp 2
+
+
+def _variant(tp: int) -> str:
+    return f"fp32-mp{tp}u"
+
+
+@pytest.fixture(scope="module")
+def tp_saves(tmp_path_factory):
+    """{"fp32-mp2u": (save, truth), "fp32-mp1u": (save, truth)}: ONE training launch on 4 ranks, the
+    (2, 2, 1) save, then (tests/pipeline_run.py train --more) the same model at (2, 1, 2) built with
+    PipeModelDataParallelTopology at tp 1, as DeepSpeed writes it (`-model_00` layer files)."""
+    from reshard_proof.launch import run_torchrun
+    from test_pipeline import HARNESS
+    root = tmp_path_factory.mktemp("pipeline-tp-saves")
+    places = {v: (root / v / "ckpt", root / v / "truth") for v in (VARIANT, TP1_VARIANT)}
+    run_torchrun(HARNESS, 4, ["train", "--pp", 2, "--variant", VARIANT, "--save", places[VARIANT][0],
+                              "--truth", places[VARIANT][1], "--more", TP1_VARIANT, *places[TP1_VARIANT]],
+                 expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(4)], timeout=500)
+    return places
+
+
+@pytest.fixture(scope="module")
+def tp_changes(tp_saves, tmp_path_factory):
+    """{target: {"result", "out", "verdict"}}, ("universal", target): {"verdict"} and "truth": every target
+    resharded in threads, the round trip from (1, 1, 4), ds_to_universal of the source loaded at each
+    target, judged in two launches (pp 1, pp 2)."""
+    from reshard_proof.ds_universal import ds_to_universal_all
+    from reshard_proof.launch import run_torchrun
+    from test_pipeline import HARNESS
+    from trained import reshard_in_threads
+    save_dir, truth = tp_saves[VARIANT]
+    root = tmp_path_factory.mktemp("pipeline-tp-change")
+    found = {}
+    for (pp, tp, dp), workers in TARGETS.items():
+        out = root / f"pp{pp}-tp{tp}-dp{dp}"
+        found[(pp, tp, dp)] = {"out": out, "verdict": root / f"pp{pp}-tp{tp}-dp{dp}.json",
+                               "result": reshard_in_threads(save_dir, out, dp, workers, target_pp=pp, target_tp=tp,
+                                                            **LAYERS)}
+    back = root / "round-trip"
+    found[ROUND_TRIP] = {"out": back, "verdict": root / "round-trip.json",
+                         "result": reshard_in_threads(found[(1, 1, 4)]["out"], back, 1, 2, target_pp=2, target_tp=2,
+                                                      **LAYERS)}
+    tp1_save, tp1_truth = tp_saves[TP1_VARIANT]
+    up = root / "from-tp-1"
+    found[FROM_TP1] = {"out": up, "verdict": root / "from-tp-1.json", "truth": tp1_truth,
+                       "result": reshard_in_threads(tp1_save, up, 1, 3, target_pp=2, target_tp=2, **LAYERS)}
+    universal = root / "universal"
+    assert ds_to_universal_all([(save_dir / "step3", universal / "step3")]) == {}
+    for target in TARGETS:  # DeepSpeed's own path at each target: one more engine in the launches below
+        found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
+    first, second = found[(1, 4, 1)], found[(1, 1, 4)]
+    run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
+                              "--verdict", first["verdict"],
+                              "--also", universal, found[("universal", (1, 4, 1))]["verdict"], "universal",
+                              "--judge", _variant(1), second["out"], truth, second["verdict"], "plain",
+                              "--judge", _variant(1), universal, truth, found[("universal", (1, 1, 4))]["verdict"],
+                              "universal"],
+                 expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
+                               found[("universal", (1, 1, 4))]["verdict"]], timeout=500)
+    at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
+    run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
+                              "--verdict", at_2["verdict"],
+                              "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
+                              "--judge", _variant(2), back["out"], truth, back["verdict"], "plain",
+                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain"],
+                 expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"],
+                               found[FROM_TP1]["verdict"]], timeout=500)
+    for entry in found.values():
+        entry["verdict"] = json.loads(entry["verdict"].read_text())
+    found["truth"] = truth
+    return found
+
+
+def _truths(truth_dir) -> list:
+    import torch
+    return [torch.load(os.path.join(truth_dir, name), weights_only=True) for name in sorted(os.listdir(truth_dir))]
+
+
+def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
+    """Every (stage, model rank)'s masters and moments joined from the output's optimizer files, and
+    every tensor of its layer files, equal the slice of the truth for that model rank (pipeline_run.
+    sliced_truth: the harness's own knowledge of its layers). Returns how many tensors were compared."""
+    import torch
+    from pipeline_run import sliced_truth
+
+    from reshard.formats.deepspeed_pipeline import LAYER_RE, inspect_pipeline, load_whole, read_stage, states_by_name
+    truths = _truths(truth_dir)
+    target = inspect_pipeline(str(out), "step3")
+    assert (target.tp, target.has_model_axis) == (tp, True)
+    compared = 0
+    for model in range(tp):
+        expected = sliced_truth(truths, tp, model)
+        for stage, spec in enumerate(target.stages):
+            _, masters, moments = read_stage(target, stage, model=model)
+            for name, states in states_by_name(spec, masters, moments).items():
+                for key, flat in states.items():
+                    assert torch.equal(flat, expected[name][key].reshape(-1)), \
+                        f"{target.optim_path(stage, 0, model)}: {name} {key}"
+                    compared += 1
+        for file in target.layer_files:
+            match = LAYER_RE.match(file)
+            if int(match[3]) != model:
+                continue
+            index = int(match[1])
+            prefix = "tied_modules.embed." if index == 0 else f"{index}."
+            for key, value in load_whole(os.path.join(target.tag_dir, file)).items():
+                assert torch.equal(value, expected[prefix + key]["fp32"]), f"{file}: {key}"
+                compared += 1
+    return compared
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", [*TARGETS, ROUND_TRIP, FROM_TP1],
+                         ids=["tp-up-pp-down", "tp-down-pp-down-dp-up", "tp-down-dp-up", "tp-1-back-to-2",
+                              "deepspeeds-tp-1-save-to-2"])
+def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, target):
+    entry = tp_changes[target]
+    pp, tp, dp = target if target != FROM_TP1 else FROM_TP1[1]
+    [checkpoint] = entry["result"].checkpoints
+    topology = checkpoint.target_topology
+    assert (topology.pp, topology.tp, topology.dp) == (pp, tp, dp)
+    names = sorted(os.listdir(entry["out"] / "step3"))
+    assert [n for n in names if n.endswith("optim_states.pt")] == sorted(
+        f"zero_pp_rank_{d}_mp_rank_{s * tp + m:02d}_optim_states.pt" for s in range(pp) for m in range(tp)
+        for d in range(dp))
+    # one file per layer with a state_dict (layers 0..5; the tied head at 6 is saved under 0) and model
+    # rank, `-model_XX` at tp 1 too, as PipeModelDataParallelTopology names them
+    assert [n for n in names if n.startswith("layer_")] == [f"layer_{i:02d}-model_{m:02d}-model_states.pt"
+                                                            for i in range(6) for m in range(tp)]
+    params = {1: 9, 2: 10}[pp]  # the tied embedding on both stages at pp 2
+    compared = _check_files_against_sliced_truth(entry["out"], entry.get("truth", tp_changes["truth"]), tp)
+    assert compared == tp * (3 * params + 9)  # 9 layer-file tensors: embed, 1.w/b, 3.w/b, 4.w/b, 5.w/b
+    verdict = entry["verdict"]
+    assert verdict["ok"], verdict
+    assert len(verdict["ranks"]) == pp * tp * dp and sum(rank["checked"] for rank in verdict["ranks"]) >= 9
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", TARGETS, ids=["tp-up-pp-down", "tp-down-pp-down-dp-up", "tp-down-dp-up"])
+def test_deepspeeds_own_universal_path_agrees_at_each_target(tp_changes, target):
+    # ds_to_universal joins each tensor by the same patterns and load_universal cuts the target's slices:
+    # the same verdict against the same sliced truth as reshard's output
+    verdict = tp_changes[("universal", target)]["verdict"]
+    assert verdict["ok"], verdict
+    assert [rank["checked"] for rank in verdict["ranks"]] == [rank["checked"] for rank in
+                                                              tp_changes[target]["verdict"]["ranks"]]
+
+
+@pytest.mark.e2e
+def test_deepspeed_saves_a_tp_1_model_axis_with_model_00_layer_files_and_it_is_read(tp_saves):
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    save_dir, _ = tp_saves[TP1_VARIANT]
+    assert sorted(n for n in os.listdir(save_dir / "step3") if n.startswith("layer_")) == [
+        f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)]
+    source = inspect_pipeline(str(save_dir), "step3")
+    assert (source.pp, source.tp, source.dp, source.model_axis) == (2, 1, 2, True)
+    assert "pp=2 dp=2 tp=1 (model axis)" in source.describe()
+    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
+    summary = pipeline_summary(str(save_dir), None)
+    assert summary["model_axis"] and "--target-tp T (the model axis has tp 1) needs them too" in \
+        pipeline_summary_text(summary)
+
+
+@pytest.mark.e2e
+def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a_dry_run(tp_saves, tmp_path):
+    from trained import reshard_in_process
+    save_dir, _ = tp_saves[VARIANT]
+    layers = ["--pipeline-layers", "7", "--pipeline-tied", "embed:0,6"]
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "1", "--target-tp", "3", *layers)
+    assert run.returncode == 2, run.stderr
+    assert (f"{save_dir}/step3/mp_rank_00_model_states.pt: --target-tp 3 (the save has tp 2): 1.weight is column on "
+            "dim 0 (44 of shape [44, 24]), which 3 model ranks do not cut evenly") in run.stderr
+    assert not (tmp_path / "out").exists()
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1")
+    assert run.returncode == 2, run.stderr
+    assert "--target-tp 1 (the save has tp 2): DeepSpeed's `parameters` partition" in run.stderr
+    assert not (tmp_path / "out").exists()
+    # the whole-tensor budget: every source tensor of every model rank joined (4 x the optimizer bytes)
+    optimizer_bytes = sum(os.path.getsize(save_dir / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt")
+                          for i in range(4))
+    budget = 4 * optimizer_bytes
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
+                             *layers, "--memory-budget", str(budget))
+    assert run.returncode == 2, run.stderr
+    assert "over --memory-budget" in run.stderr and "joins every source stage of every model rank" in run.stderr
+    assert not (tmp_path / "out").exists()
+    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
+                             *layers, "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
+            "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
+    assert not (tmp_path / "out").exists()
