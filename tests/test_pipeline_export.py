@@ -241,8 +241,10 @@ def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
     layer.rename(axis / "step3" / "layer_01-model_00-model_states.pt")
     refused = reshard_in_process("export", axis, tmp_path / "out", "--format", "safetensors")
     assert refused.returncode == 2, refused.stderr
-    assert "layer_01-model_00-model_states.pt: has a -model_XX suffix (a model axis), but mp_rank_00_model_states.pt " \
-        "says tp_degree 1" in refused.stderr
+    # (a tp-1 save of PipeModelDataParallelTopology suffixes every layer file -model_00: the layer
+    # files left without one are named)
+    assert "layer_00-model_states.pt: has no -model_XX suffix, but other layer files of this tp_degree 1 save " \
+        "have one" in refused.stderr
     # OUT holding something else: the lifecycle refuses before anything is written
     busy = tmp_path / "busy"
     busy.mkdir()
