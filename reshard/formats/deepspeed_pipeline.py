@@ -781,6 +781,25 @@ def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False)
     return template, joined
 
 
+def joined_stage_states(source: PipelineSource, stage: int, rules, trust_pickle: bool = False,
+                        moments: bool = True) -> dict[str, dict]:
+    """{name: {"fp32": whole, <state>: whole}} of one stage: every model rank's flats of it
+    (read_stage), each tensor joined over the model ranks by its rule (join_model_slices), at its
+    whole shape; without `moments` the fp32 masters alone. The exports' per-stage counterpart of
+    model_axis_states (a tied parameter is taken from the stage the caller names for it)."""
+    spec = source.stages[stage]
+    shapes = {name: shape for names, group_shapes in zip(spec.names, spec.shapes)
+              for name, shape in zip(names, group_shapes)}
+    columns = []
+    for model in range(source.tp):
+        _, masters, flats = read_stage(source, stage, trust_pickle, model)
+        columns.append(states_by_name(spec, masters, flats if moments else [{} for _ in flats]))
+    where = source.optim_path(stage, 0, 0)
+    return {name: {key: join_model_slices(rules.rule(name), [column[name][key] for column in columns], shapes[name],
+                                          name, where) for key in states}
+            for name, states in columns[0].items()}
+
+
 def cut_model_axis_states(joined: dict, rules, names: Sequence[str], tp: int, rank: int) -> dict:
     """model_axis_states' whole tensors of `names`, each cut for model rank `rank` of `tp`, flat."""
     return {name: {key: cut_model_slice(rules.rule(name), whole, tp, rank).reshape(-1)
