@@ -51,10 +51,18 @@ a pipeline. DeepSpeed's `load_universal` restores trainable parameters only (eng
 `_load_checkpoint` skips the module load), so those files are a record, not something it reads.
 Stage s's parameters are written by worker s % W; worker 0 writes the rest and publishes.
 
+With a model axis (PipeModelDataParallelTopology): both exports write each tensor whole, joined over
+the model ranks by the save's universal_checkpoint_info rules (reshard.layouts.model_axis;
+deepspeed_pipeline.joined_stage_states and join_model_slices, the join of the tp change), under the
+same names, so a copy of the model without a model axis loads the safetensors; the universal files
+carry the keys `merge_tp_slices` writes for each rule (`universal_entry`) and every (stage, model
+rank)'s model-states file is copied. At tp > 1 a save without patterns is refused (`export_rules`).
+
 Both run the one lifecycle (reshard.jobs.lifecycle: OUT checked, lock, staging, atomic publish
 with `publish_files` or `publish_tag_dir`); whole files, so an interrupted export starts afresh.
-Refused by name: what reshard.formats.deepspeed_pipeline.inspect_pipeline refuses (a model axis,
-ZeRO-0, BF16_Optimizer, parameter_alignment, round_robin_gradients), a --memory-budget the stage
+Refused by name: what reshard.formats.deepspeed_pipeline.inspect_pipeline refuses (ZeRO-0,
+BF16_Optimizer, parameter_alignment, round_robin_gradients), a model axis at tp > 1 without usable
+universal_checkpoint_info patterns, a --memory-budget the stage
 joins cannot keep, and layer files whose names are ambiguous.
 """
 from __future__ import annotations
