@@ -18,6 +18,12 @@ moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the
 adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
 ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
 targets in the same launches, is the second oracle.
+
+The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
+whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
+loaded strictly into the model built at pp 1 with no model axis, the tp-2 universal export loaded
+with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal ds_to_universal's output
+of the same saves file by file, metadata keys included.
 """
 from __future__ import annotations
 
