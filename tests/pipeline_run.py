@@ -369,14 +369,17 @@ def check(args) -> None:
         judged.truth = truth
         judged, in_job = in_mode(judged, mode)
         check_one(judged, load, verdict, in_job)
-    for directory, truth, verdict in args.safetensors:
-        check_safetensors(directory, truth, verdict)
+    for directory, truth, verdict in args.safetensors:  # a "-mpNu" variant: that model's exports
+        check_safetensors(directory, truth, verdict, MP_HIDDEN_U if args.info else None)
 
 
-def check_safetensors(directory: str, truth_dir: str, verdict_path: str) -> None:
+def check_safetensors(directory: str, truth_dir: str, verdict_path: str, hidden: int | None = None) -> None:
     """A safetensors export of a pipeline save (`reshard export --format safetensors`), loaded with
     strict=True into a PipelineModule built afresh from the same layers at pp=1: every tensor of its
-    state_dict() must equal the truth (a trainable parameter's fp32 master, a frozen one's value)."""
+    state_dict() must equal the truth (a trainable parameter's fp32 master, a frozen one's value).
+    `hidden`: the model-axis model ("-mpNu": MP_HIDDEN_U) built at tp 1 with no model axis (its
+    parallel Linears whole: plain Linears), the truth of a model-axis save joined over its model
+    ranks by this harness's own layers (sliced_truth at tp 1)."""
     from deepspeed.pipe import PipelineModule
     from safetensors.torch import load_file
     state = {}
@@ -384,11 +387,17 @@ def check_safetensors(directory: str, truth_dir: str, verdict_path: str) -> None
         if name.endswith(".safetensors"):
             state.update(load_file(os.path.join(directory, name)))
     expected = {}
-    for name in sorted(os.listdir(truth_dir)):
-        for key, states in torch.load(os.path.join(truth_dir, name), weights_only=True)["tensors"].items():
+    truths = [torch.load(os.path.join(truth_dir, name), weights_only=True) for name in sorted(os.listdir(truth_dir))]
+    for truth in truths:
+        for key, states in truth["tensors"].items():
             expected[key] = states["fp32"] if "fp32" in states else states["frozen"]
+    if truths[0].get("tp", 1) > 1:  # a model axis: every model rank's slices joined whole
+        expected = {key: states["fp32"] if "fp32" in states else states["frozen"]
+                    for key, states in sliced_truth(truths, 1, 0).items()}
     torch.manual_seed(4242)
-    module = PipelineModule(layers=layer_specs(), num_stages=1, loss_fn=loss_fn, partition_method="parameters")
+    ModelAxis.rank, ModelAxis.size, ModelAxis.group = 0, 1, None  # no model axis: a model-axis engine set them
+    module = PipelineModule(layers=layer_specs(hidden=hidden), num_stages=1, loss_fn=loss_fn,
+                            partition_method="parameters")
     problems = []
     try:
         module.load_state_dict(state, strict=True)

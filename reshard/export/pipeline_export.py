@@ -51,14 +51,23 @@ a pipeline. DeepSpeed's `load_universal` restores trainable parameters only (eng
 `_load_checkpoint` skips the module load), so those files are a record, not something it reads.
 Stage s's parameters are written by worker s % W; worker 0 writes the rest and publishes.
 
+With a model axis (PipeModelDataParallelTopology): both exports write each tensor whole, joined over
+the model ranks by the save's universal_checkpoint_info rules (reshard.layouts.model_axis;
+deepspeed_pipeline.joined_stage_states and join_model_slices, the join of the tp change), under the
+same names, so a copy of the model without a model axis loads the safetensors; the universal files
+carry the keys `merge_tp_slices` writes for each rule (`universal_entry`) and every (stage, model
+rank)'s model-states file is copied. At tp > 1 a save without patterns is refused (`export_rules`).
+
 Both run the one lifecycle (reshard.jobs.lifecycle: OUT checked, lock, staging, atomic publish
 with `publish_files` or `publish_tag_dir`); whole files, so an interrupted export starts afresh.
-Refused by name: what reshard.formats.deepspeed_pipeline.inspect_pipeline refuses (a model axis,
-ZeRO-0, BF16_Optimizer, parameter_alignment, round_robin_gradients), a --memory-budget the stage
+Refused by name: what reshard.formats.deepspeed_pipeline.inspect_pipeline refuses (ZeRO-0,
+BF16_Optimizer, parameter_alignment, round_robin_gradients), a model axis at tp > 1 without usable
+universal_checkpoint_info patterns, a --memory-budget the stage
 joins cannot keep, and layer files whose names are ambiguous.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -89,9 +98,11 @@ from reshard.formats.deepspeed_pipeline import (
     OPTIM,
     PipelineSource,
     inspect_pipeline,
-    refuse_model_axis,
     is_pipeline,
+    join_model_slices,
+    joined_stage_states,
     joined_state_bytes,
+    layer_file_name,
     load_whole,
     read_stage,
     stage_model_name,
@@ -101,12 +112,16 @@ from reshard.jobs.destination import RESHARD_NAMES, Staging, check_paths
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, publish_files, publish_tag_dir
 from reshard.jobs.manifest import export_files_fingerprint, source_identity
 from reshard.jobs.pipeline_job import refuse_over_budget, stages_written_by
+from reshard.layouts.model_axis import ModelAxisError, ModelAxisRule, ModelAxisRules, model_axis_rules
 from reshard.transport.collective import check_peers, on_rank0
 
 TRAINABLE = "optim"
 """ExportTensor.source of a trainable parameter (its values: a stage's fp32 masters)."""
 LAYER = "whole"
 """ExportTensor.source of a frozen parameter or buffer (its values: a layer file's tensor)."""
+# the keys of a universal checkpoint's per-state dict (DeepSpeed 0.19.8 checkpoint/constants.py
+# PARAM, CAT_DIM, PARAM_N_SUB_PARAMS, VOCAB_TENSOR), as ds_to_universal.py `merge_tp_slices` writes them
+UNIVERSAL_PARAM, CAT_DIM, N_SUB_PARAMS, VOCAB_TENSOR = "param", "cat_dim", "param_n_sub_params", "vocab_tensor"
 
 
 @dataclass(frozen=True)
@@ -132,15 +147,21 @@ class PipelineModel:
     tensors: tuple[ModuleTensor, ...]
     tied_files: dict
     """Layer file -> the tied key it was named by (what the summary reports)."""
+    rules: ModelAxisRules | None = None
+    """With a model axis: the save's universal_checkpoint_info rules, by which every tensor is joined
+    over the model ranks (`shape` is then the whole tensor's); None without (or at tp 1 without patterns)."""
 
 
 def _dtype_name(value) -> str:
     return str(value.dtype).removeprefix("torch.")
 
 
-def module_tensors(source: PipelineSource, trust_pickle: bool = False) -> PipelineModel:
+def module_tensors(source: PipelineSource, trust_pickle: bool = False,
+                   rules: ModelAxisRules | None = None) -> PipelineModel:
     """Name every tensor of the layer files and every trainable parameter of the stages (worker 0;
-    the layer files are mapped, not read)."""
+    the layer files are mapped, not read). With a model axis, of model rank 0's layer files and
+    stage files (every rank holds the same names, inspect_pipeline checks the stages'), each shape
+    then joined over the model ranks by `rules`."""
     trainable: dict[str, tuple[int, tuple[int, ...]]] = {}
     for spec in source.stages:
         for names, shapes in zip(spec.names, spec.shapes):
@@ -158,7 +179,8 @@ def module_tensors(source: PipelineSource, trust_pickle: bool = False) -> Pipeli
     """name -> (layer file, key) it was first read from"""
     order: list[tuple[tuple, str]] = []
     tied_files = {}
-    files = sorted(source.layer_files, key=lambda f: int(LAYER_RE.match(f)[1]))
+    files = sorted((f for f in source.layer_files if LAYER_RE.match(f)[3] is None or int(LAYER_RE.match(f)[3]) == 0),
+                   key=lambda f: int(LAYER_RE.match(f)[1]))
     for file in files:
         index = int(LAYER_RE.match(file)[1])
         path = os.path.join(source.tag_dir, file)
@@ -205,7 +227,45 @@ def module_tensors(source: PipelineSource, trust_pickle: bool = False) -> Pipeli
             head = name.split(".")[0]
             order.append(((0, -1) if head == "tied_modules" else (1, int(head) if head.isdigit() else 1 << 30), name))
     ranked = sorted(range(len(order)), key=lambda i: (order[i][0], i))
-    return PipelineModel(tuple(found[order[i][1]] for i in ranked), tied_files)
+    tensors = tuple(found[order[i][1]] for i in ranked)
+    if rules is not None:
+        tensors = tuple(_whole(source, rules, t) for t in tensors)
+    return PipelineModel(tensors, tied_files, rules)
+
+
+def export_rules(source: PipelineSource, trust_pickle: bool = False) -> ModelAxisRules | None:
+    """How each tensor of a model-axis save is joined over the model ranks: the rules of the
+    universal_checkpoint_info in stage 0's model-states file (client state, the same in every stage
+    file; reshard.layouts.model_axis). None without a model axis, and at tp 1 without usable patterns
+    (one model rank holds every tensor whole: nothing to join). At tp > 1 a save without them is
+    refused naming the file and what is missing: which dim a tensor is sliced on is recorded nowhere else."""
+    if not source.has_model_axis:
+        return None
+    path = source.model_path(0)
+    try:
+        return model_axis_rules(load_whole(path, trust_pickle).get("universal_checkpoint_info"))
+    except ModelAxisError as error:
+        if source.tp == 1:
+            return None
+        raise UnsupportedCheckpoint(path, f"is a pipeline save with a model axis (tp {source.tp}); the export joins "
+                                          "each tensor over the model ranks by the universal_checkpoint_info patterns "
+                                          f"of its client state, and it {error}") from None
+
+
+def _whole(source: PipelineSource, rules: ModelAxisRules, tensor: ModuleTensor) -> ModuleTensor:
+    """`tensor` at its whole shape, joined over the source's model ranks by its rule; a vocabulary
+    tensor must need no padding change (ModelAxisRules.check_vocabulary), as for a tp change."""
+    rule = rules.rule(tensor.name)
+    where = (os.path.join(source.tag_dir, tensor.layer_file) if tensor.stage < 0
+             else source.optim_path(tensor.stage, 0, 0))
+    try:
+        shape = rule.joined_shape(tensor.shape, source.tp)
+        if rule.kind == "vocabulary":
+            rules.check_vocabulary(tensor.name, shape)
+    except ModelAxisError as error:
+        text = str(error)
+        raise UnsupportedCheckpoint(where, text if text.startswith(tensor.name) else f"{tensor.name} {text}") from None
+    return dataclasses.replace(tensor, shape=shape)
 
 
 def _same_tensor(source: PipelineSource, file: str, key: str, value, trust_pickle: bool) -> bool:
@@ -214,8 +274,31 @@ def _same_tensor(source: PipelineSource, file: str, key: str, value, trust_pickl
     return other.dtype == value.dtype and torch.equal(other, value)
 
 
-def _layer_value(source: PipelineSource, tensor: ModuleTensor, trust_pickle: bool):
-    return load_whole(os.path.join(source.tag_dir, tensor.layer_file), trust_pickle)[tensor.key]
+def _layer_value(source: PipelineSource, model: PipelineModel, tensor: ModuleTensor, trust_pickle: bool):
+    """A frozen parameter's or buffer's value; with a model axis joined over every model rank's
+    layer file by its rule (reshard.formats.deepspeed_pipeline.join_model_slices, as the tp change)."""
+    path = os.path.join(source.tag_dir, tensor.layer_file)
+    if model.rules is None or source.tp == 1:
+        return load_whole(path, trust_pickle)[tensor.key]
+    index = int(LAYER_RE.match(tensor.layer_file)[1])
+    pieces = []
+    for rank in range(source.tp):
+        rank_path = os.path.join(source.tag_dir, layer_file_name(index, rank))
+        state = load_whole(rank_path, trust_pickle)
+        if not isinstance(state, dict) or tensor.key not in state:
+            raise CheckpointError(rank_path, f"does not hold {tensor.key}, which {tensor.layer_file} holds")
+        pieces.append(state[tensor.key])
+    return join_model_slices(model.rules.rule(tensor.name), pieces, tuple(pieces[0].shape), tensor.name, path)
+
+
+def _stage_values(source: PipelineSource, model: PipelineModel, stage: int, trust_pickle: bool,
+                  moments: bool) -> dict[str, dict]:
+    """{name: {"fp32": tensor, <state>: tensor}} of one stage's trainable parameters (flat without a
+    model axis; whole tensors joined over the model ranks with one); without `moments` fp32 only."""
+    if model.rules is not None:
+        return joined_stage_states(source, stage, model.rules, trust_pickle, moments)
+    _, masters, flats = read_stage(source, stage, trust_pickle)
+    return states_by_name(source.stages[stage], masters, flats if moments else [{} for _ in flats])
 
 
 def stages_of(tensors_by_file: dict, owned) -> list[int]:
@@ -227,10 +310,11 @@ def check_budget(source: PipelineSource, stages_by_worker: list, budget: int, wh
     """Per worker, the most bytes it holds joining one stage (reshard.formats.deepspeed_pipeline.
     joined_state_bytes: the stage's files mapped, its flats, what torch keeps besides); a
     --memory-budget that cannot hold it is refused (no rounds to cut: whole tensors)."""
-    needed = [max((joined_state_bytes(source, 1, kept_stage=s) for s in stages), default=0)
+    # with a model axis every model rank's files of the stage (model=None), then each tensor whole
+    needed = [max((joined_state_bytes(source, 1, kept_stage=s, model=None) for s in stages), default=0)
               for stages in stages_by_worker]
     refuse_over_budget(source, needed, budget, f"{what} of a pipeline checkpoint joins each stage's optimizer files "
-                                               "whole")
+                                               "whole" + (" over every model rank" if source.tp > 1 else ""))
     return needed
 
 
@@ -269,8 +353,9 @@ def _begin(transport, source: PipelineSource, destination: str, overwrite: bool,
     life = Lifecycle(destination, source.tag, leader=transport.rank == 0, overwrite=overwrite, words=EXPORT)
 
     def describe() -> JobOutput:
-        names = {*source.layer_files, *(stage_model_name(s) for s in range(source.pp)),
-                 *(os.path.basename(source.optim_path(s, d)) for s in range(source.pp) for d in range(source.dp))}
+        units = [(s, m) for s in range(source.pp) for m in range(source.tp)]
+        names = {*source.layer_files, *(stage_model_name(s, m, source.tp) for s, m in units),
+                 *(os.path.basename(source.optim_path(s, d, m)) for s, m in units for d in range(source.dp))}
         identity = source_identity(source.tag_dir, names)
         return JobOutput(export_files_fingerprint(source.save_dir, source.tag, identity, {**export, "pipeline": True}),
                          set(RESHARD_NAMES))
@@ -307,8 +392,7 @@ def pipeline_tag_of(source_dir: str, tag: str | None) -> str | None:
 def _inspect(source_dir: str, destination: str, tag: str, trust_pickle: bool):
     check_paths(source_dir, destination)
     source = inspect_pipeline(source_dir, tag, trust_pickle)
-    refuse_model_axis(source, "the export")
-    return source, module_tensors(source, trust_pickle)
+    return source, module_tensors(source, trust_pickle, export_rules(source, trust_pickle))
 
 
 # ---- safetensors ------------------------------------------------------------------------------
@@ -354,18 +438,17 @@ def _write_safetensors(source, model, files, owned, staged_dir, trust_pickle) ->
                 pwrite_exact(fds[f], memoryview(out.view(torch.uint8).numpy()), starts[f] + placed.data_offset)
 
         for stage in stages_of({f: [model.tensors[t.index] for t in files[f].tensors] for f in owned}, owned):
-            _, masters, moments = read_stage(source, stage, trust_pickle)
-            states = states_by_name(source.stages[stage], masters, [{} for _ in moments])
+            states = _stage_values(source, model, stage, trust_pickle, moments=False)
             for f in owned:
                 for placed in files[f].tensors:
                     if model.tensors[placed.index].stage == stage:
                         put(f, placed, states[placed.name]["fp32"])
-            del masters, moments, states
+            del states
         for f in owned:
             for placed in files[f].tensors:
                 tensor = model.tensors[placed.index]
                 if tensor.stage < 0:
-                    put(f, placed, _layer_value(source, tensor, trust_pickle))
+                    put(f, placed, _layer_value(source, model, tensor, trust_pickle))
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -408,16 +491,36 @@ def export_pipeline_safetensors(source_dir: str, destination: str, tag: str, out
 
 # ---- universal --------------------------------------------------------------------------------
 
+def universal_entry(rule: ModelAxisRule | None, param) -> dict:
+    """One state's file of one parameter, as ds_to_universal.py `merge_tp_slices` writes it (and
+    universal_checkpoint.py `load_hp_checkpoint_state` reads it back, cutting the target rank's slice
+    by these keys): replicated and averaged tensors bare {"param"} (taken whole at any tp); two fused
+    sub-parameters {"cat_dim": 0, "param_n_sub_params": 2}; others {"cat_dim": 1 (row) or 0}; a
+    vocabulary tensor also "vocab_tensor": True; the param last. `rule` None (no model axis, no
+    patterns): {"cat_dim": 0}, merge_tp_slices' default."""
+    entry: dict = {}
+    if rule is None:
+        entry[CAT_DIM] = 0
+    elif rule.kind == "two-sub-params":
+        entry.update({CAT_DIM: 0, N_SUB_PARAMS: 2})
+    elif not rule.whole:
+        entry[CAT_DIM] = rule.dim
+    if rule is not None and rule.kind == "vocabulary":
+        entry[VOCAB_TENSOR] = True
+    entry[UNIVERSAL_PARAM] = param
+    return entry
+
+
 def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: int, zero_dir: str,
                            trust_pickle: bool) -> None:
-    """Stage `stage`'s parameters that it is the first to hold: fp32.pt, each state's .pt, step.pt."""
+    """Stage `stage`'s parameters that it is the first to hold: fp32.pt, each state's .pt, step.pt
+    (with a model axis, each tensor joined whole over the model ranks)."""
     import torch
 
-    files, masters, moments = read_stage(source, stage, trust_pickle)
     spec = source.stages[stage]
-    states = states_by_name(spec, masters, moments)
+    states = _stage_values(source, model, stage, trust_pickle, moments=True)
     by_name = {t.name: t for t in model.tensors}
-    base_state = files[0][OPTIM][BASE]["state"]
+    base_state = load_whole(source.optim_path(stage, 0), trust_pickle)[OPTIM][BASE]["state"]
     for group, names in enumerate(spec.names):
         step = base_state.get(group, {}).get("step")
         for name in names:
@@ -426,10 +529,11 @@ def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: 
             check_directory_name(name, source)
             directory = confined(zero_dir, os.path.join(zero_dir, name))
             os.makedirs(directory, exist_ok=True)
+            rule = None if model.rules is None else model.rules.rule(name)
             for key, flat in states[name].items():
                 check_directory_name(key, source)
                 # a clone: a slice would save the whole joined flat's storage
-                torch.save({"cat_dim": 0, "param": flat.reshape(by_name[name].shape).clone()},
+                torch.save(universal_entry(rule, flat.reshape(by_name[name].shape).clone()),
                            os.path.join(directory, f"{key}.pt"))
             if step is not None:
                 torch.save(step, os.path.join(directory, "step.pt"))
@@ -452,9 +556,12 @@ def _write_universal_rest(source: PipelineSource, model: PipelineModel, tag_dir:
         check_directory_name(tensor.name, source)
         directory = confined(zero_dir, os.path.join(zero_dir, tensor.name))
         os.makedirs(directory, exist_ok=True)
-        torch.save({"param": _layer_value(source, tensor, trust_pickle).float()}, os.path.join(directory, "fp32.pt"))
+        torch.save({UNIVERSAL_PARAM: _layer_value(source, model, tensor, trust_pickle).float()},
+                   os.path.join(directory, "fp32.pt"))
     for stage in range(source.pp):
-        shutil.copyfile(source.model_path(stage), os.path.join(tag_dir, stage_model_name(stage)))
+        for rank in range(source.tp):  # ds_to_universal copies every (stage, model rank)'s file
+            shutil.copyfile(source.model_path(stage, rank), os.path.join(tag_dir, stage_model_name(stage, rank,
+                                                                                                     source.tp)))
 
 
 def export_pipeline_universal(source_dir: str, destination: str, tag: str, budget: int, trust_pickle: bool,

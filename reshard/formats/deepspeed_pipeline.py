@@ -184,16 +184,6 @@ def stage_model_name(stage: int, model: int = 0, tp: int = 1) -> str:
     return f"mp_rank_{stage_model_rank(stage, model, tp):02d}_model_states.pt"
 
 
-def refuse_model_axis(source: PipelineSource, doing: str) -> None:
-    """UnsupportedCheckpoint naming the first stage file when the save has a model axis (tp > 1, or
-    PipeModelDataParallelTopology's `-model_00` layer files at tp 1) and `doing` (a path other than
-    the offline reshard) does not serve one."""
-    if source.has_model_axis:
-        raise UnsupportedCheckpoint(source.model_path(0), f"is a pipeline save with a model axis (tp {source.tp}, "
-                                                          f"PipeModelDataParallelTopology); {doing} does not support "
-                                                          "it (`reshard SRC DST` does)")
-
-
 def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 1) -> list[str]:
     """The files of (stage `stage`, model rank `model`) at `dp` ranks and `tp` model ranks, in the
     order they are written: its model-states file, then one optimizer file per dp rank."""
@@ -779,6 +769,25 @@ def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False)
         joined[name] = {key: join_model_slices(rule, [column[name][key] for _, column in columns], shapes[name],
                                                name, where) for key in states}
     return template, joined
+
+
+def joined_stage_states(source: PipelineSource, stage: int, rules, trust_pickle: bool = False,
+                        moments: bool = True) -> dict[str, dict]:
+    """{name: {"fp32": whole, <state>: whole}} of one stage: every model rank's flats of it
+    (read_stage), each tensor joined over the model ranks by its rule (join_model_slices), at its
+    whole shape; without `moments` the fp32 masters alone. The exports' per-stage counterpart of
+    model_axis_states (a tied parameter is taken from the stage the caller names for it)."""
+    spec = source.stages[stage]
+    shapes = {name: shape for names, group_shapes in zip(spec.names, spec.shapes)
+              for name, shape in zip(names, group_shapes)}
+    columns = []
+    for model in range(source.tp):
+        _, masters, flats = read_stage(source, stage, trust_pickle, model)
+        columns.append(states_by_name(spec, masters, flats if moments else [{} for _ in flats]))
+    where = source.optim_path(stage, 0, 0)
+    return {name: {key: join_model_slices(rules.rule(name), [column[name][key] for column in columns], shapes[name],
+                                          name, where) for key in states}
+            for name, states in columns[0].items()}
 
 
 def cut_model_axis_states(joined: dict, rules, names: Sequence[str], tp: int, rank: int) -> dict:
