@@ -146,6 +146,7 @@ def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():
     assert PipeDataParallelTopology(num_pp=2, num_dp=2).get_rank_repr(rank=3) == ""
 
 
+# conftest `tp_saves`: ONE training launch of both saves, shared with tests/test_pipeline_array.py
 VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
 LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
 # (pp, tp, dp) -> workers: W differing from the worlds where it can
@@ -157,21 +158,6 @@ FROM_TP1 = ("from tp 1", (2, 2, 1))  # that save resharded to tp 2
 
 def _variant(tp: int) -> str:
     return f"fp32-mp{tp}u"
-
-
-@pytest.fixture(scope="module")
-def tp_saves(tmp_path_factory):
-    """{"fp32-mp2u": (save, truth), "fp32-mp1u": (save, truth)}: ONE training launch on 4 ranks, the
-    (2, 2, 1) save, then (tests/pipeline_run.py train --more) the same model at (2, 1, 2) built with
-    PipeModelDataParallelTopology at tp 1, as DeepSpeed writes it (`-model_00` layer files)."""
-    from reshard_proof.launch import run_torchrun
-    from test_pipeline import HARNESS
-    root = tmp_path_factory.mktemp("pipeline-tp-saves")
-    places = {v: (root / v / "ckpt", root / v / "truth") for v in (VARIANT, TP1_VARIANT)}
-    run_torchrun(HARNESS, 4, ["train", "--pp", 2, "--variant", VARIANT, "--save", places[VARIANT][0],
-                              "--truth", places[VARIANT][1], "--more", TP1_VARIANT, *places[TP1_VARIANT]],
-                 expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(4)], timeout=500)
-    return places
 
 
 @pytest.fixture(scope="module")
