@@ -331,3 +331,53 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
             "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_saves, tmp_path):
+    # the (2, 2, 1) save resharded (threads) to (1, 4, 1) and to (2, 1, 2): every target (stage, model
+    # rank)'s masters and moments, and every layer file's tensors, compared with the cut of the source
+    # joined over its model ranks; then, in copies of the tp-4 output, two model ranks' layer files of
+    # the column-parallel layer 1 swapped, and one moment element changed: each reported naming its file
+    import shutil
+
+    from test_pipeline import _rewrite
+    from threaded_transport import run_workers
+    from trained import reshard_in_process, reshard_in_threads
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.verify import verify_against
+    save_dir, _ = tp_saves[VARIANT]
+
+    def verify(destination, workers=3):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+
+    for (pp, tp, dp), workers in {(1, 4, 1): 3, (2, 1, 2): 1}.items():
+        out = tmp_path / f"pp{pp}-tp{tp}-dp{dp}"
+        reshard_in_threads(save_dir, out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)
+        clean = verify(out)
+        assert clean.ok, clean.summary()
+        target = inspect_pipeline(str(out), "step3")  # every element of every (stage, model rank): fp32 + 2 moments
+        assert clean.checked_elements == 3 * tp * sum(sum(map(sum, spec.numels)) for spec in target.stages)
+        assert clean.checked_files >= pp * tp * (1 + dp) + 6 * tp
+    out = tmp_path / "pp1-tp4-dp1"
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    first, second = (swapped / "step3" / f"layer_01-model_{m:02d}-model_states.pt" for m in (1, 2))
+    first.rename(swapped / "held")
+    second.rename(first)
+    (swapped / "held").rename(second)
+    found = verify(swapped)
+    assert not found.ok
+    assert f"{first}: weight differs from model rank 1's cut of the source's 1.weight joined over 2 model ranks" \
+        in found.problems, found.summary()
+    moment = tmp_path / "moment"
+    shutil.copytree(out, moment)
+    optim = moment / "step3" / "zero_pp_rank_0_mp_rank_02_optim_states.pt"
+
+    def bump_one_exp_avg(tree):
+        tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1.0
+    _rewrite(optim, bump_one_exp_avg)
+    run = reshard_in_process("verify", moment, "--against", save_dir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
