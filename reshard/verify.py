@@ -665,7 +665,9 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
                             trust_pickle: bool = False) -> VerifyResult:
     """verify --against for a pipeline output: target (stage, model rank) unit u = stage * tp + model
     checked by worker u % W (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds
-    them), the layer files and the parameter cover by worker 0."""
+    them), the layer files and the parameter cover by worker 0. With tp changed, each worker joins
+    every source tensor over the model ranks once and compares its units with their cuts
+    (ModelAxisChange)."""
     from reshard.formats.deepspeed_pipeline import (
         cut_model_axis_states,
         inspect_pipeline,
