@@ -433,10 +433,10 @@ def _model_axis_change(source, target, trust_pickle: bool) -> ModelAxisChange:
     except ModelAxisError as error:
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
                                               f"{target.tp}, the source's {source.tp}, and {path} {error}") from None
-    return ModelAxisChange(rules, shapes, _layers_from_names(source))
+    return ModelAxisChange(rules, shapes, _layers_from_names(source, trust_pickle))
 
 
-def _layers_from_names(source):
+def _layers_from_names(source, trust_pickle: bool = False):
     """PipelineLayers naming each layer file's tensors, from the stages' parameter names (verify has
     no --pipeline-tied): a layer index with parameters `<index>.*` is its own; one without, whose
     file's tensors include every trainable `tied_modules.<key>.*` of exactly one tied key, holds
@@ -455,7 +455,7 @@ def _layers_from_names(source):
         if any(name.startswith(f"{index}.") for name in names):
             continue
         path = os.path.join(source.tag_dir, layer_file_name(index, 0))
-        keys = {key for key, value in load_whole(path).items() if hasattr(value, "shape")}
+        keys = {key for key, value in load_whole(path, trust_pickle).items() if hasattr(value, "shape")}
         owners = [key for key, params in tied_params.items() if params <= keys and key not in tied]
         if len(owners) > 1:
             raise CheckpointError(path, f"holds the tensors of tied modules {sorted(owners)} alike; which one it "

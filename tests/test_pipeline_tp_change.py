@@ -331,6 +331,17 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
             "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
     assert not (tmp_path / "out").exists()
+    # array tasks' dry runs: together they name every target file once, the layer files re-cut at tp 1
+    named = []
+    for task in (0, 1):
+        run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2", "--target-tp", "1", *layers,
+                                 "--array-task", str(task), "--array-tasks", "2", "--dry-run")
+        assert run.returncode == 0, run.stderr
+        named += re.search(r"task \d writes \d+ file\(s\), \d+ bytes: (.*)", run.stdout)[1].split(", ")
+    assert sorted(n for n in named if n.startswith("layer_")) == [f"layer_{i:02d}-model_00-model_states.pt"
+                                                                  for i in range(6)]
+    assert len(named) == len(set(named)) == 6 + 2 * 3  # 6 layer files; 2 stages: model states + 2 optimizer files
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.e2e
