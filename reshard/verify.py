@@ -318,6 +318,11 @@ def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> Non
 # owes nothing to how the job cut them. Keys the job recomputes (partition counts, paddings,
 # slice mappings, world sizes, param_shapes) are checked against the target's own (pp, dp);
 # everything else must equal the source file it came from. Layer files must be the source's bytes.
+# With tp changed (a model axis re-cut by the save's universal_checkpoint_info patterns,
+# reshard.layouts.model_axis), every source tensor is joined whole over the source's model ranks
+# (deepspeed_pipeline.model_axis_states, whose join checks replicated tensors equal) and each
+# target (stage, model rank)'s states, and each target layer file's tensors, must equal the cut
+# of that join for its model rank (`ModelAxisChange`); param_shapes the target's local shapes.
 
 FP32_GROUPS = "single_partition_of_fp32_groups"
 _PIPELINE_RECOMPUTED_OPTIM = ("single_partition_of_fp32_groups", "base_optimizer_state", "partition_count",
@@ -398,19 +403,86 @@ def _pipeline_layout_problems(path: str, osd: dict, template: dict, spec, dp: in
     return problems
 
 
+@dataclass(frozen=True)
+class ModelAxisChange:
+    """What a tp-changed pipeline output is checked by: the save's rules and the layer list as far
+    as naming a layer file's tensors needs it (`_layers_from_names`)."""
+
+    rules: object
+    """reshard.layouts.model_axis.ModelAxisRules of the source's universal_checkpoint_info."""
+    shapes: dict
+    """Every trainable parameter's shape on one target model rank."""
+    layers: object
+    """reshard.layouts.pipeline.PipelineLayers: which layer index holds which tied module."""
+
+
+def _model_axis_change(source, target, trust_pickle: bool) -> ModelAxisChange:
+    """The rules a tp change was made by; CheckpointError naming the file where the output cannot be
+    one (no model axis on either side, no rules the job could have used)."""
+    from reshard.formats.deepspeed_pipeline import load_whole, source_shapes
+    from reshard.layouts.model_axis import ModelAxisError, model_axis_rules, target_local_shapes
+    if not (source.has_model_axis and target.has_model_axis):
+        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
+                                              f"{target.tp}, the source's {source.tp}, and "
+                                              f"{'the source' if not source.has_model_axis else 'it'} has no "
+                                              "model axis (layer files without -model_XX)")
+    path = source.model_path(0)
+    try:
+        rules = model_axis_rules(load_whole(path, trust_pickle).get("universal_checkpoint_info"))
+        shapes = target_local_shapes(rules, source_shapes(source), source.tp, target.tp)
+    except ModelAxisError as error:
+        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
+                                              f"{target.tp}, the source's {source.tp}, and {path} {error}") from None
+    return ModelAxisChange(rules, shapes, _layers_from_names(source, trust_pickle))
+
+
+def _layers_from_names(source, trust_pickle: bool = False):
+    """PipelineLayers naming each layer file's tensors, from the stages' parameter names (verify has
+    no --pipeline-tied): a layer index with parameters `<index>.*` is its own; one without, whose
+    file's tensors include every trainable `tied_modules.<key>.*` of exactly one tied key, holds
+    that tied module (runtime/pipe/module.py saves a TiedLayerSpec module once, under its first
+    index). CheckpointError naming the layer file where that is not one key."""
+    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices, load_whole, source_shapes
+    from reshard.layouts.pipeline import PipelineLayers
+    names = set(source_shapes(source))
+    tied_params: dict[str, set] = {}
+    for name in names:
+        if name.startswith("tied_modules."):
+            key, _, param = name[len("tied_modules."):].partition(".")
+            tied_params.setdefault(key, set()).add(param)
+    tied, indices = {}, layer_indices(source)
+    for index in indices:
+        if any(name.startswith(f"{index}.") for name in names):
+            continue
+        path = os.path.join(source.tag_dir, layer_file_name(index, 0))
+        keys = {key for key, value in load_whole(path, trust_pickle).items() if hasattr(value, "shape")}
+        owners = [key for key, params in tied_params.items() if params <= keys and key not in tied]
+        if len(owners) > 1:
+            raise CheckpointError(path, f"holds the tensors of tied modules {sorted(owners)} alike; which one it "
+                                        "holds is not recorded, so its tensors' model-axis rules are unknown")
+        if owners:
+            tied[owners[0]] = (index,)
+    return PipelineLayers(max(indices, default=0) + 1, tied)
+
+
 def _pipeline_stage_problems(source, target, stage: int, source_states: dict, trust_pickle: bool,
-                             model_rank: int = 0) -> tuple[list, int, int]:
+                             model_rank: int = 0, change: ModelAxisChange | None = None) -> tuple[list, int, int]:
     """(problems, files checked, elements compared) for target stage `stage` of model rank
-    `model_rank` (`source_states`: that model rank's column of the source)."""
+    `model_rank` (`source_states`: that model rank's column of the source; with tp changed, every
+    parameter's states cut for `model_rank` from the join over the source's model ranks)."""
     import torch
 
     from reshard.formats.deepspeed_pipeline import OPTIM, load_whole, read_stage
     from reshard.layouts.zero import zero12_group
     problems, spec = [], target.stages[stage]
-    kept = target.pp == source.pp
+    kept = target.pp == source.pp and change is None  # a tp change re-assigns the stages as another pp does
     origin = stage if kept else 0  # the job builds a new stage's files from source stage 0's
+    # with tp changed, a model rank the source lacks takes model rank 0's file (write_repartitioned_stage),
+    # and the optimizer files' template is model rank 0's (model_axis_states)
+    model_origin = model_rank if model_rank < source.tp else 0
+    optim_origin = 0 if change is not None else model_rank
     model_path = target.model_path(stage, model_rank)
-    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin, model_rank), trust_pickle)
+    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin, model_origin), trust_pickle)
     # with new stages, each stage's buffer_names follow its layers (checked in _pipeline_file_problems)
     recomputed = _PIPELINE_RECOMPUTED_MODEL + (() if kept else ("buffer_names",))
     rest = {key: value for key, value in model.items() if key not in recomputed}
@@ -418,15 +490,17 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     if not _same(_plain(rest_wanted), _plain(rest)):
         problems.append(f"{model_path}: {_first_difference(_plain(rest_wanted), _plain(rest))}")
     dims = want.get("checkpoint_parallel_dimensions") if kept else \
-        {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp}
+        {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp,
+         **({"tp_degree": target.tp} if change is not None else {})}
     if (model.get("dp_world_size"), model.get("mp_world_size"), model.get("checkpoint_parallel_dimensions")) != \
             (target.dp, target.pp * target.tp, dims):
         problems.append(f"{model_path}: dp_world_size {model.get('dp_world_size')}, mp_world_size "
                         f"{model.get('mp_world_size')}, checkpoint_parallel_dimensions "
                         f"{model.get('checkpoint_parallel_dimensions')}; expected {target.dp}, "
                         f"{target.pp * target.tp}, {dims}")
-    source_shapes = {name: shape for s in source.stages for names, shapes in zip(s.names, s.shapes)
-                     for name, shape in zip(names, shapes)}
+    source_shapes = change.shapes if change is not None else {
+        name: shape for s in source.stages for names, shapes in zip(s.names, s.shapes)
+        for name, shape in zip(names, shapes)}
     if kept and spec.names != source.stages[stage].names:
         problems.append(f"{model_path}: param_shapes lists {_clip(spec.names)}, the source stage "
                         f"{_clip(source.stages[stage].names)}")
@@ -434,15 +508,16 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
         for name, shape in zip(names, shapes):
             if name not in source_shapes:
                 problems.append(f"{model_path}: lists {name}, which no source stage holds")
-            elif source_shapes[name] != shape:
-                problems.append(f"{model_path}: {name} has shape {list(shape)}, the source's {list(source_shapes[name])}")
+            elif tuple(source_shapes[name]) != tuple(shape):
+                problems.append(f"{model_path}: {name} has shape {list(shape)}, the source's "
+                                f"{list(source_shapes[name])}" + (f" at tp {target.tp}" if change is not None else ""))
     if problems:
         return problems, 1, 0
     try:
         files, masters, moments = read_stage(target, stage, trust_pickle, model_rank)
     except CheckpointError as error:
         return [str(error)], 1, 0
-    template = load_whole(source.optim_path(origin, 0, model_rank), trust_pickle)
+    template = load_whole(source.optim_path(origin, 0, optim_origin), trust_pickle)
     for rank, tree in enumerate(files):
         path = target.optim_path(stage, rank, model_rank)
         others, wanted = ({k: v for k, v in tree.items() if k != OPTIM}, {k: v for k, v in template.items() if k != OPTIM})
@@ -476,19 +551,78 @@ def _pipeline_stage_problems(source, target, stage: int, source_states: dict, tr
     return problems, 1 + len(files), elements
 
 
-def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
-    """Rank 0's share: layer and other files the source's bytes, every parameter in some stage,
-    an untied one in exactly one, and stages holding ascending layer ranges."""
+def _model_axis_layer_problems(source, target, change: ModelAxisChange, trust_pickle: bool) -> tuple[list[str], int]:
+    """With tp changed: the target's layer files are one per layer index and target model rank, each
+    holding the source's entries, every tensor (dtype and values) the cut for its model rank of the
+    join over the source's model ranks, every other entry the source model rank 0 file's."""
+    import torch
+
+    from reshard.formats.deepspeed_pipeline import (
+        cut_model_slice,
+        join_model_slices,
+        layer_file_name,
+        layer_indices,
+        layer_tensor_name,
+        load_whole,
+    )
+    problems, checked = [], 0
+    indices = layer_indices(source)
+    wanted = {layer_file_name(i, m) for i in indices for m in range(target.tp)}
+    if set(target.layer_files) != wanted:
+        problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, expected {sorted(wanted)} "
+                        f"(the source's {len(indices)} layers at tp {target.tp})")
+    for index in indices:
+        paths = [os.path.join(source.tag_dir, layer_file_name(index, m)) for m in range(source.tp)]
+        states = [load_whole(path, trust_pickle) for path in paths]
+        joined = {}
+        for key, value in states[0].items():
+            if hasattr(value, "shape"):
+                name = layer_tensor_name(change.layers, index, key)
+                rule = change.rules.rule(name)
+                joined[key] = (rule, join_model_slices(rule, [state[key] for state in states], tuple(value.shape),
+                                                       name, paths[0]))
+        for model in range(target.tp):
+            path = os.path.join(target.tag_dir, layer_file_name(index, model))
+            if not os.path.isfile(path):
+                continue  # reported above
+            checked += 1
+            found = load_whole(path, trust_pickle)
+            if not isinstance(found, dict) or list(found) != list(states[0]):
+                problems.append(f"{path}: entries {list(found) if isinstance(found, dict) else type(found).__name__}, "
+                                f"the source's {list(states[0])}")
+                continue
+            for key, value in found.items():
+                if key not in joined:
+                    if not _same(_plain(value), _plain(states[0][key])):
+                        problems.append(f"{path}: {key}: {_first_difference(_plain(states[0][key]), _plain(value))}")
+                    continue
+                rule, whole = joined[key]
+                expected = cut_model_slice(rule, whole, target.tp, model)
+                if not hasattr(value, "shape") or value.dtype != expected.dtype or value.shape != expected.shape \
+                        or not torch.equal(value, expected):
+                    problems.append(f"{path}: {key} differs from model rank {model}'s cut of the source's "
+                                    f"{layer_tensor_name(change.layers, index, key)} joined over {source.tp} "
+                                    "model ranks")
+    return problems, checked
+
+
+def _pipeline_file_problems(source, target, change: ModelAxisChange | None = None,
+                            trust_pickle: bool = False) -> tuple[list[str], int]:
+    """Rank 0's share: layer and other files the source's bytes (with tp changed, the layer files
+    re-cut: _model_axis_layer_problems), every parameter in some stage, an untied one in exactly
+    one, and stages holding ascending layer ranges."""
     from reshard.files.byte_io import hash_file
     from reshard.jobs.manifest import MANIFEST_NAME
     problems, checked = [], 0
-    if set(target.layer_files) != set(source.layer_files):
+    if change is not None:
+        problems, checked = _model_axis_layer_problems(source, target, change, trust_pickle)
+    elif set(target.layer_files) != set(source.layer_files):
         problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, the source's "
                         f"{sorted(source.layer_files)}")
     extra = sorted(set(target.other_files) - set(source.other_files) - {MANIFEST_NAME})
     if extra:
         problems.append(f"{target.tag_dir}: holds {extra}, which the source does not")
-    for name in sorted(set(source.layer_files) | set(source.other_files)):
+    for name in sorted((set() if change is not None else set(source.layer_files)) | set(source.other_files)):
         path = os.path.join(target.tag_dir, name)
         checked += 1
         if not os.path.isfile(path):
@@ -531,8 +665,17 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
                             trust_pickle: bool = False) -> VerifyResult:
     """verify --against for a pipeline output: target (stage, model rank) unit u = stage * tp + model
     checked by worker u % W (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds
-    them), the layer files and the parameter cover by worker 0."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, read_stage, states_by_name
+    them), the layer files and the parameter cover by worker 0. With tp changed, each worker joins
+    every source tensor over the model ranks once and compares its units with their cuts
+    (ModelAxisChange)."""
+    from reshard.formats.deepspeed_pipeline import (
+        cut_model_axis_states,
+        inspect_pipeline,
+        is_pipeline,
+        model_axis_states,
+        read_stage,
+        states_by_name,
+    )
     from reshard.jobs.pipeline_job import stage_files_written_by
 
     def inspect_both():
@@ -543,26 +686,30 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
         target = inspect_pipeline(destination, tag, trust_pickle)
         if target.bf16 != source.bf16:
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
-        if target.tp != source.tp:
-            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
-                                                  f"{target.tp}, the source's {source.tp}")
-        return source, target
-    source, target = on_rank0(transport, inspect_both)
+        change = _model_axis_change(source, target, trust_pickle) if target.tp != source.tp else None
+        return source, target, change
+    source, target, change = on_rank0(transport, inspect_both)
     result = VerifyResult(destination, tag, "against source")
     problems, files, elements = [], 0, 0
     if transport.rank == 0:
         problems, files = save_dir_files.differences(source.save_dir, target.save_dir)
-        more, checked = _pipeline_file_problems(source, target)
+        more, checked = _pipeline_file_problems(source, target, change, trust_pickle)
         problems, files = problems + more, files + checked
-    column, source_states = None, {}
+    column, source_states, joined = None, {}, None
     for stage, model in stage_files_written_by(target.pp, target.tp, transport.size)[transport.rank]:
-        if model != column:  # whole tensors, as the job: every source stage of the model rank's column joined once
+        if change is not None:  # every source tensor joined whole over the model ranks once, as the job
+            if joined is None:
+                joined = model_axis_states(source, change.rules, trust_pickle)[1]
+            names = [name for group in target.stages[stage].names for name in group if name in joined]
+            source_states = cut_model_axis_states(joined, change.rules, names, target.tp, model)
+        elif model != column:  # whole tensors, as the job: every source stage of the model rank's column joined once
             column, source_states = model, {}
             for index, spec in enumerate(source.stages):
                 _, masters, moments = read_stage(source, index, trust_pickle, model)
                 for name, states in states_by_name(spec, masters, moments).items():
                     source_states.setdefault(name, states)
-        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle, model)
+        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle, model,
+                                                           change)
         problems, files, elements = problems + more, files + checked, elements + compared
     reports = transport.all_gather_object((problems, elements, files))
     result.problems = [p for found, _, _ in reports for p in found]

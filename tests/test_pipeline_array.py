@@ -21,10 +21,11 @@ import pytest
 from trained import reshard_in_threads, tree_files
 
 from reshard.errors import OptionError, ReshardError
-from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage, stage_file_names
-from reshard.jobs.array_job import PIPELINE_STAGE, deal_files, pipeline_files
+from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
+from reshard.jobs.array_job import PIPELINE_LAYER, PIPELINE_STAGE, deal_files, item_file_names, pipeline_files
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import PipelineTarget, stage_output_bytes
+from reshard.layouts.model_axis import model_axis_rules
 from reshard.layouts.pipeline import PipelineLayers, assign_stages
 from reshard.topology import Topology
 
@@ -60,35 +61,49 @@ def _fake_source(root: Path, tp: int = 1) -> PipelineSource:
     return source
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["stages", "model-axis"])
-def test_pipeline_items_are_dealt_whole_once_each_deterministically(tmp_path, tp):
-    source = _fake_source(tmp_path, tp)
+@pytest.mark.parametrize("source_tp", [1, 2], ids=["stages", "model-axis"])
+def test_pipeline_items_are_dealt_whole_once_each_deterministically(tmp_path, source_tp):
+    source = _fake_source(tmp_path, source_tp)
     numels = {n: c for stage in source.stages for n, c in zip(stage.names[0], stage.numels[0])}
-    targets = {"kept": PipelineTarget(Topology(dp=3, tp=tp, pp=2), None),
-               "pp 3": PipelineTarget(Topology(dp=2, tp=tp, pp=3),
-                                      assign_stages("parameters", PipelineLayers(7, {"embed": (0, 6)}), numels, 3))}
+    layers = PipelineLayers(7, {"embed": (0, 6)})
+    targets = {"kept": PipelineTarget(Topology(dp=3, tp=source_tp, pp=2), None),
+               "pp 3": PipelineTarget(Topology(dp=2, tp=source_tp, pp=3),
+                                      assign_stages("parameters", layers, numels, 3))}
+    if source_tp > 1:  # tp 2 -> 1 (every parameter replicated here, so the shapes stay the source's)
+        targets["tp 1"] = PipelineTarget(Topology(dp=2, tp=1, pp=2), assign_stages("parameters", layers, numels, 2),
+                                         model_axis_rules({"tp_replicated_parameter_patterns": [".*"]}),
+                                         {n: (c,) for n, c in numels.items()}, layers)
     for label, target in targets.items():
+        tp = target.topology.tp
         items = pipeline_files(0, source, target)
         sizes = stage_output_bytes(source, target)
         units = [f for f in items if f.name.startswith(PIPELINE_STAGE)]
         # one item per (stage, model rank), its rank the unit's mp_rank_XX index stage * tp + model
         assert [(f.rank, f.nbytes) for f in units] == list(enumerate(sizes)), label
         assert len({f.name for f in units}) == target.topology.pp * tp
-        assert sorted(f.name for f in items if f.rank is None) == sorted((*source.layer_files, "metric.json"))
+        layer_files = source.layer_files
+        if target.tp_changed:  # each layer index's files re-cut, one item; none of the source's copied
+            indices = (0, 1, 3, 4, 5)
+            assert [(f.name, f.layer) for f in items if f.layer is not None] == [
+                (f"{PIPELINE_LAYER}{i:02d}", i) for i in indices], label
+            layer_files = tuple(f"layer_{i:02d}-model_00-model_states.pt" for i in indices)
+            assert [f.name for f in items if f.rank is None and f.layer is None] == ["metric.json"]
+        else:
+            assert not any(f.layer is not None for f in items)
+            assert sorted(f.name for f in items if f.rank is None) == sorted((*layer_files, "metric.json"))
         if target.stages is None:  # a kept unit weighs its own source files: model rank 1's twice as large
             assert sizes[1 * tp + tp - 1] == 700 + tp * 12 * sum(source.stages[1].numels[0])
         pp, dp = target.topology.pp, target.topology.dp
         output = {f"mp_rank_{u:02d}_model_states.pt" for u in range(pp * tp)} | {
             f"zero_pp_rank_{d}_mp_rank_{u:02d}_optim_states.pt" for u in range(pp * tp) for d in range(dp)} | {
-            *source.layer_files, "metric.json"}
+            *layer_files, "metric.json"}
+        # the tasks' shares together write every file of the output once
+        written = [name for f in items for name in item_file_names(f, source, target)]
+        assert len(written) == len(output) and set(written) == output, label
         for tasks in (1, 2, 3, 5):
             owners = deal_files(items, tasks)
             shuffled = items[1::2] + items[::2]  # the same items in another order: the same owners
             assert dict(zip(shuffled, deal_files(shuffled, tasks))) == dict(zip(items, owners))
-            # the tasks' shares together write every file of the output once
-            written = [name for f in items for name in (stage_file_names(f.rank // tp, dp, False, f.rank % tp, tp)
-                                                         if f.rank is not None else [f.name])]
-            assert len(written) == len(output) and set(written) == output, label
             loads = [sum(f.nbytes for f, o in zip(items, owners) if o == t) for t in range(tasks)]
             assert max(loads) - min(loads) <= max(f.nbytes for f in items), (label, tasks, loads)
             assert len(set(owners)) == min(tasks, len(items))
@@ -111,8 +126,12 @@ def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(pipelin
     ("fp32", (2, 3), 2, {}), ("fp32", (3, 2), 3, {"target_pp": 3, **PP_CHANGE}),
     # the model-axis save of tests/test_pipeline_model_axis.py ((pp, tp, dp) = (2, 2, 1)): its units are
     # (stage, model rank) pairs, each model rank's column joined for the new stage
-    ("fp32-mp2", (1, 2), 3, {"target_pp": 1, **PP_CHANGE})], ids=["dp-change", "pp-change", "model-axis-pp-change"])
-def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipeline_runs, tmp_path, monkeypatch,
+    ("fp32-mp2", (1, 2), 3, {"target_pp": 1, **PP_CHANGE}),
+    # conftest `tp_saves`' Megatron-style (2, 2, 1) save to tp 1: each layer index's files re-cut, one item
+    # (the source's two slices per layer, copied, would publish wrong files with exit 0)
+    ("fp32-mp2u", (2, 2), 3, {"target_pp": 2, "target_tp": 1, **PP_CHANGE})],
+    ids=["dp-change", "pp-change", "model-axis-pp-change", "tp-change"])
+def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(request, tmp_path, monkeypatch,
                                                                             variant, target, tasks, options):
     import torch
 
@@ -120,7 +139,8 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
     from reshard.jobs.array_job import publish_main
     from reshard.jobs.collective_job import run_job
     from reshard.jobs.pipeline_job import pipeline_target
-    save_dir, _ = pipeline_runs(variant, 2, 1)
+    save_dir, _ = (request.getfixturevalue("tp_saves")[variant] if "target_tp" in options
+                   else request.getfixturevalue("pipeline_runs")(variant, 2, 1))
     dp = target[1]
     expected, destination = tmp_path / "collective", tmp_path / "array"
     reshard_in_threads(save_dir, expected, dp, 2, **options)
@@ -131,15 +151,17 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
 
     # the task to fail: one dealt a unit and some layer files
     source = inspect_pipeline(str(save_dir), "step3")
-    tp = source.tp
-    items = pipeline_files(0, source, pipeline_target(opts(0), source))
+    planned = pipeline_target(opts(0), source)
+    tp = planned.topology.tp
+    items = pipeline_files(0, source, planned)
     owners = deal_files(items, tasks)
     failing = next(t for t in range(tasks) if {f.rank is None for f, o in zip(items, owners) if o == t} == {True, False})
-    unit = next(f.rank for f, o in zip(items, owners) if o == failing and f.rank is not None)
-    its_layers = [f.name for f, o in zip(items, owners) if o == failing and f.rank is None]
+    unit = next(f for f, o in zip(items, owners) if o == failing and f.rank is not None)
+    # layer items, written before the units: copied files, or with tp changed each index's re-cut files
+    its_layers = [f for f, o in zip(items, owners) if o == failing and f.rank is None]
     its_items = owners.count(failing)
     # the disk fills as the task saves its unit's second file (dp rank 0's optimizer file)
-    unit_files = stage_file_names(unit // tp, dp, False, unit % tp, tp)
+    unit_files = item_file_names(unit, source, planned)
     fills_at = unit_files[1]
     save = torch.save
 
@@ -153,7 +175,8 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
         run_job(opts(failing))
     monkeypatch.undo()
     staged = destination / ".reshard-staging" / "step3"
-    kept = {name: os.stat(staged / name) for name in its_layers}  # marked done: a re-run must leave them
+    kept = {name: os.stat(staged / name) for f in its_layers  # marked done: a re-run must leave them
+            for name in item_file_names(f, source, planned)}
     assert (staged / unit_files[0]).is_file()  # the unit was begun, not finished
     for task in reversed([t for t in range(tasks) if t != failing]):
         run_job(opts(task))
@@ -168,4 +191,5 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(pipe
     names = os.listdir(destination / "step3")
     assert sum(bool(LAYER_RE.match(n)) for n in names) == 6 * tp
     assert f"mp_rank_{target[0] * tp - 1:02d}_model_states.pt" in names
+    assert f"mp_rank_{target[0] * tp:02d}_model_states.pt" not in names
     assert "nothing to do" in run_job(opts(failing)).summary()  # a retry after the end

@@ -153,6 +153,7 @@ def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():
     assert PipeDataParallelTopology(num_pp=2, num_dp=2).get_rank_repr(rank=3) == ""
 
 
+# conftest `tp_saves`: ONE training launch of both saves, shared with tests/test_pipeline_array.py
 VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
 LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
 # (pp, tp, dp) -> workers: W differing from the worlds where it can
@@ -164,21 +165,6 @@ FROM_TP1 = ("from tp 1", (2, 2, 1))  # that save resharded to tp 2
 
 def _variant(tp: int) -> str:
     return f"fp32-mp{tp}u"
-
-
-@pytest.fixture(scope="module")
-def tp_saves(tmp_path_factory):
-    """{"fp32-mp2u": (save, truth), "fp32-mp1u": (save, truth)}: ONE training launch on 4 ranks, the
-    (2, 2, 1) save, then (tests/pipeline_run.py train --more) the same model at (2, 1, 2) built with
-    PipeModelDataParallelTopology at tp 1, as DeepSpeed writes it (`-model_00` layer files)."""
-    from reshard_proof.launch import run_torchrun
-    from test_pipeline import HARNESS
-    root = tmp_path_factory.mktemp("pipeline-tp-saves")
-    places = {v: (root / v / "ckpt", root / v / "truth") for v in (VARIANT, TP1_VARIANT)}
-    run_torchrun(HARNESS, 4, ["train", "--pp", 2, "--variant", VARIANT, "--save", places[VARIANT][0],
-                              "--truth", places[VARIANT][1], "--more", TP1_VARIANT, *places[TP1_VARIANT]],
-                 expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(4)], timeout=500)
-    return places
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +338,67 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
             "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
     assert not (tmp_path / "out").exists()
+    # array tasks' dry runs: together they name every target file once, the layer files re-cut at tp 1
+    named = []
+    for task in (0, 1):
+        run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2", "--target-tp", "1", *layers,
+                                 "--array-task", str(task), "--array-tasks", "2", "--dry-run")
+        assert run.returncode == 0, run.stderr
+        named += re.search(r"task \d writes \d+ file\(s\), \d+ bytes: (.*)", run.stdout)[1].split(", ")
+    assert sorted(n for n in named if n.startswith("layer_")) == [f"layer_{i:02d}-model_00-model_states.pt"
+                                                                  for i in range(6)]
+    assert len(named) == len(set(named)) == 6 + 2 * 3  # 6 layer files; 2 stages: model states + 2 optimizer files
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_saves, tmp_path):
+    # the (2, 2, 1) save resharded (threads) to (1, 4, 1) and to (2, 1, 2): every target (stage, model
+    # rank)'s masters and moments, and every layer file's tensors, compared with the cut of the source
+    # joined over its model ranks; then, in copies of the tp-4 output, two model ranks' layer files of
+    # the column-parallel layer 1 swapped, and one moment element changed: each reported naming its file
+    import shutil
+
+    from test_pipeline import _rewrite
+    from threaded_transport import run_workers
+    from trained import reshard_in_process, reshard_in_threads
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.verify import verify_against
+    save_dir, _ = tp_saves[VARIANT]
+
+    def verify(destination, workers=3):
+        return run_workers(workers, lambda t: verify_against(str(destination), str(save_dir), transport=t))[0]
+
+    for (pp, tp, dp), workers in {(1, 4, 1): 3, (2, 1, 2): 1}.items():
+        out = tmp_path / f"pp{pp}-tp{tp}-dp{dp}"
+        reshard_in_threads(save_dir, out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)
+        clean = verify(out)
+        assert clean.ok, clean.summary()
+        target = inspect_pipeline(str(out), "step3")  # every element of every (stage, model rank): fp32 + 2 moments
+        assert clean.checked_elements == 3 * tp * sum(sum(map(sum, spec.numels)) for spec in target.stages)
+        assert clean.checked_files >= pp * tp * (1 + dp) + 6 * tp
+    out = tmp_path / "pp1-tp4-dp1"
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    first, second = (swapped / "step3" / f"layer_01-model_{m:02d}-model_states.pt" for m in (1, 2))
+    first.rename(swapped / "held")
+    second.rename(first)
+    (swapped / "held").rename(second)
+    found = verify(swapped)
+    assert not found.ok
+    assert f"{first}: weight differs from model rank 1's cut of the source's 1.weight joined over 2 model ranks" \
+        in found.problems, found.summary()
+    moment = tmp_path / "moment"
+    shutil.copytree(out, moment)
+    optim = moment / "step3" / "zero_pp_rank_0_mp_rank_02_optim_states.pt"
+
+    def bump_one_exp_avg(tree):
+        tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1.0
+    _rewrite(optim, bump_one_exp_avg)
+    run = reshard_in_process("verify", moment, "--against", save_dir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
 
 
 # ---- exports of the model-axis saves (reshard.export.pipeline_export) ---------------------------

@@ -15,7 +15,9 @@ A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target (stage, mod
 instead: a unit's model-states file and optimizer files are built together from its whole tensors
 (reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one unit (a stage,
 without a model axis) is one item (`stage_item`), dealt by size with the layer files, which are
-copied as they are.
+copied as they are; with --target-tp changing the model axis, each layer index's files are re-cut
+for the target's model ranks (pipeline_job.build_layer_files) and written together, one item
+(`layer_item`), as the collective job writes them.
 
 A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
 destination check, staging, lock, free space, clean-up), resuming per file
@@ -69,6 +71,8 @@ from reshard.formats.deepspeed_pipeline import (
     PipelineSource,
     inspect_pipeline,
     is_pipeline,
+    layer_file_name,
+    layer_indices,
     stage_file_names,
 )
 from reshard.formats.deepspeed_spec import (
@@ -98,6 +102,7 @@ from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import (
     WHOLE_TENSORS,
     PipelineTarget,
+    build_layer_files,
     build_stages,
     describe_target,
     pipeline_output,
@@ -143,6 +148,9 @@ class ArrayFile:
     """Tensor bytes it holds (target file) or its size (copied file): what balancing weighs."""
     rank: int | None
     """Target rank whose file it is; None for a file copied from the source tag directory."""
+    layer: int | None = None
+    """A pipeline save's layer index whose files, re-cut for another tp, the item writes (`layer_item`);
+    None otherwise."""
 
 
 def deal_files(files: list[ArrayFile], tasks: int) -> list[int]:
@@ -373,12 +381,34 @@ def stage_item(stage: int, model: int = 0, tp: int = 1) -> str:
     return f"{PIPELINE_STAGE}{stage:02d}" + (f"-model-{model:02d}" if tp > 1 else "")
 
 
+PIPELINE_LAYER = ".reshard-pipeline-layer-"
+"""The item standing for one layer index's files re-cut for another tp (all its target model ranks';
+a dot-name, as PIPELINE_STAGE)."""
+
+
+def layer_item(index: int) -> str:
+    """The item of layer `index`'s target files, with tp changed."""
+    return f"{PIPELINE_LAYER}{index:02d}"
+
+
+def item_file_names(item: ArrayFile, source: PipelineSource, target: PipelineTarget) -> list[str]:
+    """The names of the files a pipeline item writes into the tag directory."""
+    topology = target.topology
+    if item.rank is not None:
+        return stage_file_names(item.rank // topology.tp, topology.dp, source.bf16, item.rank % topology.tp,
+                                topology.tp)
+    if item.layer is not None:
+        return [layer_file_name(item.layer, model) for model in range(topology.tp)]
+    return [item.name]
+
+
 @dataclass
 class _PipelineUnit:
     """A DeepSpeed PipelineModule checkpoint (reshard.jobs.pipeline_job): a target (stage, model rank)
     unit's model-states file and optimizer files are built together from that unit's whole tensors,
     so a unit is one item (its ArrayFile.rank the unit's index stage * tp + model, its `mp_rank_XX`),
-    dealt by its size with the layer files (copied as they are)."""
+    dealt by its size with the layer files (copied as they are; with tp changed, re-cut, each layer
+    index's files one item, its ArrayFile.layer the index)."""
 
     source: PipelineSource
     target: PipelineTarget
@@ -409,9 +439,8 @@ class _PipelineUnit:
         result.notes.append(f"pipeline: {describe_target(opts, source, target)}; whole tensors, one "
                             + ("(stage, model rank) unit" if tp > 1 else "stage") + " at a time")
         if opts.dry_run:
-            result.notes.append(_dry_run_note(opts, mine, [name for f in mine for name in (
-                stage_file_names(f.rank // tp, target.topology.dp, source.bf16, f.rank % tp, tp)
-                if f.rank is not None else [f.name])]))
+            result.notes.append(_dry_run_note(opts, mine, [name for f in mine
+                                                           for name in item_file_names(f, source, target)]))
             return result
         made = pipeline_output(opts, source, target)
         identity = source_identity(source.tag_dir, made.identified)
@@ -420,7 +449,15 @@ class _PipelineUnit:
                              outputs_of(unit.destination, source.save_dir, target.topology.dp))
 
         def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
-            todo = {(f.rank // tp, f.rank % tp) for f in targets}
+            # with tp changed, first each layer index's re-cut files (all its target model ranks: one item),
+            # small beside a unit, which joins every source tensor (build_stages)
+            for f in targets:
+                if f.layer is not None:
+                    paths = build_layer_files(source, target, [f.layer], tag_dir, opts.trust_pickle, report)
+                    entries = {os.path.basename(path): _durable_entry(path) for path in paths}
+                    report.bytes_written += sum(entry["bytes"] for entry in entries.values())
+                    write_json_atomically(_done_path(array_dir, f.name), {"files": entries})
+            todo = {(f.rank // tp, f.rank % tp) for f in targets if f.rank is not None}
             for (stage, model), paths in build_stages(source, target, [u for u in units if u in todo], tag_dir,
                                                       opts.trust_pickle, report):
                 entries = {os.path.basename(path): _durable_entry(path) for path in paths}
@@ -432,13 +469,23 @@ class _PipelineUnit:
 
 def pipeline_files(unit_index: int, source: PipelineSource, target: PipelineTarget) -> list[ArrayFile]:
     """Every item of one pipeline checkpoint's output, weighed: each target (stage, model rank) unit
-    (`stage_item`, `rank` its index stage * tp + model; pipeline_job.stage_output_bytes), then each
-    file copied as it is (the layer files and any other file of the tag directory)."""
+    (`stage_item`, `rank` its index stage * tp + model; pipeline_job.stage_output_bytes), then with
+    tp changed each layer index's re-cut files (`layer_item`, weighed by the source files it joins),
+    then each file copied as it is (the layer files with tp kept, and any other file of the tag directory)."""
     tp = target.topology.tp
+    size = functools.partial(_size_in, source.tag_dir)
     items = [ArrayFile(unit_index, stage_item(index // tp, index % tp, tp), nbytes, index)
              for index, nbytes in enumerate(stage_output_bytes(source, target))]
-    return items + [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
-                    for name in (*source.layer_files, *source.other_files)]
+    if target.tp_changed:
+        items += [ArrayFile(unit_index, layer_item(index), sum(
+            size(layer_file_name(index, model)) for model in range(source.tp)), None, index)
+            for index in layer_indices(source)]
+    copied = (*(() if target.tp_changed else source.layer_files), *source.other_files)
+    return items + [ArrayFile(unit_index, name, size(name), None) for name in copied]
+
+
+def _size_in(directory: str, name: str) -> int:
+    return os.path.getsize(os.path.join(directory, name))
 
 
 def _no_collectives(opts: ReshardOptions) -> str:
@@ -486,12 +533,12 @@ def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: di
                                                save_dir_files.staging_dir(staging.tag_dir), unit.destination)
                 report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
                 write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
-            elif f.rank is None:
+            elif f.rank is None and f.layer is None:
                 staging.copy_in(output.tag_dir, [f.name])
                 path = os.path.join(staging.tag_dir, f.name)
                 report.bytes_carried += os.path.getsize(path)
                 _mark_done(array_dir, f.name, path)
-        targets = [f for f in todo if f.rank is not None]
+        targets = [f for f in todo if f.rank is not None or f.layer is not None]
         result.rounds = write_targets(staging.tag_dir, array_dir, targets) if targets else 0
 
     life.run(work)
