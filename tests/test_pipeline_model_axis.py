@@ -238,8 +238,8 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
         assert sum(f"mp_rank_{unit:02d}_model_states.pt, zero_pp_rank_0_mp_rank_{unit:02d}_optim_states.pt, "
                    f"zero_pp_rank_1_mp_rank_{unit:02d}_optim_states.pt" in run.stdout for run in planned) == 1, unit
     assert not (tmp_path / "array").exists()
-    assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load at the save's (pp, dp)
-    in_job = pipeline_to_load(str(save_dir), None, (1, 2))  # rebuilt per model rank (judged in the test above)
+    assert pipeline_to_load(str(save_dir), None, (2, 1, 2)) == "step3"  # DeepSpeed's own load at the save's (pp, dp, tp)
+    in_job = pipeline_to_load(str(save_dir), None, (1, 2, 2))  # rebuilt per model rank (judged in the test above)
     assert (in_job.pp, in_job.dp, in_job.tp) == (2, 1, 2)
     # a model rank's layer file missing: refused naming it
     broken = tmp_path / "broken"

@@ -153,6 +153,25 @@ def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():
     assert PipeDataParallelTopology(num_pp=2, num_dp=2).get_rank_repr(rank=3) == ""
 
 
+def test_in_job_hands_deepspeed_only_a_save_at_the_engines_pp_dp_and_tp(tmp_path):
+    # the file names of a (pp, tp, dp) = (2, 2, 1) save decide (saved_pipeline_topology reads no pickle):
+    # at the engine's (pp, dp, tp) the tag goes to DeepSpeed's own load; at the same (pp, dp) and another
+    # tp it must not (DeepSpeed would load the save's slices), so the save is inspected to be rebuilt:
+    # these empty files are refused by name there, which DeepSpeed's own load never reaches
+    from reshard.deepspeed import pipeline_to_load
+    (tmp_path / "latest").write_text("step3")
+    tag_dir = tmp_path / "step3"
+    tag_dir.mkdir()
+    for name in [*(f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(6) for m in range(2)),
+                 *(f"mp_rank_{u:02d}_model_states.pt" for u in range(4)),
+                 *(f"zero_pp_rank_0_mp_rank_{u:02d}_optim_states.pt" for u in range(4))]:
+        (tag_dir / name).write_bytes(b"")
+    assert pipeline_to_load(str(tmp_path), None, (2, 1, 2)) == "step3"
+    for engine in [(2, 1, 1), (2, 1, 4), (1, 2, 2)]:
+        with pytest.raises(CheckpointError, match=re.escape(str(tag_dir))):
+            pipeline_to_load(str(tmp_path), None, engine)
+
+
 VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
 LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
 # (pp, tp, dp) -> workers: W differing from the worlds where it can
