@@ -21,11 +21,13 @@ file served); the rank owning (dp 0, tp t) builds that object and broadcasts it 
 dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
-Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp) goes to
-DeepSpeed's load as it is; at another (pp, dp) every rank rebuilds its own stage's model-states
-file and its own dp rank's optimizer file in memory from whole tensors (no rounds: the
-`memory_budget` is checked against an estimate, and a load it cannot hold is refused), taking the
-stage's parameter names and order from the engine itself, and reads the layer files from the source.
+Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
+to DeepSpeed's load as it is; otherwise every rank rebuilds its own stage's model-states file and
+its own dp rank's optimizer file in memory from whole tensors (no rounds: the `memory_budget` is
+checked against an estimate, and a load it cannot hold is refused), taking the stage's parameter
+names and order from the engine itself, and reads the layer files from the source; with another
+tp of the model axis (a save carrying universal_checkpoint_info patterns) every tensor is joined
+whole over the saved model ranks and cut for the engine's, layer files too (`_load_pipeline`).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory

@@ -17,7 +17,9 @@ the harness's own knowledge of its layers, not by reshard's rule) and in real en
 moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
 adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
 ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
-targets in the same launches, is the second oracle.
+targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
+is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
+and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
 
 The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
 whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
