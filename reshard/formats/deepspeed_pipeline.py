@@ -546,7 +546,7 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
     files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
     (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x. With tp changed (`model` None,
-    model_axis_states), every model rank's column is joined and kept, then each tensor joined whole
+    model_axis_states; offline or in-job alike), every model rank's column is joined and kept, then each tensor joined whole
     over the model ranks (one more copy): 4 x the optimizer bytes of every (stage, model rank), plus
     the target unit's `target_elements` (at the target's local shapes) as above. Measured on a
     (2, 2, 1) save with 218 MiB of optimizer files (tests/pipeline_run.py's -mp2u model widened to
