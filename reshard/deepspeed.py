@@ -21,11 +21,13 @@ file served); the rank owning (dp 0, tp t) builds that object and broadcasts it 
 dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
-Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp) goes to
-DeepSpeed's load as it is; at another (pp, dp) every rank rebuilds its own stage's model-states
-file and its own dp rank's optimizer file in memory from whole tensors (no rounds: the
-`memory_budget` is checked against an estimate, and a load it cannot hold is refused), taking the
-stage's parameter names and order from the engine itself, and reads the layer files from the source.
+Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
+to DeepSpeed's load as it is; otherwise every rank rebuilds its own stage's model-states file and
+its own dp rank's optimizer file in memory from whole tensors (no rounds: the `memory_budget` is
+checked against an estimate, and a load it cannot hold is refused), taking the stage's parameter
+names and order from the engine itself, and reads the layer files from the source; with another
+tp of the model axis (a save carrying universal_checkpoint_info patterns) every tensor is joined
+whole over the saved model ranks and cut for the engine's, layer files too (`_load_pipeline`).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -233,71 +235,105 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     return result
 
 
-def _engine_pipeline(engine) -> tuple[int, int] | None:
-    """(pp, dp) of a PipelineEngine (runtime/pipe/engine.py: `num_stages`, `dp_world_size`), else None."""
+def _engine_pipeline(engine) -> tuple[int, int, int] | None:
+    """(pp, dp, tp) of a PipelineEngine (runtime/pipe/engine.py: `num_stages`, `dp_world_size`; tp its
+    grid's model (tensor-slicing) axis, topology.py PipelineParallelGrid `get_slice_parallel_world_size`,
+    1 without one), else None."""
     if not getattr(engine, "pipeline_parallelism", False):
         return None
-    return int(engine.num_stages), int(engine.dp_world_size)
+    return int(engine.num_stages), int(engine.dp_world_size), int(engine.grid.get_slice_parallel_world_size())
 
 
-def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int, int] | None,
+def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int, int, int] | None,
                      trust_pickle: bool = False):
     """None when `load_dir` holds no PipelineModule save; its tag when the save is at the engine's
-    (pp, dp) (DeepSpeed loads it as it is); else its PipelineSource, to be rebuilt in the job. A
-    pipeline save offered to an engine that is not a pipeline engine is refused by name."""
+    (pp, dp, tp) (DeepSpeed loads it as it is); else its PipelineSource, to be rebuilt in the job
+    (another tp at the same (pp, dp) too: DeepSpeed's own load would hand each model rank a file of
+    the save's slicing). A pipeline save offered to an engine that is not a pipeline engine is
+    refused by name."""
     from reshard.formats.deepspeed_inspect import resolve_tag
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
     tag = resolve_tag(os.path.abspath(load_dir), tag)
     tag_dir = os.path.join(load_dir, tag)
     if not is_pipeline(tag_dir):
         return None
-    saved = saved_pipeline_topology(tag_dir)[:2]  # (pp, dp)
-    if saved == engine_pipeline:  # with a model axis too: DeepSpeed's own load checks the engine's tp
-        return tag
+    saved = saved_pipeline_topology(tag_dir)  # (pp, dp, tp)
     if engine_pipeline is None:
         raise UnsupportedCheckpoint(os.path.join(tag_dir, "mp_rank_00_model_states.pt"),
-                                    f"is a pipeline checkpoint (pp, dp) = {saved}, saved by a PipelineModule; this "
-                                    "engine is not a pipeline engine, and reshard does not turn pipeline saves into "
-                                    "plain ones")
+                                    f"is a pipeline checkpoint (pp, dp) = {saved[:2]}, saved by a PipelineModule; "
+                                    "this engine is not a pipeline engine, and reshard does not turn pipeline saves "
+                                    "into plain ones")
+    if (saved[0], saved[1], saved[2]) == tuple(engine_pipeline):
+        return tag
     return inspect_pipeline(load_dir, tag, trust_pickle=trust_pickle)  # refuses what the offline job refuses
 
 
+def _engine_layers(engine):
+    """The engine's layer list as reshard.layouts.pipeline.PipelineLayers: the PipelineModule's specs
+    (module.py `_layer_specs`), each TiedLayerSpec's key at the global indices where it occurs (what
+    the offline job takes from --pipeline-layers and --pipeline-tied)."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    from reshard.layouts.pipeline import PipelineLayers
+    specs, tied = engine.module._layer_specs, {}
+    for index, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            tied.setdefault(spec.key, []).append(index)
+    return PipelineLayers(len(specs), {key: tuple(indices) for key, indices in tied.items()})
+
+
 def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
-    """A PipelineModule save at another (pp, dp), into this PipelineEngine: every rank rebuilds, in
+    """A PipelineModule save at another (pp, dp, tp), into this PipelineEngine: every rank rebuilds, in
     memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
     full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
     the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, one flat per param
     group, named by the engine's `param_names`; each parameter must sit in the group the save put
     it in, whose hyperparameters the file carries). So the layer list and partition method the
     offline job asks for come from the engine itself, and so does the stage's `buffer_names`
-    (engine.py `_get_buffer_names`). Layer files, buffers included, are read from the
-    source as they are (named by global layer index, the same at any pp). With a model axis the
-    engine's must be the save's (tp kept): each rank rebuilds from its own model rank's column of
-    stages (`get_slice_parallel_rank`), as the offline job does."""
+    (engine.py `_get_buffer_names`). With the model axis kept, layer files, buffers included, are
+    read from the source as they are (named by global layer index, the same at any pp), and each
+    rank rebuilds from its own model rank's column of stages (`get_slice_parallel_rank`), as the
+    offline job does. With another tp (a save with a model axis whose client state carries
+    universal_checkpoint_info patterns), the rules are taken as the offline --target-tp takes them
+    (pipeline_job.model_axis_plan, the layer list from the engine's specs, `_engine_layers`): every
+    rank joins every source tensor whole over the saved model ranks (model_axis_states) and cuts its
+    own stage's parameters for its model rank (cut_model_axis_states), and the layer files of its
+    stage are served re-cut for its model rank (model_axis_layer_states): module.py `load_state_dir`
+    globs `layer_XX-*model_states.pt` and, with as many files as model ranks, loads the model rank's
+    entry of the sorted list, so every target model rank's name is served, the others' as empty
+    stubs (state_dict_factory.py `check_ckpt_list` reads only whether the first has `mp_world_size`)."""
     import collections
     import itertools
 
     from reshard.formats.deepspeed_pipeline import (
         build_optimizers,
+        cut_model_axis_states,
         joined_state_bytes,
+        layer_file_name,
+        layer_indices,
         load_whole,
+        model_axis_layer_states,
+        model_axis_states,
         named_states,
         source_groups,
         stage_flats,
         stage_model_name,
     )
     from reshard.files.resources import human
+    from reshard.jobs.pipeline_job import model_axis_plan
     from reshard.layouts.pipeline import stage_model_rank
-    pp, dp = _engine_pipeline(engine)
+    pp, dp, tp = _engine_pipeline(engine)
     stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
     # runtime/pipe/topology.py PipelineParallelGrid: the model (tensor-slicing) axis, 1 without one
-    tp, model_rank = int(engine.grid.get_slice_parallel_world_size()), int(engine.grid.get_slice_parallel_rank())
+    model_rank = int(engine.grid.get_slice_parallel_rank())
     model_path = source.model_path(0, model_rank if model_rank < source.tp else 0)
-    if tp != source.tp:
-        raise UnsupportedCheckpoint(model_path, f"was saved with a pipeline model axis of tp {source.tp}, this engine "
-                                                f"has {tp}; in-job resharding of pipeline checkpoints keeps tp "
-                                                "(`reshard SRC DST --target-tp T` with the layer list re-cuts "
-                                                "every slice offline, by the save's universal_checkpoint_info)")
+    tp_changed = tp != source.tp
+    if tp_changed and not source.has_model_axis:
+        raise UnsupportedCheckpoint(model_path, f"was saved without a pipeline model axis (its layer files have no "
+                                                f"-model_XX suffix), this engine has tp {tp}: there is no tensor "
+                                                "slicing to change")
+    layers = _engine_layers(engine) if tp_changed else None
+    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}") if tp_changed else (None, None)
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
     saved_groups, group_of = source_groups(source)
     if groups is None or len(groups) != saved_groups:
@@ -312,19 +348,27 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                 raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
                                                         f"in group {group}: its hyperparameters would be another "
                                                         "group's")
-    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params), model=model_rank)
+    # with tp changed every model rank's column is joined (model None: 4 x the optimizer bytes of all)
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params),
+                                model=None if tp_changed else model_rank)
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
                            f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
-    template, states = named_states(source, trust_pickle, model_rank)
+    if tp_changed:
+        template, joined = model_axis_states(source, rules, trust_pickle)
+        states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
+        del joined
+    else:
+        template, states = named_states(source, trust_pickle, model_rank)
     for name, param in params:
         if name not in states or states[name]["fp32"].numel() != param.numel():
             found = "holds no parameter" if name not in states else \
                 f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
-            raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages) "
-                                                    "trains: the engine's model differs from the saved one")
+            raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages"
+                                                    f"{f', tp {tp}' if tp_changed else ''}) trains: the engine's "
+                                                    "model differs from the saved one")
     group_names = [[name for name, _ in pairs] for pairs in named]
     masters, moments = stage_flats(states, group_names)
     model = load_whole(model_path, trust_pickle)
@@ -334,7 +378,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                                for pairs in named],
                  dp_world_size=dp, mp_world_size=pp * tp,
                  checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
-                                                 "pp_degree": pp})
+                                                 "pp_degree": pp, **({"tp_degree": tp} if tp_changed else {})})
     ranks = build_optimizers(template, [tuple(names) for names in group_names],
                              [tuple(p.numel() for _, p in pairs) for pairs in named], masters, moments, dp)
     optimizer = next(itertools.islice(ranks, dp_rank, None))
@@ -350,14 +394,23 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16,
                                                             stage_model_rank(stage, model_rank, tp)))] = \
             classes.to_deepspeed(optimizer)
-        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
+        if tp_changed:  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut for this model rank
+            module = engine.module
+            for index in layer_indices(source):
+                if module._local_start <= index < module._local_stop:
+                    [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
+                    for m in range(tp):
+                        served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
+            redirected = {}
+        else:
+            redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
         load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if torch.distributed.get_rank() == 0:
+        axis = f" (tp {source.tp} -> {tp})" if tp_changed else f" (tp {tp} kept)" if tp > 1 else ""
         print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job"
-              f"{f' (tp {tp} kept)' if tp > 1 else ''} "
-              f"in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
+              f"{axis} in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
     return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 
 

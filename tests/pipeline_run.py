@@ -420,8 +420,10 @@ def check_safetensors(directory: str, truth_dir: str, verdict_path: str, hidden:
 
 def in_mode(args, mode: str) -> tuple[argparse.Namespace, bool]:
     """(args, in_job) for check_one of an --also / --judge MODE: "plain", "in-job" (reshard's in-job
-    API), or "universal" (a ds_to_universal output, loaded with load_universal: DeepSpeed's own path)."""
-    universal = argparse.Namespace(**{**vars(args), "universal": args.universal or mode == "universal"})
+    API), or "universal" (a ds_to_universal output, loaded with load_universal: DeepSpeed's own path).
+    The MODE decides, whatever the launch's own --universal (a plain or in-job load in an engine
+    configured for load_universal would take DeepSpeed's universal path)."""
+    universal = argparse.Namespace(**{**vars(args), "universal": mode == "universal"})
     return universal, {"plain": False, "in-job": True, "universal": False}[mode]
 
 

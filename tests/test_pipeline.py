@@ -353,8 +353,8 @@ def test_inspect_describes_a_pipeline_save(pipeline_runs):
 def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_a_plain_engine(pipeline_runs):
     from reshard.deepspeed import pipeline_to_load
     save_dir, _ = pipeline_runs("fp32", 2, 1)  # the shared session save: no training of its own
-    assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load serves it
-    source = pipeline_to_load(str(save_dir), None, (1, 2))
+    assert pipeline_to_load(str(save_dir), None, (2, 1, 1)) == "step3"  # DeepSpeed's own load serves it
+    source = pipeline_to_load(str(save_dir), None, (1, 2, 1))
     assert isinstance(source, PipelineSource) and (source.pp, source.dp) == (2, 1)
     with pytest.raises(UnsupportedCheckpoint) as refused:
         pipeline_to_load(str(save_dir), None, None)
@@ -378,7 +378,7 @@ def test_in_job_load_of_a_plain_save_is_not_taken_for_a_pipeline(tmp_path):
     (tmp_path / "latest").write_text("t")
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert pipeline_to_load(str(tmp_path), None, (1, 2)) is None
+    assert pipeline_to_load(str(tmp_path), None, (1, 2, 1)) is None
 
 
 @pytest.mark.e2e

@@ -227,8 +227,10 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     assert not out.exists()
     run = reshard_in_process("export", save_dir, tmp_path / "export", "--format", "safetensors")
     assert run.returncode == 2, run.stderr
-    assert "mp_rank_00_model_states.pt: is a pipeline save with a model axis (tp 2" in run.stderr
-    assert "the export does not support it" in run.stderr
+    # the export joins each tensor whole over the model ranks, by the same patterns
+    assert ("mp_rank_00_model_states.pt: is a pipeline save with a model axis (tp 2); the export joins each tensor "
+            "over the model ranks by the universal_checkpoint_info patterns of its client state") in run.stderr
+    assert not (tmp_path / "export").exists()
     # an array task's items are (stage, model rank) units (tests/test_pipeline_array.py proves the output):
     # its dry run names each unit's files by its mp_rank_XX, every unit dealt to one of the two tasks
     planned = [reshard_in_process(save_dir, tmp_path / "array", "--target-dp", "2", "--array-task", task,
@@ -238,8 +240,8 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
         assert sum(f"mp_rank_{unit:02d}_model_states.pt, zero_pp_rank_0_mp_rank_{unit:02d}_optim_states.pt, "
                    f"zero_pp_rank_1_mp_rank_{unit:02d}_optim_states.pt" in run.stdout for run in planned) == 1, unit
     assert not (tmp_path / "array").exists()
-    assert pipeline_to_load(str(save_dir), None, (2, 1)) == "step3"  # DeepSpeed's own load at the save's (pp, dp)
-    in_job = pipeline_to_load(str(save_dir), None, (1, 2))  # rebuilt per model rank (judged in the test above)
+    assert pipeline_to_load(str(save_dir), None, (2, 1, 2)) == "step3"  # DeepSpeed's own load at the save's (pp, dp, tp)
+    in_job = pipeline_to_load(str(save_dir), None, (1, 2, 2))  # rebuilt per model rank (judged in the test above)
     assert (in_job.pp, in_job.dp, in_job.tp) == (2, 1, 2)
     # a model rank's layer file missing: refused naming it
     broken = tmp_path / "broken"

@@ -17,7 +17,9 @@ the harness's own knowledge of its layers, not by reshard's rule) and in real en
 moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
 adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
 ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
-targets in the same launches, is the second oracle.
+targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
+is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
+and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
 
 The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
 whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
@@ -153,6 +155,25 @@ def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():
     assert PipeDataParallelTopology(num_pp=2, num_dp=2).get_rank_repr(rank=3) == ""
 
 
+def test_in_job_hands_deepspeed_only_a_save_at_the_engines_pp_dp_and_tp(tmp_path):
+    # the file names of a (pp, tp, dp) = (2, 2, 1) save decide (saved_pipeline_topology reads no pickle):
+    # at the engine's (pp, dp, tp) the tag goes to DeepSpeed's own load; at the same (pp, dp) and another
+    # tp it must not (DeepSpeed would load the save's slices), so the save is inspected to be rebuilt:
+    # these empty files are refused by name there, which DeepSpeed's own load never reaches
+    from reshard.deepspeed import pipeline_to_load
+    (tmp_path / "latest").write_text("step3")
+    tag_dir = tmp_path / "step3"
+    tag_dir.mkdir()
+    for name in [*(f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(6) for m in range(2)),
+                 *(f"mp_rank_{u:02d}_model_states.pt" for u in range(4)),
+                 *(f"zero_pp_rank_0_mp_rank_{u:02d}_optim_states.pt" for u in range(4))]:
+        (tag_dir / name).write_bytes(b"")
+    assert pipeline_to_load(str(tmp_path), None, (2, 1, 2)) == "step3"
+    for engine in [(2, 1, 1), (2, 1, 4), (1, 2, 2)]:
+        with pytest.raises(CheckpointError, match=re.escape(str(tag_dir))):
+            pipeline_to_load(str(tmp_path), None, engine)
+
+
 # conftest `tp_saves`: ONE training launch of both saves, shared with tests/test_pipeline_array.py
 VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
 LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
@@ -161,6 +182,10 @@ TARGETS = {(1, 4, 1): 3, (1, 1, 4): 2, (2, 1, 2): 1}
 ROUND_TRIP = (2, 2, 1)  # from the (1, 1, 4) output back to the source's topology
 TP1_VARIANT = "fp32-mp1u"  # the same model saved by DeepSpeed at (2, 1, 2) with PipeModelDataParallelTopology
 FROM_TP1 = ("from tp 1", (2, 2, 1))  # that save resharded to tp 2
+IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save in an engine at this (pp, tp, dp)
+# ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
+# so judged in the exports' 2-rank launch)
+IN_JOB_SAME_PP_DP = (1, 2, 1)
 
 
 def _variant(tp: int) -> str:
@@ -196,15 +221,20 @@ def tp_changes(tp_saves, tmp_path_factory):
     assert ds_to_universal_all([(save_dir / "step3", universal / "step3")]) == {}
     for target in TARGETS:  # DeepSpeed's own path at each target: one more engine in the launches below
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
+    # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
+    found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
                               "--verdict", first["verdict"],
                               "--also", universal, found[("universal", (1, 4, 1))]["verdict"], "universal",
                               "--judge", _variant(1), second["out"], truth, second["verdict"], "plain",
                               "--judge", _variant(1), universal, truth, found[("universal", (1, 1, 4))]["verdict"],
-                              "universal"],
+                              "universal",
+                              "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
+                              "in-job"],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
-                               found[("universal", (1, 1, 4))]["verdict"]], timeout=500)
+                               found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"]],
+                 timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
                               "--verdict", at_2["verdict"],
@@ -292,6 +322,23 @@ def test_deepspeeds_own_universal_path_agrees_at_each_target(tp_changes, target)
     assert verdict["ok"], verdict
     assert [rank["checked"] for rank in verdict["ranks"]] == [rank["checked"] for rank in
                                                               tp_changes[target]["verdict"]["ranks"]]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", [IN_JOB_TP, IN_JOB_SAME_PP_DP], ids=["tp-down-pp-down-dp-up", "same-pp-dp-tp-down"])
+def test_in_job_load_changes_tp_equal_to_the_slice_of_the_source(request, target):
+    # reshard.deepspeed.load_checkpoint on a saved directory in an engine at another tp: the (2, 2, 1) save at
+    # (1, 1, 4) (tp, pp and dp changed), the (1, 4, 1) output at (1, 2, 1) (the save's (pp, dp), which
+    # DeepSpeed's own load would have been handed as it is); every master and moment equal to the truth's
+    # slice at the engine's tp, the eval loss, counters and client state; one more train_batch ran
+    if target == IN_JOB_TP:
+        verdict = request.getfixturevalue("tp_changes")[("in-job", target)]["verdict"]
+    else:
+        verdict = request.getfixturevalue("axis_exports")[f"in-job {target}"]
+    assert verdict["ok"], verdict
+    pp, tp, dp = target
+    # at pp 1 every rank holds every parameter: 9 with the tied embedding once
+    assert len(verdict["ranks"]) == pp * tp * dp and all(rank["checked"] == 9 for rank in verdict["ranks"])
 
 
 @pytest.mark.e2e
@@ -426,13 +473,15 @@ def test_universal_entries_carry_the_keys_merge_tp_slices_writes_for_each_rule()
 
 
 @pytest.fixture(scope="module")
-def axis_exports(tp_saves, tmp_path_factory):
-    """{"tp 2" | "tp 1": {"save", "truth", "st", "ours", "theirs", "st_verdict"}} and the load_universal
-    verdicts "universal (1, 2, 1)", "universal (1, 1, 2)": both model-axis saves exported both ways in
-    threads (safetensors W=2 in 4 KB shards, universal W=3), converted by DeepSpeed's ds_to_universal
-    (one process), and judged in ONE 2-rank launch: the tp-2 save's universal export loaded with
-    load_universal at (pp, tp, dp) = (1, 2, 1) and (1, 1, 2), each safetensors export loaded strict
-    into tests/pipeline_run.py's model built at pp 1 with no model axis (tp 1, hidden 44)."""
+def axis_exports(tp_saves, tp_changes, tmp_path_factory):
+    """{"tp 2" | "tp 1": {"save", "truth", "st", "ours", "theirs", "st_verdict"}}, the load_universal
+    verdicts "universal (1, 2, 1)", "universal (1, 1, 2)" and "in-job (1, 2, 1)": both model-axis saves
+    exported both ways in threads (safetensors W=2 in 4 KB shards, universal W=3), converted by
+    DeepSpeed's ds_to_universal (one process), and judged in ONE 2-rank launch: the tp-2 save's
+    universal export loaded with load_universal at (pp, tp, dp) = (1, 2, 1) and (1, 1, 2), each
+    safetensors export loaded strict into tests/pipeline_run.py's model built at pp 1 with no model axis
+    (tp 1, hidden 44). The launch also judges the in-job API at the same (pp, dp) and another tp, which
+    only an engine of another world size can be: tp_changes' (1, 4, 1) output loaded in-job at (1, 2, 1)."""
     from reshard_proof.ds_universal import ds_to_universal_all
     from reshard_proof.launch import run_torchrun
     from test_pipeline import HARNESS
@@ -455,12 +504,15 @@ def axis_exports(tp_saves, tmp_path_factory):
     args = ["check", "--pp", 1, "--variant", _variant(2), "--universal", "--load", source["ours"], "--truth",
             source["truth"], "--verdict", verdicts[(1, 2, 1)],
             "--judge", _variant(1), source["ours"], source["truth"], verdicts[(1, 1, 2)], "universal"]
+    in_job = root / "in-job-1-2-1.json"  # its truth: the tp-2 save's, which tp 2 holds as saved
+    args += ["--judge", _variant(2), tp_changes[(1, 4, 1)]["out"], source["truth"], in_job, "in-job"]
     for entry in found.values():
         args += ["--safetensors", entry["st"], entry["truth"], entry["st_verdict"]]
-    run_torchrun(HARNESS, 2, args, expect_files=[*verdicts.values(), *(e["st_verdict"] for e in found.values())],
+    run_torchrun(HARNESS, 2, args, expect_files=[*verdicts.values(), in_job, *(e["st_verdict"] for e in found.values())],
                  timeout=500)
     for target, path in verdicts.items():
         found[f"universal {target}"] = json.loads(path.read_text())
+    found[f"in-job {IN_JOB_SAME_PP_DP}"] = json.loads(in_job.read_text())
     return found
 
 

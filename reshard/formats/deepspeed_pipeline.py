@@ -546,7 +546,7 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
     files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
     (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x. With tp changed (`model` None,
-    model_axis_states), every model rank's column is joined and kept, then each tensor joined whole
+    model_axis_states; offline or in-job alike), every model rank's column is joined and kept, then each tensor joined whole
     over the model ranks (one more copy): 4 x the optimizer bytes of every (stage, model rank), plus
     the target unit's `target_elements` (at the target's local shapes) as above. Measured on a
     (2, 2, 1) save with 218 MiB of optimizer files (tests/pipeline_run.py's -mp2u model widened to
@@ -812,9 +812,10 @@ def layer_tensor_name(layers, index: int, key: str) -> str:
     return f"tied_modules.{tied}.{key}" if tied is not None else f"{index}.{key}"
 
 
-def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int) -> None:
+def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int, asked: str | None = None) -> None:
     """Every tensor of model rank 0's layer files, by its rule, can be cut for `target_tp` (before
-    anything is written); UnsupportedCheckpoint naming the file otherwise."""
+    anything is written); UnsupportedCheckpoint naming the file and what `asked` for it (default
+    "--target-tp T") otherwise."""
     from reshard.layouts.model_axis import ModelAxisError, target_local_shapes
     for index in layer_indices(source):
         path = os.path.join(source.tag_dir, layer_file_name(index, 0 if source.has_model_axis else None))
@@ -826,15 +827,15 @@ def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int)
         try:
             target_local_shapes(rules, local, source.tp, target_tp)
         except ModelAxisError as error:
-            raise UnsupportedCheckpoint(path, f"--target-tp {target_tp}: {error}") from None
+            raise UnsupportedCheckpoint(path, f"{asked or f'--target-tp {target_tp}'}: {error}") from None
 
 
-def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: int, target_tp: int, tag_dir: str,
-                                 trust_pickle: bool = False) -> list[str]:
-    """Layer `index`'s files at `target_tp` model ranks: every tensor of the source ranks' files
-    (weights in the training dtype, buffers, frozen parameters) joined and re-cut by its rule, each
-    rank's under its `-model_XX` name; returns the paths written."""
-    import torch
+def model_axis_layer_states(source: PipelineSource, layers, rules, index: int, target_tp: int,
+                            ranks: Sequence[int], trust_pickle: bool = False) -> list:
+    """Layer `index`'s state_dict for each model rank of `ranks` at `target_tp`: every tensor of the
+    source ranks' files (weights in the training dtype, buffers, frozen parameters) joined and re-cut
+    by its rule (`layers` names them for the rules, layer_tensor_name); what
+    write_model_axis_layer_files writes and the in-job load (reshard.deepspeed) serves."""
     paths = [os.path.join(source.tag_dir, layer_file_name(index, m)) for m in range(source.tp)]
     states = [load_whole(path, trust_pickle) for path in paths]
     for path, state in zip(paths, states):
@@ -846,15 +847,27 @@ def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: i
             name = layer_tensor_name(layers, index, key)
             joined[key] = (rules.rule(name), join_model_slices(rules.rule(name), [s[key] for s in states],
                                                                tuple(value.shape), name, paths[0]))
-    written = []
-    for rank in range(target_tp):
+    cut = []
+    for rank in ranks:
         out = states[0].copy()  # an OrderedDict as the layer's state_dict(), its non-tensor entries kept
         if hasattr(states[0], "_metadata"):  # Module.state_dict's version record, which copy() drops
             out._metadata = states[0]._metadata
         for key, (rule, whole) in joined.items():
             out[key] = cut_model_slice(rule, whole, target_tp, rank).clone()
+        cut.append(out)
+    return cut
+
+
+def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: int, target_tp: int, tag_dir: str,
+                                 trust_pickle: bool = False) -> list[str]:
+    """Layer `index`'s files at `target_tp` model ranks (model_axis_layer_states), each rank's under
+    its `-model_XX` name; returns the paths written."""
+    import torch
+    written = []
+    for rank, state in enumerate(model_axis_layer_states(source, layers, rules, index, target_tp, range(target_tp),
+                                                         trust_pickle)):
         written.append(os.path.join(tag_dir, layer_file_name(index, rank)))
-        torch.save(out, written[-1])
+        torch.save(state, written[-1])
     return written
 
 

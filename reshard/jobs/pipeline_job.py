@@ -173,18 +173,21 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     return PipelineTarget(topology, assignment, rules, shapes, layers if tp_changed else None)
 
 
-def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: int) -> tuple[ModelAxisRules, dict]:
+def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: int,
+                    asked: str | None = None) -> tuple[ModelAxisRules, dict]:
     """(the save's model-axis rules, each trainable parameter's shape at `target_tp`), from the
     universal_checkpoint_info of stage 0's model-states file (client state, the same in every stage
     file), after checking every layer file's tensors can be cut too; UnsupportedCheckpoint naming
-    the file saying what is missing or not served (reshard.layouts.model_axis)."""
+    the file saying what is missing or not served (reshard.layouts.model_axis), and what `asked` for
+    the change (default "--target-tp T"; the in-job load names the engine's tp)."""
     path = source.model_path(0)
+    asked = asked or f"--target-tp {target_tp}"
     try:
         rules = model_axis_rules(load_whole(path).get("universal_checkpoint_info"))
         shapes = target_local_shapes(rules, source_shapes(source), source.tp, target_tp)
     except ModelAxisError as error:
-        raise UnsupportedCheckpoint(path, f"--target-tp {target_tp} (the save has tp {source.tp}): {error}") from None
-    check_layer_files_cut(source, layers, rules, target_tp)
+        raise UnsupportedCheckpoint(path, f"{asked} (the save has tp {source.tp}): {error}") from None
+    check_layer_files_cut(source, layers, rules, target_tp, asked)
     return rules, shapes
 
 
