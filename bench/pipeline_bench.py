@@ -85,7 +85,8 @@ def layer_specs(dim: int, hidden: int, pairs: int, model_axis: bool = False):
         return x @ embedding.weight.t()
 
     if model_axis:
-        from pipeline_run import ColumnParallelLinear as first, RowParallelLinear as second
+        from pipeline_run import ColumnParallelLinear, RowParallelLinear
+        first, second = ColumnParallelLinear, RowParallelLinear
     else:
         first = second = torch.nn.Linear
     layers = [TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, dim)]
