@@ -71,7 +71,7 @@ def model_axis_info(pairs: int) -> dict:
     at the start, so "$" keeps "3." from matching "30.". """
     rows = "|".join(map(str, row_layers(pairs)))
     return {"tp_replicated_parameter_patterns": [r"tied_modules\.embed\.", rf"(?:{rows})\.bias$",
-                                                 rf"{3 * pairs + 1}\."],
+                                                 rf"{3 * pairs + 1}\.(?:weight|bias)$"],
             "parameter_with_row_parallelism_patterns": [rf"(?:{rows})\.weight$"]}
 
 
