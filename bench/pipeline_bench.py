@@ -374,8 +374,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "train", "load"])
     parser.add_argument("--dim", type=int, default=640)
-    parser.add_argument("--hidden", type=int, default=1279, help="odd, so ZeRO-1 pads (--tp-from: a multiple "
-                                                                     "of both tps)")
+    parser.add_argument("--hidden", type=int, help="default 1279, odd, so ZeRO-1 pads; with --tp-from > 1 "
+                                                   "1280, a multiple of both tps")
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--source", type=pair, default=(2, 1), help="pp,dp")
     parser.add_argument("--target", type=pair, default=(1, 2), help="pp,dp")
@@ -397,6 +397,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "bench" and args.tp_to and args.tp_to != args.tp_from and args.tp_from == 1:
         parser.error("--tp-to needs a source with a model axis (--tp-from > 1)")
+    if args.hidden is None:
+        args.hidden = 1280 if args.tp_from > 1 else 1279
     if args.mode == "bench" and args.tp_from > 1 and args.hidden % (args.tp_from * (args.tp_to or 1)):
         parser.error(f"--hidden {args.hidden} must cut evenly for --tp-from and --tp-to")
     bench(args) if args.mode == "bench" else worker(args)
