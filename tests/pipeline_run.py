@@ -71,14 +71,17 @@ class FrozenWeightLinear(torch.nn.Linear):
 
 class ScaledLayerNorm(torch.nn.LayerNorm):
     """A LayerNorm times a persistent buffer drawn from the seed (--groups): only its layer file
-    holds the buffer, so an engine built from another seed computes another loss until it loads."""
+    holds the buffer, so an engine built from another seed computes another loss until it loads. Under
+    bf16 DeepSpeed 0.19.8 casts parameters only and leaves buffers in their dtype (engine.py
+    `_mixed_precision_dtypes`: "buffers keep loaded dtype"), so the fp32 buffer is cast to the
+    activation's dtype here (a no-op in fp32), or the next Linear gets fp32 input for bf16 weights."""
 
     def __init__(self, dim: int):
         super().__init__(dim)
         self.register_buffer("scale", torch.rand(dim) + 0.5)
 
     def forward(self, x):
-        return super().forward(x) * self.scale
+        return super().forward(x) * self.scale.to(x.dtype)
 
 
 class ModelAxis:
