@@ -464,8 +464,12 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
                 problems.append(f"{name}.{key}: differs (max abs {gap})")
     loss = eval_loss(engine)
     # at another tp the row-parallel sums add their partial products in another order: equal to
-    # rounding, not bit for bit (at the same tp the loss must be the saved one exactly)
-    if loss != truths[0]["loss"] and (saved_tp == ModelAxis.size or abs(loss - truths[0]["loss"]) > 1e-5):
+    # rounding, not bit for bit (at the same tp the loss must be the saved one exactly). In bf16 each
+    # rank's partial product is rounded to bf16 before the all-reduce sums them in bf16, so the
+    # rounding is bf16's: "bf16-groups-mp2u" saved at tp 2 and loaded at tp 1 with every master,
+    # moment, buffer and layer-file weight equal gave 6.128876 for 6.126684 (2.2e-3)
+    tolerance = 5e-3 if args.precision == "bf16" else 1e-5
+    if loss != truths[0]["loss"] and (saved_tp == ModelAxis.size or abs(loss - truths[0]["loss"]) > tolerance):
         problems.append(f"eval loss {loss} != {truths[0]['loss']}")
     loaded = counters(engine)
     for key, want in truths[0]["counters"].items():
