@@ -20,6 +20,9 @@ ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each
 targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
 is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
 and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
+The same model in bf16 with two param groups and a buffer ("bf16-groups-mp2u", (2, 2, 1), trained in
+the same launch) is resharded to (1, 1, 4) and judged file by file and, plainly and in-job, in the pp-1
+launch (eval loss to 5e-3: in bf16 each rank's row-parallel partial product is rounded before the sum).
 
 The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
 whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
