@@ -71,14 +71,17 @@ class FrozenWeightLinear(torch.nn.Linear):
 
 class ScaledLayerNorm(torch.nn.LayerNorm):
     """A LayerNorm times a persistent buffer drawn from the seed (--groups): only its layer file
-    holds the buffer, so an engine built from another seed computes another loss until it loads."""
+    holds the buffer, so an engine built from another seed computes another loss until it loads. Under
+    bf16 DeepSpeed 0.19.8 casts parameters only and leaves buffers in their dtype (engine.py
+    `_mixed_precision_dtypes`: "buffers keep loaded dtype"), so the fp32 buffer is cast to the
+    activation's dtype here (a no-op in fp32), or the next Linear gets fp32 input for bf16 weights."""
 
     def __init__(self, dim: int):
         super().__init__(dim)
         self.register_buffer("scale", torch.rand(dim) + 0.5)
 
     def forward(self, x):
-        return super().forward(x) * self.scale
+        return super().forward(x) * self.scale.to(x.dtype)
 
 
 class ModelAxis:
@@ -319,10 +322,12 @@ def variant_settings(variant: str) -> dict:
     harness's settings: a precision, with "-frozen" layer 1's weight frozen after the build, with
     "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2",
     "-frozen-mp2": both), with "-mp1u", "-mp2u", "-mp4u" a model axis of 1, 2, 4 (hidden MP_HIDDEN_U)
-    saving UNIVERSAL_INFO as client state."""
+    saving UNIVERSAL_INFO as client state ("-groups-mpNu": with the groups and the buffer, whose name
+    "4.scale" UNIVERSAL_INFO's replicated pattern r"4\." covers)."""
     precision, _, model = variant.partition("-")
     if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2",
-                                                                   "frozen-mp2", "mp1u", "mp2u", "mp4u"):
+                                                                   "frozen-mp2", "mp1u", "mp2u", "mp4u",
+                                                                   "groups-mp1u", "groups-mp2u"):
         raise SystemExit(f"unknown variant {variant!r}")
     axis = model.rpartition("-")[2]
     return {"precision": precision, "frozen": "later" if model.startswith("frozen") else None,
@@ -459,8 +464,12 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
                 problems.append(f"{name}.{key}: differs (max abs {gap})")
     loss = eval_loss(engine)
     # at another tp the row-parallel sums add their partial products in another order: equal to
-    # rounding, not bit for bit (at the same tp the loss must be the saved one exactly)
-    if loss != truths[0]["loss"] and (saved_tp == ModelAxis.size or abs(loss - truths[0]["loss"]) > 1e-5):
+    # rounding, not bit for bit (at the same tp the loss must be the saved one exactly). In bf16 each
+    # rank's partial product is rounded to bf16 before the all-reduce sums them in bf16, so the
+    # rounding is bf16's: "bf16-groups-mp2u" saved at tp 2 and loaded at tp 1 with every master,
+    # moment, buffer and layer-file weight equal gave 6.128876 for 6.126684 (2.2e-3)
+    tolerance = 5e-3 if args.precision == "bf16" else 1e-5
+    if loss != truths[0]["loss"] and (saved_tp == ModelAxis.size or abs(loss - truths[0]["loss"]) > tolerance):
         problems.append(f"eval loss {loss} != {truths[0]['loss']}")
     loaded = counters(engine)
     for key, want in truths[0]["counters"].items():

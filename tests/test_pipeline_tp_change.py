@@ -20,6 +20,9 @@ ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each
 targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
 is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
 and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
+The same model in bf16 with two param groups and a buffer ("bf16-groups-mp2u", (2, 2, 1), trained in
+the same launch) is resharded to (1, 1, 4) and judged file by file and, plainly and in-job, in the pp-1
+launch (eval loss to 5e-3: in bf16 each rank's row-parallel partial product is rounded before the sum).
 
 The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
 whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
@@ -186,10 +189,16 @@ IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save
 # ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
 # so judged in the exports' 2-rank launch)
 IN_JOB_SAME_PP_DP = (1, 2, 1)
+# the same model in bf16 with two param groups and a buffer (ScaledLayerNorm's "4.scale"), saved at
+# (2, 2, 1) in the same training launch, resharded to a target the fp32 save is judged at, and judged
+# in that target's launch, plainly and in-job
+BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
+BF16 = ("bf16", BF16_TARGET)
 
 
-def _variant(tp: int) -> str:
-    return f"fp32-mp{tp}u"
+def _variant(tp: int, saved: str = "fp32-mp2u") -> str:
+    """The variant of `saved` (a "-mp2u" name) at tp `tp`."""
+    return saved.replace("-mp2u", f"-mp{tp}u")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +232,12 @@ def tp_changes(tp_saves, tmp_path_factory):
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
     found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
+    # the bf16 save with two param groups and a buffer, to BF16_TARGET offline (and in-job in the same launch)
+    bf16_save, bf16_truth = tp_saves[BF16_VARIANT]
+    found[BF16] = {"out": root / "bf16", "verdict": root / "bf16.json", "truth": bf16_truth,
+                   "result": reshard_in_threads(bf16_save, root / "bf16", BF16_TARGET[2], 3, target_pp=BF16_TARGET[0],
+                                                target_tp=BF16_TARGET[1], **LAYERS)}
+    found[("in-job", BF16)] = {"verdict": root / "bf16-in-job.json"}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
                               "--verdict", first["verdict"],
@@ -231,9 +246,14 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "--judge", _variant(1), universal, truth, found[("universal", (1, 1, 4))]["verdict"],
                               "universal",
                               "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
-                              "in-job"],
+                              "in-job",
+                              "--judge", _variant(1, BF16_VARIANT), found[BF16]["out"], bf16_truth,
+                              found[BF16]["verdict"], "plain",
+                              "--judge", _variant(1, BF16_VARIANT), bf16_save, bf16_truth,
+                              found[("in-job", BF16)]["verdict"], "in-job"],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
-                               found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"]],
+                               found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"],
+                               found[BF16]["verdict"], found[("in-job", BF16)]["verdict"]],
                  timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
@@ -311,6 +331,56 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
     verdict = entry["verdict"]
     assert verdict["ok"], verdict
     assert len(verdict["ranks"]) == pp * tp * dp and sum(rank["checked"] for rank in verdict["ranks"]) >= 9
+
+
+@pytest.mark.e2e
+def test_bf16_tp_change_with_two_groups_and_a_buffer_loads_plainly_and_in_job(tp_changes, tp_saves):
+    # the bf16 (2, 2, 1) save of the model with two param groups and ScaledLayerNorm's buffer, resharded to
+    # (1, 1, 4): every master and moment (joined from the optimizer files) equal to the truth's slice, every
+    # layer file's tensor (bf16 weights, the fp32 buffer) equal, in dtype and value, to the cut of the source's
+    # layer files joined over its model ranks by the harness's own layers; then loaded natively and in-job
+    # (the save itself) at (1, 1, 4): masters, moments and the buffer, eval loss, counters, client state
+    import torch
+    from pipeline_run import sliced_truth
+
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole, read_stage, states_by_name
+    entry = tp_changes[BF16]
+    pp, tp, dp = BF16_TARGET
+    out, (save, truth) = entry["out"], tp_saves[BF16_VARIANT]
+    target = inspect_pipeline(str(out), "step3")
+    assert (target.pp, target.tp, target.dp, target.has_model_axis) == (pp, tp, dp, True)
+    assert all(len(spec.numels) == 2 for spec in target.stages)  # both param groups kept
+    assert sorted(n for n in os.listdir(out / "step3") if n.endswith(".pt")) == sorted(
+        [*(f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)), "mp_rank_00_model_states.pt",
+         *(f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp))])
+    expected = sliced_truth(_truths(truth), tp, 0)
+    compared = 0
+    _, masters, moments = read_stage(target, 0, model=0)
+    for name, states in states_by_name(target.stages[0], masters, moments).items():
+        for key, flat in states.items():
+            assert torch.equal(flat, expected[name][key].reshape(-1)), f"{name} {key}"
+            compared += 1
+    assert compared == 3 * 9
+    dims = {"1.weight": 0, "1.bias": 0, "3.weight": 1}  # ColumnParallelLinear, RowParallelLinear; the rest whole
+    for index in range(6):
+        prefix = "tied_modules.embed." if index == 0 else f"{index}."
+        sources = [load_whole(str(save / "step3" / f"layer_{index:02d}-model_{m:02d}-model_states.pt")) for m in range(2)]
+        written = load_whole(str(out / "step3" / f"layer_{index:02d}-model_00-model_states.pt"))
+        assert list(written) == list(sources[0]), index
+        for key, value in written.items():
+            dim = dims.get(prefix + key)
+            want = sources[0][key] if dim is None else torch.cat([s[key] for s in sources], dim=dim)
+            if dim is None:
+                assert torch.equal(sources[1][key], want), f"{prefix}{key} differs between the saved model ranks"
+            assert value.dtype == want.dtype == (torch.float32 if key == "scale" else torch.bfloat16), prefix + key
+            assert torch.equal(value, want), prefix + key
+            compared += 1
+    assert compared == 3 * 9 + 10  # 9 parameters and the buffer "4.scale"
+    assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))["scale"],
+                       expected["4.scale"]["buffer"]), written_buffer
+    for verdict in (entry["verdict"], tp_changes[("in-job", BF16)]["verdict"]):
+        assert verdict["ok"], verdict
+        assert len(verdict["ranks"]) == pp * tp * dp and all(rank["checked"] == 10 for rank in verdict["ranks"])
 
 
 @pytest.mark.e2e
