@@ -323,7 +323,7 @@ def variant_settings(variant: str) -> dict:
     "-groups" two param groups and a buffer, with "-mp2" a model axis of 2 ("-groups-mp2",
     "-frozen-mp2": both), with "-mp1u", "-mp2u", "-mp4u" a model axis of 1, 2, 4 (hidden MP_HIDDEN_U)
     saving UNIVERSAL_INFO as client state ("-groups-mpNu": with the groups and the buffer, whose name
-    "4.scale" UNIVERSAL_INFO's replicated pattern r"4\." covers)."""
+    "4.scale" UNIVERSAL_INFO's replicated pattern for layer 4 covers)."""
     precision, _, model = variant.partition("-")
     if precision not in ("fp32", "fp16", "bf16") or model not in ("", "frozen", "groups", "mp2", "groups-mp2",
                                                                    "frozen-mp2", "mp1u", "mp2u", "mp4u",
