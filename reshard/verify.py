@@ -419,7 +419,7 @@ class ModelAxisChange:
 def _model_axis_change(source, target, trust_pickle: bool) -> ModelAxisChange:
     """The rules a tp change was made by; CheckpointError naming the file where the output cannot be
     one (no model axis on either side, no rules the job could have used)."""
-    from reshard.formats.deepspeed_pipeline import load_whole, source_shapes
+    from reshard.formats.deepspeed_pipeline import saved_model_axis_info, source_shapes
     from reshard.layouts.model_axis import ModelAxisError, model_axis_rules, target_local_shapes
     if not (source.has_model_axis and target.has_model_axis):
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
@@ -428,7 +428,7 @@ def _model_axis_change(source, target, trust_pickle: bool) -> ModelAxisChange:
                                               "model axis (layer files without -model_XX)")
     path = source.model_path(0)
     try:
-        rules = model_axis_rules(load_whole(path, trust_pickle).get("universal_checkpoint_info"))
+        rules = model_axis_rules(saved_model_axis_info(source, trust_pickle))
         shapes = target_local_shapes(rules, source_shapes(source), source.tp, target.tp)
     except ModelAxisError as error:
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "

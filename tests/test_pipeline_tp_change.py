@@ -466,6 +466,29 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
                                                                   for i in range(6)]
     assert len(named) == len(set(named)) == 6 + 2 * 3  # 6 layer files; 2 stages: model states + 2 optimizer files
     assert not (tmp_path / "out").exists()
+    # stage files that disagree on the patterns: no rule is taken from stage 0's file alone; the
+    # re-cut, the export and verify all name the file that differs (saved_model_axis_info)
+    import shutil
+
+    import torch
+
+    from reshard.formats import deepspeed_classes as classes
+    from reshard.formats.deepspeed_pipeline import load_whole
+    split = tmp_path / "split"
+    shutil.copytree(save_dir, split)
+    odd = split / "step3" / "mp_rank_03_model_states.pt"  # stage 1, model rank 1
+    state = load_whole(str(odd))
+    info = dict(state["universal_checkpoint_info"])
+    info["parameter_with_row_parallelism_patterns"] = []  # the row-parallel weight taken as column-parallel
+    state["universal_checkpoint_info"] = info
+    torch.save(state, odd, pickle_module=classes)
+    message = f"{odd}: has a universal_checkpoint_info other than mp_rank_00_model_states.pt's"
+    for command in ([split, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1", *layers],
+                    ["export", split, tmp_path / "out", "--format", "safetensors"]):
+        run = reshard_in_process(*command)
+        assert run.returncode == 2, run.stderr
+        assert message in run.stderr, run.stderr
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.e2e

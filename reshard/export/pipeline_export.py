@@ -105,6 +105,7 @@ from reshard.formats.deepspeed_pipeline import (
     layer_file_name,
     load_whole,
     read_stage,
+    saved_model_axis_info,
     stage_model_name,
     states_by_name,
 )
@@ -243,7 +244,7 @@ def export_rules(source: PipelineSource, trust_pickle: bool = False) -> ModelAxi
         return None
     path = source.model_path(0)
     try:
-        return model_axis_rules(load_whole(path, trust_pickle).get("universal_checkpoint_info"))
+        return model_axis_rules(saved_model_axis_info(source, trust_pickle))
     except ModelAxisError as error:
         if source.tp == 1:
             return None

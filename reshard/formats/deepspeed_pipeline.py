@@ -709,6 +709,30 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
     return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir)
 
 
+def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
+    """The `universal_checkpoint_info` the training script saved as client state (None when absent):
+    the same in every (stage, model rank) model-states file, since each rank saves the same client
+    state (Megatron-DeepSpeed's `_universal_checkpoint_info`); read from stage 0's, and refused
+    naming the first file that says otherwise, so that no rule is taken from one file when another
+    disagrees."""
+    first = source.model_path(0)
+    info = load_whole(first, trust_pickle).get("universal_checkpoint_info")
+    for stage in range(source.pp):
+        for model in range(source.tp):
+            path = source.model_path(stage, model)
+            if path == first:
+                continue
+            other = load_whole(path, trust_pickle).get("universal_checkpoint_info")
+            try:
+                same = bool(other == info)
+            except (RuntimeError, TypeError, ValueError):  # a tensor inside: not the pattern lists of a script
+                same = False
+            if not same:
+                raise CheckpointError(path, f"has a universal_checkpoint_info other than {os.path.basename(first)}'s; "
+                                            "how each parameter is sliced over the model axis must be one rule")
+    return info
+
+
 def join_model_slices(rule, pieces: Sequence, local_shape: Sequence[int], name: str, where: str):
     """The whole tensor of one model-axis tensor from every source model rank's `pieces` (each of
     `local_shape`, any layout), by `rule` (reshard.layouts.model_axis.ModelAxisRule): a tensor every

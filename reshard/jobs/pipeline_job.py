@@ -48,9 +48,9 @@ from reshard.formats.deepspeed_pipeline import (
     inspect_pipeline,
     joined_state_bytes,
     layer_indices,
-    load_whole,
     model_axis_states,
     named_states,
+    saved_model_axis_info,
     source_buffers,
     source_groups,
     source_numels,
@@ -183,7 +183,7 @@ def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: i
     path = source.model_path(0)
     asked = asked or f"--target-tp {target_tp}"
     try:
-        rules = model_axis_rules(load_whole(path).get("universal_checkpoint_info"))
+        rules = model_axis_rules(saved_model_axis_info(source))
         shapes = target_local_shapes(rules, source_shapes(source), source.tp, target_tp)
     except ModelAxisError as error:
         raise UnsupportedCheckpoint(path, f"{asked} (the save has tp {source.tp}): {error}") from None
