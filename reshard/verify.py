@@ -557,14 +557,8 @@ def _model_axis_layer_problems(source, target, change: ModelAxisChange, trust_pi
     join over the source's model ranks, every other entry the source model rank 0 file's."""
     import torch
 
-    from reshard.formats.deepspeed_pipeline import (
-        cut_model_slice,
-        join_model_slices,
-        layer_file_name,
-        layer_indices,
-        layer_tensor_name,
-        load_whole,
-    )
+    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices, layer_tensor_name, load_whole, \
+        model_axis_layer_states
     problems, checked = [], 0
     indices = layer_indices(source)
     wanted = {layer_file_name(i, m) for i in indices for m in range(target.tp)}
@@ -572,34 +566,27 @@ def _model_axis_layer_problems(source, target, change: ModelAxisChange, trust_pi
         problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, expected {sorted(wanted)} "
                         f"(the source's {len(indices)} layers at tp {target.tp})")
     for index in indices:
-        paths = [os.path.join(source.tag_dir, layer_file_name(index, m)) for m in range(source.tp)]
-        states = [load_whole(path, trust_pickle) for path in paths]
-        joined = {}
-        for key, value in states[0].items():
-            if hasattr(value, "shape"):
-                name = layer_tensor_name(change.layers, index, key)
-                rule = change.rules.rule(name)
-                joined[key] = (rule, join_model_slices(rule, [state[key] for state in states], tuple(value.shape),
-                                                       name, paths[0]))
-        for model in range(target.tp):
+        # what the job writes for every target model rank: the same join and cut (one rule, one code)
+        cuts = model_axis_layer_states(source, change.layers, change.rules, index, target.tp, range(target.tp),
+                                       trust_pickle)
+        for model, expected in enumerate(cuts):
             path = os.path.join(target.tag_dir, layer_file_name(index, model))
             if not os.path.isfile(path):
                 continue  # reported above
             checked += 1
             found = load_whole(path, trust_pickle)
-            if not isinstance(found, dict) or list(found) != list(states[0]):
+            if not isinstance(found, dict) or list(found) != list(expected):
                 problems.append(f"{path}: entries {list(found) if isinstance(found, dict) else type(found).__name__}, "
-                                f"the source's {list(states[0])}")
+                                f"the source's {list(expected)}")
                 continue
             for key, value in found.items():
-                if key not in joined:
-                    if not _same(_plain(value), _plain(states[0][key])):
-                        problems.append(f"{path}: {key}: {_first_difference(_plain(states[0][key]), _plain(value))}")
+                want = expected[key]
+                if not hasattr(want, "shape"):  # a non-tensor entry: the source model rank 0 file's
+                    if not _same(_plain(value), _plain(want)):
+                        problems.append(f"{path}: {key}: {_first_difference(_plain(want), _plain(value))}")
                     continue
-                rule, whole = joined[key]
-                expected = cut_model_slice(rule, whole, target.tp, model)
-                if not hasattr(value, "shape") or value.dtype != expected.dtype or value.shape != expected.shape \
-                        or not torch.equal(value, expected):
+                if not hasattr(value, "shape") or value.dtype != want.dtype or value.shape != want.shape \
+                        or not torch.equal(value, want):
                     problems.append(f"{path}: {key} differs from model rank {model}'s cut of the source's "
                                     f"{layer_tensor_name(change.layers, index, key)} joined over {source.tp} "
                                     "model ranks")
