@@ -62,7 +62,7 @@ class ReshardOptions:
     target_dp: int | None = flag(None, metavar="M")
     """Data-parallel world size the checkpoint is resharded for (required)."""
     target_tp: int | None = flag(None, metavar="T")
-    """Tensor-parallel size to reshard for (AutoTP checkpoints); default: the source's."""
+    """Tensor-parallel size to reshard for (AutoTP checkpoints, pipeline model axes); default: the source's."""
     target_stage: int | None = flag(None, choices=(1, 2, 3))
     """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.formats.stage_change)."""
     target_ep: int | None = flag(None, metavar="E")
