@@ -129,6 +129,31 @@ class Transfer:
     """A worker of the node that lacks it: it writes the file into that node's fetch area."""
 
 
+def unseen_pipeline_files(names: set[str]) -> list[str]:
+    """The optimizer and layer files a pipeline save with these file names must also hold, from the
+    names alone (deepspeed_pipeline.pipeline_topology_of's rules): every (stage, model rank)'s
+    optimizer file of every dp rank up to the highest seen, and with a model axis each layer's file
+    of every model rank. Pure. (A file missing for every stage alike, or a whole layer, is not
+    visible in the names: the inspection of the fetched source, or DeepSpeed's load, names it.)"""
+    stage_files = {int(m[1]) for name in names if (m := STAGE_MODEL_RE.match(name))}
+    optims = [schema.classify(name) for name in names if schema.classify(name).kind == "optim"]
+    if not optims:
+        return []
+    bf16 = optims[0].bf16
+    dp = max(role.dp_rank for role in optims) + 1
+    mp_ranks = stage_files | {role.mp_rank for role in optims}
+    expected = {schema.optim_file_name(d, bf16, m) for m in mp_ranks for d in range(dp)}
+    layers: dict[int, set] = {}
+    for name in names:
+        if match := LAYER_RE.match(name):
+            layers.setdefault(int(match[1]), set()).add(match[3])
+    models = set().union(*layers.values()) - {None} if layers else set()
+    if models:
+        tp = max(int(m) for m in models) + 1
+        expected |= {f"layer_{index:02d}-model_{m:02d}-model_states.pt" for index in layers for m in range(tp)}
+    return sorted(expected - names)
+
+
 def fetch_plan(needed: dict[int, set[str]], views: Sequence[WorkerView], sizes: dict[str, int],
                tag_dir: str) -> list[Transfer]:
     """Who sends which file to which node. Pure. `needed`: node -> the file names its build needs.
@@ -287,6 +312,10 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
     refuse_unserved(opts, os.path.join(tag_dir, layer_names[0]), source_tp)
     check_stage_model_files(tag_dir, {int(m[1]) for n in union if (m := STAGE_MODEL_RE.match(n))},
                             {schema.classify(n).mp_rank for n in union if schema.classify(n).kind == "optim"})
+    if unseen := unseen_pipeline_files(set(union)):
+        raise CheckpointError(os.path.join(tag_dir, unseen[0]), "is on no node: no worker sees it; start the job on "
+                                                                "every node that saved the checkpoint, or copy the "
+                                                                "file to one of them")
     target = Topology(dp=opts.target_dp, tp=source_tp, pp=opts.target_pp or source_pp)
     ranks_per_node = opts.target_ranks_per_node
     target_ranks = target.pp * target.dp * target.tp
@@ -314,8 +343,8 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
         fetched = [t for t in transfers if nodes[t.receiver] == n]
         ranks = [r for r in range(target_ranks) if target_node(r, ranks_per_node) == n]
         result.notes.append(f"node {n}: target ranks {ranks[0]}..{ranks[-1]}; fetches {len(fetched)} source files "
-                            f"({human(sum(t.size for t in fetched))}) it lacks, links the {len(pipeline_names)} - "
-                            f"{len(fetched)} it holds; writes every stage's model-states file, its ranks' optimizer "
+                            f"({human(sum(t.size for t in fetched))}) it lacks, links the {len(pipeline_names) - len(fetched)} "
+                            "it holds; writes every stage's model-states file, its ranks' optimizer "
                             "files and the layer files of its stages")
     if opts.dry_run:
         result.notes.append("dry run: the source is inspected (and the target's stages worked out) once each node "
