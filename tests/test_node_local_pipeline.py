@@ -91,6 +91,13 @@ def test_a_file_no_node_sees_is_named_from_the_names_alone():
     sliced = {"layer_00-model_00-model_states.pt", "layer_00-model_01-model_states.pt",
               "layer_01-model_00-model_states.pt", model(0), model(1), optim(0, 0), optim(0, 1)}
     assert unseen_pipeline_files(sliced) == ["layer_01-model_01-model_states.pt"]
+    # one node's files of a (pp 2, dp 2) save look like a whole pp-1 save; its stage file's sizes say otherwise
+    node0 = {layer(0), model(0), optim(0, 0), optim(1, 0)}
+    assert unseen_pipeline_files(node0) == []
+    assert unseen_pipeline_files(node0, (2, 2)) == [optim(0, 1), optim(1, 1)]
+    from reshard.formats.deepspeed_pipeline import check_stage_model_files
+    with pytest.raises(CheckpointError, match=r"/ckpt/step3/mp_rank_01_model_states\.pt: is missing"):
+        check_stage_model_files("/ckpt/step3", {0}, {0}, 2)
 
 
 def test_a_node_gets_the_layer_files_of_its_stages():

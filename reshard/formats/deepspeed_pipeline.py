@@ -284,14 +284,15 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                           tuple(others), tp, model_axis)
 
 
-def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks: set[int]) -> None:
+def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks: set[int],
+                            saved_world: int = 0) -> None:
     """Refuse, naming the first missing one, a save without every stage's `mp_rank_XX_model_states.pt`
-    (`stage_models`: the XX present; `optim_mp_ranks`: the mp ranks of the optimizer files present).
-    From names alone, so that a node-local job (reshard.jobs.node_local_pipeline) refuses before it
-    fetches anything."""
+    (`stage_models`: the XX present; `optim_mp_ranks`: the mp ranks of the optimizer files present;
+    `saved_world`: the mp_world_size a stage file says, when one was read). From names (and that
+    number), so that a node-local job (reshard.jobs.node_local_pipeline) refuses before it fetches anything."""
     if not stage_models:
         raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
-    seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank in optim_mp_ranks), default=0)
+    seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank in optim_mp_ranks), default=0), saved_world
     if missing := [s for s in range(max(seen)) if s not in stage_models]:
         # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
         # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and

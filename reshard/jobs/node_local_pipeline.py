@@ -65,6 +65,7 @@ from reshard.formats.deepspeed_pipeline import (
     check_stage_model_files,
     frozen_numels,
     inspect_pipeline,
+    load_whole,
     pipeline_topology_of,
     source_buffers,
     source_groups,
@@ -129,19 +130,19 @@ class Transfer:
     """A worker of the node that lacks it: it writes the file into that node's fetch area."""
 
 
-def unseen_pipeline_files(names: set[str]) -> list[str]:
+def unseen_pipeline_files(names: set[str], saved: tuple[int, int] = (0, 0)) -> list[str]:
     """The optimizer and layer files a pipeline save with these file names must also hold, from the
-    names alone (deepspeed_pipeline.pipeline_topology_of's rules): every (stage, model rank)'s
-    optimizer file of every dp rank up to the highest seen, and with a model axis each layer's file
-    of every model rank. Pure. (A file missing for every stage alike, or a whole layer, is not
-    visible in the names: the inspection of the fetched source, or DeepSpeed's load, names it.)"""
+    names and `saved` (mp_world_size, dp_world_size) as a stage model-states file says them
+    (`saved_world_sizes`; (0, 0): unknown): every (stage, model rank)'s optimizer file of every dp
+    rank, and with a model axis each layer's file of every model rank. Pure. (A whole layer missing
+    is not visible here: DeepSpeed's load names it.)"""
     stage_files = {int(m[1]) for name in names if (m := STAGE_MODEL_RE.match(name))}
     optims = [schema.classify(name) for name in names if schema.classify(name).kind == "optim"]
     if not optims:
         return []
     bf16 = optims[0].bf16
-    dp = max(role.dp_rank for role in optims) + 1
-    mp_ranks = stage_files | {role.mp_rank for role in optims}
+    dp = max(saved[1], max(role.dp_rank for role in optims) + 1)
+    mp_ranks = stage_files | {role.mp_rank for role in optims} | set(range(saved[0]))
     expected = {schema.optim_file_name(d, bf16, m) for m in mp_ranks for d in range(dp)}
     layers: dict[int, set] = {}
     for name in names:
@@ -152,6 +153,29 @@ def unseen_pipeline_files(names: set[str]) -> list[str]:
         tp = max(int(m) for m in models) + 1
         expected |= {f"layer_{index:02d}-model_{m:02d}-model_states.pt" for index in layers for m in range(tp)}
     return sorted(expected - names)
+
+
+def saved_world_sizes(transport: Transport, tag_dir: str, view: WorkerView, trust_pickle: bool) -> tuple[int, int]:
+    """(mp_world_size, dp_world_size) as the stage model-states files say them (each worker reads the
+    first it sees; a small pickle, `module` None), all alike, else refused naming the file. Collective."""
+    found, failure = None, None
+    names = sorted(name for name in view.files if STAGE_MODEL_RE.match(name))
+    if names:
+        path = os.path.join(tag_dir, names[0])
+        try:
+            state = load_whole(path, trust_pickle)
+            found = (path, int(state["mp_world_size"]), int(state["dp_world_size"]))
+        except (KeyError, TypeError, ValueError):
+            failure = CheckpointError(path, "has no mp_world_size and dp_world_size: not a pipeline stage file")
+        except CheckpointError as error:
+            failure = error
+    check_peers(transport, failure, "reading a stage model-states file")
+    seen = [f for f in transport.all_gather_object(found) if f is not None]
+    if any(f[1:] != seen[0][1:] for f in seen):
+        other = next(f for f in seen if f[1:] != seen[0][1:])
+        raise CheckpointError(other[0], f"says mp_world_size {other[1]} and dp_world_size {other[2]}, {seen[0][0]} "
+                                        f"{seen[0][1]} and {seen[0][2]}: the nodes hold different saves")
+    return seen[0][1:] if seen else (0, 0)
 
 
 def fetch_plan(needed: dict[int, set[str]], views: Sequence[WorkerView], sizes: dict[str, int],
@@ -308,11 +332,12 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
     union = sorted(set().union(*(view.files for view in views)))
     pipeline_names = {name for name in union if pipeline_file(name)}
     layer_names = sorted(name for name in union if LAYER_RE.match(name))
+    saved = saved_world_sizes(transport, tag_dir, views[transport.rank], opts.trust_pickle)
+    check_stage_model_files(tag_dir, {int(m[1]) for n in union if (m := STAGE_MODEL_RE.match(n))},
+                            {schema.classify(n).mp_rank for n in union if schema.classify(n).kind == "optim"}, saved[0])
     source_pp, source_dp, source_tp = pipeline_topology_of(union)
     refuse_unserved(opts, os.path.join(tag_dir, layer_names[0]), source_tp)
-    check_stage_model_files(tag_dir, {int(m[1]) for n in union if (m := STAGE_MODEL_RE.match(n))},
-                            {schema.classify(n).mp_rank for n in union if schema.classify(n).kind == "optim"})
-    if unseen := unseen_pipeline_files(set(union)):
+    if unseen := unseen_pipeline_files(set(union), saved):
         raise CheckpointError(os.path.join(tag_dir, unseen[0]), "is on no node: no worker sees it; start the job on "
                                                                 "every node that saved the checkpoint, or copy the "
                                                                 "file to one of them")
