@@ -222,19 +222,19 @@ def fetch(transport: Transport, transfers: Sequence[Transfer], source_tag_dir: s
     pieces = fetch_pieces(transfers, transport.size, piece)
     rounds = max((len(p) for p in pieces), default=0)
     files: dict[int, int] = {}
+    reading: dict[int, int] = {}
     try:
         for index, transfer in enumerate(transfers):
             if transfer.receiver == me:
                 files[index] = open_new_file(destination, os.path.join(fetch_tag_dir, transfer.name))
-        reading = {index: os.open(os.path.join(source_tag_dir, transfer.name), os.O_RDONLY)
-                   for index, transfer in enumerate(transfers) if transfer.sender == me}
-        for index, fd in reading.items():
-            if os.fstat(fd).st_size != transfers[index].size:
-                raise CheckpointError(os.path.join(source_tag_dir, transfers[index].name),
-                                      f"has {os.fstat(fd).st_size} bytes, {transfers[index].size} when the job "
-                                      "surveyed it: the source changed while the job ran")
+            if transfer.sender == me:
+                reading[index] = fd = os.open(os.path.join(source_tag_dir, transfer.name), os.O_RDONLY)
+                if os.fstat(fd).st_size != transfer.size:
+                    raise CheckpointError(os.path.join(source_tag_dir, transfer.name),
+                                          f"has {os.fstat(fd).st_size} bytes, {transfer.size} when the job "
+                                          "surveyed it: the source changed while the job ran")
     except (OSError, CheckpointError) as error:
-        failure, reading = error, {}
+        failure = error
     for round_index in range(rounds):
         send_counts, recv_counts = [0] * transport.size, [0] * transport.size
         mine = pieces[me][round_index] if round_index < len(pieces[me]) else None
@@ -270,7 +270,7 @@ def fetch(transport: Transport, transfers: Sequence[Transfer], source_tag_dir: s
                 except OSError as error:
                     failure = error
             start += length
-    for fd in [*files.values(), *(reading.values() if failure is None else ())]:
+    for fd in [*files.values(), *reading.values()]:
         os.close(fd)
     check_peers(transport, failure, "fetching the source files a node lacks")
 
