@@ -29,6 +29,9 @@ fp16 and fp32 ones here trained and judged bit for bit as in a launch of its own
 The other eval loss once seen in a shared launch came from a ZeRO-3 engine's patch of
 torch.nn.functional.linear (tests/reshard_proof/engine_setup.py undo_zero3_linear_patch); this
 harness builds ZeRO-1 engines only.
+`train --node-local` saves with `use_node_local_storage` (under two agents playing two nodes, each
+its own --save directory, tests/test_node_local_pipeline.py); `--own-load-report JSON` then tries
+DeepSpeed's own `load_checkpoint` of that save at the same topology and writes every rank's error.
 `--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
 strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
 (tests/test_pipeline_export.py).

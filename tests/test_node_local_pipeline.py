@@ -197,11 +197,14 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
     (optim(1, 1), (), f"step3/{optim(1, 1)}: is on no node"),
     (None, ("--target-tp", "2"), "step3/layer_00-model_states.pt: --target-tp 2 (the save has tp 1) with "
                                  "--node-local is not supported for pipeline checkpoints"),
+    (None, ("--target-pp", "1"), f"step3/{model(0)}: --target-pp 1 (the save has 2 stages): the new "
+                                 "layer-to-stage assignment needs the model's layer count"),
 ])
 def test_what_is_not_served_is_refused_by_name_before_anything_is_written(node_local_pipeline, tmp_path,
                                                                            monkeypatch, removed, options, message):
     """One node, in this process: a stage model-states file on no node (as DeepSpeed leaves pp 4 on 2
-    nodes x 2 ranks: stages 1 and 3 have none anywhere), an optimizer file on no node, a tp change."""
+    nodes x 2 ranks: stages 1 and 3 have none anywhere), an optimizer file on no node, a tp change, a
+    pp change without the layer list."""
     from trained import reshard_in_process
     root, _ = node_local_pipeline
     source = gathered(root, tmp_path / "src")

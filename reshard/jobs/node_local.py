@@ -29,6 +29,9 @@ runs on node r // G (`--target-ranks-per-node G`) and is written by a worker of 
 node of a worker is the launcher's node rank (torchrun's GROUP_RANK, or SLURM_NODEID; RESHARD_NODE_RANK
 overrides both). Each target node's first worker (its leader) runs what worker 0 runs for a
 shared destination: lock, staging, journal, manifest, publish, for its own DST.
+
+A PipelineModule save (some worker sees its layer files) goes to the job the caller hands `NodeLocal`
+(reshard.jobs.node_local_pipeline: each node first fetches the files it lacks, then whole-file builds).
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard.errors import CheckpointError, OptionError
+from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
 from reshard.files.byte_io import hash_file
 from reshard.files.paths import confined, open_new_file
 from reshard.files.resources import anonymous_rss_bytes, human, peak_resident_bytes
@@ -70,6 +70,7 @@ from reshard.formats.deepspeed_pipeline import (
     source_buffers,
     source_groups,
     source_numels,
+    stage_model_name,
 )
 from reshard.jobs.destination import SAVE_DIR_NAMES
 from reshard.jobs.lifecycle import JobOutput, Lifecycle, publish_tag_dir
@@ -77,6 +78,7 @@ from reshard.jobs.manifest import Manifest, output_fingerprint
 from reshard.jobs.node_local import WorkerView, merged_identity, node_leaders, target_node
 from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import (
+    PP_CHANGE_MISSING,
     build_stages,
     checked_target,
     describe_target,
@@ -310,8 +312,14 @@ def node_layer_files(source: PipelineSource, bounds: tuple[int, ...] | None, sta
             if any(bounds[s] <= int(LAYER_RE.match(name)[1]) < bounds[s + 1] for s in stages)]
 
 
-def refuse_unserved(opts: ReshardOptions, first_layer_file: str, source_tp: int) -> None:
-    """What this job does not serve, refused by name before anything is written."""
+def refuse_unserved(opts: ReshardOptions, first_layer_file: str, source_pp: int, source_tp: int) -> None:
+    """What this job does not serve, and a pp change without the layer list it needs
+    (pipeline_job.pipeline_target's rule, which runs once the source is fetched), refused by name
+    before anything is written."""
+    if opts.target_pp not in (None, source_pp) and not opts.pipeline_layers:
+        raise UnsupportedCheckpoint(os.path.join(os.path.dirname(first_layer_file), stage_model_name(0)),
+                                    f"--target-pp {opts.target_pp} (the save has {source_pp} stages): "
+                                    + PP_CHANGE_MISSING)
     refused = [(opts.target_tp not in (None, source_tp), f"--target-tp {opts.target_tp} (the save has tp {source_tp})"),
                (opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
                (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}")]
@@ -336,7 +344,7 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
     check_stage_model_files(tag_dir, {int(m[1]) for n in union if (m := STAGE_MODEL_RE.match(n))},
                             {schema.classify(n).mp_rank for n in union if schema.classify(n).kind == "optim"}, saved[0])
     source_pp, source_dp, source_tp = pipeline_topology_of(union)
-    refuse_unserved(opts, os.path.join(tag_dir, layer_names[0]), source_tp)
+    refuse_unserved(opts, os.path.join(tag_dir, layer_names[0]), source_pp, source_tp)
     if unseen := unseen_pipeline_files(set(union), saved):
         raise CheckpointError(os.path.join(tag_dir, unseen[0]), "is on no node: no worker sees it; start the job on "
                                                                 "every node that saved the checkpoint, or copy the "
