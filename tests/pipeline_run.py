@@ -29,6 +29,9 @@ fp16 and fp32 ones here trained and judged bit for bit as in a launch of its own
 The other eval loss once seen in a shared launch came from a ZeRO-3 engine's patch of
 torch.nn.functional.linear (tests/reshard_proof/engine_setup.py undo_zero3_linear_patch); this
 harness builds ZeRO-1 engines only.
+`train --node-local` saves with `use_node_local_storage` (under two agents playing two nodes, each
+its own --save directory, tests/test_node_local_pipeline.py); `--own-load-report JSON` then tries
+DeepSpeed's own `load_checkpoint` of that save at the same topology and writes every rank's error.
 `--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
 strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
 (tests/test_pipeline_export.py).
@@ -215,7 +218,7 @@ def loss_fn(logits, labels):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
 
 
-def config(precision: str, dp: int, universal: bool = False, mp: int = 1) -> dict:
+def config(precision: str, dp: int, universal: bool = False, mp: int = 1, node_local: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GRAD_ACCUM,
            "train_batch_size": MICRO_BATCH * GRAD_ACCUM * dp,
            "optimizer": {"type": "Adam", "params": {"lr": 2e-2, "weight_decay": 0.01, "torch_adam": True}},
@@ -236,6 +239,8 @@ def config(precision: str, dp: int, universal: bool = False, mp: int = 1) -> dic
         cfg["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if universal:  # DeepSpeed's own path, the second oracle: ds_to_universal's output
         cfg["checkpoint"] = {"load_universal": True}
+    if node_local:  # each node saves into its own directory (engine.py use_node_local_storage)
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "use_node_local_storage": True}
     return cfg
 
 
@@ -246,7 +251,7 @@ def batch(seed: int):
 
 
 def build_engine(pp: int, precision: str, seed: int, universal: bool = False, frozen: str | None = None,
-                 groups: bool = False, mp: int = 1, info: bool = False):
+                 groups: bool = False, mp: int = 1, info: bool = False, node_local: bool = False):
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hung collective fails the run, with stacks
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -274,7 +279,7 @@ def build_engine(pp: int, precision: str, seed: int, universal: bool = False, fr
                 param.requires_grad_(False)
     parameters = param_groups(module) if groups else [p for p in module.parameters()]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=parameters,
-                                           config=config(precision, world // (pp * mp), universal, mp))
+                                           config=config(precision, world // (pp * mp), universal, mp, node_local))
     return engine
 
 
@@ -348,7 +353,7 @@ def train(args) -> None:
 
 def train_one(args, save: str, truth_dir: str) -> None:
     engine = build_engine(args.pp, args.precision, seed=1, frozen=args.frozen, groups=args.groups, mp=args.mp,
-                          info=args.info)
+                          info=args.info, node_local=args.node_local)
     rank = int(os.environ["RANK"])
     steps = iter([batch(100 * step + engine.grid.data_parallel_id * 10 + i)
                   for step in range(args.steps) for i in range(GRAD_ACCUM)])
@@ -362,6 +367,18 @@ def train_one(args, save: str, truth_dir: str) -> None:
     os.makedirs(truth_dir, exist_ok=True)
     torch.save(truth, os.path.join(truth_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()
+    if args.own_load_report:  # DeepSpeed's own load of what it just saved, at the same topology
+        try:
+            engine.load_checkpoint(save, tag="step3")  # the tag: `latest` is on node 0 only under node-local
+            outcome = None
+        except Exception as error:  # noqa: BLE001 (the report says what it was)
+            outcome = f"{type(error).__name__}: {error}"
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, outcome)
+        if rank == 0:
+            with open(args.own_load_report, "w") as out:
+                json.dump({"errors": gathered}, out)
+        torch.distributed.barrier()
 
 
 def check(args) -> None:
@@ -533,6 +550,10 @@ def main() -> None:
                         help="check: then one more save of another variant (MODE plain, in-job or universal), its own truth")
     parser.add_argument("--safetensors", nargs=3, action="append", default=[], metavar=("DIR", "TRUTH", "VERDICT"),
                         help="check: then a pipeline save's safetensors export, loaded into a PipelineModule at pp=1")
+    parser.add_argument("--node-local", action="store_true",
+                        help="train: save with use_node_local_storage (each node its own --save directory)")
+    parser.add_argument("--own-load-report", metavar="JSON",
+                        help="train: then DeepSpeed's own load_checkpoint of the save; every rank's error to JSON")
     parser.set_defaults(info=False)  # a variant "-mpNu" sets it (variant_settings)
     args = parser.parse_args()
     if args.variant:

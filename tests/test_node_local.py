@@ -297,17 +297,3 @@ def test_a_killed_worker_leaves_each_node_resumable(node_local_checkpoint, tmp_p
         for rank in range(node * 3, node * 3 + 3):
             assert (out / optim(rank)).read_bytes() == (reference / "global_step3" / optim(rank)).read_bytes()
         assert not (node_dir(tmp_path, node, "dst") / ".reshard-staging").exists()
-
-
-@pytest.mark.e2e
-def test_a_pipeline_save_is_refused_by_name_and_nothing_is_written(pipeline_runs, tmp_path, monkeypatch):
-    """--node-local does not take PipelineModule saves yet: the message names the layer file and the way
-    that does (one directory every worker sees, without --node-local). One node, in this process."""
-    from trained import reshard_in_process
-    save_dir, _ = pipeline_runs("fp32", 2, 1)  # the session's shared pipeline save
-    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
-    run = reshard_in_process(save_dir, tmp_path / "dst", "--target-dp", 2, "--node-local", "--target-ranks-per-node", 2)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert f"{save_dir}/step3/layer_00-model_states.pt: is a pipeline-parallel layer file; --node-local does not " \
-           "reshard pipeline checkpoints yet" in run.stderr
-    assert not (tmp_path / "dst").exists()

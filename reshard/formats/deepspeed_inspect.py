@@ -317,10 +317,9 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict, node_local: bool = Fals
                                                                      "old layout (no layer index); reshard reshards "
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
         if role.kind == "pipeline":  # reshard.jobs.pipeline_job and array_job take them before inspecting
-            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; --node-local "
-                                        "does not reshard pipeline checkpoints yet: gather every node's files of the "
-                                        "tag into one directory that every worker sees and run without --node-local "
-                                        "(torchrun, --workers or SLURM array mode)" if node_local else
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; node-local "
+                                        "pipeline saves are resharded by python -m reshard --node-local "
+                                        "(reshard.jobs.node_local_pipeline), not by this path" if node_local else
                                         "is a pipeline-parallel layer file; pipeline checkpoints are resharded by "
                                         "python -m reshard (torchrun, --workers, SLURM array mode), not by this path")
 

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
@@ -96,7 +96,7 @@ from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_
 from reshard.layouts.zero import Zero12Group, zero12_group
 
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
-_STAGE_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+STAGE_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM = schema.OPTIM
 BASE = "base_optimizer_state"
 FP32 = "single_partition_of_fp32_groups"
@@ -111,9 +111,14 @@ def saved_pipeline_topology(tag_dir: str) -> tuple[int, int, int]:
     """(pp, dp, tp) of a pipeline save from its file names alone: the model ranks of the layer files'
     `-model_XX` suffixes, the stage model-states files (one per stage and model rank), and the
     optimizer files of the first (stage 0, model rank 0) (no pickle is read)."""
-    names = os.listdir(tag_dir)
+    return pipeline_topology_of(os.listdir(tag_dir))
+
+
+def pipeline_topology_of(names) -> tuple[int, int, int]:
+    """saved_pipeline_topology from a tag directory's file names (a node-local job's union of what
+    every node sees)."""
     tp = len({match[3] for name in names if (match := LAYER_RE.match(name))} - {None}) or 1
-    files = sum(1 for name in names if _STAGE_MODEL_RE.match(name))
+    files = sum(1 for name in names if STAGE_MODEL_RE.match(name))
     dp = sum(1 for name in names if (role := schema.classify(name)).kind == "optim" and role.mp_rank == 0)
     return files // tp, dp, tp
 
@@ -212,7 +217,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         if match := LAYER_RE.match(name):
             layer_files.append(name)
             layer_models.setdefault(int(match[1]), {})[None if match[3] is None else int(match[3])] = name
-        elif match := _STAGE_MODEL_RE.match(name):
+        elif match := STAGE_MODEL_RE.match(name):
             stage_models[int(match[1])] = name
         elif (role := schema.classify(name)).kind == "optim":
             optims[(role.mp_rank, role.dp_rank)] = role
@@ -220,19 +225,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
             continue
         else:
             others.append(name)
-    if not stage_models:
-        raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
-    seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank, _ in optims), default=0)
-    if missing := [s for s in range(max(seen)) if s not in stage_models]:
-        # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
-        # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and
-        # DeepSpeed 0.19.8's own load of such a save fails ("checkpoint count 1 is different from
-        # saved mp_world_size 4", state_dict_factory.py) on every rank
-        raise CheckpointError(os.path.join(tag_dir, f"mp_rank_{missing[0]:02d}_model_states.pt"),
-                              f"is missing: the save has stage model files {sorted(stage_models)} and optimizer "
-                              f"files of stages 0..{seen[1] - 1}. A save with use_node_local_storage writes a "
-                              "stage's model-states file only on a node whose local rank 0 runs that stage (and "
-                              "DeepSpeed cannot load such a save either)")
+    check_stage_model_files(tag_dir, set(stage_models), {mp_rank for mp_rank, _ in optims})
     first = load_whole(os.path.join(tag_dir, stage_models[0]), trust_pickle)
     tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
     model_axis = _check_layer_models(tag_dir, layer_models, tp)
@@ -289,6 +282,27 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                               f"should not exist: the save has {pp * tp} stage files of {dp} dp ranks")
     return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
                           tuple(others), tp, model_axis)
+
+
+def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks: set[int],
+                            saved_world: int = 0) -> None:
+    """Refuse, naming the first missing one, a save without every stage's `mp_rank_XX_model_states.pt`
+    (`stage_models`: the XX present; `optim_mp_ranks`: the mp ranks of the optimizer files present;
+    `saved_world`: the mp_world_size a stage file says, when one was read). From names (and that
+    number), so that a node-local job (reshard.jobs.node_local_pipeline) refuses before it fetches anything."""
+    if not stage_models:
+        raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
+    seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank in optim_mp_ranks), default=0), saved_world
+    if missing := [s for s in range(max(seen)) if s not in stage_models]:
+        # runtime/engine.py `_configure_checkpointing`: with use_node_local_storage the model-states
+        # writer is a node's local rank 0, so a stage none of them runs gets no file anywhere, and
+        # DeepSpeed 0.19.8's own load of such a save fails ("checkpoint count 1 is different from
+        # saved mp_world_size 4", state_dict_factory.py) on every rank
+        raise CheckpointError(os.path.join(tag_dir, f"mp_rank_{missing[0]:02d}_model_states.pt"),
+                              f"is missing: the save has stage model files {sorted(stage_models)} and optimizer "
+                              f"files of stages 0..{seen[1] - 1}. A save with use_node_local_storage writes a "
+                              "stage's model-states file only on a node whose local rank 0 runs that stage (and "
+                              "DeepSpeed cannot load such a save either)")
 
 
 def _check_layer_models(tag_dir: str, layer_models: dict[int, dict], tp: int) -> bool:
@@ -469,14 +483,18 @@ def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_
 
 
 def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
-                      trust_pickle: bool = False, model_rank: int = 0) -> list[str]:
+                      trust_pickle: bool = False, model_rank: int = 0,
+                      dp_ranks: Collection[int] | None = None) -> list[str]:
     """Write (stage `stage`, model rank `model_rank`)'s model-states file (dp_world_size updated) and
     its `target_dp` optimizer files into `tag_dir`, under their source names (the stages and the
-    model axis kept); return the paths written."""
+    model axis kept); return the paths written. `dp_ranks`: only these dp ranks' optimizer files
+    (a node-local output holds its own ranks'); none at all reads no optimizer file."""
     model = load_whole(source.model_path(stage, model_rank), trust_pickle)
     model["dp_world_size"] = target_dp
-    return _save_stage(model, target_optimizers(source, stage, target_dp, trust_pickle, model_rank),
-                       stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp), tag_dir)
+    optimizers = (target_optimizers(source, stage, target_dp, trust_pickle, model_rank)
+                  if dp_ranks is None or dp_ranks else iter(()))
+    return _save_stage(model, optimizers, stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp),
+                       tag_dir, dp_ranks)
 
 
 def named_states(source: PipelineSource, trust_pickle: bool = False, model: int = 0):
@@ -677,13 +695,15 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
                               target_pp: int, stage: int, target_dp: int, tag_dir: str,
                               trust_pickle: bool = False, buffer_names: Sequence[str] | None = None,
                               model_rank: int = 0, target_tp: int | None = None,
-                              shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+                              shapes: dict[str, tuple[int, ...]] | None = None,
+                              dp_ranks: Collection[int] | None = None) -> list[str]:
     """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files,
     of model rank `model_rank` (`states`, `template`: named_states of that rank's column, the model
     axis kept; or, with `target_tp` other than the source's, model_axis_states' whole tensors cut for
     that rank by cut_model_axis_states, `shapes` each parameter's shape at the target). `names`: the
     stage's parameters in flat order, `buffer_names` its buffers (reshard.layouts.pipeline.
-    StageAssignment); each parameter keeps its source param group."""
+    StageAssignment); each parameter keeps its source param group. `dp_ranks`: only these dp ranks'
+    optimizer files (write_stage_files)."""
     import collections
 
     import torch
@@ -706,7 +726,8 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
                                                **({"tp_degree": tp} if target_tp is not None else {})}
     trees = build_optimizers(template, list(groups), [tuple(_numel(shapes[n]) for n in group) for group in groups],
                              masters, moments, target_dp)
-    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir)
+    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir,
+                       dp_ranks)
 
 
 def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
@@ -895,15 +916,22 @@ def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: i
     return written
 
 
-def _save_stage(model: dict, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str) -> list[str]:
+def _save_stage(model: dict, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str,
+                dp_ranks: Collection[int] | None = None) -> list[str]:
     """Save a stage's model-states tree, then each of its optimizer trees as it comes, under
-    `names` (stage_file_names); return the paths written."""
+    `names` (stage_file_names); return the paths written. `dp_ranks`: only these dp ranks' optimizer
+    trees are saved (the others are passed over as they come; none at all: `optimizers` may be empty)."""
     import torch
     paths = [os.path.join(tag_dir, name) for name in names]
     torch.save(model, paths[0], pickle_module=classes)
-    for path, tree in zip(paths[1:], optimizers, strict=True):
-        torch.save(tree, path, pickle_module=classes)
-    return paths
+    written = [paths[0]]
+    if dp_ranks is not None and not dp_ranks:
+        return written
+    for rank, (path, tree) in enumerate(zip(paths[1:], optimizers, strict=True)):
+        if dp_ranks is None or rank in dp_ranks:
+            torch.save(tree, path, pickle_module=classes)
+            written.append(path)
+    return written
 
 
 def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False) -> dict | None:

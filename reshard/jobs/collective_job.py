@@ -55,6 +55,7 @@ from reshard.jobs.lifecycle import (
     publish_tag_dir,
 )
 from reshard.jobs.node_local import NodeLocal
+from reshard.jobs.node_local_pipeline import run_node_local_pipeline_unit
 from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
@@ -112,7 +113,7 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     clock.lap("start-up")
     try:
         started = time.perf_counter()
-        placement = NodeLocal() if opts.node_local else WholeWorld(leader=transport.rank == 0)
+        placement = NodeLocal(run_node_local_pipeline_unit) if opts.node_local else WholeWorld(leader=transport.rank == 0)
         units, notes = placement.units(opts, transport)
         result = ReshardResult(notes=notes)
         clock.lap("inspect")

@@ -29,6 +29,9 @@ runs on node r // G (`--target-ranks-per-node G`) and is written by a worker of 
 node of a worker is the launcher's node rank (torchrun's GROUP_RANK, or SLURM_NODEID; RESHARD_NODE_RANK
 overrides both). Each target node's first worker (its leader) runs what worker 0 runs for a
 shared destination: lock, staging, journal, manifest, publish, for its own DST.
+
+A PipelineModule save (some worker sees its layer files) goes to the job the caller hands `NodeLocal`
+(reshard.jobs.node_local_pipeline: each node first fetches the files it lacks, then whole-file builds).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Sequence
 from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_pipeline import LAYER_RE
 from reshard.formats.deepspeed_target import zero12_model_file
 from reshard.formats.folded_expert_files import rewrites_expert_files
 from reshard.files.paths import check_tag
@@ -49,6 +53,11 @@ from reshard.planning.plan import Ownership
 from reshard.transport.collective import check_peers
 from reshard.transport.nodes import NODE_RANK_VARIABLES
 
+
+
+def is_layer_file(name: str) -> bool:
+    """A PipelineModule layer file (`layer_XX[-model_XX]-model_states.pt`)."""
+    return bool(LAYER_RE.match(name))
 
 
 def node_rank_from_environment() -> int:
@@ -384,9 +393,11 @@ class NodeLocal:
     """The target of a node-local job (a reshard.jobs.collective_job.Placement): one checkpoint,
     read where each node sees its files, each node's part written into that node's DST."""
 
-    def __init__(self):
+    def __init__(self, pipeline_job=None):
         self.views: list[WorkerView] = []
         """What every worker sees of SRC (`survey_source`), once `units` ran."""
+        self.pipeline_job = pipeline_job
+        """run(opts, unit, transport, clock, views) for a PipelineModule save (None: refused when inspected)."""
 
     def units(self, opts, transport) -> tuple[list[Unit], list[str]]:
         """The one checkpoint of the job, from what every worker sees. Collective."""
@@ -400,8 +411,13 @@ class NodeLocal:
         tag, self.views = survey_source(transport, source, opts.tag)
         return [Unit(source, tag, destination, tag)], []
 
-    def whole_file_job(self, unit: Unit) -> None:
-        return None  # every layout goes through the rounds, whose ownership says who reads what where
+    def whole_file_job(self, unit: Unit):
+        """A PipelineModule save (some worker sees its layer files): `pipeline_job` with the views
+        (reshard.jobs.node_local_pipeline, given by the caller: it builds on this module); every other
+        layout goes through the rounds, whose ownership says who reads what where (None)."""
+        if self.pipeline_job is None or not any(is_layer_file(n) for view in self.views for n in view.files):
+            return None  # the same views on every worker: the same choice
+        return lambda opts, unit, transport, clock: self.pipeline_job(opts, unit, transport, clock, self.views)
 
     def inspect(self, opts, unit: Unit, transport) -> tuple:
         """(source, target, carried, notes, NodeSite): inspected, and the target worked out, by a worker

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
@@ -135,8 +135,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                                            "`parameters` partition weighs each layer's parameters on one model rank, "
                                            "so the stages may differ at another tp, and " + PP_CHANGE_MISSING)
     refused = [(opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
-               (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}"),
-               (bool(opts.node_local), "--node-local")]
+               (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}")]
     for applies, option in refused:
         if applies:
             raise OptionError(f"{model}: {option} is not supported for pipeline checkpoints (only dp, pp and a model axis's tp change)")
@@ -338,15 +337,20 @@ def pipeline_output(opts: ReshardOptions, source: PipelineSource, target: Pipeli
 
 
 def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence[tuple[int, int]], tag_dir: str,
-                 trust_pickle: bool, report: WorkerReport) -> Iterator[tuple[tuple[int, int], list[str]]]:
+                 trust_pickle: bool, report: WorkerReport,
+                 dp_ranks_of: Callable[[int, int], Collection[int]] | None = None
+                 ) -> Iterator[tuple[tuple[int, int], list[str]]]:
     """Write the target's (stage, model rank) `units` (each its model-states file and its optimizer
     files) into `tag_dir`, one after another, yielding (unit, paths written) as each is complete;
     adds the source bytes read to `report.bytes_read`. With another pp, every source stage of a
     model rank's column is joined once, before that column's first unit
-    (reshard.formats.deepspeed_pipeline.named_states; stage_files_written_by orders units by model rank)."""
+    (reshard.formats.deepspeed_pipeline.named_states; stage_files_written_by orders units by model rank).
+    `dp_ranks_of(stage, model)`: the dp ranks whose optimizer files a unit writes (a node-local
+    output's own, reshard.jobs.node_local_pipeline); None: all of them."""
     assignment, topology = target.stages, target.topology
     column = None
     for stage, model in units:
+        dp_ranks = None if dp_ranks_of is None else dp_ranks_of(stage, model)
         if target.tp_changed:
             if column is None:  # every source tensor, joined whole over the model ranks, feeds every unit
                 column, (template, joined) = "all", model_axis_states(source, target.model_axis, trust_pickle)
@@ -357,17 +361,20 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
             yield (stage, model), write_repartitioned_stage(
                 source, states, template, names, topology.pp, stage, topology.dp, tag_dir, trust_pickle,
                 assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
-                target_tp=topology.tp, shapes=target.shapes)
+                target_tp=topology.tp, shapes=target.shapes, dp_ranks=dp_ranks)
         elif assignment is not None:
             if column != model:  # every source stage of this model rank's column feeds its new stages
                 column, (template, states) = model, named_states(source, trust_pickle, model)
                 report.bytes_read += sum(stage_source_bytes(source, s, model) for s in range(source.pp))
             yield (stage, model), write_repartitioned_stage(
                 source, states, template, assignment.names[stage], topology.pp, stage, topology.dp, tag_dir,
-                trust_pickle, assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model)
+                trust_pickle, assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
+                dp_ranks=dp_ranks)
         else:
-            paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle, model_rank=model)
-            report.bytes_read += stage_source_bytes(source, stage, model)
+            paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle, model_rank=model,
+                                      dp_ranks=dp_ranks)
+            report.bytes_read += (stage_source_bytes(source, stage, model) if dp_ranks is None or dp_ranks else
+                                  os.path.getsize(source.model_path(stage, model)))
             yield (stage, model), paths
 
 

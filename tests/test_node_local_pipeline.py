@@ -1,0 +1,235 @@
+"""Node-local PipelineModule saves (`--node-local` on a pipeline save): fetched where a node lacks files, loaded per node.
+
+    python -m pytest -q tests/test_node_local_pipeline.py -m "not e2e"   # placement rules, seconds
+    python -m pytest -q tests/test_node_local_pipeline.py                # trains on 2 nodes x 2 ranks (~3-5 min)
+
+Two torchrun agents on one machine play two nodes with their own directories (as tests/test_node_local.py).
+tests/pipeline_run.py trains the tied PipelineModule at (pp, dp) = (2, 2), fp32 ZeRO-1, with
+`use_node_local_storage`: each node then holds its stage's files only, and DeepSpeed's own load of the
+save fails on every rank (its pipeline load counts the stage model-states files in the directory).
+reshard, on the same two nodes, writes (pp 1, dp 4) at 2 ranks per node and (pp 2, dp 1) at 1 rank per
+node; each target rank loads its own node's directory with plain `engine.load_checkpoint`, every fp32
+master and Adam moment compared by name with the source engine's, and one more `train_batch` runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from reshard.errors import CheckpointError
+from reshard.jobs.node_local import WorkerView
+from reshard.jobs.node_local_pipeline import (
+    fetch_pieces,
+    fetch_plan,
+    node_dp_ranks,
+    node_layer_files,
+    target_rank,
+    unseen_pipeline_files,
+)
+from reshard.topology import Topology
+
+NODES = 2
+HARNESS = "tests.pipeline_run"
+LAYERS = ("--pipeline-layers", "7", "--pipeline-tied", "embed:0,6")  # tests/pipeline_run.py layer_specs
+
+
+def optim(dp: int, stage: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+def model(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def layer(index: int) -> str:
+    return f"layer_{index:02d}-model_states.pt"
+
+
+# ---- placement (pure) ----
+
+def test_target_ranks_are_numbered_as_deepspeeds_pipeline_topology_numbers_them():
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+    plain, sliced = PipeDataParallelTopology(num_pp=3, num_dp=2), PipeModelDataParallelTopology(3, 2, 4)
+    for s in range(3):
+        for d in range(2):
+            assert target_rank(s, d, 0, 2, 1) == plain.get_rank(pipe=s, data=d)
+        for d in range(4):
+            for m in range(2):
+                assert target_rank(s, d, m, 4, 2) == sliced.get_rank(pipe=s, data=d, model=m)
+    # (pp 2, dp 1) at 1 rank per node: stage s on node s; every node still writes every stage's model file
+    assert node_dp_ranks(Topology(dp=1, pp=2), 1, 0) == {(0, 0): (0,), (1, 0): ()}
+    assert node_dp_ranks(Topology(dp=1, pp=2), 1, 1) == {(0, 0): (), (1, 0): (0,)}
+    assert node_dp_ranks(Topology(dp=4, pp=1), 2, 1) == {(0, 0): (2, 3)}
+
+
+def test_each_lacking_file_is_sent_once_per_node_by_a_worker_that_sees_it():
+    node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
+    node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
+    views = [WorkerView(0, "step3", node0), WorkerView(0, "step3", node0), WorkerView(1, None, node1),
+             WorkerView(1, None, node1)]
+    sizes = {name: 10 * (i + 1) for i, name in enumerate(sorted(node0 | node1))}
+    plan = fetch_plan({0: node0 | node1, 1: node0 | node1}, views, sizes, "/ckpt/step3")
+    assert sorted((t.name, t.receiver) for t in plan if t.receiver in (0, 1)) == \
+        sorted((name, r) for name, r in zip(sorted(node1), (0, 1, 0, 1)))  # node 1's files, to node 0's workers
+    assert all(views[t.sender].node != views[t.receiver].node and t.name in views[t.sender].files for t in plan)
+    assert len(plan) == 8 and {t.sender for t in plan} == {0, 1, 2, 3}  # the senders share the bytes
+    with pytest.raises(CheckpointError, match=r"/ckpt/step3/layer_02-model_states\.pt: is on no node"):
+        fetch_plan({0: {layer(2)}}, views, {layer(2): 1}, "/ckpt/step3")
+    pieces = fetch_pieces(plan, 4, 16)
+    for sender, own in enumerate(pieces):
+        assert all(plan[i].sender == sender and 0 < length <= 16 for i, _, length in own)
+    assert sum(length for own in pieces for _, _, length in own) == sum(t.size for t in plan)
+
+
+def test_a_file_no_node_sees_is_named_from_the_names_alone():
+    names = {layer(0), layer(1), model(0), model(1), optim(0, 0), optim(1, 0), optim(0, 1), optim(1, 1)}
+    assert unseen_pipeline_files(names) == []
+    assert unseen_pipeline_files(names - {optim(1, 1)}) == [optim(1, 1)]
+    sliced = {"layer_00-model_00-model_states.pt", "layer_00-model_01-model_states.pt",
+              "layer_01-model_00-model_states.pt", model(0), model(1), optim(0, 0), optim(0, 1)}
+    assert unseen_pipeline_files(sliced) == ["layer_01-model_01-model_states.pt"]
+    # one node's files of a (pp 2, dp 2) save look like a whole pp-1 save; its stage file's sizes say otherwise
+    node0 = {layer(0), model(0), optim(0, 0), optim(1, 0)}
+    assert unseen_pipeline_files(node0) == []
+    assert unseen_pipeline_files(node0, (2, 2)) == [optim(0, 1), optim(1, 1)]
+    from reshard.formats.deepspeed_pipeline import check_stage_model_files
+    with pytest.raises(CheckpointError, match=r"/ckpt/step3/mp_rank_01_model_states\.pt: is missing"):
+        check_stage_model_files("/ckpt/step3", {0}, {0}, 2)
+
+
+def test_a_node_gets_the_layer_files_of_its_stages():
+    from reshard.formats.deepspeed_pipeline import PipelineSource
+    source = PipelineSource("/ckpt", "step3", 2, 2, False, False, (), tuple(map(layer, range(6))), ())
+    assert node_layer_files(source, (0, 3, 7), {1}) == [layer(3), layer(4), layer(5)]
+    assert node_layer_files(source, (0, 3, 7), {0, 1}) == list(map(layer, range(6)))
+    assert node_layer_files(source, None, {1}) == list(map(layer, range(6)))  # the assignment unknown: all
+
+
+# ---- two nodes on this machine ----
+
+@pytest.fixture(scope="module")
+def node_local_pipeline(tmp_path_factory):
+    """(root, truth): the tied model trained at (pp, dp) = (2, 2) fp32 on 2 nodes x 2 ranks with
+    use_node_local_storage, saved into root/node{k}/src; DeepSpeed's own load of it is tried in the
+    same launch (root/own_load.json)."""
+    from reshard_proof.launch import run_torchrun_nodes
+    root = tmp_path_factory.mktemp("node-local-pipeline")
+    run_torchrun_nodes(HARNESS, NODES, 2, lambda k: [
+        "train", "--pp", 2, "--variant", "fp32", "--node-local", "--save", root / f"node{k}" / "src",
+        "--truth", root / "truth", "--own-load-report", root / "own_load.json"],
+        expect_files=[root / "own_load.json"], timeout=500)
+    return root, root / "truth"
+
+
+def tag_files(directory) -> set[str]:
+    return {p.name for p in (directory / "step3").iterdir()}
+
+
+@pytest.mark.e2e
+def test_deepspeed_saves_each_stage_on_its_nodes_and_cannot_load_that(node_local_pipeline):
+    root, _ = node_local_pipeline
+    # runtime/pipe/module.py save_state_dict: a stage's layer files on its dp-rank-0 node; engine.py
+    # _configure_checkpointing: mp_rank_XX where a node's local rank 0 runs stage XX; latest on node 0
+    assert tag_files(root / "node0" / "src") == {layer(0), layer(1), layer(2), model(0), optim(0, 0), optim(1, 0)}
+    assert tag_files(root / "node1" / "src") == {layer(3), layer(4), layer(5), model(1), optim(0, 1), optim(1, 1)}
+    assert (root / "node0" / "src" / "latest").exists() and not (root / "node1" / "src" / "latest").exists()
+    errors = json.loads((root / "own_load.json").read_text())["errors"]
+    assert errors == ["AssertionError: checkpoint count 1 is different from saved mp_world_size 2"] * 4, errors
+
+
+def gathered(root, directory):
+    """Both nodes' files in one save directory: what a job without --node-local reads."""
+    shutil.copytree(root / "node0" / "src", directory)
+    for path in (root / "node1" / "src" / "step3").iterdir():
+        shutil.copy2(path, directory / "step3")
+    return directory
+
+
+@pytest.mark.e2e
+def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipeline, tmp_path):
+    from reshard_proof.launch import run_torchrun_nodes
+    from trained import reshard_in_threads, tree_state
+    root, truth = node_local_pipeline
+    before = {k: tree_state(root / f"node{k}" / "src") for k in range(NODES)}
+    merged = gathered(root, tmp_path / "merged")
+    # (pp, dp, ranks per node, extra options); target rank r on node r // G
+    targets = {"pp1": (1, 4, 2, ("--target-pp", "1")), "pp2": (2, 1, 1, ())}
+    expected = {  # every stage's model-states file on every node, the node's ranks' optimizer files, its stages' layers
+        "pp1": [{layer(i) for i in range(6)} | {model(0), optim(0, 0), optim(1, 0)},
+                {layer(i) for i in range(6)} | {model(0), optim(2, 0), optim(3, 0)}],
+        "pp2": [{layer(0), layer(1), layer(2), model(0), model(1), optim(0, 0)},
+                {layer(3), layer(4), layer(5), model(0), model(1), optim(0, 1)}]}
+    for name, (pp, dp, per_node, extra) in targets.items():
+        run_torchrun_nodes("reshard", NODES, 2, lambda k: [
+            root / f"node{k}" / "src", root / f"node{k}" / name, "--node-local", "--target-ranks-per-node", per_node,
+            "--target-dp", dp, *extra, *LAYERS, "--quiet"],
+            expect_files=[root / f"node{k}" / name / "latest" for k in range(NODES)], timeout=300)
+        reference = tmp_path / f"reference-{name}"
+        reshard_in_threads(merged, reference, dp, 2, target_pp=pp, pipeline_layers=7, pipeline_tied="embed:0,6")
+        for node in range(NODES):
+            out = root / f"node{node}" / name
+            assert tag_files(out) == expected[name][node] | {"reshard_manifest.json"}, (name, node)
+            assert (out / "latest").read_text() == "step3"  # on every node: each node's load reads it
+            assert (out / "zero_to_fp32.py").exists() == (node == 0)  # as DeepSpeed: global rank 0's node
+            assert not list(out.rglob(".reshard-*"))  # no fetch area, no staging left
+            for file in expected[name][node]:  # byte for byte what the job on the gathered files writes
+                assert (out / "step3" / file).read_bytes() == (reference / "step3" / file).read_bytes(), (name, file)
+            manifest = json.loads((out / "step3" / "reshard_manifest.json").read_text())
+            assert manifest["target"]["node"] == node and manifest["target"]["ranks_per_node"] == per_node
+            assert set(manifest["files"]) == expected[name][node]
+    assert {k: tree_state(root / f"node{k}" / "src") for k in range(NODES)} == before  # the source is only read
+    for name, (pp, dp, per_node, _) in targets.items():
+        verdict = tmp_path / f"verdict-{name}.json"
+        run_torchrun_nodes(HARNESS, NODES, pp * dp // NODES, lambda k: [
+            "check", "--pp", pp, "--variant", "fp32", "--load", root / f"node{k}" / name, "--truth", truth,
+            "--verdict", verdict], expect_files=[verdict], timeout=500)
+        record = json.loads(verdict.read_text())
+        assert record["ok"], (name, record)
+        assert len(record["ranks"]) == pp * dp and all(r["checked"] > 0 for r in record["ranks"])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("removed,options,message", [
+    (model(1), (), f"step3/{model(1)}: is missing: the save has stage model files [0]"),
+    (optim(1, 1), (), f"step3/{optim(1, 1)}: is on no node"),
+    (None, ("--target-tp", "2"), "step3/layer_00-model_states.pt: --target-tp 2 (the save has tp 1) with "
+                                 "--node-local is not supported for pipeline checkpoints"),
+    (None, ("--target-pp", "1"), f"step3/{model(0)}: --target-pp 1 (the save has 2 stages): the new "
+                                 "layer-to-stage assignment needs the model's layer count"),
+])
+def test_what_is_not_served_is_refused_by_name_before_anything_is_written(node_local_pipeline, tmp_path,
+                                                                           monkeypatch, removed, options, message):
+    """One node, in this process: a stage model-states file on no node (as DeepSpeed leaves pp 4 on 2
+    nodes x 2 ranks: stages 1 and 3 have none anywhere), an optimizer file on no node, a tp change, a
+    pp change without the layer list."""
+    from trained import reshard_in_process
+    root, _ = node_local_pipeline
+    source = gathered(root, tmp_path / "src")
+    if removed:
+        os.unlink(source / "step3" / removed)
+    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
+    run = reshard_in_process(source, tmp_path / "dst", "--node-local", "--target-ranks-per-node", 2, "--target-dp", 2,
+                             *options)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert message in run.stderr, run.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.e2e
+def test_a_dry_run_says_what_each_node_fetches_and_writes_nothing(node_local_pipeline, tmp_path, monkeypatch):
+    from trained import reshard_in_process
+    root, _ = node_local_pipeline
+    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
+    run = reshard_in_process(root / "node0" / "src", tmp_path / "dst", "--node-local", "--target-ranks-per-node", 2,
+                             "--target-dp", 1, "--tag", "step3", "--dry-run")
+    # one node that holds stage 0 only: stage 1's model-states file is on no node it sees
+    assert run.returncode == 2 and f"{model(1)}: is missing" in run.stderr, run.stdout + run.stderr
+    source = gathered(root, tmp_path / "src")
+    run = reshard_in_process(source, tmp_path / "dst", "--node-local", "--target-ranks-per-node", 2, "--target-dp", 1,
+                             "--dry-run")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "node 0: target ranks 0..1; fetches 0 source files" in run.stdout, run.stdout
+    assert not (tmp_path / "dst").exists()
