@@ -189,11 +189,17 @@ IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save
 # ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
 # so judged in the exports' 2-rank launch)
 IN_JOB_SAME_PP_DP = (1, 2, 1)
-# the same model in bf16 with two param groups and a buffer (ScaledLayerNorm's "4.scale"), saved at
-# (2, 2, 1) in the same training launch, resharded to a target the fp32 save is judged at, and judged
-# in that target's launch, plainly and in-job
+# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded
+# to two targets the fp32 save is judged at, and judged in those targets' launches: in bf16 with two
+# param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job) and to
+# (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
+# (1, 1, 4) and to (2, 1, 2) (the stages re-assigned at the same pp)
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
+FP16_VARIANT = "fp16-mp2u"
+# (precision, target) -> (variant, workers): W differing from the target's world
+HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
+        ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1)}
 
 
 def _variant(tp: int, saved: str = "fp32-mp2u") -> str:
@@ -232,12 +238,17 @@ def tp_changes(tp_saves, tmp_path_factory):
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
     found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
-    # the bf16 save with two param groups and a buffer, to BF16_TARGET offline (and in-job in the same launch)
+    # the half-precision saves to their targets offline (and the bf16 save in-job at BF16_TARGET)
+    for (precision, (pp, tp, dp)), (variant, workers) in HALF.items():
+        out = root / f"{precision}-pp{pp}-tp{tp}-dp{dp}"
+        found[(precision, (pp, tp, dp))] = {
+            "out": out, "verdict": root / f"{precision}-pp{pp}-tp{tp}-dp{dp}.json", "truth": tp_saves[variant][1],
+            "result": reshard_in_threads(tp_saves[variant][0], out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)}
     bf16_save, bf16_truth = tp_saves[BF16_VARIANT]
-    found[BF16] = {"out": root / "bf16", "verdict": root / "bf16.json", "truth": bf16_truth,
-                   "result": reshard_in_threads(bf16_save, root / "bf16", BF16_TARGET[2], 3, target_pp=BF16_TARGET[0],
-                                                target_tp=BF16_TARGET[1], **LAYERS)}
     found[("in-job", BF16)] = {"verdict": root / "bf16-in-job.json"}
+    half_at_pp = {pp: [arg for key, (variant, _) in HALF.items() if key[1][0] == pp
+                       for arg in ("--judge", _variant(key[1][1], variant), found[key]["out"], found[key]["truth"],
+                                   found[key]["verdict"], "plain")] for pp in (1, 2)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
                               "--verdict", first["verdict"],
@@ -247,22 +258,24 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "universal",
                               "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
                               "in-job",
-                              "--judge", _variant(1, BF16_VARIANT), found[BF16]["out"], bf16_truth,
-                              found[BF16]["verdict"], "plain",
+                              *half_at_pp[1],
                               "--judge", _variant(1, BF16_VARIANT), bf16_save, bf16_truth,
                               found[("in-job", BF16)]["verdict"], "in-job"],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
                                found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"],
-                               found[BF16]["verdict"], found[("in-job", BF16)]["verdict"]],
+                               *(found[key]["verdict"] for key in HALF if key[1][0] == 1),
+                               found[("in-job", BF16)]["verdict"]],
                  timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
                               "--verdict", at_2["verdict"],
                               "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
                               "--judge", _variant(2), back["out"], truth, back["verdict"], "plain",
-                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain"],
+                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain",
+                              *half_at_pp[2]],
                  expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"],
-                               found[FROM_TP1]["verdict"]], timeout=500)
+                               found[FROM_TP1]["verdict"], *(found[key]["verdict"] for key in HALF if key[1][0] == 2)],
+                 timeout=500)
     for entry in found.values():
         entry["verdict"] = json.loads(entry["verdict"].read_text())
     found["truth"] = truth
@@ -334,53 +347,76 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
 
 
 @pytest.mark.e2e
-def test_bf16_tp_change_with_two_groups_and_a_buffer_loads_plainly_and_in_job(tp_changes, tp_saves):
-    # the bf16 (2, 2, 1) save of the model with two param groups and ScaledLayerNorm's buffer, resharded to
-    # (1, 1, 4): every master and moment (joined from the optimizer files) equal to the truth's slice, every
-    # layer file's tensor (bf16 weights, the fp32 buffer) equal, in dtype and value, to the cut of the source's
-    # layer files joined over its model ranks by the harness's own layers; then loaded natively and in-job
-    # (the save itself) at (1, 1, 4): masters, moments and the buffer, eval loss, counters, client state
+@pytest.mark.parametrize("change", list(HALF), ids=["bf16-groups-tp-down-pp-down-dp-up", "bf16-groups-tp-up-pp-down",
+                                                   "fp16-tp-down-pp-down-dp-up", "fp16-tp-down-dp-up"])
+def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, tp_saves, change):
+    # a half-precision (2, 2, 1) save (bf16 with two param groups and ScaledLayerNorm's buffer; fp16 with
+    # the dynamic loss scaler) resharded to another (pp, tp, dp): every (stage, model rank)'s masters and
+    # moments (joined from the optimizer files) equal to the truth's slice, every layer file's tensor
+    # (half-precision weights, bf16's fp32 buffer) equal, in dtype and value, to the cut of the source's
+    # layer files joined over its model ranks by the harness's own layers; then loaded with plain
+    # load_checkpoint (and the bf16 save in-job at BF16_TARGET): masters, moments and the buffer, eval
+    # loss, counters with the loss scaler's state, client state, one more train_batch
     import torch
     from pipeline_run import sliced_truth
 
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole, read_stage, states_by_name
-    entry = tp_changes[BF16]
-    pp, tp, dp = BF16_TARGET
-    out, (save, truth) = entry["out"], tp_saves[BF16_VARIANT]
+    precision, (pp, tp, dp) = change
+    variant = HALF[change][0]
+    entry = tp_changes[change]
+    out, (save, truth) = entry["out"], tp_saves[variant]
+    groups, half = precision == "bf16", {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     target = inspect_pipeline(str(out), "step3")
     assert (target.pp, target.tp, target.dp, target.has_model_axis) == (pp, tp, dp, True)
-    assert all(len(spec.numels) == 2 for spec in target.stages)  # both param groups kept
+    assert all(len(spec.numels) == (2 if groups else 1) for spec in target.stages)  # the param groups kept
+    prefix = "bf16_" if precision == "bf16" else ""
     assert sorted(n for n in os.listdir(out / "step3") if n.endswith(".pt")) == sorted(
-        [*(f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)), "mp_rank_00_model_states.pt",
-         *(f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp))])
-    expected = sliced_truth(_truths(truth), tp, 0)
+        [*(f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(6) for m in range(tp)),
+         *(f"mp_rank_{u:02d}_model_states.pt" for u in range(pp * tp)),
+         *(f"{prefix}zero_pp_rank_{d}_mp_rank_{u:02d}_optim_states.pt" for d in range(dp) for u in range(pp * tp))])
+    truths = _truths(truth)
     compared = 0
-    _, masters, moments = read_stage(target, 0, model=0)
-    for name, states in states_by_name(target.stages[0], masters, moments).items():
-        for key, flat in states.items():
-            assert torch.equal(flat, expected[name][key].reshape(-1)), f"{name} {key}"
-            compared += 1
-    assert compared == 3 * 9
+    for model in range(tp):
+        expected = sliced_truth(truths, tp, model)
+        for stage, spec in enumerate(target.stages):
+            _, masters, moments = read_stage(target, stage, model=model)
+            for name, states in states_by_name(spec, masters, moments).items():
+                for key, flat in states.items():
+                    assert torch.equal(flat, expected[name][key].reshape(-1)), \
+                        f"{target.optim_path(stage, 0, model)}: {name} {key}"
+                    compared += 1
+    params = {1: 9, 2: 10}[pp]  # the tied embedding on both stages at pp 2
+    assert compared == tp * 3 * params
     dims = {"1.weight": 0, "1.bias": 0, "3.weight": 1}  # ColumnParallelLinear, RowParallelLinear; the rest whole
     for index in range(6):
         prefix = "tied_modules.embed." if index == 0 else f"{index}."
         sources = [load_whole(str(save / "step3" / f"layer_{index:02d}-model_{m:02d}-model_states.pt")) for m in range(2)]
-        written = load_whole(str(out / "step3" / f"layer_{index:02d}-model_00-model_states.pt"))
-        assert list(written) == list(sources[0]), index
-        for key, value in written.items():
-            dim = dims.get(prefix + key)
-            want = sources[0][key] if dim is None else torch.cat([s[key] for s in sources], dim=dim)
-            if dim is None:
-                assert torch.equal(sources[1][key], want), f"{prefix}{key} differs between the saved model ranks"
-            assert value.dtype == want.dtype == (torch.float32 if key == "scale" else torch.bfloat16), prefix + key
-            assert torch.equal(value, want), prefix + key
-            compared += 1
-    assert compared == 3 * 9 + 10  # 9 parameters and the buffer "4.scale"
-    assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))["scale"],
-                       expected["4.scale"]["buffer"]), written_buffer
-    for verdict in (entry["verdict"], tp_changes[("in-job", BF16)]["verdict"]):
+        for model in range(tp):
+            written = load_whole(str(out / "step3" / f"layer_{index:02d}-model_{model:02d}-model_states.pt"))
+            assert list(written) == list(sources[0]), index
+            for key, value in written.items():
+                dim = dims.get(prefix + key)
+                want = sources[0][key] if dim is None else torch.cat([s[key] for s in sources], dim=dim).chunk(
+                    tp, dim=dim)[model]
+                if dim is None:
+                    assert torch.equal(sources[1][key], want), f"{prefix}{key} differs between the saved model ranks"
+                assert value.dtype == want.dtype == (torch.float32 if key == "scale" else half), prefix + key
+                assert torch.equal(value, want), prefix + key
+                compared += 1
+    assert compared == tp * (3 * params + 9 + groups)  # 9 parameters in layer files, and the buffer "4.scale"
+    if groups:
+        assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))[
+            "scale"], sliced_truth(truths, tp, 0)["4.scale"]["buffer"]), written_buffer
+    else:  # the loss scaler moved in training (initial scale 2 ** 8, a window of 2 steps), so its state is a check
+        scaler = truths[0]["counters"]["loss_scaler"]
+        assert (scaler["cur_scale"], scaler["cur_iter"]) == (512.0, 3), scaler
+    verdicts = [entry["verdict"]] + ([tp_changes[("in-job", BF16)]["verdict"]] if change == BF16 else [])
+    for verdict in verdicts:
         assert verdict["ok"], verdict
-        assert len(verdict["ranks"]) == pp * tp * dp and all(rank["checked"] == 10 for rank in verdict["ranks"])
+        assert len(verdict["ranks"]) == pp * tp * dp
+        # each rank: every parameter of its stage, and the buffer on the stage of layer 4; over the
+        # stages of one (model, dp) coordinate, the tied embedding counted on each
+        assert sum(rank["checked"] for rank in verdict["ranks"]) == tp * dp * (params + groups)
 
 
 @pytest.mark.e2e
