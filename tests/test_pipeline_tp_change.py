@@ -200,6 +200,11 @@ FP16_VARIANT = "fp16-mp2u"
 # (precision, target) -> (variant, workers): W differing from the target's world
 HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
         ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1)}
+# the fp32 model with the column-parallel weight "1.weight" frozen after the build (DeepSpeed's
+# `parameters` partition counted it; no optimizer holds it, only its layer files), saved at (2, 2, 1) in
+# the same training launch, resharded to (2, 1, 2) and judged in that target's launch
+FROZEN_VARIANT, FROZEN = "fp32-frozen-mp2u", ("frozen", (2, 1, 2))
+OTHER_VARIANTS = {**HALF, FROZEN: (FROZEN_VARIANT, 3)}
 
 
 def _variant(tp: int, saved: str = "fp32-mp2u") -> str:
@@ -238,15 +243,15 @@ def tp_changes(tp_saves, tmp_path_factory):
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
     found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
-    # the half-precision saves to their targets offline (and the bf16 save in-job at BF16_TARGET)
-    for (precision, (pp, tp, dp)), (variant, workers) in HALF.items():
+    # the half-precision and frozen saves to their targets offline (and the bf16 save in-job at BF16_TARGET)
+    for (precision, (pp, tp, dp)), (variant, workers) in OTHER_VARIANTS.items():
         out = root / f"{precision}-pp{pp}-tp{tp}-dp{dp}"
         found[(precision, (pp, tp, dp))] = {
             "out": out, "verdict": root / f"{precision}-pp{pp}-tp{tp}-dp{dp}.json", "truth": tp_saves[variant][1],
             "result": reshard_in_threads(tp_saves[variant][0], out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)}
     bf16_save, bf16_truth = tp_saves[BF16_VARIANT]
     found[("in-job", BF16)] = {"verdict": root / "bf16-in-job.json"}
-    half_at_pp = {pp: [arg for key, (variant, _) in HALF.items() if key[1][0] == pp
+    others_at_pp = {pp: [arg for key, (variant, _) in OTHER_VARIANTS.items() if key[1][0] == pp
                        for arg in ("--judge", _variant(key[1][1], variant), found[key]["out"], found[key]["truth"],
                                    found[key]["verdict"], "plain")] for pp in (1, 2)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
@@ -258,12 +263,12 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "universal",
                               "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
                               "in-job",
-                              *half_at_pp[1],
+                              *others_at_pp[1],
                               "--judge", _variant(1, BF16_VARIANT), bf16_save, bf16_truth,
                               found[("in-job", BF16)]["verdict"], "in-job"],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
                                found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"],
-                               *(found[key]["verdict"] for key in HALF if key[1][0] == 1),
+                               *(found[key]["verdict"] for key in OTHER_VARIANTS if key[1][0] == 1),
                                found[("in-job", BF16)]["verdict"]],
                  timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
@@ -272,9 +277,10 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
                               "--judge", _variant(2), back["out"], truth, back["verdict"], "plain",
                               "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain",
-                              *half_at_pp[2]],
+                              *others_at_pp[2]],
                  expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"],
-                               found[FROM_TP1]["verdict"], *(found[key]["verdict"] for key in HALF if key[1][0] == 2)],
+                               found[FROM_TP1]["verdict"],
+                               *(found[key]["verdict"] for key in OTHER_VARIANTS if key[1][0] == 2)],
                  timeout=500)
     for entry in found.values():
         entry["verdict"] = json.loads(entry["verdict"].read_text())
@@ -315,7 +321,8 @@ def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
             index = int(match[1])
             prefix = "tied_modules.embed." if index == 0 else f"{index}."
             for key, value in load_whole(os.path.join(target.tag_dir, file)).items():
-                assert torch.equal(value, expected[prefix + key]["fp32"]), f"{file}: {key}"
+                states = expected[prefix + key]  # a frozen parameter's truth is its module value
+                assert torch.equal(value, states["fp32"] if "fp32" in states else states["frozen"]), f"{file}: {key}"
                 compared += 1
     return compared
 
@@ -417,6 +424,34 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
         # each rank: every parameter of its stage, and the buffer on the stage of layer 4; over the
         # stages of one (model, dp) coordinate, the tied embedding counted on each
         assert sum(rank["checked"] for rank in verdict["ranks"]) == tp * dp * (params + groups)
+
+
+@pytest.mark.e2e
+def test_a_frozen_sliced_weight_is_cut_in_its_layer_files_and_loads_natively(tp_changes, tp_saves):
+    # "fp32-frozen-mp2u" (2, 2, 1), the column-parallel 1.weight frozen after the build, to (2, 1, 2): the
+    # frozen weight joined whole into layer 1's one file, equal to the truth's module values joined
+    # over the saved model ranks; every trainable master and moment equal to the truth's slice; at tp 1
+    # the `parameters` partition, which counted the frozen weight, moves layer 3 to stage 1; then loaded
+    # with plain load_checkpoint at (2, 1, 2): the frozen weight by its module value, masters, moments,
+    # eval loss, counters, client state, one more train_batch
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
+    entry = tp_changes[FROZEN]
+    pp, tp, dp = FROZEN[1]
+    out, (save, truth) = entry["out"], tp_saves[FROZEN_VARIANT]
+    assert "1.weight" not in inspect_pipeline(str(save), "step3").stages[0].names[0]  # frozen: in no optimizer
+    target = inspect_pipeline(str(out), "step3")
+    assert [list(spec.names[0]) for spec in target.stages] == [
+        ["tied_modules.embed.weight", "1.bias"],
+        ["tied_modules.embed.weight", "3.weight", "3.bias", "4.weight", "4.bias", "5.weight", "5.bias"]]
+    compared = _check_files_against_sliced_truth(out, truth, tp)
+    assert compared == 3 * (10 - 1) + 9  # masters and moments of 9 trainable (embed on both stages); 9 in layer files
+    frozen = load_whole(str(out / "step3" / "layer_01-model_00-model_states.pt"))["weight"]
+    assert tuple(frozen.shape) == (44, 24)  # both saved model ranks' 22 rows, whole at tp 1
+    assert [set(t["tensors"]["1.weight"]) for t in _truths(truth) if "1.weight" in t["tensors"]] == [{"frozen"}] * 2
+    verdict = entry["verdict"]
+    assert verdict["ok"], verdict
+    # each rank: its stage's parameters, the frozen weight among stage 0's (3 there, 7 on stage 1)
+    assert sorted(rank["checked"] for rank in verdict["ranks"]) == [3, 3, 7, 7]
 
 
 @pytest.mark.e2e
