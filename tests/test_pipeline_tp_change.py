@@ -7,9 +7,9 @@ The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" 
 a row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias
 replicated; the script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client
 state) in ONE launch: at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed
-names its layer files `-model_00`), then the variants below. The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
-pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the
-target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
+names its layer files `-model_00`), then the variants below. The (2, 2, 1) save is resharded with
+threads to (1, 4, 1) (tp up, pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down,
+stages re-assigned at the target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
 file by file (every (stage, model rank)'s masters and moments joined from its optimizer files, and
 every layer file's weights, equal the slice of the truth joined over the saved model ranks, cut by
 the harness's own knowledge of its layers, not by reshard's rule) and in real engines with plain
@@ -32,8 +32,8 @@ with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same
 to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same way in the pp-2
 launch.
 
-The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format safetensors|universal`, each tensor joined
-whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
+The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format
+safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
 loaded strictly into the model built at pp 1 with no model axis, the tp-2 universal export loaded
 with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal ds_to_universal's output
 of the same saves file by file, metadata keys included.
