@@ -3,40 +3,39 @@
     python -m pytest -q tests/test_pipeline_tp_change.py -m "not e2e"   # the pure rule, joins and cuts, refusals
     python -m pytest -q tests/test_pipeline_tp_change.py                # + trains (pp, tp, dp) = (2, 2, 1) on 4 ranks
 
-The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and
-a row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias
-replicated; the script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client
-state) in ONE launch: at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed
-names its layer files `-model_00`), then the variants below. The (2, 2, 1) save is resharded with
-threads to (1, 4, 1) (tp up, pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down,
-stages re-assigned at the target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
-file by file (every (stage, model rank)'s masters and moments joined from its optimizer files, and
-every layer file's weights, equal the slice of the truth joined over the saved model ranks, cut by
-the harness's own knowledge of its layers, not by reshard's rule) and in real engines with plain
-`load_checkpoint` in two launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and
-moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
-adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
-ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
-targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
-is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
-and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
-The same model in half precision, each saved at (2, 2, 1) in the same training launch, is resharded
-to two targets and judged file by file (masters and moments against the truth's slice; half-precision
-layer-file weights, in dtype and value, against the cut of the source's layer files joined) and with
-plain load_checkpoint in those targets' launches: in bf16 with two param groups and a buffer
-("bf16-groups-mp2u") to (1, 1, 4) (also in-job) and (1, 4, 1); in fp16 ("fp16-mp2u", ZeRO-1's dynamic
-loss scaler, whose state the verdict compares) to (1, 1, 4) and (2, 1, 2). The eval loss at another tp
-is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial product is rounded to the
-half precision before the sum; tests/pipeline_run.py check_one has the measured gaps). The fp32 model
-with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same launch) is resharded
-to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same way in the pp-2
-launch.
+The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and a
+row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias replicated; the
+script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client state) in ONE launch:
+at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed names its layer files
+`-model_00`), then the variants below. The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
+pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the target's
+local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged file by file
+(every (stage, model rank)'s masters and moments joined from its optimizer files, and every layer file's
+weights, equal the slice of the truth joined over the saved model ranks, cut by the harness's own
+knowledge of its layers, not by reshard's rule) and in real engines with plain `load_checkpoint` in two
+launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and moment by name, the eval loss
+on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum adds in another order), counters,
+client_state, then one more `train_batch`. DeepSpeed's own ds_to_universal output of the (2, 2, 1) save,
+loaded with load_universal at each of the three targets in the same launches, is the second oracle. The
+in-job API (reshard.deepspeed.load_checkpoint) is judged the same way in the same launches: the (2, 2, 1)
+save in an engine at (1, 1, 4) (pp-1 launch), and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at
+another tp (the exports' 2-rank launch). The same model in half precision, each saved at (2, 2, 1) in the
+same training launch, is resharded to two targets and judged file by file (masters and moments against the
+truth's slice; half-precision layer-file weights, in dtype and value, against the cut of the source's
+layer files joined) and with plain load_checkpoint in those targets' launches: in bf16 with two param
+groups and a buffer ("bf16-groups-mp2u") to (1, 1, 4) (also in-job) and (1, 4, 1); in fp16 ("fp16-mp2u",
+ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) and (2, 1, 2). The eval loss
+at another tp is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial product is
+rounded to the half precision before the sum; tests/pipeline_run.py check_one has the measured gaps). The
+fp32 model with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same launch) is
+resharded to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same way in the
+pp-2 launch.
 
 The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format
-safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
-loaded strictly into the model built at pp 1 with no model axis, the tp-2 universal export loaded
-with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal ds_to_universal's output
-of the same saves file by file, metadata keys included.
+safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one
+more 2-rank launch: the safetensors loaded strictly into the model built at pp 1 with no model axis, the
+tp-2 universal export loaded with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal
+ds_to_universal's output of the same saves file by file, metadata keys included.
 """
 from __future__ import annotations
 
