@@ -24,12 +24,12 @@ same training launch, is resharded to two targets and judged file by file (maste
 truth's slice; half-precision layer-file weights, in dtype and value, against the cut of the source's
 layer files joined) and with plain load_checkpoint in those targets' launches: in bf16 with two param
 groups and a buffer ("bf16-groups-mp2u") to (1, 1, 4) (also in-job) and (1, 4, 1); in fp16 ("fp16-mp2u",
-ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) and (2, 1, 2). The eval loss
-at another tp is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial product is
-rounded to the half precision before the sum; tests/pipeline_run.py check_one has the measured gaps). The
-fp32 model with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same launch) is
-resharded to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same way in the
-pp-2 launch.
+ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) (also in-job) and (2, 1, 2).
+The eval loss at another tp is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial
+product is rounded to the half precision before the sum; tests/pipeline_run.py check_one has the measured
+gaps). The fp32 model with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same
+launch) is resharded to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same
+way in the pp-2 launch.
 
 The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format
 safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one
@@ -200,10 +200,11 @@ IN_JOB_SAME_PP_DP = (1, 2, 1)
 # to two targets the fp32 save is judged at, and judged in those targets' launches: in bf16 with two
 # param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job) and to
 # (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
-# (1, 1, 4) and to (2, 1, 2) (the stages re-assigned at the same pp)
+# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp)
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
 FP16_VARIANT = "fp16-mp2u"
+IN_JOB_HALF = (BF16, ("fp16", (1, 1, 4)))  # the save itself loaded in-job at that target too (pp-1 launch)
 # (precision, target) -> (variant, workers): W differing from the target's world
 HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
         ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1)}
@@ -250,14 +251,18 @@ def tp_changes(tp_saves, tmp_path_factory):
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
     found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
-    # the half-precision and frozen saves to their targets offline (and the bf16 save in-job at BF16_TARGET)
+    # the half-precision and frozen saves to their targets offline (and IN_JOB_HALF's saves in-job)
     for (precision, (pp, tp, dp)), (variant, workers) in OTHER_VARIANTS.items():
         out = root / f"{precision}-pp{pp}-tp{tp}-dp{dp}"
         found[(precision, (pp, tp, dp))] = {
             "out": out, "verdict": root / f"{precision}-pp{pp}-tp{tp}-dp{dp}.json", "truth": tp_saves[variant][1],
             "result": reshard_in_threads(tp_saves[variant][0], out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)}
-    bf16_save, bf16_truth = tp_saves[BF16_VARIANT]
-    found[("in-job", BF16)] = {"verdict": root / "bf16-in-job.json"}
+    in_job_half = []
+    for key in IN_JOB_HALF:
+        found[("in-job", key)] = {"verdict": root / f"{key[0]}-in-job.json"}
+        variant = OTHER_VARIANTS[key][0]
+        in_job_half += ["--judge", _variant(key[1][1], variant), *tp_saves[variant],
+                        found[("in-job", key)]["verdict"], "in-job"]
     others_at_pp = {pp: [arg for key, (variant, _) in OTHER_VARIANTS.items() if key[1][0] == pp
                        for arg in ("--judge", _variant(key[1][1], variant), found[key]["out"], found[key]["truth"],
                                    found[key]["verdict"], "plain")] for pp in (1, 2)}
@@ -270,13 +275,11 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "universal",
                               "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
                               "in-job",
-                              *others_at_pp[1],
-                              "--judge", _variant(1, BF16_VARIANT), bf16_save, bf16_truth,
-                              found[("in-job", BF16)]["verdict"], "in-job"],
+                              *others_at_pp[1], *in_job_half],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
                                found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"],
                                *(found[key]["verdict"] for key in OTHER_VARIANTS if key[1][0] == 1),
-                               found[("in-job", BF16)]["verdict"]],
+                               *(found[("in-job", key)]["verdict"] for key in IN_JOB_HALF)],
                  timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
@@ -369,7 +372,7 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     # moments (joined from the optimizer files) equal to the truth's slice, every layer file's tensor
     # (half-precision weights, bf16's fp32 buffer) equal, in dtype and value, to the cut of the source's
     # layer files joined over its model ranks by the harness's own layers; then loaded with plain
-    # load_checkpoint (and the bf16 save in-job at BF16_TARGET): masters, moments and the buffer, eval
+    # load_checkpoint (and the save itself in-job at IN_JOB_HALF's): masters, moments and the buffer, eval
     # loss, counters with the loss scaler's state, client state, one more train_batch
     import torch
     from pipeline_run import sliced_truth
@@ -424,7 +427,7 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     else:  # the loss scaler moved in training (initial scale 2 ** 8, a window of 2 steps), so its state is a check
         scaler = truths[0]["counters"]["loss_scaler"]
         assert (scaler["cur_scale"], scaler["cur_iter"]) == (512.0, 3), scaler
-    verdicts = [entry["verdict"]] + ([tp_changes[("in-job", BF16)]["verdict"]] if change == BF16 else [])
+    verdicts = [entry["verdict"]] + ([tp_changes[("in-job", change)]["verdict"]] if change in IN_JOB_HALF else [])
     for verdict in verdicts:
         assert verdict["ok"], verdict
         assert len(verdict["ranks"]) == pp * tp * dp
