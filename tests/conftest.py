@@ -60,18 +60,24 @@ def pipeline_runs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tp_saves(tmp_path_factory):
-    """{"fp32-mp2u" | "fp32-mp1u" | "bf16-groups-mp2u": (save, truth)}: ONE training launch on 4 ranks, the
-    (pp, tp, dp) = (2, 2, 1) save of tests/pipeline_run.py's Megatron-style model (its
+    """{"fp32-mp2u" | "fp32-mp1u" | "bf16-groups-mp2u" | "fp16-mp2u" | "fp32-frozen-mp2u": (save, truth)}: ONE
+    training launch on 4 ranks, the (pp, tp, dp) = (2, 2, 1) save of tests/pipeline_run.py's Megatron-style model (its
     universal_checkpoint_info patterns as client state), then (pipeline_run.py train --more) the same
     model at (2, 1, 2) built with PipeModelDataParallelTopology at tp 1, as DeepSpeed writes it
-    (`-model_00` layer files), then the model in bf16 with two param groups and a buffer at (2, 2, 1). Shared by tests/test_pipeline_tp_change.py and tests/test_pipeline_array.py."""
+    (`-model_00` layer files), then the model in bf16 with two param groups and a buffer at (2, 2, 1),
+    then in fp16 (dynamic loss scaling) at (2, 2, 1), then in fp32 with the column-parallel weight
+    "1.weight" frozen after the build at (2, 2, 1). Shared by tests/test_pipeline_tp_change.py and
+    tests/test_pipeline_array.py."""
     from reshard_proof.launch import run_torchrun
     from test_pipeline import HARNESS
     root = tmp_path_factory.mktemp("pipeline-tp-saves")
-    places = {v: (root / v / "ckpt", root / v / "truth") for v in ("fp32-mp2u", "fp32-mp1u", "bf16-groups-mp2u")}
+    places = {v: (root / v / "ckpt", root / v / "truth")
+              for v in ("fp32-mp2u", "fp32-mp1u", "bf16-groups-mp2u", "fp16-mp2u", "fp32-frozen-mp2u")}
     run_torchrun(HARNESS, 4, ["train", "--pp", 2, "--variant", "fp32-mp2u", "--save", places["fp32-mp2u"][0],
                               "--truth", places["fp32-mp2u"][1], "--more", "fp32-mp1u", *places["fp32-mp1u"],
-                              "--more", "bf16-groups-mp2u", *places["bf16-groups-mp2u"]],
+                              "--more", "bf16-groups-mp2u", *places["bf16-groups-mp2u"],
+                              "--more", "fp16-mp2u", *places["fp16-mp2u"],
+                              "--more", "fp32-frozen-mp2u", *places["fp32-frozen-mp2u"]],
                  expect_files=[truth / f"rank{r}.pt" for _, truth in places.values() for r in range(4)], timeout=500)
     return places
 

@@ -3,32 +3,39 @@
     python -m pytest -q tests/test_pipeline_tp_change.py -m "not e2e"   # the pure rule, joins and cuts, refusals
     python -m pytest -q tests/test_pipeline_tp_change.py                # + trains (pp, tp, dp) = (2, 2, 1) on 4 ranks
 
-The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and
-a row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias
-replicated; the script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client
-state) in ONE launch: at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed
-names its layer files `-model_00`). The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
-pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the
-target's local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged
-file by file (every (stage, model rank)'s masters and moments joined from its optimizer files, and
-every layer file's weights, equal the slice of the truth joined over the saved model ranks, cut by
-the harness's own knowledge of its layers, not by reshard's rule) and in real engines with plain
-`load_checkpoint` in two launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and
-moment by name, the eval loss on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum
-adds in another order), counters, client_state, then one more `train_batch`. DeepSpeed's own
-ds_to_universal output of the (2, 2, 1) save, loaded with load_universal at each of the three
-targets in the same launches, is the second oracle. The in-job API (reshard.deepspeed.load_checkpoint)
-is judged the same way in the same launches: the (2, 2, 1) save in an engine at (1, 1, 4) (pp-1 launch),
-and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at another tp (the exports' 2-rank launch).
-The same model in bf16 with two param groups and a buffer ("bf16-groups-mp2u", (2, 2, 1), trained in
-the same launch) is resharded to (1, 1, 4) and judged file by file and, plainly and in-job, in the pp-1
-launch (eval loss to 5e-3: in bf16 each rank's row-parallel partial product is rounded before the sum).
+The e2e tests train tests/pipeline_run.py's Megatron-style model in its "-mpNu" form (a column- and a
+row-parallel Linear of hidden 44, the tied embedding, LayerNorm, a Linear and the row bias replicated; the
+script saves Megatron-DeepSpeed-style `universal_checkpoint_info` patterns as client state) in ONE launch:
+at (2, 2, 1), and at (2, 1, 2) with PipeModelDataParallelTopology at tp 1 (DeepSpeed names its layer files
+`-model_00`), then the variants below. The (2, 2, 1) save is resharded with threads to (1, 4, 1) (tp up,
+pp down), (1, 1, 4) (tp down, pp down, dp up) and (2, 1, 2) (tp down, stages re-assigned at the target's
+local sizes), the (1, 1, 4) output back to (2, 2, 1), and the tp-1 save to (2, 2, 1). Judged file by file
+(every (stage, model rank)'s masters and moments joined from its optimizer files, and every layer file's
+weights, equal the slice of the truth joined over the saved model ranks, cut by the harness's own
+knowledge of its layers, not by reshard's rule) and in real engines with plain `load_checkpoint` in two
+launches, pp 1 ((1, 4, 1), (1, 1, 4)) and pp 2 (the rest): every master and moment by name, the eval loss
+on a fixed micro-batch (to 1e-5 at another tp: the row-parallel sum adds in another order), counters,
+client_state, then one more `train_batch`. DeepSpeed's own ds_to_universal output of the (2, 2, 1) save,
+loaded with load_universal at each of the three targets in the same launches, is the second oracle. The
+in-job API (reshard.deepspeed.load_checkpoint) is judged the same way in the same launches: the (2, 2, 1)
+save in an engine at (1, 1, 4) (pp-1 launch), and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at
+another tp (the exports' 2-rank launch). The same model in half precision, each saved at (2, 2, 1) in the
+same training launch, is resharded to two targets and judged file by file (masters and moments against the
+truth's slice; half-precision layer-file weights, in dtype and value, against the cut of the source's
+layer files joined) and with plain load_checkpoint in those targets' launches: in bf16 with two param
+groups and a buffer ("bf16-groups-mp2u") to (1, 1, 4) (also in-job) and (1, 4, 1); in fp16 ("fp16-mp2u",
+ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) (also in-job) and (2, 1, 2).
+The eval loss at another tp is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial
+product is rounded to the half precision before the sum; tests/pipeline_run.py check_one has the measured
+gaps). The fp32 model with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same
+launch) is resharded to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same
+way in the pp-2 launch.
 
-The same two saves exported (`reshard export --format safetensors|universal`, each tensor joined
-whole over the model ranks by the patterns) are judged in one more 2-rank launch: the safetensors
-loaded strictly into the model built at pp 1 with no model axis, the tp-2 universal export loaded
-with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal ds_to_universal's output
-of the same saves file by file, metadata keys included.
+The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format
+safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one
+more 2-rank launch: the safetensors loaded strictly into the model built at pp 1 with no model axis, the
+tp-2 universal export loaded with load_universal at (1, 2, 1) and (1, 1, 2); the universal exports equal
+ds_to_universal's output of the same saves file by file, metadata keys included.
 """
 from __future__ import annotations
 
@@ -189,11 +196,23 @@ IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save
 # ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
 # so judged in the exports' 2-rank launch)
 IN_JOB_SAME_PP_DP = (1, 2, 1)
-# the same model in bf16 with two param groups and a buffer (ScaledLayerNorm's "4.scale"), saved at
-# (2, 2, 1) in the same training launch, resharded to a target the fp32 save is judged at, and judged
-# in that target's launch, plainly and in-job
+# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded
+# to two targets the fp32 save is judged at, and judged in those targets' launches: in bf16 with two
+# param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job) and to
+# (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
+# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp)
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
+FP16_VARIANT = "fp16-mp2u"
+IN_JOB_HALF = (BF16, ("fp16", (1, 1, 4)))  # the save itself loaded in-job at that target too (pp-1 launch)
+# (precision, target) -> (variant, workers): W differing from the target's world
+HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
+        ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1)}
+# the fp32 model with the column-parallel weight "1.weight" frozen after the build (DeepSpeed's
+# `parameters` partition counted it; no optimizer holds it, only its layer files), saved at (2, 2, 1) in
+# the same training launch, resharded to (2, 1, 2) and judged in that target's launch
+FROZEN_VARIANT, FROZEN = "fp32-frozen-mp2u", ("frozen", (2, 1, 2))
+OTHER_VARIANTS = {**HALF, FROZEN: (FROZEN_VARIANT, 3)}
 
 
 def _variant(tp: int, saved: str = "fp32-mp2u") -> str:
@@ -232,12 +251,21 @@ def tp_changes(tp_saves, tmp_path_factory):
         found[("universal", target)] = {"verdict": root / "universal-pp{}-tp{}-dp{}.json".format(*target)}
     # reshard's in-job API on the (2, 2, 1) save itself at (1, 1, 4): one more engine in the pp-1 launch
     found[("in-job", IN_JOB_TP)] = {"verdict": root / "in-job-pp{}-tp{}-dp{}.json".format(*IN_JOB_TP)}
-    # the bf16 save with two param groups and a buffer, to BF16_TARGET offline (and in-job in the same launch)
-    bf16_save, bf16_truth = tp_saves[BF16_VARIANT]
-    found[BF16] = {"out": root / "bf16", "verdict": root / "bf16.json", "truth": bf16_truth,
-                   "result": reshard_in_threads(bf16_save, root / "bf16", BF16_TARGET[2], 3, target_pp=BF16_TARGET[0],
-                                                target_tp=BF16_TARGET[1], **LAYERS)}
-    found[("in-job", BF16)] = {"verdict": root / "bf16-in-job.json"}
+    # the half-precision and frozen saves to their targets offline (and IN_JOB_HALF's saves in-job)
+    for (precision, (pp, tp, dp)), (variant, workers) in OTHER_VARIANTS.items():
+        out = root / f"{precision}-pp{pp}-tp{tp}-dp{dp}"
+        found[(precision, (pp, tp, dp))] = {
+            "out": out, "verdict": root / f"{precision}-pp{pp}-tp{tp}-dp{dp}.json", "truth": tp_saves[variant][1],
+            "result": reshard_in_threads(tp_saves[variant][0], out, dp, workers, target_pp=pp, target_tp=tp, **LAYERS)}
+    in_job_half = []
+    for key in IN_JOB_HALF:
+        found[("in-job", key)] = {"verdict": root / f"{key[0]}-in-job.json"}
+        variant = OTHER_VARIANTS[key][0]
+        in_job_half += ["--judge", _variant(key[1][1], variant), *tp_saves[variant],
+                        found[("in-job", key)]["verdict"], "in-job"]
+    others_at_pp = {pp: [arg for key, (variant, _) in OTHER_VARIANTS.items() if key[1][0] == pp
+                       for arg in ("--judge", _variant(key[1][1], variant), found[key]["out"], found[key]["truth"],
+                                   found[key]["verdict"], "plain")] for pp in (1, 2)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
                               "--verdict", first["verdict"],
@@ -247,22 +275,23 @@ def tp_changes(tp_saves, tmp_path_factory):
                               "universal",
                               "--judge", _variant(1), save_dir, truth, found[("in-job", IN_JOB_TP)]["verdict"],
                               "in-job",
-                              "--judge", _variant(1, BF16_VARIANT), found[BF16]["out"], bf16_truth,
-                              found[BF16]["verdict"], "plain",
-                              "--judge", _variant(1, BF16_VARIANT), bf16_save, bf16_truth,
-                              found[("in-job", BF16)]["verdict"], "in-job"],
+                              *others_at_pp[1], *in_job_half],
                  expect_files=[first["verdict"], second["verdict"], found[("universal", (1, 4, 1))]["verdict"],
                                found[("universal", (1, 1, 4))]["verdict"], found[("in-job", IN_JOB_TP)]["verdict"],
-                               found[BF16]["verdict"], found[("in-job", BF16)]["verdict"]],
+                               *(found[key]["verdict"] for key in OTHER_VARIANTS if key[1][0] == 1),
+                               *(found[("in-job", key)]["verdict"] for key in IN_JOB_HALF)],
                  timeout=500)
     at_2, back = found[(2, 1, 2)], found[ROUND_TRIP]
     run_torchrun(HARNESS, 4, ["check", "--pp", 2, "--variant", _variant(1), "--truth", truth, "--load", at_2["out"],
                               "--verdict", at_2["verdict"],
                               "--also", universal, found[("universal", (2, 1, 2))]["verdict"], "universal",
                               "--judge", _variant(2), back["out"], truth, back["verdict"], "plain",
-                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain"],
+                              "--judge", _variant(2), up, tp1_truth, found[FROM_TP1]["verdict"], "plain",
+                              *others_at_pp[2]],
                  expect_files=[at_2["verdict"], back["verdict"], found[("universal", (2, 1, 2))]["verdict"],
-                               found[FROM_TP1]["verdict"]], timeout=500)
+                               found[FROM_TP1]["verdict"],
+                               *(found[key]["verdict"] for key in OTHER_VARIANTS if key[1][0] == 2)],
+                 timeout=500)
     for entry in found.values():
         entry["verdict"] = json.loads(entry["verdict"].read_text())
     found["truth"] = truth
@@ -302,7 +331,8 @@ def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
             index = int(match[1])
             prefix = "tied_modules.embed." if index == 0 else f"{index}."
             for key, value in load_whole(os.path.join(target.tag_dir, file)).items():
-                assert torch.equal(value, expected[prefix + key]["fp32"]), f"{file}: {key}"
+                states = expected[prefix + key]  # a frozen parameter's truth is its module value
+                assert torch.equal(value, states["fp32"] if "fp32" in states else states["frozen"]), f"{file}: {key}"
                 compared += 1
     return compared
 
@@ -334,53 +364,104 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
 
 
 @pytest.mark.e2e
-def test_bf16_tp_change_with_two_groups_and_a_buffer_loads_plainly_and_in_job(tp_changes, tp_saves):
-    # the bf16 (2, 2, 1) save of the model with two param groups and ScaledLayerNorm's buffer, resharded to
-    # (1, 1, 4): every master and moment (joined from the optimizer files) equal to the truth's slice, every
-    # layer file's tensor (bf16 weights, the fp32 buffer) equal, in dtype and value, to the cut of the source's
-    # layer files joined over its model ranks by the harness's own layers; then loaded natively and in-job
-    # (the save itself) at (1, 1, 4): masters, moments and the buffer, eval loss, counters, client state
+@pytest.mark.parametrize("change", list(HALF), ids=["bf16-groups-tp-down-pp-down-dp-up", "bf16-groups-tp-up-pp-down",
+                                                   "fp16-tp-down-pp-down-dp-up", "fp16-tp-down-dp-up"])
+def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, tp_saves, change):
+    # a half-precision (2, 2, 1) save (bf16 with two param groups and ScaledLayerNorm's buffer; fp16 with
+    # the dynamic loss scaler) resharded to another (pp, tp, dp): every (stage, model rank)'s masters and
+    # moments (joined from the optimizer files) equal to the truth's slice, every layer file's tensor
+    # (half-precision weights, bf16's fp32 buffer) equal, in dtype and value, to the cut of the source's
+    # layer files joined over its model ranks by the harness's own layers; then loaded with plain
+    # load_checkpoint (and the save itself in-job at IN_JOB_HALF's): masters, moments and the buffer, eval
+    # loss, counters with the loss scaler's state, client state, one more train_batch
     import torch
     from pipeline_run import sliced_truth
 
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole, read_stage, states_by_name
-    entry = tp_changes[BF16]
-    pp, tp, dp = BF16_TARGET
-    out, (save, truth) = entry["out"], tp_saves[BF16_VARIANT]
+    precision, (pp, tp, dp) = change
+    variant = HALF[change][0]
+    entry = tp_changes[change]
+    out, (save, truth) = entry["out"], tp_saves[variant]
+    groups, half = precision == "bf16", {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     target = inspect_pipeline(str(out), "step3")
     assert (target.pp, target.tp, target.dp, target.has_model_axis) == (pp, tp, dp, True)
-    assert all(len(spec.numels) == 2 for spec in target.stages)  # both param groups kept
+    assert all(len(spec.numels) == (2 if groups else 1) for spec in target.stages)  # the param groups kept
+    prefix = "bf16_" if precision == "bf16" else ""
     assert sorted(n for n in os.listdir(out / "step3") if n.endswith(".pt")) == sorted(
-        [*(f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)), "mp_rank_00_model_states.pt",
-         *(f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp))])
-    expected = sliced_truth(_truths(truth), tp, 0)
+        [*(f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(6) for m in range(tp)),
+         *(f"mp_rank_{u:02d}_model_states.pt" for u in range(pp * tp)),
+         *(f"{prefix}zero_pp_rank_{d}_mp_rank_{u:02d}_optim_states.pt" for d in range(dp) for u in range(pp * tp))])
+    truths = _truths(truth)
     compared = 0
-    _, masters, moments = read_stage(target, 0, model=0)
-    for name, states in states_by_name(target.stages[0], masters, moments).items():
-        for key, flat in states.items():
-            assert torch.equal(flat, expected[name][key].reshape(-1)), f"{name} {key}"
-            compared += 1
-    assert compared == 3 * 9
+    for model in range(tp):
+        expected = sliced_truth(truths, tp, model)
+        for stage, spec in enumerate(target.stages):
+            _, masters, moments = read_stage(target, stage, model=model)
+            for name, states in states_by_name(spec, masters, moments).items():
+                for key, flat in states.items():
+                    assert torch.equal(flat, expected[name][key].reshape(-1)), \
+                        f"{target.optim_path(stage, 0, model)}: {name} {key}"
+                    compared += 1
+    params = {1: 9, 2: 10}[pp]  # the tied embedding on both stages at pp 2
+    assert compared == tp * 3 * params
     dims = {"1.weight": 0, "1.bias": 0, "3.weight": 1}  # ColumnParallelLinear, RowParallelLinear; the rest whole
     for index in range(6):
         prefix = "tied_modules.embed." if index == 0 else f"{index}."
         sources = [load_whole(str(save / "step3" / f"layer_{index:02d}-model_{m:02d}-model_states.pt")) for m in range(2)]
-        written = load_whole(str(out / "step3" / f"layer_{index:02d}-model_00-model_states.pt"))
-        assert list(written) == list(sources[0]), index
-        for key, value in written.items():
-            dim = dims.get(prefix + key)
-            want = sources[0][key] if dim is None else torch.cat([s[key] for s in sources], dim=dim)
-            if dim is None:
-                assert torch.equal(sources[1][key], want), f"{prefix}{key} differs between the saved model ranks"
-            assert value.dtype == want.dtype == (torch.float32 if key == "scale" else torch.bfloat16), prefix + key
-            assert torch.equal(value, want), prefix + key
-            compared += 1
-    assert compared == 3 * 9 + 10  # 9 parameters and the buffer "4.scale"
-    assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))["scale"],
-                       expected["4.scale"]["buffer"]), written_buffer
-    for verdict in (entry["verdict"], tp_changes[("in-job", BF16)]["verdict"]):
+        for model in range(tp):
+            written = load_whole(str(out / "step3" / f"layer_{index:02d}-model_{model:02d}-model_states.pt"))
+            assert list(written) == list(sources[0]), index
+            for key, value in written.items():
+                dim = dims.get(prefix + key)
+                want = sources[0][key] if dim is None else torch.cat([s[key] for s in sources], dim=dim).chunk(
+                    tp, dim=dim)[model]
+                if dim is None:
+                    assert torch.equal(sources[1][key], want), f"{prefix}{key} differs between the saved model ranks"
+                assert value.dtype == want.dtype == (torch.float32 if key == "scale" else half), prefix + key
+                assert torch.equal(value, want), prefix + key
+                compared += 1
+    assert compared == tp * (3 * params + 9 + groups)  # 9 parameters in layer files, and the buffer "4.scale"
+    if groups:
+        assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))[
+            "scale"], sliced_truth(truths, tp, 0)["4.scale"]["buffer"]), written_buffer
+    else:  # the loss scaler moved in training (initial scale 2 ** 8, a window of 2 steps), so its state is a check
+        scaler = truths[0]["counters"]["loss_scaler"]
+        assert (scaler["cur_scale"], scaler["cur_iter"]) == (512.0, 3), scaler
+    verdicts = [entry["verdict"]] + ([tp_changes[("in-job", change)]["verdict"]] if change in IN_JOB_HALF else [])
+    for verdict in verdicts:
         assert verdict["ok"], verdict
-        assert len(verdict["ranks"]) == pp * tp * dp and all(rank["checked"] == 10 for rank in verdict["ranks"])
+        assert len(verdict["ranks"]) == pp * tp * dp
+        # each rank: every parameter of its stage, and the buffer on the stage of layer 4; over the
+        # stages of one (model, dp) coordinate, the tied embedding counted on each
+        assert sum(rank["checked"] for rank in verdict["ranks"]) == tp * dp * (params + groups)
+
+
+@pytest.mark.e2e
+def test_a_frozen_sliced_weight_is_cut_in_its_layer_files_and_loads_natively(tp_changes, tp_saves):
+    # "fp32-frozen-mp2u" (2, 2, 1), the column-parallel 1.weight frozen after the build, to (2, 1, 2): the
+    # frozen weight joined whole into layer 1's one file, equal to the truth's module values joined
+    # over the saved model ranks; every trainable master and moment equal to the truth's slice; at tp 1
+    # the `parameters` partition, which counted the frozen weight, moves layer 3 to stage 1; then loaded
+    # with plain load_checkpoint at (2, 1, 2): the frozen weight by its module value, masters, moments,
+    # eval loss, counters, client state, one more train_batch
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
+    entry = tp_changes[FROZEN]
+    pp, tp, dp = FROZEN[1]
+    out, (save, truth) = entry["out"], tp_saves[FROZEN_VARIANT]
+    assert "1.weight" not in inspect_pipeline(str(save), "step3").stages[0].names[0]  # frozen: in no optimizer
+    target = inspect_pipeline(str(out), "step3")
+    assert [list(spec.names[0]) for spec in target.stages] == [
+        ["tied_modules.embed.weight", "1.bias"],
+        ["tied_modules.embed.weight", "3.weight", "3.bias", "4.weight", "4.bias", "5.weight", "5.bias"]]
+    compared = _check_files_against_sliced_truth(out, truth, tp)
+    assert compared == 3 * (10 - 1) + 9  # masters and moments of 9 trainable (embed on both stages); 9 in layer files
+    frozen = load_whole(str(out / "step3" / "layer_01-model_00-model_states.pt"))["weight"]
+    assert tuple(frozen.shape) == (44, 24)  # both saved model ranks' 22 rows, whole at tp 1
+    assert [set(t["tensors"]["1.weight"]) for t in _truths(truth) if "1.weight" in t["tensors"]] == [{"frozen"}] * 2
+    verdict = entry["verdict"]
+    assert verdict["ok"], verdict
+    # each rank: its stage's parameters, the frozen weight among stage 0's (3 there, 7 on stage 1)
+    assert sorted(rank["checked"] for rank in verdict["ranks"]) == [3, 3, 7, 7]
 
 
 @pytest.mark.e2e
