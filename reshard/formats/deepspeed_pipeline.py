@@ -91,6 +91,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.files.paths import write_named_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
@@ -1047,8 +1048,8 @@ def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: i
     written = []
     for rank, state in enumerate(model_axis_layer_states(source, layers, rules, index, target_tp, range(target_tp),
                                                          trust_pickle)):
-        written.append(os.path.join(tag_dir, layer_file_name(index, rank)))
-        torch.save(state, written[-1])
+        written.append(write_named_file(tag_dir, os.path.join(tag_dir, layer_file_name(index, rank)),
+                                        lambda path, state=state: torch.save(state, path)))
     return written
 
 
@@ -1059,9 +1060,9 @@ def _save_stage(model: dict | None, optimizers: Iterator[dict], names: Sequence[
     import torch
     paths = [os.path.join(tag_dir, name) for name in names]
     if model is not None:
-        torch.save(model, paths[0], pickle_module=classes)
+        write_named_file(tag_dir, paths[0], lambda path: torch.save(model, path, pickle_module=classes))
     for path, tree in zip(paths[0 if model is None else 1:], optimizers, strict=True):
-        torch.save(tree, path, pickle_module=classes)
+        write_named_file(tag_dir, path, lambda path, tree=tree: torch.save(tree, path, pickle_module=classes))
     return paths
 
 
