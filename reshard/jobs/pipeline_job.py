@@ -25,10 +25,12 @@ own column's files when tp is kept. With --target-tp T other than the source's (
 axis whose client state carries universal_checkpoint_info patterns, reshard.layouts.model_axis),
 the layer list is needed as for another pp: DeepSpeed's `parameters` partition weighs the local
 (sliced) parameter counts, so the stages are re-assigned with the target's local sizes
-(`model_axis_plan`); every worker building a unit joins every source tensor whole over all model
-ranks once (deepspeed_pipeline.model_axis_states, 4 x all optimizer bytes in the budget check) and
-cuts each of its units from it, and the layer files, no longer copied, are re-cut per layer (the
-k-th layer by worker k % W, `layer_files_written_by`).
+(`model_axis_plan`). The units' dp ranks and the layer indices (whose files, no longer copied, are
+re-cut per layer) are then dealt to the workers in runs of about equal bytes (`tp_change_shares`), so
+that a unit's optimizer files are spread over the workers even when there is one unit ((1, 1, 4));
+each worker joins whole over the source's model ranks only the parameters its ranks' partitions hold
+(deepspeed_pipeline.repartitioned_share_names, model_axis_states of those names), once per target
+stage, and cuts each of its shares from them (`share_tensor_bytes` in the budget check).
 """
 from __future__ import annotations
 
@@ -324,8 +326,11 @@ def share_tensor_bytes(source: PipelineSource, target: PipelineTarget, stage: in
     `stage`) holds: the parameters they need (repartitioned_share_names), mapped from every source
     model rank's files, joined whole and cut (at most 3 x their source bytes; a cut on dim 0 or to
     tp 1 is a view), plus one target rank's optimizer file being built. By the bytes per element of
-    the source's optimizer files. Measured on bench/pipeline_bench.py's (2, 2, 1) save (194 MB;
-    152 MiB of optimizer files), one worker: -> (1, 1, 4) peaked at FIXME."""
+    the source's optimizer files. Measured on bench/pipeline_bench.py's (2, 2, 1) save (194 MB,
+    142 MiB of optimizer files) -> (1, 1, 4): one worker peaked at 543 MiB RSS, about 310 MiB above
+    the interpreter's own with torch loaded (about 230 MiB), where this says 460 MiB (joining every
+    tensor on every worker, as before these shares, peaked at 847 MiB); two workers (ranks 0-2; rank
+    3 and the layer files) at 487 and 336 MiB RSS (about 257 and 106 above), where this says 365 and 159."""
     topology, names = target.topology, target.stages.names[stage]
     needed = frozenset().union(*(repartitioned_share_names(source, names, target.shapes, topology.dp, ranks)
                                  for _, _, ranks in shares))
@@ -467,13 +472,6 @@ def _build_tp_changed(source: PipelineSource, target: PipelineTarget, units: Seq
         del joined
 
 
-def layer_files_written_by(source: PipelineSource, target: PipelineTarget, workers: int) -> tuple[tuple[int, ...], ...]:
-    """With tp changed, per worker the layer indices whose files (one per target model rank) it
-    re-cuts: the k-th layer with files by worker k % W; nothing when tp is kept (the files are copied)."""
-    indices = layer_indices(source) if target.tp_changed else []
-    return tuple(tuple(indices[w::workers]) for w in range(workers))
-
-
 def build_layer_files(source: PipelineSource, target: PipelineTarget, indices: Sequence[int], tag_dir: str,
                       trust_pickle: bool, report: WorkerReport) -> list[str]:
     """With tp changed, the target's layer files of `indices` (write_model_axis_layer_files)."""
@@ -510,7 +508,7 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
         writes, layer_writes = zip(*tp_change_shares(source, planned, transport.size))
     else:
         writes = stage_files_written_by(target.pp, target.tp, transport.size)
-        layer_writes = layer_files_written_by(source, planned, transport.size)
+        layer_writes = ((),) * transport.size  # the layer files are copied as they are
     units_named = target.tp > 1 or source.tp > 1
     layers_how = (f"the layer files of {len(layer_indices(source))} layers re-cut for tp {target.tp}" if planned.tp_changed
                   else f"{len(source.layer_files)} layer files copied unchanged")
