@@ -216,7 +216,8 @@ def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: 
     `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none);
     with tp changed, the largest `share_tensor_bytes` over the stages its shares (tp_change_shares) are of."""
     if target.tp_changed:
-        return [max((share_tensor_bytes(source, target, stage, [s for s in shares if s[0] == stage])
+        per_element = optimizer_bytes_per_element(source)
+        return [max((share_tensor_bytes(source, target, stage, [s for s in shares if s[0] == stage], per_element)
                      for stage in {s[0] for s in shares}), default=0)
                 for shares, _ in tp_change_shares(source, target, workers)]
     writes = stage_files_written_by(target.topology.pp, target.topology.tp, workers)
@@ -235,9 +236,9 @@ def unit_tensor_bytes(source: PipelineSource, target: PipelineTarget) -> list[in
     tensors building it whole takes (what an array task holds building its neediest unit)."""
     topology = target.topology
     if target.tp_changed:
-        every_rank = tuple(range(topology.dp))
-        return [share_tensor_bytes(source, target, unit // topology.tp, [(unit // topology.tp, unit % topology.tp,
-                                                                          every_rank)])
+        every_rank, per_element = tuple(range(topology.dp)), optimizer_bytes_per_element(source)
+        return [share_tensor_bytes(source, target, unit // topology.tp,
+                                   [(unit // topology.tp, unit % topology.tp, every_rank)], per_element)
                 for unit in range(topology.pp * topology.tp)]
     return whole_tensor_bytes(source, target, topology.pp * topology.tp)  # worker u builds unit u alone
 
@@ -320,13 +321,20 @@ def tp_change_shares(source: PipelineSource, target: PipelineTarget,
                  for w in range(workers))
 
 
+def optimizer_bytes_per_element(source: PipelineSource) -> float:
+    """The source's optimizer files' bytes per element of one model rank's parameters (all states)."""
+    optimizer_bytes = sum(os.path.getsize(source.optim_path(s, d, m)) for s in range(source.pp)
+                          for d in range(source.dp) for m in range(source.tp))
+    return optimizer_bytes / max(1, source.tp * sum(source_numels(source).values()))
+
+
 def share_tensor_bytes(source: PipelineSource, target: PipelineTarget, stage: int,
-                       shares: Sequence[UnitShare]) -> int:
+                       shares: Sequence[UnitShare], per_element: float) -> int:
     """With tp changed, about the most bytes of tensors building `shares` (all of target stage
     `stage`) holds: the parameters they need (repartitioned_share_names), mapped from every source
     model rank's files, joined whole and cut (at most 3 x their source bytes; a cut on dim 0 or to
     tp 1 is a view), plus one target rank's optimizer file being built. By the bytes per element of
-    the source's optimizer files. Measured on bench/pipeline_bench.py's (2, 2, 1) save (194 MB,
+    the source's optimizer files (`per_element`, optimizer_bytes_per_element). Measured on bench/pipeline_bench.py's (2, 2, 1) save (194 MB,
     142 MiB of optimizer files) -> (1, 1, 4): one worker peaked at 543 MiB RSS, about 310 MiB above
     the interpreter's own with torch loaded (about 230 MiB), where this says 460 MiB (joining every
     tensor on every worker, as before these shares, peaked at 847 MiB); two workers (ranks 0-2; rank
@@ -335,9 +343,6 @@ def share_tensor_bytes(source: PipelineSource, target: PipelineTarget, stage: in
     needed = frozenset().union(*(repartitioned_share_names(source, names, target.shapes, topology.dp, ranks)
                                  for _, _, ranks in shares))
     local = source_numels(source)
-    optimizer_bytes = sum(os.path.getsize(source.optim_path(s, d, m)) for s in range(source.pp)
-                          for d in range(source.dp) for m in range(source.tp))
-    per_element = optimizer_bytes / max(1, source.tp * sum(local.values()))
     needed_source = per_element * source.tp * sum(local[name] for name in needed)
     stage_elements = sum(math.prod(target.shapes[name]) for name in names)
     return int(3 * needed_source + per_element * stage_elements / topology.dp)
