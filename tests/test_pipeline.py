@@ -630,6 +630,6 @@ def test_pipeline_writers_replace_a_symlink_planted_in_staging_and_write_what_to
     for name, tree in zip(names, (model, optimizer)):
         torch.save(tree, reference / name, pickle_module=classes)
         assert (tag / name).read_bytes() == (reference / name).read_bytes(), name
-    assert sorted(os.listdir(tag)) == sorted(names)  # no scratch directory left behind
+    assert sorted(os.listdir(tag)) == sorted(names) and os.listdir(tag.parent) == ["step3"]  # no scratch left
     with pytest.raises(OptionError, match="refusing to write outside the destination"):
         write_named_file(str(tag), str(tmp_path / "elsewhere.pt"), lambda path: torch.save(model, path))

@@ -519,6 +519,7 @@ def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: 
     import torch
 
     spec = source.stages[stage]
+    tag_dir = os.path.dirname(zero_dir)  # what is published: the scratch of write_named_file lies beside it
     states = _stage_values(source, model, stage, trust_pickle, moments=True)
     by_name = {t.name: t for t in model.tensors}
     base_state = load_whole(source.optim_path(stage, 0), trust_pickle)[OPTIM][BASE]["state"]
@@ -535,10 +536,10 @@ def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: 
                 check_directory_name(key, source)
                 # a clone: a slice would save the whole joined flat's storage
                 entry = universal_entry(rule, flat.reshape(by_name[name].shape).clone())
-                write_named_file(zero_dir, os.path.join(directory, f"{key}.pt"),
+                write_named_file(tag_dir, os.path.join(directory, f"{key}.pt"),
                                  lambda path, entry=entry: torch.save(entry, path))
             if step is not None:
-                write_named_file(zero_dir, os.path.join(directory, "step.pt"),
+                write_named_file(tag_dir, os.path.join(directory, "step.pt"),
                                  lambda path, step=step: torch.save(step, path))
 
 
@@ -552,7 +553,7 @@ def _write_universal_rest(source: PipelineSource, model: PipelineModel, tag_dir:
     osd = load_whole(source.optim_path(0, 0), trust_pickle)[OPTIM]
     out = {k: v for k, v in osd.items() if k not in (BASE, "param_slice_mappings", "single_partition_of_fp32_groups")}
     out["param_groups"] = osd[BASE]["param_groups"]
-    write_named_file(zero_dir, os.path.join(zero_dir, OPTIMIZER_STATE),
+    write_named_file(tag_dir, os.path.join(zero_dir, OPTIMIZER_STATE),
                      lambda path: torch.save(out, path, pickle_module=classes))
     for tensor in model.tensors:
         if tensor.stage >= 0:
@@ -561,7 +562,7 @@ def _write_universal_rest(source: PipelineSource, model: PipelineModel, tag_dir:
         directory = confined(zero_dir, os.path.join(zero_dir, tensor.name))
         os.makedirs(directory, exist_ok=True)
         entry = {UNIVERSAL_PARAM: _layer_value(source, model, tensor, trust_pickle).float()}
-        write_named_file(zero_dir, os.path.join(directory, "fp32.pt"), lambda path, entry=entry: torch.save(entry, path))
+        write_named_file(tag_dir, os.path.join(directory, "fp32.pt"), lambda path, entry=entry: torch.save(entry, path))
     for stage in range(source.pp):
         for rank in range(source.tp):  # ds_to_universal copies every (stage, model rank)'s file
             copied = source.model_path(stage, rank)

@@ -87,11 +87,12 @@ def write_named_file(root: str, path: str, write: Callable[[str], object]) -> st
     torch.save opens by name, and its bytes depend on the name: a path's archive folder is the file's
     stem (torch/serialization.py `_open_zipfile_writer_file`, inline_container.cc `basename`), a file
     object's "archive", so it cannot write through `open_new_file`'s descriptor and keep the bytes.
-    Instead `write` writes a file of the same name in a fresh private directory beside `path`
-    (mkdtemp: mode 0700, empty, so nothing can be waiting there), which is then renamed onto `path`:
+    Instead `write` writes a file of the same name in a fresh private directory beside `root`
+    (mkdtemp: mode 0700, empty, so nothing can be waiting there; beside `root`, not in it, so that one
+    left by a killed run is never published or walked as output), which is then renamed onto `path`:
     a rename replaces whatever `path` is, a symlink included, and never follows it."""
     confined(root, path)
-    scratch = tempfile.mkdtemp(prefix=".reshard-writing-", dir=os.path.dirname(os.path.abspath(path)))
+    scratch = tempfile.mkdtemp(prefix=".reshard-writing-", dir=os.path.dirname(os.path.abspath(root)))
     try:
         staged = os.path.join(scratch, os.path.basename(path))
         write(staged)
