@@ -292,7 +292,8 @@ def bench(args) -> None:
                *(["--target-tp", ttp] if axis else [])]
     results["reshard"] = watched(command, "reshard", scratch)
     run = results["reshard"]
-    log(f"  {run['wall_seconds']:.2f} s, peak tree RSS {run['peak_tree_rss_bytes'] / 1e6:.0f} MB, "
+    log(f"  {run['wall_seconds']:.2f} s ({run['cpu_user_seconds'] + run['cpu_system_seconds']:.2f} CPU s), "
+        f"peak tree RSS {run['peak_tree_rss_bytes'] / 1e6:.0f} MB, "
         f"largest process {run['peak_process_rss_bytes'] / 1e6:.0f} MB")
     with open(os.path.join(scratch, "reshard.log")) as fd:  # its summary: per-worker VmHWM, the estimate note
         run["summary"] = fd.read()[-4000:]
@@ -338,11 +339,13 @@ def bench(args) -> None:
                          "ratio": theirs_total / ours_total}
     print(f"\npipeline (pp, tp, dp) ({spp},{stp},{sdp}) -> ({tpp},{ttp},{tdp}), {results['elements'] / 1e6:.1f}M fp32 elements, "
           f"{results['source_bytes'] / 1e6:.0f} MB source, W={args.workers}")
-    print(f"{'path':38} {'convert s':>10} {'load s':>8} {'total s':>8} {'peak tree RSS':>14}")
+    print(f"{'path':38} {'convert s':>10} {'load s':>8} {'total s':>8} {'peak tree RSS':>14} {'convert CPU s':>14}")
     for label, convert, load in (("reshard + native load", "reshard", "reshard_load"),
                                  ("ds_to_universal + load_universal", "ds_to_universal", "universal_load")):
         c, ld = results[convert]["wall_seconds"], results[load]["load_seconds"]
-        print(f"{label:38} {c:10.2f} {ld:8.2f} {c + ld:8.2f} {results[convert]['peak_tree_rss_bytes'] / 1e6:11.0f} MB")
+        cpu = results[convert].get("cpu_user_seconds", 0.0) + results[convert].get("cpu_system_seconds", 0.0)
+        print(f"{label:38} {c:10.2f} {ld:8.2f} {c + ld:8.2f} {results[convert]['peak_tree_rss_bytes'] / 1e6:11.0f} MB"
+              f" {cpu:14.2f}")
     in_job_run = results["in_job_load"]
     print(f"{'reshard in-job (load_checkpoint on SRC)':38} {'':>10} {in_job_run['load_seconds']:8.2f} "
           f"{in_job_run['load_seconds']:8.2f} {in_job_run['peak_tree_rss_bytes'] / 1e6:11.0f} MB"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -58,6 +59,10 @@ class WatchedRun:
     file pages mapped for reading (reshard hashes its outputs through a memory map, and those
     clean, reclaimable pages count in RSS and ru_maxrss)."""
     peak_tree_anon_rss_bytes: int = 0
+    cpu_user_seconds: float = 0.0
+    """User CPU seconds of the command and every descendant it waited for (RUSAGE_CHILDREN, before
+    and after): on a shared machine the figure that load does not inflate, unlike wall time."""
+    cpu_system_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +133,7 @@ def run_watched(command: list, *, env: dict | None = None, cwd: str | None = Non
     min_available = psutil.virtual_memory().available
     io_seen: dict = {}
     fds: list = []
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log_path, "wb") as log:
         started = time.perf_counter()
         child = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
@@ -146,12 +152,15 @@ def run_watched(command: list, *, env: dict | None = None, cwd: str | None = Non
                     child.wait()
                     break
         wall = time.perf_counter() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return WatchedRun([str(c) for c in command], child.returncode, wall, peak_tree, peak_one, max(peak_disk, 0),
                       min_available, *(sum(v[i] for v in io_seen.values()) for i in range(4)),
                       log_path, read_tail(log_path), peak_process_fds=max((f[0] for f in fds), default=0),
                       peak_tree_fds=max((f[1] for f in fds), default=0),
                       peak_process_anon_rss_bytes=max((f[2] for f in fds), default=0),
-                      peak_tree_anon_rss_bytes=max((f[3] for f in fds), default=0))
+                      peak_tree_anon_rss_bytes=max((f[3] for f in fds), default=0),
+                      cpu_user_seconds=cpu_after.ru_utime - cpu_before.ru_utime,
+                      cpu_system_seconds=cpu_after.ru_stime - cpu_before.ru_stime)
 
 
 def main() -> None:

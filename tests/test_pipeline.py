@@ -602,3 +602,34 @@ def test_stages_disagreeing_on_a_param_groups_hyperparameters_are_refused(pipeli
                                                     r"new stages take stage 0's") as refused:
         named_states(inspect_pipeline(str(copy), "step3"))
     assert str(path) in str(refused.value)
+
+
+def test_pipeline_writers_replace_a_symlink_planted_in_staging_and_write_what_torch_save_writes(tmp_path):
+    # every pipeline writer saves through reshard.files.paths.write_named_file: a link left at a
+    # target name is replaced, never written through, and the bytes are torch.save's by path (whose
+    # archive folder is the file's stem, where a file object would give "archive")
+    import torch
+
+    from reshard.files.paths import write_named_file
+    from reshard.formats import deepspeed_classes as classes
+    from reshard.formats.deepspeed_pipeline import _save_stage
+    tag = tmp_path / "staging" / "step3"
+    tag.mkdir(parents=True)
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"keep me")
+    names = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    for name in names:
+        os.symlink(victim, tag / name)
+    model = {"module": None, "dp_world_size": 1, "x": torch.arange(5.0)}
+    optimizer = {"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.ones(3)]}}
+    paths = _save_stage(model, iter([optimizer]), names, str(tag))
+    assert victim.read_bytes() == b"keep me"
+    assert paths == [str(tag / name) for name in names] and not any(os.path.islink(p) for p in paths)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for name, tree in zip(names, (model, optimizer)):
+        torch.save(tree, reference / name, pickle_module=classes)
+        assert (tag / name).read_bytes() == (reference / name).read_bytes(), name
+    assert sorted(os.listdir(tag)) == sorted(names) and os.listdir(tag.parent) == ["step3"]  # no scratch left
+    with pytest.raises(OptionError, match="refusing to write outside the destination"):
+        write_named_file(str(tag), str(tmp_path / "elsewhere.pt"), lambda path: torch.save(model, path))

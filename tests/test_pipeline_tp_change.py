@@ -521,14 +521,15 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     assert run.returncode == 2, run.stderr
     assert "--target-tp 1 (the save has tp 2): DeepSpeed's `parameters` partition" in run.stderr
     assert not (tmp_path / "out").exists()
-    # the whole-tensor budget: every source tensor of every model rank joined (4 x the optimizer bytes)
+    # the whole-tensor budget: one worker writing the one (stage, model rank) unit needs every source
+    # tensor of every model rank, mapped, joined and cut (3 x the optimizer bytes, and a target rank's file)
     optimizer_bytes = sum(os.path.getsize(save_dir / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt")
                           for i in range(4))
-    budget = 4 * optimizer_bytes
+    budget = 3 * optimizer_bytes
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
                              *layers, "--memory-budget", str(budget))
     assert run.returncode == 2, run.stderr
-    assert "over --memory-budget" in run.stderr and "joins every source stage of every model rank" in run.stderr
+    assert "over --memory-budget" in run.stderr and "or more workers (each joins, over every model rank, only" in run.stderr
     assert not (tmp_path / "out").exists()
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
                              *layers, "--dry-run")

@@ -88,7 +88,7 @@ from reshard.export.hf_layout import (
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
 from reshard.export.universal_names import LATEST_UNIVERSAL, OPTIMIZER_STATE, check_directory_name
 from reshard.files.byte_io import pwrite_exact
-from reshard.files.paths import confined, open_new_file
+from reshard.files.paths import confined, open_new_file, write_named_file
 from reshard.files.resources import peak_resident_bytes
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_inspect import resolve_tag
@@ -519,6 +519,7 @@ def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: 
     import torch
 
     spec = source.stages[stage]
+    tag_dir = os.path.dirname(zero_dir)  # what is published: the scratch of write_named_file lies beside it
     states = _stage_values(source, model, stage, trust_pickle, moments=True)
     by_name = {t.name: t for t in model.tensors}
     base_state = load_whole(source.optim_path(stage, 0), trust_pickle)[OPTIM][BASE]["state"]
@@ -534,10 +535,12 @@ def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: 
             for key, flat in states[name].items():
                 check_directory_name(key, source)
                 # a clone: a slice would save the whole joined flat's storage
-                torch.save(universal_entry(rule, flat.reshape(by_name[name].shape).clone()),
-                           os.path.join(directory, f"{key}.pt"))
+                entry = universal_entry(rule, flat.reshape(by_name[name].shape).clone())
+                write_named_file(tag_dir, os.path.join(directory, f"{key}.pt"),
+                                 lambda path, entry=entry: torch.save(entry, path))
             if step is not None:
-                torch.save(step, os.path.join(directory, "step.pt"))
+                write_named_file(tag_dir, os.path.join(directory, "step.pt"),
+                                 lambda path, step=step: torch.save(step, path))
 
 
 def _write_universal_rest(source: PipelineSource, model: PipelineModel, tag_dir: str, trust_pickle: bool) -> None:
@@ -550,19 +553,21 @@ def _write_universal_rest(source: PipelineSource, model: PipelineModel, tag_dir:
     osd = load_whole(source.optim_path(0, 0), trust_pickle)[OPTIM]
     out = {k: v for k, v in osd.items() if k not in (BASE, "param_slice_mappings", "single_partition_of_fp32_groups")}
     out["param_groups"] = osd[BASE]["param_groups"]
-    torch.save(out, os.path.join(zero_dir, OPTIMIZER_STATE), pickle_module=classes)
+    write_named_file(tag_dir, os.path.join(zero_dir, OPTIMIZER_STATE),
+                     lambda path: torch.save(out, path, pickle_module=classes))
     for tensor in model.tensors:
         if tensor.stage >= 0:
             continue
         check_directory_name(tensor.name, source)
         directory = confined(zero_dir, os.path.join(zero_dir, tensor.name))
         os.makedirs(directory, exist_ok=True)
-        torch.save({UNIVERSAL_PARAM: _layer_value(source, model, tensor, trust_pickle).float()},
-                   os.path.join(directory, "fp32.pt"))
+        entry = {UNIVERSAL_PARAM: _layer_value(source, model, tensor, trust_pickle).float()}
+        write_named_file(tag_dir, os.path.join(directory, "fp32.pt"), lambda path, entry=entry: torch.save(entry, path))
     for stage in range(source.pp):
         for rank in range(source.tp):  # ds_to_universal copies every (stage, model rank)'s file
-            shutil.copyfile(source.model_path(stage, rank), os.path.join(tag_dir, stage_model_name(stage, rank,
-                                                                                                     source.tp)))
+            copied = source.model_path(stage, rank)
+            write_named_file(tag_dir, os.path.join(tag_dir, stage_model_name(stage, rank, source.tp)),
+                             lambda path, copied=copied: shutil.copyfile(copied, path))
 
 
 def export_pipeline_universal(source_dir: str, destination: str, tag: str, budget: int, trust_pickle: bool,

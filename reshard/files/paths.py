@@ -3,6 +3,7 @@
     from reshard.files.paths import check_tag, confined
     check_tag("global_step3", "--tag")                  # ok; "../x", "/abs", "a/b", "" are refused
     path = confined("/ckpt/out", "/ckpt/out/.reshard-staging/global_step3")   # ok, returned as given
+    write_named_file(tag_dir, path, lambda p: torch.save(tree, p))   # a writer that must open by name
 
 A tag comes from the user (`--tag`), from a file in the checkpoint (`latest`) or from a
 directory listing, and is joined to both SRC and DST. DeepSpeed writes it as one directory
@@ -14,6 +15,9 @@ every symlink above it resolved, must lie under the destination's real path.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 
 from reshard.errors import CheckpointError, OptionError
 
@@ -74,3 +78,25 @@ def open_new_file(root: str, path: str, flags: int = os.O_WRONLY, mode: int = 0o
     if os.path.islink(path):
         os.unlink(path)
     return os.open(path, flags | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+
+
+def write_named_file(root: str, path: str, write: Callable[[str], object]) -> str:
+    """Create `path` (under `root`) with `write(p)`, a writer that opens the file by name itself, without
+    following a link at `path`. Returns `path`.
+
+    torch.save opens by name, and its bytes depend on the name: a path's archive folder is the file's
+    stem (torch/serialization.py `_open_zipfile_writer_file`, inline_container.cc `basename`), a file
+    object's "archive", so it cannot write through `open_new_file`'s descriptor and keep the bytes.
+    Instead `write` writes a file of the same name in a fresh private directory beside `root`
+    (mkdtemp: mode 0700, empty, so nothing can be waiting there; beside `root`, not in it, so that one
+    left by a killed run is never published or walked as output), which is then renamed onto `path`:
+    a rename replaces whatever `path` is, a symlink included, and never follows it."""
+    confined(root, path)
+    scratch = tempfile.mkdtemp(prefix=".reshard-writing-", dir=os.path.dirname(os.path.abspath(root)))
+    try:
+        staged = os.path.join(scratch, os.path.basename(path))
+        write(staged)
+        os.replace(staged, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path

@@ -84,12 +84,14 @@ stage at a time per worker; it is not the bounded-memory round exchange of resha
 """
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.files.paths import write_named_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
@@ -394,13 +396,50 @@ def _joined(parts: list, layouts: list[Zero12Group], group: int, path_of):
     return torch.cat(pieces)[:layout.padded_numel]
 
 
+@dataclass(frozen=True)
+class FlatPieces:
+    """A group's unpadded flat held as the tensors it concatenates, not copied into one: `starts[i]`
+    is where `tensors[i]` (1-D) begins in the flat; ranges no piece covers read as zeros. What a
+    target stage's partitions are cut from (each parameter's own tensor), so that the flat is never
+    built whole, and a worker writing some of the stage's ranks needs only their parameters."""
+
+    starts: tuple[int, ...]
+    tensors: tuple
+    dtype: object
+
+    @classmethod
+    def of(cls, tensors: Sequence, numels: Sequence[int], dtype, present: Sequence[bool] | None = None) -> "FlatPieces":
+        """The flat of tensors laid end to end by `numels`; with `present`, only those flagged are held."""
+        starts, offset, held = [], 0, []
+        for i, numel in enumerate(numels):
+            if present is None or present[i]:
+                starts.append(offset)
+                held.append(tensors[len(held)])
+            offset += numel
+        return cls(tuple(starts), tuple(held), dtype)
+
+    def copy_into(self, out, start: int) -> None:
+        """out[:] = flat[start:start + len(out)] where pieces cover it."""
+        end = start + out.numel()
+        first = max(0, bisect.bisect_right(self.starts, start) - 1)
+        for at, tensor in zip(self.starts[first:], self.tensors[first:]):
+            if at >= end:
+                break
+            lo, hi = max(at, start), min(at + tensor.numel(), end)
+            if lo < hi:
+                out[lo - start:hi - start] = tensor[lo - at:hi - at]
+
+
 def _cut(flat, layout: Zero12Group, rank: int, lean: bool):
-    """Rank `rank`'s partition of `flat` at `layout`: zero-padded to the partition size, or without
-    its tail padding when `lean` (DeepSpeedZeroOptimizer's saved fp32 partition)."""
+    """Rank `rank`'s partition of `flat` (a tensor or FlatPieces) at `layout`: zero-padded to the
+    partition size, or without its tail padding when `lean` (DeepSpeedZeroOptimizer's saved fp32 partition)."""
     import torch
     start = rank * layout.partition_numel
     size = layout.lean_numel(rank) if lean else layout.partition_numel
     out = torch.zeros(size, dtype=flat.dtype)
+    if isinstance(flat, FlatPieces):
+        flat.copy_into(out, start)
+        return out
     piece = flat[start:start + size]
     out[:piece.numel()] = piece
     return out
@@ -424,6 +463,56 @@ def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False, m
     return files, masters, moments
 
 
+def _flat_range(parts: list, partition_numel: int, start: int, numel: int):
+    """Elements [start, start + numel) of a group's flat from its partitions (`parts`, rank order, each
+    holding [r * ps, (r + 1) * ps)): a view of the one partition holding them, or their concatenation
+    when they span partitions."""
+    import torch
+    if numel == 0:
+        return parts[0][:0]
+    first, last = start // partition_numel, (start + numel - 1) // partition_numel
+    if first == last:
+        at = start - first * partition_numel
+        return parts[first][at:at + numel]
+    return torch.cat([parts[rank][max(start, rank * partition_numel) - rank * partition_numel:
+                                  min(start + numel, (rank + 1) * partition_numel) - rank * partition_numel]
+                      for rank in range(first, last + 1)])
+
+
+def stage_states(source: PipelineSource, stage: int, trust_pickle: bool = False, model: int = 0,
+                 names: frozenset[str] | set[str] | None = None) -> tuple[dict, dict[str, dict]]:
+    """(the stage's dp rank 0 optimizer file, {name: {"fp32": flat, <state>: flat}}) of (stage, model
+    rank `model`) for `names` (None: all): read_stage + states_by_name without building whole-group
+    flats: each parameter a view of the memory-mapped partition holding it (joined only where it
+    spans partitions), so a caller reads and holds the parameters it asks for, not the stage."""
+    spec = source.stages[stage]
+    paths = [source.optim_path(stage, rank, model) for rank in range(source.dp)]
+    files = [load_whole(path, trust_pickle) for path in paths]
+    osds = [f[OPTIM] for f in files]
+    found = {}
+    for g, (group_names, numels) in enumerate(zip(spec.names, spec.numels)):
+        if names is not None and names.isdisjoint(group_names):
+            continue
+        layout = _group_layout(spec, g, source.dp)
+        states = [osd[BASE]["state"].get(g, {}) for osd in osds]
+        keys = [key for key, value in states[0].items()
+                if hasattr(value, "numel") and value.dim() == 1 and value.numel() == layout.partition_numel]
+        flats = {"fp32": [osd[FP32][g] for osd in osds], **{key: [state[key] for state in states] for key in keys}}
+        for parts in flats.values():  # as _joined checks them
+            for rank, part in enumerate(parts):
+                if part.numel() < layout.lean_numel(rank):
+                    raise CheckpointError(paths[rank], f"group {g} holds {part.numel()} elements, "
+                                                       f"{layout.lean_numel(rank)} expected")
+        flats = {key: [part.reshape(-1) for part in parts] for key, parts in flats.items()}
+        offset = 0
+        for name, numel in zip(group_names, numels):
+            if names is None or name in names:
+                found[name] = {key: _flat_range(parts, layout.partition_numel, offset, numel)
+                               for key, parts in flats.items()}
+            offset += numel
+    return files[0], found
+
+
 def _stage_flats(source: PipelineSource, stage: int, trust_pickle: bool, model: int = 0):
     """read_stage, with rank 0's file alone (the template of the files written from it)."""
     files, masters, moments = read_stage(source, stage, trust_pickle, model)
@@ -444,9 +533,10 @@ def states_by_name(spec: PipelineStage, masters: list, moments: list[dict]) -> d
 
 
 def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[tuple[int, ...]], masters: list,
-                     moments: list[dict], target_dp: int) -> Iterator[dict]:
-    """Every target dp rank's optimizer file over one stage's groups (`names`, `numels` per group;
-    `masters`, `moments` their unpadded flats), other keys from `template` (a source file); one
+                     moments: list[dict], target_dp: int, ranks: Sequence[int] | None = None) -> Iterator[dict]:
+    """Every target dp rank's optimizer file (of `ranks` only, when given) over one stage's groups
+    (`names`, `numels` per group; `masters`, `moments` their unpadded flats, tensors or FlatPieces
+    covering at least those ranks' elements), other keys from `template` (a source file); one
     at a time, so that a caller saving each before taking the next holds one rank's tensors.
 
     Mirrors runtime/zero/stage_1_and_2.py (`__init__`: flat group padded to a multiple of
@@ -455,7 +545,7 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
     partition (Adam's moments, any other per-element state) are re-cut; scalars are copied."""
     groups = len(names)
     new = [zero12_group(range(len(numels[g])), numels[g], target_dp) for g in range(groups)]
-    for rank in range(target_dp):
+    for rank in range(target_dp) if ranks is None else ranks:
         osd = dict(template[OPTIM])
         osd[FP32] = [_cut(masters[g], new[g], rank, lean=True) for g in range(groups)]
         base = dict(osd[BASE])
@@ -475,11 +565,12 @@ def build_optimizers(template: dict, names: list[tuple[str, ...]], numels: list[
 
 
 def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_pickle: bool = False,
-                      model: int = 0) -> Iterator[dict]:
-    """Every target dp rank's optimizer file for (`stage`, model rank `model`), the stages unchanged."""
+                      model: int = 0, ranks: Sequence[int] | None = None) -> Iterator[dict]:
+    """Every target dp rank's optimizer file for (`stage`, model rank `model`), the stages unchanged
+    (of `ranks` only, when given)."""
     spec = source.stages[stage]
     template, masters, moments = _stage_flats(source, stage, trust_pickle, model)
-    return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp)
+    return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp, ranks)
 
 
 def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
@@ -491,20 +582,29 @@ def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_di
     (a node-local output holds its own ranks'); none at all reads no optimizer file."""
     model = load_whole(source.model_path(stage, model_rank), trust_pickle)
     model["dp_world_size"] = target_dp
-    optimizers = (target_optimizers(source, stage, target_dp, trust_pickle, model_rank)
+    names = stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp)
+    if dp_ranks is not None:
+        dp_ranks = sorted(dp_ranks)
+        names = [names[0], *(names[1 + rank] for rank in dp_ranks)]
+    optimizers = (target_optimizers(source, stage, target_dp, trust_pickle, model_rank, dp_ranks)
                   if dp_ranks is None or dp_ranks else iter(()))
-    return _save_stage(model, optimizers, stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp),
-                       tag_dir, dp_ranks)
+    return _save_stage(model, optimizers, names, tag_dir)
 
 
-def named_states(source: PipelineSource, trust_pickle: bool = False, model: int = 0):
+def named_states(source: PipelineSource, trust_pickle: bool = False, model: int = 0,
+                 names: frozenset[str] | set[str] | None = None):
     """(stage 0's optimizer file as a template, {name: {"fp32": flat, <state>: flat}}) over every
-    stage of model rank `model`'s column; a tied parameter, held by several stages, must be equal in each."""
+    stage of model rank `model`'s column, of `names` only when given (stage_states: each a view of
+    the mapped partition holding it); a tied parameter, held by several stages, must be equal in each.
+    Every stage's hyperparameters are checked, whatever `names`."""
     import torch
     template, found = None, {}
     for stage, spec in enumerate(source.stages):
         path = source.optim_path(stage, 0, model)
-        file, masters, moments = _stage_flats(source, stage, trust_pickle, model)
+        if names is not None and all(names.isdisjoint(group) for group in spec.names):
+            file, states = load_whole(path, trust_pickle), {}
+        else:
+            file, states = stage_states(source, stage, trust_pickle, model, names)
         template = template or file
         # a new stage takes each group's hyperparameters (the torch param_groups, which
         # Optimizer.load_state_dict restores) from stage 0's file: every stage must agree
@@ -512,7 +612,7 @@ def named_states(source: PipelineSource, trust_pickle: bool = False, model: int 
             group = next(g for g, (a, b) in enumerate(zip(hyper, first)) if a != b) if len(hyper) == len(first) else 0
             raise UnsupportedCheckpoint(path, f"param group {group} has hyperparameters {hyper[group]}, stage 0's "
                                               f"{first[group]}; new stages take stage 0's, so every stage must agree")
-        for name, states in states_by_name(spec, masters, moments).items():
+        for name, states in states.items():
             if name in found:
                 if found[name].keys() != states.keys() or not all(torch.equal(found[name][k], v)
                                                                    for k, v in states.items()):
@@ -696,14 +796,17 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
                               trust_pickle: bool = False, buffer_names: Sequence[str] | None = None,
                               model_rank: int = 0, target_tp: int | None = None,
                               shapes: dict[str, tuple[int, ...]] | None = None,
-                              dp_ranks: Collection[int] | None = None) -> list[str]:
+                              ranks: Sequence[int] | None = None,
+                              model_file: bool | None = None) -> list[str]:
     """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files,
     of model rank `model_rank` (`states`, `template`: named_states of that rank's column, the model
     axis kept; or, with `target_tp` other than the source's, model_axis_states' whole tensors cut for
     that rank by cut_model_axis_states, `shapes` each parameter's shape at the target). `names`: the
     stage's parameters in flat order, `buffer_names` its buffers (reshard.layouts.pipeline.
-    StageAssignment); each parameter keeps its source param group. `dp_ranks`: only these dp ranks'
-    optimizer files (write_stage_files)."""
+    StageAssignment); each parameter keeps its source param group. With `ranks`, only those dp
+    ranks' optimizer files, and the model-states file only with rank 0 (`model_file`: whether
+    to write it regardless, as a node-local output does on every node): `states` then needs only
+    the parameters `repartitioned_share_names` names for them. Returns the paths written."""
     import collections
 
     import torch
@@ -711,7 +814,15 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
     tp = source.tp if target_tp is None else target_tp
     shapes = shapes or source_shapes(source)
     groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
-    masters, moments = stage_flats(states, groups)
+    numels = [tuple(_numel(shapes[n]) for n in group) for group in groups]
+    masters, moments = _held_flats(states, groups, numels)
+    files = stage_file_names(stage, target_dp, source.bf16, model_rank, tp)
+    with_model = model_file if model_file is not None else ranks is None or 0 in ranks
+    if ranks is not None:
+        files = [*files[:1 if with_model else 0], *(files[1 + rank] for rank in ranks)]
+    if not with_model:
+        return _save_stage(None, build_optimizers(template, list(groups), numels, masters, moments, target_dp, ranks),
+                           files, tag_dir)
     # the per-stage keys (ds_config, universal_checkpoint_info and the rest of client_state) are the
     # same in every source (stage, model rank) file; a model rank the source lacks takes model rank 0's
     model = load_whole(source.model_path(0, model_rank if model_rank < source.tp else 0), trust_pickle)
@@ -724,10 +835,55 @@ def write_repartitioned_stage(source: PipelineSource, states: dict, template: di
     model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
                                                "pp_degree": target_pp,
                                                **({"tp_degree": tp} if target_tp is not None else {})}
-    trees = build_optimizers(template, list(groups), [tuple(_numel(shapes[n]) for n in group) for group in groups],
-                             masters, moments, target_dp)
-    return _save_stage(model, trees, stage_file_names(stage, target_dp, source.bf16, model_rank, tp), tag_dir,
-                       dp_ranks)
+    trees = build_optimizers(template, list(groups), numels, masters, moments, target_dp, ranks)
+    return _save_stage(model, trees, files, tag_dir)
+
+
+def _held_flats(states: dict, groups: Sequence[Sequence[str]], numels: Sequence[Sequence[int]]):
+    """stage_flats as FlatPieces over the parameters `states` holds (every one, or a share's):
+    per group, the fp32 master's and each per-element state's pieces; the state keys and dtypes
+    from the group's first held parameter (a group none is held of: no states, as stage_flats
+    gives an empty group)."""
+    import torch
+    masters, moments = [], []
+    for names, counts in zip(groups, numels):
+        held = [name in states for name in names]
+        first = next((states[name] for name in names if name in states), {"fp32": torch.zeros(0)})
+        flats = {key: FlatPieces.of([states[name][key] for name in names if name in states], counts,
+                                    first[key].dtype, held) for key in first}
+        masters.append(flats.pop("fp32"))
+        moments.append(flats)
+    return masters, moments
+
+
+def repartitioned_share_names(source: PipelineSource, names: Sequence[str], shapes: dict[str, tuple[int, ...]],
+                              target_dp: int, ranks: Sequence[int]) -> frozenset[str]:
+    """The parameters of a target stage (`names` in flat order, `shapes` at the target) whose
+    elements the optimizer partitions of dp `ranks` hold (stage_1_and_2.py's flat split, as
+    build_optimizers cuts it), and of each param group no rank of `ranks` touches its smallest
+    parameter (which says the group's state keys and dtypes): what write_repartitioned_stage needs
+    for those ranks."""
+    import numpy as np
+    groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
+    runs = []  # `ranks` as runs of consecutive ranks [first, last]
+    for rank in sorted(set(ranks)):
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    needed = set()
+    for group in groups:
+        numels = np.array([_numel(shapes[n]) for n in group], dtype=np.int64)
+        ends = np.cumsum(numels)
+        starts = ends - numels
+        partition = zero12_group(range(len(group)), numels.tolist(), target_dp).partition_numel
+        touched = set()
+        for first, last in runs:  # the parameters overlapping elements [first * ps, (last + 1) * ps)
+            a = int(np.searchsorted(ends, first * partition, "right"))
+            b = int(np.searchsorted(starts, (last + 1) * partition, "left"))
+            touched.update(name for name, size in zip(group[a:b], numels[a:b]) if size)
+        needed |= touched or ({min(group, key=lambda n: _numel(shapes[n]))} if group else set())
+    return frozenset(needed)
 
 
 def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
@@ -794,17 +950,23 @@ def cut_model_slice(rule, whole, tp: int, rank: int):
     shape = tuple(whole.shape)
     split, local = rule.split(shape), rule.local_shape(shape, tp)
     view = whole.reshape(split.view or shape)
+    pieces = split.local_pieces(0, shape, tp, rank)
+    if len(pieces) == 1:  # one box (a plain split): its elements in order, a view when they are contiguous
+        _, box, _ = pieces[0]
+        return view[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].reshape(local)
     out = torch.empty(_numel(local), dtype=whole.dtype)
-    for offset, box, _ in split.local_pieces(0, shape, tp, rank):
+    for offset, box, _ in pieces:
         out[offset:offset + box.numel] = view[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].reshape(-1)
     return out.view(local)
 
 
-def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False):
+def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False,
+                      names: frozenset[str] | set[str] | None = None):
     """(model rank 0's stage 0 optimizer file as a template, {name: {"fp32": whole, <state>: whole}}):
-    named_states of every model rank's column, each tensor joined over the model ranks by its rule."""
+    named_states of every model rank's column (of `names` only, when given), each tensor joined over
+    the model ranks by its rule."""
     shapes = source_shapes(source)
-    columns = [named_states(source, trust_pickle, model) for model in range(source.tp)]
+    columns = [named_states(source, trust_pickle, model, names) for model in range(source.tp)]
     template, joined = columns[0][0], {}
     stage_of = {}
     for spec in reversed(source.stages):
@@ -911,27 +1073,22 @@ def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: i
     written = []
     for rank, state in enumerate(model_axis_layer_states(source, layers, rules, index, target_tp, range(target_tp),
                                                          trust_pickle)):
-        written.append(os.path.join(tag_dir, layer_file_name(index, rank)))
-        torch.save(state, written[-1])
+        written.append(write_named_file(tag_dir, os.path.join(tag_dir, layer_file_name(index, rank)),
+                                        lambda path, state=state: torch.save(state, path)))
     return written
 
 
-def _save_stage(model: dict, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str,
-                dp_ranks: Collection[int] | None = None) -> list[str]:
-    """Save a stage's model-states tree, then each of its optimizer trees as it comes, under
-    `names` (stage_file_names); return the paths written. `dp_ranks`: only these dp ranks' optimizer
-    trees are saved (the others are passed over as they come; none at all: `optimizers` may be empty)."""
+def _save_stage(model: dict | None, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str) -> list[str]:
+    """Save a stage's model-states tree (None: not this caller's to write, and `names` has no entry
+    for it), then each of its optimizer trees as it comes, under `names` (stage_file_names); return
+    the paths written."""
     import torch
     paths = [os.path.join(tag_dir, name) for name in names]
-    torch.save(model, paths[0], pickle_module=classes)
-    written = [paths[0]]
-    if dp_ranks is not None and not dp_ranks:
-        return written
-    for rank, (path, tree) in enumerate(zip(paths[1:], optimizers, strict=True)):
-        if dp_ranks is None or rank in dp_ranks:
-            torch.save(tree, path, pickle_module=classes)
-            written.append(path)
-    return written
+    if model is not None:
+        write_named_file(tag_dir, paths[0], lambda path: torch.save(model, path, pickle_module=classes))
+    for path, tree in zip(paths[0 if model is None else 1:], optimizers, strict=True):
+        write_named_file(tag_dir, path, lambda path, tree=tree: torch.save(tree, path, pickle_module=classes))
+    return paths
 
 
 def pipeline_summary(save_dir: str, tag: str | None, trust_pickle: bool = False) -> dict | None:

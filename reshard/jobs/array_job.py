@@ -109,7 +109,7 @@ from reshard.jobs.pipeline_job import (
     pipeline_target,
     refuse_over_budget,
     stage_output_bytes,
-    whole_tensor_bytes,
+    unit_tensor_bytes,
 )
 from reshard.planning.plan import ReshardPlan
 from reshard.jobs.preflight import (
@@ -419,8 +419,7 @@ class _PipelineUnit:
     def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
         """pipeline_job.check_budget for array tasks: a task holds, one unit at a time, what building
         its neediest unit takes; every task refuses when some task would exceed --memory-budget."""
-        topology = self.target.topology  # with pp * tp workers, worker u builds unit u alone
-        per_unit = whole_tensor_bytes(self.source, self.target, topology.pp * topology.tp)
+        per_unit = unit_tensor_bytes(self.source, self.target)
         needed = [max((per_unit[f.rank] for f in files if f.rank is not None and owners[f.name] == task),
                       default=0) for task in range(opts.array_tasks)]
         refuse_over_budget(self.source, needed, opts.memory_budget, WHOLE_TENSORS, who="array task")

@@ -25,10 +25,12 @@ own column's files when tp is kept. With --target-tp T other than the source's (
 axis whose client state carries universal_checkpoint_info patterns, reshard.layouts.model_axis),
 the layer list is needed as for another pp: DeepSpeed's `parameters` partition weighs the local
 (sliced) parameter counts, so the stages are re-assigned with the target's local sizes
-(`model_axis_plan`); every worker building a unit joins every source tensor whole over all model
-ranks once (deepspeed_pipeline.model_axis_states, 4 x all optimizer bytes in the budget check) and
-cuts each of its units from it, and the layer files, no longer copied, are re-cut per layer (the
-k-th layer by worker k % W, `layer_files_written_by`).
+(`model_axis_plan`). The units' dp ranks and the layer indices (whose files, no longer copied, are
+re-cut per layer) are then dealt to the workers in runs of about equal bytes (`tp_change_shares`), so
+that a unit's optimizer files are spread over the workers even when there is one unit ((1, 1, 4));
+each worker joins whole over the source's model ranks only the parameters its ranks' partitions hold
+(deepspeed_pipeline.repartitioned_share_names, model_axis_states of those names), once per target
+stage, and cuts each of its shares from them (`share_tensor_bytes` in the budget check).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from reshard.formats.deepspeed_pipeline import (
     layer_indices,
     model_axis_states,
     named_states,
+    repartitioned_share_names,
     saved_model_axis_info,
     source_buffers,
     source_groups,
@@ -209,7 +212,13 @@ def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) ->
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """Per worker, about the most bytes of tensors it holds at once: the largest
-    `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none)."""
+    `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none);
+    with tp changed, the largest `share_tensor_bytes` over the stages its shares (tp_change_shares) are of."""
+    if target.tp_changed:
+        per_element = optimizer_bytes_per_element(source)
+        return [max((share_tensor_bytes(source, target, stage, [s for s in shares if s[0] == stage], per_element)
+                     for stage in {s[0] for s in shares}), default=0)
+                for shares, _ in tp_change_shares(source, target, workers)]
     writes = stage_files_written_by(target.topology.pp, target.topology.tp, workers)
     dp = target.topology.dp
     if target.stages is None:
@@ -221,12 +230,25 @@ def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: 
                  for t, m in units), default=0) for units in writes]
 
 
+def unit_tensor_bytes(source: PipelineSource, target: PipelineTarget) -> list[int]:
+    """Per target (stage, model rank) unit (index stage * tp + model), about the most bytes of
+    tensors building it whole takes (what an array task holds building its neediest unit)."""
+    topology = target.topology
+    if target.tp_changed:
+        every_rank, per_element = tuple(range(topology.dp)), optimizer_bytes_per_element(source)
+        return [share_tensor_bytes(source, target, unit // topology.tp,
+                                   [(unit // topology.tp, unit % topology.tp, every_rank)], per_element)
+                for unit in range(topology.pp * topology.tp)]
+    return whole_tensor_bytes(source, target, topology.pp * topology.tp)  # worker u builds unit u alone
+
+
 def check_budget(opts: ReshardOptions, source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """The whole-tensor estimate per worker; refused when a worker's exceeds --memory-budget (this
     path has no rounds to cut, so the budget can only be checked, never kept by slicing)."""
     needed = whole_tensor_bytes(source, target, workers)
-    more = (" (more workers do not help: every worker building a stage joins every source stage"
-            + (" of every model rank)" if target.tp_changed else ")")) \
+    more = (" or more workers (each joins, over every model rank, only the parameters of its share of the "
+            "target's optimizer files)" if target.tp_changed else
+            " (more workers do not help: every worker building a stage joins every source stage)") \
         if target.stages is not None else " or more workers, up to one per stage"
     refuse_over_budget(source, needed, opts.memory_budget, WHOLE_TENSORS, more)
     return needed
@@ -259,6 +281,70 @@ def stage_files_written_by(pp: int, tp: int, workers: int) -> tuple[tuple[tuple[
     one model rank's column at a time."""
     return tuple(tuple(sorted(((unit // tp, unit % tp) for unit in units), key=lambda unit: (unit[1], unit[0])))
                  for units in stages_written_by(pp * tp, workers))
+
+
+UnitShare = tuple[int, int, tuple[int, ...]]
+"""(target stage, target model rank, target dp ranks): the optimizer files of those ranks of the
+(stage, model rank) unit, and its model-states file when rank 0 is among them."""
+
+
+def tp_change_shares(source: PipelineSource, target: PipelineTarget,
+                     workers: int) -> tuple[tuple[tuple[UnitShare, ...], tuple[int, ...]], ...]:
+    """With tp changed, per worker (its unit shares, the layer indices whose files it re-cuts).
+
+    Every unit's dp ranks (units in index order stage * tp + model, each rank weighing the unit's
+    bytes / dp, `stage_output_bytes`), then every layer index (weighing its source files), laid end
+    to end and cut into `workers` runs of about equal weight: a unit's files are spread over workers
+    when there are fewer units than workers (the usual case of a tp decrease: (1, 1, 4) has one), and
+    each worker joins only the parameters its ranks hold (deepspeed_pipeline.repartitioned_share_names),
+    not every source tensor. The same on every worker (pure)."""
+    topology = target.topology
+    unit_bytes = stage_output_bytes(source, target)
+    items = [((unit // topology.tp, unit % topology.tp, rank), nbytes / topology.dp)
+             for unit, nbytes in enumerate(unit_bytes) for rank in range(topology.dp)]
+    items += [(index, sum(os.path.getsize(os.path.join(source.tag_dir, name)) for name in source.layer_files
+                          if name.startswith(f"layer_{index:02d}-")))
+              for index in layer_indices(source)]
+    total = sum(weight for _, weight in items) or 1
+    ranks: list[dict] = [{} for _ in range(workers)]
+    layers: list[list[int]] = [[] for _ in range(workers)]
+    done = 0.0
+    for item, weight in items:  # an item goes to the worker whose run holds its middle
+        worker = min(workers - 1, int((done + weight / 2) * workers / total))
+        done += weight
+        if isinstance(item, tuple):
+            ranks[worker].setdefault(item[:2], []).append(item[2])
+        else:
+            layers[worker].append(item)
+    return tuple((tuple((stage, model, tuple(held)) for (stage, model), held in ranks[w].items()), tuple(layers[w]))
+                 for w in range(workers))
+
+
+def optimizer_bytes_per_element(source: PipelineSource) -> float:
+    """The source's optimizer files' bytes per element of one model rank's parameters (all states)."""
+    optimizer_bytes = sum(os.path.getsize(source.optim_path(s, d, m)) for s in range(source.pp)
+                          for d in range(source.dp) for m in range(source.tp))
+    return optimizer_bytes / max(1, source.tp * sum(source_numels(source).values()))
+
+
+def share_tensor_bytes(source: PipelineSource, target: PipelineTarget, stage: int,
+                       shares: Sequence[UnitShare], per_element: float) -> int:
+    """With tp changed, about the most bytes of tensors building `shares` (all of target stage
+    `stage`) holds: the parameters they need (repartitioned_share_names), mapped from every source
+    model rank's files, joined whole and cut (at most 3 x their source bytes; a cut on dim 0 or to
+    tp 1 is a view), plus one target rank's optimizer file being built. By the bytes per element of
+    the source's optimizer files (`per_element`, optimizer_bytes_per_element). Measured on bench/pipeline_bench.py's (2, 2, 1) save (194 MB,
+    142 MiB of optimizer files) -> (1, 1, 4): one worker peaked at 543 MiB RSS, about 310 MiB above
+    the interpreter's own with torch loaded (about 230 MiB), where this says 460 MiB (joining every
+    tensor on every worker, as before these shares, peaked at 847 MiB); two workers (ranks 0-2; rank
+    3 and the layer files) at 487 and 336 MiB RSS (about 257 and 106 above), where this says 365 and 159."""
+    topology, names = target.topology, target.stages.names[stage]
+    needed = frozenset().union(*(repartitioned_share_names(source, names, target.shapes, topology.dp, ranks)
+                                 for _, _, ranks in shares))
+    local = source_numels(source)
+    needed_source = per_element * source.tp * sum(local[name] for name in needed)
+    stage_elements = sum(math.prod(target.shapes[name]) for name in names)
+    return int(3 * needed_source + per_element * stage_elements / topology.dp)
 
 
 def column_files(source: PipelineSource, stage: int, model: int) -> tuple[str, ...]:
@@ -348,28 +434,22 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
     `dp_ranks_of(stage, model)`: the dp ranks whose optimizer files a unit writes (a node-local
     output's own, reshard.jobs.node_local_pipeline); None: all of them."""
     assignment, topology = target.stages, target.topology
+    if target.tp_changed:
+        if dp_ranks_of is not None:  # the node-local job refuses a tp change before it gets here
+            raise OptionError("a tp change writes every dp rank's files: dp_ranks_of is not served with it")
+        yield from _build_tp_changed(source, target, units, tag_dir, trust_pickle, report)
+        return
     column = None
     for stage, model in units:
-        dp_ranks = None if dp_ranks_of is None else dp_ranks_of(stage, model)
-        if target.tp_changed:
-            if column is None:  # every source tensor, joined whole over the model ranks, feeds every unit
-                column, (template, joined) = "all", model_axis_states(source, target.model_axis, trust_pickle)
-                report.bytes_read += sum(stage_source_bytes(source, s, m) for s in range(source.pp)
-                                         for m in range(source.tp))
-            names = assignment.names[stage]
-            states = cut_model_axis_states(joined, target.model_axis, names, topology.tp, model)
-            yield (stage, model), write_repartitioned_stage(
-                source, states, template, names, topology.pp, stage, topology.dp, tag_dir, trust_pickle,
-                assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
-                target_tp=topology.tp, shapes=target.shapes, dp_ranks=dp_ranks)
-        elif assignment is not None:
+        dp_ranks = None if dp_ranks_of is None else sorted(dp_ranks_of(stage, model))
+        if assignment is not None:
             if column != model:  # every source stage of this model rank's column feeds its new stages
                 column, (template, states) = model, named_states(source, trust_pickle, model)
                 report.bytes_read += sum(stage_source_bytes(source, s, model) for s in range(source.pp))
             yield (stage, model), write_repartitioned_stage(
                 source, states, template, assignment.names[stage], topology.pp, stage, topology.dp, tag_dir,
                 trust_pickle, assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
-                dp_ranks=dp_ranks)
+                ranks=dp_ranks, model_file=True)
         else:
             paths = write_stage_files(source, stage, topology.dp, tag_dir, trust_pickle, model_rank=model,
                                       dp_ranks=dp_ranks)
@@ -378,11 +458,32 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
             yield (stage, model), paths
 
 
-def layer_files_written_by(source: PipelineSource, target: PipelineTarget, workers: int) -> tuple[tuple[int, ...], ...]:
-    """With tp changed, per worker the layer indices whose files (one per target model rank) it
-    re-cuts: the k-th layer with files by worker k % W; nothing when tp is kept (the files are copied)."""
-    indices = layer_indices(source) if target.tp_changed else []
-    return tuple(tuple(indices[w::workers]) for w in range(workers))
+def _build_tp_changed(source: PipelineSource, target: PipelineTarget, units: Sequence, tag_dir: str,
+                      trust_pickle: bool, report: WorkerReport) -> Iterator[tuple[tuple[int, int], list[str]]]:
+    """build_stages with tp changed: `units` are (stage, model rank) pairs (every dp rank) or
+    UnitShares. Per target stage, the parameters its shares need, joined whole over the source's model
+    ranks once (model_axis_states of those names alone), then each share cut from them and written."""
+    assignment, topology = target.stages, target.topology
+    shares = [(unit[0], unit[1], tuple(range(topology.dp)) if len(unit) == 2 else tuple(unit[2])) for unit in units]
+    local = source_numels(source)
+    column_bytes = sum(stage_source_bytes(source, s, m) for s in range(source.pp) for m in range(source.tp))
+    for stage in dict.fromkeys(share[0] for share in shares):
+        names = assignment.names[stage]
+        mine = [share for share in shares if share[0] == stage]
+        needed = {share: repartitioned_share_names(source, names, target.shapes, topology.dp, share[2])
+                  for share in mine}
+        wanted = frozenset().union(*needed.values())
+        template, joined = model_axis_states(source, target.model_axis, trust_pickle, wanted)
+        report.bytes_read += int(column_bytes * sum(local[n] for n in wanted) / max(1, sum(local.values())))
+        for share in mine:
+            _, model, ranks = share
+            states = cut_model_axis_states(joined, target.model_axis, [n for n in names if n in needed[share]],
+                                           topology.tp, model)
+            yield (stage, model), write_repartitioned_stage(
+                source, states, template, names, topology.pp, stage, topology.dp, tag_dir, trust_pickle,
+                assignment.buffer_names[stage] if assignment.buffer_names else None, model_rank=model,
+                target_tp=topology.tp, shapes=target.shapes, ranks=ranks)
+        del joined
 
 
 def build_layer_files(source: PipelineSource, target: PipelineTarget, indices: Sequence[int], tag_dir: str,
@@ -404,6 +505,11 @@ def stage_source_bytes(source: PipelineSource, stage: int, model: int = 0) -> in
 
 def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock) -> CheckpointResult:
     started = time.perf_counter()
+    if transport.rank != 0 and opts.target_tp is not None and not opts.dry_run:
+        # A tp change re-cuts the layer files and spreads each unit's optimizer files over the workers,
+        # so every worker torch.saves; importing torch (about 2 CPU seconds) while worker 0 inspects,
+        # rather than after, takes it off the critical path.
+        import torch  # noqa: F401
 
     source, (planned, needed) = inspect_on_worker0(
         unit, transport, clock, lambda src, tag: inspect_pipeline(src, tag, trust_pickle=opts.trust_pickle),
@@ -412,14 +518,18 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
     result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
                               Topology(dp=source.dp, tp=source.tp, pp=source.pp), target, transport.size,
                               transport.name, 0, 0.0, opts.dry_run)
-    writes = stage_files_written_by(target.pp, target.tp, transport.size)
-    layer_writes = layer_files_written_by(source, planned, transport.size)
+    if planned.tp_changed:  # a unit's dp ranks spread over the workers, with the layer files
+        writes, layer_writes = zip(*tp_change_shares(source, planned, transport.size))
+    else:
+        writes = stage_files_written_by(target.pp, target.tp, transport.size)
+        layer_writes = ((),) * transport.size  # the layer files are copied as they are
     units_named = target.tp > 1 or source.tp > 1
     layers_how = (f"the layer files of {len(layer_indices(source))} layers re-cut for tp {target.tp}" if planned.tp_changed
                   else f"{len(source.layer_files)} layer files copied unchanged")
     result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {layers_how}; whole tensors (largest "
                         f"worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
-                        + ("(stage, model rank) units" if units_named else "stages") + " built by workers " +
+                        + ("(stage, model rank, dp ranks) shares" if planned.tp_changed else
+                           "(stage, model rank) units" if units_named else "stages") + " built by workers " +
                         ", ".join(f"{w}: {[u if units_named else u[0] for u in units]}"
                                   for w, units in enumerate(writes) if units))
     if opts.dry_run:
