@@ -357,7 +357,8 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
     if tp_changed:
-        template, joined = model_axis_states(source, rules, trust_pickle)
+        # only this stage's parameters are joined (the others' columns are not read whole)
+        template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
         states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
         del joined
     else:
