@@ -197,13 +197,13 @@ IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save
 # ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
 # so judged in the exports' 2-rank launch)
 IN_JOB_SAME_PP_DP = (1, 2, 1)
-# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded
-# to two targets the fp32 save is judged at (fp16 to a third, below), and judged in those targets' launches: in bf16 with two
-# param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job) and to
-# (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
-# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp); and fp16 with
-# tp kept, to (1, 2, 2) (pp down, dp up: the per-column pp/dp change, not the re-cut), which a 4-rank
-# engine at pp 1 and tp 2 judges in the pp-1 launch, the eval loss exactly the saved one
+# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded to two
+# targets the fp32 save is judged at (fp16 to a third, below), and judged in those targets' launches: in
+# bf16 with two param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job)
+# and to (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
+# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp); and fp16 with tp
+# kept, to (1, 2, 2) (pp down, dp up: the per-column pp/dp change, not the re-cut), which a 4-rank engine
+# at pp 1 and tp 2 judges in the pp-1 launch, the eval loss exactly the saved one
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
 FP16_VARIANT = "fp16-mp2u"
