@@ -19,17 +19,18 @@ client_state, then one more `train_batch`. DeepSpeed's own ds_to_universal outpu
 loaded with load_universal at each of the three targets in the same launches, is the second oracle. The
 in-job API (reshard.deepspeed.load_checkpoint) is judged the same way in the same launches: the (2, 2, 1)
 save in an engine at (1, 1, 4) (pp-1 launch), and the (1, 4, 1) output at (1, 2, 1), the same (pp, dp) at
-another tp (the exports' 2-rank launch). The same model in half precision, each saved at (2, 2, 1) in the
-same training launch, is resharded to two targets and judged file by file (masters and moments against the
-truth's slice; half-precision layer-file weights, in dtype and value, against the cut of the source's
-layer files joined) and with plain load_checkpoint in those targets' launches: in bf16 with two param
+another tp (the exports' 2-rank launch). The same model in half precision, each saved at (2, 2, 1) in the same
+training launch, is resharded to two targets (fp16 to three) and judged file by file (masters and moments
+against the truth's slice; half-precision layer-file weights, in dtype and value, against the cut of the
+source's layer files joined) and with plain load_checkpoint in those targets' launches: in bf16 with two param
 groups and a buffer ("bf16-groups-mp2u") to (1, 1, 4) (also in-job) and (1, 4, 1); in fp16 ("fp16-mp2u",
-ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) (also in-job) and (2, 1, 2).
-The eval loss at another tp is held to 5e-3 in bf16 and 3e-3 in fp16 (each rank's row-parallel partial
-product is rounded to the half precision before the sum; tests/pipeline_run.py check_one has the measured
-gaps). The fp32 model with the column-parallel weight frozen after the build ("fp32-frozen-mp2u", same
-launch) is resharded to (2, 1, 2), its frozen weight joined whole in its layer file, and judged the same
-way in the pp-2 launch.
+ZeRO-1's dynamic loss scaler, whose state the verdict compares) to (1, 1, 4) (also in-job) and (2, 1, 2), and
+with tp kept to (1, 2, 2) (pp down, dp up; an engine at tp 2 in the pp-1 launch; the layer files the source's
+bytes, the eval loss exactly the saved one). The eval loss at another tp is held to 5e-3 in bf16 and 3e-3 in
+fp16 (each rank's row-parallel partial product is rounded to the half precision before the sum;
+tests/pipeline_run.py check_one has the measured gaps). The fp32 model with the column-parallel weight frozen
+after the build ("fp32-frozen-mp2u", same launch) is resharded to (2, 1, 2), its frozen weight joined whole in
+its layer file, and judged the same way in the pp-2 launch.
 
 The two fp32 saves ((2, 2, 1) and DeepSpeed's tp-1 one) exported (`reshard export --format
 safetensors|universal`, each tensor joined whole over the model ranks by the patterns) are judged in one
@@ -196,18 +197,21 @@ IN_JOB_TP = (1, 1, 4)  # reshard.deepspeed.load_checkpoint of the (2, 2, 1) save
 # ... and of the (1, 4, 1) output in an engine at (1, 2, 1): the same (pp, dp), another tp (a 2-rank engine,
 # so judged in the exports' 2-rank launch)
 IN_JOB_SAME_PP_DP = (1, 2, 1)
-# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded
-# to two targets the fp32 save is judged at, and judged in those targets' launches: in bf16 with two
-# param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job) and to
-# (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
-# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp)
+# the same model in half precision, saved at (2, 2, 1) in the same training launch, each resharded to two
+# targets the fp32 save is judged at (fp16 to a third, below), and judged in those targets' launches: in
+# bf16 with two param groups and a buffer (ScaledLayerNorm's "4.scale") to (1, 1, 4) (plainly and in-job)
+# and to (1, 4, 1) (tp up); in fp16 (ZeRO-1's dynamic loss scaler, whose state the verdict compares) to
+# (1, 1, 4) (plainly and in-job) and to (2, 1, 2) (the stages re-assigned at the same pp); and fp16 with tp
+# kept, to (1, 2, 2) (pp down, dp up: the per-column pp/dp change, not the re-cut), which a 4-rank engine
+# at pp 1 and tp 2 judges in the pp-1 launch, the eval loss exactly the saved one
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
 FP16_VARIANT = "fp16-mp2u"
 IN_JOB_HALF = (BF16, ("fp16", (1, 1, 4)))  # the save itself loaded in-job at that target too (pp-1 launch)
 # (precision, target) -> (variant, workers): W differing from the target's world
 HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
-        ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1)}
+        ("fp16", (1, 1, 4)): (FP16_VARIANT, 3), ("fp16", (2, 1, 2)): (FP16_VARIANT, 1),
+        ("fp16", (1, 2, 2)): (FP16_VARIANT, 3)}
 # the fp32 model with the column-parallel weight "1.weight" frozen after the build (DeepSpeed's
 # `parameters` partition counted it; no optimizer holds it, only its layer files), saved at (2, 2, 1) in
 # the same training launch, resharded to (2, 1, 2) and judged in that target's launch
@@ -365,7 +369,8 @@ def test_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, t
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("change", list(HALF), ids=["bf16-groups-tp-down-pp-down-dp-up", "bf16-groups-tp-up-pp-down",
-                                                   "fp16-tp-down-pp-down-dp-up", "fp16-tp-down-dp-up"])
+                                                   "fp16-tp-down-pp-down-dp-up", "fp16-tp-down-dp-up",
+                                                   "fp16-tp-kept-pp-down-dp-up"])
 def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_source(tp_changes, tp_saves, change):
     # a half-precision (2, 2, 1) save (bf16 with two param groups and ScaledLayerNorm's buffer; fp16 with
     # the dynamic loss scaler) resharded to another (pp, tp, dp): every (stage, model rank)'s masters and
@@ -373,7 +378,8 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     # (half-precision weights, bf16's fp32 buffer) equal, in dtype and value, to the cut of the source's
     # layer files joined over its model ranks by the harness's own layers; then loaded with plain
     # load_checkpoint (and the save itself in-job at IN_JOB_HALF's): masters, moments and the buffer, eval
-    # loss, counters with the loss scaler's state, client state, one more train_batch
+    # loss, counters with the loss scaler's state, client state, one more train_batch. With tp kept (fp16 to
+    # (1, 2, 2)) every layer file travels unchanged and the eval loss is exactly the saved one
     import torch
     from pipeline_run import sliced_truth
 
@@ -420,6 +426,9 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
                 assert value.dtype == want.dtype == (torch.float32 if key == "scale" else half), prefix + key
                 assert torch.equal(value, want), prefix + key
                 compared += 1
+            if tp == 2:  # tp kept: the model rank's own layer file, byte for byte
+                name = f"layer_{index:02d}-model_{model:02d}-model_states.pt"
+                assert (out / "step3" / name).read_bytes() == (save / "step3" / name).read_bytes(), name
     assert compared == tp * (3 * params + 9 + groups)  # 9 parameters in layer files, and the buffer "4.scale"
     if groups:
         assert torch.equal(written_buffer := load_whole(str(out / "step3" / "layer_04-model_00-model_states.pt"))[
@@ -434,6 +443,8 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
         # each rank: every parameter of its stage, and the buffer on the stage of layer 4; over the
         # stages of one (model, dp) coordinate, the tied embedding counted on each
         assert sum(rank["checked"] for rank in verdict["ranks"]) == tp * dp * (params + groups)
+        if tp == 2:  # the same tp: the row-parallel sum adds in the saved order, so bit for bit
+            assert {rank["loss"] for rank in verdict["ranks"]} == {truths[0]["loss"]}, verdict
 
 
 @pytest.mark.e2e
