@@ -30,8 +30,9 @@ The other eval loss once seen in a shared launch came from a ZeRO-3 engine's pat
 torch.nn.functional.linear (tests/reshard_proof/engine_setup.py undo_zero3_linear_patch); this
 harness builds ZeRO-1 engines only.
 `train --node-local` saves with `use_node_local_storage` (under two agents playing two nodes, each
-its own --save directory, tests/test_node_local_pipeline.py); `--own-load-report JSON` then tries
-DeepSpeed's own `load_checkpoint` of that save at the same topology and writes every rank's error.
+its own --save directory, tests/test_node_local_pipeline.py; each `--more` save too, into its own
+directory per node); `--own-load-report JSON` then tries DeepSpeed's own `load_checkpoint` of the first
+save at the same topology and writes every rank's error.
 `--safetensors DIR TRUTH VERDICT` (repeatable) then loads a safetensors export of a pipeline save
 strictly into a PipelineModule built at pp=1 and compares every tensor with that truth
 (tests/test_pipeline_export.py).
@@ -349,7 +350,8 @@ def with_variant(args, variant: str) -> argparse.Namespace:
 def train(args) -> None:
     train_one(args, args.save, args.truth)
     for variant, save, truth in args.more:  # each its own engine, save and truth, one after another
-        train_one(with_variant(args, variant), save, truth)
+        # --own-load-report is about the first save only: its JSON is not overwritten by the next
+        train_one(argparse.Namespace(**{**vars(with_variant(args, variant)), "own_load_report": None}), save, truth)
 
 
 def train_one(args, save: str, truth_dir: str) -> None:

@@ -1,15 +1,19 @@
 """Node-local PipelineModule saves (`--node-local` on a pipeline save): fetched where a node lacks files, loaded per node.
 
     python -m pytest -q tests/test_node_local_pipeline.py -m "not e2e"   # placement rules, seconds
-    python -m pytest -q tests/test_node_local_pipeline.py                # trains on 2 nodes x 2 ranks (~3-5 min)
+    python -m pytest -q tests/test_node_local_pipeline.py                # trains on 2 nodes x 2 ranks (~4-7 min)
 
 Two torchrun agents on one machine play two nodes with their own directories (as tests/test_node_local.py).
-tests/pipeline_run.py trains the tied PipelineModule at (pp, dp) = (2, 2), fp32 ZeRO-1, with
-`use_node_local_storage`: each node then holds its stage's files only, and DeepSpeed's own load of the
-save fails on every rank (its pipeline load counts the stage model-states files in the directory).
-reshard, on the same two nodes, writes (pp 1, dp 4) at 2 ranks per node and (pp 2, dp 1) at 1 rank per
-node; each target rank loads its own node's directory with plain `engine.load_checkpoint`, every fp32
-master and Adam moment compared by name with the source engine's, and one more `train_batch` runs.
+tests/pipeline_run.py trains the tied PipelineModule at (pp, dp) = (2, 2), ZeRO-1, with
+`use_node_local_storage`, in fp32, then in the same launch in bf16 (BF16_Optimizer, `bf16_` optimizer
+files) and in fp16 (dynamic loss scaling): each node then holds its stage's files only, and DeepSpeed's
+own load of the fp32 save fails on every rank (its pipeline load counts the stage model-states files
+in the directory). reshard, on the same two nodes, writes the fp32 save at (pp 1, dp 4) at 2 ranks per
+node and (pp 2, dp 1) at 1 rank per node, and the bf16 and fp16 saves at (pp 1, dp 4); each target
+rank loads its own node's directory with plain `engine.load_checkpoint` (the half-precision targets in
+the fp32 (1, 4) launch, `check --judge`), every fp32 master and Adam moment compared by name with the
+source engine's, the eval loss, the counters, the LR and (fp16) the loss scaler's state, and one more
+`train_batch` runs.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from reshard.errors import CheckpointError
 from reshard.jobs.node_local import WorkerView
@@ -36,8 +41,9 @@ HARNESS = "tests.pipeline_run"
 LAYERS = ("--pipeline-layers", "7", "--pipeline-tied", "embed:0,6")  # tests/pipeline_run.py layer_specs
 
 
-def optim(dp: int, stage: int) -> str:
-    return f"zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt"
+def optim(dp: int, stage: int, precision: str = "fp32") -> str:
+    # engine.py _get_zero_ckpt_name: the bf16_ prefix iff bf16 is enabled (BF16_Optimizer's files)
+    return f"{'bf16_' if precision == 'bf16' else ''}zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt"
 
 
 def model(stage: int) -> str:
@@ -110,18 +116,34 @@ def test_a_node_gets_the_layer_files_of_its_stages():
 
 # ---- two nodes on this machine ----
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def source_name(precision: str) -> str:
+    """Each node's directory of the save in `precision` (fp32: "src", as the tests below name it)."""
+    return "src" if precision == "fp32" else f"src-{precision}"
+
+
 @pytest.fixture(scope="module")
 def node_local_pipeline(tmp_path_factory):
-    """(root, truth): the tied model trained at (pp, dp) = (2, 2) fp32 on 2 nodes x 2 ranks with
-    use_node_local_storage, saved into root/node{k}/src; DeepSpeed's own load of it is tried in the
-    same launch (root/own_load.json)."""
+    """(root, truth): the tied model trained at (pp, dp) = (2, 2) on 2 nodes x 2 ranks with
+    use_node_local_storage, in fp32 saved into root/node{k}/src (truth root/truth), then in the same
+    launch (pipeline_run.py train --more) in bf16 and in fp16 into root/node{k}/src-bf16, src-fp16
+    (truths root/truth-bf16, truth-fp16), each in an engine of its own; DeepSpeed's own load of the fp32
+    save is tried in that launch too (root/own_load.json)."""
     from reshard_proof.launch import run_torchrun_nodes
     root = tmp_path_factory.mktemp("node-local-pipeline")
     run_torchrun_nodes(HARNESS, NODES, 2, lambda k: [
         "train", "--pp", 2, "--variant", "fp32", "--node-local", "--save", root / f"node{k}" / "src",
-        "--truth", root / "truth", "--own-load-report", root / "own_load.json"],
-        expect_files=[root / "own_load.json"], timeout=500)
+        "--truth", root / "truth", "--own-load-report", root / "own_load.json",
+        *[arg for p in PRECISIONS[1:] for arg in ("--more", p, root / f"node{k}" / source_name(p), root / f"truth-{p}")]],
+        expect_files=[root / "own_load.json", *[root / f"truth-{p}" / f"rank{r}.pt" for p in PRECISIONS[1:]
+                                                for r in range(NODES * 2)]], timeout=700)
     return root, root / "truth"
+
+
+def truth_of(root, precision: str):
+    return root / ("truth" if precision == "fp32" else f"truth-{precision}")
 
 
 def tag_files(directory) -> set[str]:
@@ -129,21 +151,31 @@ def tag_files(directory) -> set[str]:
 
 
 @pytest.mark.e2e
-def test_deepspeed_saves_each_stage_on_its_nodes_and_cannot_load_that(node_local_pipeline):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_deepspeed_saves_each_stage_on_its_nodes(node_local_pipeline, precision):
     root, _ = node_local_pipeline
+    src = source_name(precision)
     # runtime/pipe/module.py save_state_dict: a stage's layer files on its dp-rank-0 node; engine.py
     # _configure_checkpointing: mp_rank_XX where a node's local rank 0 runs stage XX; latest on node 0
-    assert tag_files(root / "node0" / "src") == {layer(0), layer(1), layer(2), model(0), optim(0, 0), optim(1, 0)}
-    assert tag_files(root / "node1" / "src") == {layer(3), layer(4), layer(5), model(1), optim(0, 1), optim(1, 1)}
-    assert (root / "node0" / "src" / "latest").exists() and not (root / "node1" / "src" / "latest").exists()
+    assert tag_files(root / "node0" / src) == {layer(0), layer(1), layer(2), model(0), optim(0, 0, precision),
+                                               optim(1, 0, precision)}
+    assert tag_files(root / "node1" / src) == {layer(3), layer(4), layer(5), model(1), optim(0, 1, precision),
+                                               optim(1, 1, precision)}
+    assert (root / "node0" / src / "latest").exists() and not (root / "node1" / src / "latest").exists()
+
+
+@pytest.mark.e2e
+def test_deepspeed_cannot_load_its_own_node_local_pipeline_save(node_local_pipeline):
+    root, _ = node_local_pipeline
     errors = json.loads((root / "own_load.json").read_text())["errors"]
     assert errors == ["AssertionError: checkpoint count 1 is different from saved mp_world_size 2"] * 4, errors
 
 
-def gathered(root, directory):
-    """Both nodes' files in one save directory: what a job without --node-local reads."""
-    shutil.copytree(root / "node0" / "src", directory)
-    for path in (root / "node1" / "src" / "step3").iterdir():
+def gathered(root, directory, src: str = "src"):
+    """Both nodes' files of the save in each node's `src` in one save directory: what a job without
+    --node-local reads."""
+    shutil.copytree(root / "node0" / src, directory)
+    for path in (root / "node1" / src / "step3").iterdir():
         shutil.copy2(path, directory / "step3")
     return directory
 
@@ -153,43 +185,62 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
     from reshard_proof.launch import run_torchrun_nodes
     from trained import reshard_in_threads, tree_state
     root, truth = node_local_pipeline
-    before = {k: tree_state(root / f"node{k}" / "src") for k in range(NODES)}
-    merged = gathered(root, tmp_path / "merged")
-    # (pp, dp, ranks per node, extra options); target rank r on node r // G
-    targets = {"pp1": (1, 4, 2, ("--target-pp", "1")), "pp2": (2, 1, 1, ())}
-    expected = {  # every stage's model-states file on every node, the node's ranks' optimizer files, its stages' layers
-        "pp1": [{layer(i) for i in range(6)} | {model(0), optim(0, 0), optim(1, 0)},
-                {layer(i) for i in range(6)} | {model(0), optim(2, 0), optim(3, 0)}],
-        "pp2": [{layer(0), layer(1), layer(2), model(0), model(1), optim(0, 0)},
-                {layer(3), layer(4), layer(5), model(0), model(1), optim(0, 1)}]}
-    for name, (pp, dp, per_node, extra) in targets.items():
+    before = {(k, p): tree_state(root / f"node{k}" / source_name(p)) for k in range(NODES) for p in PRECISIONS}
+    # (precision, pp, dp, ranks per node, extra options); target rank r on node r // G. bf16 and fp16 at
+    # the pp change only, judged in the pp-1 launch that runs anyway (pipeline_run.py check --judge)
+    targets = {"pp1": ("fp32", 1, 4, 2, ("--target-pp", "1")), "pp2": ("fp32", 2, 1, 1, ()),
+               "pp1-bf16": ("bf16", 1, 4, 2, ("--target-pp", "1")), "pp1-fp16": ("fp16", 1, 4, 2, ("--target-pp", "1"))}
+
+    def expected(name, node):
+        """Every stage's model-states file on every node, the node's ranks' optimizer files, its stages' layers."""
+        precision, pp, _, _, _ = targets[name]
+        if pp == 1:
+            return {layer(i) for i in range(6)} | {model(0), optim(2 * node, 0, precision),
+                                                   optim(2 * node + 1, 0, precision)}
+        return {layer(i) for i in range(3 * node, 3 * node + 3)} | {model(0), model(1), optim(0, node, precision)}
+
+    for name, (precision, pp, dp, per_node, extra) in targets.items():
+        src = source_name(precision)
         run_torchrun_nodes("reshard", NODES, 2, lambda k: [
-            root / f"node{k}" / "src", root / f"node{k}" / name, "--node-local", "--target-ranks-per-node", per_node,
+            root / f"node{k}" / src, root / f"node{k}" / name, "--node-local", "--target-ranks-per-node", per_node,
             "--target-dp", dp, *extra, *LAYERS, "--quiet"],
             expect_files=[root / f"node{k}" / name / "latest" for k in range(NODES)], timeout=300)
         reference = tmp_path / f"reference-{name}"
-        reshard_in_threads(merged, reference, dp, 2, target_pp=pp, pipeline_layers=7, pipeline_tied="embed:0,6")
+        reshard_in_threads(gathered(root, tmp_path / f"merged-{name}", src), reference, dp, 2, target_pp=pp,
+                           pipeline_layers=7, pipeline_tied="embed:0,6")
         for node in range(NODES):
             out = root / f"node{node}" / name
-            assert tag_files(out) == expected[name][node] | {"reshard_manifest.json"}, (name, node)
+            assert tag_files(out) == expected(name, node) | {"reshard_manifest.json"}, (name, node)
             assert (out / "latest").read_text() == "step3"  # on every node: each node's load reads it
             assert (out / "zero_to_fp32.py").exists() == (node == 0)  # as DeepSpeed: global rank 0's node
             assert not list(out.rglob(".reshard-*"))  # no fetch area, no staging left
-            for file in expected[name][node]:  # byte for byte what the job on the gathered files writes
+            for file in expected(name, node):  # byte for byte what the job on the gathered files writes
                 assert (out / "step3" / file).read_bytes() == (reference / "step3" / file).read_bytes(), (name, file)
             manifest = json.loads((out / "step3" / "reshard_manifest.json").read_text())
             assert manifest["target"]["node"] == node and manifest["target"]["ranks_per_node"] == per_node
-            assert set(manifest["files"]) == expected[name][node]
-    assert {k: tree_state(root / f"node{k}" / "src") for k in range(NODES)} == before  # the source is only read
-    for name, (pp, dp, per_node, _) in targets.items():
-        verdict = tmp_path / f"verdict-{name}.json"
+            assert set(manifest["files"]) == expected(name, node)
+    assert {(k, p): tree_state(root / f"node{k}" / source_name(p)) for k in range(NODES) for p in PRECISIONS} \
+        == before  # the sources are only read
+    # the fp16 truth holds the dynamic loss scaler's state, which check_one compares: it moved from a
+    # fresh engine's (initial_scale_power 8, loss_scale_window 2), so a scaler not loaded is seen
+    scaler = torch.load(truth_of(root, "fp16") / "rank0.pt", weights_only=True)["counters"]["loss_scaler"]
+    assert scaler["cur_iter"] > 0 and scaler["cur_scale"] != 2.0 ** 8, scaler
+    verdicts = {}
+    for launch, (_, pp, dp, _, _) in [("pp1", targets["pp1"]), ("pp2", targets["pp2"])]:
+        judged = [name for name in targets if name.startswith(launch + "-")]  # the half precisions at pp 1
+        verdicts.update({name: tmp_path / f"verdict-{name}.json" for name in (launch, *judged)})
         run_torchrun_nodes(HARNESS, NODES, pp * dp // NODES, lambda k: [
-            "check", "--pp", pp, "--variant", "fp32", "--load", root / f"node{k}" / name, "--truth", truth,
-            "--verdict", verdict], expect_files=[verdict], timeout=500)
+            "check", "--pp", pp, "--variant", "fp32", "--load", root / f"node{k}" / launch, "--truth", truth,
+            "--verdict", verdicts[launch],
+            *[arg for name in judged for arg in ("--judge", targets[name][0], root / f"node{k}" / name,
+                                                 truth_of(root, targets[name][0]), verdicts[name], "plain")]],
+            expect_files=[verdicts[name] for name in (launch, *judged)], timeout=700)
+    assert set(verdicts) == set(targets)
+    for name, verdict in verdicts.items():
         record = json.loads(verdict.read_text())
         assert record["ok"], (name, record)
+        _, pp, dp, _, _ = targets[name]
         assert len(record["ranks"]) == pp * dp and all(r["checked"] > 0 for r in record["ranks"])
-
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("removed,options,message", [
