@@ -307,6 +307,23 @@ def _truths(truth_dir) -> list:
     return [torch.load(os.path.join(truth_dir, name), weights_only=True) for name in sorted(os.listdir(truth_dir))]
 
 
+def _check_optimizer_states_against(target, expected: dict, model: int) -> int:
+    """Every master and moment of model rank `model`'s stages, joined from the output's optimizer files,
+    equals `expected` (pipeline_run.sliced_truth for that rank). Returns how many were compared."""
+    import torch
+
+    from reshard.formats.deepspeed_pipeline import read_stage, states_by_name
+    compared = 0
+    for stage, spec in enumerate(target.stages):
+        _, masters, moments = read_stage(target, stage, model=model)
+        for name, states in states_by_name(spec, masters, moments).items():
+            for key, flat in states.items():
+                assert torch.equal(flat, expected[name][key].reshape(-1)), \
+                    f"{target.optim_path(stage, 0, model)}: {name} {key}"
+                compared += 1
+    return compared
+
+
 def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
     """Every (stage, model rank)'s masters and moments joined from the output's optimizer files, and
     every tensor of its layer files, equal the slice of the truth for that model rank (pipeline_run.
@@ -314,20 +331,14 @@ def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
     import torch
     from pipeline_run import sliced_truth
 
-    from reshard.formats.deepspeed_pipeline import LAYER_RE, inspect_pipeline, load_whole, read_stage, states_by_name
+    from reshard.formats.deepspeed_pipeline import LAYER_RE, inspect_pipeline, load_whole
     truths = _truths(truth_dir)
     target = inspect_pipeline(str(out), "step3")
     assert (target.tp, target.has_model_axis) == (tp, True)
     compared = 0
     for model in range(tp):
         expected = sliced_truth(truths, tp, model)
-        for stage, spec in enumerate(target.stages):
-            _, masters, moments = read_stage(target, stage, model=model)
-            for name, states in states_by_name(spec, masters, moments).items():
-                for key, flat in states.items():
-                    assert torch.equal(flat, expected[name][key].reshape(-1)), \
-                        f"{target.optim_path(stage, 0, model)}: {name} {key}"
-                    compared += 1
+        compared += _check_optimizer_states_against(target, expected, model)
         for file in target.layer_files:
             match = LAYER_RE.match(file)
             if int(match[3]) != model:
@@ -383,7 +394,7 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     import torch
     from pipeline_run import sliced_truth
 
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole, read_stage, states_by_name
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
     precision, (pp, tp, dp) = change
     variant = HALF[change][0]
     entry = tp_changes[change]
@@ -401,13 +412,7 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     compared = 0
     for model in range(tp):
         expected = sliced_truth(truths, tp, model)
-        for stage, spec in enumerate(target.stages):
-            _, masters, moments = read_stage(target, stage, model=model)
-            for name, states in states_by_name(spec, masters, moments).items():
-                for key, flat in states.items():
-                    assert torch.equal(flat, expected[name][key].reshape(-1)), \
-                        f"{target.optim_path(stage, 0, model)}: {name} {key}"
-                    compared += 1
+        compared += _check_optimizer_states_against(target, expected, model)
     params = {1: 9, 2: 10}[pp]  # the tied embedding on both stages at pp 2
     assert compared == tp * 3 * params
     dims = {"1.weight": 0, "1.bias": 0, "3.weight": 1}  # ColumnParallelLinear, RowParallelLinear; the rest whole
