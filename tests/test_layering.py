@@ -122,6 +122,43 @@ def test_nothing_imports_the_package_root(graph):
     assert not importers, f"import the package root: {importers} (use reshard.version or the module itself)"
 
 
+def test_no_package_init_is_in_a_cycle_with_its_own_modules(graph):
+    """import-linter's acyclic_siblings looks for cycles between the children of a package, so a
+    package's `__init__` importing one of its modules that imports the package back (transport/__init__
+    -> transport/nodes -> transport, through a function-level import, until torch_backend.py) is a
+    cycle it never reports. Every such pair is one here."""
+    cycles = package_init_cycles(graph)
+    assert not cycles, [" -> ".join(chain) for chain in cycles]
+
+
+def test_package_init_cycle_check_sees_a_function_level_import_back():
+    """The check above can fail: a crafted graph where a package's __init__ imports its module `nodes`
+    and `nodes` imports the package back (as a function-level import is recorded) is reported, with
+    the chain both ways; a module importing its sibling module is not."""
+    crafted = grimp.ImportGraph()
+    for module in ("pkg", "pkg.transport", "pkg.transport.nodes", "pkg.transport.local", "pkg.jobs"):
+        crafted.add_module(module)
+    crafted.add_import(importer="pkg.transport", imported="pkg.transport.nodes")
+    crafted.add_import(importer="pkg.transport", imported="pkg.transport.local")
+    crafted.add_import(importer="pkg.transport.nodes", imported="pkg.transport.local")
+    crafted.add_import(importer="pkg.jobs", imported="pkg.transport")
+    assert package_init_cycles(crafted) == []
+    crafted.add_import(importer="pkg.transport.nodes", imported="pkg.transport")
+    assert package_init_cycles(crafted) == [("pkg.transport", "pkg.transport.nodes", "pkg.transport")]
+
+
+def package_init_cycles(graph: grimp.ImportGraph) -> list[tuple[str, ...]]:
+    """(package, ..., module, ..., package) for each module inside a package that the package's
+    `__init__` reaches by imports and that reaches the package back."""
+    cycles = []
+    for package in sorted(m for m in graph.modules if graph.find_children(m)):
+        for module in sorted(graph.find_descendants(package)):
+            there, back = graph.find_shortest_chain(package, module), graph.find_shortest_chain(module, package)
+            if there and back:
+                cycles.append(tuple(there) + tuple(back[1:]))
+    return cycles
+
+
 def test_no_private_name_crosses_a_module():
     """`from reshard.x import _name` or `module._name` from another module: make the name public, or
     move it to a module both use."""

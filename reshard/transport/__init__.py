@@ -28,13 +28,14 @@ import numpy as np
 
 from reshard.errors import OptionError
 from reshard.transport.local import LocalTransport
+from reshard.transport.torch_backend import torch_backend_for
 
 TRANSPORTS = ("auto", "torch", "mpi")
 MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 """Set by Open MPI's mpirun, MPICH/Hydra's mpiexec (and srun --mpi=pmi2), and PMIx launchers."""
 
 __all__ = ["Transport", "LocalTransport", "TorchDistributedTransport", "transport_from_environment",
-           "started_by_mpi", "is_first_worker", "started_by_torchrun", "TRANSPORTS"]
+           "started_by_mpi", "is_first_worker", "started_by_torchrun", "torch_backend_for", "TRANSPORTS"]
 
 
 class Transport(Protocol):
@@ -120,24 +121,6 @@ def _torch_group_initialised() -> bool:
     a process that has not imported it has none)."""
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
-
-
-def torch_backend_for(backend: str, gpus_visible: int, local_workers: int | None = None) -> str:
-    """The torch.distributed backend: NCCL needs a GPU of its own for every worker on a host (two
-    ranks on one GPU is refused by NCCL, and LOCAL_RANK past the device count by CUDA), so "auto"
-    takes NCCL only when each local worker has one, else gloo; an explicit "nccl" without enough
-    GPUs is refused by name. Found on one H200 with two workers: set_device(1) failed with
-    "invalid device ordinal". `local_workers`: the processes of this host that join the group
-    (the node leaders of reshard.transport.nodes pass 1)."""
-    if local_workers is None:  # every worker of this host joins the group (default: torchrun's count)
-        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if backend == "auto":
-        return "nccl" if gpus_visible >= local_workers else "gloo"
-    if backend == "nccl" and gpus_visible < local_workers:
-        raise OptionError(f"--backend nccl needs one GPU for each worker on a host: {local_workers} workers "
-                          f"on this host (LOCAL_WORLD_SIZE), {gpus_visible} GPU(s) visible; use --backend gloo "
-                          "or fewer workers per host")
-    return backend
 
 
 def transport_from_environment(backend: str = "auto", timeout_seconds: float = 600, kind: str = "auto") -> Transport:

@@ -214,7 +214,7 @@ def _join_leaders(layout: NodeLayout, backend: str, timeout_seconds: float):
     import torch
     import torch.distributed as dist
 
-    from reshard.transport import torch_backend_for
+    from reshard.transport.torch_backend import torch_backend_for
     from reshard.transport.torch_distributed import TorchDistributedTransport
     # one process per node joins: the leader alone needs a GPU for NCCL
     backend = torch_backend_for(backend, torch.cuda.device_count() if torch.cuda.is_available() else 0, 1)
