@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -444,6 +445,51 @@ def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
     merged.memory_budget = 30599
     with pytest.raises(OptionError, match="more workers do not help"):
         check_budget(merged, source, one_stage, 2)
+
+
+def test_the_budget_a_refusal_names_is_enough(tmp_path):
+    # issue 39: "give --memory-budget 2.6 GiB or more" was refused at 2.6G (the estimate rounded to the
+    # nearest tenth, 2.64 GiB printed as 2.6) and worked at 2.7G: the figure is rounded up now
+    from reshard.jobs.options import parse_size
+    from reshard.jobs.pipeline_job import PipelineTarget, check_budget
+    from reshard.topology import Topology
+    source = PipelineSource(str(tmp_path), "t", 2, 2, False, False,
+                            (PipelineStage(0, (("a",),), ((400,),)), PipelineStage(1, (("b",),), ((200,),))), (), ())
+    (tmp_path / "t").mkdir()
+    for stage, size in ((0, 4800), (1, 2400)):
+        for rank in range(2):
+            Path(source.optim_path(stage, rank)).write_bytes(b"\0" * (size // 2))
+    target = PipelineTarget(Topology(dp=3, pp=2), None)
+    opts = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=15999)
+    with pytest.raises(OptionError) as refused:
+        check_budget(opts, source, target, 1)  # needs 3 x 4800 + 4800 / 3 = 16000 bytes (15.625 KiB)
+    figure = re.search(r"give --memory-budget (.+?) or more", str(refused.value))[1]
+    opts.memory_budget = parse_size(figure)  # as the user types it
+    assert check_budget(opts, source, target, 1) == [16000]
+    assert figure == "15.7K"  # rounded up to a tenth, in the form the flag reads
+
+
+@pytest.mark.e2e
+def test_a_dry_run_over_the_budget_prints_the_plan_with_the_verdict(pipeline_runs, tmp_path):
+    # issue 39: `--dry-run` refused with the budget error (exit 2) instead of printing the plan
+    from trained import reshard_in_process
+
+    from reshard.jobs.options import parse_size
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    out = tmp_path / "out"
+    planned = reshard_in_process(save_dir, out, "--target-dp", "1", "--memory-budget", "4K", "--dry-run")
+    assert planned.returncode == 0, planned.stderr
+    assert "stages built by workers 0: [0, 1]" in planned.stdout, planned.stdout  # the plan
+    verdict = re.search(r"largest worker about (\S+ \S+) of --memory-budget 4\.0 KiB: OVER BUDGET, a run is "
+                        r"refused; give --memory-budget (\S+) or more", planned.stdout)
+    assert verdict, planned.stdout
+    assert not out.exists()
+    refused = reshard_in_process(save_dir, out, "--target-dp", "1", "--memory-budget", "4K")
+    assert refused.returncode == 2 and f"give --memory-budget {verdict[2]} or more" in refused.stderr, refused.stderr
+    assert not out.exists()
+    enough = reshard_in_process(save_dir, out, "--target-dp", "1", "--memory-budget", verdict[2], "--dry-run")
+    assert enough.returncode == 0 and "OVER BUDGET" not in enough.stdout, enough.stdout
+    assert parse_size(verdict[2]) > 4096
 
 
 def _copy_of_the_shared_save(pipeline_runs, tmp_path: Path) -> tuple[Path, Path]:

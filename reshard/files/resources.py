@@ -136,3 +136,21 @@ def human(nbytes: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{nbytes} B"
+
+
+def size_at_least(nbytes: int) -> str:
+    """The shortest size a flag reads (one decimal, the unit `human` picks: "2.7G") that is at least
+    `nbytes`: rounded up, never to the nearest, so that a budget given as printed is enough
+    (`human(2.64 GiB)` says "2.6 GiB", and 2.6G is less than 2.64 GiB). A number followed by K, M, G or
+    T is read as that many binary units, truncated to whole bytes (jobs/options.py `parse_size`)."""
+    unit, scale = "", 1
+    for unit, scale in (("", 1), ("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if nbytes < 1024 * scale or unit == "T":
+            break
+    if not unit:
+        return str(nbytes)
+    tenths = -(-nbytes * 10 // scale)  # ceil(nbytes / scale, to one decimal)
+    while int(float(f"{tenths // 10}.{tenths % 10}") * scale) < nbytes:  # the float product parse_size forms
+        tenths += 1
+    return f"{tenths // 10}.{tenths % 10}{unit}"
+

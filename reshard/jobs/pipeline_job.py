@@ -67,7 +67,7 @@ from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules, target_local_shapes
 from reshard.layouts.pipeline import PipelineLayers, StageAssignment, assign_stages, split_by_group
-from reshard.files.resources import human
+from reshard.files.resources import human, size_at_least
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.jobs.runs import Unit
 from reshard.topology import Topology
@@ -265,8 +265,8 @@ def refuse_over_budget(source: PipelineSource, needed: list[int], budget: int, w
     worst = max(range(len(needed)), key=needed.__getitem__)
     if needed[worst] > budget:
         raise OptionError(f"{source.optim_path(0, 0)}: {why}; {who} {worst} would hold about {human(needed[worst])}, "
-                          f"over --memory-budget {human(budget)}: give --memory-budget {human(needed[worst])} or "
-                          f"more{more}")
+                          f"over --memory-budget {human(budget)}: give --memory-budget {size_at_least(needed[worst])} "
+                          f"or more{more}")
 
 
 def stages_written_by(pp: int, workers: int) -> tuple[tuple[int, ...], ...]:
@@ -353,9 +353,24 @@ def column_files(source: PipelineSource, stage: int, model: int) -> tuple[str, .
 
 
 def checked_target(opts: ReshardOptions, source: PipelineSource, workers: int) -> tuple[PipelineTarget, list[int]]:
-    """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is written."""
+    """pipeline_target, then the memory check (each worker's estimate), on worker 0 before anything is
+    written. A dry run is not refused over the budget: it prints the plan with the verdict in it
+    (`budget_verdict`), which is what a dry run is for."""
     target = pipeline_target(opts, source)
+    if opts.dry_run:
+        return target, whole_tensor_bytes(source, target, workers)
     return target, check_budget(opts, source, target, workers)
+
+
+def budget_verdict(needed: list[int], budget: int) -> str:
+    """The summary's words on a whole-tensor estimate against --memory-budget: "largest worker about X of
+    --memory-budget Y", and where it is over, that a run is refused and the figure that works
+    (size_at_least: rounded up, as refuse_over_budget gives it)."""
+    largest = max(needed, default=0)
+    verdict = f"largest worker about {human(largest)} of --memory-budget {human(budget)}"
+    if largest > budget:
+        verdict += f": OVER BUDGET, a run is refused; give --memory-budget {size_at_least(largest)} or more"
+    return verdict
 
 
 def stage_output_bytes(source: PipelineSource, target: PipelineTarget) -> list[int]:
@@ -526,8 +541,8 @@ def run_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Transport, cl
     units_named = target.tp > 1 or source.tp > 1
     layers_how = (f"the layer files of {len(layer_indices(source))} layers re-cut for tp {target.tp}" if planned.tp_changed
                   else f"{len(source.layer_files)} layer files copied unchanged")
-    result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {layers_how}; whole tensors (largest "
-                        f"worker about {human(max(needed))} of --memory-budget {human(opts.memory_budget)}); "
+    result.notes.append(f"pipeline: {describe_target(opts, source, planned)}; {layers_how}; whole tensors "
+                        f"({budget_verdict(needed, opts.memory_budget)}); "
                         + ("(stage, model rank, dp ranks) shares" if planned.tp_changed else
                            "(stage, model rank) units" if units_named else "stages") + " built by workers " +
                         ", ".join(f"{w}: {[u if units_named else u[0] for u in units]}"
