@@ -289,6 +289,7 @@ def bench(args) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
                "-m", "reshard", src, dst, "--target-dp", tdp, "--target-pp", tpp, "--pipeline-layers", layers,
                "--pipeline-tied", f"embed:0,{layers - 1}", "--memory-budget", args.budget,
+               "--ignore-batch-config",  # the harness fixes train_batch_size for the source's dp
                *(["--target-tp", ttp] if axis else [])]
     results["reshard"] = watched(command, "reshard", scratch)
     run = results["reshard"]

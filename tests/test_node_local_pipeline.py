@@ -203,11 +203,11 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
         src = source_name(precision)
         run_torchrun_nodes("reshard", NODES, 2, lambda k: [
             root / f"node{k}" / src, root / f"node{k}" / name, "--node-local", "--target-ranks-per-node", per_node,
-            "--target-dp", dp, *extra, *LAYERS, "--quiet"],
+            "--target-dp", dp, *extra, *LAYERS, "--ignore-batch-config", "--quiet"],
             expect_files=[root / f"node{k}" / name / "latest" for k in range(NODES)], timeout=300)
         reference = tmp_path / f"reference-{name}"
         reshard_in_threads(gathered(root, tmp_path / f"merged-{name}", src), reference, dp, 2, target_pp=pp,
-                           pipeline_layers=7, pipeline_tied="embed:0,6")
+                           pipeline_layers=7, pipeline_tied="embed:0,6", ignore_batch_config=True)
         for node in range(NODES):
             out = root / f"node{node}" / name
             assert tag_files(out) == expected(name, node) | {"reshard_manifest.json"}, (name, node)
@@ -280,7 +280,7 @@ def test_a_dry_run_says_what_each_node_fetches_and_writes_nothing(node_local_pip
     assert run.returncode == 2 and f"{model(1)}: is missing" in run.stderr, run.stdout + run.stderr
     source = gathered(root, tmp_path / "src")
     run = reshard_in_process(source, tmp_path / "dst", "--node-local", "--target-ranks-per-node", 2, "--target-dp", 1,
-                             "--dry-run")
+                             "--ignore-batch-config", "--dry-run")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "node 0: target ranks 0..1; fetches 0 source files" in run.stdout, run.stdout
     assert not (tmp_path / "dst").exists()

@@ -24,6 +24,10 @@ from reshard.jobs.options import ReshardOptions
 from reshard.jobs.pipeline_job import pipeline_target, stages_written_by
 
 HARNESS = "tests.pipeline_run"  # run as `-m tests.pipeline_run` from the repository root
+# tests/pipeline_run.py's ds_config fixes train_batch_size for the dp it trains at, and its check engines
+# bring their own (micro batch x accumulation steps x the target's dp): a target job with new batch
+# settings, which a dp change needs, so every reshard at another dp says so (--ignore-batch-config)
+BATCH_SETTINGS_CHANGE = {"ignore_batch_config": True}
 
 
 def _source(pp: int = 2, dp: int = 1) -> PipelineSource:
@@ -168,9 +172,9 @@ IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-g
 
 def reshard_case(save_dir, out: Path, precision, source, target, workers):
     from trained import reshard_in_threads
-    options = {}
+    options = dict(BATCH_SETTINGS_CHANGE)
     if target[0] != source[0]:  # what the checkpoint lacks: tests/pipeline_run.py's layer list
-        options = {"target_pp": target[0], "pipeline_layers": 7, "pipeline_tied": "embed:0,6"}
+        options.update({"target_pp": target[0], "pipeline_layers": 7, "pipeline_tied": "embed:0,6"})
     return reshard_in_threads(save_dir, out, target[1], workers, **options)
 
 
@@ -490,6 +494,27 @@ def test_a_dry_run_over_the_budget_prints_the_plan_with_the_verdict(pipeline_run
     enough = reshard_in_process(save_dir, out, "--target-dp", "1", "--memory-budget", verdict[2], "--dry-run")
     assert enough.returncode == 0 and "OVER BUDGET" not in enough.stdout, enough.stdout
     assert parse_size(verdict[2]) > 4096
+
+
+@pytest.mark.e2e
+def test_a_pipeline_save_whose_batch_config_cannot_run_at_the_target_dp_is_refused(pipeline_runs, tmp_path):
+    # issue 39: the batch-config check never ran for pipeline saves; tests/pipeline_run.py's ds_config
+    # fixes train_batch_size 4 = micro batch 2 x accumulation steps 2 x dp 1, so DeepSpeed's pipeline
+    # engine at dp 2 or 3 stops at deepspeed.initialize, as it would for a ZeRO save
+    from trained import reshard_in_process
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    out = tmp_path / "out"
+    for dp in ("2", "3"):
+        for dry in ((), ("--dry-run",)):
+            run = reshard_in_process(save_dir, out, "--target-dp", dp, *dry)
+            assert run.returncode == 2, (dp, dry, run.stdout)
+            assert (f"{save_dir}/step3/mp_rank_00_model_states.pt: ds_config (train_batch_size 4, "
+                    f"train_micro_batch_size_per_gpu 2, gradient_accumulation_steps 2) cannot train on {dp} "
+                    "data-parallel ranks") in run.stderr and "sizes that work with this config: 1." in run.stderr
+            assert not out.exists()
+    run = reshard_in_process(save_dir, out, "--target-dp", "3", "--ignore-batch-config", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert reshard_in_process(save_dir, out, "--target-dp", "1", "--dry-run").returncode == 0  # its own dp
 
 
 def _copy_of_the_shared_save(pipeline_runs, tmp_path: Path) -> tuple[Path, Path]:

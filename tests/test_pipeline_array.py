@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_pipeline import BATCH_SETTINGS_CHANGE
 from trained import reshard_in_threads, tree_files
 
 from reshard.errors import OptionError, ReshardError
@@ -117,7 +118,7 @@ def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(pipelin
         with pytest.raises(OptionError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: pipeline checkpoints are "
                                               r"resharded with whole tensors .* array task \d would hold about"):
             run_job(ReshardOptions(source=str(save_dir), destination=str(tmp_path / "out"), target_dp=2,
-                                   array_task=task, array_tasks=2, memory_budget="1K").validate())
+                                   array_task=task, array_tasks=2, memory_budget="1K", **BATCH_SETTINGS_CHANGE).validate())
     assert not (tmp_path / "out").exists()
 
 
@@ -141,6 +142,7 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(requ
     from reshard.jobs.pipeline_job import pipeline_target
     save_dir, _ = (request.getfixturevalue("tp_saves")[variant] if "target_tp" in options
                    else request.getfixturevalue("pipeline_runs")(variant, 2, 1))
+    options = {**options, **BATCH_SETTINGS_CHANGE}  # the save's train_batch_size is for dp 1
     dp = target[1]
     expected, destination = tmp_path / "collective", tmp_path / "array"
     reshard_in_threads(save_dir, expected, dp, 2, **options)

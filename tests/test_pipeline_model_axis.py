@@ -233,7 +233,8 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     assert not (tmp_path / "export").exists()
     # an array task's items are (stage, model rank) units (tests/test_pipeline_array.py proves the output):
     # its dry run names each unit's files by its mp_rank_XX, every unit dealt to one of the two tasks
-    planned = [reshard_in_process(save_dir, tmp_path / "array", "--target-dp", "2", "--array-task", task,
+    planned = [reshard_in_process(save_dir, tmp_path / "array", "--target-dp", "2", "--ignore-batch-config",
+                                  "--array-task", task,
                                   "--array-tasks", "2", "--dry-run") for task in (0, 1)]
     assert [run.returncode for run in planned] == [0, 0], [run.stderr for run in planned]
     for unit in range(4):

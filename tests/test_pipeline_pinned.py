@@ -77,13 +77,14 @@ def save_and_truth(save, pipeline_runs, tp_saves) -> tuple[Path, Path]:
 
 def produce(job, save_dir: Path, out: Path) -> Path:
     """Run `job` on `save_dir` into `out` as the owning test file does; the directory whose files are pinned."""
+    from test_pipeline import BATCH_SETTINGS_CHANGE
     from threaded_transport import run_workers
     from trained import reshard_in_threads
 
     from reshard.export import export_safetensors, export_universal
     if job[0] == "reshard":
         (pp, tp, dp), workers, options = job[1:]
-        reshard_in_threads(save_dir, out, dp, workers, **options)
+        reshard_in_threads(save_dir, out, dp, workers, **{**options, **BATCH_SETTINGS_CHANGE})
         return out
     if job[0] == "round trip":
         from test_pipeline_tp_change import LAYERS

@@ -187,7 +187,8 @@ def test_in_job_hands_deepspeed_only_a_save_at_the_engines_pp_dp_and_tp(tmp_path
 
 # conftest `tp_saves`: ONE training launch of both saves, shared with tests/test_pipeline_array.py
 VARIANT, SOURCE = "fp32-mp2u", (2, 1)  # (pp, dp) of the session's save; tp 2
-LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6"}  # tests/pipeline_run.py's layer list
+LAYERS = {"pipeline_layers": 7, "pipeline_tied": "embed:0,6",  # tests/pipeline_run.py's layer list
+          "ignore_batch_config": True}  # and the check engines' own batch settings (test_pipeline.BATCH_SETTINGS_CHANGE)
 # (pp, tp, dp) -> workers: W differing from the worlds where it can
 TARGETS = {(1, 4, 1): 3, (1, 1, 4): 2, (2, 1, 2): 1}
 ROUND_TRIP = (2, 2, 1)  # from the (1, 1, 4) output back to the source's topology
@@ -543,12 +544,12 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
                           for i in range(4))
     budget = 3 * optimizer_bytes
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
-                             *layers, "--memory-budget", str(budget))
+                             *layers, "--ignore-batch-config", "--memory-budget", str(budget))
     assert run.returncode == 2, run.stderr
     assert "over --memory-budget" in run.stderr and "or more workers (each joins, over every model rank, only" in run.stderr
     assert not (tmp_path / "out").exists()
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
-                             *layers, "--dry-run")
+                             *layers, "--ignore-batch-config", "--dry-run")
     assert run.returncode == 0, run.stderr
     assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
             "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
@@ -557,7 +558,7 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     named = []
     for task in (0, 1):
         run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2", "--target-tp", "1", *layers,
-                                 "--array-task", str(task), "--array-tasks", "2", "--dry-run")
+                                 "--ignore-batch-config", "--array-task", str(task), "--array-tasks", "2", "--dry-run")
         assert run.returncode == 0, run.stderr
         named += re.search(r"task \d writes \d+ file\(s\), \d+ bytes: (.*)", run.stdout)[1].split(", ")
     assert sorted(n for n in named if n.startswith("layer_")) == [f"layer_{i:02d}-model_00-model_states.pt"

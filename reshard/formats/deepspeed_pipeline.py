@@ -88,7 +88,7 @@ import bisect
 import os
 import re
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.paths import write_named_file
@@ -161,6 +161,8 @@ class PipelineSource:
     model_axis: bool = False
     """The layer files carry a `-model_XX` suffix: saved with PipeModelDataParallelTopology, which
     DeepSpeed names so at tp 1 too (topology.py `get_rank_repr` keeps the model axis: `model_00`)."""
+    ds_config: dict | None = field(default=None, compare=False)
+    """Stage 0's saved `ds_config` (the training job's batch settings, which the target must fit)."""
 
     @property
     def tag_dir(self) -> str:
@@ -283,7 +285,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
                               f"should not exist: the save has {pp * tp} stage files of {dp} dp ranks")
     return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
-                          tuple(others), tp, model_axis)
+                          tuple(others), tp, model_axis, first.get("ds_config"))
 
 
 def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks: set[int],

@@ -63,6 +63,7 @@ from reshard.formats.deepspeed_pipeline import (
     write_repartitioned_stage,
     write_stage_files,
 )
+from reshard.jobs.batch_config import batch_config_problem
 from reshard.jobs.manifest import output_fingerprint
 from reshard.jobs.options import ReshardOptions
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules, target_local_shapes
@@ -147,6 +148,7 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
     topology = Topology(dp=opts.target_dp, tp=opts.target_tp if tp_changed else source.tp,
                         pp=opts.target_pp or source.pp)
     if topology.pp == source.pp and not tp_changed:
+        check_batch_config(opts, source)
         return PipelineTarget(topology, None)
     layers = pipeline_layers(opts, model)
     frozen = frozen_numels(source, layers)
@@ -172,7 +174,19 @@ def pipeline_target(opts: ReshardOptions, source: PipelineSource) -> PipelineTar
                                            f"{bounds[1]}): give the target's boundaries with --pipeline-partition")
     assignment = assignments.pop()
     check_no_empty_group(source, assignment)
+    check_batch_config(opts, source)
     return PipelineTarget(topology, assignment, rules, shapes, layers if tp_changed else None)
+
+
+def check_batch_config(opts: ReshardOptions, source: PipelineSource) -> None:
+    """The ZeRO jobs' batch-config refusal (reshard.jobs.batch_config), for the pipeline's data-parallel
+    size: DeepSpeed's pipeline engine asserts train_batch_size = micro batch x accumulation steps x the
+    grid's data-parallel size (runtime/config.py `_batch_assertion`, with the pipe grid's dp world), so
+    a save whose ds_config fixes train_batch_size stops the resumed job at deepspeed.initialize at
+    another dp; --ignore-batch-config when the target job brings new batch settings."""
+    problem = batch_config_problem(source.ds_config, opts.target_dp)
+    if problem and not opts.ignore_batch_config:
+        raise OptionError(f"{source.model_path(0)}: {problem}")
 
 
 def model_axis_plan(source: PipelineSource, layers: PipelineLayers, target_tp: int,
