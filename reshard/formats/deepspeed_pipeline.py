@@ -660,12 +660,14 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
     one target rank's file at a time: 3 x their bytes (mapped pages, flats, and what torch.cat,
     torch.save and the allocator keep besides) + 1/D. With a model axis, of model rank `model`'s
-    column. With the stages changed
-    (`named_states` + `write_repartitioned_stage`, or the in-job load), every source stage joined
-    and kept: 3 x all optimizer bytes, plus the target stage's `target_elements` joined and one
-    target rank's share. bench/pipeline_bench.py's save ((2, 1) -> (1, 2), 127 MiB of optimizer
-    files) peaked at about 3.85 x above the interpreter's own, where this says 4.4 x; a stage kept
-    (2, 1) -> (2, 2) at 2.9 x, where this says 3.5 x. With tp changed (`model` None,
+    column. With the stages changed in the in-job load (`named_states`, the engine's partitions built
+    in memory), every source stage joined and kept: 3 x all optimizer bytes, plus the target stage's
+    `target_elements` joined and one target rank's share (the offline job writes from views of the
+    mapped files instead: `repartitioned_stage_bytes`). bench/pipeline_bench.py's save ((2, 1) ->
+    (1, 2), 127 MiB of optimizer files) peaked at about 3.85 x above the interpreter's own, where this
+    says 4.4 x; a stage kept, (2, 1) -> (2, 2), offline with one worker: 194 MiB above the
+    interpreter's own (418 MiB VmHWM; `import torch` and reshard alone: 224 MiB), where this says
+    223 MiB (measured again 2026-11-28, as `repartitioned_stage_bytes` was). With tp changed (`model` None,
     model_axis_states; offline or in-job alike), every model rank's column is joined and kept, then each tensor joined whole
     over the model ranks (one more copy): 4 x the optimizer bytes of every (stage, model rank), plus
     the target unit's `target_elements` (at the target's local shapes) as above. Measured on a
@@ -680,6 +682,24 @@ def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int |
     elements = len(models) * sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
     per_element = sum(sizes) / max(1, elements)
     return int((3 if model is not None else 4) * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
+
+
+def repartitioned_stage_bytes(source: PipelineSource, target_dp: int, target_elements: int, model: int = 0) -> int:
+    """About the most bytes (beyond the interpreter's own) that the offline job holds building one
+    target stage of `target_elements` elements with the stages changed, tp kept, from model rank
+    `model`'s column (`named_states` + `write_repartitioned_stage`): every source stage's optimizer
+    file mapped, its pages touched once (1 x their bytes: the per-name states are views of them),
+    the target stage's partitions cut from those views (`FlatPieces`, 1 x the target's bytes), and one
+    target rank's file being saved (1/D). Measured on bench/pipeline_bench.py's save ((pp, dp) (2, 1),
+    127 MiB of optimizer files; VmHWM of one worker less that of an interpreter that imported torch
+    and reshard, 224 MiB): -> (1, 2) 250 MiB, where this says 307 (the 3 x estimate of
+    joined_state_bytes said 562: about twice the peak, issue 39); -> (1, 1) 251, this 367 (was 622);
+    -> (3, 1) with two workers 149 and 94 MiB, this 217 and 202 (was 471 and 457). Never below the
+    peak measured, and within 1.5 x of it for the neediest worker."""
+    sizes = [sum(os.path.getsize(source.optim_path(s, d, model)) for d in range(source.dp)) for s in range(source.pp)]
+    elements = sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
+    per_element = sum(sizes) / max(1, elements)
+    return int(sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
 
 
 def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:

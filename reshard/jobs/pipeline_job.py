@@ -53,6 +53,7 @@ from reshard.formats.deepspeed_pipeline import (
     model_axis_states,
     named_states,
     repartitioned_share_names,
+    repartitioned_stage_bytes,
     saved_model_axis_info,
     source_buffers,
     source_groups,
@@ -225,9 +226,9 @@ def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) ->
 
 
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
-    """Per worker, about the most bytes of tensors it holds at once: the largest
-    `joined_state_bytes` over the (stage, model rank) units it builds (0 for a worker building none);
-    with tp changed, the largest `share_tensor_bytes` over the stages its shares (tp_change_shares) are of."""
+    """Per worker, about the most bytes of tensors it holds at once: the largest `joined_state_bytes`
+    (stages kept) or `repartitioned_stage_bytes` (stages changed) over the (stage, model rank) units it
+    builds (0 for a worker building none); with tp changed, the largest `share_tensor_bytes` over the stages its shares (tp_change_shares) are of."""
     if target.tp_changed:
         per_element = optimizer_bytes_per_element(source)
         return [max((share_tensor_bytes(source, target, stage, [s for s in shares if s[0] == stage], per_element)
@@ -238,10 +239,10 @@ def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: 
     if target.stages is None:
         return [max((joined_state_bytes(source, dp, kept_stage=s, model=m) for s, m in units), default=0)
                 for units in writes]
-    numels = {n: math.prod(shape) for n, shape in target.shapes.items()} if target.tp_changed else source_numels(source)
+    numels = source_numels(source)
     elements = [sum(numels[n] for n in names) for names in target.stages.names]
-    return [max((joined_state_bytes(source, dp, target_elements=elements[t], model=None if target.tp_changed else m)
-                 for t, m in units), default=0) for units in writes]
+    return [max((repartitioned_stage_bytes(source, dp, elements[t], m) for t, m in units), default=0)
+            for units in writes]
 
 
 def unit_tensor_bytes(source: PipelineSource, target: PipelineTarget) -> list[int]:
