@@ -7,10 +7,13 @@ the planner and `execute()`; its outputs must stay byte for byte what they are t
 difference be explained and judged by a DeepSpeed load. This file holds today's bytes: for every
 case of tests/test_pipeline.py, test_pipeline_model_axis.py and test_pipeline_tp_change.py (each
 `reshard` run with its own target, options and worker count, imported from those files so the pins
-follow their cases) and every export of test_pipeline_export.py and test_pipeline_tp_change.py
-(safetensors and universal), the SHA-256 of each output file (the manifest aside: it names paths and
-times), kept in tests/data/pipeline_output_pins.json. The cases reshard in threads from the session's saves (`pipeline_runs`, `tp_saves`): no
-training or judging launch of its own.
+follow their cases), test_pipeline_array.py's collective references, and every export of
+test_pipeline_export.py and test_pipeline_tp_change.py (safetensors and universal), the SHA-256 of
+each output file (the manifest aside: it names paths and times), kept in
+tests/data/pipeline_output_pins.json. The cases reshard in threads from the session's saves
+(`pipeline_runs`, `tp_saves`): no training or judging launch of its own, about 15 s for all.
+tests/test_node_local_pipeline.py's outputs are not pinned here (their own two-node training): that
+test asserts each node's files equal, byte for byte, the collective job's on the gathered save.
 
 Training on CPU with fixed seeds is bit-deterministic for these saves: every save, trained twice
 (the four launches each twice, on this machine), gave identical files, truths included, and the
@@ -120,17 +123,66 @@ def truth_dir_digest(truth: Path) -> str:
 CASES = _cases()
 
 
+@pytest.fixture(scope="module")
+def produced(pipeline_runs, tp_saves, tmp_path_factory):
+    """produced(name) -> the output directory of case `name`, made once per session, after its save's
+    truth was found equal to the one the pins were recorded beside."""
+    made = {}
+
+    def produced(name: str) -> Path:
+        if name not in made:
+            assert name in PINNED, f"no pin recorded for {name} (a case added to its test file after the pins were taken)"
+            save, job = CASES[name]
+            save_dir, truth = save_and_truth(save, pipeline_runs, tp_saves)
+            save_name = "/".join(map(str, save))
+            digest = truth_dir_digest(truth)
+            assert digest == TRUTH_DIGESTS[save_name], (
+                f"{save_name} trained to other values on this machine than where the hashes were recorded (CPU or "
+                f"torch build: truth digest {digest}, recorded {TRUTH_DIGESTS[save_name]}); the pin cannot judge "
+                "the output here")
+            made[name] = produce(job, save_dir, tmp_path_factory.mktemp("pinned") / "out")
+        return made[name]
+    return produced
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_pipeline_output_bytes_are_pinned(pipeline_runs, tp_saves, tmp_path, name):
-    assert name in PINNED, f"no pin recorded for {name} (a case added to its test file after the pins were taken)"
-    save, job = CASES[name]
-    save_dir, truth = save_and_truth(save, pipeline_runs, tp_saves)
-    save_name = "/".join(map(str, save))
-    digest = truth_dir_digest(truth)
-    assert digest == TRUTH_DIGESTS[save_name], (
-        f"{save_name} trained to other values on this machine than where the hashes were recorded (CPU or torch "
-        f"build: truth digest {digest}, recorded {TRUTH_DIGESTS[save_name]}); the pin cannot judge the output here")
-    assert tree_hashes(produce(job, save_dir, tmp_path / "out")) == PINNED[name]
+def test_pipeline_output_bytes_are_pinned(produced, name):
+    assert tree_hashes(produced(name)) == PINNED[name]
+
+
+RESHARDS = [name for name, (_, job) in CASES.items() if job[0] in ("reshard", "round trip")]
+
+
+@pytest.mark.parametrize("name", RESHARDS)
+def test_the_main_roads_writer_makes_each_pinned_file_but_its_crcs(produced, tmp_path, name):
+    """What the lowering onto the main road (docs/architecture.md, "One road") can keep: every .pt file
+    the side road writes today (torch.save of whole trees), read back without torch and written again
+    as the main road writes (`torch_pickle.write_skeleton_tree`: the structure first, each storage's
+    bytes then put at its offset), equals the pinned file byte for byte but for the zip CRCs and the
+    CRC half of `.data/serialization_id` (a skeleton records none: the writer of the CRC fix must fill
+    them). So the pins can hold through the lowering if it builds the same trees."""
+    from test_torch_save_layouts import NAMES, _without_crcs
+
+    from reshard.formats import torch_pickle, torch_zip
+    from reshard.formats.torch_archive import pinned_writer_layout
+    layout, why_not = pinned_writer_layout()  # the installed torch's
+    assert why_not is None, why_not
+    files = sorted(produced(name).rglob("*.pt"))
+    assert files
+    for path in files:
+        out = tmp_path / path.relative_to(produced(name))  # the same name: it is the archive prefix
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch_pickle.write_skeleton_tree(out, torch_pickle.read_portable(path, NAMES), NAMES, layout)
+        original, rewritten = path.read_bytes(), bytearray(out.read_bytes())
+        with torch_zip.ArchiveReader(str(path)) as theirs, torch_zip.ArchiveReader(str(out)) as ours:
+            assert list(ours.infos) == list(theirs.infos), path
+            for record, info in theirs.infos.items():
+                assert ours.infos[record].data_offset == info.data_offset, (path, record)
+                if record.startswith("data/"):
+                    rewritten[info.data_offset:info.data_offset + info.file_size] = \
+                        original[info.data_offset:info.data_offset + info.file_size]
+        out.write_bytes(bytes(rewritten))
+        assert _without_crcs(out) == _without_crcs(path), path
 
 
 def _pins() -> tuple[dict, dict]:
