@@ -117,7 +117,8 @@ def tree_hashes(root: Path) -> dict:
 def truth_dir_digest(truth: Path) -> str:
     """SHA-256 over every rank's truth file's values (test_output_pinned.truth_digest), in rank order."""
     from test_output_pinned import truth_digest
-    return hashlib.sha256("".join(truth_digest(truth / name) for name in sorted(os.listdir(truth))).encode()).hexdigest()
+    digests = "".join(truth_digest(truth / name) for name in sorted(os.listdir(truth)))
+    return hashlib.sha256(digests.encode()).hexdigest()
 
 
 CASES = _cases()
@@ -131,7 +132,7 @@ def produced(pipeline_runs, tp_saves, tmp_path_factory):
 
     def produced(name: str) -> Path:
         if name not in made:
-            assert name in PINNED, f"no pin recorded for {name} (a case added to its test file after the pins were taken)"
+            assert name in PINNED, f"no pin recorded for {name} (a case added after the pins were taken)"
             save, job = CASES[name]
             save_dir, truth = save_and_truth(save, pipeline_runs, tp_saves)
             save_name = "/".join(map(str, save))

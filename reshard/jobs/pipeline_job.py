@@ -13,8 +13,9 @@ parameters (reshard.formats.deepspeed_pipeline): worker w rebuilds the stages s 
 s % W == w (the stage's model-states file and its target optimizer files, whole tensors, no
 rounds), and the layer files are copied unchanged, shared out by size. Having no rounds to cut,
 the job checks the budget instead: before anything is written, worker 0 estimates each worker's
-peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it. Worker 0 inspects
-the source and checks the options here; the rest (lock, staging, journal, each worker's stages,
+peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it (a dry run prints the
+plan with that verdict instead). Worker 0 inspects the source and checks the options here (the
+batch config too, as for ZeRO saves); the rest (lock, staging, journal, each worker's stages,
 manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job, shared with
 reshard.jobs.zero0_job.
 
@@ -228,7 +229,8 @@ def check_no_empty_group(source: PipelineSource, assignment: StageAssignment) ->
 def whole_tensor_bytes(source: PipelineSource, target: PipelineTarget, workers: int) -> list[int]:
     """Per worker, about the most bytes of tensors it holds at once: the largest `joined_state_bytes`
     (stages kept) or `repartitioned_stage_bytes` (stages changed) over the (stage, model rank) units it
-    builds (0 for a worker building none); with tp changed, the largest `share_tensor_bytes` over the stages its shares (tp_change_shares) are of."""
+    builds (0 for a worker building none); with tp changed, the largest `share_tensor_bytes` over the
+    stages its shares (tp_change_shares) are of."""
     if target.tp_changed:
         per_element = optimizer_bytes_per_element(source)
         return [max((share_tensor_bytes(source, target, stage, [s for s in shares if s[0] == stage], per_element)
