@@ -98,6 +98,8 @@ def build_engine(variant: Variant, seed: int, ep: int = 1):
         optimizer = variant.build_optimizer(build_moe_param_groups(model))
     elif variant.autoep:
         return _build_autoep_engine(variant, ep)
+    elif variant.sequence_parallel:
+        return _build_ulysses_engine(variant)
     else:
         model = ProofModel()
         optimizer = variant.build_optimizer(build_param_groups(model))
@@ -127,6 +129,29 @@ def _build_autoep_engine(variant: Variant, ep: int):
     return _checked(engine, variant)
 
 
+def _build_ulysses_engine(variant: Variant):
+    """UlyssesProofModel at the variant's sp size. At sp > 1 the groups come from DeepSpeed's own sp
+    mpu (runtime/sequence_parallel/parallel_state_sp.py, as HF Transformers' ALST passes it), built
+    before the model (DistributedAttention takes the group) and handed to initialize as `mpu`; its
+    references are released first, since a process may build more than one engine."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from reshard_proof.ulysses_model import UlyssesProofModel
+
+    mpu = None
+    if variant.sequence_parallel > 1:
+        parallel_state_sp._release_sequence_parallel_groups()
+        parallel_state_sp.initialize_sequence_parallel(variant.sequence_parallel)
+        mpu = parallel_state_sp
+    model = UlyssesProofModel(variant.sequence_parallel)
+    optimizer = variant.build_optimizer(build_param_groups(model))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu,
+                                           lr_scheduler=variant.build_lr_scheduler(optimizer),
+                                           config=variant.ds_config())
+    return _checked(engine, variant)
+
+
 def _checked(engine, variant: Variant):
     actual = type(engine.optimizer).__name__
     if actual != variant.expected_optimizer:
@@ -138,7 +163,8 @@ def train_steps(engine, *, seed: int, first_step: int, count: int) -> list[float
     """Run `count` optimizer steps on this rank's own micro-batches; returns this rank's losses."""
     import deepspeed.comm as dist
 
-    rank = dist.get_rank()
+    # the ranks of one sequence-parallel group share a micro-batch (each trains on its slice of it)
+    rank = dist.get_rank() // max(getattr(engine.module, "sequence_parallel", 1), 1)
     engine.train()
     losses = []
     for step in range(first_step, first_step + count):

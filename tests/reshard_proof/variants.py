@@ -75,6 +75,10 @@ class Variant:
     """Train reshard_proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
     load_universal: bool = False
     """checkpoint.load_universal: the engine loads DeepSpeed's universal checkpoints (an oracle)."""
+    sequence_parallel: int = 0
+    """DeepSpeed Ulysses: train reshard_proof.ulysses_model.UlyssesProofModel with this
+    sequence_parallel_size (1: the same model without sp, the engine an sp save is resharded for);
+    0: not an sp variant. `NAME@spK` is the variant at sp K."""
 
     def ds_config(self, ep: int = 1) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W.
@@ -120,6 +124,9 @@ class Variant:
             config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}
         if self.node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+        if self.sequence_parallel > 1:
+            # as HF Transformers / ALST write it; the groups come from the sp mpu (engine_setup)
+            config["sequence_parallel_size"] = self.sequence_parallel
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
@@ -189,6 +196,10 @@ def _registry() -> dict[str, Variant]:
         # optimizer file per EP rank (`expp_rank_{e}_mp_rank_00_optim_states.pt`).
         Variant("moe_z0_fp32", 0, "fp32", "AdamW", moe=True),
         Variant("moe_z0_bf16", 0, "bf16", "FP16_UnfusedOptimizer", moe=True),
+        # DeepSpeed Ulysses sequence parallelism (reshard_proof.ulysses_model), saved at sp 2;
+        # `ulysses_z2@sp1` is the same variant at sp 1 (the engine a (sp 1, dp M) target loads into).
+        _plain(2, "fp32", name="ulysses_z2", sequence_parallel=2),
+        _plain(3, "bf16", name="ulysses_z3", sequence_parallel=2),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]
@@ -199,6 +210,7 @@ VARIANTS: dict[str, Variant] = _registry()
 
 
 STAGE_SUFFIX = "@stage"
+SEQUENCE_PARALLEL_SUFFIX = "@sp"
 
 
 def get_variant(name: str) -> Variant:
@@ -208,10 +220,15 @@ def get_variant(name: str) -> Variant:
     precision, the name written into truth files) unchanged: the engine a checkpoint resharded
     with `--target-stage S` loads into, or a native save at that stage to compare it with."""
     base, _, stage = name.partition(STAGE_SUFFIX)
+    base, _, sp = base.partition(SEQUENCE_PARALLEL_SUFFIX)
     try:
         variant = VARIANTS[base]
     except KeyError:
         raise KeyError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    if sp:
+        if not sp.isdigit() or int(sp) < 1 or not variant.sequence_parallel:
+            raise KeyError(f"{name!r}: a sequence-parallel suffix is @spK (K >= 1), on a sequence-parallel variant")
+        variant = dataclasses.replace(variant, sequence_parallel=int(sp))
     if not stage:
         return variant
     if stage not in ("1", "2", "3") or variant.expected_optimizer == "BF16_Optimizer":
