@@ -185,11 +185,11 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     report.precision = {"module_dtype": spec.lp_dtype, "master_dtype": master.dtype, "bf16_file_prefix": spec.bf16_prefix}
     scalar_keys = sorted({k for entry in base["state"].values() for k in entry} - {s.name for s in spec.streams})
     config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
-    configured = _configured_optimizer(config)
+    configured = configured_optimizer_class(config)
     zero_optimizer = {"bf16_optimizer": "BF16_Optimizer"}.get(
         spec.optimizer, "DeepSpeedZeroOptimizer_Stage3" if spec.stage == 3 else "DeepSpeedZeroOptimizer")
     report.optimizer = {"zero_optimizer": zero_optimizer,
-                        "base_optimizer": configured or _guess_base_optimizer(base["param_groups"]),
+                        "base_optimizer": configured or client_optimizer_family(base["param_groups"]),
                         "state_keys": [s.name for s in spec.streams if s.name != "fp32"],
                         "scalar_state_keys": scalar_keys}
     report.groups = [{"index": index, "params": len(ids), "elements": sum(spec.params[p].numel for p in ids),
@@ -203,7 +203,7 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     report.targets = _targets(source, config)
 
 
-def _configured_optimizer(config: dict) -> str | None:
+def configured_optimizer_class(config: dict) -> str | None:
     """The optimizer class DeepSpeed built from ds_config's `optimizer` block, None without one
     (engine.py `_configure_basic_optimizer`, `get_optimizer_configuration`, `zero_use_cpu_optimizer`):
     Adam and AdamW become DeepSpeedCPUAdam under offload_optimizer to cpu or nvme (ZenFlowCPUAdam with
@@ -230,7 +230,7 @@ def _configured_optimizer(config: dict) -> str | None:
     return kind
 
 
-def _guess_base_optimizer(param_groups: list) -> str:
+def client_optimizer_family(param_groups: list) -> str:
     """A client optimizer leaves no class name in the checkpoint; its hyperparameters say the family:
     DeepSpeed's Adams keep `bias_correction` in every group (ops/adam/cpu_adam.py `DeepSpeedCPUAdam`
     with `amsgrad`, ops/adam/fused_adam.py `FusedAdam` without), torch's do not."""
