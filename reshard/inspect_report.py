@@ -17,14 +17,15 @@ The `--json` document (`as_dict()`), schema "reshard.inspect/1":
     schema, save_dir, tag, latest (tag in SAVE_DIR/latest or null), latest_universal (or null),
     tags: [tag directories holding ZeRO files],
     files: {name: bytes} of the tag directory,       total_bytes,
-    topology: {stage, dp, tp, ep, pp},
+    topology: {stage, dp, tp, ep, pp, sp}   (dp: the ranks ZeRO partitions over, sp x dp under Ulysses),
     precision: {module_dtype, master_dtype, bf16_file_prefix},
     optimizer: {zero_optimizer, base_optimizer, state_keys: [partitioned state], scalar_state_keys},
     groups: [{index, params, elements, hyperparameters: {key: value}}],
     frozen: {stored: how they are saved, params: [{name, shape}]},
     tied: {alias: owner},  buffers: [names],  counters: {global_steps, global_samples, skipped_steps},
     client_state_keys: [top-level keys of the model-states file that are not DeepSpeed's],
-    targets: {reshard_dp: "any" or [sizes], batch_config: text, export_formats: [...], notes: [...]},
+    targets: {reshard_dp: "any", "any multiple of SP" or [sizes] (at the save's sp), batch_config: text,
+              export_formats: [...], notes: [...]},
     problems: [messages]
 Keys whose facts could not be read (a checkpoint too broken to inspect) hold null.
 """
@@ -34,11 +35,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.jobs.batch_config import batch_config_problem
+from reshard.jobs.batch_config import working_data_parallel_sizes
 from reshard.errors import ReshardError
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import client_state_keys
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag, source_rank_tensors
+from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import TensorRef
 
@@ -91,7 +93,9 @@ class InspectReport:
                  f"tags: {', '.join(self.tags) or 'none'}"]
         if self.topology:
             t = self.topology
-            lines.append(f"topology: ZeRO-{t['stage']}, dp {t['dp']}, tp {t['tp']}, ep {t['ep']}, pp {t['pp']}")
+            sp = t.get("sp", 1)
+            dp = f"dp {t['dp']}" + (f" (sequence parallel: sp {sp} x dp {t['dp'] // sp})" if sp > 1 else "")
+            lines.append(f"topology: ZeRO-{t['stage']}, {dp}, tp {t['tp']}, ep {t['ep']}, pp {t['pp']}")
         if self.precision:
             p = self.precision
             lines.append(f"precision: module {p['module_dtype']}, masters {p['master_dtype']}"
@@ -175,16 +179,17 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     base = osd[schema.OPTIM] if spec.stage == 3 else osd["base_optimizer_state"]
     dims = model.get("checkpoint_parallel_dimensions") or {}
     report.topology = {"stage": spec.stage, "dp": spec.dp_world_size, "tp": int(model.get("mp_world_size", 1)),
-                       "ep": spec.topology.ep, "pp": int(dims.get("pp_degree", 1))}
+                       "ep": spec.topology.ep, "pp": int(dims.get("pp_degree", 1)),
+                       "sp": saved_sequence_parallel_size(model)}
     master = next(s for s in spec.streams if s.name == "fp32")
     report.precision = {"module_dtype": spec.lp_dtype, "master_dtype": master.dtype, "bf16_file_prefix": spec.bf16_prefix}
     scalar_keys = sorted({k for entry in base["state"].values() for k in entry} - {s.name for s in spec.streams})
     config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
-    configured = (config.get("optimizer") or {}).get("type") if isinstance(config.get("optimizer"), dict) else None
+    configured = configured_optimizer_class(config)
     zero_optimizer = {"bf16_optimizer": "BF16_Optimizer"}.get(
         spec.optimizer, "DeepSpeedZeroOptimizer_Stage3" if spec.stage == 3 else "DeepSpeedZeroOptimizer")
     report.optimizer = {"zero_optimizer": zero_optimizer,
-                        "base_optimizer": configured or _guess_base_optimizer(base["param_groups"]),
+                        "base_optimizer": configured or client_optimizer_family(base["param_groups"]),
                         "state_keys": [s.name for s in spec.streams if s.name != "fp32"],
                         "scalar_state_keys": scalar_keys}
     report.groups = [{"index": index, "params": len(ids), "elements": sum(spec.params[p].numel for p in ids),
@@ -198,9 +203,40 @@ def _describe(report: InspectReport, source: SourceCheckpoint) -> None:
     report.targets = _targets(source, config)
 
 
-def _guess_base_optimizer(param_groups: list) -> str:
-    """A client optimizer leaves no class name in the checkpoint; its hyperparameters say the family."""
+def configured_optimizer_class(config: dict) -> str | None:
+    """The optimizer class DeepSpeed built from ds_config's `optimizer` block, None without one
+    (engine.py `_configure_basic_optimizer`, `get_optimizer_configuration`, `zero_use_cpu_optimizer`):
+    Adam and AdamW become DeepSpeedCPUAdam under offload_optimizer to cpu or nvme (ZenFlowCPUAdam with
+    zenflow), torch's own with `torch_adam`, else FusedAdam; Adagrad and Lion have CPU twins too."""
+    block = config.get("optimizer")
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        return None
+    params = block.get("params") if isinstance(block.get("params"), dict) else {}
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    on_cpu = offload.get("device") in ("cpu", "nvme")
+    where = f" (ds_config {kind}, offload_optimizer {offload.get('device')})" if on_cpu else f" (ds_config {kind})"
+    name = kind.lower()
+    if name in ("adam", "adamw"):
+        if params.get("torch_adam"):
+            adam_w = name == "adamw" or params.get("adam_w_mode", True)
+            return ("torch.optim.AdamW" if adam_w else "torch.optim.Adam") + where
+        if on_cpu:
+            return ("ZenFlowCPUAdam" if zero.get("zenflow") else "DeepSpeedCPUAdam") + where
+        return "FusedAdam" + where
+    if name in ("adagrad", "lion") and on_cpu:
+        return ("DeepSpeedCPUAdagrad" if name == "adagrad" else "DeepSpeedCPULion") + where
+    return kind
+
+
+def client_optimizer_family(param_groups: list) -> str:
+    """A client optimizer leaves no class name in the checkpoint; its hyperparameters say the family:
+    DeepSpeed's Adams keep `bias_correction` in every group (ops/adam/cpu_adam.py `DeepSpeedCPUAdam`
+    with `amsgrad`, ops/adam/fused_adam.py `FusedAdam` without), torch's do not."""
     keys = set(param_groups[0]) if param_groups else set()
+    if {"bias_correction", "betas"} <= keys:
+        return ("DeepSpeedCPUAdam" if "amsgrad" in keys else "FusedAdam") + " (client optimizer)"
     if "betas" in keys:
         return "AdamW (client optimizer)" if param_groups[0].get("decoupled_weight_decay") else "Adam-like (client optimizer)"
     if "momentum" in keys:
@@ -229,13 +265,22 @@ def _frozen(source: SourceCheckpoint) -> dict:
 
 
 def _targets(source: SourceCheckpoint, config: dict) -> dict:
-    tbs = config.get("train_batch_size")
-    if isinstance(tbs, int):
-        sizes: Any = [dp for dp in range(1, min(tbs, _LISTED_DP_LIMIT) + 1) if batch_config_problem(config, dp) is None]
-        why = f"train_batch_size {tbs} is fixed in ds_config; other sizes need --ignore-batch-config"
+    sp = saved_sequence_parallel_size(source.model_template)
+    working = working_data_parallel_sizes(config, _LISTED_DP_LIMIT)
+    if working is not None:
+        sizes: Any = [sp * dp for dp in working]
+        why = (f"train_batch_size {config['train_batch_size']} is fixed in ds_config; other sizes need "
+               "--ignore-batch-config")
     else:
-        sizes, why = "any", ""
+        sizes, why = ("any" if sp == 1 else f"any multiple of {sp}"), ""
     notes = []
+    if sp > 1:
+        other = (f"at --target-sp 1, dp sizes {', '.join(map(str, working)) or 'none'}" if working is not None
+                 else "--target-sp 1 allows any size")
+        notes.append(f"DeepSpeed Ulysses sequence parallelism, sp {sp} (checkpoint_parallel_dimensions' tp_degree is "
+                     f"sp here, not tensor parallelism): ZeRO partitions over sp x dp = {source.spec.dp_world_size} "
+                     f"ranks, and --target-dp counts them; the sizes above are for a job at sp {sp} (the default "
+                     f"--target-sp); {other}")
     if source.spec.optimizer == "bf16_optimizer":
         notes.append("BF16_Optimizer checkpoint: DeepSpeed's zero_to_fp32.py cannot read it; reshard reads it")
     if source.spec.round_robin:

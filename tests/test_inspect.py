@@ -39,7 +39,7 @@ def _check_schema(doc: dict) -> None:
     for key, kind in SCHEMA_TYPES.items():
         assert isinstance(doc[key], kind), (key, doc[key])
     assert doc["schema"] == SCHEMA
-    assert set(doc["topology"]) == {"stage", "dp", "tp", "ep", "pp"}
+    assert set(doc["topology"]) == {"stage", "dp", "tp", "ep", "pp", "sp"}
     assert set(doc["precision"]) == {"module_dtype", "master_dtype", "bf16_file_prefix"}
     assert set(doc["optimizer"]) == {"zero_optimizer", "base_optimizer", "state_keys", "scalar_state_keys"}
     for group in doc["groups"]:
@@ -61,7 +61,7 @@ def test_inspect_describes_every_kind(trained, variant, n, capsys):
     doc = json.loads(capsys.readouterr().out)
     _check_schema(doc)
     assert doc["problems"] == [] and doc["tag"] == meta["tag"] == doc["latest"] and doc["tags"] == [meta["tag"]]
-    assert doc["topology"] == {"stage": meta["zero_stage"], "dp": n, "tp": 1, "ep": 1, "pp": 1}
+    assert doc["topology"] == {"stage": meta["zero_stage"], "dp": n, "tp": 1, "ep": 1, "pp": 1, "sp": 1}
     assert doc["optimizer"]["zero_optimizer"] == meta["optimizer_class"]
     assert doc["precision"]["module_dtype"] == PRECISION_DTYPES[meta["precision"]]
     assert doc["precision"]["master_dtype"] == "float32"

@@ -7,6 +7,8 @@
 process would change a later engine's files, so build_engine undoes them: torch.nn.functional.linear
 patched (undo_zero3_linear_patch; a ZeRO-1/2 bf16 engine then trains on other values) and the
 process-wide parameter id counter (restart_zero3_param_ids; the optimizer files save the `ds_id`s).
+A Ulysses engine leaves its sp mpu in DeepSpeed's groups (forget_sequence_parallel_mpu); an
+engine with ZeRO-Offload is in the shared launch too.
 
 The comparison is byte for byte, record by record of every torch archive, with one exception:
 the tensor records of ZeRO-3 optimizer files. Their flat fp32 groups end in padding DeepSpeed
@@ -54,8 +56,10 @@ def _differences(alone: Path, together: Path, zero3: bool) -> list[str]:
 
 
 def test_variants_trained_in_one_launch_write_the_files_of_their_own_launch(tmp_path):
-    # ZeRO-3 first, so that both ZeRO-1/2 and a second ZeRO-3 engine come after one
-    order = [("z3_fp32", False), ("z2_bf16", True), ("z3_bf16", True)]
+    # ZeRO-3 first, so that both ZeRO-1/2 and a second ZeRO-3 engine come after one; then a Ulysses
+    # engine, whose sp mpu DeepSpeed keeps in its groups for the rest of the process
+    # (engine_setup.forget_sequence_parallel_mpu), and a ZeRO-3 engine with CPU offload
+    order = [("z3_fp32", False), ("ulysses_z2", False), ("z3_offload", False), ("z2_bf16", True), ("z3_bf16", True)]
     jobs = [(variant, tmp_path / "together" / variant / "ckpt", tmp_path / "together" / variant / "truth.pt")
             for variant, _ in order]
     train_checkpoints(2, jobs)

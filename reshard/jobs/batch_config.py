@@ -5,7 +5,14 @@
     # -> "train_batch_size 8 ... cannot run on 3 data-parallel ranks ...; sizes that work: 1, 2, 4"
 
 DeepSpeed requires train_batch_size = micro batch per GPU x gradient accumulation steps x
-data-parallel size (runtime/config.py, `_batch_assertion`); a checkpoint's ds_config that
+data-parallel size (runtime/config.py, `_batch_assertion`); under Ulysses sequence parallelism the
+data-parallel size is the ranks divided by sp (runtime/config.py `DeepSpeedConfig.__init__`:
+`world_size / sequence_parallel_size`), while reshard's --target-dp counts all sp x dp ranks ZeRO
+partitions over (reshard.formats.deepspeed_sequence_parallel), so the rule divides by `sp`:
+
+    batch_config_problem({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}, target_dp=2, sp=2)  # None
+
+A checkpoint's ds_config that
 fixes train_batch_size rules out most sizes. reshard explains that before writing anything,
 since the resumed job would stop at deepspeed.initialize. The target job may of course use
 new batch settings: then --ignore-batch-config.
@@ -39,14 +46,17 @@ def batch_recomputing_launcher(save_dir_files) -> str | None:
     return None
 
 
-def batch_size_warning(ds_config, source_dp: int, target_dp: int, save_dir_files) -> str | None:
+def batch_size_warning(ds_config, source_dp: int, target_dp: int, save_dir_files, *, source_sp: int = 1,
+                       sp: int = 1) -> str | None:
     """For a recomputing launcher's checkpoint whose saved batch config does not fit `target_dp`:
-    one line stating the global batch size before and after. None otherwise."""
+    one line stating the global batch size before and after. None otherwise. The sizes count ZeRO's
+    ranks (sp x dp; `source_sp`, `sp`: the sequence-parallel sizes at the save and at the target)."""
     launcher = batch_recomputing_launcher(save_dir_files)
-    if launcher is None or batch_config_problem(ds_config, target_dp) is None:
+    if launcher is None or batch_config_problem(ds_config, target_dp, sp) is None:
         return None
     mbs, gas = ds_config.get("train_micro_batch_size_per_gpu"), ds_config.get("gradient_accumulation_steps") or 1
     tbs = ds_config["train_batch_size"]
+    source_dp, target_dp = source_dp // source_sp, target_dp // sp
     if not isinstance(mbs, int):
         mbs = tbs // (gas * source_dp)
     return (f"warning: {launcher} sets DeepSpeed's batch sizes at start-up: the global batch size is {tbs} at "
@@ -64,20 +74,38 @@ def _fits(tbs: int, mbs: int | None, gas: int | None, dp: int) -> bool:
     return fixed is None or (per_rank % fixed == 0 and per_rank >= fixed)
 
 
-def batch_config_problem(ds_config, target_dp: int) -> str | None:
-    """Why `ds_config` cannot train on `target_dp` ranks, or None when it can (or says nothing)."""
-    if not isinstance(ds_config, dict):
+def batch_config_problem(ds_config, target_dp: int, sp: int = 1) -> str | None:
+    """Why `ds_config` cannot train on `target_dp` ranks at sequence-parallel size `sp` (target_dp / sp
+    data-parallel ranks), or None when it can (or says nothing, or sp does not divide target_dp:
+    reshard.formats.deepspeed_sequence_parallel.sequence_parallel_problem says that)."""
+    if not isinstance(ds_config, dict) or target_dp % sp:
         return None
     values = {key: ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                                   "gradient_accumulation_steps")}
     tbs, mbs, gas = values.values()
     if not isinstance(tbs, int) or any(v is not None and not isinstance(v, int) for v in (mbs, gas)):
         return None  # no fixed global batch, or "auto" values a launcher fills in
-    if _fits(tbs, mbs, gas, target_dp):
+    if _fits(tbs, mbs, gas, target_dp // sp):
         return None
-    working = [dp for dp in range(1, tbs + 1) if _fits(tbs, mbs, gas, dp)][:12]
+    working = [sp * dp for dp in working_data_parallel_sizes(ds_config)][:12]
     given = ", ".join(f"{k} {v}" for k, v in values.items() if v is not None)
-    return (f"ds_config ({given}) cannot train on {target_dp} data-parallel ranks: DeepSpeed requires "
-            f"train_batch_size = micro batch x accumulation steps x ranks; sizes that work with this config: "
+    ranks = (f"{target_dp} data-parallel ranks" if sp == 1 else
+             f"{target_dp} ranks at sequence-parallel size {sp} ({target_dp // sp} data-parallel ranks)")
+    rule = "ranks" if sp == 1 else "data-parallel ranks (ranks / sp)"
+    sizes = "sizes that work with this config" + ("" if sp == 1 else f" at sp {sp} (--target-dp, sp x dp)")
+    return (f"ds_config ({given}) cannot train on {ranks}: DeepSpeed requires "
+            f"train_batch_size = micro batch x accumulation steps x {rule}; {sizes}: "
             f"{', '.join(map(str, working)) or 'none'}. Give the target job new batch settings and pass "
             f"--ignore-batch-config, or choose one of those sizes")
+
+
+def working_data_parallel_sizes(ds_config, limit: int | None = None) -> list[int] | None:
+    """The data-parallel sizes (ranks / sp) `ds_config`'s fixed train_batch_size allows, up to `limit`
+    (default: train_batch_size); None when it fixes no global batch."""
+    if not isinstance(ds_config, dict):
+        return None
+    tbs, mbs, gas = (ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                    "gradient_accumulation_steps"))
+    if not isinstance(tbs, int) or any(v is not None and not isinstance(v, int) for v in (mbs, gas)):
+        return None
+    return [dp for dp in range(1, min(tbs, limit or tbs) + 1) if _fits(tbs, mbs, gas, dp)]

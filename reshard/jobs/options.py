@@ -61,6 +61,10 @@ class ReshardOptions:
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int | None = flag(None, metavar="M")
     """Data-parallel world size the checkpoint is resharded for (required)."""
+    target_sp: int | None = flag(None, metavar="S")
+    """DeepSpeed Ulysses sequence-parallel size of the job that loads the output; default: the save's.
+    --target-dp then counts sp x dp ranks (ZeRO partitions over both, as the save's dp_world_size
+    does) and must be a multiple of it; the batch config is checked at dp = target_dp / sp."""
     target_tp: int | None = flag(None, metavar="T")
     """Tensor-parallel size to reshard for (AutoTP checkpoints, pipeline model axes); default: the source's."""
     target_stage: int | None = flag(None, choices=(1, 2, 3))
@@ -127,6 +131,9 @@ class ReshardOptions:
         if self.target_tp is not None and (not isinstance(self.target_tp, int) or isinstance(self.target_tp, bool)
                                            or self.target_tp < 1):
             raise OptionError(f"--target-tp must be an integer >= 1, got {self.target_tp!r}")
+        if self.target_sp is not None and (not isinstance(self.target_sp, int) or isinstance(self.target_sp, bool)
+                                           or self.target_sp < 1):
+            raise OptionError(f"--target-sp must be an integer >= 1, got {self.target_sp!r}")
         if self.target_ep is not None and (not isinstance(self.target_ep, int) or isinstance(self.target_ep, bool)
                                            or self.target_ep < 1):
             raise OptionError(f"--target-ep must be an integer >= 1, got {self.target_ep!r}")

@@ -18,6 +18,7 @@ from reshard.jobs import save_dir_files
 from reshard.jobs.batch_config import batch_config_problem, batch_size_warning
 from reshard.errors import OptionError, ReshardError
 from reshard.formats.deepspeed_client_state import differing_client_state
+from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.jobs.manifest import Manifest
@@ -37,8 +38,11 @@ def preflight(opts: ReshardOptions, source: SourceCheckpoint, target: Topology, 
     client_state. `target`: the job's one target value (`target_topology`), derived by the caller."""
     check_tensor_parallel_target(source, target)
     ds_config = source.model_template.get("ds_config")
-    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried)
-    problem = batch_config_problem(ds_config, opts.target_dp)
+    source_sp = saved_sequence_parallel_size(source.model_template)
+    sp = target_sequence_parallel(opts, source)
+    warning = batch_size_warning(ds_config, source.spec.dp_world_size, opts.target_dp, carried,
+                                 source_sp=source_sp, sp=sp)
+    problem = batch_config_problem(ds_config, opts.target_dp, sp)
     if problem and not warning and not opts.ignore_batch_config:
         raise OptionError(f"{source.model_path(0)}: {problem}")
     notes = ([warning] if warning else []) + save_dir_files.per_rank_rng_notes(carried, opts.target_dp)
@@ -49,6 +53,18 @@ def preflight(opts: ReshardOptions, source: SourceCheckpoint, target: Topology, 
                      f"rank's own); every target rank (0-{opts.target_dp - 1}) received source rank 0's values"
                      + (" (dry run: tensor values not compared)" if opts.dry_run else ""))
     return notes
+
+
+def target_sequence_parallel(opts: ReshardOptions, source: SourceCheckpoint) -> int:
+    """The Ulysses sp size of the job that loads the output: --target-sp, else the save's; refused
+    (naming the file) where --target-dp, which counts sp x dp ranks, is not a multiple of it."""
+    sp = opts.target_sp or saved_sequence_parallel_size(source.model_template)
+    problem = sequence_parallel_problem(opts.target_dp, sp)
+    if problem:
+        saved = saved_sequence_parallel_size(source.model_template)
+        raise OptionError(f"{source.model_path(0)}: {problem}"
+                          + ("" if opts.target_sp else f" (this save was trained at sp {saved})"))
+    return sp
 
 
 def check_tensor_parallel_target(source: SourceCheckpoint, target: Topology) -> None:

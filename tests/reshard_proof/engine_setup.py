@@ -67,13 +67,27 @@ def restart_zero3_param_ids() -> None:
     Init.param_id = 0
 
 
+def forget_sequence_parallel_mpu() -> None:
+    """Drop the sp mpu an earlier Ulysses engine of this process handed to DeepSpeed's groups.
+
+    engine.py `_configure_distributed_model` sets `groups.mpu = self.mpu` when an engine has one and
+    never clears it, so every later engine of the process would partition ZeRO over that engine's
+    sequence-data-parallel group and read its sp size (utils/groups.py
+    `_get_sequence_parallel_world_size`). A fresh process has no mpu there."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+    if groups.mpu is parallel_state_sp:
+        groups.mpu = None
+
+
 def start_as_a_fresh_process() -> None:
-    """Undo what an earlier ZeRO-3 engine of this process left behind for the next engine, of any
-    stage (undo_zero3_linear_patch, restart_zero3_param_ids). Every builder of proof engines calls
-    it first: build_engine here, and reshard_proof.tensor_parallel and folded_tp_ep, which build
-    their own models."""
+    """Undo what an earlier engine of this process left behind for the next engine, of any stage
+    (undo_zero3_linear_patch, restart_zero3_param_ids, forget_sequence_parallel_mpu). Every builder
+    of proof engines calls it first: build_engine here, and reshard_proof.tensor_parallel and
+    folded_tp_ep, which build their own models."""
     undo_zero3_linear_patch()
     restart_zero3_param_ids()
+    forget_sequence_parallel_mpu()
 
 
 def build_engine(variant: Variant, seed: int, ep: int = 1):
@@ -98,9 +112,15 @@ def build_engine(variant: Variant, seed: int, ep: int = 1):
         optimizer = variant.build_optimizer(build_moe_param_groups(model))
     elif variant.autoep:
         return _build_autoep_engine(variant, ep)
+    elif variant.sequence_parallel:
+        return _build_ulysses_engine(variant)
     else:
         model = ProofModel()
         optimizer = variant.build_optimizer(build_param_groups(model))
+    if optimizer is None:  # the config names it: DeepSpeed builds it over these groups, then the scheduler
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model),
+                                               lr_scheduler=variant.build_lr_scheduler, config=variant.ds_config(ep))
+        return _checked(engine, variant)
     lr_scheduler = variant.build_lr_scheduler(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=variant.ds_config(ep))
@@ -127,10 +147,36 @@ def _build_autoep_engine(variant: Variant, ep: int):
     return _checked(engine, variant)
 
 
+def _build_ulysses_engine(variant: Variant):
+    """UlyssesProofModel at the variant's sp size. At sp > 1 the groups come from DeepSpeed's own sp
+    mpu (runtime/sequence_parallel/parallel_state_sp.py, as HF Transformers' ALST passes it), built
+    before the model (DistributedAttention takes the group) and handed to initialize as `mpu`; its
+    references are released first, since a process may build more than one engine."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from reshard_proof.ulysses_model import UlyssesProofModel
+
+    mpu = None
+    if variant.sequence_parallel > 1:
+        parallel_state_sp._release_sequence_parallel_groups()
+        parallel_state_sp.initialize_sequence_parallel(variant.sequence_parallel)
+        mpu = parallel_state_sp
+    model = UlyssesProofModel(variant.sequence_parallel)
+    optimizer = variant.build_optimizer(build_param_groups(model))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu,
+                                           lr_scheduler=variant.build_lr_scheduler(optimizer),
+                                           config=variant.ds_config())
+    return _checked(engine, variant)
+
+
 def _checked(engine, variant: Variant):
     actual = type(engine.optimizer).__name__
     if actual != variant.expected_optimizer:
         raise RuntimeError(f"variant {variant.name}: DeepSpeed chose {actual}, expected {variant.expected_optimizer}")
+    base = type(getattr(engine.optimizer, "optimizer", None)).__name__
+    if variant.optimizer == "ds_cpu_adam" and base != "DeepSpeedCPUAdam":
+        raise RuntimeError(f"variant {variant.name}: DeepSpeed optimizes with {base}, expected DeepSpeedCPUAdam")
     return engine
 
 
@@ -138,7 +184,8 @@ def train_steps(engine, *, seed: int, first_step: int, count: int) -> list[float
     """Run `count` optimizer steps on this rank's own micro-batches; returns this rank's losses."""
     import deepspeed.comm as dist
 
-    rank = dist.get_rank()
+    # the ranks of one sequence-parallel group share a micro-batch (each trains on its slice of it)
+    rank = dist.get_rank() // max(getattr(engine.module, "sequence_parallel", 1), 1)
     engine.train()
     losses = []
     for step in range(first_step, first_step + count):

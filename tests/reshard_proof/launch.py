@@ -212,6 +212,8 @@ def train_checkpoint(variant: str, n: int, save_dir, truth_path, *, steps: int =
     """Train `variant` on n ranks, save to save_dir, write the truth to truth_path. `nodes` > 1:
     n // nodes ranks on each of that many agents (`run_torchrun_nodes`; "{node}" in save_dir
     becomes each node's index)."""
+    from reshard_proof.cpu_ops import build_cpu_ops_for
+    build_cpu_ops_for([variant], env)  # once, before the ranks: they would all compile it at once
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]
     if tag is not None:
         args += ["--tag", tag]
@@ -230,6 +232,8 @@ def train_checkpoints(n: int, jobs: Sequence[tuple], *, steps: int = 3, seed: in
     a job whose steps differ from the first's; those come last); every one writes the files a
     train_checkpoint launch of its own writes. `steps`: of the jobs that name none. `python`, `env`:
     as train_checkpoint's (another DeepSpeed's virtual environment)."""
+    from reshard_proof.cpu_ops import build_cpu_ops_for
+    build_cpu_ops_for([job[0] for job in jobs], env)  # once, before the ranks: they would all compile it at once
     (variant, save_dir, truth_path, *own), *rest = jobs
     steps = own[0] if own else steps
     args = ["--variant", variant, "--save-dir", save_dir, "--truth", truth_path, "--steps", steps, "--seed", seed]

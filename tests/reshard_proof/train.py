@@ -129,6 +129,7 @@ def train(args: argparse.Namespace) -> None:
                 "zero_stage": variant.zero_stage,
                 "precision": variant.precision,
                 "exclude_frozen_parameters": variant.exclude_frozen_parameters,
+                "sequence_parallel": variant.sequence_parallel,
                 "deepspeed_version": deepspeed.__version__,
                 "torch_version": str(torch.__version__),
                 "master_route_cross_check": route_disagreements,

@@ -28,6 +28,7 @@ FP16_LOSS_SCALE_WINDOW = 2
 # reference machine, with hysteresis 1): one skipped step, a cut scale, a lagging scheduler.
 FP16_OVERFLOW_SCALE_POWER = 15
 SGD_MOMENTUM = 0.9
+CPU_ADAM_HYPERPARAMETERS = {"betas": (0.9, 0.95), "eps": 1e-8}
 Z3_SUBGROUP_SIZE = 8
 
 
@@ -48,8 +49,10 @@ class Variant:
     """Module dtype; fp16 uses dynamic loss scaling."""
     expected_optimizer: str
     """Class name of engine.optimizer that DeepSpeed must pick; train asserts it."""
-    optimizer: Literal["adamw", "sgd_momentum"] = "adamw"
-    """Client optimizer; sgd_momentum keeps `momentum_buffer` instead of exp_avg/exp_avg_sq."""
+    optimizer: Literal["adamw", "sgd_momentum", "ds_cpu_adam"] = "adamw"
+    """Client optimizer; sgd_momentum keeps `momentum_buffer` instead of exp_avg/exp_avg_sq;
+    ds_cpu_adam: DeepSpeedCPUAdam, which DeepSpeed builds from the config's AdamW under optimizer
+    offload (engine.py `get_optimizer_configuration`), else handed in as the client optimizer."""
     scheduler: Literal["lambda", "warmup_decay"] = "lambda"
     """torch LambdaLR passed to initialize, or DeepSpeed's WarmupDecayLR from the config."""
     fp32_grad_accum: bool = False
@@ -75,6 +78,14 @@ class Variant:
     """Train reshard_proof.moe_model.AutoEPProofModel under AutoEP at the launch's --ep."""
     load_universal: bool = False
     """checkpoint.load_universal: the engine loads DeepSpeed's universal checkpoints (an oracle)."""
+    offload: bool = False
+    """ZeRO-Offload: zero_optimization.offload_optimizer {device: cpu}, and at stage 3 offload_param
+    too. `NAME@nooffload` is the variant without offload (the same DeepSpeedCPUAdam, as a client
+    optimizer), the engine an offload save is also loaded into."""
+    sequence_parallel: int = 0
+    """DeepSpeed Ulysses: train reshard_proof.ulysses_model.UlyssesProofModel with this
+    sequence_parallel_size (1: the same model without sp, the engine an sp save is resharded for);
+    0: not an sp variant. `NAME@spK` is the variant at sp K."""
 
     def ds_config(self, ep: int = 1) -> dict:
         """The DeepSpeed config dict; train_batch_size is left for DeepSpeed to derive from W.
@@ -112,7 +123,7 @@ class Variant:
             config["bf16"] = {"enabled": True}
         if self.fp32_grad_accum:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
-        if self.optimizer != "adamw":
+        if self.optimizer == "sgd_momentum":
             config["zero_allow_untested_optimizer"] = True
         if self.load_universal:
             config.setdefault("checkpoint", {})["load_universal"] = True
@@ -120,6 +131,16 @@ class Variant:
             config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}
         if self.node_local_storage:
             config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            if self.zero_stage == 3:
+                zero["offload_param"] = {"device": "cpu"}
+        if self.optimizer == "ds_cpu_adam" and self.offload:
+            # the type users write; DeepSpeed picks DeepSpeedCPUAdam for it under offload
+            config["optimizer"] = {"type": "AdamW", "params": dict(CPU_ADAM_HYPERPARAMETERS)}
+        if self.sequence_parallel > 1:
+            # as HF Transformers / ALST write it; the groups come from the sp mpu (engine_setup)
+            config["sequence_parallel_size"] = self.sequence_parallel
         if self.scheduler == "warmup_decay":
             # Per-group lists: a scalar (or DeepSpeed's default when left out) would give both
             # groups the same lr and hide a lost per-group hyperparameter.
@@ -131,8 +152,14 @@ class Variant:
             }
         return config
 
-    def build_optimizer(self, param_groups: list[dict]) -> torch.optim.Optimizer:
-        """The client optimizer, over groups that already carry their own lr and weight_decay."""
+    def build_optimizer(self, param_groups: list[dict]) -> torch.optim.Optimizer | None:
+        """The client optimizer, over groups that already carry their own lr and weight_decay; None
+        where the config names it (ds_cpu_adam under offload: deepspeed.initialize builds it)."""
+        if self.optimizer == "ds_cpu_adam":
+            if self.offload:
+                return None
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            return DeepSpeedCPUAdam(param_groups, adamw_mode=True, **CPU_ADAM_HYPERPARAMETERS)
         if self.optimizer == "adamw":
             return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
         return torch.optim.SGD(param_groups, momentum=SGD_MOMENTUM, dampening=0.1, nesterov=False)
@@ -189,6 +216,13 @@ def _registry() -> dict[str, Variant]:
         # optimizer file per EP rank (`expp_rank_{e}_mp_rank_00_optim_states.pt`).
         Variant("moe_z0_fp32", 0, "fp32", "AdamW", moe=True),
         Variant("moe_z0_bf16", 0, "bf16", "FP16_UnfusedOptimizer", moe=True),
+        # DeepSpeed Ulysses sequence parallelism (reshard_proof.ulysses_model), saved at sp 2;
+        # `ulysses_z2@sp1` is the same variant at sp 1 (the engine a (sp 1, dp M) target loads into).
+        _plain(2, "fp32", name="ulysses_z2", sequence_parallel=2),
+        _plain(3, "bf16", name="ulysses_z3", sequence_parallel=2),
+        # ZeRO-Offload (DeepSpeedCPUAdam, a CPU op DeepSpeed builds once: reshard_proof.cpu_ops).
+        _plain(2, "fp32", name="z2_offload", optimizer="ds_cpu_adam", offload=True),
+        _plain(3, "bf16", name="z3_offload", optimizer="ds_cpu_adam", offload=True),
         _plain(2, "fp16", name="z2_fp16_overflow", fp16_initial_scale_power=FP16_OVERFLOW_SCALE_POWER,
                fp16_hysteresis=1),
     ]
@@ -199,6 +233,8 @@ VARIANTS: dict[str, Variant] = _registry()
 
 
 STAGE_SUFFIX = "@stage"
+SEQUENCE_PARALLEL_SUFFIX = "@sp"
+NO_OFFLOAD_SUFFIX = "@nooffload"
 
 
 def get_variant(name: str) -> Variant:
@@ -208,10 +244,20 @@ def get_variant(name: str) -> Variant:
     precision, the name written into truth files) unchanged: the engine a checkpoint resharded
     with `--target-stage S` loads into, or a native save at that stage to compare it with."""
     base, _, stage = name.partition(STAGE_SUFFIX)
+    base, _, sp = base.partition(SEQUENCE_PARALLEL_SUFFIX)
+    base, no_offload, _ = base.partition(NO_OFFLOAD_SUFFIX)
     try:
         variant = VARIANTS[base]
     except KeyError:
         raise KeyError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    if sp:
+        if not sp.isdigit() or int(sp) < 1 or not variant.sequence_parallel:
+            raise KeyError(f"{name!r}: a sequence-parallel suffix is @spK (K >= 1), on a sequence-parallel variant")
+        variant = dataclasses.replace(variant, sequence_parallel=int(sp))
+    if no_offload:
+        if not variant.offload:
+            raise KeyError(f"{name!r}: {NO_OFFLOAD_SUFFIX} goes on an offload variant")
+        variant = dataclasses.replace(variant, offload=False)
     if not stage:
         return variant
     if stage not in ("1", "2", "3") or variant.expected_optimizer == "BF16_Optimizer":
