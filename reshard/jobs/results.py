@@ -183,9 +183,9 @@ class CheckpointResult:
         lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
                  f"  source : {self.description}",
                  f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
-                 f"  target : {self.target_dp} dp ranks{tp}; {self.workers} worker(s) over {self.transport}; "
-                 + (f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget" if self.plan is not None
-                    else "whole files, no exchange rounds")]
+                 f"  target : {self.target_dp} dp ranks{tp}; {workers_phrase(self.workers, self.transport)}; "
+                 + (f"{counted(self.rounds, 'round')} under a {_human(self.plan.budget_bytes)} budget"
+                    if self.plan is not None else "whole files, no exchange rounds")]
         io = self.io_line()
         if io:
             lines.append(f"  io     : {io}")
@@ -271,6 +271,19 @@ class ReshardResult:
         if len(self.checkpoints) > 1:
             parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
         return "\n".join(parts)
+
+
+def counted(n: int, noun: str) -> str:
+    """(3, "round") -> "3 rounds", (1, "round") -> "1 round": summaries say counts as words do."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def workers_phrase(workers: int, transport: str) -> str:
+    """How many workers ran a job and how they talked, as the summary says it: "1 worker, this
+    process alone (nothing exchanged between processes)", "4 workers over torch.distributed/gloo"."""
+    if transport == "local":  # reshard.transport.local: one process, every rank's slices in hand
+        return f"{counted(workers, 'worker')}, this process alone (nothing exchanged between processes)"
+    return f"{counted(workers, 'worker')} over {transport}"
 
 
 def _slowest(reports) -> dict[str, float]:
