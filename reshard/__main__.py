@@ -2,7 +2,8 @@
 import os
 import sys
 
-from reshard.cli import drop_stdout, main
+from reshard.cli import main
+from reshard.jobs.results import drop_stdout
 
 
 def _mpi_is_running() -> bool:
@@ -13,8 +14,8 @@ def _mpi_is_running() -> bool:
 
 def _run() -> int:
     """main(), surviving a reader that left (`reshard inspect X | head`): no traceback, and the rest of
-    what stdout holds is dropped. Where main() printed its result through cli._emit, its own status
-    stands; a closed pipe met elsewhere (a note printed on the way) ends the process with status 1."""
+    what stdout holds is dropped. Where main() printed its result through results.print_summary, its
+    own status stands; a closed pipe met elsewhere (a note printed on the way) ends it with status 1."""
     try:
         code = main()
         sys.stdout.flush()

@@ -26,7 +26,7 @@ import sys
 
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.options import ReshardOptions, field_docs, parse_size
-from reshard.jobs.results import process_started
+from reshard.jobs.results import print_summary, process_started
 from reshard.transport import is_first_worker
 from reshard.transport.forked import WorkerLost
 
@@ -137,7 +137,7 @@ def verify_main(argv: list[str]) -> int:
         _print_once(f"reshard verify: error: {error}")
         return 2
     if _is_worker0():
-        _emit(result.summary())
+        print_summary(result.summary())
     return 0 if result.ok else 1
 
 
@@ -183,15 +183,15 @@ def inspect_main(argv: list[str]) -> int:
     from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
     if (pipeline := pipeline_summary(source, tag, args.trust_pickle)) is not None:
         import json
-        _emit(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
+        print_summary(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
         return 0
     from reshard.inspect_report import inspect_report
     report = inspect_report(source, tag, trust_pickle=args.trust_pickle)
     if args.json:
         import json
-        _emit(json.dumps(report.as_dict(), indent=2))
+        print_summary(json.dumps(report.as_dict(), indent=2))
     else:
-        _emit(report.text())
+        print_summary(report.text())
     return 0 if report.ok else 2
 
 
@@ -205,29 +205,13 @@ def _checkpoint_to_read(source: str, tag: str | None, verb: str) -> tuple[str, s
     source, tag = as_save_dir(source, tag)
     if tag is None and not is_save_dir(source):
         inside = sorted(d for d in os.listdir(source) if is_save_dir(os.path.join(source, d)))
-        raise CheckpointError(os.path.join(source, "latest"), "does not exist, and no sub-directory is a tag directory: "
+        raise CheckpointError(os.path.join(source, "latest"),
+                              "does not exist, and no sub-directory is a tag directory: "
                               + (f"nothing to {verb} here; its sub-directories {', '.join(inside)} are save "
                                  f"directories: {verb} each" if inside else
                                  f"nothing to {verb} here (pass the save_dir given to engine.save_checkpoint, "
                                  "or one tag directory in it)"))
     return source, tag
-
-
-def _emit(text: str) -> None:
-    """Print `text` on stdout; when the reader has gone (`reshard inspect X | head`), stop writing
-    quietly: what was asked for has run, and its exit status stands."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        drop_stdout()
-
-
-def drop_stdout() -> None:
-    """Point stdout at /dev/null, so that what Python still holds for the closed pipe, and any later
-    print, goes nowhere instead of raising again at exit."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 EXPORT_HELP = """What is exported (--format safetensors): every tensor of the model's state_dict() as the
@@ -288,7 +272,7 @@ def export_main(argv: list[str]) -> int:
         _print_once(f"reshard export: error: {error}")
         return 2
     if _is_worker0():
-        _emit(result.summary())
+        print_summary(result.summary())
     return 0
 
 
@@ -346,6 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     if _is_worker0():
         if options.result_json:
             result.write_json(options.result_json)
-        _emit(result.summary())
+        print_summary(result.summary())
     return 0
 

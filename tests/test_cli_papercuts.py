@@ -257,12 +257,14 @@ def test_every_subcommand_survives_a_closed_pipe(trained, tmp_path):
     destination, out = tmp_path / "dst", tmp_path / "universal"
     runs = {
         # RESHARD_PROGRESS=1: the bar is drawn into the stderr pipe, which is not a terminal
-        "reshard": (_closed_pipe(source, destination, "--target-dp", "3", env={"RESHARD_PROGRESS": "1"}), 0),
+        # --workers 2: worker 0 of two forked workers prints the summary and draws the bar
+        "reshard": (_closed_pipe(source, destination, "--target-dp", "3", "--workers", "2",
+                                 env={"RESHARD_PROGRESS": "1"}), 0),
         "dry run": (_closed_pipe(source, tmp_path / "plan", "--target-dp", "3", "--dry-run"), 0),
         "inspect": (_closed_pipe("inspect", source), 0),
         "inspect --json": (_closed_pipe("inspect", source, "--json"), 0),
         "verify": (_closed_pipe("verify", destination), 0),
-        "export": (_closed_pipe("export", source, out, "--format", "universal"), 0),
+        "export": (_closed_pipe("export", source, out, "--format", "universal", env={"RESHARD_PROGRESS": "1"}), 0),
         "publish": (_closed_pipe("publish", destination), 0),
         "help": (_closed_pipe("--help"), 0),
     }
@@ -273,7 +275,9 @@ def test_every_subcommand_survives_a_closed_pipe(trained, tmp_path):
     assert not (tmp_path / "plan").exists()
     bars = runs["reshard"][0].stderr
     assert f"reshard {tag}: 100%" in bars, bars  # asked for: drawn although stderr is a pipe
-    assert runs["dry run"][0].stderr == "" and runs["export"][0].stderr == ""  # not a terminal: no bar
+    assert len(re.findall(rf"reshard {tag}:\s+0%\|", bars)) == 1, bars  # one bar: worker 0's, not worker 1's
+    assert "export: 100%" in runs["export"][0].stderr, runs["export"][0].stderr
+    assert runs["verify"][0].stderr == ""  # stderr is not a terminal and nothing asked for the bar: none
 
 
 @pytest.mark.e2e

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -271,6 +272,23 @@ class ReshardResult:
         if len(self.checkpoints) > 1:
             parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
         return "\n".join(parts)
+
+
+def print_summary(text: str) -> None:
+    """Print `text` on stdout; when the reader has gone (`reshard inspect X | head`), stop writing
+    quietly: what was asked for has run, and its exit status stands."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        drop_stdout()
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null, so that what Python still holds for the closed pipe, and any later
+    print, goes nowhere instead of raising again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def counted(n: int, noun: str) -> str:
