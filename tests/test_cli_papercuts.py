@@ -327,3 +327,19 @@ def test_under_torchrun_only_worker_0_draws_the_progress_bar(trained, tmp_path):
     assert f"reshard {tag}: 100%" in worker_stderr[0], worker_stderr[0]
     assert worker_stderr[1] == "", worker_stderr[1]
     assert "Traceback" not in agent + worker_stderr[0], agent
+
+
+@pytest.mark.e2e
+def test_a_whole_file_job_counts_worker_0s_files(pipeline_runs, tmp_path, monkeypatch):
+    """A pipeline save is resharded by whole files, no rounds: the bar counts the files worker 0 has
+    written (in this process: the session's shared pipeline save, no launch of its own)."""
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    tag = (Path(save_dir) / "latest").read_text().strip()
+    monkeypatch.setenv("RESHARD_PROGRESS", "1")
+    done = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2")
+    assert done.returncode == 0, done.stderr
+    written = len(os.listdir(tmp_path / "out" / tag))
+    counts = [int(n) for n in re.findall(rf"reshard {tag}, files written by worker 0: (\d+) \[", done.stderr)]
+    assert counts and counts[0] == 0 and 0 < counts[-1] <= written, done.stderr
+    quiet = reshard_in_process(save_dir, tmp_path / "quiet", "--target-dp", "2", "--quiet")
+    assert quiet.returncode == 0 and "files written by worker 0" not in quiet.stderr, quiet.stderr
