@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trained import REPO, reshard_in_process
+from trained import REPO, reshard_in_process, tree_files
 
 from reshard.jobs.options import ReshardOptions
 
@@ -300,6 +300,10 @@ def test_a_tag_directory_as_source_reshards_that_tag(trained, tmp_path):
     assert inspected.returncode == 0, inspected.stderr
     report = json.loads(inspected.stdout)
     assert report["save_dir"] == str(source) and report["tag"] == tag and report["total_bytes"] > 0
+    exports = [reshard_in_process("export", src, tmp_path / name, "--format", "safetensors")
+               for src, name in ((Path(source) / tag, "exported-a"), (source, "exported-b"))]
+    assert [e.returncode for e in exports] == [0, 0], [e.stderr for e in exports]
+    assert tree_files(tmp_path / "exported-a") == tree_files(tmp_path / "exported-b")
     # DST inside the save directory the tag directory belongs to is inside the source: refused
     inside = reshard_in_process(Path(source) / tag, Path(source) / "out", "--target-dp", "3")
     assert inside.returncode == 2 and "inside the source" in inside.stderr and not (Path(source) / "out").exists()
