@@ -142,7 +142,8 @@ def verify_main(argv: list[str]) -> int:
 
 
 def _quiet(quiet: bool) -> None:
-    """A subcommand's --quiet: no progress bar in this process (reshard.jobs.progress)."""
+    """A subcommand's --quiet: no progress bar (reshard.jobs.progress) while it runs; `main` puts the
+    environment back afterwards."""
     if quiet:
         from reshard.jobs.progress import PROGRESS_VARIABLE
         os.environ[PROGRESS_VARIABLE] = "0"
@@ -288,7 +289,15 @@ SUBCOMMANDS = {"verify": verify_main, "inspect": inspect_main, "export": export_
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[argv[0]](argv[1:])
+        from reshard.jobs.progress import PROGRESS_VARIABLE
+        before = os.environ.get(PROGRESS_VARIABLE)
+        try:
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        finally:  # a subcommand's --quiet sets it (_quiet): for this command only
+            if before is None:
+                os.environ.pop(PROGRESS_VARIABLE, None)
+            else:
+                os.environ[PROGRESS_VARIABLE] = before
     parser = build_parser()
     if not argv:  # a first try: how to call it, not a complaint about the first flag it lacks
         parser.print_usage(sys.stderr)

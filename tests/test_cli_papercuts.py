@@ -347,3 +347,20 @@ def test_a_whole_file_job_counts_worker_0s_files(pipeline_runs, tmp_path, monkey
     assert counts and counts[0] == 0 and 0 < counts[-1] <= written, done.stderr
     quiet = reshard_in_process(save_dir, tmp_path / "quiet", "--target-dp", "2", "--quiet")
     assert quiet.returncode == 0 and "files written by worker 0" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.e2e
+def test_an_array_task_and_verify_draw_their_bars(trained, tmp_path, monkeypatch):
+    """In this process, RESHARD_PROGRESS=1: an array task draws the rounds of its own share (each task
+    runs alone), `verify` the bytes it re-hashes and, with --against, the rounds it replays."""
+    source, _ = trained("z2_fp32", 2)
+    monkeypatch.setenv("RESHARD_PROGRESS", "1")
+    task = reshard_in_process(source, tmp_path / "dst", "--target-dp", "3", "--array-task", "0", "--array-tasks", "1")
+    assert task.returncode == 0, task.stderr
+    assert "reshard task 0: 100%" in task.stderr, task.stderr
+    for extra in ([], ["--against", str(source)]):
+        checked = reshard_in_process("verify", tmp_path / "dst", *extra)
+        assert checked.returncode == 0 and "verify: 100%" in checked.stderr, checked.stderr
+    quiet = reshard_in_process("verify", tmp_path / "dst", "--against", str(source), "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert os.environ["RESHARD_PROGRESS"] == "1"  # --quiet held for that command only
