@@ -3,6 +3,7 @@ import os
 import sys
 
 from reshard.cli import main
+from reshard.jobs.results import drop_stdout
 
 
 def _mpi_is_running() -> bool:
@@ -11,9 +12,24 @@ def _mpi_is_running() -> bool:
     return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
 
 
-code = main()
-sys.stdout.flush()
-sys.stderr.flush()
+def _run() -> int:
+    """main(), surviving a reader that left (`reshard inspect X | head`): no traceback, and the rest of
+    what stdout holds is dropped. Where main() printed its result through results.print_summary, its
+    own status stands; a closed pipe met elsewhere (a note printed on the way) ends it with status 1."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        drop_stdout()
+        code = 1
+    try:
+        sys.stderr.flush()
+    except BrokenPipeError:  # `2>&1 | head`: stderr went with stdout
+        pass
+    return code
+
+
+code = _run()
 if _mpi_is_running():
     # Leave through the interpreter's teardown, whose atexit hook (mpi4py's) finalises MPI. MPICH's
     # launcher (Hydra 5.0.2, tried here) kills a job's other processes as soon as one of them leaves

@@ -26,7 +26,7 @@ import sys
 
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.options import ReshardOptions, field_docs, parse_size
-from reshard.jobs.results import process_started
+from reshard.jobs.results import print_summary, process_started
 from reshard.transport import is_first_worker
 from reshard.transport.forked import WorkerLost
 
@@ -55,7 +55,7 @@ subcommands (each has its own --help):
   export SRC OUT --format F      write Hugging Face safetensors or a DeepSpeed universal checkpoint
   publish DST                    publish a finished SLURM array job (every --array-task done)"""
 
-POSITIONAL = ("source", "destination")
+POSITIONAL = {"source": "SRC", "destination": "DST"}  # the fields given by position, and how usage names them
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(ReshardOptions):
         help_text = docs[field.name]
         if field.name in POSITIONAL:
-            parser.add_argument(field.name, nargs="?", help=help_text)
+            parser.add_argument(field.name, nargs="?", metavar=POSITIONAL[field.name], help=help_text)
             continue
         shown_default = field.default not in (None, False) and "default" not in help_text
         if field.metadata.get("size"):
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(_flag(field.name), type=kind, choices=field.metadata.get("choices"),
                                 metavar=field.metadata.get("metavar"), help=help_text)
-    parser.add_argument("--config", help="YAML job file with the same option names (flags override it)")
+    parser.add_argument("--config", metavar="FILE", help="YAML job file with the same option names (flags override it)")
     return parser
 
 
@@ -119,11 +119,13 @@ def build_verify_parser() -> argparse.ArgumentParser:
     parser.add_argument("--against", metavar="SRC", help="source save directory to compare element by element")
     parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
     return parser
 
 
 def verify_main(argv: list[str]) -> int:
     args = build_verify_parser().parse_args(argv)
+    _quiet(args.quiet)
     from reshard.verify import verify_against, verify_hashes
     try:
         if args.against:
@@ -135,8 +137,16 @@ def verify_main(argv: list[str]) -> int:
         _print_once(f"reshard verify: error: {error}")
         return 2
     if _is_worker0():
-        print(result.summary())
+        print_summary(result.summary())
     return 0 if result.ok else 1
+
+
+def _quiet(quiet: bool) -> None:
+    """A subcommand's --quiet: no progress bar (reshard.jobs.progress) while it runs; `main` puts the
+    environment back afterwards."""
+    if quiet:
+        from reshard.jobs.progress import PROGRESS_VARIABLE
+        os.environ[PROGRESS_VARIABLE] = "0"
 
 
 #: How long a torchrun worker other than worker 0 waits before leaving on a refusal with --result-json.
@@ -153,28 +163,56 @@ def _print_once(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def inspect_main(argv: list[str]) -> int:
+def build_inspect_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="reshard inspect", description="Describe a DeepSpeed checkpoint (reads pickles, not tensors) and "
                                             "check every rank file; exit 2 when a check fails.")
-    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`), or one tag directory")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema reshard.inspect/1)")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def inspect_main(argv: list[str]) -> int:
+    args = build_inspect_parser().parse_args(argv)
+    try:
+        source, tag = _checkpoint_to_read(args.source, args.tag, "inspect")
+    except ReshardError as error:
+        print(f"reshard inspect: error: {error}", file=sys.stderr)
+        return 2
     from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
-    if (pipeline := pipeline_summary(args.source, args.tag, args.trust_pickle)) is not None:
+    if (pipeline := pipeline_summary(source, tag, args.trust_pickle)) is not None:
         import json
-        print(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
+        print_summary(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
         return 0
     from reshard.inspect_report import inspect_report
-    report = inspect_report(args.source, args.tag, trust_pickle=args.trust_pickle)
+    report = inspect_report(source, tag, trust_pickle=args.trust_pickle)
     if args.json:
         import json
-        print(json.dumps(report.as_dict(), indent=2))
+        print_summary(json.dumps(report.as_dict(), indent=2))
     else:
-        print(report.text())
+        print_summary(report.text())
     return 0 if report.ok else 2
+
+
+def _checkpoint_to_read(source: str, tag: str | None, verb: str) -> tuple[str, str | None]:
+    """(save directory, tag) that `inspect` and `export` read: a tag directory stands for its save
+    directory and tag (reshard.jobs.runs.as_save_dir); a directory holding no checkpoint is refused."""
+    from reshard.errors import CheckpointError
+    from reshard.jobs.runs import as_save_dir, is_save_dir
+    if not os.path.isdir(source):
+        raise CheckpointError(source, "is not a directory (expected a DeepSpeed save directory)")
+    source, tag = as_save_dir(source, tag)
+    if tag is None and not is_save_dir(source):
+        inside = sorted(d for d in os.listdir(source) if is_save_dir(os.path.join(source, d)))
+        raise CheckpointError(os.path.join(source, "latest"),
+                              "does not exist, and no sub-directory is a tag directory: "
+                              + (f"nothing to {verb} here; its sub-directories {', '.join(inside)} are save "
+                                 f"directories: {verb} each" if inside else
+                                 f"nothing to {verb} here (pass the save_dir given to engine.save_checkpoint, "
+                                 "or one tag directory in it)"))
+    return source, tag
 
 
 EXPORT_HELP = """What is exported (--format safetensors): every tensor of the model's state_dict() as the
@@ -195,12 +233,12 @@ parameters and buffers from its layer files (docs/supported.md, Pipeline paralle
 --dtype and --max-shard-size apply to safetensors only."""
 
 
-def export_main(argv: list[str]) -> int:
+def build_export_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
                                            "with W workers under torchrun.",
         epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
+    parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`), or one tag directory")
     parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
     parser.add_argument("--format", choices=("safetensors", "universal"), required=True, help="output format")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -212,23 +250,30 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
     parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
-    args = parser.parse_args(argv)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    args = build_export_parser().parse_args(argv)
+    _quiet(args.quiet)
     from reshard.export import export_safetensors, export_universal
     try:
+        source, tag = _checkpoint_to_read(args.source, args.tag, "export")
         if args.format == "universal":
-            result = export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
+            result = export_universal(source, args.destination, tag=tag, memory_budget=args.memory_budget,
                                       trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
                                       timeout=args.timeout)
         else:
-            result = export_safetensors(args.source, args.destination, dtype=args.dtype,
-                                        max_shard_size=args.max_shard_size, tag=args.tag,
+            result = export_safetensors(source, args.destination, dtype=args.dtype,
+                                        max_shard_size=args.max_shard_size, tag=tag,
                                         memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
                                         overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
     except ReshardError as error:
         _print_once(f"reshard export: error: {error}")
         return 2
     if _is_worker0():
-        print(result.summary())
+        print_summary(result.summary())
     return 0
 
 
@@ -244,12 +289,29 @@ SUBCOMMANDS = {"verify": verify_main, "inspect": inspect_main, "export": export_
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
+        from reshard.jobs.progress import PROGRESS_VARIABLE
+        before = os.environ.get(PROGRESS_VARIABLE)
+        try:
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        finally:  # a subcommand's --quiet sets it (_quiet): for this command only
+            if before is None:
+                os.environ.pop(PROGRESS_VARIABLE, None)
+            else:
+                os.environ[PROGRESS_VARIABLE] = before
+    parser = build_parser()
+    if not argv:  # a first try: how to call it, not a complaint about the first flag it lacks
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: give SRC DST --target-dp M (or --config FILE, or a subcommand: "
+              f"{', '.join(SUBCOMMANDS)}); {parser.prog} --help explains every flag", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     started = process_started()
     options = None
     try:
         options = options_from_args(args)
+        if not options.node_local:  # node-local paths differ by node: each node reads its own save directory
+            from reshard.jobs.runs import as_save_dir
+            options.source, options.tag = as_save_dir(options.source, options.tag, options.all_tags)
         if options.workers > 1:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise OptionError("--workers starts its own worker processes: run it without torchrun, or drop it")
@@ -277,6 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     if _is_worker0():
         if options.result_json:
             result.write_json(options.result_json)
-        print(result.summary())
+        print_summary(result.summary())
     return 0
 

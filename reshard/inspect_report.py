@@ -122,14 +122,23 @@ class InspectReport:
         lines += [f"  {name:56s} {_size(nbytes):>10s}" for name, nbytes in self.files.items()]
         if self.targets:
             t = self.targets
-            sizes = t["reshard_dp"] if isinstance(t["reshard_dp"], str) else ", ".join(map(str, t["reshard_dp"]))
-            lines.append(f"reshard can write: ZeRO-{self.topology['stage']} at dp sizes {sizes}"
+            lines.append(f"reshard can write it {_target_sizes(t['reshard_dp'])}, as ZeRO-{self.topology['stage']}"
                          + (f" ({t['batch_config']})" if t["batch_config"] else ""))
             if t["export_formats"]:
                 lines.append(f"export formats: {', '.join(t['export_formats'])}")
             lines += [f"note: {note}" for note in t["notes"]]
         lines += [f"PROBLEM: {problem}" for problem in self.problems] or ["no problems found"]
         return "\n".join(lines)
+
+
+def _target_sizes(sizes) -> str:
+    """"any" -> "at any --target-dp"; [1, 2, 4] -> "at --target-dp 1, 2 or 4"."""
+    if isinstance(sizes, str):
+        return f"at {sizes} --target-dp"
+    words = [str(size) for size in sizes]
+    if not words:
+        return "at no --target-dp"
+    return "at --target-dp " + (", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0])
 
 
 def inspect_report(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False) -> InspectReport:

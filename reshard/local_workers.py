@@ -69,7 +69,7 @@ def _reap(children: list[int], patience: float | None):
 def run_local_workers(options, started: float | None) -> int:
     """Run the job of `options` with `options.workers` forked processes; return the exit status."""
     from reshard.jobs.collective_job import run_job
-    from reshard.jobs.results import write_refusal_json
+    from reshard.jobs.results import print_summary, write_refusal_json
     from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
     workers = options.workers
@@ -109,7 +109,7 @@ def run_local_workers(options, started: float | None) -> int:
         if rank == 0 and code == 0:
             if options.result_json:
                 result.write_json(options.result_json)
-            print(result.summary())
+            print_summary(result.summary())
     except BaseException:
         if rank == 0:
             raise

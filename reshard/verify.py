@@ -44,6 +44,7 @@ from reshard.formats.torch_archive import (
 )
 from reshard.formats.torch_classes import as_stand_in
 from reshard.jobs.manifest import Manifest
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.formats.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
@@ -77,7 +78,9 @@ def verify_hashes(destination: str, tag: str | None = None) -> VerifyResult:
     tag_dir = os.path.join(destination, tag)
     manifest = Manifest.read(tag_dir)
     result = VerifyResult(destination, tag, "by manifest hashes", checked_files=len(manifest.files))
-    result.problems = manifest.check_files(tag_dir)
+    with Progress("verify", progress_enabled(False)) as progress:
+        progress.start(sum(entry["bytes"] for entry in manifest.files.values()))
+        result.problems = manifest.check_files(tag_dir, on_file=progress.update)
     return result
 
 
@@ -289,7 +292,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         execute(plan, transport,
                 open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
                                                       trust_pickle=trust_pickle),
-                open_sink=open_comparer, opening="opening files", after=gather)
+                open_sink=open_comparer, opening="opening files", after=gather,
+                progress=Progress("verify", progress_enabled(False, transport.rank == 0)))
         return result
     finally:
         if own_transport:

@@ -148,7 +148,7 @@ def test_workers_flag_runs_forked_workers_without_torchrun(trained, tmp_path):
     result = reshard_cli(source, tmp_path / "forked", "--target-dp", "3", "--workers", "2", "--memory-budget", "4K",
                          "--quiet")
     assert result.returncode == 0, result.stderr
-    assert "2 worker(s) over shared memory (forked workers)" in result.stdout
+    assert "2 workers over shared memory (forked workers)" in result.stdout
     reshard_in_threads(source, tmp_path / "threads", 3, 1)
     tag = (tmp_path / "threads" / "latest").read_text()
     names = sorted(os.listdir(tmp_path / "threads" / tag))

@@ -162,12 +162,12 @@ def test_torchrun_on_one_host_runs_over_shared_memory_without_torch_and_writes_t
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     shared = run(torchrun, "torchrun")
-    assert "2 worker(s) over shared memory (torchrun workers on one host)" in shared, shared
+    assert "2 workers over shared memory (torchrun workers on one host)" in shared, shared
     assert "  io     : torch-free (no worker imported torch)" in shared.splitlines(), shared
     gloo = run(torchrun, "gloo", "--transport", "torch")
-    assert "2 worker(s) over torch.distributed/gloo" in gloo, gloo
+    assert "2 workers over torch.distributed/gloo" in gloo, gloo
     forked = run([sys.executable], "forked", "--workers", "2")
-    assert "2 worker(s) over shared memory (forked workers)" in forked, forked
+    assert "2 workers over shared memory (forked workers)" in forked, forked
     _tree_equal(tmp_path / "torchrun", tmp_path / "gloo")
     _tree_equal(tmp_path / "torchrun", tmp_path / "forked")
 

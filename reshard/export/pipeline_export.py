@@ -113,6 +113,8 @@ from reshard.jobs.destination import RESHARD_NAMES, Staging, check_paths
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, publish_files, publish_tag_dir
 from reshard.jobs.manifest import export_files_fingerprint, source_identity
 from reshard.jobs.pipeline_job import refuse_over_budget, stages_written_by
+from reshard.jobs.progress import Progress, progress_enabled
+from reshard.jobs.results import counted
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRule, ModelAxisRules, model_axis_rules
 from reshard.transport.collective import check_peers, on_rank0
 
@@ -335,11 +337,11 @@ class PipelineExportResult:
     model_files: list = field(default_factory=list)
 
     def summary(self) -> str:
-        what = (f"{len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors"
+        what = (f"{counted(len(self.files), 'safetensors file')}, {self.total_size:,} bytes of tensors"
                 if self.format == "safetensors" else f"{len(self.files)} parameters and buffers (DeepSpeed universal)")
         tied = ", ".join(f"{file} as tied_modules.{key}" for file, key in self.tied_files.items())
         return (f"export done: {self.source} (tag {self.tag}, pipeline) -> {self.destination}\n"
-                f"  {what}; {self.workers} worker(s), whole tensors, {self.seconds:.1f} s; names as "
+                f"  {what}; {counted(self.workers, 'worker')}, whole tensors, {self.seconds:.1f} s; names as "
                 "PipelineModule.state_dict() gives them"
                 + (f"\n  tied: {tied}" if tied else "")
                 + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
@@ -370,10 +372,15 @@ def _run_work(transport, life: Lifecycle, write, place) -> None:
     removes the staging (the lifecycle)."""
     def work() -> None:
         failure = None  # whole files: rounds_started stays False, so a failure removes the staging
+        # whole tensors, no rounds to count: the seconds worker 0 has spent writing its share
+        progress = Progress("export, worker 0's files", progress_enabled(False, transport.rank == 0))
         try:
+            progress.start(None)
             write(life.staging)
         except Exception as error:  # noqa: BLE001 (every worker learns it; the failing one re-raises)
             failure = error
+        finally:
+            progress.close()
         check_peers(transport, failure, "writing the output files")
         life.publish(transport, None, lambda _: place(life.staging))
 

@@ -35,6 +35,7 @@ from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle
 from reshard.jobs.manifest import plan_fingerprint
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.planning.plan import ReshardPlan
 from reshard.files.resources import peak_resident_bytes
 from reshard.formats.source_reader import SourceReader
@@ -79,5 +80,6 @@ def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: E
         opening="opening source files and creating output files", opened=lambda reader, writer: life.opened(),
         finish=lambda reader, writer: writer.finish(), finishing="writing output files",
         after=lambda reader, writer, finished: life.publish(transport, None, lambda _: publish(staging)),
-        start_round=start.rounds_done, durable_every_bytes=output.durable_every, on_durable=life.journal))
+        start_round=start.rounds_done, durable_every_bytes=output.durable_every, on_durable=life.journal,
+        progress=Progress("export", progress_enabled(False, transport.rank == 0))))
     return transport.all_gather_object(peak_resident_bytes())

@@ -39,6 +39,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
+from reshard.jobs.results import counted
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -79,8 +80,8 @@ class ExportResult:
     def summary(self) -> str:
         tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
-                f"  {len(self.files)} safetensors file(s), {self.total_size:,} bytes of tensors; {self.workers} "
-                f"worker(s), {self.rounds} round(s), {self.seconds:.1f} s"
+                f"  {counted(len(self.files), 'safetensors file')}, {self.total_size:,} bytes of tensors; "
+                f"{counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, {self.seconds:.1f} s"
                 + (f"\n  tied: {tied}" if tied else "")
                 + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
                 + "".join(f"\n  note: {note}" for note in [*self.notes, *missing_notes(self.model_files)]))

@@ -52,6 +52,7 @@ from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
+from reshard.jobs.results import counted
 from reshard.files.paths import confined
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -234,7 +235,8 @@ class UniversalResult:
 
     def summary(self) -> str:
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (DeepSpeed universal)\n"
-                f"  {self.params} parameters; {self.workers} worker(s), {self.rounds} round(s), {self.seconds:.1f} s; "
+                f"  {self.params} parameters; {counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, "
+                f"{self.seconds:.1f} s; "
                 f"load with \"checkpoint\": {{\"load_universal\": true}}"
                 + "".join(f"\n  note: {note}" for note in self.notes))
 

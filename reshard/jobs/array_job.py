@@ -124,6 +124,7 @@ from reshard.files.resources import (
     peak_resident_bytes,
 )
 from reshard.jobs.results import CheckpointResult, ReshardResult, WorkerReport
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
 from reshard.formats.target_writer import TargetWriter
@@ -457,11 +458,15 @@ class _PipelineUnit:
                     report.bytes_written += sum(entry["bytes"] for entry in entries.values())
                     write_json_atomically(_done_path(array_dir, f.name), {"files": entries})
             todo = {(f.rank // tp, f.rank % tp) for f in targets if f.rank is not None}
-            for (stage, model), paths in build_stages(source, target, [u for u in units if u in todo], tag_dir,
-                                                      opts.trust_pickle, report):
-                entries = {os.path.basename(path): _durable_entry(path) for path in paths}
-                report.bytes_written += sum(entry["bytes"] for entry in entries.values())
-                write_json_atomically(_done_path(array_dir, stage_item(stage, model, tp)), {"files": entries})
+            with Progress(f"reshard task {opts.array_task}", progress_enabled(opts.quiet, first_worker=True),
+                          unit="stage") as progress:  # whole stages, no rounds: the task's units as they are done
+                progress.start(len(todo))
+                for (stage, model), paths in build_stages(source, target, [u for u in units if u in todo], tag_dir,
+                                                          opts.trust_pickle, report):
+                    entries = {os.path.basename(path): _durable_entry(path) for path in paths}
+                    report.bytes_written += sum(entry["bytes"] for entry in entries.values())
+                    write_json_atomically(_done_path(array_dir, stage_item(stage, model, tp)), {"files": entries})
+                    progress.update(1)
             return 0
         return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
 
@@ -581,7 +586,9 @@ def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: st
         open_sink=lambda: writer, opening="opening source files",
         opened=lambda reader, sink: sink.copy_in_background(),
         finish=lambda reader, sink: sink.finish(),  # fsync, hash and close
-        after=lambda reader, sink, hashes: (hashes, reader.bytes_read))
+        after=lambda reader, sink, hashes: (hashes, reader.bytes_read),
+        # each task runs alone: it draws its own bar (rounds of its share), whatever its launcher's rank
+        progress=Progress(f"reshard task {opts.array_task}", progress_enabled(opts.quiet, first_worker=True)))
     report.bytes_read += report_read
     report.bytes_written += writer.bytes_written
     report.bytes_carried += writer.bytes_carried
@@ -657,14 +664,19 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
                     None, scripts_from=record["source"]["save_dir"], carried=record.get("save_dir_files") or [])
 
 
-def publish_main(argv: list[str]) -> int:
-    """`python -m reshard publish DST`: publish DST (and its run sub-directories) where every task is done."""
+def build_publish_parser():
+    """The parser of `reshard publish` (argparse.ArgumentParser)."""
     import argparse
     parser = argparse.ArgumentParser(prog="reshard publish",
                                      description="Publish the output of a finished SLURM array reshard: move each "
                                                  "complete tag into place and write `latest` last.")
     parser.add_argument("destination", help="DST given to the array tasks")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def publish_main(argv: list[str]) -> int:
+    """`python -m reshard publish DST`: publish DST (and its run sub-directories) where every task is done."""
+    args = build_publish_parser().parse_args(argv)
     if not os.path.isdir(args.destination):
         print(f"reshard publish: error: {args.destination}: no such directory", file=sys.stderr)
         return 2

@@ -33,8 +33,8 @@ from reshard.files.byte_io import hash_file
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
 from reshard.errors import ReshardError
-from reshard.transport.exchange import round_bytes as _round_bytes
 from reshard.jobs.execute import execute
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.layouts.experts import expert_placement_lines
 from reshard.planning.file_shares import file_shares
 from reshard.formats.folded_expert_files import (
@@ -325,7 +325,6 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     def opened(reader, writer) -> None:
         writer.copy_in_background()
         life.opened()
-        progress.start()
 
     def flush(reader, writer) -> dict:
         writer.wait_for_copies()
@@ -352,20 +351,19 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
         return reader.bytes_read, writer.bytes_written, writer.bytes_carried
 
     def work():
-        with progress:
-            return execute(plan, transport,
-                           open_source=lambda: SourceReader.open(source, report.source_ranks,
-                                                                 trust_pickle=opts.trust_pickle,
-                                                                 extra_slots=zero.source_slots),
-                           open_sink=lambda: TargetWriter.create(
-                               source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
-                               files_of=site.files_of(zero)),
-                           opening="opening source files and creating target files", opened=opened,
-                           finish=flush, finishing="flushing target files", after=publish,
-                           start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
-                           on_durable=life.journal, on_round=lambda *done: (progress.update(*done), memory.sample()))
+        return execute(plan, transport,
+                       open_source=lambda: SourceReader.open(source, report.source_ranks,
+                                                             trust_pickle=opts.trust_pickle,
+                                                             extra_slots=zero.source_slots),
+                       open_sink=lambda: TargetWriter.create(
+                           source, staging.tag_dir, target, report.target_ranks, reuse_existing=start.skeletons,
+                           files_of=site.files_of(zero)),
+                       opening="opening source files and creating target files", opened=opened,
+                       finish=flush, finishing="flushing target files", after=publish,
+                       start_round=start.rounds_done, durable_every_bytes=opts.durable_every,
+                       on_durable=life.journal, on_round=lambda *done: memory.sample(),
+                       progress=Progress(f"reshard {source.tag}", progress_enabled(opts.quiet, transport.rank == 0)))
 
-    progress = _progress(plan, transport.rank == 0 and not opts.quiet, start.rounds_done)
     moved = life.run(work)
     report.bytes_read, report.bytes_written, report.bytes_carried = moved
     report.bytes_between_nodes = getattr(transport, "bytes_between_nodes", 0) - crossed_before
@@ -403,35 +401,3 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
                                       reshard_version=__version__),
                     unit.latest, scripts_from=site.scripts_from(source),
                     carried=carried)
-
-
-class _progress:
-    """tqdm over the bytes all workers move, on worker 0 only; a no-op when quiet.
-
-    The bar appears at `start()` (once every worker has opened its files), so a refusal
-    while opening is not preceded by an empty bar."""
-
-    def __init__(self, plan: ReshardPlan, enabled: bool, rounds_done: int = 0):
-        self.bar = None
-        self.enabled = enabled and plan.rounds > 0
-        self.plan, self.rounds_done = plan, rounds_done
-
-    def __enter__(self):
-        return self
-
-    def start(self) -> None:
-        if self.enabled and self.bar is None:
-            from tqdm import tqdm
-            per_round = _round_bytes(self.plan)
-            self.bar = tqdm(total=sum(per_round), initial=sum(per_round[:self.rounds_done]), unit="B",
-                            unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr, dynamic_ncols=True)
-
-    def update(self, round_index: int, nbytes: int) -> None:
-        if self.bar is not None:
-            self.bar.update(nbytes)
-            if self.bar.n >= self.bar.total:
-                self.bar.close()  # the exchange is over: the rate shown is its rate, not the publish's
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()

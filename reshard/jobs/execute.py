@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+from reshard.jobs.progress import Progress
 from reshard.transport.collective import check_peers
 from reshard.transport.exchange import run_rounds
 from reshard.planning.plan import ReshardPlan
@@ -79,7 +80,7 @@ def execute(plan: ReshardPlan, transport, *, open_source: Callable[[], SliceSour
             opened: Callable[[SliceSource, SliceSink], None] | None = None,
             finish: Callable[[SliceSource, SliceSink], object] | None = None, finishing: str = "finishing",
             after: Callable[[SliceSource, SliceSink, object], object] | None = None,
-            **rounds) -> object:
+            progress: Progress | None = None, **rounds) -> object:
     """Run one plan on this worker: open both endpoints, agree, exchange, finish, agree, close.
 
     Every worker of `transport` calls this with the same plan. `open_source` / `open_sink`
@@ -92,6 +93,7 @@ def execute(plan: ReshardPlan, transport, *, open_source: Callable[[], SliceSour
     and its failure, too, is agreed on (`finishing`). `after(source, sink, finished)` runs
     while the endpoints are still open (a caller's publish step) and its result is returned;
     otherwise `finish`'s result is. Both endpoints are closed in `finally`.
+    `progress` (reshard.jobs.progress), when given, draws the rounds' bytes from `opened` on.
     """
     source = sink = None
     try:
@@ -104,7 +106,12 @@ def execute(plan: ReshardPlan, transport, *, open_source: Callable[[], SliceSour
         check_peers(transport, failure, opening)
         if opened is not None:
             opened(source, sink)
+        if progress is not None:
+            progress.start_rounds(plan, rounds.get("start_round", 0))
+            rounds["on_round"] = _also(progress, rounds.get("on_round"))
         run_rounds(plan, transport, source, sink, **rounds)
+        if progress is not None:
+            progress.close()
         finished = None
         if finish is not None:
             failure = None
@@ -118,3 +125,14 @@ def execute(plan: ReshardPlan, transport, *, open_source: Callable[[], SliceSour
         for endpoint in (source, sink):
             if endpoint is not None:
                 endpoint.close()
+        if progress is not None:
+            progress.close()
+
+
+def _also(progress: Progress, on_round: Callable[[int, int], None] | None) -> Callable[[int, int], None]:
+    """on_round that advances `progress` by the round's bytes, then runs the caller's `on_round`."""
+    def each_round(round_index: int, nbytes: int) -> None:
+        progress.update(nbytes)
+        if on_round is not None:
+            on_round(round_index, nbytes)
+    return each_round

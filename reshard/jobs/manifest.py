@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from reshard.files.byte_io import hash_file
 from reshard.errors import CheckpointError
@@ -129,19 +129,20 @@ class Manifest:
         except (ValueError, TypeError) as error:
             raise CheckpointError(path, f"is not a valid reshard manifest: {error}") from None
 
-    def check_files(self, tag_dir: str) -> list[str]:
-        """Problems found re-hashing every listed file ([] when all match)."""
+    def check_files(self, tag_dir: str, on_file: Callable[[int], None] | None = None) -> list[str]:
+        """Problems found re-hashing every listed file ([] when all match); `on_file(bytes the
+        manifest lists)` after each file (a progress bar)."""
         problems = []
         for name, expected in sorted(self.files.items()):
             path = os.path.join(tag_dir, name)
             if not os.path.isfile(path):
                 problems.append(f"{path}: missing")
-                continue
-            size = os.path.getsize(path)
-            if size != expected["bytes"]:
+            elif (size := os.path.getsize(path)) != expected["bytes"]:
                 problems.append(f"{path}: {size} bytes, the manifest says {expected['bytes']}")
             elif hash_file(path) != expected["blake3"]:
                 problems.append(f"{path}: content differs from the manifest (BLAKE3 mismatch)")
+            if on_file is not None:
+                on_file(expected["bytes"])
         return problems
 
 

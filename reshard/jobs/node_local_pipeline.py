@@ -74,6 +74,7 @@ from reshard.formats.deepspeed_pipeline import (
 )
 from reshard.jobs.destination import SAVE_DIR_NAMES
 from reshard.jobs.lifecycle import JobOutput, Lifecycle, publish_tag_dir
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.jobs.manifest import Manifest, output_fingerprint
 from reshard.jobs.node_local import WorkerView, merged_identity, node_leaders, target_node
 from reshard.jobs.options import ReshardOptions
@@ -460,7 +461,10 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
 
         life.publish(transport, hashes if hosts else {}, place)
 
-    life.run(work)
+    # whole files fetched and written per node, no rounds to count: the seconds, on worker 0
+    with Progress(f"reshard {unit.tag}, node-local pipeline", progress_enabled(opts.quiet, transport.rank == 0)) as bar:
+        bar.start(None)
+        life.run(work)
     report.peak_rss_bytes = peak_resident_bytes()
     report.peak_anonymous_bytes = anonymous_rss_bytes()
     clock.lap("publish")

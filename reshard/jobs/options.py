@@ -56,7 +56,8 @@ class ReshardOptions:
     """Everything a reshard job needs to know."""
 
     source: str = ""
-    """DeepSpeed save directory to read (the save_dir given to engine.save_checkpoint)."""
+    """DeepSpeed save directory to read (the save_dir given to engine.save_checkpoint), or one tag
+    directory in it (SRC/global_step3 reads that tag; DST is then the save directory to write it into)."""
     destination: str = ""
     """Save directory to create, loadable with engine.load_checkpoint at the target size."""
     target_dp: int | None = flag(None, metavar="M")
@@ -68,19 +69,19 @@ class ReshardOptions:
     target_tp: int | None = flag(None, metavar="T")
     """Tensor-parallel size to reshard for (AutoTP checkpoints, pipeline model axes); default: the source's."""
     target_stage: int | None = flag(None, choices=(1, 2, 3))
-    """ZeRO stage to write for (1, 2 or 3); None keeps the source's stage (reshard.formats.stage_change)."""
+    """ZeRO stage to write for (1, 2 or 3); default: the source's stage."""
     target_ep: int | None = flag(None, metavar="E")
-    """Expert-parallel size to reshard an MoE checkpoint for (divides target_dp); default: the source's."""
+    """Expert-parallel size to reshard an MoE checkpoint for (divides --target-dp); default: the source's."""
     target_pp: int | None = flag(None, metavar="P")
-    """Pipeline stages to reshard a PipelineModule checkpoint for; default: the source's (reshard.jobs.pipeline_job)."""
+    """Pipeline stages to reshard a PipelineModule checkpoint for; default: the source's."""
     pipeline_layers: int | None = flag(None, metavar="N")
-    """With another pp: len(layers) of the PipelineModule (functions and parameterless layers included)."""
+    """With another --target-pp: len(layers) of the PipelineModule (functions and parameterless layers included)."""
     pipeline_tied: str | None = flag(None, metavar="KEY:I,J[;KEY:I,J]")
-    """With another pp: where TiedLayerSpec layers sit, "KEY:I,J[;KEY2:K,L]" (global layer indices)."""
+    """With another --target-pp: where TiedLayerSpec layers sit, "KEY:I,J[;KEY2:K,L]" (global layer indices)."""
     pipeline_partition: str = flag("parameters", metavar="METHOD")
-    """With another pp: DeepSpeed's partition_method, `parameters` or `uniform`, or boundaries "0,3,7"."""
+    """With another --target-pp: DeepSpeed's partition_method, parameters or uniform, or boundaries "0,3,7"."""
     tag: str | None = flag(None, metavar="TAG")
-    """Checkpoint tag to reshard; default: the one named by SOURCE/latest."""
+    """Checkpoint tag to reshard; default: the one named by SRC/latest."""
     all_tags: bool = False
     """Reshard every tag directory (best_* included), not only the one `latest` names."""
     memory_budget: int = flag(1 << 30, size=True, metavar="SIZE")
@@ -102,21 +103,21 @@ class ReshardOptions:
     timeout: float = flag(600.0, metavar="SECONDS")
     """Seconds any collective may wait; a worker whose peer died exits instead of hanging."""
     array_task: int | None = flag(None, metavar="I")
-    """This process's index (0..array_tasks-1) in a SLURM array job without collectives (reshard.jobs.array_job)."""
+    """This process's index (0 .. --array-tasks minus 1) in a SLURM array job without collectives."""
     array_tasks: int | None = flag(None, metavar="K")
     """Number of array tasks sharing the target files; each runs alone, any time, in any order."""
     transport: str = flag("auto", choices=("auto", "torch", "mpi"))
     """How workers talk: torch (torch.distributed), mpi (mpi4py), or auto (MPI when an MPI launcher
-    started the process and torchrun did not; with `workers` > 1, shared memory between the forked
+    started the process and torchrun did not; with --workers above 1, shared memory between the forked
     workers, and torch means gloo between them)."""
     workers: int = flag(1, metavar="W")
     """Worker processes `python -m reshard` starts on this host (forked after the imports; shared
-    memory, or gloo with transport "torch"); under torchrun the launcher starts them instead."""
+    memory, or gloo with --transport torch); under torchrun the launcher starts them instead."""
     node_local: bool = False
     """SRC and DST are node-local paths, the same on every node (DeepSpeed's use_node_local_storage):
-    each node reads what it sees and receives its target ranks' files (reshard.jobs.node_local)."""
+    each node reads what it sees and receives its target ranks' files."""
     target_ranks_per_node: int | None = flag(None, metavar="G")
-    """With node_local: target rank r runs on node r // this, and its files are written there."""
+    """With --node-local: target rank r runs on node r // G, and its files are written there."""
     result_json: str | None = flag(None, metavar="PATH")
     """Also write the result (bytes, seconds, phases, workers, bytes between nodes and the plan's
     figure) as JSON to PATH, from worker 0; a refused job writes {"refused": true, "exit_status": 2,
@@ -178,9 +179,9 @@ class ReshardOptions:
         if (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
                 or not math.isfinite(self.timeout) or self.timeout <= 0):
             raise OptionError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
-        for name in ("source", "destination"):
+        for name, shown in (("source", "SRC"), ("destination", "DST")):
             if not isinstance(getattr(self, name), str):
-                raise OptionError(f"{name} must be a path, got {getattr(self, name)!r}")
+                raise OptionError(f"{shown} must be a path, got {getattr(self, name)!r}")
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
         if self.tag is not None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -183,9 +184,9 @@ class CheckpointResult:
         lines = [f"reshard {'plan' if self.dry_run else 'done'}: {self.source} (tag {self.tag}) -> {self.destination}",
                  f"  source : {self.description}",
                  f"  layout : source {self.source_topology.describe()} -> target {self.target_topology.describe()}",
-                 f"  target : {self.target_dp} dp ranks{tp}; {self.workers} worker(s) over {self.transport}; "
-                 + (f"{self.rounds} round(s) under a {_human(self.plan.budget_bytes)} budget" if self.plan is not None
-                    else "whole files, no exchange rounds")]
+                 f"  target : {self.target_dp} dp ranks{tp}; {workers_phrase(self.workers, self.transport)}; "
+                 + (f"{counted(self.rounds, 'round')} under a {_human(self.plan.budget_bytes)} budget"
+                    if self.plan is not None else "whole files, no exchange rounds")]
         io = self.io_line()
         if io:
             lines.append(f"  io     : {io}")
@@ -271,6 +272,36 @@ class ReshardResult:
         if len(self.checkpoints) > 1:
             parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
         return "\n".join(parts)
+
+
+def print_summary(text: str) -> None:
+    """Print `text` on stdout; when the reader has gone (`reshard inspect X | head`), stop writing
+    quietly: what was asked for has run, and its exit status stands."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        drop_stdout()
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null, so that what Python still holds for the closed pipe, and any later
+    print, goes nowhere instead of raising again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def counted(n: int, noun: str) -> str:
+    """(3, "round") -> "3 rounds", (1, "round") -> "1 round": summaries say counts as words do."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def workers_phrase(workers: int, transport: str) -> str:
+    """How many workers ran a job and how they talked, as the summary says it: "1 worker, this
+    process alone (nothing exchanged between processes)", "4 workers over torch.distributed/gloo"."""
+    if transport == "local":  # reshard.transport.local: one process, every rank's slices in hand
+        return f"{counted(workers, 'worker')}, this process alone (nothing exchanged between processes)"
+    return f"{counted(workers, 'worker')} over {transport}"
 
 
 def _slowest(reports) -> dict[str, float]:

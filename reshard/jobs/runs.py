@@ -9,7 +9,9 @@ Otherwise its sub-directories that are save directories are taken, one level dee
 keeps `CKPT/_actor` and `CKPT/_critic`), and mirrored under DST. In each save directory the
 tag is `--tag`, or every tag directory with `--all-tags` (`best_*` included), or the one
 `latest` names. A `latest_universal` pointer is reported, never followed: reshard reads the
-native ZeRO files.
+native ZeRO files. A tag directory given as SRC (`ckpt/global_step3`) stands for its save
+directory with `--tag global_step3` (`as_save_dir`): DST is then a save directory too, and
+receives DST/global_step3 and DST/latest.
 """
 from __future__ import annotations
 
@@ -35,6 +37,36 @@ class Unit:
 
 def is_tag_dir(path: str) -> bool:
     return os.path.isdir(path) and any(schema.classify(n).kind == "optim" for n in os.listdir(path))
+
+
+def holds_checkpoint_files(path: str) -> bool:
+    """Whether `path` holds DeepSpeed checkpoint files directly (model states, ZeRO or layer files):
+    a tag directory."""
+    return os.path.isdir(path) and any(schema.classify(n).kind != "other" for n in os.listdir(path))
+
+
+def as_save_dir(source: str, tag: str | None = None, all_tags: bool = False) -> tuple[str, str | None]:
+    """(save directory, tag) for SRC as a user gave it: a save directory as it is, with `tag`; or a
+    tag directory (`ckpt/global_step3`: DeepSpeed's files directly in it, and its parent's `latest`
+    names it or there is none) as its parent and its name, so that `reshard ckpt/global_step3 DST`
+    is `reshard ckpt DST --tag global_step3`. Anything else comes back as given."""
+    path = os.path.abspath(source)
+    if is_save_dir(path) or not holds_checkpoint_files(path):
+        return source, tag
+    parent, name = os.path.split(path.rstrip(os.sep))
+    latest = os.path.join(parent, schema.LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as fd:
+            named = fd.read().strip()
+        if named != name:
+            raise CheckpointError(path, f"is a tag directory, but {latest} names tag {named!r}, not {name!r}: "
+                                        f"to read this one, pass its save directory and the tag: {parent} --tag {name}")
+    if tag is not None and tag != name:
+        raise CheckpointError(path, f"is the tag directory of tag {name!r}, but --tag {tag} was given: "
+                                    f"pass the save directory {parent} with --tag {tag}, or drop --tag")
+    if all_tags:
+        raise CheckpointError(path, f"is one tag directory: --all-tags takes the save directory, {parent}")
+    return parent, name
 
 
 def is_save_dir(path: str) -> bool:

@@ -33,6 +33,7 @@ from reshard.planning.file_shares import file_shares
 from reshard.jobs.lifecycle import JobOutput, Lifecycle, publish_tag_dir
 from reshard.jobs.manifest import Manifest, source_identity
 from reshard.jobs.options import ReshardOptions
+from reshard.jobs.progress import Progress, progress_enabled
 from reshard.files.resources import anonymous_rss_bytes, peak_resident_bytes
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
 from reshard.jobs.runs import Unit
@@ -89,9 +90,14 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
 
     def work() -> None:
         hashes, failure = {}, None
+        # whole files, no rounds to count: worker 0's own files as they are done, and the seconds
+        progress = Progress(f"reshard {source.tag}, files written by worker 0",
+                            progress_enabled(opts.quiet, transport.rank == 0), unit="file")
         try:
+            progress.start(None)
             for path in build(staging.tag_dir, identity, report):
                 hashes[os.path.basename(path)] = {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
+                progress.update(1)
             report.bytes_written = sum(h["bytes"] for h in hashes.values())
             sizes = {name: identity[name]["bytes"] for name in source.carried}
             copied = staging.copy_in_hashed(source.tag_dir, file_shares(sizes, transport.size)[transport.rank])
@@ -100,6 +106,8 @@ def run_whole_file_job(opts: ReshardOptions, unit: Unit, transport: Transport, c
             hashes.update(copied)
         except Exception as error:
             failure = error
+        finally:
+            progress.close()
         clock.lap("exchange+write")
         check_peers(transport, failure, "writing the target files")
 
