@@ -65,7 +65,7 @@ class ReshardOptions:
     target_sp: int | None = flag(None, metavar="S")
     """DeepSpeed Ulysses sequence-parallel size of the job that loads the output; default: the save's.
     --target-dp then counts sp x dp ranks (ZeRO partitions over both, as the save's dp_world_size
-    does) and must be a multiple of it; the batch config is checked at dp = target_dp / sp."""
+    does) and must be a multiple of it; the batch config is checked at dp = --target-dp / sp."""
     target_tp: int | None = flag(None, metavar="T")
     """Tensor-parallel size to reshard for (AutoTP checkpoints, pipeline model axes); default: the source's."""
     target_stage: int | None = flag(None, choices=(1, 2, 3))
