@@ -340,12 +340,13 @@ def test_a_whole_file_job_counts_worker_0s_files(pipeline_runs, tmp_path, monkey
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     tag = (Path(save_dir) / "latest").read_text().strip()
     monkeypatch.setenv("RESHARD_PROGRESS", "1")
-    done = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2")
+    # the save's batch config is for dp 1; the target job brings its own (as every pipeline test says)
+    done = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2", "--ignore-batch-config")
     assert done.returncode == 0, done.stderr
     written = len(os.listdir(tmp_path / "out" / tag))
     counts = [int(n) for n in re.findall(rf"reshard {tag}, files written by worker 0: (\d+) \[", done.stderr)]
     assert counts and counts[0] == 0 and 0 < counts[-1] <= written, done.stderr
-    quiet = reshard_in_process(save_dir, tmp_path / "quiet", "--target-dp", "2", "--quiet")
+    quiet = reshard_in_process(save_dir, tmp_path / "quiet", "--target-dp", "2", "--ignore-batch-config", "--quiet")
     assert quiet.returncode == 0 and "files written by worker 0" not in quiet.stderr, quiet.stderr
 
 
