@@ -13,7 +13,10 @@ later from the exchange, while large carried storages are copied in a background
 Padding is never written and reads back as zeros. When resuming, existing skeletons are
 reopened and located instead of rewritten.
 
-Hashing (BLAKE3, for the manifest) reads each file back from the page cache once it is
+Before a file is hashed, its records get their real CRC-32s (torch_zip.seal_crcs, computed from
+the written bytes, so resumed and kernel-copied bytes count alike): a skeleton records CRC 0, and
+the file must be what torch.save of the same object writes, which `zipfile.testzip` and `unzip -t`
+accept. Hashing (BLAKE3, for the manifest) reads each file back from the page cache once it is
 final: a file no partition slice goes to (ZeRO-1/2 module weights, ZeRO-3 model states) in
 the background thread as soon as its carried bytes are in, while the rounds run; the others
 after the last round, while a second thread fsyncs (one waits on the disk, the other on the
@@ -34,6 +37,7 @@ from reshard.formats.float_casts import ITEMSIZE, cast_bytes
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
+from reshard.formats.torch_zip import seal_crcs
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
@@ -69,6 +73,10 @@ class TargetWriter:
     """Wall seconds spent in fsync so far (a phase of its own in the job's summary)."""
     hash_seconds: float = 0.0
     """Wall seconds `finish` spent hashing (besides the fsync thread)."""
+    crc_seconds: float = 0.0
+    """Wall seconds spent computing and writing the files' CRC-32s (`seal`), in either thread."""
+    sealed: set = field(default_factory=set)
+    """Paths whose CRC-32s are final."""
     deferred: list = field(default_factory=list)
     """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
     digests: dict = field(default_factory=dict)
@@ -163,6 +171,7 @@ class TargetWriter:
         if self._copy_error is None:
             try:
                 for path in self._sliceless():
+                    self.seal(path)
                     self.digests[path] = hash_file(path)
             except BaseException as error:
                 self._copy_error = error
@@ -206,6 +215,19 @@ class TargetWriter:
             raise WriteFailed(path, error) from None
         self.bytes_written += len(data)
 
+    def seal(self, path: str) -> None:
+        """Write the real CRC-32 of every record of a file whose bytes are all in (torch_zip.seal_crcs)."""
+        if path in self.sealed:
+            return
+        started = time.perf_counter()
+        try:
+            seal_crcs(path, self.fds[path])
+        except OSError as error:
+            raise WriteFailed(path, error) from None
+        finally:
+            self.crc_seconds += time.perf_counter() - started
+        self.sealed.add(path)
+
     def sync(self) -> None:
         started = time.perf_counter()
         try:
@@ -223,10 +245,13 @@ class TargetWriter:
     def finish(self) -> dict:
         """Finish the background work, make every byte durable and hash every file, then close.
 
-        The fsync runs in a thread while this one hashes the files not hashed yet. Returns
+        The CRC-32s are written first (they change bytes the fsync and the hash must see); then
+        the fsync runs in a thread while this one hashes the files not hashed yet. Returns
         {file name: {"bytes", "blake3"}}.
         """
         self.wait_for_copies()
+        for path in self.paths:
+            self.seal(path)
         failure: list[BaseException] = []
 
         def sync():
