@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from reshard.files.byte_io import hash_file
@@ -175,7 +176,7 @@ class Staging:
             _remove(old)
         self.discard()
 
-    def publish_files(self, last: str) -> None:
+    def publish_files(self, last: str, before_moves: Callable[[], object] = lambda: None) -> None:
         """Move every file of the staging directory into DST itself (sub-directories kept), each by
         an atomic rename that replaces a file or link of its name, `last` (the file that marks the
         output complete, e.g. a safetensors index) after all others; then remove the staging.
@@ -183,21 +184,28 @@ class Staging:
         For outputs that are a directory of files rather than a tag directory: no single rename
         can place them, so the marker goes last, and until it is there the output is incomplete.
         An earlier `last` in DST (--overwrite) is removed first: it must not vouch for a mix of old
-        and new files while they move."""
+        and new files while they move. Every target is checked and given its directory before
+        `before_moves` runs (the lifecycle removes the journal there), so a refusal up to that point
+        leaves a staging the same command resumes."""
         marker = confined(self.destination, os.path.join(self.destination, last))
-        if os.path.lexists(marker):
-            os.unlink(marker)
         _fsync_dir(self.tag_dir)
         names = []
         for root, dirs, files in os.walk(self.tag_dir):
             dirs.sort()
             names += sorted(os.path.relpath(os.path.join(root, f), self.tag_dir) for f in files)
         names = [n for n in names if n not in (JOURNAL_NAME, last)] + ([last] if last in names else [])
+        top = os.path.abspath(self.destination).rstrip(os.sep)
+        targets = []
         for name in names:
             target = confined(self.destination, os.path.join(self.destination, name))
-            parent = os.path.dirname(target)
-            if parent != os.path.abspath(self.destination).rstrip(os.sep):
+            parent = os.path.dirname(os.path.abspath(target))
+            if parent != top:
                 self._mkdir(parent)
+            targets.append((name, target))
+        before_moves()
+        if os.path.lexists(marker):
+            os.unlink(marker)
+        for name, target in targets:
             os.replace(os.path.join(self.tag_dir, name), target)
         _fsync_dir(self.destination)
         self.discard()
