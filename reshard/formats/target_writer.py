@@ -72,7 +72,8 @@ class TargetWriter:
     sync_seconds: float = 0.0
     """Wall seconds spent in fsync so far (a phase of its own in the job's summary)."""
     hash_seconds: float = 0.0
-    """Wall seconds `finish` spent hashing (besides the fsync thread)."""
+    """Wall seconds `finish` spent sealing CRC-32s and hashing (besides the fsync thread): the
+    job's "hash" phase."""
     crc_seconds: float = 0.0
     """Wall seconds spent computing and writing the files' CRC-32s (`seal`), in either thread."""
     sealed: set = field(default_factory=set)
@@ -228,15 +229,18 @@ class TargetWriter:
             self.crc_seconds += time.perf_counter() - started
         self.sealed.add(path)
 
-    def sync(self) -> None:
+    def sync(self, ready: dict | None = None) -> None:
+        """fsync every file; with `ready` ({path: threading.Event}), each once its event is set."""
         started = time.perf_counter()
         try:
-            self._sync()
+            self._sync(ready)
         finally:
             self.sync_seconds += time.perf_counter() - started
 
-    def _sync(self) -> None:
+    def _sync(self, ready: dict | None = None) -> None:
         for path, fd in self.fds.items():
+            if ready is not None:
+                ready[path].wait()
             try:
                 os.fsync(fd)
             except OSError as error:
@@ -245,18 +249,17 @@ class TargetWriter:
     def finish(self) -> dict:
         """Finish the background work, make every byte durable and hash every file, then close.
 
-        The CRC-32s are written first (they change bytes the fsync and the hash must see); then
-        the fsync runs in a thread while this one hashes the files not hashed yet. Returns
-        {file name: {"bytes", "blake3"}}.
+        This thread seals each file's CRC-32s (they change bytes the fsync and the hash must see),
+        then hashes the files not hashed yet; a second thread fsyncs each file as soon as it is
+        sealed. Returns {file name: {"bytes", "blake3"}}.
         """
         self.wait_for_copies()
-        for path in self.paths:
-            self.seal(path)
         failure: list[BaseException] = []
+        ready = {path: threading.Event() for path in self.fds}
 
         def sync():
             try:
-                self.sync()
+                self.sync(ready)
             except BaseException as error:
                 failure.append(error)
         syncer = threading.Thread(target=sync, name="reshard-fsync", daemon=True)
@@ -264,10 +267,15 @@ class TargetWriter:
         started = time.perf_counter()
         try:
             for path in self.paths:
+                self.seal(path)
+                ready[path].set()
+            for path in self.paths:
                 if path not in self.digests:
                     self.digests[path] = hash_file(path)
         finally:
             self.hash_seconds += time.perf_counter() - started
+            for event in ready.values():  # a failed seal must not leave the fsync thread waiting
+                event.set()
             syncer.join()
         if failure:
             raise failure[0]

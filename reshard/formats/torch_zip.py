@@ -44,6 +44,7 @@ overlap each other nor the directory, and sizes inside the file: see `read_direc
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -328,28 +329,37 @@ def _gf2_square(matrix: list[int]) -> list[int]:
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """zlib.crc32(a + b) from crc1 = zlib.crc32(a), crc2 = zlib.crc32(b) and len2 = len(b): zlib's
-    `crc32_combine` (crc32.c of zlib 1.2.x, `crc32_combine_`): crc1 is carried through len2 zero
-    bytes by the GF(2) matrix of one zero bit (the reflected polynomial 0xEDB88320), squared
-    until it stands for one byte, then applied per set bit of len2, squaring between."""
+    `crc32_combine` (crc32.c of zlib 1.2.x, `crc32_combine_`): crc1 carried through len2 zero
+    bytes (`_zeros_operator`), then xor crc2."""
     if len2 <= 0:
         return crc1
+    return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & U32
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that carries a CRC-32 register through `nbytes` zero bytes:
+    the matrix of one zero bit (the reflected polynomial 0xEDB88320) squared until it stands for
+    one byte, then for 2, 4, 8... bytes, composed for each set bit of `nbytes`, as zlib applies
+    them. Cached: the windows of a record are all one size but the last."""
+    result = [1 << n for n in range(32)]  # identity
     odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
     even = _gf2_square(odd)  # two
     odd = _gf2_square(even)  # four
     while True:
         even = _gf2_square(odd)  # 8, 32, 128, ... zero bits
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
+        if nbytes & 1:
+            result = [_gf2_times(even, column) for column in result]
+        nbytes >>= 1
+        if not nbytes:
             break
         odd = _gf2_square(even)  # 16, 64, ... zero bits
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
+        if nbytes & 1:
+            result = [_gf2_times(odd, column) for column in result]
+        nbytes >>= 1
+        if not nbytes:
             break
-    return (crc1 ^ crc2) & U32
+    return tuple(result)
 
 
 def _window_crc(fd: int, offset: int, size: int) -> int:
@@ -418,7 +428,8 @@ def seal_crcs(path: str | os.PathLike, fd: int | None = None) -> int:
         central = _central_crc_fields(fd, file_size)
         ordered = sorted(records.values(), key=lambda r: r.header_offset)
         changed, names, crcs = 0, [], []
-        pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="reshard-crc") if CRC_THREADS > 1 else None
+        large = CRC_THREADS > 1 and any(r.file_size > CRC_WINDOW_BYTES for r in ordered)
+        pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="reshard-crc") if large else None
         try:
             for record in ordered:
                 if record.name == ".data/serialization_id" and record.file_size == 40:
