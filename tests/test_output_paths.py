@@ -150,6 +150,32 @@ def test_a_refused_relative_export_is_resumed_by_the_same_command(workdir, monke
     assert sorted(os.listdir("out")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
 
 
+def test_a_publish_that_failed_moving_files_says_how_to_recover(workdir, monkeypatch):
+    """A rename failing once publishing moves files (the journal is gone by then): the message
+    says files may be in OUT and how to recover, not "re-run to resume"; doing what it says works."""
+    import shutil
+
+    real, failed = os.replace, []
+
+    def fail_first_move(src, dst, *args, **kwargs):
+        if str(dst).endswith(".safetensors") and not failed:
+            failed.append(dst)
+            raise OSError(5, "Input/output error", str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", fail_first_move)
+    first = reshard_in_process("export", "src", "out", "--format", "safetensors")
+    monkeypatch.setattr(os, "replace", real)
+    message = first.stdout + first.stderr
+    assert first.returncode == 2 and "Publishing had begun" in message and "to resume" not in message, message
+    staging = workdir / "out" / ".reshard-staging" / TAG
+    assert f"rm -rf {staging}" in message
+    shutil.rmtree(staging)
+    again = reshard_in_process("export", "src", "out", "--format", "safetensors", "--overwrite")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert sorted(os.listdir("out")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+
+
 @pytest.mark.e2e
 def test_launchers_take_relative_paths(workdir):
     """`--workers 2` and `torchrun --nproc_per_node=2`, relative SRC and DST, from SRC's parent:

@@ -293,6 +293,11 @@ def clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging
 
 def what_was_kept(staging: Staging, kept: bool, removed_destination: bool) -> str:
     """The end of a failed run's message: what stays on disk, and what re-running does."""
+    if kept and os.path.isdir(staging.tag_dir) and not os.path.isfile(os.path.join(staging.tag_dir, JOURNAL_NAME)):
+        # the journal goes when publishing starts to move files (Staging.publish_files): no run resumes this
+        return (f". Publishing had begun: some files may already be in {staging.destination}, the rest stay in "
+                f"{staging.tag_dir}, which no run resumes; remove it (rm -rf {shlex.quote(staging.tag_dir)}) and "
+                "re-run with --overwrite")
     if kept:
         return (f". The partial output stays in {staging.tag_dir} (no checkpoint is published); fix the "
                 "cause and re-run the same command to resume")
