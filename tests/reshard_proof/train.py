@@ -129,7 +129,6 @@ def train(args: argparse.Namespace) -> None:
                 "zero_stage": variant.zero_stage,
                 "precision": variant.precision,
                 "exclude_frozen_parameters": variant.exclude_frozen_parameters,
-                "sequence_parallel": variant.sequence_parallel,
                 "deepspeed_version": deepspeed.__version__,
                 "torch_version": str(torch.__version__),
                 "master_route_cross_check": route_disagreements,
@@ -139,6 +138,8 @@ def train(args: argparse.Namespace) -> None:
             "eval_loss": loss,
             "train_losses": all_losses,
         }
+        if variant.sequence_parallel:  # only where there is one: every other truth keeps the values,
+            truth["meta"]["sequence_parallel"] = variant.sequence_parallel  # and the digests pinned on them
         write_truth(args.truth, truth)
         print(f"[proof.train] {variant.name} N={dist.get_world_size()} tag={tag} eval_loss={loss.item():.6f} "
               f"route={route} route_disagreements={len(route_disagreements)} -> {args.truth}", flush=True)

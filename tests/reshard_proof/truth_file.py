@@ -4,8 +4,8 @@
 
 Schema (torch.save of plain dicts, tensors and Python values):
     meta:         {"variant", "world_size", "seed", "steps", "tag", "master_from", "optimizer_class",
-                   "zero_stage", "precision", "exclude_frozen_parameters", "sequence_parallel" (0: not an
-                   sp variant), "deepspeed_version",
+                   "zero_stage", "precision", "exclude_frozen_parameters", "sequence_parallel" (sp variants only;
+                   absent: no sequence parallelism), "deepspeed_version",
                    "torch_version", "master_route_cross_check": [mismatches between the getter and
                    internals routes, ZeRO-1/2 and BF16_Optimizer; expected empty unless round robin]}
     engine:       capture_engine_state(...) at save time; see engine_state.py for its keys
