@@ -198,7 +198,10 @@ class MetadataBuilder:
         self.values[key] = (relative_path, offset, length)
         self.paths[key] = path
 
-    def build(self, checkpoint_id: str):
+    def build(self, identity: str):
+        """The Metadata; its `storage_meta.save_id` is derived from `identity` (the export's fingerprint),
+        so the same export writes the same bytes; `checkpoint_id` (informational) is left out, so
+        the output does not name the directory it was written in."""
         filesystem, md = _dcp_classes()
         state, storage = {}, {}
         for key, (shape, dtype, chunks) in self.tensors.items():
@@ -213,7 +216,7 @@ class MetadataBuilder:
             state[key] = md.BytesStorageMetadata()
             storage[md.MetadataIndex(key)] = filesystem._StorageInfo(relative_path, offset, length)
         return md.Metadata(state_dict_metadata=state, planner_data=dict(self.paths), storage_data=storage,
-                           storage_meta=md.StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+                           storage_meta=md.StorageMeta(save_id=str(uuid.uuid5(uuid.NAMESPACE_OID, identity))),
                            version=DCP_VERSION)
 
 

@@ -375,7 +375,7 @@ def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pic
         add_chunk_metadata(metadata, layout, streams, names)
         add_aliases(metadata, layout)
         torch.save(run_state(model_states), os.path.join(staging.tag_dir, RUN_STATE_NAME), pickle_module=classes)
-        write_metadata(os.path.join(staging.tag_dir, METADATA_NAME), metadata.build(os.path.abspath(destination)))
+        write_metadata(os.path.join(staging.tag_dir, METADATA_NAME), metadata.build(output.fingerprint))
         publish_files(staging, last=METADATA_NAME)
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
