@@ -2,9 +2,10 @@
 
     python -m pytest tests/test_export_dcp.py -q
 
-Real parts end to end: DeepSpeed ZeRO-2 fp32 and ZeRO-3 bf16 saves (2 CPU ranks, the session's
-`trained` checkpoints) are exported, ZeRO-2 by a real 2-worker torchrun job of `python -m reshard
-export` and ZeRO-3 by 3 workers (threads over reshard's own exchange), both in chunks of a few rows
+Real parts end to end: DeepSpeed ZeRO-2 fp32, ZeRO-3 bf16, ZeRO-1 fp16 and BF16_Optimizer saves (2
+CPU ranks, the session's `trained` checkpoints) are exported, ZeRO-2 by a real 2-worker torchrun job
+of `python -m reshard export`, ZeRO-3 by 3 workers and the others by 2 (threads over reshard's own
+exchange), all in chunks of a few rows
 and a budget of 4 kB so that every tensor is cut and every export takes many rounds. Then
 `reshard_proof.fsdp2_judge` loads both into a real FSDP2 model (`fully_shard`, gloo) with
 `dcp.load` + `set_state_dict` at 1, 2 and 3 ranks, one launch per world size for all exports: every
@@ -29,7 +30,9 @@ from reshard.export import export_dcp
 from reshard_proof.launch import TorchrunError, run_torchrun
 from reshard_proof.truth_file import read_truth
 
-CASES = {"z2_fp32": ("z2_fp32", 2), "z3_bf16": ("z3_bf16", 2)}
+CASES = {"z2_fp32": ("z2_fp32", 2), "z3_bf16": ("z3_bf16", 2), "z1_fp16": ("z1_fp16", 2),
+         "bf16_optimizer": ("bf16_optimizer", 2)}
+"""Saves the session trains for other tests too (test_export_universal, test_e2e_reshard...): no launch of their own."""
 WORLD_SIZES = (1, 2, 3)
 CHUNK_BYTES = 64
 """fp32 bytes per chunk: 2 rows of embed.weight (11 x 7), so every parameter is cut in several chunks."""
@@ -58,7 +61,7 @@ def dcp_exports(trained, tmp_path_factory):
         if name == "z2_fp32":
             _export_torchrun(source, out)
         else:
-            _export_threads(source, out, 3)
+            _export_threads(source, out, 3 if name == "z3_bf16" else 2)
         exports[name] = (out, truth)
     exports["negative"] = (exports["z2_fp32"][0], exports["z3_bf16"][1])
     return exports
@@ -87,10 +90,10 @@ def verdicts(dcp_exports, tmp_path_factory):
 def test_fsdp2_loads_the_export_and_steps_as_deepspeed(verdicts, case, m):
     verdict = verdicts[(case, m)]
     assert verdict["world_size"] == m
-    assert verdict["mismatches"] == []
+    assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])
     # 10 trainable tensors' value, 2 moments and step, frozen, buffers, hyperparameters, counters,
     # scheduler, client_state, the step after: a verdict with fewer checks did not look at everything
-    assert verdict["checks"] >= 57
+    assert verdict["checks"] >= (57 if case in ("z2_fp32", "z3_bf16") else 55)  # no initial_lr without a torch scheduler
 
 
 @pytest.mark.parametrize("m", WORLD_SIZES)

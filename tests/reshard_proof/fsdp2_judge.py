@@ -54,14 +54,17 @@ def judge_case(directory: str, truth_path: str, seed: int) -> dict:
     fully_shard(model)
     optimizer = torch.optim.AdamW(build_param_groups(model))
     # built before the load, as a training script does: it gives each group its initial_lr, and dcp.load
-    # reads only the keys the state dict it is given holds
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decaying_lr_factor)
+    # reads only the keys the state dict it is given holds. A DeepSpeed scheduler from the config
+    # (WarmupDecayLR) has no torch class: its saved state is compared as it is.
+    torch_scheduler = "lr_lambdas" in (engine["lr_scheduler"] or {})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decaying_lr_factor) if torch_scheduler else None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     run_state = torch.load(os.path.join(directory, "reshard_run_state.pt"), weights_only=True)
-    scheduler.load_state_dict(run_state["lr_scheduler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(run_state["lr_scheduler"])
 
     checks, mismatches = 0, []
 
@@ -101,7 +104,8 @@ def judge_case(directory: str, truth_path: str, seed: int) -> dict:
 
     for key, want in engine["counters"].items():
         same(f"run state {key}", run_state[key], want)
-    for what, want, got in (("lr scheduler", engine["lr_scheduler"], scheduler.state_dict()),
+    scheduler_state = scheduler.state_dict() if scheduler is not None else run_state["lr_scheduler"]
+    for what, want, got in (("lr scheduler", engine["lr_scheduler"], scheduler_state),
                             ("client_state", truth["client_state"], run_state["client_state"])):
         checks += 1
         comparison = compare_trees(want, got)
