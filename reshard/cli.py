@@ -204,7 +204,8 @@ OUT/reshard_run_state.pt (docs/moving-to-fsdp2.md). Adam/AdamW state only; pipel
 def export_main(argv: list[str]) -> int:
     parser = _Parser(
         prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
-                                           "with W workers under torchrun.",
+                                           "a DeepSpeed universal checkpoint or a PyTorch DCP, with W workers under "
+                                           "torchrun or --workers W.",
         epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`)")
     parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
@@ -220,23 +221,39 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
     parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="W worker processes on this host without torchrun (forked, as for reshard; default 1)")
     args = parser.parse_args(argv)
     from reshard.export import export_dcp, export_safetensors, export_universal
-    try:
+
+    def export(transport=None):
         if args.format == "dcp":
-            result = export_dcp(args.source, args.destination, dtype=args.dtype, tag=args.tag,
-                                memory_budget=args.memory_budget, chunk_bytes=args.chunk_size,
-                                trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
-                                timeout=args.timeout)
-        elif args.format == "universal":
-            result = export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
-                                      trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
-                                      timeout=args.timeout)
-        else:
-            result = export_safetensors(args.source, args.destination, dtype=args.dtype,
-                                        max_shard_size=args.max_shard_size, tag=args.tag,
-                                        memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
-                                        overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+            return export_dcp(args.source, args.destination, dtype=args.dtype, tag=args.tag,
+                              memory_budget=args.memory_budget, chunk_bytes=args.chunk_size,
+                              trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                              timeout=args.timeout, transport=transport)
+        if args.format == "universal":
+            return export_universal(args.source, args.destination, tag=args.tag, memory_budget=args.memory_budget,
+                                    trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                                    timeout=args.timeout, transport=transport)
+        return export_safetensors(args.source, args.destination, dtype=args.dtype,
+                                  max_shard_size=args.max_shard_size, tag=args.tag,
+                                  memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                  overwrite=args.overwrite, backend=args.backend, timeout=args.timeout,
+                                  transport=transport)
+
+    if args.workers < 1:
+        _print_once("reshard export: error: --workers must be at least 1")
+        return 2
+    if args.workers > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "
+                        "or drop it")
+            return 2
+        from reshard.local_workers import run_forked
+        return run_forked(args.workers, args.timeout, export, prefix="reshard export")
+    try:
+        result = export()
     except ReshardError as error:
         _print_once(f"reshard export: error: {error}")
         return 2

@@ -4,8 +4,8 @@
 
 Real parts end to end: DeepSpeed ZeRO-2 fp32, ZeRO-3 bf16, ZeRO-1 fp16 and BF16_Optimizer saves (2
 CPU ranks, the session's `trained` checkpoints) are exported, ZeRO-2 by a real 2-worker torchrun job
-of `python -m reshard export`, ZeRO-3 by 3 workers and the others by 2 (threads over reshard's own
-exchange), all in chunks of a few rows
+of `python -m reshard export`, ZeRO-3 by `python -m reshard export --workers 3` (forked processes)
+and the others by 2 workers (threads over reshard's own exchange), all in chunks of a few rows
 and a budget of 4 kB so that every tensor is cut and every export takes many rounds. Then
 `reshard_proof.fsdp2_judge` loads both into a real FSDP2 model (`fully_shard`, gloo) with
 `dcp.load` + `set_state_dict` at 1, 2 and 3 ranks, one launch per world size for all exports: every
@@ -20,6 +20,8 @@ import io
 import json
 import os
 import pickle
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -27,7 +29,7 @@ import torch
 from threaded_transport import run_workers
 
 from reshard.export import export_dcp
-from reshard_proof.launch import TorchrunError, run_torchrun
+from reshard_proof.launch import REPO_ROOT, TorchrunError, child_env, run_torchrun
 from reshard_proof.truth_file import read_truth
 
 CASES = {"z2_fp32": ("z2_fp32", 2), "z3_bf16": ("z3_bf16", 2), "z1_fp16": ("z1_fp16", 2),
@@ -45,6 +47,15 @@ def _export_torchrun(source, out) -> None:
                                 "--memory-budget", BUDGET], timeout=300, expect_files=[out / ".metadata"])
 
 
+def _export_forked(source, out, workers: int) -> None:
+    """`python -m reshard export --workers W`: W forked worker processes, no torchrun."""
+    run = subprocess.run([sys.executable, "-m", "reshard", "export", str(source), str(out), "--format", "dcp",
+                          "--chunk-size", str(CHUNK_BYTES), "--memory-budget", str(BUDGET), "--workers", str(workers)],
+                         env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{workers} worker(s)" in run.stdout
+
+
 def _export_threads(source, out, workers: int, **options) -> None:
     run_workers(workers, lambda t: export_dcp(str(source), str(out), chunk_bytes=CHUNK_BYTES, memory_budget=BUDGET,
                                               transport=t, **options))
@@ -60,8 +71,10 @@ def dcp_exports(trained, tmp_path_factory):
         out = root / name
         if name == "z2_fp32":
             _export_torchrun(source, out)
+        elif name == "z3_bf16":
+            _export_forked(source, out, 3)
         else:
-            _export_threads(source, out, 3 if name == "z3_bf16" else 2)
+            _export_threads(source, out, 2)
         exports[name] = (out, truth)
     exports["negative"] = (exports["z2_fp32"][0], exports["z3_bf16"][1])
     return exports
