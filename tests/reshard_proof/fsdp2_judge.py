@@ -10,6 +10,8 @@ comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine rec
 - every trainable parameter equals its fp32 master, every frozen parameter and persistent buffer
   its saved value (upcast), exp_avg, exp_avg_sq and step equal DeepSpeed's, and every group's
   lr, betas, eps, weight_decay, initial_lr and name equal the DeepSpeed optimizer's;
+- the export's `.metadata` names the same keys, sizes, dtypes and state-dict paths as the one
+  `dcp.save` writes for the model and optimizer just loaded (torch's own writer as the reference);
 - one more AdamW step, with one fixed full gradient per parameter (the same on every rank,
   distributed as the parameter is), gives exactly the parameters that torch AdamW gives from the
   truth's masters, moments, step and hyperparameters on plain tensors: the update DeepSpeed's
@@ -24,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -48,7 +50,28 @@ def fixed_gradients(shapes: dict) -> dict:
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
 
-def judge_case(directory: str, truth_path: str, seed: int) -> dict:
+def metadata_differences(ours, theirs, missing_ok=()) -> list[str]:
+    """What our `.metadata` says differently from the one `dcp.save` wrote for the same model and
+    optimizer: keys, tensor or bytes, sizes, dtypes, each key's path (`planner_data`). Chunks and
+    files may differ (they are the writer's choice); `missing_ok`: keys we may lack."""
+    found = []
+    a, b = ours.state_dict_metadata, theirs.state_dict_metadata
+    lacking = sorted(set(b) - set(a) - set(missing_ok))
+    extra = sorted(set(a) - set(b))
+    if lacking or extra:
+        found.append(f"keys: ours lacks {lacking}, has extra {extra}")
+    for key in sorted(set(a) & set(b)):
+        if type(a[key]) is not type(b[key]):
+            found.append(f"{key}: {type(a[key]).__name__} where dcp.save writes {type(b[key]).__name__}")
+        elif hasattr(b[key], "size") and (a[key].size != b[key].size or a[key].properties.dtype != b[key].properties.dtype):
+            found.append(f"{key}: {a[key].size} {a[key].properties.dtype} where dcp.save writes "
+                         f"{b[key].size} {b[key].properties.dtype}")
+        if ours.planner_data.get(key) != theirs.planner_data.get(key):
+            found.append(f"{key}: path {ours.planner_data.get(key)} where dcp.save writes {theirs.planner_data.get(key)}")
+    return found
+
+
+def judge_case(directory: str, truth_path: str, seed: int, resave_to: str) -> dict:
     truth = read_truth(truth_path)
     engine = truth["engine"]
     torch.manual_seed(seed)
@@ -118,6 +141,16 @@ def judge_case(directory: str, truth_path: str, seed: int) -> dict:
         if not comparison.ok:
             mismatches.append(f"{what}: {'; '.join(comparison.mismatches)}")
 
+    # the format against torch's own: dcp.save of the state just loaded writes the same keys, sizes,
+    # dtypes and paths as the export's .metadata (exported with the default --dtype fp32)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=resave_to)
+    frozen = [f"model.{name}" for name in engine["frozen"]] if partial else []
+    checks += 1
+    for difference in metadata_differences(FileSystemReader(directory).read_metadata(),
+                                           FileSystemReader(resave_to).read_metadata(), frozen):
+        mismatches.append(f".metadata: {difference}")
+
     # one more step: the same fixed full gradient on FSDP2's shards and on plain tensors from the truth
     gradients = fixed_gradients({name: tuple(p.shape) for name, p in trainable.items()})
     for name, param in trainable.items():
@@ -156,7 +189,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     for i, (directory, truth_path, verdict_path) in enumerate(args.case):
         try:
-            verdict = judge_case(directory, truth_path, seed=1000 + i)
+            verdict = judge_case(directory, truth_path, seed=1000 + i, resave_to=verdict_path + ".resaved")
         except (Exception, CheckpointException) as error:  # a load that raises is a verdict too, the test reads it
             verdict = {"checks": 0, "mismatches": [f"{type(error).__name__}: {error}"],
                        "world_size": dist.get_world_size()}
