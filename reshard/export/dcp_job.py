@@ -48,6 +48,7 @@ from reshard.export.dcp_format import (
     METADATA_NAME,
     MetadataBuilder,
     PlacedBlob,
+    blob_template,
     bytes_blob,
     fill_crc,
     place_blobs,
@@ -246,39 +247,64 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     return source, OptimizerMapping(groups, steps)
 
 
+def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) -> int:
+    """A tensor stored whole in the model-states file as one blob at `at`: read, cast and written in
+    pieces of at most a third of the budget (never held whole), then its CRC-32. Returns the blob's size."""
+    template = blob_template(tuple(tensor.shape), tensor.dtype)
+    pwrite_exact(fd, memoryview(template.head), at)
+    pwrite_exact(fd, memoryview(template.tail), at + template.data_offset + template.data_bytes)
+    ref = tensor.ref
+    out_itemsize = dtype_of(tensor.dtype).itemsize
+    step = max(1, (budget_bytes // 3) // max(ref.itemsize, out_itemsize))
+    source = os.open(model_path, os.O_RDONLY)
+    try:
+        for first in range(0, tensor.numel, step):
+            count = min(step, tensor.numel - first)
+            buffer = np.empty(count * ref.itemsize, dtype=np.uint8)
+            pread_exact(source, memoryview(buffer), ref.byte_offset + first * ref.itemsize, model_path)
+            pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
+                         at + template.data_offset + first * out_itemsize)
+    finally:
+        os.close(source)
+    fill_crc(fd, PlacedBlob(f"model.{tensor.name}", 0, (0,) * len(tensor.shape), tuple(tensor.shape), tensor.dtype,
+                            at, template), _read, _write)
+    return template.size
+
+
 def write_replicated(path: str, source: SourceCheckpoint, layout: DcpLayout, mapping: OptimizerMapping,
-                     metadata: MetadataBuilder, trust_pickle: bool) -> dict:
-    """Worker 0's own file: tensors stored whole in the model-states file, Adam steps, param groups.
-    Returns the model-states file (mapped) for the run state."""
-    model_states = _load_mapped(source.model_path(0), trust_pickle)
-    module = model_states.get("module") or {}
+                     metadata: MetadataBuilder, budget_bytes: int) -> None:
+    """Worker 0's own file: the tensors stored whole in the model-states file (buffers, ZeRO-1/2 frozen
+    parameters; copied in pieces under the budget), every parameter's Adam step, the param groups."""
     relative = os.path.basename(path)
-    with open(path, "xb") as out:
+    model_path = source.model_path(0)
+    fd = open_new_file(os.path.dirname(path), path, os.O_RDWR)
+    at = 0
+    try:
         def put(key: str, route: tuple, blob: bytes, shape=None, dtype=None) -> None:
-            offset = out.tell()
-            out.write(blob)
+            nonlocal at
+            pwrite_exact(fd, memoryview(blob), at)
             if shape is None:
-                metadata.add_bytes(key, route, relative, offset, len(blob))
+                metadata.add_bytes(key, route, relative, at, len(blob))
             else:
-                metadata.add_chunk(key, route, shape, dtype, (0,) * len(shape), shape, relative, offset, len(blob))
+                metadata.add_chunk(key, route, shape, dtype, (0,) * len(shape), shape, relative, at, len(blob))
+            at += len(blob)
 
         for tensor in layout.tensors:
             if tensor.source != "whole":
                 continue
-            value = module.get(tensor.name)
-            if not torch.is_tensor(value):
-                raise UnsupportedCheckpoint(source.model_path(0), f"module entry {tensor.name} is not a tensor")
-            put(f"model.{tensor.name}", ("model", tensor.name), tensor_blob(value.to(dtype_of(tensor.dtype))),
-                tensor.shape, tensor.dtype)
+            length = _copy_whole(fd, at, tensor, model_path, budget_bytes)
+            metadata.add_chunk(f"model.{tensor.name}", ("model", tensor.name), tensor.shape, tensor.dtype,
+                               (0,) * len(tensor.shape), tensor.shape, relative, at, length)
+            at += length
         for name, step in mapping.steps.items():
             put(f"optim.state.{name}.step", ("optim", "state", name, "step"),
                 tensor_blob(torch.tensor(step, dtype=torch.float32)), (), "float32")
         for i, group in enumerate(mapping.param_groups):
             for key, value in group.items():
                 put(f"optim.param_groups.{i}.{key}", ("optim", "param_groups", i, key), bytes_blob(value))
-        out.flush()
-        os.fsync(out.fileno())
-    return model_states
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def add_chunk_metadata(metadata: MetadataBuilder, layout: DcpLayout, streams: dict, names: list[str]) -> None:
@@ -369,11 +395,10 @@ def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pic
         metadata = MetadataBuilder.empty()
         own = sum(1 for f in range(len(layout.files)) if plan.ownership.writer(f) == 0)
         replicated = os.path.join(staging.tag_dir, f"__0_{own}{DISTCP_SUFFIX}")
-        if os.path.lexists(replicated):  # a resumed run's earlier attempt at it
-            os.unlink(replicated)
-        model_states = write_replicated(replicated, source, layout, mapping, metadata, trust_pickle)
+        write_replicated(replicated, source, layout, mapping, metadata, budget)  # replaces a resumed run's attempt
         add_chunk_metadata(metadata, layout, streams, names)
         add_aliases(metadata, layout)
+        model_states = _load_mapped(source.model_path(0), trust_pickle)  # only the values touched are read
         torch.save(run_state(model_states), os.path.join(staging.tag_dir, RUN_STATE_NAME), pickle_module=classes)
         write_metadata(os.path.join(staging.tag_dir, METADATA_NAME), metadata.build(output.fingerprint))
         publish_files(staging, last=METADATA_NAME)
