@@ -43,7 +43,7 @@ METADATA_NAME = ".metadata"
 """torch/distributed/checkpoint/filesystem.py `_metadata_fn`."""
 DISTCP_SUFFIX = ".distcp"
 DCP_VERSION = "1.0.0"
-"""filesystem.py `CURRENT_DCP_VERSION` of torch 2.13, written into Metadata.version."""
+"""filesystem.py `CURRENT_DCP_VERSION` of torch 2.13: Metadata.version when the installed torch names none."""
 
 
 def _dcp_classes():
@@ -217,7 +217,7 @@ class MetadataBuilder:
             storage[md.MetadataIndex(key)] = filesystem._StorageInfo(relative_path, offset, length)
         return md.Metadata(state_dict_metadata=state, planner_data=dict(self.paths), storage_data=storage,
                            storage_meta=md.StorageMeta(save_id=str(uuid.uuid5(uuid.NAMESPACE_OID, identity))),
-                           version=DCP_VERSION)
+                           version=getattr(filesystem, "CURRENT_DCP_VERSION", DCP_VERSION))
 
 
 def write_metadata(path: str, metadata) -> None:
