@@ -8,8 +8,8 @@ many parameters come out bit-identical and the largest difference. Why they diff
 multiply-add, sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps, applies decoupled weight decay as
 p + p * (-lr * wd) and the update as p + (m / denom) * (-lr / (1 - beta1^t)), each an FMA; torch
 AdamW divides sqrt(v) by sqrt(1 - beta2^t), multiplies p by (1 - lr * wd) and uses addcdiv. Each
-rounds differently, so a state moved from a ZeRO-Offload run continues under torch AdamW within a
-few ulp per step, not bit for bit (docs/moving-to-fsdp2.md).
+rounds differently, so a state moved from a ZeRO-Offload run continues under torch AdamW within tens of ulp
+per step at most here, not bit for bit (docs/moving-to-fsdp2.md).
 """
 import time
 
