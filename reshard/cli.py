@@ -250,9 +250,10 @@ def export_main(argv: list[str]) -> int:
             _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "
                         "or drop it")
             return 2
-        from reshard.local_workers import run_forked
-        return run_forked(args.workers, args.timeout, export, prefix="reshard export")
     try:
+        if args.workers > 1:  # worker 0 prints the summary or the refusal itself
+            from reshard.local_workers import run_forked
+            return run_forked(args.workers, args.timeout, export, prefix="reshard export")
         result = export()
     except ReshardError as error:
         _print_once(f"reshard export: error: {error}")
