@@ -17,7 +17,7 @@ Format (torch 2.13, torch/distributed/checkpoint/filesystem.py and metadata.py; 
                            `torch.save` of the value (`DefaultSavePlanner.transform_object`)
 
 A blob is written here as torch.save writes it under `torch.serialization.skip_data` (the structure,
-with the storage's bytes reserved, at a fixed place in the blob), then the chunk's values are written
+with the storage's bytes reserved, at a fixed place in the blob; only its head and tail are kept), then the chunk's values are written
 into it as the exchange delivers them, and its CRC-32 fields are filled once they are all there
 (`fill_crc`): the blob then equals `torch.save` of the chunk byte for byte but for its random
 `serialization_id`. The blob's layout follows the installed torch, so nothing of torch's zip format is
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import pickle
 import struct
 import uuid
@@ -81,38 +82,51 @@ class BlobTemplate:
 
 @functools.lru_cache(maxsize=4096)
 def blob_template(shape: tuple[int, ...], dtype: str) -> BlobTemplate:
+    """Saved into an anonymous temporary file, where skip_data seeks over the data (a hole: neither
+    memory nor disk for a large chunk), then only its head and tail are read back."""
+    import tempfile
+
     from torch.serialization import skip_data
     _dcp_classes()
-    buffer = io.BytesIO()
-    with skip_data():
-        torch.save(torch.empty(shape, dtype=dtype_of(dtype)), buffer)
-    data = buffer.getbuffer()
-    offset, crcs = _record_place(data)
-    nbytes = int(torch.Size(shape).numel()) * dtype_of(dtype).itemsize
-    return BlobTemplate(bytes(data[:offset]), bytes(data[offset + nbytes:]), offset, nbytes, crcs)
+    with tempfile.TemporaryFile() as blob:
+        with skip_data():
+            torch.save(torch.empty(shape, dtype=dtype_of(dtype)), blob)
+        size = blob.tell()
+        offset, crcs = _record_place(blob, size)
+        nbytes = int(torch.Size(shape).numel()) * dtype_of(dtype).itemsize
+        blob.seek(0)
+        head = blob.read(offset)
+        blob.seek(offset + nbytes)
+        tail = blob.read(size - offset - nbytes)
+    return BlobTemplate(head, tail, offset, nbytes, crcs)
 
 
-def _record_place(blob) -> tuple[int, tuple[int, ...]]:
-    """Where the one storage record's data starts in a torch.save blob, and the byte offsets of its
-    CRC-32 in the local header, the data descriptor (when there is one) and the central directory."""
-    blob = memoryview(blob).cast("B")
-    archive = zipfile.ZipFile(io.BytesIO(blob))
+def _record_place(blob, size: int) -> tuple[int, tuple[int, ...]]:
+    """Where the one storage record's data starts in a torch.save blob (a file object of `size`
+    bytes), and the byte offsets of its CRC-32 in the local header, the data descriptor (when there
+    is one) and the central directory."""
+    def read(offset: int, count: int) -> bytes:
+        blob.seek(offset)
+        return blob.read(count)
+
+    archive = zipfile.ZipFile(blob)
     records = [info for info in archive.infolist() if "/data/" in info.filename and "/.data/" not in info.filename]
     if len(records) != 1:
         raise AssertionError(f"a torch.save blob of one tensor holds {len(records)} storage records")
     info = records[0]
     header = info.header_offset
-    name_length, extra_length = struct.unpack_from("<HH", blob, header + 26)
+    name_length, extra_length = struct.unpack("<HH", read(header + 26, 4))
     start = header + 30 + name_length + extra_length
     crcs = [header + 14]
     if info.flag_bits & 0x08:  # a data descriptor follows the data, with or without its signature
         after = start + info.compress_size
-        crcs.append(after + 4 if bytes(blob[after:after + 4]) == b"PK\x07\x08" else after)
-    position = archive.start_dir
-    while bytes(blob[position:position + 4]) == b"PK\x01\x02":
-        n, m, k = struct.unpack_from("<HHH", blob, position + 28)
-        if bytes(blob[position + 46:position + 46 + n]).decode() == info.filename:
-            crcs.append(position + 16)
+        crcs.append(after + 4 if read(after, 4) == b"PK\x07\x08" else after)
+    directory = read(archive.start_dir, size - archive.start_dir)
+    position = 0
+    while directory[position:position + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack_from("<HHH", directory, position + 28)
+        if directory[position + 46:position + 46 + n].decode() == info.filename:
+            crcs.append(archive.start_dir + position + 16)
         position += 46 + n + m + k
     return start, tuple(crcs)
 
@@ -222,7 +236,6 @@ class MetadataBuilder:
 
 def write_metadata(path: str, metadata) -> None:
     """`.metadata` as FileSystemWriter.finish writes it: pickle.dump of the Metadata."""
-    import os
     with open(path, "wb") as out:
         pickle.dump(metadata, out)
         out.flush()
