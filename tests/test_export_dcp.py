@@ -25,9 +25,12 @@ import subprocess
 import sys
 import zipfile
 
+import shutil
+
 import pytest
 import torch
 from threaded_transport import run_workers
+from trained import tree_files
 
 from reshard.export import export_dcp
 from reshard_proof.launch import REPO_ROOT, TorchrunError, child_env, run_torchrun
@@ -185,3 +188,19 @@ def test_an_optimizer_that_is_not_adam_is_refused_by_name_before_anything_is_wri
                                                     "parameter, not Adam's"):
         _export_threads(source, out, 2)
     assert not out.exists()
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (pip install mpi4py mpich)")
+def test_an_mpiexec_export_writes_the_same_bytes_as_forked_workers(trained, dcp_exports, tmp_path):
+    """The ZeRO-3 export of `dcp_exports` was made by --workers 3; the same under `mpiexec -n 3` (the MPI
+    transport, chosen by `--backend auto`) writes every file byte for byte the same."""
+    source, _ = trained(*CASES["z3_bf16"])
+    out = tmp_path / "mpi"
+    env = child_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    run = subprocess.run([shutil.which("mpiexec"), "-n", "3", sys.executable, "-m", "reshard", "export", str(source),
+                          str(out), "--format", "dcp", "--chunk-size", str(CHUNK_BYTES), "--memory-budget", str(BUDGET)],
+                         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert tree_files(out) == tree_files(dcp_exports["z3_bf16"][0])
