@@ -10,6 +10,7 @@
     python -m reshard inspect SRC [--tag TAG] [--json]   # see reshard.inspect_report
     python -m reshard export SRC OUT --format safetensors [--dtype bf16] [--max-shard-size 5GB]   # reshard.export
     python -m reshard export SRC OUT --format universal                 # DeepSpeed universal checkpoint
+    python -m reshard export SRC OUT --format dcp                       # PyTorch DCP for FSDP2, with Adam state
 
 Exit status: 0 only when DST holds the complete checkpoint (or the dry run printed its plan);
 2 for bad input or options (the message names the file and the problem); 1 for anything else.
@@ -52,7 +53,7 @@ so that engine.load_checkpoint(DST) works at that size:  reshard SRC DST --targe
 subcommands (each has its own --help):
   verify DST [--against SRC]     check an output: every file against its manifest, or against SRC
   inspect SRC [--json]           describe a checkpoint (pickles only) and check every rank file
-  export SRC OUT --format F      write Hugging Face safetensors or a DeepSpeed universal checkpoint
+  export SRC OUT --format F      write Hugging Face safetensors, a DeepSpeed universal checkpoint or a PyTorch DCP
   publish DST                    publish a finished SLURM array job (every --array-task done)"""
 
 POSITIONAL = {"source": "SRC", "destination": "DST"}  # the fields given by position, and how usage names them
@@ -250,26 +251,36 @@ OUT/latest_universal): load it at any size with "checkpoint": {"load_universal":
 A PipelineModule save (layer_XX-model_states.pt files) is exported under the names
 PipelineModule.state_dict() gives (<layer index>.<name>, tied_modules.<key>.<name>), frozen
 parameters and buffers from its layer files (docs/supported.md, Pipeline parallelism).
---dtype and --max-shard-size apply to safetensors only."""
+--format dcp writes a PyTorch Distributed Checkpoint (OUT/.metadata, OUT/__{worker}_{i}.distcp) that
+dcp.load + set_state_dict load into an FSDP2 model and torch.optim.AdamW at any world size: keys
+model.<fqn> (fp32 masters cast to --dtype), optim.state.<fqn>.{step,exp_avg,exp_avg_sq},
+optim.param_groups.<i>.<hyperparameter>; counters, LR scheduler and client_state in
+OUT/reshard_run_state.pt (docs/moving-to-fsdp2.md). Adam/AdamW state only; pipeline saves not yet.
+--max-shard-size applies to safetensors only, --chunk-size to dcp only."""
 
 
 def build_export_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="reshard export", description="Export a DeepSpeed ZeRO checkpoint as Hugging Face safetensors shards, "
-                                           "with W workers under torchrun.",
+                                           "a DeepSpeed universal checkpoint or a PyTorch DCP, with W workers under "
+                                           "torchrun or --workers W.",
         epilog=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="DeepSpeed save directory (the one holding `latest`), or one tag directory")
     parser.add_argument("destination", help="directory to write the files into (created; must be empty)")
-    parser.add_argument("--format", choices=("safetensors", "universal"), required=True, help="output format")
+    parser.add_argument("--format", choices=("safetensors", "universal", "dcp"), required=True, help="output format")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of floating tensors in the output (default fp32, the master weights as they are)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
+    parser.add_argument("--chunk-size", type=_size, default=64 << 20,
+                        help="dcp: largest row block of a tensor stored as one chunk, in fp32 bytes (default 64M)")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
     parser.add_argument("--trust-pickle", action="store_true", help="as for reshard")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="as for reshard")
     parser.add_argument("--timeout", type=float, default=600.0, help="as for reshard")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="W worker processes on this host without torchrun (forked, as for reshard; default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
     return parser
 
@@ -277,18 +288,38 @@ def build_export_parser() -> argparse.ArgumentParser:
 def export_main(argv: list[str]) -> int:
     args = build_export_parser().parse_args(argv)
     _quiet(args.quiet)
-    from reshard.export import export_safetensors, export_universal
+    from reshard.export import export_dcp, export_safetensors, export_universal
+
+    def export(source, tag, transport=None):
+        if args.format == "dcp":
+            return export_dcp(source, args.destination, dtype=args.dtype, tag=tag,
+                              memory_budget=args.memory_budget, chunk_bytes=args.chunk_size,
+                              trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                              timeout=args.timeout, transport=transport)
+        if args.format == "universal":
+            return export_universal(source, args.destination, tag=tag, memory_budget=args.memory_budget,
+                                    trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
+                                    timeout=args.timeout, transport=transport)
+        return export_safetensors(source, args.destination, dtype=args.dtype,
+                                  max_shard_size=args.max_shard_size, tag=tag,
+                                  memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
+                                  overwrite=args.overwrite, backend=args.backend, timeout=args.timeout,
+                                  transport=transport)
+
+    if args.workers < 1:
+        _print_once("reshard export: error: --workers must be at least 1")
+        return 2
+    if args.workers > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "
+                    "or drop it")
+        return 2
     try:
         source, tag = _checkpoint_to_read(args.source, args.tag, "export")
-        if args.format == "universal":
-            result = export_universal(source, args.destination, tag=tag, memory_budget=args.memory_budget,
-                                      trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
-                                      timeout=args.timeout)
-        else:
-            result = export_safetensors(source, args.destination, dtype=args.dtype,
-                                        max_shard_size=args.max_shard_size, tag=tag,
-                                        memory_budget=args.memory_budget, trust_pickle=args.trust_pickle,
-                                        overwrite=args.overwrite, backend=args.backend, timeout=args.timeout)
+        if args.workers > 1:  # worker 0 prints the summary or the refusal itself
+            from reshard.local_workers import run_forked
+            return run_forked(args.workers, args.timeout, lambda transport: export(source, tag, transport),
+                              prefix="reshard export")
+        result = export(source, tag)
     except ReshardError as error:
         _print_once(f"reshard export: error: {error}")
         return 2

@@ -46,8 +46,9 @@ from reshard.formats.torch_archive import TensorRef
 
 SCHEMA = "reshard.inspect/1"
 
-# Formats `python -m reshard export` writes; every ZeRO checkpoint reshard reads can be exported.
-EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "universal")
+# Formats `python -m reshard export` writes; every ZeRO checkpoint reshard reads can be exported, to
+# "dcp" only when its optimizer keeps Adam's state (reshard.export.dcp_optimizer refuses the others).
+EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "universal", "dcp")
 
 # Largest data-parallel size listed when a fixed train_batch_size restricts the choice.
 _LISTED_DP_LIMIT = 4096
@@ -295,6 +296,8 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
     if source.spec.round_robin:
         notes.append("round_robin_gradients: the flat order depends on the dp size; reshard recomputes it")
     formats = list(EXPORT_FORMATS)
+    if {s.name for s in source.spec.streams} != {"fp32", "exp_avg", "exp_avg_sq"}:
+        formats.remove("dcp")
     if source.spec.tensor is not None:
         from reshard.layouts.tensor_parallel import describe_splits
         formats = []  # the exports do not read tensor-parallel checkpoints yet

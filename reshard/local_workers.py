@@ -69,11 +69,18 @@ def _reap(children: list[int], patience: float | None):
 def run_local_workers(options, started: float | None) -> int:
     """Run the job of `options` with `options.workers` forked processes; return the exit status."""
     from reshard.jobs.collective_job import run_job
+    return run_forked(options.workers, options.timeout, lambda transport: run_job(options, transport, started=started),
+                      over_gloo=options.transport == "torch", result_json=options.result_json)
+
+
+def run_forked(workers: int, timeout: float, work, *, over_gloo: bool = False, result_json: str | None = None,
+               prefix: str = "reshard") -> int:
+    """Run `work(transport)` on `workers` forked processes (this one is worker 0); worker 0 prints the
+    result's summary (and writes `result_json`, or the refusal there); return the exit status.
+    `python -m reshard export --workers W` runs its export this way too."""
     from reshard.jobs.results import print_summary, write_refusal_json
     from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
-    workers = options.workers
-    over_gloo = options.transport == "torch"
     if over_gloo:
         import torch.distributed  # noqa: F401  (imported once, before forking)
     store_dir = tempfile.mkdtemp(prefix="reshard-workers-") if over_gloo else None
@@ -90,25 +97,25 @@ def run_local_workers(options, started: float | None) -> int:
         children.append(pid)
     code = 1
     try:
-        transport = _gloo_transport(store_dir, rank, workers, options.timeout) if over_gloo else \
-            ForkedTransport(links, rank, options.timeout)
+        transport = _gloo_transport(store_dir, rank, workers, timeout) if over_gloo else \
+            ForkedTransport(links, rank, timeout)
         try:
-            result = run_job(options, transport, started=started)
+            result = work(transport)
             code = 0
         except ReshardError as error:
             if rank == 0:
-                print(f"reshard: error: {error}", file=sys.stderr)
-                if options.result_json:
-                    write_refusal_json(options.result_json, error)
+                print(f"{prefix}: error: {error}", file=sys.stderr)
+                if result_json:
+                    write_refusal_json(result_json, error)
             code = 2
         except WorkerLost as error:  # every worker that saw it says so: the lost one may have said nothing
-            print(f"reshard: error: {error}", file=sys.stderr)
+            print(f"{prefix}: error: {error}", file=sys.stderr)
             code = 1
         finally:
             transport.close()
         if rank == 0 and code == 0:
-            if options.result_json:
-                result.write_json(options.result_json)
+            if result_json:
+                result.write_json(result_json)
             print_summary(result.summary())
     except BaseException:
         if rank == 0:
@@ -122,7 +129,7 @@ def run_local_workers(options, started: float | None) -> int:
             os._exit(code)
     for pid, child_code in _reap(children, patience=None if code == 0 else STOP_SECONDS):
         if child_code != 0 and code == 0:
-            print(f"reshard: worker process {pid} exited with status {child_code}", file=sys.stderr)
+            print(f"{prefix}: worker process {pid} exited with status {child_code}", file=sys.stderr)
             code = 1 if child_code < 0 else child_code
     if store_dir is not None:
         shutil.rmtree(store_dir, ignore_errors=True)

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python -m pytest -q tests/test_export_staging.py     # ~1 min (trains once)
 
 A failed export leaves no output that looks real in OUT (no `latest_universal`, no tag
-directory, no safetensors index or shards), only OUT/.reshard-staging/TAG with its journal; the
+directory, no safetensors index or shards, no DCP `.metadata` or `.distcp` files), only OUT/.reshard-staging/TAG with its journal; the
 same command then resumes from the last durable round and writes the same bytes as an
 uninterrupted export. A parameter name that would collide with a file the universal format
 writes (`zero/optimizer_state.pt`), or that is no plain directory name, is refused before
@@ -22,7 +22,8 @@ from threaded_transport import run_workers
 from trained import tree_files
 
 from reshard.errors import ReshardError, UnsupportedCheckpoint
-from reshard.export import export_safetensors, export_universal
+from reshard.export import export_dcp, export_safetensors, export_universal
+from reshard.export.dcp_job import DcpWriter
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.export.universal import UniversalWriter
 
@@ -33,6 +34,7 @@ BUDGET = 1 << 10  # many rounds on the tiny checkpoint
 EXPORTS = {
     "universal": (export_universal, UniversalWriter, {}),
     "safetensors": (export_safetensors, SafetensorsWriter, {"max_shard_size": "1KB"}),
+    "dcp": (export_dcp, DcpWriter, {"chunk_bytes": 64}),
 }
 
 

@@ -4,12 +4,15 @@
 
     python -m reshard export SRC OUT --format universal
 
-    from reshard.export import export_safetensors, export_universal
+    python -m reshard export SRC OUT --format dcp [--dtype bf16]     # PyTorch DCP for FSDP2, Adam state too
+
+    from reshard.export import export_dcp, export_safetensors, export_universal
 
 A PipelineModule save (layer_XX-model_states.pt files) goes to reshard.export.pipeline_export: the
 same options and lifecycle, names as PipelineModule.state_dict() gives them.
 """
+from reshard.export.dcp_job import export_dcp
 from reshard.export.safetensors_job import export_safetensors
 from reshard.export.universal import export_universal
 
-__all__ = ["export_safetensors", "export_universal"]
+__all__ = ["export_dcp", "export_safetensors", "export_universal"]

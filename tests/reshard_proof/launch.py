@@ -58,7 +58,7 @@ def child_env(env: dict | None = None) -> dict:
 
 RANKS_WITHOUT_AGENT = frozenset({
     "reshard_proof.train", "reshard_proof.check_load", "reshard_proof.moe_run", "reshard_proof.folded_tp_ep",
-    "reshard_proof.tensor_parallel", "tests.pipeline_run",
+    "reshard_proof.tensor_parallel", "tests.pipeline_run", "reshard_proof.fsdp2_judge",
     # scripts, by their path in the checkout
     "tests/entry/universal_load.py", "tests/entry/hf_trainer.py",
     "tests/entry/hf_accelerate.py", "tests/entry/ppo_resumes.py", "launch/examples/ppo_actor_critic.py",

@@ -1,0 +1,205 @@
+"""Load reshard's DCP exports into a real FSDP2 model and torch.optim.AdamW, and judge them against DeepSpeed's truth.
+
+    torchrun --standalone --nproc_per_node=3 -m reshard_proof.fsdp2_judge \
+        --case /tmp/z2-dcp /tmp/z2.truth.pt /tmp/z2-dcp.verdict3.json [--case ...]
+
+For each case, on every rank: ProofModel from another seed, `fully_shard` (gloo, CPU: every parameter a
+DTensor Shard(0)), AdamW with torch's default hyperparameters (so a lost one shows), then
+`get_state_dict` -> `dcp.load` -> `set_state_dict`, as a training script resuming from DCP does. Then,
+comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine recorded when it saved:
+- every trainable parameter equals its fp32 master, every frozen parameter and persistent buffer
+  its saved value (upcast), exp_avg, exp_avg_sq and step equal DeepSpeed's, and every group's
+  lr, betas, eps, weight_decay, initial_lr and name equal the DeepSpeed optimizer's;
+- the export's `.metadata` names the same keys, sizes, dtypes and state-dict paths as the one
+  `dcp.save` writes for the model and optimizer just loaded (torch's own writer as the reference);
+- one more AdamW step, with one fixed full gradient per parameter (the same on every rank,
+  distributed as the parameter is), gives exactly the parameters that torch AdamW gives from the
+  truth's masters, moments, step and hyperparameters on plain tensors: the update DeepSpeed's
+  ZeRO runs with a client torch AdamW (it steps the same torch AdamW on its flat fp32 partition,
+  element by element the same arithmetic), here with FSDP2's sharded state. Bit for bit.
+Rank 0 writes the verdict (JSON: checks made, mismatches) atomically; exit 0 whatever the verdict.
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from reshard_proof.bitwise import compare_trees
+from reshard_proof.model import ProofModel, build_param_groups
+from reshard_proof.truth_file import read_truth
+from reshard_proof.variants import decaying_lr_factor
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "initial_lr", "name")
+GRADIENT_SEED = 20261128
+
+
+def full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def fixed_gradients(shapes: dict) -> dict:
+    generator = torch.Generator().manual_seed(GRADIENT_SEED)
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def metadata_differences(ours, theirs, missing_ok=()) -> list[str]:
+    """What our `.metadata` says differently from the one `dcp.save` wrote for the same model and
+    optimizer: keys, tensor or bytes, sizes, dtypes, each key's path (`planner_data`). Chunks and
+    files may differ (they are the writer's choice); `missing_ok`: keys we may lack."""
+    found = []
+    a, b = ours.state_dict_metadata, theirs.state_dict_metadata
+    lacking = sorted(set(b) - set(a) - set(missing_ok))
+    extra = sorted(set(a) - set(b))
+    if lacking or extra:
+        found.append(f"keys: ours lacks {lacking}, has extra {extra}")
+    for key in sorted(set(a) & set(b)):
+        if type(a[key]) is not type(b[key]):
+            found.append(f"{key}: {type(a[key]).__name__} where dcp.save writes {type(b[key]).__name__}")
+        elif hasattr(b[key], "size") and (a[key].size != b[key].size or a[key].properties.dtype != b[key].properties.dtype):
+            found.append(f"{key}: {a[key].size} {a[key].properties.dtype} where dcp.save writes "
+                         f"{b[key].size} {b[key].properties.dtype}")
+        if ours.planner_data.get(key) != theirs.planner_data.get(key):
+            found.append(f"{key}: path {ours.planner_data.get(key)} where dcp.save writes {theirs.planner_data.get(key)}")
+    return found
+
+
+def judge_case(directory: str, truth_path: str, seed: int, resave_to: str) -> dict:
+    truth = read_truth(truth_path)
+    engine = truth["engine"]
+    torch.manual_seed(seed)
+    model = ProofModel()
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(build_param_groups(model))
+    # built before the load, as a training script does: it gives each group its initial_lr, and dcp.load
+    # reads only the keys the state dict it is given holds. A DeepSpeed scheduler from the config
+    # (WarmupDecayLR) has no torch class: its saved state is compared as it is.
+    torch_scheduler = "lr_lambdas" in (engine["lr_scheduler"] or {})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decaying_lr_factor) if torch_scheduler else None
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    # frozen parameters excluded at save are in no DeepSpeed file, so not in the export: the model
+    # keeps its own (this model builds them from a fixed seed), as DeepSpeed's load_module_strict=False does
+    partial = bool(truth["meta"].get("exclude_frozen_parameters"))
+    dcp.load(state, checkpoint_id=directory, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not partial))
+    run_state = torch.load(os.path.join(directory, "reshard_run_state.pt"), weights_only=True)
+    if scheduler is not None:
+        scheduler.load_state_dict(run_state["lr_scheduler"])
+
+    checks, mismatches = 0, []
+
+    def same(what: str, got, want) -> None:
+        nonlocal checks
+        checks += 1
+        if torch.is_tensor(want):
+            ok = torch.is_tensor(got) and got.shape == want.shape and torch.equal(got.to(want.dtype), want)
+        else:
+            ok = got == want
+        if not ok:
+            mismatches.append(f"{what}: got {got!r:.200} want {want!r:.200}")
+
+    trainable = {}
+    for name, param in model.named_parameters():
+        value = full(param.detach())
+        if name in engine["master"]:
+            trainable[name] = param
+            same(f"model.{name}", value, engine["master"][name]["fp32"])
+            opt_state = optimizer.state[param]
+            for key in ("exp_avg", "exp_avg_sq"):
+                same(f"optim.state.{name}.{key}", full(opt_state[key]), engine["master"][name]["state"][key])
+            same(f"optim.state.{name}.step", float(opt_state["step"]), float(engine["master"][name]["scalars"]["step"]))
+        elif name in engine["frozen"]:
+            same(f"model.{name} (frozen)", value, engine["frozen"][name].float())
+        else:
+            mismatches.append(f"{name}: neither trainable nor frozen in the truth")
+    for name, buffer in model.named_buffers():
+        if name in engine["buffers"]:
+            same(f"model.{name} (buffer)", full(buffer), engine["buffers"][name])
+    if set(trainable) != set(engine["master"]):
+        mismatches.append(f"trainable parameters {sorted(trainable)} != the truth's {sorted(engine['master'])}")
+    for g, (group, want) in enumerate(zip(optimizer.param_groups, engine["param_groups"])):
+        for key in HYPERPARAMETERS:
+            if key in want:
+                same(f"param_groups[{g}].{key}", group.get(key), want[key])
+
+    for key, want in engine["counters"].items():
+        same(f"run state {key}", run_state[key], want)
+    scheduler_state = scheduler.state_dict() if scheduler is not None else run_state["lr_scheduler"]
+    for what, want, got in (("lr scheduler", engine["lr_scheduler"], scheduler_state),
+                            ("client_state", truth["client_state"], run_state["client_state"])):
+        checks += 1
+        comparison = compare_trees(want, got)
+        if not comparison.ok:
+            mismatches.append(f"{what}: {'; '.join(comparison.mismatches)}")
+
+    # the format against torch's own: dcp.save of the state just loaded writes the same keys, sizes,
+    # dtypes and paths as the export's .metadata (exported with the default --dtype fp32)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=resave_to)
+    frozen = [f"model.{name}" for name in engine["frozen"]] if partial else []
+    checks += 1
+    for difference in metadata_differences(FileSystemReader(directory).read_metadata(),
+                                           FileSystemReader(resave_to).read_metadata(), frozen):
+        mismatches.append(f".metadata: {difference}")
+
+    # one more step: the same fixed full gradient on FSDP2's shards and on plain tensors from the truth
+    gradients = fixed_gradients({name: tuple(p.shape) for name, p in trainable.items()})
+    for name, param in trainable.items():
+        param.grad = distribute_tensor(gradients[name], param.device_mesh, param.placements)
+    optimizer.step()
+    names_of = {id(p): n for n, p in trainable.items()}
+    plain, groups = {}, []
+    for g, group in enumerate(optimizer.param_groups):
+        want = engine["param_groups"][g]
+        names = [names_of[id(p)] for p in group["params"]]
+        tensors = []
+        for name in names:
+            plain[name] = torch.nn.Parameter(engine["master"][name]["fp32"].clone())
+            plain[name].grad = gradients[name].clone()
+            tensors.append(plain[name])
+        groups.append({"params": tensors, "lr": want["lr"], "betas": want["betas"], "eps": want["eps"],
+                       "weight_decay": want["weight_decay"]})
+    reference = torch.optim.AdamW(groups)
+    for name, param in plain.items():
+        master = engine["master"][name]
+        reference.state[param] = {"step": torch.tensor(float(master["scalars"]["step"]), dtype=torch.float32),
+                                  "exp_avg": master["state"]["exp_avg"].clone(),
+                                  "exp_avg_sq": master["state"]["exp_avg_sq"].clone()}
+    reference.step()
+    for name, param in trainable.items():
+        same(f"after one more step: {name}", full(param.detach()), plain[name].detach())
+        same(f"after one more step: {name}.exp_avg_sq", full(optimizer.state[param]["exp_avg_sq"]),
+             reference.state[plain[name]]["exp_avg_sq"])
+    return {"checks": checks, "mismatches": mismatches, "world_size": dist.get_world_size()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", nargs=3, action="append", required=True, metavar=("DCP_DIR", "TRUTH", "VERDICT"))
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    for i, (directory, truth_path, verdict_path) in enumerate(args.case):
+        try:
+            verdict = judge_case(directory, truth_path, seed=1000 + i, resave_to=verdict_path + ".resaved")
+        except (Exception, CheckpointException) as error:  # a load that raises is a verdict too, the test reads it
+            verdict = {"checks": 0, "mismatches": [f"{type(error).__name__}: {error}"],
+                       "world_size": dist.get_world_size()}
+        if dist.get_rank() == 0:
+            with open(verdict_path + ".partial", "w") as out:
+                json.dump(verdict, out, indent=1)
+            os.replace(verdict_path + ".partial", verdict_path)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
