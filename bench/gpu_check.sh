@@ -10,6 +10,11 @@
 # The eval loss is computed on the GPU and the truth's on the CPU, so it is reported, not required
 # to match bit for bit; everything else must. With one GPU the offline job has one worker (no
 # exchange); the in-job load runs over the job's NCCL group.
+#
+# Where the save's optimizer is Adam (every variant but MoE here), its `reshard export --format dcp`
+# is also loaded into an FSDP2 model and torch AdamW on the GPU over NCCL (reshard_proof.fsdp2_judge
+# --device cuda): every parameter and moment against the truth, then one more step against torch
+# AdamW on the CPU (a CUDA kernel that rounds differently shows there, and only there).
 set -uo pipefail
 checks=$1; out=$2; work=$(mktemp -d)
 export DS_ACCELERATOR=cuda RESHARD_PROOF_BACKEND=nccl PYTHONUNBUFFERED=1
@@ -28,12 +33,21 @@ for dir in "$checks"/*/; do
       --verdict "$out/$v-native.json" || echo "CHECK FAILED $v native"
   run -m reshard_proof.check_load --variant "$v" --load-dir "$dir/ckpt" --truth "$dir/truth.pt" \
       --verdict "$out/$v-injob.json" --in-job || echo "CHECK FAILED $v in-job"
+  case $v in *moe*) continue ;; esac
+  python3 -m reshard export "$dir/ckpt" "$work/$v-dcp" --format dcp --quiet || echo "DCP EXPORT FAILED $v"
+  run -m reshard_proof.fsdp2_judge --device cuda --case "$work/$v-dcp" "$dir/truth.pt" "$out/$v-dcp-fsdp2.json" \
+      || echo "CHECK FAILED $v dcp"
 done
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     v = json.loads(path.read_text())
     real = [m for m in v.get("mismatches", []) if not m.startswith("eval_loss")]
+    if "checks" in v:  # a DCP export judged in FSDP2 (reshard_proof.fsdp2_judge)
+        step = [m for m in real if m.startswith("after one more step")]
+        print(f"{path.stem:28s} {v['checks']} checks, mismatches before the step: {len(real) - len(step)} "
+              f"{[m for m in real if m not in step][:3]}, in the step: {len(step)} {step[:2]}")
+        continue
     print(f"{path.stem:28s} checked {v.get('checked_tensors')} tensors, mismatches besides eval_loss: "
           f"{len(real)} {real[:3]} load_error={v.get('load_error')!r}")
 PY

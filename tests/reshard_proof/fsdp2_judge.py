@@ -18,6 +18,9 @@ comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine rec
   ZeRO runs with a client torch AdamW (it steps the same torch AdamW on its flat fp32 partition,
   element by element the same arithmetic), here with FSDP2's sharded state. Bit for bit.
 Rank 0 writes the verdict (JSON: checks made, mismatches) atomically; exit 0 whatever the verdict.
+With `--device cuda` (bench/gpu_check.sh) the model, its shards and the step live on the GPU over NCCL,
+one rank per GPU; values are compared on the CPU, and the step's reference stays torch AdamW on the CPU,
+so a CUDA kernel that rounds differently shows as a mismatch in the step's lines alone.
 """
 import argparse
 import json
@@ -42,7 +45,7 @@ GRADIENT_SEED = 20261128
 
 
 def full(value):
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
 
 
 def fixed_gradients(shapes: dict) -> dict:
@@ -71,11 +74,11 @@ def metadata_differences(ours, theirs, missing_ok=()) -> list[str]:
     return found
 
 
-def judge_case(directory: str, truth_path: str, seed: int, resave_to: str) -> dict:
+def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, device: str = "cpu") -> dict:
     truth = read_truth(truth_path)
     engine = truth["engine"]
     torch.manual_seed(seed)
-    model = ProofModel()
+    model = ProofModel().to(device)
     fully_shard(model)
     optimizer = torch.optim.AdamW(build_param_groups(model))
     # built before the load, as a training script does: it gives each group its initial_lr, and dcp.load
@@ -154,7 +157,7 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str) -> di
     # one more step: the same fixed full gradient on FSDP2's shards and on plain tensors from the truth
     gradients = fixed_gradients({name: tuple(p.shape) for name, p in trainable.items()})
     for name, param in trainable.items():
-        param.grad = distribute_tensor(gradients[name], param.device_mesh, param.placements)
+        param.grad = distribute_tensor(gradients[name].to(param.device), param.device_mesh, param.placements)
     optimizer.step()
     names_of = {id(p): n for n, p in trainable.items()}
     plain, groups = {}, []
@@ -185,11 +188,15 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", nargs=3, action="append", required=True, metavar=("DCP_DIR", "TRUTH", "VERDICT"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     for i, (directory, truth_path, verdict_path) in enumerate(args.case):
         try:
-            verdict = judge_case(directory, truth_path, seed=1000 + i, resave_to=verdict_path + ".resaved")
+            verdict = judge_case(directory, truth_path, seed=1000 + i, resave_to=verdict_path + ".resaved",
+                                 device=args.device)
         except (Exception, CheckpointException) as error:  # a load that raises is a verdict too, the test reads it
             verdict = {"checks": 0, "mismatches": [f"{type(error).__name__}: {error}"],
                        "world_size": dist.get_world_size()}
