@@ -94,6 +94,7 @@ from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.paths import write_named_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.torch_archive import load_checked
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
 from reshard.layouts.zero import Zero12Group, zero12_group
 
@@ -199,13 +200,10 @@ def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 
 
 
 def load_whole(path: str, trust_pickle: bool = False):
-    """A DeepSpeed file as torch loads it, with reshard's stand-ins for DeepSpeed's classes."""
-    import torch
-    torch.serialization.add_safe_globals(schema.safe_globals())
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
-    except Exception as error:
-        raise CheckpointError(path, f"cannot be read: {error}") from error
+    """A DeepSpeed file as torch loads it (memory-mapped), with reshard's stand-ins for DeepSpeed's
+    classes, through the checked reader (torch_archive.load_checked: the archive as torch.save writes
+    it, no overlapping views), the process's allowlist left as it was."""
+    return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
 def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> PipelineSource:

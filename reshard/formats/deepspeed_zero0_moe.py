@@ -37,8 +37,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
-from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import TensorRef, check_archive, load_portable
+from reshard.formats.torch_archive import TensorRef, load_checked, load_portable
 from reshard.topology import Topology
 from reshard.layouts.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
@@ -225,10 +224,8 @@ def _optimizer_of(tree, path: str) -> dict:
 
 
 def _load(path: str, trust_pickle: bool):
-    import torch  # a ZeRO-0 MoE job loads whole files: the torch path
-    check_archive(path)
-    with allowed_globals(schema.safe_globals()):  # an in-job load leaves the allowlist as it was
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    # a ZeRO-0 MoE job loads whole files: the torch path; an in-job load leaves the allowlist as it was
+    return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
 def target_optimizer(source: Zero0MoeSource, loaded: dict[int, dict], target: Topology, ep_rank: int) -> dict:

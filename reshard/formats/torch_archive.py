@@ -127,6 +127,69 @@ def check_archive(path: str | os.PathLike) -> None:
     torch_pickle.open_archive(path).close()
 
 
+def load_checked(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False,
+                 mmap: bool = True) -> Any:
+    """torch.load of a whole file (tensors memory-mapped by default, on the CPU), only after the
+    archive passed `check_archive`, with `safe_globals` allowed for this load alone (weights_only
+    unless `trust_pickle`); every tensor it gives is then checked as the torch-free reader checks
+    a view (torch_pickle.view_problem: inside its storage, no overlapping elements). The one way
+    reshard hands a file to torch.load for its data (tests/test_layering.py refuses any other
+    call outside the torch-byte modules): a mapped load takes a deflated record's raw bytes as
+    tensor data, and an expanded view's element count is not bounded by the file. Refusals are
+    CheckpointErrors naming the file."""
+    path = os.fspath(path)
+    check_archive(path)
+    import torch
+    try:
+        if trust_pickle:
+            obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+        else:
+            from reshard.formats.torch_allowlist import allowed_globals
+            with allowed_globals(safe_globals):
+                obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except UnsupportedTorch as error:
+        raise CheckpointError(path, f"needs torch to be read, and {error}") from None
+    except pickle.UnpicklingError as error:
+        message = str(error)
+        if "Unsupported global" in message or "weights_only" in message:
+            unsafe = _unsafe_globals(path, safe_globals)
+            raise CheckpointError(path, f"holds pickled classes outside reshard's allowlist ({', '.join(unsafe) or message.splitlines()[0]}); "
+                                        "loading it would run code from the checkpoint. If you trust this file, pass --trust-pickle") from None
+        raise CheckpointError(path, f"is not a readable torch checkpoint ({message.splitlines()[0]})") from None
+    except Exception as error:  # torch raises many kinds for damaged archives
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(path, f"cannot be read: {first}") from None
+    for tensor in _tensors_in(obj):
+        storage = tensor.untyped_storage()
+        problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
+                                            tuple(tensor.shape), tuple(tensor.stride()))
+        if problem:
+            raise CheckpointError(path, f"holds {problem}")
+    return obj
+
+
+def _tensors_in(obj: Any) -> list:
+    """Every torch tensor in a loaded tree (containers, and objects' attributes under
+    --trust-pickle), each distinct object visited once: linear in the tree's distinct objects
+    whatever the sharing, and iterative, so no tree torch built can exhaust the stack."""
+    found, seen, stack = [], set(), [obj]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if is_tensor(node):
+            found.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend(node)
+        elif hasattr(node, "__dict__") and not isinstance(node, type):
+            stack.extend(vars(node).values())
+    return found
+
+
 def _unsafe_globals(path: str, safe_globals: Iterable) -> list[str]:
     """The pickled globals of `path` that neither torch nor the caller's allowlist allows."""
     import torch
