@@ -1,0 +1,203 @@
+"""Crafted variants of a real pipeline save are refused by name on every road (issue 36, the read side).
+
+    python -m pytest -q tests/test_pipeline_trust.py        # the shared (pp 2, dp 1) fp32 save; ~25 s after it
+
+Each case copies the session's PipelineModule save (conftest `pipeline_runs("fp32", 2, 1)`: no
+training of its own), changes one file as a hostile or careless user might, and runs reshard in
+this process (tests/trained.py `reshard_in_process`; tests/test_cli.py proves a real `python -m
+reshard` refusal exits 2): exit 2, a message naming the file and the problem, no output, the source
+untouched. Before this change each of these exited 0 with wrong output:
+
+- deflated records (Python's zipfile, level 0): a memory-mapped torch.load took the raw bytes as
+  tensor data, NaN masters (now torch_archive.load_checked runs check_archive first, everywhere);
+- an optimizer tensor one element longer or shorter than its partition: copied whole to every
+  target rank, or truncated (now deepspeed_schema's partition checks, shared with the ZeRO road);
+- partitions saved as expanded views (stride 0) with `param_shapes` lying to match: a 4 KB file
+  made a worker allocate what the pickle claims (now refused as an overlapping view, and the lie
+  is seen against the layer files);
+- `param_shapes` lying alone, with partitions of the size it claims.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.formats import deepspeed_classes as classes
+from reshard.formats.torch_allowlist import allowed_globals
+
+pytestmark = pytest.mark.e2e
+
+OPTIM0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+STAGE0 = "mp_rank_00_model_states.pt"
+
+
+def _load(path: Path):
+    with allowed_globals(classes.safe_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _save(tree, path: Path) -> None:
+    torch.save(tree, path, pickle_module=classes)
+
+
+def _deflate_records(path: Path) -> None:
+    """Re-store every tensor record of `path` deflated at level 0 (sizes nearly unchanged); torch.load
+    itself still reads the right values."""
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, content in records:
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED if "/data/" in name else zipfile.ZIP_STORED
+            archive.writestr(info, content, compresslevel=0)
+
+
+def _group0(tree) -> dict:
+    return tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+
+
+def _edit_optimizer(tag: Path, change) -> None:
+    tree = _load(tag / OPTIM0)
+    change(tree["optimizer_state_dict"])
+    _save(tree, tag / OPTIM0)
+
+
+def _exp_avg_sq(tag: Path, delta: int) -> None:
+    def change(osd):
+        state = osd["base_optimizer_state"]["state"][0]
+        sq = state["exp_avg_sq"]
+        state["exp_avg_sq"] = torch.cat([sq, torch.ones(delta)]) if delta > 0 else sq[:delta].clone()
+    _edit_optimizer(tag, change)
+
+
+def _fp32_longer(tag: Path) -> None:
+    _edit_optimizer(tag, lambda osd: osd["single_partition_of_fp32_groups"].__setitem__(
+        0, torch.cat([osd["single_partition_of_fp32_groups"][0], torch.ones(1)])))
+
+
+def _lie_about_param_shapes(tag: Path, numel: int) -> str:
+    """Stage 0's param_shapes: its last parameter claimed to be `numel` longer; returns its name."""
+    model = _load(tag / STAGE0)
+    shapes = model["param_shapes"][0]
+    name = list(shapes)[-1]
+    shapes[name] = torch.Size([shapes[name].numel() + numel])
+    _save(model, tag / STAGE0)
+    return name
+
+
+def _stride_zero(tag: Path) -> str:
+    """The issue's 4 KB file: every partition an expanded view of one element, param_shapes to match."""
+    claimed = 50_000_000
+    name = _lie_about_param_shapes(tag, claimed)
+
+    def change(osd):
+        lean = osd["single_partition_of_fp32_groups"][0].numel() + claimed
+        osd["single_partition_of_fp32_groups"][0] = torch.ones(1).expand(lean)
+        state = osd["base_optimizer_state"]["state"][0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = torch.ones(1).expand(lean + 1)
+    _edit_optimizer(tag, change)
+    assert (tag / OPTIM0).stat().st_size < 64 * 1024
+    return name
+
+
+def _padded_lie(tag: Path) -> str:
+    """param_shapes claims one more element of the last parameter, and the partitions have it: every
+    size agrees but the layer file's."""
+    name = _lie_about_param_shapes(tag, 1)
+
+    def change(osd):
+        osd["single_partition_of_fp32_groups"][0] = torch.cat([osd["single_partition_of_fp32_groups"][0],
+                                                               torch.zeros(1)])
+        # stage 0's 1913 elements are padded to 1914 (a multiple of 2 * dp): one more fills the padding,
+        # so the moments keep their size
+        assert osd["group_paddings"] == [1] and _group0({"optimizer_state_dict": osd})["exp_avg"].numel() == 1914
+        osd["group_paddings"] = [0]
+    _edit_optimizer(tag, change)
+    return name
+
+
+def _hashes(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+CASES = {
+    "deflated-optimizer": (lambda tag: _deflate_records(tag / OPTIM0), OPTIM0, "has compressed record"),
+    "deflated-layer-file": (lambda tag: _deflate_records(tag / "layer_03-model_states.pt"), "layer_03-model_states.pt",
+                            "has compressed record"),
+    "exp-avg-sq-longer": (lambda tag: _exp_avg_sq(tag, 1), OPTIM0,
+                          "optimizer state 'exp_avg_sq' of param group 0 has 1915 elements (shape [1915]), but its "
+                          "partition has 1914"),
+    "exp-avg-sq-shorter": (lambda tag: _exp_avg_sq(tag, -1), OPTIM0,
+                           "optimizer state 'exp_avg_sq' of param group 0 has 1913 elements (shape [1913]), but its "
+                           "partition has 1914"),
+    "fp32-longer": (_fp32_longer, OPTIM0, "single_partition_of_fp32_groups[0] has 1914 elements (shape [1914]), but "
+                                          "its partition has 1913"),
+    "stride-zero": (_stride_zero, OPTIM0, "holds a view whose elements overlap (shape [50001913], stride [0]"),
+    "param-shapes-lie": (_padded_lie, STAGE0, "param_shapes says 1.bias has shape [42], but layer_01-model_states.pt "
+                                              "holds shape [41] under 'bias'"),
+}
+
+
+@pytest.fixture
+def crafted(pipeline_runs, tmp_path, request):
+    """(save_dir, the changed file, the expected words) of one case, on a copy of the shared save."""
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    copy = tmp_path / "src"
+    shutil.copytree(save_dir, copy)
+    tag = copy / (copy / "latest").read_text().strip()
+    change, name, words = CASES[request.param]
+    change(tag)
+    return copy, tag / name, words
+
+
+@pytest.mark.parametrize("crafted", list(CASES), indirect=True)
+def test_a_crafted_pipeline_save_is_refused_by_name_on_every_road(crafted, tmp_path):
+    from trained import reshard_in_process
+    save_dir, changed, words = crafted
+    before = _hashes(save_dir)
+    roads = {
+        "reshard": ("--target-dp", "2", "--memory-budget", "16M"),
+        "array task": ("--target-dp", "2", "--array-task", "0", "--array-tasks", "1"),
+        "export": ("--format", "safetensors"),
+        "inspect": (),
+    }
+    for road, flags in roads.items():
+        out = tmp_path / road.replace(" ", "-")
+        args = {"export": ("export", save_dir, out), "inspect": ("inspect", save_dir)}.get(road, (save_dir, out))
+        run = reshard_in_process(*args, *flags)
+        assert run.returncode == 2, (road, run.stdout, run.stderr)
+        command = {"export": "reshard export", "inspect": "reshard inspect"}.get(road, "reshard")
+        assert run.stderr.startswith(f"{command}: error: {changed}: "), (road, run.stderr)
+        assert words in run.stderr and "Traceback" not in run.stderr, (road, run.stderr)
+        assert not (out / "latest").exists() and not list(out.glob("*.safetensors")), road
+    assert _hashes(save_dir) == before  # the source is never modified
+
+
+def test_a_pipeline_save_read_whole_agrees_with_torch(pipeline_runs):
+    """The checked reader changes nothing for a real save: every file the pipeline road loads gives
+    torch.load's own values, element for element."""
+    from reshard.formats.deepspeed_pipeline import load_whole
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    tag = save_dir / (save_dir / "latest").read_text().strip()
+    files = sorted(tag.glob("*.pt"))
+    assert len(files) == 10
+    for path in files:
+        ours, theirs = load_whole(str(path)), _load(path)
+        pairs = collections.deque([(ours, theirs)])
+        while pairs:
+            a, b = pairs.popleft()
+            if isinstance(b, torch.Tensor):
+                assert torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape, path
+            elif isinstance(b, dict):
+                assert list(a) == list(b), path
+                pairs.extend((a[k], b[k]) for k in b)
+            elif isinstance(b, (list, tuple)):
+                assert len(a) == len(b), path
+                pairs.extend(zip(a, b))
