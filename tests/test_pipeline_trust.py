@@ -31,8 +31,6 @@ import torch
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.torch_allowlist import allowed_globals
 
-pytestmark = pytest.mark.e2e
-
 OPTIM0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 STAGE0 = "mp_rank_00_model_states.pt"
 
@@ -157,6 +155,7 @@ def crafted(pipeline_runs, tmp_path, request):
     return copy, tag / name, words
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("crafted", list(CASES), indirect=True)
 def test_a_crafted_pipeline_save_is_refused_by_name_on_every_road(crafted, tmp_path):
     from trained import reshard_in_process
@@ -180,6 +179,7 @@ def test_a_crafted_pipeline_save_is_refused_by_name_on_every_road(crafted, tmp_p
     assert _hashes(save_dir) == before  # the source is never modified
 
 
+@pytest.mark.e2e
 def test_a_pipeline_save_read_whole_agrees_with_torch(pipeline_runs):
     """The checked reader changes nothing for a real save: every file the pipeline road loads gives
     torch.load's own values, element for element."""
@@ -201,3 +201,43 @@ def test_a_pipeline_save_read_whole_agrees_with_torch(pipeline_runs):
             elif isinstance(b, (list, tuple)):
                 assert len(a) == len(b), path
                 pairs.extend(zip(a, b))
+
+
+def test_the_shared_partition_check_refuses_alike_on_both_readers_tensors():
+    """deepspeed_schema's check, which the ZeRO road (TensorRefs) and the pipeline road (torch
+    tensors) both call: the same verdict for the same layout, whichever reader gave it."""
+    from reshard.errors import CheckpointError
+    from reshard.formats import deepspeed_schema as schema
+    from reshard.formats.torch_archive import TensorRef
+
+    def ref(shape, stride):
+        return TensorRef(0, 4 * 64, "float32", shape, stride, 0, False)
+    for tensor, (shape, stride) in [(torch.zeros(6), ((6,), (1,))), (torch.zeros(7), ((7,), (1,))),
+                                    (torch.zeros(12)[::2], ((6,), (2,))), (torch.zeros(2, 3), ((2, 3), (3, 1)))]:
+        assert schema.partition_problem(tensor, 6) == schema.partition_problem(ref(shape, stride), 6)
+    assert schema.partition_problem(torch.zeros(6), 6) is None
+    assert schema.partition_problem(torch.zeros(12)[::2], 6) == "is not stored contiguously"
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(6), "exp_avg_sq": torch.zeros(7)}
+    with pytest.raises(CheckpointError, match=r"f.pt: optimizer state 'exp_avg_sq' of group 0 has 7 elements \(shape "
+                                              r"\[7\]\), but its partition has 6"):
+        schema.partitioned_state_keys("f.pt", "group 0", state, 6)
+    state["exp_avg_sq"] = torch.zeros(6)
+    assert schema.partitioned_state_keys("f.pt", "group 0", state, 6) == ["exp_avg", "exp_avg_sq"]
+    with pytest.raises(CheckpointError, match="has no optimizer state 'momentum'"):
+        schema.partitioned_state_keys("f.pt", "group 0", state, 6, ["exp_avg", "exp_avg_sq", "momentum"])
+
+
+def test_zero0_moe_states_must_have_their_parameters_shape():
+    """The ZeRO-0 MoE road (whole parameters, no partitions) checks each state against its parameter."""
+    from reshard.errors import CheckpointError
+    from reshard.formats.deepspeed_zero0_moe import _check_state_sizes as check  # noqa: PLC2701 (its own unit)
+    inner = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
+             "param_groups": [{"params": [0]}]}
+    check({"optimizer_state_dict": inner, "fp32_groups": [[torch.zeros(2, 3)]]}, inner, "f.pt")
+    inner["state"][0]["exp_avg_sq"] = torch.zeros(7)
+    with pytest.raises(CheckpointError, match=r"'exp_avg_sq' of parameter 0 of param group 0 has shape \[7\], but "
+                                              r"the parameter's is \[2, 3\]"):
+        check({}, inner, "f.pt")
+    inner["state"][0]["exp_avg_sq"] = torch.ones(1).expand(2, 3)
+    with pytest.raises(CheckpointError, match="not stored contiguously"):
+        check({}, inner, "f.pt")
