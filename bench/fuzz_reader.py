@@ -106,7 +106,8 @@ def main() -> int:
 
     torch = TorchReader()
     work = Path(tempfile.mkdtemp(prefix="fuzz-reader-"))
-    bases = base_files(work / "bases") + [Path(f) for f in args.file]
+    base_files_made = base_files(work / "bases")
+    bases = base_files_made + [Path(f) for f in args.file]
     families = [(KINDS, [Mutator(base, args.seed * 1000 + i) for i, base in enumerate(bases)]),
                 (STRUCTURE_KINDS, [StructureMutator(base, args.seed * 1000 + 500 + i) for i, base in enumerate(bases)])]
     figures: collections.Counter = collections.Counter()
@@ -117,7 +118,7 @@ def main() -> int:
     for i in range(args.mutants):
         kinds, mutators = families[i % 2]
         index = (i // 2) % len(mutators)
-        label = FILE_KINDS.get(bases[index].name, bases[index].name)
+        label = FILE_KINDS[bases[index].name] if index < len(base_files_made) else f"--file {bases[index].name}"
         path, kind = mutators[index].mutant(work / "mutant.pt", kinds[(i // (2 * len(mutators))) % len(kinds)])
         # the torch-free reader (in this process), then torch's plain load in the child
         ours, found = read_ours(path)
@@ -156,8 +157,8 @@ def main() -> int:
         print(f"    torch-free refusals, {key[len('refusals, '):]:<16}: {figures[key]:,}")
     print(f"    torch crashes avoided         : {figures['torch crashes avoided']:,}")
     print("  per file kind (reader: mutants / refused / handed to torch / agree / disagree):")
-    for label in dict.fromkeys(FILE_KINDS.get(b.name, b.name) for b in bases):
-        print(f"    {label:<36}" + "  ".join(
+    for label in dict.fromkeys(k[0] for k in by_file):
+        print(f"    {label:<48}" + "  ".join(
             f"{reader} {by_file[label, reader, 'mutants']}/{by_file[label, reader, 'refused']}/"
             f"{by_file[label, reader, 'torch']}/{by_file[label, reader, 'agree']}/{by_file[label, reader, 'DISAGREE']}"
             for reader in ("torch-free", "mapped")))
