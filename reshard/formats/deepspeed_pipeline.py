@@ -206,9 +206,12 @@ def load_whole(path: str, trust_pickle: bool = False):
     return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
-def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> PipelineSource:
-    """Read the model-states file of every (stage, model rank) and the first optimizer file of each;
-    refuse by name what the per-stage ZeRO-1 re-cut does not handle."""
+def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False, layer_shapes: bool = True) -> PipelineSource:
+    """Read the model-states file of every (stage, model rank) and its optimizer files; refuse by
+    name what the per-stage ZeRO-1 re-cut does not handle, and any optimizer file whose partitions
+    are not those the stage's `param_shapes` give (check_stage_partitions), and, with `layer_shapes`
+    (all but `reshard verify`'s look at an output, which compares its layer files with the source's),
+    `param_shapes` that the layer files do not hold."""
     tag_dir = os.path.join(save_dir, tag)
     names = sorted(os.listdir(tag_dir))
     layer_files, layer_models, stage_models, optims, others = [], {}, {}, {}, []
@@ -276,8 +279,9 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
             for rank in range(1, dp):
                 path = os.path.join(tag_dir, schema.optim_file_name(rank, bf16, index))
                 check_stage_partitions(_osd(load_whole(path, trust_pickle), path), path, spec, dp, rank, keys)
-            _check_param_shapes_against_layers(tag_dir, spec, model_path, model_rank if model_axis else None,
-                                               layer_cache, trust_pickle)
+            if layer_shapes:
+                _check_param_shapes_against_layers(tag_dir, spec, model_path, model_rank if model_axis else None,
+                                                   layer_cache, trust_pickle)
             if model_rank == 0:
                 stages.append(spec)
             elif (spec.names, spec.shapes, spec.buffer_names) != (stages[-1].names, stages[-1].shapes,
@@ -387,8 +391,8 @@ def check_stage_partitions(osd: dict, path: str, spec: PipelineStage, dp: int, r
     keys = []
     for g, layout in enumerate(layouts):
         if problem := schema.partition_problem(fp32[g], layout.lean_numel(rank)):
-            raise CheckpointError(path, f"{FP32}[{g}] {problem} (dp rank {rank} of {dp}, param_shapes of "
-                                        f"{stage_model_name(spec.index)}'s stage)")
+            raise CheckpointError(path, f"{FP32}[{g}] {problem} (dp rank {rank} of {dp}, by the stage's "
+                                        "param_shapes)")
         keys.append(schema.partitioned_state_keys(path, f"param group {g}", base["state"].get(g, {}),
                                                   layout.partition_numel, None if expected is None else expected[g]))
     return keys
