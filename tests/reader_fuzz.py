@@ -590,10 +590,11 @@ class StructureMutator:
         pickled = dict(self.records)["data.pkl"]
         self.ops = [[op.name, arg] for op, arg, _ in pickletools.genops(pickled)]
         self.refs = storage_refs(self.ops)
-        self.keys = sorted({self._string_at(r.key_at) for r in self.refs} - {None})
+        self.keys = sorted({self.string_at(r.key_at) for r in self.refs} - {None})
         self.memo = [arg for name, arg in self.ops if name in ("BINPUT", "LONG_BINPUT")]
 
-    def _string_at(self, i):
+    def string_at(self, i):
+        """The string the op at `i` pushes (its own, or the memoised one a BINGET fetches), or None."""
         name, arg = self.ops[i]
         if name in ("BINUNICODE", "SHORT_BINUNICODE"):
             return arg
@@ -608,6 +609,11 @@ class StructureMutator:
         ops = [list(op) for op in self.ops]
         if self.refs or kind in ("op_memo", "op_dict_key"):
             getattr(self, "_" + kind)(ops)
+        self.write(out, ops)
+        return out, kind
+
+    def write(self, out: Path, ops: list[list]) -> Path:
+        """The file with data.pkl re-encoded from `ops`, every other record as it was."""
         from reshard.formats.torch_zip import ArchiveWriter
         writer = ArchiveWriter(str(out), prefix=self.prefix.rstrip("/"))
         for name, content in self.records:
@@ -616,7 +622,7 @@ class StructureMutator:
             elif name not in ("version", ".data/serialization_id"):
                 writer.add(name, content)
         writer.finish()
-        return out, kind
+        return out
 
     def _number(self, near: int) -> int:
         return self.random.choice([0, 1, 2, near - 1, near + 1, near * 2, 1 << 31, 1 << 40, (1 << 63) - 1])

@@ -15,7 +15,9 @@ untouched. Before this change each of these exited 0 with wrong output:
 - partitions saved as expanded views (stride 0) with `param_shapes` lying to match: a 4 KB file
   made a worker allocate what the pickle claims (now refused as an overlapping view, and the lie
   is seen against the layer files);
-- `param_shapes` lying alone, with partitions of the size it claims.
+- `param_shapes` lying alone, with partitions of the size it claims;
+- storage keys swapped between records of different sizes (found by the opcode-level fuzz): the
+  mapped load read another tensor's bytes and past a record's end, where a plain torch.load refuses.
 """
 from __future__ import annotations
 
@@ -121,6 +123,21 @@ def _padded_lie(tag: Path) -> str:
     return name
 
 
+def _keys_swapped_across_sizes(tag: Path) -> None:
+    """The storage keys of the step counter (one float) and exp_avg (1914 floats) swapped (data.pkl
+    rewritten op by op, tests/reader_fuzz.py): a plain torch.load refuses the size mismatches, a
+    mapped one (torch 2.13) takes exp_avg's first element as the step and reads exp_avg from the
+    step's 4-byte record on, through the records and headers after it."""
+    from reader_fuzz import StructureMutator
+    mutator = StructureMutator(tag / OPTIM0, seed=0)
+    ops = [list(op) for op in mutator.ops]
+    sizes = [ops[ref.numel_at][1] for ref in mutator.refs]
+    step, exp_avg = mutator.refs[0], mutator.refs[1]
+    assert sizes == [1, 1914, 1914, 1914] and [mutator.string_at(r.key_at) for r in (step, exp_avg)] == ["0", "1"]
+    ops[step.key_at], ops[exp_avg.key_at] = ["BINUNICODE", "1"], ["BINUNICODE", "0"]
+    mutator.write(tag / OPTIM0, ops)
+
+
 def _hashes(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
@@ -138,6 +155,7 @@ CASES = {
     "fp32-longer": (_fp32_longer, OPTIM0, "single_partition_of_fp32_groups[0] has 1914 elements (shape [1914]), but "
                                           "its partition has 1913"),
     "stride-zero": (_stride_zero, OPTIM0, "holds a view whose elements overlap (shape [50001913], stride [0]"),
+    "storage-keys-swapped-across-sizes": (_keys_swapped_across_sizes, OPTIM0, "is not a complete torch archive"),
     "param-shapes-lie": (_padded_lie, STAGE0, "param_shapes says 1.bias has shape [42], but layer_01-model_states.pt "
                                               "holds shape [41] under 'bias'"),
 }
