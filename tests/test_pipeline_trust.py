@@ -154,7 +154,7 @@ CASES = {
                            "partition has 1914"),
     "fp32-longer": (_fp32_longer, OPTIM0, "single_partition_of_fp32_groups[0] has 1914 elements (shape [1914]), but "
                                           "its partition has 1913"),
-    "stride-zero": (_stride_zero, OPTIM0, "holds a view whose elements overlap (shape [50001913], stride [0]"),
+    "stride-zero": (_stride_zero, OPTIM0, "holds a view whose elements overlap (shape [50001914], stride [0]"),
     "storage-keys-swapped-across-sizes": (_keys_swapped_across_sizes, OPTIM0, "is not a complete torch archive"),
     "param-shapes-lie": (_padded_lie, STAGE0, "param_shapes says 1.bias has shape [42], but layer_01-model_states.pt "
                                               "holds shape [41] under 'bias'"),
