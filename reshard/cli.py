@@ -203,7 +203,12 @@ def inspect_main(argv: list[str]) -> int:
         print(f"reshard inspect: error: {error}", file=sys.stderr)
         return 2
     from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
-    if (pipeline := pipeline_summary(source, tag, args.trust_pickle)) is not None:
+    try:
+        pipeline = pipeline_summary(source, tag, args.trust_pickle)
+    except ReshardError as error:  # a pipeline save inspect_pipeline refuses: by name, exit 2
+        _print_once(f"reshard inspect: error: {error}")
+        return 2
+    if pipeline is not None:
         import json
         print_summary(json.dumps(pipeline, indent=2) if args.json else pipeline_summary_text(pipeline))
         return 0

@@ -58,8 +58,7 @@ from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, read_storages
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
-from reshard.formats.torch_archive import TensorRef, check_archive, leaves_in_order, materialize, refs_in
-from reshard.formats.torch_allowlist import allowed_globals
+from reshard.formats.torch_archive import TensorRef, leaves_in_order, load_checked, materialize, refs_in
 from reshard.formats.source_reader import SourceReader
 from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
@@ -440,9 +439,8 @@ def _load_zero0_moe(engine, source, transport, trust_pickle: bool, kwargs: dict)
     started = time.perf_counter()
     ep_rank = target.expert_parallel_rank(transport.rank)
     optimizers = target_optimizers(source, target, sorted({0, ep_rank}), trust_pickle=trust_pickle)
-    check_archive(source.model_path())
-    with allowed_globals(schema.safe_globals()):  # the training process's allowlist stays as it was
-        model = torch.load(source.model_path(), map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    # the training process's allowlist stays as it was (load_checked scopes it)
+    model = load_checked(source.model_path(), schema.safe_globals(), trust_pickle)
     model.update(optimizer=optimizers[0], dp_world_size=target.dp)
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
@@ -526,10 +524,8 @@ def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | No
 def _zero12_model_states(source: SourceCheckpoint, target: Topology) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
     from reshard.formats.deepspeed_target import zero12_model_tree
-    check_archive(source.model_path(0))
-    with allowed_globals(schema.safe_globals()):  # the training process's allowlist stays as it was
-        states = classes.to_deepspeed(torch.load(source.model_path(0), map_location="cpu", mmap=True,
-                                                 weights_only=True))
+    # the training process's allowlist stays as it was (load_checked scopes it)
+    states = classes.to_deepspeed(load_checked(source.model_path(0), schema.safe_globals()))
     recomputed = zero12_model_tree(source, source.spec.layout(target))
     states["param_shapes"] = recomputed["param_shapes"]
     states["dp_world_size"] = recomputed["dp_world_size"]

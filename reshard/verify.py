@@ -676,7 +676,9 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
         if not is_pipeline(os.path.join(destination, tag)):
             raise CheckpointError(os.path.join(destination, tag), f"is not a pipeline checkpoint, but "
                                                                    f"{source.tag_dir} is")
-        target = inspect_pipeline(destination, tag, trust_pickle)
+        # the output's layer files are judged below against the source's (bytes, or the re-cut), so that a
+        # damaged one is reported as a difference rather than refused as unreadable input
+        target = inspect_pipeline(destination, tag, trust_pickle, layer_shapes=False)
         if target.bf16 != source.bf16:
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
         change = _model_axis_change(source, target, trust_pickle) if target.tp != source.tp else None

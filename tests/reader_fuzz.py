@@ -8,6 +8,11 @@
             verdict = judge(mutant)       # "refused", "torch", "agree"; AssertionError on a disagreement
 
 Used by tests/test_reader_fuzz.py (a few hundred mutants) and bench/fuzz_reader.py (thousands).
+Two readers are judged: the torch-free one (`judge`) and the memory-mapped torch load every whole-file
+road uses (`judge_mapped`: torch_archive.load_checked against a plain, unmapped torch.load). Structure-
+aware mutants (STRUCTURE_KINDS) rewrite data.pkl at the opcode level (pickletools): storage keys
+swapped or aliased, storage dtypes and sizes, storage offsets, shapes and strides (stride 0,
+overlapping), memo references pointed at other objects, dictionary keys repeated.
 A mutant is a real torch.save file with one change: bytes of data.pkl flipped or its integers
 or opcodes changed, fields of the central directory, end records or local headers edited,
 records duplicated, reordered, dropped, compressed (deflate) or given other contents, the file
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from reshard.errors import CheckpointError
 from reshard.formats import deepspeed_classes as classes
-from reshard.formats import torch_pickle
+from reshard.formats import torch_archive, torch_pickle
 from reshard.formats.torch_archive import TensorRef
 from reshard.formats.torch_classes import NeedsTorch, TorchGlobal, TorchSize
 
@@ -70,11 +75,53 @@ def base_files(directory: Path) -> list[Path]:
     model_like = OrderedDict((f"layer{i}.weight", torch.randn(3, 4)) for i in range(4))
     files = []
     for name, obj, module in [("mixed.pt", mixed, classes), ("optim_like.pt", optim_like, None),
-                              ("model_like.pt", {"module": model_like, "global_steps": 3}, None)]:
+                              ("model_like.pt", {"module": model_like, "global_steps": 3}, None),
+                              *pipeline_like_files()]:
         path = directory / name
         torch.save(obj, path, **({"pickle_module": module} if module else {}))
         files.append(path)
     return files
+
+
+def pipeline_like_files() -> list[tuple[str, object, object]]:
+    """(name, tree, pickle module) of the other file kinds the whole-file roads read, as DeepSpeed 0.19.8
+    lays them out (reshard.formats.deepspeed_pipeline, deepspeed_schema): a pipeline layer file (a
+    module's state_dict), a stage model-states file (no module, param_shapes), a ZeRO-1 stage
+    optimizer file (fp32 partition, moments, fragment addresses, the loss scaler), a model-axis layer
+    file, and a native MoE expert file. Real ones are fuzzed by test_reader_fuzz's e2e tests."""
+    import torch
+
+    layer = OrderedDict([("weight", torch.randn(5, 7)), ("bias", torch.randn(5)), ("scale", torch.ones(5))])
+    layer._metadata = OrderedDict([("", {"version": 1})])
+    shapes = [OrderedDict([("1.weight", torch.Size([5, 7])), ("1.bias", torch.Size([5]))])]
+    stage = {"module": None, "buffer_names": ["1.scale"], "optimizer": None, "param_shapes": shapes,
+             "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+             "lr_scheduler": {}, "global_steps": 3, "global_samples": 24, "skipped_steps": 0,
+             "dp_world_size": 2, "mp_world_size": 2,
+             "checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 1},
+             "ds_config": {"train_batch_size": 8, "zero_optimization": {"stage": 1}}, "ds_version": "0.19.8"}
+    scaler = classes.LossScaler()
+    scaler.__dict__.update(cur_scale=1.0, cur_iter=3, dynamic=False)
+    fp32 = torch.randn(20)
+    optimizer = {"optimizer_state_dict": {
+        "loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False, "clip_grad": 1.0,
+        "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(20),
+                                               "exp_avg_sq": torch.rand(20)}},
+                                 "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                                   "weight_decay": 0.0, "amsgrad": False, "params": [0]}]},
+        "single_partition_of_fp32_groups": [fp32[:20]], "zero_stage": classes.ZeroStageEnum(1),
+        "group_paddings": [0], "param_alignment_paddings": [[0, 0]], "partition_count": [2],
+        "ds_version": "0.19.8",
+        "param_slice_mappings": [OrderedDict([("1.weight", classes.fragment_address(numel=20, start=0))])]},
+        "ds_config": {"train_batch_size": 8}, "ds_version": "0.19.8"}
+    axis = OrderedDict([("weight", torch.randn(3, 7)), ("bias", torch.randn(3))])
+    axis._metadata = OrderedDict([("", {"version": 1})])
+    experts = OrderedDict((f"layer.moe.experts.deepspeed_experts.{e}.{name}", torch.randn(*shape, dtype=torch.bfloat16))
+                          for e in (0,) for name, shape in (("w1.weight", (6, 4)), ("w2.weight", (4, 6))))
+    return [("layer_01-model_states.pt", layer, None), ("mp_rank_01_model_states.pt", stage, classes),
+            ("zero_pp_rank_1_mp_rank_01_optim_states.pt", optimizer, classes),
+            ("layer_01-model_01-model_states.pt", axis, None),
+            ("layer_0_expert_3_mp_rank_00_model_states.pt", experts, None)]
 
 
 # -- reading both ways into one comparable form --------------------------------------------------
@@ -178,6 +225,36 @@ def judge(path, torch_reader=torch_load) -> tuple[str, str]:
                              f"{str(error)[:300]}") from None
     if ours != theirs:
         raise AssertionError(f"{path}: reshard's tree differs from torch.load's\n ours:  {str(ours)[:600]}\n "
+                             f"torch: {str(theirs)[:600]}")
+    return "agree", ""
+
+
+def read_mapped(path) -> tuple[str, object]:
+    """("tree", description) | ("refused", message) from the memory-mapped torch load every
+    whole-file road uses (torch_archive.load_checked)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = torch_archive.load_checked(path, SAFE)
+    except CheckpointError as error:
+        assert str(error).startswith(str(path)), error  # the message names the file
+        return "refused", error.problem
+    return "tree", describe_torch(tree)
+
+
+def judge_mapped(path, torch_reader=torch_load) -> tuple[str, str]:
+    """(verdict, detail) of the mapped load: "refused" or "agree" with a plain (unmapped)
+    torch.load(weights_only=True); AssertionError on a disagreement."""
+    verdict, ours = read_mapped(path)
+    if verdict != "tree":
+        return verdict, str(ours)
+    try:
+        theirs = torch_reader(path)
+    except Exception as error:
+        raise AssertionError(f"{path}: the mapped load read a tree, a plain torch.load refused it: "
+                             f"{type(error).__name__}: {str(error)[:300]}") from None
+    if ours != theirs:
+        raise AssertionError(f"{path}: the mapped load differs from a plain torch.load\n ours:  {str(ours)[:600]}\n "
                              f"torch: {str(theirs)[:600]}")
     return "agree", ""
 
@@ -385,3 +462,220 @@ class Mutator:
     def _pad(self) -> bytes:
         extra = bytes(self.random.randrange(256) for _ in range(self.random.choice([1, 22, 64])))
         return self.data + extra if self.random.random() < 0.5 else self.data[:4] + extra + self.data[4:]
+
+
+# -- structure-aware mutants: data.pkl rewritten op by op ------------------------------------------
+
+STRUCTURE_KINDS = ["op_key", "op_dtype", "op_numel", "op_offset", "op_shape", "op_stride", "op_memo", "op_dict_key"]
+_CODES = {op.name: op.code.encode("latin-1") for op in pickletools.opcodes}
+_STORAGES = ["FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "LongStorage", "IntStorage",
+             "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage", "ComplexFloatStorage"]
+
+
+def encode_ops(ops: list[list]) -> bytes:
+    """data.pkl from (opcode name, argument) pairs, as pickle writes each (an integer in the
+    narrowest of BININT1, BININT2, BININT, LONG1; a memo index in 1 or 4 bytes as it needs)."""
+    out = bytearray()
+    for name, arg in ops:
+        if name in ("BININT1", "BININT2", "BININT", "LONG1"):
+            if 0 <= arg < 1 << 8:
+                out += _CODES["BININT1"] + bytes([arg])
+            elif 0 <= arg < 1 << 16:
+                out += _CODES["BININT2"] + arg.to_bytes(2, "little")
+            elif -(1 << 31) <= arg < 1 << 31:
+                out += _CODES["BININT"] + arg.to_bytes(4, "little", signed=True)
+            else:
+                body = pickle_encode_long(arg)
+                out += _CODES["LONG1"] + bytes([len(body)]) + body
+        elif name in ("BINPUT", "BINGET", "LONG_BINPUT", "LONG_BINGET"):
+            short = arg < 256
+            out += _CODES[("" if short else "LONG_") + name.removeprefix("LONG_")]
+            out += bytes([arg]) if short else arg.to_bytes(4, "little")
+        elif name in ("BINUNICODE", "SHORT_BINUNICODE"):
+            body = arg.encode("utf-8", "surrogatepass")
+            out += _CODES["BINUNICODE"] + len(body).to_bytes(4, "little") + body
+        elif name in ("BINBYTES", "SHORT_BINBYTES"):
+            out += _CODES["BINBYTES"] + len(arg).to_bytes(4, "little") + arg
+        elif name == "GLOBAL":
+            module, _, qualname = arg.partition(" ")
+            out += _CODES["GLOBAL"] + f"{module}\n{qualname}\n".encode()
+        elif name == "PROTO":
+            out += _CODES["PROTO"] + bytes([arg])
+        elif name == "BINFLOAT":
+            out += _CODES["BINFLOAT"] + struct.pack(">d", arg)
+        elif arg is None:
+            out += _CODES[name]
+        else:
+            raise ValueError(f"no encoding for {name} {arg!r}")
+    return bytes(out)
+
+
+def pickle_encode_long(value: int) -> bytes:
+    import pickle
+    return pickle.encode_long(value)
+
+
+class _StorageRef:
+    """Where one persistent-id tuple ('storage', type, key, location, numel) and the rebuild
+    arguments after it (offset, shape, stride) sit in an op list."""
+
+    def __init__(self, type_at, key_at, numel_at, offset_at, shape_ats, stride_ats):
+        self.type_at, self.key_at, self.numel_at = type_at, key_at, numel_at
+        self.offset_at, self.shape_ats, self.stride_ats = offset_at, shape_ats, stride_ats
+
+
+def _value_ops(ops, start, end) -> list[int]:
+    """The indices of the value-producing ops in ops[start:end] (a memo PUT belongs to the value before)."""
+    return [i for i in range(start, end) if ops[i][0] not in ("BINPUT", "LONG_BINPUT", "MEMOIZE", "MARK")]
+
+
+def _tuple_after(ops, at) -> tuple[list[int], int]:
+    """(indices of the integer ops of the tuple starting at `at`, the index after it and its PUT)."""
+    ints = []
+    i = at
+    if ops[i][0] == "EMPTY_TUPLE":
+        i += 1
+    elif ops[i][0] == "MARK":
+        i += 1
+        while ops[i][0] != "TUPLE":
+            ints.append(i)
+            i += 1
+        i += 1
+    else:
+        while ops[i][0] not in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            ints.append(i)
+            i += 1
+        i += 1
+    while i < len(ops) and ops[i][0] in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
+        i += 1
+    return ints, i
+
+
+def storage_refs(ops) -> list[_StorageRef]:
+    """Every tensor's storage reference in the op list whose rebuild arguments follow the pattern
+    torch.save writes (_rebuild_tensor_v2: storage, offset, shape tuple, stride tuple)."""
+    found = []
+    for end, (name, _) in enumerate(ops):
+        if name != "BINPERSID":
+            continue
+        close = end - 1
+        while ops[close][0] in ("BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            close -= 1
+        mark = close
+        while ops[mark][0] != "MARK":
+            mark -= 1
+        values = _value_ops(ops, mark + 1, close)
+        if len(values) != 5:
+            continue
+        try:
+            offset_at = end + 1
+            shape_ats, after = _tuple_after(ops, offset_at + 1)
+            stride_ats, _ = _tuple_after(ops, after)
+        except IndexError:
+            continue
+        if not all(ops[i][0].startswith(("BININT", "LONG")) for i in [offset_at, *shape_ats, *stride_ats]):
+            continue
+        found.append(_StorageRef(values[1], values[2], values[4], offset_at, shape_ats, stride_ats))
+    return found
+
+
+class StructureMutator:
+    """Structure-aware mutants of one torch.save file: its data.pkl decoded with pickletools, one
+    thing a crafted file could say otherwise changed, re-encoded, and the archive laid out as
+    torch.save lays one out (reshard.formats.torch_zip.ArchiveWriter, every other record as it was)."""
+
+    def __init__(self, path: Path, seed: int):
+        self.path, self.random = Path(path), random.Random(seed)
+        self.prefix, self.records = records_of(path)
+        pickled = dict(self.records)["data.pkl"]
+        self.ops = [[op.name, arg] for op, arg, _ in pickletools.genops(pickled)]
+        self.refs = storage_refs(self.ops)
+        self.keys = sorted({self.string_at(r.key_at) for r in self.refs} - {None})
+        self.memo = [arg for name, arg in self.ops if name in ("BINPUT", "LONG_BINPUT")]
+
+    def string_at(self, i):
+        """The string the op at `i` pushes (its own, or the memoised one a BINGET fetches), or None."""
+        name, arg = self.ops[i]
+        if name in ("BINUNICODE", "SHORT_BINUNICODE"):
+            return arg
+        if name in ("BINGET", "LONG_BINGET"):  # a repeated key: the string it was memoised from
+            for j, (other, value) in enumerate(self.ops):
+                if other in ("BINPUT", "LONG_BINPUT") and value == arg:
+                    return self.ops[j - 1][1] if self.ops[j - 1][0].endswith("UNICODE") else None
+        return None
+
+    def mutant(self, out: Path, kind: str | None = None) -> tuple[Path, str]:
+        kind = kind or self.random.choice(STRUCTURE_KINDS)
+        ops = [list(op) for op in self.ops]
+        if self.refs or kind in ("op_memo", "op_dict_key"):
+            getattr(self, "_" + kind)(ops)
+        self.write(out, ops)
+        return out, kind
+
+    def write(self, out: Path, ops: list[list]) -> Path:
+        """The file with data.pkl re-encoded from `ops`, every other record as it was."""
+        from reshard.formats.torch_zip import ArchiveWriter
+        writer = ArchiveWriter(str(out), prefix=self.prefix.rstrip("/"))
+        for name, content in self.records:
+            if name == "data.pkl":
+                writer.add(name, encode_ops(ops))
+            elif name not in ("version", ".data/serialization_id"):
+                writer.add(name, content)
+        writer.finish()
+        return out
+
+    def _number(self, near: int) -> int:
+        return self.random.choice([0, 1, 2, near - 1, near + 1, near * 2, 1 << 31, 1 << 40, (1 << 63) - 1])
+
+    def _ref(self):
+        return self.random.choice(self.refs)
+
+    def _op_key(self, ops) -> None:
+        """A storage key swapped with another's, pointed at another storage (two tensors, maybe two
+        dtypes, on one record) or at no record."""
+        ref = self._ref()
+        choice = self.random.random()
+        if choice < 0.4 and len(self.refs) > 1:
+            other = self._ref()
+            ops[ref.key_at], ops[other.key_at] = list(self.ops[other.key_at]), list(self.ops[ref.key_at])
+        else:
+            key = self.random.choice(self.keys) if choice < 0.8 and self.keys else str(self.random.choice([99, -1, 10**6]))
+            ops[ref.key_at] = ["BINUNICODE", key]
+
+    def _op_dtype(self, ops) -> None:
+        ops[self._ref().type_at] = ["GLOBAL", f"torch {self.random.choice(_STORAGES)}"]
+
+    def _op_numel(self, ops) -> None:
+        ref = self._ref()
+        ops[ref.numel_at] = ["BININT", self._number(ops[ref.numel_at][1])]
+
+    def _op_offset(self, ops) -> None:
+        ref = self._ref()
+        ops[ref.offset_at] = ["BININT", self._number(ops[ref.numel_at][1])]
+
+    def _op_shape(self, ops) -> None:
+        ref = self._ref()
+        if ref.shape_ats:
+            at = self.random.choice(ref.shape_ats)
+            ops[at] = ["BININT", self._number(ops[at][1])]
+
+    def _op_stride(self, ops) -> None:
+        """A stride set to 0 (expand), to another dimension's (overlap), or to something else."""
+        ref = self._ref()
+        if ref.stride_ats:
+            at = self.random.choice(ref.stride_ats)
+            others = [ops[i][1] for i in ref.stride_ats]
+            ops[at] = ["BININT", self.random.choice([0, 0, self.random.choice(others), self._number(ops[at][1])])]
+
+    def _op_memo(self, ops) -> None:
+        """A memo reference pointed at another memoised object (a storage tuple, a container, a
+        string, a class reused where another belongs)."""
+        gets = [i for i, (name, _) in enumerate(ops) if name in ("BINGET", "LONG_BINGET")]
+        if gets and self.memo:
+            ops[self.random.choice(gets)][1] = self.random.choice(self.memo)
+
+    def _op_dict_key(self, ops) -> None:
+        """A string (a dictionary key, mostly) set to another string of the pickle: repeated keys."""
+        strings = [i for i, (name, _) in enumerate(ops) if name in ("BINUNICODE", "SHORT_BINUNICODE")]
+        if len(strings) > 1:
+            ops[self.random.choice(strings)][1] = ops[self.random.choice(strings)][1]

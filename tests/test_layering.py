@@ -207,3 +207,66 @@ def _pyproject() -> dict:
 
 def _contracts() -> dict:
     return {contract["id"]: contract for contract in _pyproject()["tool"]["importlinter"]["contracts"]}
+
+
+# Only the torch-byte modules hand a file to torch: elsewhere a torch file is read through
+# torch_archive.load_checked (check_archive, a scoped allowlist, every view checked) or the
+# torch-free reader. `add_safe_globals` widens torch's allowlist for the whole process, for good.
+TORCH_LOADERS = {"torch.load", "torch.serialization.load", "torch.serialization._load",
+                 "torch.serialization.add_safe_globals"}
+
+
+def test_torch_files_are_loaded_only_through_the_checked_reader():
+    """No module outside `formats/torch_*` calls torch.load (or torch.serialization's load or
+    add_safe_globals) itself: a mapped load takes a deflated record's raw bytes as tensor data."""
+    calls = [(where, name) for where, name in torch_loads(PACKAGE)
+             if not pathlib.PurePath(where).name.startswith("torch_") or pathlib.PurePath(where).parent.name != "formats"]
+    assert not calls, f"direct torch loads (use reshard.formats.torch_archive.load_checked): {calls}"
+
+
+def test_torch_load_check_sees_each_spelling(tmp_path):
+    """The check above can fail: every way of reaching torch.load in a crafted module is reported,
+    and the torch-byte modules' own calls are where the rule allows them."""
+    (tmp_path / "reshard" / "formats").mkdir(parents=True)
+    (tmp_path / "reshard" / "a.py").write_text(
+        "import torch\nimport torch as t\nimport torch.serialization as ser\nfrom torch import serialization\n"
+        "from torch import load as l\nfrom torch.serialization import add_safe_globals\n"
+        "def f(p):\n    torch.load(p)\n    t.load(p, mmap=True)\n    ser.load(p)\n    serialization._load\n"
+        "    torch.serialization.add_safe_globals([])\n    return torch.save, t.loads\n")
+    (tmp_path / "reshard" / "formats" / "torch_x.py").write_text("import torch\nx = torch.load\n")
+    found = sorted(torch_loads(tmp_path / "reshard"))
+    assert found == sorted([("reshard/a.py", "torch.load")] * 3 + [
+        ("reshard/a.py", "torch.serialization.load"), ("reshard/a.py", "torch.serialization._load"),
+        ("reshard/a.py", "torch.serialization.add_safe_globals"), ("reshard/a.py", "torch.serialization.add_safe_globals"),
+        ("reshard/formats/torch_x.py", "torch.load")]), found
+
+
+def torch_loads(package: pathlib.Path):
+    """(file, loader) for each reference a module of `package` makes to one of TORCH_LOADERS."""
+    for path in sorted(package.rglob("*.py")):
+        where = str(path.relative_to(package.parent))
+        tree = ast.parse(path.read_text(), str(path))
+        names = {}  # local name -> the torch module or object it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "torch":
+                        # `import torch.serialization` binds `torch`; with `as`, the module itself
+                        names[alias.asname] = alias.name if alias.asname else None
+                        if not alias.asname:
+                            names["torch"] = "torch"
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in TORCH_LOADERS:
+                        yield where, full
+                    names[alias.asname or alias.name] = full
+        names.pop(None, None)
+        for node in ast.walk(tree):
+            chain, value = [], node
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if chain and isinstance(value, ast.Name) and value.id in names and \
+                    (full := ".".join([names[value.id], *reversed(chain)])) in TORCH_LOADERS:
+                yield where, full

@@ -48,8 +48,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
+from reshard.formats.torch_archive import NewTensor, is_ref, load_checked, locate_storages, materialize, write_skeleton
 from reshard.formats.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
@@ -178,11 +177,7 @@ class UniversalWriter:
 
 def _load_small(path: str, trust_pickle: bool):
     """A DeepSpeed file mapped, not read: only the values touched (counters, hyperparameters) are paged in."""
-    check_archive(path)
-    if trust_pickle:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    with allowed_globals(schema.safe_globals()):  # the process's allowlist stays as it was
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return load_checked(path, schema.safe_globals(), trust_pickle)  # the process's allowlist stays as it was
 
 
 def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickle: bool = False) -> None:

@@ -696,15 +696,15 @@ def validate_optim_tree(tree, path: str, spec: CheckpointSpec, layout, rank: int
             where = f"{stream.name} of flat buffer {buffer}"
             if not isinstance(ref, TensorRef):
                 raise CheckpointError(path, f"has no {where} (rank 0 has one)")
-            if ref.numel != expected or len(ref.shape) != 1:
-                raise CheckpointError(path, f"{where} has shape {list(ref.shape)}, but {spec.dp_world_size} ranks with "
-                                            f"these parameter shapes give a partition of {expected} elements "
-                                            "(shard from another checkpoint or world size?)")
+            if problem := schema.partition_problem(ref, expected):  # the check the pipeline road makes too
+                raise CheckpointError(path, f"{where} {problem} ({spec.dp_world_size} ranks with these parameter "
+                                            "shapes; shard from another checkpoint or world size?)")
             if ref.dtype != stream.dtype:
                 raise CheckpointError(path, f"{where} is {ref.dtype}, rank 0 has {stream.dtype}")
-            if not ref.is_contiguous:
-                raise UnsupportedCheckpoint(path, f"{where} is not stored contiguously")
             refs[("optim", buffer, stream.name)] = ref
+        # any other tensor of the buffer's optimizer state is a scalar (step), or a partition rank 0 lacks
+        schema.partitioned_state_keys(path, f"flat buffer {buffer}", entry, size,
+                                      [s.name for s in spec.streams if s.name != "fp32"])
     return refs
 
 

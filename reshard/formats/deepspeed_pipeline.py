@@ -94,6 +94,7 @@ from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.paths import write_named_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
+from reshard.formats.torch_archive import load_checked
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
 from reshard.layouts.zero import Zero12Group, zero12_group
 
@@ -201,18 +202,18 @@ def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 
 
 
 def load_whole(path: str, trust_pickle: bool = False):
-    """A DeepSpeed file as torch loads it, with reshard's stand-ins for DeepSpeed's classes."""
-    import torch
-    torch.serialization.add_safe_globals(schema.safe_globals())
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
-    except Exception as error:
-        raise CheckpointError(path, f"cannot be read: {error}") from error
+    """A DeepSpeed file as torch loads it (memory-mapped), with reshard's stand-ins for DeepSpeed's
+    classes, through the checked reader (torch_archive.load_checked: the archive as torch.save writes
+    it, no overlapping views), the process's allowlist left as it was."""
+    return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
-def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> PipelineSource:
-    """Read the model-states file of every (stage, model rank) and the first optimizer file of each;
-    refuse by name what the per-stage ZeRO-1 re-cut does not handle."""
+def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False, layer_shapes: bool = True) -> PipelineSource:
+    """Read the model-states file of every (stage, model rank) and its optimizer files; refuse by
+    name what the per-stage ZeRO-1 re-cut does not handle, and any optimizer file whose partitions
+    are not those the stage's `param_shapes` give (check_stage_partitions), and, with `layer_shapes`
+    (all but `reshard verify`'s look at an output, which compares its layer files with the source's),
+    `param_shapes` that the layer files do not hold."""
     tag_dir = os.path.join(save_dir, tag)
     names = sorted(os.listdir(tag_dir))
     layer_files, layer_models, stage_models, optims, others = [], {}, {}, {}, []
@@ -237,6 +238,7 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
         raise CheckpointError(tag_dir, f"has {len(stage_models)} stage model files, not a multiple of tp_degree {tp}")
     pp = len(stage_models) // tp
     stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
+    layer_cache: dict[str, dict] = {}
     if len(bf16_flags) > 1:
         raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
     bf16 = bf16_flags.pop() if bf16_flags else False
@@ -263,7 +265,8 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                 raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], bf16, index)),
                                       f"is missing: dp_world_size is {dp}, so each stage has {dp} optimizer files")
             optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16, index))
-            stage_bf16_optimizer = _check_optimizer(load_whole(optim_path, trust_pickle)[OPTIM], optim_path, model, dp)
+            first_osd = _osd(load_whole(optim_path, trust_pickle), optim_path)
+            stage_bf16_optimizer = _check_optimizer(first_osd, optim_path, model, dp)
             if bf16_optimizer is not None and stage_bf16_optimizer != bf16_optimizer:
                 raise CheckpointError(model_path, "stages were saved by different optimizer wrappers")
             bf16_optimizer = stage_bf16_optimizer
@@ -272,6 +275,15 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False) -> Pip
                                  tuple(tuple(_numel(s) for _, s in g) for g in groups),
                                  tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
                                  tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ()))
+            # every optimizer file's partitions against the stage's param_shapes, and those against the
+            # layer files, before anything is built from them (the ZeRO road checks the same)
+            keys = check_stage_partitions(first_osd, optim_path, spec, dp, 0)
+            for rank in range(1, dp):
+                path = os.path.join(tag_dir, schema.optim_file_name(rank, bf16, index))
+                check_stage_partitions(_osd(load_whole(path, trust_pickle), path), path, spec, dp, rank, keys)
+            if layer_shapes:
+                _check_param_shapes_against_layers(tag_dir, spec, model_path, model_rank if model_axis else None,
+                                                   layer_cache, trust_pickle)
             if model_rank == 0:
                 stages.append(spec)
             elif (spec.names, spec.shapes, spec.buffer_names) != (stages[-1].names, stages[-1].shapes,
@@ -344,6 +356,88 @@ def _check_stage_model(model: dict, model_path: str) -> None:
         raise UnsupportedCheckpoint(model_path, "records frozen_param_shapes / frozen_param_fragments, which a "
                                                 "ZeRO-1 pipeline save does not (its frozen parameters are in the "
                                                 "layer files); not supported")
+
+
+def _osd(file, path: str) -> dict:
+    """The `optimizer_state_dict` of an optimizer file, refused by name when there is none."""
+    osd = file.get(OPTIM) if isinstance(file, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(path, f"is not a DeepSpeed optim-states file (no {OPTIM!r})")
+    return osd
+
+
+def check_stage_partitions(osd: dict, path: str, spec: PipelineStage, dp: int, rank: int,
+                           expected: Sequence[Sequence[str]] | None = None) -> list[list[str]]:
+    """Refuse (CheckpointError naming the file, the tensor and both sizes) an optimizer file of dp rank
+    `rank` whose partitions are not those the stage's `param_shapes` give at `dp` ranks
+    (stage_1_and_2.py: the fp32 partition without its tail padding, every per-element state the
+    padded partition, each a contiguous 1-D tensor; `partition_count` and `group_paddings` as the
+    layout says): the checks the ZeRO road makes (deepspeed_schema.partition_problem,
+    partitioned_state_keys). Returns, per param group, the partitioned state keys (`expected`:
+    dp rank 0's, which every rank must have)."""
+    groups = len(spec.names)
+    fp32 = osd.get(FP32)
+    base = osd.get(BASE)
+    if not isinstance(fp32, (list, tuple)) or len(fp32) != groups:
+        raise CheckpointError(path, f"holds {len(fp32) if isinstance(fp32, (list, tuple)) else 'no'} fp32 partitions "
+                                    f"({FP32}), the stage's param_shapes {groups} param groups")
+    if not isinstance(base, dict) or not isinstance(base.get("state"), dict):
+        raise UnsupportedCheckpoint(path, "base optimizer state is not a torch optimizer state_dict: not supported")
+    layouts = [_group_layout(spec, g, dp) for g in range(groups)]
+    if list(osd.get("partition_count") or []) != [dp] * groups:
+        raise CheckpointError(path, f"has partition_count {osd.get('partition_count')}, dp_world_size is {dp}")
+    paddings = [layout.tail_padding(rank) for layout in layouts]
+    if "group_paddings" in osd and list(osd["group_paddings"]) != paddings:
+        raise CheckpointError(path, f"has group_paddings {list(osd['group_paddings'])}, but dp rank {rank} of {dp} "
+                                    f"with the stage's param_shapes pads {paddings}")
+    keys = []
+    for g, layout in enumerate(layouts):
+        if problem := schema.partition_problem(fp32[g], layout.lean_numel(rank)):
+            raise CheckpointError(path, f"{FP32}[{g}] {problem} (dp rank {rank} of {dp}, by the stage's "
+                                        "param_shapes)")
+        keys.append(schema.partitioned_state_keys(path, f"param group {g}", base["state"].get(g, {}),
+                                                  layout.partition_numel, None if expected is None else expected[g]))
+    return keys
+
+
+def _check_param_shapes_against_layers(tag_dir: str, spec: PipelineStage, model_path: str, model: int | None,
+                                       cache: dict, trust_pickle: bool) -> None:
+    """Refuse a stage whose `param_shapes` name a parameter its layer file does not hold at that shape
+    (module.py `save_state_dict`: layer `idx`'s `state_dict()` in `layer_{idx:02d}...`, its stage
+    names `<idx>.<key>`; a tied module's `tied_modules.<key>.<param>` is checked against every layer
+    file of the model rank, since which layer holds it is not recorded)."""
+    def layer(name: str) -> dict:
+        if name not in cache:
+            path = os.path.join(tag_dir, name)
+            state = load_whole(path, trust_pickle) if os.path.isfile(path) else None
+            if state is not None and not isinstance(state, dict):
+                raise CheckpointError(path, "does not hold a layer's state_dict")
+            cache[name] = state
+        return cache[name]
+
+    suffix = "" if model is None else f"-model_{model:02d}"
+    own = [name for name in sorted(os.listdir(tag_dir))
+           if (match := LAYER_RE.match(name)) and (match[2] or "") == suffix]
+    for names, shapes in zip(spec.names, spec.shapes):
+        for name, shape in zip(names, shapes):
+            head, _, key = name.partition(".")
+            if head.isdigit():
+                file = layer_file_name(int(head), model)
+                state = layer(file)
+                if state is None:
+                    raise CheckpointError(model_path, f"param_shapes names {name}, but {file} is missing")
+                found = state.get(key)
+                if schema.tensor_layout(found) is None or tuple(found.shape) != tuple(shape):
+                    held = f"shape {list(found.shape)}" if schema.tensor_layout(found) else "nothing"
+                    raise CheckpointError(model_path, f"param_shapes says {name} has shape {list(shape)}, but "
+                                                      f"{file} holds {held} under {key!r}")
+            elif head == "tied_modules":
+                param = key.partition(".")[2]
+                if not any(schema.tensor_layout(v := (layer(file) or {}).get(param)) and tuple(v.shape) == tuple(shape)
+                           for file in own):
+                    raise CheckpointError(model_path, f"param_shapes says {name} has shape {list(shape)}, but no "
+                                                      f"layer file{' of model rank ' + str(model) if model is not None else ''} "
+                                                      f"holds {param!r} at that shape")
 
 
 def _numel(shape) -> int:
@@ -451,18 +545,29 @@ def read_stage(source: PipelineSource, stage: int, trust_pickle: bool = False, m
     """The stage's optimizer files (one per dp rank, memory-mapped; of model rank `model`), and per
     group its fp32 master flat and its per-element optimizer states' flats, each without tail padding."""
     spec = source.stages[stage]
-    paths = [source.optim_path(stage, rank, model) for rank in range(source.dp)]
-    files = [load_whole(path, trust_pickle) for path in paths]
+    paths, files, keys = _stage_optimizer_files(source, stage, trust_pickle, model)
     osds = [f[OPTIM] for f in files]
     old = [_group_layout(spec, g, source.dp) for g in range(len(spec.names))]
     masters, moments = [], []
     for g in range(len(spec.names)):
         masters.append(_joined([osd[FP32][g] for osd in osds], old, g, paths.__getitem__))
         states = [osd[BASE]["state"].get(g, {}) for osd in osds]
-        keys = [key for key, value in states[0].items()
-                if hasattr(value, "numel") and value.dim() == 1 and value.numel() == old[g].partition_numel]
-        moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys})
+        moments.append({key: _joined([state[key] for state in states], old, g, paths.__getitem__) for key in keys[g]})
     return files, masters, moments
+
+
+def _stage_optimizer_files(source: PipelineSource, stage: int, trust_pickle: bool, model: int):
+    """(paths, files, per group the partitioned state keys) of (stage, model rank `model`)'s optimizer
+    files, one per dp rank, memory-mapped, each checked against the stage's layout
+    (check_stage_partitions) before a caller joins or cuts anything from them."""
+    spec = source.stages[stage]
+    paths = [source.optim_path(stage, rank, model) for rank in range(source.dp)]
+    files = [load_whole(path, trust_pickle) for path in paths]
+    keys = None
+    for rank, (path, file) in enumerate(zip(paths, files)):
+        found = check_stage_partitions(_osd(file, path), path, spec, source.dp, rank, keys)
+        keys = keys or found
+    return paths, files, keys
 
 
 def _flat_range(parts: list, partition_numel: int, start: int, numel: int):
@@ -488,8 +593,7 @@ def stage_states(source: PipelineSource, stage: int, trust_pickle: bool = False,
     flats: each parameter a view of the memory-mapped partition holding it (joined only where it
     spans partitions), so a caller reads and holds the parameters it asks for, not the stage."""
     spec = source.stages[stage]
-    paths = [source.optim_path(stage, rank, model) for rank in range(source.dp)]
-    files = [load_whole(path, trust_pickle) for path in paths]
+    paths, files, group_keys = _stage_optimizer_files(source, stage, trust_pickle, model)
     osds = [f[OPTIM] for f in files]
     found = {}
     for g, (group_names, numels) in enumerate(zip(spec.names, spec.numels)):
@@ -497,14 +601,8 @@ def stage_states(source: PipelineSource, stage: int, trust_pickle: bool = False,
             continue
         layout = _group_layout(spec, g, source.dp)
         states = [osd[BASE]["state"].get(g, {}) for osd in osds]
-        keys = [key for key, value in states[0].items()
-                if hasattr(value, "numel") and value.dim() == 1 and value.numel() == layout.partition_numel]
-        flats = {"fp32": [osd[FP32][g] for osd in osds], **{key: [state[key] for state in states] for key in keys}}
-        for parts in flats.values():  # as _joined checks them
-            for rank, part in enumerate(parts):
-                if part.numel() < layout.lean_numel(rank):
-                    raise CheckpointError(paths[rank], f"group {g} holds {part.numel()} elements, "
-                                                       f"{layout.lean_numel(rank)} expected")
+        flats = {"fp32": [osd[FP32][g] for osd in osds],
+                 **{key: [state[key] for state in states] for key in group_keys[g]}}
         flats = {key: [part.reshape(-1) for part in parts] for key, parts in flats.items()}
         offset = 0
         for name, numel in zip(group_names, numels):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from reshard.errors import CheckpointError
 from reshard.formats import deepspeed_classes as classes
 
 from reshard.topology import Topology
@@ -135,3 +136,68 @@ def safe_globals() -> list:
 def fragment_address(numel: int, start: int):
     """DeepSpeed's record type for `param_slice_mappings` values (written under its name)."""
     return classes.fragment_address(numel=numel, start=start)
+
+
+# -- the partitions of an optimizer file, checked the same way on every road -------------------
+# The ZeRO road (deepspeed_inspect.validate_optim_tree, on TensorRefs of the torch-free reader) and
+# the pipeline road (deepspeed_pipeline, on memory-mapped torch tensors) both call these, so a
+# wrong-sized or non-contiguous partition is refused alike, before anything is allocated from it.
+
+def tensor_layout(value) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, stride) of a tensor as either reader gives it (a TensorRef, or a torch tensor), or
+    None for anything else."""
+    shape, stride = getattr(value, "shape", None), getattr(value, "stride", None)
+    if shape is None or stride is None or isinstance(value, type):
+        return None
+    stride = stride() if callable(stride) else stride
+    return tuple(int(s) for s in shape), tuple(int(s) for s in stride)
+
+
+def partition_problem(value, numel: int) -> str | None:
+    """Why `value` is not a partition of `numel` elements as DeepSpeed saves one (a 1-D tensor
+    stored contiguously: stage_1_and_2.py and stage3.py save flat views of a flat buffer), or None."""
+    layout = tensor_layout(value)
+    if layout is None:
+        return f"is {type(value).__name__}, not a tensor"
+    shape, stride = layout
+    if len(shape) != 1 or shape[0] != numel:
+        count = 1
+        for size in shape:
+            count *= size
+        return f"has {count} elements (shape {list(shape)}), but its partition has {numel}"
+    if numel > 1 and stride[0] != 1:
+        return "is not stored contiguously"
+    return None
+
+
+def partitioned_state_keys(path: str, where: str, state: dict, numel: int, expected=None) -> list[str]:
+    """The keys of one flat buffer's optimizer state (`state`: {key: value} of a torch optimizer's
+    per-param state, the param being the partition of `numel` elements) that are partitioned like
+    it, in order, refusing (CheckpointError naming the file, the key and both sizes) any other
+    tensor that is not a scalar: under ZeRO the base optimizer sees one flat partition per group,
+    so every per-element state (Adam's moments, Muon's momentum_buffer) has the partition's size,
+    whatever its name, and only counters (`step`) are scalars. With `expected` (dp rank 0's keys),
+    each of them must be present too."""
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"optimizer state of {where} is {type(state).__name__}, not a dict")
+    keys = []
+    for key, value in state.items():
+        layout = tensor_layout(value)
+        if layout is None:
+            continue
+        count = 1
+        for size in layout[0]:
+            count *= size
+        if count == 1 and len(layout[0]) <= 1 and numel != 1:
+            continue  # a scalar: step
+        problem = partition_problem(value, numel)
+        if problem:
+            raise CheckpointError(path, f"optimizer state {key!r} of {where} {problem} (from another checkpoint "
+                                        "or world size, or edited?)")
+        keys.append(key)
+    if expected is not None:
+        if missing := [key for key in expected if key not in keys]:
+            raise CheckpointError(path, f"has no optimizer state {missing[0]!r} of {where} (dp rank 0's file has one)")
+        if extra := [key for key in keys if key not in expected]:
+            raise CheckpointError(path, f"has optimizer state {extra[0]!r} of {where}, which dp rank 0's file has not")
+    return keys

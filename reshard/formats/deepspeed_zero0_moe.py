@@ -37,8 +37,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
-from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import TensorRef, check_archive, load_portable
+from reshard.formats.torch_archive import TensorRef, load_checked, load_portable
 from reshard.topology import Topology
 from reshard.layouts.zero0_expert_groups import GroupOrder, solve_per_expert_counts
 
@@ -225,10 +224,8 @@ def _optimizer_of(tree, path: str) -> dict:
 
 
 def _load(path: str, trust_pickle: bool):
-    import torch  # a ZeRO-0 MoE job loads whole files: the torch path
-    check_archive(path)
-    with allowed_globals(schema.safe_globals()):  # an in-job load leaves the allowlist as it was
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    # a ZeRO-0 MoE job loads whole files: the torch path; an in-job load leaves the allowlist as it was
+    return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
 def target_optimizer(source: Zero0MoeSource, loaded: dict[int, dict], target: Topology, ep_rank: int) -> dict:
@@ -283,6 +280,38 @@ def _check_same_groups(source: Zero0MoeSource, optimizer: dict, path: str) -> No
     if lengths != source.group_lengths or (INNER in optimizer) != source.wrapped:
         raise CheckpointError(path, f"has param groups of {list(lengths)} parameters, EP rank 0's file has "
                                     f"{list(source.group_lengths)} (file of another checkpoint?)")
+    _check_state_sizes(optimizer, inner, path)
+
+
+def _check_state_sizes(optimizer: dict, inner: dict, path: str) -> None:
+    """Every per-element optimizer state of a parameter has its shape (at ZeRO stage 0 the
+    "partition" is the whole parameter: its fp32 master under FP16_UnfusedOptimizer, else the
+    shape its states agree on), stored contiguously; scalars (`step`) aside. The size check every
+    road makes (deepspeed_schema.partition_problem on the ZeRO and pipeline roads)."""
+    masters = optimizer.get("fp32_groups")
+    for g, group in enumerate(inner["param_groups"]):
+        for position, index in enumerate(group["params"]):
+            shapes = {key: schema.tensor_layout(value) for key, value in inner["state"].get(index, {}).items()}
+            shapes = {key: layout for key, layout in shapes.items()
+                      if layout is not None and functools.reduce(lambda a, b: a * b, layout[0], 1) != 1}
+            want = schema.tensor_layout(masters[g][position]) if masters is not None else None
+            want = want[0] if want is not None else next((layout[0] for layout in shapes.values()), None)
+            for key, (shape, stride) in shapes.items():
+                numel = functools.reduce(lambda a, b: a * b, shape, 1)
+                if shape != want or (numel > 1 and not _dense(shape, stride)):
+                    raise CheckpointError(path, f"optimizer state {key!r} of parameter {position} of param group {g} "
+                                                f"has shape {list(shape)}" + (" and is not stored contiguously"
+                                                                              if shape == want else
+                                                                              f", but the parameter's is {list(want)}"))
+
+
+def _dense(shape, stride) -> bool:
+    expected = 1
+    for size, step in reversed(list(zip(shape, stride))):
+        if size > 1 and step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _rank_values(optimizer: dict) -> dict:

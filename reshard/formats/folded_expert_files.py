@@ -20,8 +20,7 @@ from reshard.files.byte_io import hash_file
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_folding import FOLDING_KEY, expert_files, expert_folding
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import check_archive
+from reshard.formats.torch_archive import load_checked
 from reshard.topology import Topology
 
 
@@ -46,11 +45,8 @@ def expert_file_state(source: SourceCheckpoint, target: Topology, name: str, *, 
     """The contents of target expert file `name`: the source weights, `folding` for the target."""
     source_name, tp_rank, writer = target_expert_files(source, target)[name]
     path = os.path.join(source.tag_dir, source_name)
-    import torch  # only for the expert files of a TP-involved AutoEP target, loaded whole
-
-    check_archive(path)
-    with allowed_globals(schema.safe_globals()):  # the process's allowlist stays as it was
-        state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    # only for the expert files of a TP-involved AutoEP target, loaded whole (read, not mapped)
+    state = load_checked(path, schema.safe_globals(), trust_pickle, mmap=False)
     state.pop(FOLDING_KEY, None)
     folding = expert_folding(target, tp_rank, writer)
     if folding is not None:

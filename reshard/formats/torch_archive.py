@@ -69,24 +69,71 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     is refused with a message naming the class and the file. The archive is checked first,
     without torch, as torch_pickle reads it (torch_pickle.open_archive: compressed, duplicate or
     overlapping records, sizes beyond the file, big-endian storages, which crash torch here), and
-    the tree after: no deeper than torch_pickle.MAX_TREE_DEPTH, no "billion laughs", and every
-    storage where a record of its size really is (a meta load computes offsets, not reads them).
+    the tree after: no deeper than torch_pickle.MAX_TREE_DEPTH, no "billion laughs", every view
+    inside its storage with no overlapping elements, and every storage at the offset of ITS OWN
+    record (the one its key names, as a plain torch.load reads it) and of that record's size: a
+    meta load computes offsets from the order storages appear in (serialization.py `_get_offset`),
+    not from their keys, so a memory-mapped load of the same file, which slices the mapping at each
+    key's record, must put every storage at the same offset (`_same_storages`).
     """
+    obj, records = _meta_load(path, safe_globals, trust_pickle)
+    _same_storages(os.fspath(path), obj, _torch_load(path, safe_globals, trust_pickle, mmap=True), records)
+    return obj
+
+
+def _meta_load(path, safe_globals: Iterable, trust_pickle: bool) -> tuple[Any, dict[int, int]]:
+    """The meta load and its checks but the key one (load_structure), and {data offset: size} of
+    the file's storage records."""
     path = os.fspath(path)
     with torch_pickle.open_archive(path) as archive:
         limit = torch_pickle.tree_limit(archive.size("data.pkl"))
-        records = {(record.data_offset, record.file_size) for name, record in archive.infos.items()
+        records = {record.data_offset: record.file_size for name, record in archive.infos.items()
                    if name.startswith("data/")}
     import torch
+    obj = _torch_load(path, safe_globals, trust_pickle, map_location="meta")
+    torch_pickle.check_tree(obj, path, limit, is_tensor, from_torch=True)
+    for tensor in _tensors_of(path, obj):
+        storage = tensor.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if storage.nbytes() == 0:
+            continue
+        if offset is None:  # torch 2.5.1's meta load sets none (torch_release)
+            raise CheckpointError(path, f"needs torch to be read, and torch {torch.__version__}'s meta load gives no "
+                                        "storage offsets (`_checkpoint_offset`, set by torch 2.13)")
+        if records.get(int(offset)) != storage.nbytes():
+            raise CheckpointError(path, f"holds a view past its storage, or records out of torch.save's order: a meta "
+                                        f"load places a storage of {storage.nbytes()} bytes at byte {int(offset)}, "
+                                        "where the file has no record of that size")
+        problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
+                                            tuple(tensor.shape), tuple(tensor.stride()))
+        if problem:
+            raise CheckpointError(path, f"holds {problem}")
+    return obj, records
+
+
+def _tensors_of(path: str, obj: Any) -> list:
+    """leaves_in_order(obj), refused by name when the tree holds what cannot be walked so (a bare
+    storage as a value, which torch gives as an object of its own; an object that will not pickle)."""
+    try:
+        return leaves_in_order(obj)
+    except Exception as error:  # noqa: BLE001 (whatever the object raises: the file is refused)
+        raise CheckpointError(path, f"holds a value reshard does not read ({type(error).__name__}: "
+                                    f"{str(error).splitlines()[0] if str(error) else ''})") from None
+
+
+def _torch_load(path, safe_globals: Iterable, trust_pickle: bool, map_location="cpu", mmap: bool = False) -> Any:
+    """torch.load, weights_only with `safe_globals` allowed for this load alone unless `trust_pickle`,
+    its failures refused as CheckpointErrors naming the file."""
+    import torch
+    path = os.fspath(path)
     try:
         if trust_pickle:
-            obj = torch.load(path, map_location="meta", weights_only=False)
-        else:
-            # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
-            # it, and the process finds it as it was afterwards (torch_allowlist)
-            from reshard.formats.torch_allowlist import allowed_globals
-            with allowed_globals(safe_globals):
-                obj = torch.load(path, map_location="meta", weights_only=True)
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
+        # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
+        # it, and the process finds it as it was afterwards (torch_allowlist)
+        from reshard.formats.torch_allowlist import allowed_globals
+        with allowed_globals(safe_globals):
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except UnsupportedTorch as error:
         raise CheckpointError(path, f"needs torch to be read, and {error}") from None
     except pickle.UnpicklingError as error:
@@ -99,24 +146,33 @@ def load_structure(path: str | os.PathLike, safe_globals: Iterable = (), trust_p
     except Exception as error:  # torch raises many kinds for damaged archives
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(path, f"is not a complete torch archive (truncated or corrupt?): {first}") from None
-    torch_pickle.check_tree(obj, path, limit, is_tensor, from_torch=True)
-    for tensor in leaves_in_order(obj):
-        storage = tensor.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
-        if storage.nbytes() == 0:
+
+
+def _same_storages(path: str, meta: Any, mapped: Any, records: dict[int, int]) -> None:
+    """Refuse a file whose meta load (`meta`, offsets by order) and memory-mapped load (`mapped`,
+    of the same file: each storage sliced from one mapping at its key's record, for as many bytes
+    as the pickle claims, unchecked in torch 2.13's serialization.py `load_tensor`) disagree on
+    where a storage is: storage keys swapped or pointed at a record of another size (found by
+    tests/reader_fuzz.py's op_key mutants). A plain torch.load refuses the size mismatches ("record
+    size ... does not match expected size") and reads swapped keys by key, as the mapping does."""
+    ours, theirs = _tensors_of(path, meta), _tensors_of(path, mapped)
+    base = None
+    for a, b in zip(ours, theirs, strict=False):
+        nbytes = a.untyped_storage().nbytes()
+        if b.untyped_storage().nbytes() != nbytes:
+            break
+        if nbytes == 0:
             continue
-        if offset is None:  # torch 2.5.1's meta load sets none (torch_release)
-            raise CheckpointError(path, f"needs torch to be read, and torch {torch.__version__}'s meta load gives no "
-                                        "storage offsets (`_checkpoint_offset`, set by torch 2.13)")
-        if (int(offset), storage.nbytes()) not in records:
-            raise CheckpointError(path, f"holds a view past its storage, or records out of torch.save's order: a meta "
-                                        f"load places a storage of {storage.nbytes()} bytes at byte {int(offset)}, "
-                                        "where the file has no record of that size")
-        problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
-                                            tuple(tensor.shape), tuple(tensor.stride()))
-        if problem:
-            raise CheckpointError(path, f"holds {problem}")
-    return obj
+        offset, pointer = int(a.untyped_storage()._checkpoint_offset), b.untyped_storage().data_ptr()
+        base = pointer - offset if base is None else base
+        if pointer - base != offset or records.get(offset) != nbytes:
+            break
+    else:
+        if len(ours) == len(theirs):
+            return
+    raise CheckpointError(path, "holds storage keys that do not name records of their storages' sizes in torch.save's "
+                                "order (keys swapped, or pointed at another record): torch reads such a file by key, or "
+                                "refuses it")
 
 
 def check_archive(path: str | os.PathLike) -> None:
@@ -125,6 +181,29 @@ def check_archive(path: str | os.PathLike) -> None:
     itself: an mmap load reads compressed records as raw bytes, and a meta load of a big-endian
     file crashes."""
     torch_pickle.open_archive(path).close()
+
+
+def load_checked(path: str | os.PathLike, safe_globals: Iterable = (), trust_pickle: bool = False,
+                 mmap: bool = True) -> Any:
+    """torch.load of a whole file (tensors memory-mapped by default, on the CPU), only after every
+    check `load_structure` makes (check_archive first: a mapped load takes a deflated record's raw
+    bytes as tensor data; the tree's size and depth; every view inside its storage with no
+    overlapping elements, whose element count a file would not bound; every storage at its own
+    record, of that record's size, which a mapped load does not check), with `safe_globals`
+    allowed for this load alone (weights_only unless `trust_pickle`). The one way reshard hands a
+    file to torch.load for its data (tests/test_layering.py refuses any other call outside the
+    torch-byte modules). Refusals are CheckpointErrors naming the file."""
+    path = os.fspath(path)
+    meta, records = _meta_load(path, safe_globals, trust_pickle)
+    mapped = _torch_load(path, safe_globals, trust_pickle, mmap=True)
+    _same_storages(path, meta, mapped, records)
+    for tensor in _tensors_of(path, mapped):  # the views again, as the data load built them
+        storage = tensor.untyped_storage()
+        problem = torch_pickle.view_problem(storage.nbytes(), tensor.element_size(), tensor.storage_offset(),
+                                            tuple(tensor.shape), tuple(tensor.stride()))
+        if problem:
+            raise CheckpointError(path, f"holds {problem}")
+    return mapped if mmap else _torch_load(path, safe_globals, trust_pickle)
 
 
 def _unsafe_globals(path: str, safe_globals: Iterable) -> list[str]:

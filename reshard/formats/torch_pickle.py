@@ -144,6 +144,23 @@ def view_problem(storage_nbytes: int, itemsize: int, offset: int, shape, stride)
     if (last + 1) * itemsize > storage_nbytes:
         return (f"a view past its storage: offset {offset}, shape {list(shape)}, stride {list(stride)} end at byte "
                 f"{(last + 1) * itemsize} of a storage of {storage_nbytes} bytes (torch refuses it too)")
+    return overlap_problem(shape, stride)
+
+
+def overlap_problem(shape, stride) -> str | None:
+    """Why a view's elements overlap one another, or None: a stride of 0 over a dimension longer
+    than 1 (`expand`), or strides that revisit elements. torch reads such a view, but its element
+    count is no longer bounded by the bytes the file holds (a 4-byte storage expanded to a billion
+    elements), so whatever copies it whole allocates what the pickle claims; torch.save of a
+    checkpoint writes none (DeepSpeed's flats, partitions and module tensors are dense). Refused
+    by every reader (torch_archive.load_checked too). The sufficient rule: dimensions taken by
+    increasing stride, each stride exceeds the furthest element the smaller ones reach."""
+    reach = 0
+    for step, size in sorted((step, size) for size, step in zip(shape, stride) if size > 1):
+        if step <= reach:
+            return (f"a view whose elements overlap (shape {list(shape)}, stride {list(stride)}: an expanded or "
+                    "self-overlapping view, which a checkpoint does not hold)")
+        reach += (size - 1) * step
     return None
 
 
