@@ -67,8 +67,7 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_allowlist import allowed_globals
-from reshard.formats.torch_archive import check_archive, dtype_of
+from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
@@ -216,12 +215,9 @@ class DcpWriter:
 
 
 def _load_mapped(path: str, trust_pickle: bool):
-    """A DeepSpeed file mapped, not read: only the values touched (counters, groups, buffers) are paged in."""
-    check_archive(path)
-    if trust_pickle:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    with allowed_globals(schema.safe_globals()):
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    """A DeepSpeed file mapped, not read: only the values touched (counters, groups, buffers) are paged
+    in, after every check of the checked reader (torch_archive.load_checked)."""
+    return load_checked(path, schema.safe_globals(), trust_pickle)
 
 
 @dataclass(frozen=True)
