@@ -337,6 +337,7 @@ def write_checkpoint(save_dir: str, cfg: ModelConfig, stage: int, ranks: int, se
     from reshard.formats.deepspeed_spec import SourceCheckpoint
     from reshard.formats.deepspeed_target import target_files
     from reshard.formats.torch_archive import materialize, write_skeleton
+    from reshard.formats.torch_zip import seal_crcs
     from reshard.topology import Topology
     started = time.perf_counter()
     params = model_params(cfg)
@@ -362,6 +363,7 @@ def write_checkpoint(save_dir: str, cfg: ModelConfig, stage: int, ranks: int, se
             try:
                 for role, offset in offsets.items():
                     filler.fill(fd, role, offset, rank)
+                seal_crcs(path, fd)  # real CRC-32s, as DeepSpeed's torch.save writes them
             finally:
                 os.close(fd)
             names.append(file.name)

@@ -110,6 +110,26 @@ def options_from_args(args: argparse.Namespace) -> ReshardOptions:
     return ReshardOptions(**{k: v for k, v in overrides.items() if v is not None}).validate()
 
 
+def _refusal_record_path(args: argparse.Namespace) -> str | None:
+    """Where to record a job refused before its options were whole: --result-json as given, only
+    where a valid job could have written it (outside SRC and DST, not the job file); else nowhere."""
+    from reshard.files.paths import output_file_problem
+    if not args.result_json:
+        return None
+    source, destination = args.source, args.destination
+    if args.config:
+        try:
+            named = ReshardOptions.from_yaml(args.config, source=source, destination=destination,
+                                             result_json=args.result_json)
+        except ReshardError:
+            return None
+        source, destination = named.source, named.destination
+    inside = {what: path for what, path in (("SRC", source), ("DST", destination)) if isinstance(path, str) and path}
+    if output_file_problem(args.result_json, inside, reads=[args.config]) is not None:
+        return None
+    return args.result_json
+
+
 def build_verify_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="reshard verify", description="Check a reshard output: re-hash every file against its manifest, "
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_job(options, started=started)
     except ReshardError as error:
         _print_once(f"reshard: error: {error}")
-        record = options.result_json if options is not None else args.result_json
+        record = options.result_json if options is not None else _refusal_record_path(args)
         if record and _is_worker0():
             from reshard.jobs.results import write_refusal_json
             write_refusal_json(record, error)

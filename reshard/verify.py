@@ -73,6 +73,7 @@ class VerifyResult:
 
 def verify_hashes(destination: str, tag: str | None = None) -> VerifyResult:
     """Re-hash every file the manifest lists; report missing, resized or changed files."""
+    destination = os.path.abspath(destination)
     tag = resolve_tag(destination, tag)
     tag_dir = os.path.join(destination, tag)
     manifest = Manifest.read(tag_dir)
@@ -249,6 +250,7 @@ def _digest(path: str, ref: TensorRef, carried: dict | None, memo: dict) -> str:
 def verify_against(destination: str, source_dir: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
                    trust_pickle: bool = False, transport: Transport | None = None) -> VerifyResult:
     """Every element and every unpartitioned value of DST, derived again from SRC and compared."""
+    destination, source_dir = os.path.abspath(destination), os.path.abspath(source_dir)
     own_transport = transport is None
     transport = transport or transport_from_environment()
     try:

@@ -8,6 +8,14 @@ uninitialised padding of fp32_flat_groups, which reshard never copies, and the o
 identical). So every output file's SHA-256 is a constant, whatever the worker count or
 memory budget. The hashes were recorded with the code at commit 56c7904 (before issue 8).
 
+Since issue 36 reshard gives its files real CRC-32s (torch_zip.seal_crcs), where the pinned
+bytes carry CRC 0 for storage records and a serialization id computed from those zeros. The pins
+stand as recorded, on both machines: each file is hashed as its skeleton recorded those fields
+(zip_records.as_skeleton_recorded rewrites them and nothing else), and each file must pass
+`zipfile.testzip()` and equal its records written again by torch's own zip writer
+(zip_records.rewritten_by_torch), which fixes the sealed fields from the rest. So a file differing from the pinned bytes in anything but
+those fields still fails, and so does a wrong CRC.
+
 A different CPU or torch build may train to other values. The hashes are recorded for two
 machines, each beside the digest of the source engine's truth there (every fp32 weight,
 optimizer state and counter); where the truth matches neither, the test cannot judge and
@@ -18,10 +26,12 @@ from __future__ import annotations
 import hashlib
 import os
 import textwrap
+import zipfile
 
 import pytest
 import torch
 from trained import REPO, reshard_cli, reshard_in_threads, reshard_with_torchrun
+from zip_records import as_skeleton_recorded, rewritten_by_torch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.trains(("z2_fp32", 2), ("z3_bf16", 3))]
 
@@ -127,9 +137,17 @@ def truth_digest(path) -> str:
 
 
 def output_hashes(destination) -> dict:
+    """{file: SHA-256 of its bytes as its skeleton recorded the CRC fields}, after checking that
+    every file is a valid zip and exactly what torch.save writes for its content."""
     tag = (destination / "latest").read_text()
-    return {name: hashlib.sha256((destination / tag / name).read_bytes()).hexdigest()
-            for name in sorted(os.listdir(destination / tag)) if name != "reshard_manifest.json"}
+    names = [name for name in sorted(os.listdir(destination / tag)) if name != "reshard_manifest.json"]
+    for name in names:
+        path = destination / tag / name
+        assert zipfile.ZipFile(path).testzip() is None, f"{path}: bad CRC-32"
+        again = destination.parent / f"{destination.name}-by-torch" / name
+        again.parent.mkdir(exist_ok=True)
+        assert rewritten_by_torch(path, again) == path.read_bytes(), f"{path}: not what torch's zip writer writes"
+    return {name: hashlib.sha256(as_skeleton_recorded(destination / tag / name)).hexdigest() for name in names}
 
 
 def pins_for(variant: str, n: int, truth) -> dict:

@@ -16,6 +16,7 @@ with ds_to_universal's output file by file.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -163,6 +164,27 @@ def test_safetensors_export_is_byte_identical_for_any_worker_count(pipeline_expo
     assert sorted(p.name for p in out.iterdir()) == names
     for name in names:
         assert (out / name).read_bytes() == (entry["st"] / name).read_bytes(), name
+
+
+@pytest.mark.e2e
+def test_safetensors_export_takes_relative_paths(pipeline_runs, tmp_path, monkeypatch):
+    """`reshard export SRC out --format safetensors` of a pipeline save (the session's fp32 pp 2
+    save) with SRC and OUT relative to the working directory: the same files as with absolute
+    paths. On main it failed at publishing ("refusing to write outside the destination out")."""
+    from trained import reshard_in_process
+
+    save, _ = pipeline_runs("fp32", 2, 1)
+    absolute = reshard_in_process("export", save, tmp_path / "absolute", "--format", "safetensors",
+                                  "--max-shard-size", "4KB")
+    assert absolute.returncode == 0, absolute.stdout + absolute.stderr
+    monkeypatch.chdir(tmp_path)
+    relative = reshard_in_process("export", os.path.relpath(save, tmp_path), "out", "--format", "safetensors",
+                                  "--max-shard-size", "4KB")
+    assert relative.returncode == 0, relative.stdout + relative.stderr
+    names = sorted(p.name for p in (tmp_path / "absolute").iterdir())
+    assert len(names) > 2 and sorted(p.name for p in (tmp_path / "out").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "absolute" / name).read_bytes(), name
 
 
 @pytest.mark.e2e

@@ -9,10 +9,13 @@ without torch and writes the bytes of `--workers 2` and of `--transport torch`.
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import pytest
 from reshard.errors import OptionError
 from reshard.transport import _choose, torch_backend_for
 from reshard.transport.forked import WorkerLost
-from reshard.transport.same_host import join_workers_on_this_host
+from reshard.transport.same_host import GREETING, MAGIC, _address, join_workers_on_this_host
 from threaded_transport import in_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,3 +204,40 @@ def test_a_torchrun_worker_whose_peer_never_comes_says_so_and_exits_1(tmp_path):
     assert done.stderr.startswith("reshard: error: worker 0: waited more than 1s for "), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", MAGIC + bytes(GREETING.size - len(MAGIC))],
+                         ids=["not-a-greeting", "greeting-without-memory"])
+def test_a_foreign_process_on_the_socket_is_named_as_such(garbage):
+    """A process that is no reshard worker connects to worker 0's socket and sends bytes that are
+    not a greeting: worker 0 names an unexpected process and its pid, at once (not "a worker
+    closed its connection", not a timeout)."""
+    job = f"test-{uuid.uuid4()}"
+    results: list = [None]
+
+    def worker0():
+        try:
+            results[0] = join_workers_on_this_host(0, 2, job, 10)
+        except BaseException as error:  # noqa: BLE001  (handed to the test)
+            results[0] = error
+
+    thread = threading.Thread(target=worker0)
+    thread.start()
+    intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                intruder.connect(_address(hashlib.sha256(job.encode()).digest(), 0))
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                assert time.monotonic() < deadline, "worker 0 never listened"
+                time.sleep(0.01)
+        intruder.sendall(garbage)
+        thread.join(15)
+    finally:
+        intruder.close()
+    assert not thread.is_alive()
+    assert isinstance(results[0], WorkerLost), results
+    assert f"an unexpected process (pid {os.getpid()}), not a reshard worker of this job" in str(results[0]), results
+    assert "closed its connection" not in str(results[0])

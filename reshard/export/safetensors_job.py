@@ -23,6 +23,7 @@ Output is byte-identical whatever the number of workers and the budget.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", ma
     own_transport = transport is None
     transport = transport or transport_from_environment(backend, timeout)
     try:
-        return _run(str(source), str(destination), DTYPES[dtype], max_shard_bytes, tag, memory_budget, trust_pickle,
+        # absolute once, here: the layers below compare OUT with paths built from it
+        return _run(os.path.abspath(source), os.path.abspath(destination), DTYPES[dtype], max_shard_bytes, tag, memory_budget, trust_pickle,
                     overwrite, durable_every, transport)
     finally:
         if own_transport:

@@ -50,6 +50,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_allowlist import allowed_globals
 from reshard.formats.torch_archive import NewTensor, check_archive, is_ref, locate_storages, materialize, write_skeleton
+from reshard.formats.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
 from reshard.files.paths import confined
@@ -165,6 +166,9 @@ class UniversalWriter:
             os.fsync(fd)
 
     def finish(self) -> None:
+        """Every file's real CRC-32s (its skeleton recorded 0; torch_zip.seal_crcs), then fsync and close."""
+        for path in dict.fromkeys(path for path, _ in self.locations.values()):
+            seal_crcs(path, self._fd(path))
         self._close_all(sync=True)
 
     def close(self) -> None:
@@ -245,7 +249,8 @@ def export_universal(source: str, destination: str, *, tag: str | None = None, m
     own_transport = transport is None
     transport = transport or transport_from_environment(backend, timeout)
     try:
-        return _run(str(source), str(destination), tag, memory_budget, trust_pickle, overwrite, durable_every,
+        # absolute once, here: the layers below compare OUT with paths built from it
+        return _run(os.path.abspath(source), os.path.abspath(destination), tag, memory_budget, trust_pickle, overwrite, durable_every,
                     transport)
     finally:
         if own_transport:

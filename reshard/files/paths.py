@@ -4,6 +4,8 @@
     check_tag("global_step3", "--tag")                  # ok; "../x", "/abs", "a/b", "" are refused
     path = confined("/ckpt/out", "/ckpt/out/.reshard-staging/global_step3")   # ok, returned as given
     write_named_file(tag_dir, path, lambda p: torch.save(tree, p))   # a writer that must open by name
+    check_output_file("r.json", "--result-json", {"SRC": src, "DST": dst}, reads=[job_file])
+    write_file_atomically("r.json", text)               # temp file beside it, then one rename
 
 A tag comes from the user (`--tag`), from a file in the checkpoint (`latest`) or from a
 directory listing, and is joined to both SRC and DST. DeepSpeed writes it as one directory
@@ -11,6 +13,11 @@ name (engine.py `save_checkpoint`: `os.path.join(save_dir, str(tag))`), so anyth
 not a single path component is refused here, before any path is built from it. `confined`
 is the last line of defence for every create, write, rename and delete: the path, with
 every symlink above it resolved, must lie under the destination's real path.
+
+A file the user names for output besides DST (`--result-json`) must lie outside SRC and DST and
+be no file reshard reads (`check_output_file`), and is written by `write_file_atomically`: a
+new temporary file beside it (O_EXCL, so a link planted at that name is never followed), renamed
+over the name, which replaces a link there rather than writing through it.
 """
 from __future__ import annotations
 
@@ -100,3 +107,64 @@ def write_named_file(root: str, path: str, write: Callable[[str], object]) -> st
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def _resolved(path: str) -> str:
+    """`path` absolute, every link above its last component resolved (the last one kept: what a
+    rename onto `path` replaces)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(os.path.realpath(parent), name)
+
+
+def output_file_problem(path: str, inside: dict[str, str], reads=()) -> str | None:
+    """Why reshard must not write the file `path` the user named (None when it may): it lies in one
+    of the directories `inside` ({"SRC": dir, ...}: a job's input and output, whose files reshard
+    reads, writes or publishes), is one of the files `reads`, or cannot be a file. Links count as
+    where they lead: above the last component, and at it."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        return "is not a file path"
+    here = _resolved(path)
+    candidates = {here, os.path.realpath(path)}  # the name itself, and where a link at it leads
+    for what, directory in inside.items():
+        root = os.path.realpath(directory)
+        for candidate in candidates:
+            if is_inside(candidate, root):
+                return (f"lies inside {what} {directory} (resolves to {candidate}), among the checkpoint's "
+                        "files, which a record must never replace or join: name a file outside SRC and DST")
+    for other in reads:
+        if other and (os.path.realpath(other) in candidates or _resolved(other) in candidates):
+            return f"is {other}, a file reshard reads"
+    if os.path.isdir(here):
+        return "is a directory"
+    if not os.path.isdir(os.path.dirname(here)):
+        return f"cannot be created: {os.path.dirname(here)} is not a directory"
+    return None
+
+
+def check_output_file(path: str, flag: str, inside: dict[str, str], reads=()) -> str:
+    """`path` as an absolute path, after `output_file_problem` found nothing; else OptionError
+    naming the flag, the path and why."""
+    problem = output_file_problem(path, inside, reads)
+    if problem is not None:
+        raise OptionError(f"{flag} {path}: {problem}")
+    return os.path.abspath(path)
+
+
+def write_file_atomically(path: str, data: bytes | str) -> None:
+    """Write `data` to `path` whole: into a new temporary file beside it (created exclusively, so
+    never through a planted link), fsynced, then renamed over `path` (a link there is replaced, not
+    followed). A failure leaves `path` as it was and removes the temporary file."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data.encode() if isinstance(data, str) else data)
+            file.flush()
+            os.fchmod(file.fileno(), 0o644)  # mkstemp makes 0600; a record is for others to read
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        raise
+

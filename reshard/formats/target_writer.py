@@ -13,7 +13,10 @@ later from the exchange, while large carried storages are copied in a background
 Padding is never written and reads back as zeros. When resuming, existing skeletons are
 reopened and located instead of rewritten.
 
-Hashing (BLAKE3, for the manifest) reads each file back from the page cache once it is
+Before a file is hashed, its records get their real CRC-32s (torch_zip.seal_crcs, computed from
+the written bytes, so resumed and kernel-copied bytes count alike): a skeleton records CRC 0, and
+the file must be what torch.save of the same object writes, which `zipfile.testzip` and `unzip -t`
+accept. Hashing (BLAKE3, for the manifest) reads each file back from the page cache once it is
 final: a file no partition slice goes to (ZeRO-1/2 module weights, ZeRO-3 model states) in
 the background thread as soon as its carried bytes are in, while the rounds run; the others
 after the last round, while a second thread fsyncs (one waits on the disk, the other on the
@@ -34,6 +37,7 @@ from reshard.formats.float_casts import ITEMSIZE, cast_bytes
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
+from reshard.formats.torch_zip import seal_crcs
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
@@ -68,7 +72,12 @@ class TargetWriter:
     sync_seconds: float = 0.0
     """Wall seconds spent in fsync so far (a phase of its own in the job's summary)."""
     hash_seconds: float = 0.0
-    """Wall seconds `finish` spent hashing (besides the fsync thread)."""
+    """Wall seconds `finish` spent sealing CRC-32s and hashing (besides the fsync thread): the
+    job's "hash" phase."""
+    crc_seconds: float = 0.0
+    """Wall seconds spent computing and writing the files' CRC-32s (`seal`), in either thread."""
+    sealed: set = field(default_factory=set)
+    """Paths whose CRC-32s are final."""
     deferred: list = field(default_factory=list)
     """(source path, source offset, fd, target offset, bytes, target path) still to copy"""
     digests: dict = field(default_factory=dict)
@@ -163,6 +172,7 @@ class TargetWriter:
         if self._copy_error is None:
             try:
                 for path in self._sliceless():
+                    self.seal(path)
                     self.digests[path] = hash_file(path)
             except BaseException as error:
                 self._copy_error = error
@@ -206,15 +216,31 @@ class TargetWriter:
             raise WriteFailed(path, error) from None
         self.bytes_written += len(data)
 
-    def sync(self) -> None:
+    def seal(self, path: str) -> None:
+        """Write the real CRC-32 of every record of a file whose bytes are all in (torch_zip.seal_crcs)."""
+        if path in self.sealed:
+            return
         started = time.perf_counter()
         try:
-            self._sync()
+            seal_crcs(path, self.fds[path])
+        except OSError as error:
+            raise WriteFailed(path, error) from None
+        finally:
+            self.crc_seconds += time.perf_counter() - started
+        self.sealed.add(path)
+
+    def sync(self, ready: dict | None = None) -> None:
+        """fsync every file; with `ready` ({path: threading.Event}), each once its event is set."""
+        started = time.perf_counter()
+        try:
+            self._sync(ready)
         finally:
             self.sync_seconds += time.perf_counter() - started
 
-    def _sync(self) -> None:
+    def _sync(self, ready: dict | None = None) -> None:
         for path, fd in self.fds.items():
+            if ready is not None:
+                ready[path].wait()
             try:
                 os.fsync(fd)
             except OSError as error:
@@ -223,15 +249,17 @@ class TargetWriter:
     def finish(self) -> dict:
         """Finish the background work, make every byte durable and hash every file, then close.
 
-        The fsync runs in a thread while this one hashes the files not hashed yet. Returns
-        {file name: {"bytes", "blake3"}}.
+        This thread seals each file's CRC-32s (they change bytes the fsync and the hash must see),
+        then hashes the files not hashed yet; a second thread fsyncs each file as soon as it is
+        sealed. Returns {file name: {"bytes", "blake3"}}.
         """
         self.wait_for_copies()
         failure: list[BaseException] = []
+        ready = {path: threading.Event() for path in self.fds}
 
         def sync():
             try:
-                self.sync()
+                self.sync(ready)
             except BaseException as error:
                 failure.append(error)
         syncer = threading.Thread(target=sync, name="reshard-fsync", daemon=True)
@@ -239,10 +267,15 @@ class TargetWriter:
         started = time.perf_counter()
         try:
             for path in self.paths:
+                self.seal(path)
+                ready[path].set()
+            for path in self.paths:
                 if path not in self.digests:
                     self.digests[path] = hash_file(path)
         finally:
             self.hash_seconds += time.perf_counter() - started
+            for event in ready.values():  # a failed seal must not leave the fsync thread waiting
+                event.set()
             syncer.join()
         if failure:
             raise failure[0]

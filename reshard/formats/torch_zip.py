@@ -6,6 +6,7 @@
     offset = writer.reserve("data/0", 4096)           # a record whose bytes are left as a hole
     writer.finish()                                   # version, serialization id, central directory
     ArchiveReader("out.pt").offset("data/0")          # byte offset of a record's data (strict reader)
+    seal_crcs("out.pt")                               # once the holes are filled: real CRC-32s, as torch.save
 
 torch.save (torch/serialization.py `_save`, `_open_zipfile_writer_file`) hands every record
 to `PyTorchStreamWriter` (caffe2/serialize/inline_container.cc), which drives miniz
@@ -23,7 +24,9 @@ to `PyTorchStreamWriter` (caffe2/serialize/inline_container.cc), which drives mi
   `getPadding`; 64 is `torch.utils.serialization.config.save.storage_alignment`), the data,
   and a data descriptor `PK\\x07\\x08` crc, sizes (32-bit, or 64-bit after a zip64 extra), none
   for an empty record. A record written under `skip_data` (`writeRecordMetadata`) leaves its
-  data as a hole (zeros) and records CRC 0.
+  data as a hole (zeros) and records CRC 0; the local header records CRC 0 always (the CRC is in
+  the data descriptor and the central directory, miniz `mz_zip_writer_add_mem_ex_v2`).
+  `seal_crcs` turns a skeleton whose holes were filled into what torch.save of the data writes.
 - `writeEndOfFile`: "version" = "3\\n" (kProducedFileFormatVersion, no `.data/version` below
   6), then `.data/serialization_id` = 20 decimal digits of a hash of the record names combined
   in the iteration order of a libstdc++ `std::unordered_set<std::string>` (`files_written_`),
@@ -41,9 +44,12 @@ overlap each other nor the directory, and sizes inside the file: see `read_direc
 """
 from __future__ import annotations
 
+import functools
+import mmap
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 ALIGNMENT = 64
 """torch.utils.serialization.config.save.storage_alignment (default)."""
@@ -290,6 +296,170 @@ def _zip64_extra(size: int, compressed: int, header_at: int) -> bytes:
     if header_at >= U32:
         fields += struct.pack("<Q", header_at)
     return struct.pack("<HH", 1, len(fields)) + fields
+
+
+# -- CRC-32 of records filled after the skeleton -----------------------------------------------
+#
+# A skeleton's storage records are holes whose CRC fields say 0; their bytes arrive later, out of
+# order, by pwrite and by kernel copies (copy_file_range) that never pass through this process,
+# and a resumed job wrote some of them in an earlier run. So the CRCs are computed from the
+# written bytes once a file is complete (`seal_crcs`): correct whatever wrote the bytes and
+# whenever, with no CRC state to keep across a resume. The bytes are read back from the page
+# cache, as the manifest's hash reads them anyway; large records are cut into windows whose
+# CRCs are computed in threads (zlib.crc32 releases the GIL) and joined with `crc32_combine`.
+
+CRC_WINDOW_BYTES = 16 << 20
+"""How much of a record one CRC thread maps and checks at once."""
+CRC_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib.crc32(a + b) from crc1 = zlib.crc32(a), crc2 = zlib.crc32(b) and len2 = len(b): zlib's
+    `crc32_combine` (crc32.c of zlib 1.2.x, `crc32_combine_`): crc1 carried through len2 zero
+    bytes (`_zeros_operator`), then xor crc2."""
+    if len2 <= 0:
+        return crc1
+    return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & U32
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that carries a CRC-32 register through `nbytes` zero bytes:
+    the matrix of one zero bit (the reflected polynomial 0xEDB88320) squared until it stands for
+    one byte, then for 2, 4, 8... bytes, composed for each set bit of `nbytes`, as zlib applies
+    them. Cached: the windows of a record are all one size but the last."""
+    result = [1 << n for n in range(32)]  # identity
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = _gf2_square(odd)  # two
+    odd = _gf2_square(even)  # four
+    while True:
+        even = _gf2_square(odd)  # 8, 32, 128, ... zero bits
+        if nbytes & 1:
+            result = [_gf2_times(even, column) for column in result]
+        nbytes >>= 1
+        if not nbytes:
+            break
+        odd = _gf2_square(even)  # 16, 64, ... zero bits
+        if nbytes & 1:
+            result = [_gf2_times(odd, column) for column in result]
+        nbytes >>= 1
+        if not nbytes:
+            break
+    return tuple(result)
+
+
+def _window_crc(fd: int, offset: int, size: int) -> int:
+    """CRC-32 of `size` bytes of the file at `offset`, through one read-only map (no copy)."""
+    if size == 0:
+        return 0
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    window = mmap.mmap(fd, size + offset - start, prot=mmap.PROT_READ, offset=start)
+    try:
+        with memoryview(window) as view:
+            return zlib.crc32(view[offset - start:]) & U32
+    finally:
+        window.close()
+
+
+def crc32_of_range(fd: int, offset: int, size: int, pool: ThreadPoolExecutor | None = None,
+                   window: int = CRC_WINDOW_BYTES) -> int:
+    """CRC-32 of `size` bytes of the file at `offset`: windows of `window` bytes, in `pool`'s
+    threads when given, combined in order."""
+    starts = range(offset, offset + size, window)
+    sizes = [min(window, offset + size - at) for at in starts]
+    if pool is None or len(sizes) < 2:
+        crcs = [_window_crc(fd, at, n) for at, n in zip(starts, sizes)]
+    else:
+        crcs = list(pool.map(lambda piece: _window_crc(fd, *piece), zip(starts, sizes)))
+    total = 0
+    for crc, n in zip(crcs, sizes):
+        total = crc32_combine(total, crc, n)
+    return total
+
+
+def _central_crc_fields(fd: int, file_size: int) -> dict[bytes, int]:
+    """{full record name: byte offset of its CRC field in the central directory} of an archive
+    `read_directory` accepted."""
+    end = _END.unpack(os.pread(fd, _END.size, file_size - _END.size))
+    entries, cd_size, cd_offset = end[4], end[5], end[6]
+    if file_size >= _END.size + _LOCATOR.size:
+        locator = _LOCATOR.unpack(os.pread(fd, _LOCATOR.size, file_size - _END.size - _LOCATOR.size))
+        if locator[0] == 0x07064B50:
+            end64 = _END64.unpack(os.pread(fd, _END64.size, locator[2]))
+            entries, cd_size, cd_offset = end64[7], end64[8], end64[9]
+    directory = os.pread(fd, cd_size, cd_offset)
+    fields, position = {}, 0
+    for _ in range(entries):
+        entry = _CENTRAL.unpack_from(directory, position)
+        name_len, extra_len, comment_len = entry[10], entry[11], entry[12]
+        name = directory[position + _CENTRAL.size:position + _CENTRAL.size + name_len]
+        fields[name] = cd_offset + position + 16
+        position += _CENTRAL.size + name_len + extra_len + comment_len
+    return fields
+
+
+def seal_crcs(path: str | os.PathLike, fd: int | None = None) -> int:
+    """Give every record of a torch archive its real CRC-32, and `.data/serialization_id` the value
+    torch derives from them (see `serialization_id`), in the data descriptors and the central
+    directory: what torch.save writes for the same bytes. For a skeleton (`reserve`, or torch's
+    skip_data) once its holes are filled. Fields already right are not written, so sealing again
+    writes nothing. Returns the number of records whose CRC changed. `fd`: the file opened for
+    writing, when the caller holds it."""
+    own = fd is None
+    if own:
+        fd = os.open(os.fspath(path), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        file_size = os.fstat(fd).st_size
+        prefix, records = read_directory(fd, file_size)
+        central = _central_crc_fields(fd, file_size)
+        ordered = sorted(records.values(), key=lambda r: r.header_offset)
+        changed, names, crcs = 0, [], []
+        large = CRC_THREADS > 1 and any(r.file_size > CRC_WINDOW_BYTES for r in ordered)
+        pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="reshard-crc") if large else None
+        try:
+            for record in ordered:
+                if record.name == ".data/serialization_id" and record.file_size == 40:
+                    wanted = serialization_id(names, crcs).encode()
+                    if os.pread(fd, 40, record.data_offset) != wanted:
+                        _pwrite_all(fd, wanted, record.data_offset)
+                crc = crc32_of_range(fd, record.data_offset, record.file_size, pool) if record.file_size else 0
+                names.append(record.name)
+                if record.file_size:  # an empty record has no descriptor (nor a CRC in the directory)
+                    crcs.append(crc)
+                    field = record.data_end + 4
+                    if int.from_bytes(os.pread(fd, 4, field), "little") != crc:
+                        changed += 1
+                        packed = struct.pack("<I", crc)
+                        _pwrite_all(fd, packed, field)
+                        _pwrite_all(fd, packed, central[(prefix + record.name).encode()])
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        return changed
+    finally:
+        if own:
+            os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 # -- reading -----------------------------------------------------------------------------------

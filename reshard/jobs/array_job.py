@@ -668,6 +668,7 @@ def publish_main(argv: list[str]) -> int:
     if not os.path.isdir(args.destination):
         print(f"reshard publish: error: {args.destination}: no such directory", file=sys.stderr)
         return 2
+    args.destination = os.path.abspath(args.destination)  # once, here: publishing compares absolute paths
     places = [args.destination] + sorted(os.path.join(args.destination, name) for name in os.listdir(args.destination)
                                          if os.path.isdir(os.path.join(args.destination, name, STAGING)))
     pending = False

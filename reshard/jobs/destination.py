@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from reshard.files.byte_io import hash_file
@@ -175,7 +176,7 @@ class Staging:
             _remove(old)
         self.discard()
 
-    def publish_files(self, last: str) -> None:
+    def publish_files(self, last: str, before_moves: Callable[[], object] = lambda: None) -> None:
         """Move every file of the staging directory into DST itself (sub-directories kept), each by
         an atomic rename that replaces a file or link of its name, `last` (the file that marks the
         output complete, e.g. a safetensors index) after all others; then remove the staging.
@@ -183,21 +184,28 @@ class Staging:
         For outputs that are a directory of files rather than a tag directory: no single rename
         can place them, so the marker goes last, and until it is there the output is incomplete.
         An earlier `last` in DST (--overwrite) is removed first: it must not vouch for a mix of old
-        and new files while they move."""
+        and new files while they move. Every target is checked and given its directory before
+        `before_moves` runs (the lifecycle removes the journal there), so a refusal up to that point
+        leaves a staging the same command resumes."""
         marker = confined(self.destination, os.path.join(self.destination, last))
-        if os.path.lexists(marker):
-            os.unlink(marker)
         _fsync_dir(self.tag_dir)
         names = []
         for root, dirs, files in os.walk(self.tag_dir):
             dirs.sort()
             names += sorted(os.path.relpath(os.path.join(root, f), self.tag_dir) for f in files)
         names = [n for n in names if n not in (JOURNAL_NAME, last)] + ([last] if last in names else [])
+        top = os.path.abspath(self.destination).rstrip(os.sep)
+        targets = []
         for name in names:
             target = confined(self.destination, os.path.join(self.destination, name))
-            parent = os.path.dirname(target)
-            if parent != os.path.abspath(self.destination).rstrip(os.sep):
+            parent = os.path.dirname(os.path.abspath(target))
+            if parent != top:
                 self._mkdir(parent)
+            targets.append((name, target))
+        before_moves()
+        if os.path.lexists(marker):
+            os.unlink(marker)
+        for name, target in targets:
             os.replace(os.path.join(self.tag_dir, name), target)
         _fsync_dir(self.destination)
         self.discard()
@@ -285,6 +293,11 @@ def clean_up_after_failure(staging: Staging, lock: DestinationLock, keep_staging
 
 def what_was_kept(staging: Staging, kept: bool, removed_destination: bool) -> str:
     """The end of a failed run's message: what stays on disk, and what re-running does."""
+    if kept and os.path.isdir(staging.tag_dir) and not os.path.isfile(os.path.join(staging.tag_dir, JOURNAL_NAME)):
+        # the journal goes when publishing starts to move files (Staging.publish_files): no run resumes this
+        return (f". Publishing had begun: some files may already be in {staging.destination}, the rest stay in "
+                f"{staging.tag_dir}, which no run resumes; remove it (rm -rf {shlex.quote(staging.tag_dir)}) and "
+                "re-run with --overwrite")
     if kept:
         return (f". The partial output stays in {staging.tag_dir} (no checkpoint is published); fix the "
                 "cause and re-run the same command to resume")

@@ -310,11 +310,10 @@ def publish_tag_dir(staging: Staging, manifest: Manifest | None, latest: str | N
 
 def publish_files(staging: Staging, last: str) -> None:
     """Publish an output that is a directory of files (the safetensors export), once the job has
-    written everything into staging: the journal removed, then every file moved into DST by an
-    atomic rename, `last` (the file that makes the directory complete) after all others
+    written everything into staging: every target checked, then the journal removed, then every
+    file moved into DST by an atomic rename, `last` (the file that makes the directory complete) after all others
     (reshard.jobs.destination.Staging.publish_files)."""
-    _remove_journal(staging)
-    staging.publish_files(last=last)
+    staging.publish_files(last=last, before_moves=lambda: _remove_journal(staging))
 
 
 def _remove_journal(staging: Staging) -> None:

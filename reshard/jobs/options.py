@@ -15,11 +15,12 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
 import re
 from dataclasses import dataclass
 
 from reshard.errors import OptionError
-from reshard.files.paths import check_tag
+from reshard.files.paths import check_output_file, check_tag
 from reshard.topology import Topology
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -116,7 +117,7 @@ class ReshardOptions:
     result_json: str | None = flag(None, metavar="PATH")
     """Also write the result (bytes, seconds, phases, workers, bytes between nodes and the plan's
     figure) as JSON to PATH, from worker 0; a refused job writes {"refused": true, "exit_status": 2,
-    "error"} there instead."""
+    "error"} there instead. PATH must lie outside SRC and DST and not be the job file."""
 
     def validate(self) -> "ReshardOptions":
         if self.target_dp is None:
@@ -176,6 +177,12 @@ class ReshardOptions:
                 raise OptionError(f"{name} must be a path, got {getattr(self, name)!r}")
         if not self.source or not self.destination:
             raise OptionError("both SRC and DST are required")
+        # resolved once, here: every layer below compares and joins absolute paths, whatever the
+        # working directory (a relative DST once failed in publishing against its own absolute form)
+        self.source, self.destination = os.path.abspath(self.source), os.path.abspath(self.destination)
+        if self.result_json is not None:
+            self.result_json = check_output_file(self.result_json, "--result-json",
+                                                 {"SRC": self.source, "DST": self.destination})
         if self.tag is not None:
             check_tag(self.tag, "--tag")
         return self
@@ -241,4 +248,6 @@ class ReshardOptions:
             if name in data:
                 data[name] = parse_size(data[name])
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if data.get("result_json") is not None:  # the job file is read: never the record's place
+            check_output_file(data["result_json"], "--result-json", {}, reads=[path])
         return cls(**data)

@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from reshard.files.paths import write_file_atomically
 from reshard.planning.plan import ReshardPlan
 from reshard.topology import Topology
 
@@ -307,9 +308,8 @@ def write_refusal_json(path: str, error: BaseException, exit_status: int = 2) ->
 
 
 def _write_json(path: str, record: dict) -> None:
-    """`record` as JSON at `path`, written whole, then renamed into place."""
+    """`record` as JSON at `path`, written whole into a new file beside it, then renamed into place
+    (reshard.files.paths.write_file_atomically: never through a planted link). `path` was checked
+    when the options were (ReshardOptions.validate: outside SRC and DST, not the job file)."""
     import json
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as file:
-        json.dump(record, file, indent=2)
-    os.replace(temporary, path)
+    write_file_atomically(path, json.dumps(record, indent=2))

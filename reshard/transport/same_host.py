@@ -160,9 +160,22 @@ def _accept(listener: socket.socket, digest: bytes, rank: int, size: int, deadli
         return sock, peer, fd
 
 
+def _credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel saw it connect."""
+    return PEER_CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size))
+
+
+def _foreign(sock: socket.socket, rank: int, peer: int | None, what: str) -> WorkerLost:
+    """The error for a process at this job's socket that does not speak reshard's greeting."""
+    pid = _credentials(sock)[0]
+    where = "connected to this job's socket" if peer is None else f"listens under worker {peer}'s socket name"
+    return WorkerLost(f"worker {rank}: an unexpected process (pid {pid}), not a reshard worker of this job, {where} "
+                      f"and {what}; another program uses this job's socket name (stop it, or re-run the job)")
+
+
 def _check_same_user(sock: socket.socket, rank: int, peer: int | None) -> None:
     """Abstract socket names carry no file permissions: only a process of this user may join."""
-    _, uid, _ = PEER_CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size))
+    _, uid, _ = _credentials(sock)
     if uid != os.getuid():
         who = "a process" if peer is None else f"the process listening as worker {peer}"
         raise WorkerLost(f"worker {rank}: {who} runs as user {uid}, not {os.getuid()}; refusing to share memory with it")
@@ -189,6 +202,16 @@ def _receive_greeting(sock: socket.socket, digest: bytes, size: int, peer: int |
         for fd in more_fds:  # SCM_RIGHTS hands fds over inheritable; keep them out of any child process (PEP 446)
             os.set_inheritable(fd, False)
         data, fds = data + chunk, fds + list(more_fds)
+        if data[:len(MAGIC)] != MAGIC[:len(data)]:  # not a reshard worker: say so now, not at a timeout
+            for fd in fds:
+                os.close(fd)
+            raise _foreign(sock, rank, peer, f"sent {len(data)} bytes that are not a reshard greeting "
+                                             f"({data[:16]!r}...)")
+    if len(data) == GREETING.size and len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise _foreign(sock, rank, peer, f"sent a greeting with {len(fds)} file descriptors instead of one shared "
+                                         "memory segment")
     if len(data) < GREETING.size or len(fds) != 1:
         for fd in fds:
             os.close(fd)
