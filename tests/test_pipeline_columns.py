@@ -1,29 +1,29 @@
-"""The seam issue 37 lands on: one pipeline column (stage, model rank) through the main road makes the side road's bytes.
+"""Issue 37's first case on the one road: a pipeline save's dp change, column by column, through the planner and execute().
 
     python -m pytest -q tests/test_pipeline_columns.py     # the session's pipeline saves (3 shared training launches)
 
-Issue 37's first case (pp and tp kept, dp changed) lowers each column of a PipelineModule save, the
-files `zero_pp_rank_{d}_mp_rank_{c}_optim_states.pt` and `mp_rank_{c}_model_states.pt` of mp index
-c = stage * tp + model rank (layouts/pipeline.stage_model_rank), as an ordinary ZeRO-1 save over that
-stage's own parameters (docs/architecture.md, "One road"). This file checks that lowering before it
-is wired into the job: `column_checkpoint` (below, test-side) makes each column a `SourceCheckpoint`
-whose spec is built from the column's own `param_shapes` and whose files are named by its mp index,
-and the unchanged main-road parts (`planning.checkpoint_plan.plan_reshard`, `jobs.execute.execute`,
-`formats.source_reader.SourceReader`, `formats.deepspeed_target.target_files`,
-`formats.target_writer.TargetWriter`) reshard it under a 4 KiB budget, in many rounds, reading each
-source partition byte once. The output is compared, byte for byte, with the side road's
-(`reshard_checkpoint`, jobs/pipeline_job.py) for the same target, on every dp-change case the
-suite reshards (test_pipeline.CASES and test_pipeline_model_axis.CASES with the stages kept); a run
-stopped after a few rounds and resumed from that round into the same files gives the same bytes.
+With its stages and model ranks kept, each column of a PipelineModule save, the files
+`zero_pp_rank_{d}_mp_rank_{c}_optim_states.pt` and `mp_rank_{c}_model_states.pt` of mp index
+c = stage * tp + model rank (layouts/pipeline.stage_model_rank), is an ordinary ZeRO-1 save over
+that stage's own parameters (docs/architecture.md, "One road"), and the collective job reshards it
+so (collective_job.keeps_pipeline_columns). The first tests take one column alone, made a
+`SourceCheckpoint` here (`column_checkpoint`: spec from the column's own `param_shapes`, files named
+by its mp index), through the unchanged main-road parts (`plan_reshard`, `execute`, `SourceReader`,
+`target_files`, `TargetWriter`) under a 4 KiB budget, in many rounds, reading each source partition
+byte once, and compare the output byte for byte with the whole-tensor pipeline job's
+(`jobs/pipeline_job.run_pipeline_unit`, called directly: the side road the job took before) on every
+dp-change case the suite reshards; a column stopped after 5 rounds and resumed from that round into the same files
+gives the same bytes. The last test runs the job itself: `python -m reshard` killed mid-rounds and
+resumed to the pinned bytes.
 
-One difference is decided here, not hidden: DeepSpeed saves each group's `param_slice_mappings` as an
+One difference was decided, not hidden: DeepSpeed saves each group's `param_slice_mappings` as an
 OrderedDict (runtime/zero/stage_1_and_2.py `_create_param_mapping`) and the main road keeps that type
-(formats/deepspeed_target `_optim_tree`), while the side road pickles plain dicts
+for ZeRO saves (formats/deepspeed_target `_optim_tree`), while the pipeline job pickles plain dicts
 (formats/deepspeed_pipeline `build_optimizers`), which the pins of tests/test_pipeline_pinned.py
-record. The pickles differ by that type alone (3 bytes of data.pkl, its CRC and the serialization
-id): these tests give the main road's trees the side road's dicts before writing, and check
-separately that the source files hold OrderedDicts. The landing must either keep the side road's
-dicts or re-pin those optimizer files, judged by a DeepSpeed load (issue 37).
+record; the pickles differ by that type alone (3 bytes of data.pkl, its CRC and the serialization
+id). A pipeline column keeps the dicts; the per-column tests here give their standalone columns'
+trees the dicts before writing, check that the source files hold OrderedDicts, and judge the
+OrderedDicts by a native load, should the pins be re-taken.
 
 No process of its own: the saves are the session's (`pipeline_runs`), already trained for
 test_pipeline.py and test_pipeline_model_axis.py; the side road and the columns run in-process.
@@ -150,13 +150,19 @@ def _side_and_columns(pipeline_runs, tmp_path, case):
     import os
     import shutil
 
-    from reshard import reshard_checkpoint
+    from reshard.jobs.options import ReshardOptions
+    from reshard.jobs.pipeline_job import run_pipeline_unit
+    from reshard.jobs.results import PhaseClock
+    from reshard.jobs.runs import discover_units
+    from reshard.transport.local import LocalTransport
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from test_pipeline import model_ranks
     variant, (pp, dp), target_dp = case
     save, _ = pipeline_runs(variant, pp, dp)
-    side = reshard_checkpoint(str(save), str(tmp_path / "side"), target_dp, quiet=True, ignore_batch_config=True)
-    tag = side.checkpoints[0].tag
+    opts = ReshardOptions(source=str(save), destination=str(tmp_path / "side"), target_dp=target_dp, quiet=True,
+                          ignore_batch_config=True).validate()
+    [unit], _ = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
+    tag = run_pipeline_unit(opts, unit, LocalTransport(), PhaseClock()).tag
     source = inspect_pipeline(str(save), tag)
     assert (source.pp, source.tp, source.dp) == (pp, model_ranks(variant), dp)
     main = tmp_path / "main" / tag
@@ -220,3 +226,29 @@ def test_the_main_roads_own_mappings_load_natively_equal_to_the_truth(pipeline_r
     verdict = check_at(2, 1, "bf16", main.parent, truth, tmp_path / "verdict.json")
     assert verdict["ok"], verdict
     assert sum(rank["checked"] for rank in verdict["ranks"]) >= 9  # every parameter on some rank
+
+
+def test_a_pipeline_dp_change_killed_mid_rounds_resumes_to_the_pinned_bytes(pipeline_runs, tmp_path):
+    """The first case on the one road (issue 37): the fp32 (pp 2, dp 1) save to dp 2 by `python -m reshard`
+    under a 4 KiB budget, less than any of its optimizer files, killed in round 3 (a SIGKILL, the journal
+    durable every 1 KiB) and run again: the second run resumes from the journal and publishes the bytes
+    tests/test_pipeline_pinned.py holds for this case. The pipeline job it replaces refused such a budget
+    and had no resume."""
+    from test_pipeline_pinned import PINNED, TRUTH_DIGESTS, tree_hashes, truth_dir_digest
+    from trained import reshard_cli
+
+    from reshard.jobs.destination import STAGING
+    from reshard.jobs.manifest import JOURNAL_NAME
+    save, truth = pipeline_runs("fp32", 2, 1)
+    assert truth_dir_digest(truth) == TRUTH_DIGESTS["runs/fp32/2/1"], "trained to other values than the pins'"
+    assert min(p.stat().st_size for p in save.glob("*/*optim_states.pt")) > BUDGET
+    out = tmp_path / "out"
+    args = (save, out, "--target-dp", 2, "--memory-budget", "4K", "--durable-every", "1K", "--ignore-batch-config")
+    killed = reshard_cli(*args, "--quiet", env={"RESHARD_FAILPOINTS": "kill@round=3"})
+    assert killed.returncode != 0, killed.stdout
+    assert (out / STAGING / "step3" / JOURNAL_NAME).is_file()
+    assert not (out / "latest").exists()
+    done = reshard_cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert "resuming an interrupted" in done.stdout + done.stderr, done.stdout
+    assert tree_hashes(out) == PINNED["fp32-pp2-dp1-to-pp2-dp2-w2"]
