@@ -50,6 +50,7 @@ from reshard.layouts.zero import (
     param_alignment_elements,
     undo_round_robin,
     zero3_chunk,
+    zero12_layout,
 )
 from reshard.files.paths import check_tag
 from reshard.planning.plan import Stream
@@ -809,7 +810,7 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
     spec = source.spec
     at = spec.topology.coordinates(rank)
-    layout = spec.layout(spec.topology, tp_rank=at.tp)
+    layout = spec.layout(spec.topology, tp_rank=at.tp, pp_rank=at.pp)
     path = source.optim_path(rank)
     tree = load_portable(path, schema.safe_globals(), trust_pickle)
     found = {slot: (path, ref) for slot, ref in validate_optim_tree(tree, path, spec, layout, at.dp).items()}
@@ -946,3 +947,61 @@ def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:
         if not same:
             raise CheckpointError(path, f"optimizer step counter of flat buffer {buffer} differs from rank 0's: "
                                         "shards of different checkpoints (or saves) mixed in one tag directory")
+
+
+def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
+                             read_tensors: bool = True) -> SourceCheckpoint:
+    """A PipelineModule save as the main road takes it when its stages and model ranks are kept
+    (docs/architecture.md, "One road"): each column (stage s, model rank m; mp index s * tp + m) is a
+    ZeRO-1 save over its stage's own parameters, so the spec holds each column's (params, groups)
+    (`CheckpointSpec.columns`), its topology (dp, tp, pp), and the source keeps each column's dp rank 0
+    trees as templates; the layer files travel unchanged, as `other_files`. The save's structure is
+    checked first as the pipeline job checks it (deepspeed_pipeline.inspect_pipeline, which refuses
+    parameter alignment and round-robin gradients)."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    tag = resolve_tag(save_dir, tag)
+    pipe = inspect_pipeline(save_dir, tag, trust_pickle)
+    tag_dir = os.path.join(save_dir, tag)
+    topology = Topology(dp=pipe.dp, tp=pipe.tp, pp=pipe.pp)
+    columns, templates, carried, everything, spec = [], [], {}, [], None
+    for column in range(pipe.pp * pipe.tp):
+        stage, model = divmod(column, pipe.tp)
+        rank = topology.rank_of(0, model, stage)
+        optim_name = schema.optim_file_name_of(topology, rank, pipe.bf16)
+        model_path = os.path.join(tag_dir, schema.model_file_name_of(topology, rank, 1))
+        optim_path = os.path.join(tag_dir, optim_name)
+        model_tree = load_portable(model_path, schema.safe_globals(), trust_pickle)
+        optim_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle)
+        params, groups = [], []
+        for shapes in model_tree["param_shapes"]:
+            groups.append(tuple(range(len(params), len(params) + len(shapes))))
+            params.extend(ParamSpec(name, tuple(int(d) for d in shape)) for name, shape in shapes.items())
+        osd = optim_tree[OPT]
+        # a stage file holds no module tensors: the model's dtype is the master's under fp32, else named by
+        # the save's flags; it only sets parameter alignment, which pipelines do not use (refused above)
+        lp_dtype = "bfloat16" if pipe.bf16 else ("float16" if (model_tree.get("ds_config") or {}).get(
+            "fp16", {}).get("enabled") else "float32")
+        column_spec = CheckpointSpec(1, "bf16_optimizer" if pipe.bf16_optimizer else "zero", pipe.bf16, topology,
+                                     tuple(params), tuple(groups), False, 1, DEFAULT_SUB_GROUP_SIZE, lp_dtype, ())
+        layout = zero12_layout(column_spec.params, column_spec.groups, pipe.dp)
+        column_spec = dataclasses.replace(column_spec, streams=_discover_streams(osd, optim_path, column_spec, layout))
+        if spec is not None and column_spec.streams != spec.streams:
+            raise UnsupportedCheckpoint(optim_path, f"holds optimizer states {[s.name for s in column_spec.streams]}, "
+                                                    f"column 0 {[s.name for s in spec.streams]}")
+        spec = spec or column_spec
+        parts = validate_optim_tree(optim_tree, optim_path, column_spec, layout, 0)
+        if read_tensors:
+            carried[optim_name] = read_carried(optim_path, optim_tree, parts.values())
+        columns.append((column_spec.params, column_spec.groups))
+        templates.append((optim_tree, model_tree))
+        everything.extend(params)
+    spec = dataclasses.replace(spec, params=tuple(everything), columns=tuple(columns))
+    _, other_dirs = _other_contents(tag_dir, {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
+                                              if os.path.isfile(os.path.join(tag_dir, name))})
+    optim_tree, model_tree = templates[0]
+    manifest_source = {"save_dir": save_dir, "tag": tag, "dp_world_size": pipe.dp, "pp": pipe.pp, "tp": pipe.tp,
+                       "stage": 1, "description": pipe.describe()}  # jobs/pipeline_job.pipeline_output's
+    return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried,
+                            tuple(sorted(pipe.layer_files + pipe.other_files)), other_dirs, tuple(templates),
+                            manifest_source)

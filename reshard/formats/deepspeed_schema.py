@@ -116,15 +116,16 @@ def model_file_name(stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
 
 
 def optim_file_name_of(topology: Topology, rank: int, bf16: bool) -> str:
-    """The optim-states file of global rank `rank` of `topology` (the mp index is the tp rank)."""
+    """The optim-states file of global rank `rank` of `topology` (the mp index is the tp rank, after
+    the pipeline stages before it: stage * tp + tp rank, as PipelineModule saves name it)."""
     at = topology.coordinates(rank)
-    return optim_file_name(at.dp, bf16, at.tp)
+    return optim_file_name(at.dp, bf16, at.pp * topology.tp + at.tp)
 
 
 def model_file_name_of(topology: Topology, rank: int, stage: int) -> str:
     """The model-states file global rank `rank` of `topology` reads (ZeRO-1/2: its tp rank's file)."""
     at = topology.coordinates(rank)
-    return model_file_name(stage, at.dp, at.tp)
+    return model_file_name(stage, at.dp, at.pp * topology.tp + at.tp)
 
 
 def safe_globals() -> list:

@@ -76,6 +76,10 @@ class CheckpointSpec:
     order: experts are never split by TP (`reshard.topology`)."""
     experts: ExpertParams | None = None
     """Native DeepSpeed MoE: which params are experts (params then hold every GLOBAL expert)."""
+    columns: tuple | None = None
+    """A PipelineModule save (tp and pp kept): per column, mp index stage * tp + model rank, its own
+    (params, groups), a ZeRO-1 save over that stage's parameters; `params` then holds every column's
+    end to end (the space) and `groups` column 0's. None for every other save."""
 
     @property
     def dp_world_size(self) -> int:
@@ -99,11 +103,16 @@ class CheckpointSpec:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != _LOCAL_PARAMS_CACHE}
 
-    def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0
+    def layout(self, world: int | Topology, tp: int | None = None, tp_rank: int = 0, pp_rank: int = 0
                ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout | ExpertZero3Layout:
         """ZeRO layout over `world` (a Topology, or a dp size) of the TP-local parameters of TP rank
-        `tp_rank` of `tp` (default: the source's TP size). An MoE checkpoint's layout depends on ep,
-        so it takes a Topology."""
+        `tp_rank` of `tp` (default: the source's TP size); of a pipeline save, that of column
+        (stage `pp_rank`, model rank `tp_rank`). An MoE checkpoint's layout depends on ep, so it takes
+        a Topology."""
+        if self.columns is not None:
+            params, groups = self.columns[pp_rank * (self.topology.tp if tp is None else tp) + tp_rank]
+            return zero12_layout(params, groups, world.dp if isinstance(world, Topology) else world,
+                                 round_robin=self.round_robin, param_alignment=self.param_alignment)
         if self.experts is not None:
             if not isinstance(world, Topology):
                 raise TypeError("an MoE checkpoint's layout depends on ep: pass a Topology, not a dp size")
@@ -146,6 +155,9 @@ class CheckpointSpec:
         extras = [name for name, on in (("round-robin", self.round_robin),
                                          ("parameter alignment", self.param_alignment > 1)) if on]
         ranks = f"{self.dp_world_size} dp ranks" + (f" x {self.topology.tp} tp ranks" if self.tensor else "")
+        if self.columns is not None:
+            ranks += (f" x {self.topology.tp} model ranks x {self.topology.pp} pipeline stages (PipelineModule, "
+                      f"each of its {len(self.columns)} columns a ZeRO-1 save; column 0's groups)")
         if self.tensor is not None and self.experts is not None:
             ranks += " (AutoEP folded with AutoTP)" if self.topology.folded else ""
         if self.experts is not None:
@@ -175,6 +187,21 @@ class SourceCheckpoint:
     """Files in the tag directory that are not DeepSpeed's, by relative path (copied unchanged)."""
     other_dirs: tuple[str, ...] = ()
     """Sub-directories of the tag directory, by relative path (re-created, empty ones too)."""
+    column_templates: tuple = ()
+    """A pipeline save: per column (spec.columns), the portable trees of its dp rank 0 optim file and
+    its model-states file, which its target files are built from."""
+    manifest_source: dict | None = None
+    """A pipeline save: the manifest's "source" entry (less "files") as the pipeline job writes it, so that
+    every job kind's output of it is the same, manifest included (SLURM array tasks still take that job)."""
+
+    def templates(self, at) -> tuple[Any, Any, str, str]:
+        """(optim tree, model tree, optim file name, model file name) the target files of the rank at
+        coordinates `at` are built from: rank 0's, or its pipeline column's dp rank 0's."""
+        if not self.column_templates:
+            return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
+        rank = self.spec.topology.rank_of(0, at.tp, at.pp)
+        return (*self.column_templates[at.pp * self.spec.topology.tp + at.tp], self.optim_name(rank),
+                self.model_name(rank))
 
     @property
     def tag_dir(self) -> str:

@@ -42,8 +42,8 @@ from reshard.formats.folded_expert_files import (
     target_expert_files,
     write_expert_files,
 )
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
+from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
@@ -164,7 +164,7 @@ class Placement(Protocol):
     Decided once, from the options (`run_job`)."""
 
     def units(self, opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str]]: ...
-    def whole_file_job(self, unit: Unit) -> Callable | None:
+    def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
         """The job that reshards `unit` whole file by whole file instead (reshard.jobs.whole_file_job), else None."""
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
@@ -190,9 +190,10 @@ class WholeWorld:
             return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
         return on_rank0(transport, discover)
 
-    def whole_file_job(self, unit: Unit) -> Callable | None:
+    def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
         tag_dir = os.path.join(unit.source, unit.tag)
-        if is_pipeline(tag_dir):  # per-stage ZeRO-1 re-cut, whole tensors
+        if is_pipeline(tag_dir) and not (opts is not None and keeps_pipeline_columns(opts, tag_dir)):
+            # another number of stages or model ranks: whole tensors, no rounds (the side road, issue 37)
             from reshard.jobs.pipeline_job import run_pipeline_unit
             return run_pipeline_unit
         if is_zero0_moe(tag_dir):  # whole tensors, no rounds
@@ -204,8 +205,9 @@ class WholeWorld:
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
-            source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle,
-                                        read_tensors=not opts.dry_run)
+            inspect = inspect_pipeline_columns if is_pipeline(os.path.join(unit.source, unit.tag)) else \
+                inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
+            source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
             target = checkpoint_target(opts, source)
             carried = save_dir_files.list_save_dir_files(source.save_dir)
             return source, target, carried, preflight(opts, source, target.topology, carried)
@@ -239,6 +241,13 @@ class WholeWorld:
         return source.save_dir
 
 
+def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
+    """A PipelineModule save resharded with its stages and model ranks kept (dp changed): each column a
+    ZeRO-1 save, through the planner and `execute()` (reshard.formats.deepspeed_inspect.inspect_pipeline_columns)."""
+    pp, _, tp = saved_pipeline_topology(tag_dir)
+    return opts.target_pp in (None, pp) and opts.target_tp in (None, tp) and opts.target_stage is None
+
+
 def tensor_parallel_notes(spec) -> list[str]:
     """Which parameters are column-, row-parallel or replicated (the dry run shows them)."""
     if spec.tensor is None:
@@ -258,8 +267,8 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     identity = site.source_identity(source, carried)
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=site.placement, target_stage=zero.changed_to, target_ep=target_ep)
-    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, topology.tp,
-                         zero.stage, target_ep)
+    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
+                         topology.tp, zero.stage, target_ep)  # a pipeline's manifest names no tp_world_size
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
                      needed_bytes=site.output_bytes(source, opts.target_dp, topology),
@@ -273,7 +282,7 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
               placement: Placement) -> CheckpointResult:
-    whole_file_job = placement.whole_file_job(unit)  # ZeRO-0 MoE, pipeline: no rounds through the exchange
+    whole_file_job = placement.whole_file_job(unit, opts)  # ZeRO-0 MoE, pipeline changing pp or tp: no rounds
     if whole_file_job is not None:
         return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()
@@ -392,7 +401,11 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
     spec = source.spec
     target_entry = {"dp_world_size": opts.target_dp, "stage": target.zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
-    if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
+    if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (jobs/pipeline_job)
+        source_entry = {**source.manifest_source, "files": start.identity}
+        target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
+                        "stage": 1}
+    elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
         target_entry["tp_world_size"] = target.topology.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep

@@ -411,7 +411,7 @@ class NodeLocal:
         tag, self.views = survey_source(transport, source, opts.tag)
         return [Unit(source, tag, destination, tag)], []
 
-    def whole_file_job(self, unit: Unit):
+    def whole_file_job(self, unit: Unit, opts=None):
         """A PipelineModule save (some worker sees its layer files): `pipeline_job` with the views
         (reshard.jobs.node_local_pipeline, given by the caller: it builds on this module); every other
         layout goes through the rounds, whose ownership says who reads what where (None)."""

@@ -217,14 +217,14 @@ class ReshardOptions:
         """The topology to write for a source saved at `source`: --target-tp and --target-ep default
         to its TP and EP."""
         return Topology(dp=self.target_dp, tp=source.tp if self.target_tp is None else self.target_tp,
-                        ep=source.ep if self.target_ep is None else self.target_ep)
+                        ep=source.ep if self.target_ep is None else self.target_ep, pp=source.pp)
 
     def checked_target(self, source: Topology, expert_problem, path: str) -> Topology:
         """`target_for(source)`, refused naming `path` where DeepSpeed could not build it: a
         topology that does not validate, or one whose ep `expert_problem(target)` (a checkpoint's
         own check: None when its experts fit) says cannot hold the experts."""
         from reshard.errors import TopologyError
-        if self.target_pp not in (None, 1):  # pipeline saves go to reshard.jobs.pipeline_job, which takes it
+        if self.target_pp not in (None, source.pp):  # pipeline saves: the stages kept here, else pipeline_job
             raise OptionError(f"{path}: --target-pp {self.target_pp} is for DeepSpeed PipelineModule checkpoints; "
                               "this one has no pipeline stages (no layer_XX-model_states.pt files)")
         try:

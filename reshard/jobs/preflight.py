@@ -137,8 +137,9 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) 
     recovery scripts and the manifest come along."""
     spec, tag_dir = source.spec, source.tag_dir
     n = spec.topology.world_size
-    if target_tp != 1 or spec.topology.tp != 1:
-        target_dp *= target_tp  # every rank writes an optim file; each TP rank a model file (below)
+    columns = target_tp * spec.topology.pp  # a pipeline's stages and model ranks (kept), else the TP ranks
+    if columns != 1 or spec.topology.tp != 1:
+        target_dp *= columns  # every rank writes an optim file; each TP rank (column) a model file (below)
 
     def blocks(nbytes: int) -> int:
         return -(-nbytes // block) * block
@@ -147,7 +148,7 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) 
     structure = max(optim[0] - sum(optim) // n, 0)  # one optim file's pickle, counters, ...
     total = target_dp * blocks(sum(optim) // target_dp + structure)
     model0 = os.path.getsize(source.model_path(0))
-    total += target_dp * blocks(model0) if spec.stage == 3 else target_tp * blocks(model0)
+    total += target_dp * blocks(model0) if spec.stage == 3 else columns * blocks(model0)
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
     total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)

@@ -48,6 +48,8 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     `ownership`: who reads and writes which ranks, when not the arithmetic blocks (node-local
     checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
     ownership = ownership or Ownership.between(spec.topology, target, workers)
+    if getattr(spec, "columns", None) is not None:  # a pipeline's (CheckpointSpec); planners' stand-ins have none
+        return ReshardPlan(ownership, (plan_pipeline_columns(spec, target, ownership, budget_bytes),), budget_bytes)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology), spec.layout(target)
@@ -141,3 +143,28 @@ def plan_tensor_parallel_spaces(spec, target: Topology, ownership: Ownership, bu
                                  spec.frozen_streams, tuple(zero3_chunk(p.numel, target.dp) for p in spec.frozen),
                                  ownership, budget_bytes, round_offset=spaces[-1].rounds + spaces[-1].round_offset))
     return tuple(spaces)
+
+
+def pipeline_column_pieces(spec, topology: Topology) -> PieceTable:
+    """The pieces of a pipeline save (spec.columns) at `topology` (its tp and pp): each column's ZeRO-1
+    pieces at topology.dp, offset by the column's base in the space (its parameters come after the
+    columns before it), on the global ranks of (dp rank, model rank, stage)."""
+    columns, base = [], 0
+    for column, (params, _) in enumerate(spec.columns):
+        stage, model = divmod(column, topology.tp)
+        pieces = spec.layout(topology.dp, topology.tp, model, stage).pieces
+        ranks = np.array([topology.rank_of(d, model, stage) for d in range(topology.dp)], dtype=np.int64)
+        columns.append((pieces.start + base, ranks[pieces.rank], pieces.buffer, pieces.offset))
+        base += sum(p.numel for p in params)
+    return table_from_columns(columns, base)
+
+
+def plan_pipeline_columns(spec, target: Topology, ownership: Ownership, budget_bytes: int):
+    """A PipelineModule save with its stages and model ranks kept: one optimizer space over every
+    column's parameters, each column re-cut over the target dp as the ZeRO-1 save it is
+    (docs/architecture.md, "One road")."""
+    sizes = [buffer_numels(spec.layout(target.dp, target.tp, model, stage))
+             for stage in range(target.pp) for model in range(target.tp)]
+    widest = [max((s[b] for s in sizes if b < len(s)), default=0) for b in range(max(map(len, sizes)))]
+    return plan_space("optim", pipeline_column_pieces(spec, spec.topology), pipeline_column_pieces(spec, target),
+                      spec.streams, tuple(int(n) for n in widest), ownership, budget_bytes)
