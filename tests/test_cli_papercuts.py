@@ -168,6 +168,9 @@ def test_summaries_read_as_sentences():
     two = CheckpointResult("/src", "/dst", "global_step3", "ZeRO-2 fp32", Topology(dp=2), Topology(dp=3), 2,
                            "shared memory (forked workers)", 0, 1.0, False).summary()
     assert "2 workers over shared memory (forked workers)" in two, two
+    from reshard.export.dcp_job import DcpResult
+    dcp = DcpResult("/src", "/out", "global_step3", ["__0_0.distcp"], 1, 3).summary()
+    assert "1 .distcp file; 1 worker, 3 rounds" in dcp and "(s)" not in dcp, dcp
 
     def can_write(sizes, why=""):
         report = InspectReport("/src", "global_step3", topology={"stage": 2, "dp": 2, "tp": 1, "ep": 1, "pp": 1},

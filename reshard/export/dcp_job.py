@@ -71,6 +71,7 @@ from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
+from reshard.jobs.results import counted
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -341,7 +342,8 @@ class DcpResult:
 
     def summary(self) -> str:
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (PyTorch DCP)\n"
-                f"  {len(self.files)} .distcp file(s); {self.workers} worker(s), {self.rounds} round(s), "
+                f"  {counted(len(self.files), '.distcp file')}; {counted(self.workers, 'worker')}, "
+                f"{counted(self.rounds, 'round')}, "
                 f"{self.seconds:.1f} s; load with dcp.load + set_state_dict (docs/moving-to-fsdp2.md); counters, "
                 f"LR scheduler and client_state in {RUN_STATE_NAME}"
                 + "".join(f"\n  note: {note}" for note in self.notes))
