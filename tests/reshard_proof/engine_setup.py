@@ -73,8 +73,12 @@ def forget_sequence_parallel_mpu() -> None:
     engine.py `_configure_distributed_model` sets `groups.mpu = self.mpu` when an engine has one and
     never clears it, so every later engine of the process would partition ZeRO over that engine's
     sequence-data-parallel group and read its sp size (utils/groups.py
-    `_get_sequence_parallel_world_size`). A fresh process has no mpu there."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    `_get_sequence_parallel_world_size`). A fresh process has no mpu there. Releases before
+    runtime/sequence_parallel existed (0.16 and older: tests/test_older_deepspeed.py) have none to drop."""
+    try:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    except ImportError:
+        return
     from deepspeed.utils import groups
     if groups.mpu is parallel_state_sp:
         groups.mpu = None
