@@ -3,6 +3,7 @@
     python bench/pipeline_bench.py                       # ~160 MB save, (pp, dp) (2, 1) -> (1, 2)
     python bench/pipeline_bench.py --dim 1024 --pairs 8  # bigger
     python bench/pipeline_bench.py --budget 512M         # reshard's --memory-budget (default 1G)
+    python bench/pipeline_bench.py --source 2,1 --target 2,2 --budget 32M --in-job-budget 2G   # the main road
     python bench/pipeline_bench.py --tp-from 2 --tp-to 1 --source 2,1 --target 1,4   # a model axis
 
 One save, trained here with real DeepSpeed on CPU ranks (a tied embedding/head, `--pairs` pairs of
@@ -277,7 +278,7 @@ def bench(args) -> None:
                          "vocab": VOCAB, "precision": "fp32", "zero_stage": 1,
                          "megatron_model_axis": bool(axis)},
                "source": {"pp": spp, "tp": stp, "dp": sdp}, "target": {"pp": tpp, "tp": ttp, "dp": tdp}, "workers": args.workers,
-               "memory_budget": args.budget}
+               "memory_budget": args.budget, "in_job_memory_budget": args.in_job_budget or args.budget}
     results["load_average_at_start"] = os.getloadavg()  # a shared 2-core machine: say how busy it was
     log(f"training the source at (pp, tp, dp) = ({spp}, {stp}, {sdp}) ...")
     results["train"] = watched(torchrun(spp * stp * sdp, "train", "--pp", spp, "--tp", stp, *shape, "--save", src,
@@ -311,7 +312,8 @@ def bench(args) -> None:
 
     log("reshard in-job (reshard.deepspeed.load_checkpoint on the source) ...")
     results["in_job_load"] = watched(torchrun(tpp * ttp * tdp, "load", "--pp", tpp, "--tp", ttp, *shape, "--load", src, "--in-job",
-                                              "--budget", args.budget, "--dump", os.path.join(scratch, "dump-in-job")),
+                                              "--budget", args.in_job_budget or args.budget,
+                                              "--dump", os.path.join(scratch, "dump-in-job")),
                                      "in-job load", scratch)
 
     truth, _ = read_dumps(os.path.join(scratch, "truth"))
@@ -388,6 +390,8 @@ def main() -> None:
     parser.add_argument("--tp-to", type=int, help="the target's model axis (reshard --target-tp); default --tp-from")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--budget", default="1G", help="reshard's --memory-budget")
+    parser.add_argument("--in-job-budget", help="the in-job load's memory_budget (default --budget): a pipeline "
+                                                "in-job load still takes whole tensors and refuses a budget below them")
     parser.add_argument("--scratch", default=os.path.join(HERE, ".cache", "pipeline"))
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--pp", type=int)
