@@ -49,6 +49,9 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
     ownership = ownership or Ownership.between(spec.topology, target, workers)
     if getattr(spec, "columns", None) is not None:  # a pipeline's (CheckpointSpec); planners' stand-ins have none
+        if target.pp != spec.topology.pp:
+            return ReshardPlan(ownership, (plan_pipeline_stage_change(spec, target, ownership, budget_bytes),),
+                               budget_bytes)
         return ReshardPlan(ownership, (plan_pipeline_columns(spec, target, ownership, budget_bytes),), budget_bytes)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
@@ -163,11 +166,22 @@ def plan_pipeline_columns(spec, target: Topology, ownership: Ownership, budget_b
     """A PipelineModule save with its stages and model ranks kept: one optimizer space over every
     column's parameters, each column re-cut over the target dp as the ZeRO-1 save it is
     (docs/architecture.md, "One road")."""
-    sizes = [buffer_numels(spec.layout(target.dp, target.tp, model, stage))
-             for stage in range(target.pp) for model in range(target.tp)]
-    widest = [max((s[b] for s in sizes if b < len(s)), default=0) for b in range(max(map(len, sizes)))]
     return plan_space("optim", pipeline_column_pieces(spec, spec.topology), pipeline_column_pieces(spec, target),
-                      spec.streams, tuple(int(n) for n in widest), ownership, budget_bytes)
+                      spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
+
+
+def plan_pipeline_stage_change(spec, target: Topology, ownership: Ownership, budget_bytes: int):
+    """A PipelineModule save resharded to another number of stages, tp kept (spec.target_columns: the
+    target stages' columns): one optimizer space over the target columns (pipeline_stage_change_pieces)."""
+    old, new = pipeline_stage_change_pieces(spec.columns, spec.target_columns, spec.topology, target)
+    return plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
+
+
+def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
+    """Per flat buffer, the most elements any target rank's holds."""
+    sizes = [buffer_numels(spec.layout(target, target.tp, model, stage))
+             for stage in range(target.pp) for model in range(target.tp)]
+    return tuple(int(max((s[b] for s in sizes if b < len(s)), default=0)) for b in range(max(map(len, sizes))))
 
 
 def pipeline_stage_change_pieces(source_columns, target_columns, source: Topology, target: Topology
