@@ -80,6 +80,12 @@ class CheckpointSpec:
     """A PipelineModule save (tp and pp kept): per column, mp index stage * tp + model rank, its own
     (params, groups), a ZeRO-1 save over that stage's parameters; `params` then holds every column's
     end to end (the space) and `groups` column 0's. None for every other save."""
+    target_columns: tuple | None = None
+    """A pipeline save resharded to another number of stages (tp kept): per target column, its
+    (params, groups) from the target layer partition (layouts/pipeline.StageAssignment), which
+    `layout` gives for a Topology of another pp; None otherwise."""
+    target_buffer_names: tuple = ()
+    """With `target_columns`: per target stage, its `buffer_names` (empty when the save has none)."""
 
     @property
     def dp_world_size(self) -> int:
@@ -110,7 +116,9 @@ class CheckpointSpec:
         (stage `pp_rank`, model rank `tp_rank`). An MoE checkpoint's layout depends on ep, so it takes
         a Topology."""
         if self.columns is not None:
-            params, groups = self.columns[pp_rank * (self.topology.tp if tp is None else tp) + tp_rank]
+            columns = self.columns if self.target_columns is None or not isinstance(world, Topology) or \
+                world.pp == self.topology.pp else self.target_columns  # a stage change's target side
+            params, groups = columns[pp_rank * (self.topology.tp if tp is None else tp) + tp_rank]
             return zero12_layout(params, groups, world.dp if isinstance(world, Topology) else world,
                                  round_robin=self.round_robin, param_alignment=self.param_alignment)
         if self.experts is not None:
@@ -199,8 +207,9 @@ class SourceCheckpoint:
         coordinates `at` are built from: rank 0's, or its pipeline column's dp rank 0's."""
         if not self.column_templates:
             return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
-        rank = self.spec.topology.rank_of(0, at.tp, at.pp)
-        return (*self.column_templates[at.pp * self.spec.topology.tp + at.tp], self.optim_name(rank),
+        stage = at.pp if self.spec.target_columns is None else 0  # a stage change: stage 0's, as the pipeline
+        rank = self.spec.topology.rank_of(0, at.tp, stage)      # job's (deepspeed_pipeline.named_states)
+        return (*self.column_templates[stage * self.spec.topology.tp + at.tp], self.optim_name(rank),
                 self.model_name(rank))
 
     @property

@@ -92,11 +92,24 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
     at = target.coordinates(rank)
     _, model_template, _, model_name = source.templates(at)  # a pipeline column's own
     tree = zero12_model_tree(source, layout, model_template)
+    if spec.target_columns is not None and target.pp != spec.topology.pp:
+        _retarget_pipeline_stages(tree, spec, target, at.pp)
     if spec.tensor is not None:
         _reslice_tensor_parallel_model(tree, spec, target, at.tp)
     if spec.tensor is not None and spec.experts is not None:
         _set_model_folding(tree, target, target.rank_of(0, at.tp))
     return TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, model_name)
+
+
+def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) -> None:
+    """A stage file at another number of stages: its buffers, and the model-parallel size (pp * tp) and
+    pp degree as engine.py saves them, set as the pipeline job sets them
+    (deepspeed_pipeline.write_repartitioned_stage), key order kept."""
+    if spec.target_buffer_names:
+        tree["buffer_names"] = list(spec.target_buffer_names[stage])
+    tree["mp_world_size"] = target.pp * target.tp
+    tree["checkpoint_parallel_dimensions"] = {**(tree.get("checkpoint_parallel_dimensions") or {}),
+                                              "pp_degree": target.pp}
 
 
 def retarget_parallel_sizes(tree: Any, source: Topology, target: Topology) -> None:

@@ -22,6 +22,7 @@ command resumes from the last durable round.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -208,9 +209,13 @@ class WholeWorld:
             inspect = inspect_pipeline_columns if is_pipeline(os.path.join(unit.source, unit.tag)) else \
                 inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
             source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-            target = checkpoint_target(opts, source)
+            stages = []
+            if source.spec.columns is not None and opts.target_pp not in (None, source.spec.topology.pp):
+                source, target, stages = pipeline_stage_change(opts, source)
+            else:
+                target = checkpoint_target(opts, source)
             carried = save_dir_files.list_save_dir_files(source.save_dir)
-            return source, target, carried, preflight(opts, source, target.topology, carried)
+            return source, target, carried, stages + preflight(opts, source, target.topology, carried)
 
         source, target, carried, notes = on_rank0(transport, inspect)
         return source, target, carried, notes, self
@@ -242,10 +247,40 @@ class WholeWorld:
 
 
 def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
-    """A PipelineModule save resharded with its stages and model ranks kept (dp changed): each column a
-    ZeRO-1 save, through the planner and `execute()` (reshard.formats.deepspeed_inspect.inspect_pipeline_columns)."""
+    """A PipelineModule save resharded with its model ranks kept (dp changed, or pp given a layer list):
+    each column a ZeRO-1 save, through the planner and `execute()`
+    (reshard.formats.deepspeed_inspect.inspect_pipeline_columns). A pp change without --pipeline-layers
+    goes to the pipeline job, which refuses it by name."""
     pp, _, tp = saved_pipeline_topology(tag_dir)
-    return opts.target_pp in (None, pp) and opts.target_tp in (None, tp) and opts.target_stage is None
+    return (opts.target_pp in (None, pp) or bool(opts.pipeline_layers)) and opts.target_tp in (None, tp) \
+        and opts.target_stage is None
+
+
+def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
+                          ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """A pipeline save at another number of stages, tp kept: the target stages worked out (and the
+    options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list), each
+    target column's (params, groups) and each stage's buffers set on the spec (`target_columns`), the
+    target topology at the new pp, and a note saying how the layers were re-assigned."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_groups, source_shapes
+    from reshard.jobs.pipeline_job import pipeline_target
+    from reshard.layouts.pipeline import split_by_group
+    from reshard.layouts.zero import ParamSpec
+    pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
+    stages = pipeline_target(opts, pipe).stages
+    shapes, (count, group_of) = source_shapes(pipe), source_groups(pipe)
+    columns = []
+    for names in stages.names:
+        index = {name: i for i, name in enumerate(names)}
+        column = (tuple(ParamSpec(name, tuple(int(d) for d in shapes[name])) for name in names),
+                  tuple(tuple(index[name] for name in group) for group in split_by_group(names, group_of, count)))
+        columns += [column] * pipe.tp
+    spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=stages.buffer_names)
+    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None), source)
+    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names)))
+    note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
+            f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
+    return dataclasses.replace(source, spec=spec), target, [note]
 
 
 def tensor_parallel_notes(spec) -> list[str]:
@@ -265,8 +300,12 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     target_tp = topology.tp if source.spec.tensor is not None else None
     target_ep = _moe_target_ep(source, topology)
     identity = site.source_identity(source, carried)
+    placement = site.placement
+    if source.spec.target_columns is not None:  # what decides the new stages, as the pipeline job's fingerprint
+        placement = {"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+                     "partition": opts.pipeline_partition}
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
-                                placement=site.placement, target_stage=zero.changed_to, target_ep=target_ep)
+                                placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
                          topology.tp, zero.stage, target_ep)  # a pipeline's manifest names no tp_world_size
     return JobOutput(out_fp, destination_names(outputs, carried),

@@ -24,7 +24,7 @@ import numpy as np
 from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
 from reshard.layouts.zero import PieceTable, buffer_numels, logical_bases, table_from_columns
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space, sorted_distinct
-from reshard.layouts.zero import zero3_chunk
+from reshard.layouts.zero import zero3_chunk, zero12_layout
 from reshard.layouts.tensor_pieces import (
     GlobalSpace,
     module_buffer_numels,
@@ -49,6 +49,9 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
     ownership = ownership or Ownership.between(spec.topology, target, workers)
     if getattr(spec, "columns", None) is not None:  # a pipeline's (CheckpointSpec); planners' stand-ins have none
+        if target.pp != spec.topology.pp:
+            return ReshardPlan(ownership, (plan_pipeline_stage_change(spec, target, ownership, budget_bytes),),
+                               budget_bytes)
         return ReshardPlan(ownership, (plan_pipeline_columns(spec, target, ownership, budget_bytes),), budget_bytes)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
@@ -163,8 +166,85 @@ def plan_pipeline_columns(spec, target: Topology, ownership: Ownership, budget_b
     """A PipelineModule save with its stages and model ranks kept: one optimizer space over every
     column's parameters, each column re-cut over the target dp as the ZeRO-1 save it is
     (docs/architecture.md, "One road")."""
-    sizes = [buffer_numels(spec.layout(target.dp, target.tp, model, stage))
-             for stage in range(target.pp) for model in range(target.tp)]
-    widest = [max((s[b] for s in sizes if b < len(s)), default=0) for b in range(max(map(len, sizes)))]
     return plan_space("optim", pipeline_column_pieces(spec, spec.topology), pipeline_column_pieces(spec, target),
-                      spec.streams, tuple(int(n) for n in widest), ownership, budget_bytes)
+                      spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
+
+
+def plan_pipeline_stage_change(spec, target: Topology, ownership: Ownership, budget_bytes: int):
+    """A PipelineModule save resharded to another number of stages, tp kept (spec.target_columns: the
+    target stages' columns): one optimizer space over the target columns (pipeline_stage_change_pieces)."""
+    old, new = pipeline_stage_change_pieces(spec.columns, spec.target_columns, spec.topology, target)
+    return plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
+
+
+def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
+    """Per flat buffer, the most elements any target rank's holds."""
+    sizes = [buffer_numels(spec.layout(target, target.tp, model, stage))
+             for stage in range(target.pp) for model in range(target.tp)]
+    return tuple(int(max((s[b] for s in sizes if b < len(s)), default=0)) for b in range(max(map(len, sizes))))
+
+
+def pipeline_stage_change_pieces(source_columns, target_columns, source: Topology, target: Topology
+                                 ) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of a PipelineModule save whose stage count changes, tp kept
+    (docs/architecture.md, "One road": a pp change only changes which parameters a column holds).
+
+        old, new = pipeline_stage_change_pieces(source.spec.columns, target_columns, source_topology, target)
+        segments = intersect(old, new)
+
+    `*_columns`: per column (mp index stage * tp + model rank) its (params, groups), a ZeRO-1 save over
+    its stage's parameters (CheckpointSpec.columns); a target's come from the target layer partition
+    (layouts/pipeline.StageAssignment), each parameter by its global name. The space is the target
+    columns end to end, so the target pieces are each column's ZeRO-1 pieces at target.dp offset by its
+    base (`pipeline_column_pieces`); each parameter's source pieces, cut at its bounds in its source
+    column's flat, are placed at every copy the target columns hold of it. A tied parameter (held by
+    several stages) is a replicated piece: read from the first source stage holding it (every stage's
+    copy is equal: runtime/pipe/engine.py `_exec_reduce_tied_grads` all-reduces tied gradients over the
+    stages holding them) and written into every target column holding it, as `GlobalSpace` reads a
+    replicated TP parameter from source TP rank 0 once per target copy. ValueError when a target
+    parameter has no source, a source parameter no target, or a shape differs (tp is kept)."""
+    if source.tp != target.tp:
+        raise ValueError(f"a stage change keeps tp: source tp {source.tp}, target tp {target.tp}")
+    tp = target.tp
+    copies, target_bases, base = {}, [], 0  # (model rank, name) -> [(space start, shape)]
+    for column, (params, _) in enumerate(target_columns):
+        target_bases.append(base)
+        for param in params:
+            copies.setdefault((column % tp, param.name), []).append((base, param.shape))
+            base += param.numel
+    total, read = base, set()
+    columns = []
+    for column, (params, groups) in enumerate(source_columns):
+        stage, model = divmod(column, tp)
+        pieces = zero12_layout(params, groups, source.dp).pieces
+        param_bases = logical_bases([p.numel for p in params])
+        cuts = sorted_distinct(np.concatenate((pieces.start, np.asarray(param_bases, np.int64))))
+        cuts = cuts[cuts < pieces.total]
+        i = np.searchsorted(pieces.start, cuts, side="right") - 1
+        p = np.searchsorted(param_bases, cuts, side="right") - 1
+        ranks = np.array([source.rank_of(d, model, stage) for d in range(source.dp)], dtype=np.int64)
+        for pid, param in enumerate(params):
+            key = (model, param.name)
+            if key not in copies:
+                raise ValueError(f"source stage {stage} holds {param.name!r}, which no target stage holds "
+                                 "(another layer list?)")
+            if key in read:  # a tied parameter: its first source stage's copy is read
+                continue
+            read.add(key)
+            here = np.flatnonzero(p == pid)
+            for start, shape in copies[key]:
+                if tuple(shape) != tuple(param.shape):
+                    raise ValueError(f"{param.name!r}: shape {tuple(param.shape)} at source stage {stage}, "
+                                     f"{tuple(shape)} at the target (tp is kept)")
+                columns.append((start + cuts[here] - param_bases[pid], ranks[pieces.rank[i[here]]],
+                                pieces.buffer[i[here]], pieces.offset[i[here]] + cuts[here] - pieces.start[i[here]]))
+    missing = sorted({name for (_, name) in copies} - {name for (_, name) in read})
+    if missing:
+        raise ValueError(f"the target stages hold {missing[:3]}, which no source stage holds (another layer list?)")
+    target_pieces = []
+    for column, (params, groups) in enumerate(target_columns):
+        stage, model = divmod(column, tp)
+        pieces = zero12_layout(params, groups, target.dp).pieces
+        ranks = np.array([target.rank_of(d, model, stage) for d in range(target.dp)], dtype=np.int64)
+        target_pieces.append((pieces.start + target_bases[column], ranks[pieces.rank], pieces.buffer, pieces.offset))
+    return table_from_columns(columns, total), table_from_columns(target_pieces, total)
