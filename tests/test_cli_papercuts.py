@@ -337,20 +337,29 @@ def test_under_torchrun_only_worker_0_draws_the_progress_bar(trained, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_whole_file_job_counts_worker_0s_files(pipeline_runs, tmp_path, monkeypatch):
-    """A pipeline save is resharded by whole files, no rounds: the bar counts the files worker 0 has
-    written (in this process: the session's shared pipeline save, no launch of its own)."""
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
-    tag = (Path(save_dir) / "latest").read_text().strip()
+def test_a_whole_file_job_counts_worker_0s_files(pipeline_runs, tp_saves, tmp_path, monkeypatch):
+    """A pipeline tp change is resharded by whole files, no rounds: the bar counts the files worker 0 has
+    written; a pipeline dp change now runs in rounds on the main road (issue 37) and draws the rounds' bar
+    (in this process: the session's shared pipeline saves, no launch of its own)."""
     monkeypatch.setenv("RESHARD_PROGRESS", "1")
-    # the save's batch config is for dp 1; the target job brings its own (as every pipeline test says)
-    done = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "2", "--ignore-batch-config")
+    # the saves' batch configs are for their own dp; the target job brings its own (as every pipeline test says)
+    layers = ("--pipeline-layers", "7", "--pipeline-tied", "embed:0,6", "--ignore-batch-config")
+    save_dir, _ = tp_saves["fp32-mp2u"]
+    tag = (Path(save_dir) / "latest").read_text().strip()
+    tp_change = ("--target-dp", "2", "--target-tp", "1", *layers)
+    done = reshard_in_process(save_dir, tmp_path / "out", *tp_change)
     assert done.returncode == 0, done.stderr
     written = len(os.listdir(tmp_path / "out" / tag))
     counts = [int(n) for n in re.findall(rf"reshard {tag}, files written by worker 0: (\d+) \[", done.stderr)]
     assert counts and counts[0] == 0 and 0 < counts[-1] <= written, done.stderr
-    quiet = reshard_in_process(save_dir, tmp_path / "quiet", "--target-dp", "2", "--ignore-batch-config", "--quiet")
+    quiet = reshard_in_process(save_dir, tmp_path / "quiet", *tp_change, "--quiet")
     assert quiet.returncode == 0 and "files written by worker 0" not in quiet.stderr, quiet.stderr
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    tag = (Path(save_dir) / "latest").read_text().strip()
+    by_rounds = reshard_in_process(save_dir, tmp_path / "rounds", "--target-dp", "2", "--ignore-batch-config")
+    assert by_rounds.returncode == 0, by_rounds.stderr
+    assert f"reshard {tag}: 100%" in by_rounds.stderr and "files written by worker 0" not in by_rounds.stderr, \
+        by_rounds.stderr
 
 
 @pytest.mark.e2e

@@ -59,7 +59,7 @@ def _export_forked(source, out, workers: int) -> None:
                           "--chunk-size", str(CHUNK_BYTES), "--memory-budget", str(BUDGET), "--workers", str(workers)],
                          env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"{workers} worker(s)" in run.stdout
+    assert f"{workers} workers" in run.stdout
 
 
 def _export_threads(source, out, workers: int, **options) -> None:
