@@ -316,6 +316,7 @@ MOE_NEEDS = {
     "test_moe_refusals_name_the_file": (("moe_z2_fp32", 2, 2),),
     "test_zero0_moe_round_trip_and_dry_run": (("moe_z0_fp32", 2, 2),),
     "test_moe_universal_oracle_at_another_dp": (("moe_z1_fp32", 1, 2),),
+    "test_zero0_moe_output_bytes_are_pinned": (("moe_z0_fp32", 2, 2), ("moe_z0_bf16", 1, 2)),
 }
 
 
@@ -842,6 +843,59 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     with pytest.raises(CheckpointError, match="is missing: the expert param groups are named ep_size_2") as error:
         reshard_checkpoint(str(broken), str(tmp_path / "y"), 2, quiet=True)
     assert str(missing) in str(error.value)
+
+
+# The bytes of every ZeRO-0 MoE output the suite makes, recorded from the whole-file road
+# (jobs/zero0_job.py, commit 311f53b) before issue 37 moved these saves onto the planner and
+# execute(): name -> (source key, [(dp, ep, workers), ...] chained, each from the previous output).
+ZERO0_PINNED_CASES = {
+    "moe_z0_fp32-ep2w2-to-ep1-dp2": (("moe_z0_fp32", 2, 2), [(2, 1, 3)]),
+    "moe_z0_fp32-ep2w2-to-ep2-dp4": (("moe_z0_fp32", 2, 2), [(4, 2, 3)]),
+    "moe_z0_fp32-ep2w2-to-ep4-dp4": (("moe_z0_fp32", 2, 2), [(4, 4, 2)]),
+    "moe_z0_fp32-ep2w2-to-ep1-dp2-back": (("moe_z0_fp32", 2, 2), [(2, 1, 2), (2, 2, 3)]),
+    "moe_z0_fp32-ep2w2-to-ep4-dp4-back": (("moe_z0_fp32", 2, 2), [(4, 4, 2), (2, 2, 3)]),
+    "moe_z0_bf16-ep1w2-to-ep2-dp2": (("moe_z0_bf16", 1, 2), [(2, 2, 3)]),
+    "moe_z0_bf16-ep1w2-to-ep1-dp3": (("moe_z0_bf16", 1, 2), [(3, 1, 2)]),
+}
+
+
+def _zero0_pins() -> tuple[dict, dict]:
+    """(truth digest by source key, hashes by case) from tests/data/zero0_moe_output_pins.json."""
+    import json
+    recorded = json.loads((Path(__file__).parent / "data" / "zero0_moe_output_pins.json").read_text())
+    return recorded["truth_digests"], recorded["pinned"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", list(ZERO0_PINNED_CASES))
+def test_zero0_moe_output_bytes_are_pinned(moe_trained, tmp_path, name):
+    """Every file of each ZeRO-0 MoE output (the manifest aside: it names paths and times) has the
+    SHA-256 recorded from the whole-file road (tests/data/zero0_moe_output_pins.json), in threads
+    from the module's saves: no launch of its own. Where the source trained to other values than
+    where the pins were recorded (another CPU or torch build) the test fails saying so."""
+    from test_output_pinned import truth_digest
+    from test_pipeline_pinned import tree_hashes
+    source_key, steps = ZERO0_PINNED_CASES[name]
+    source, truth = moe_trained(*source_key)
+    digest = truth_digest(truth)
+    out = None
+    for i, (dp, ep, workers) in enumerate(steps):
+        previous = out or source
+        out = tmp_path / f"out{i}"
+        _reshard(previous, out, dp, ep, workers)
+    key = "/".join(map(str, source_key))
+    if os.environ.get("RESHARD_RECORD_ZERO0_PINS"):  # re-recording into that JSON file (the asserts still run)
+        import json
+        record = Path(os.environ["RESHARD_RECORD_ZERO0_PINS"])
+        recorded = json.loads(record.read_text()) if record.exists() else {"truth_digests": {}, "pinned": {}}
+        recorded["truth_digests"][key] = digest
+        recorded["pinned"][name] = tree_hashes(out)
+        record.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+    truths, pinned = _zero0_pins()
+    assert digest == truths[key], (
+        f"{source_key} trained to other values here than where the pins were recorded (truth digest {digest}): "
+        "the pins cannot judge this output")
+    assert tree_hashes(out) == pinned[name]
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
