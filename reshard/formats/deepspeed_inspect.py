@@ -809,6 +809,8 @@ def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
 def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bool = False) -> dict:
     """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
     spec = source.spec
+    if spec.stage == 0:  # ZeRO-0 MoE: no partitions; its stage form's source_slots (deepspeed_zero0_moe) has them
+        return {}
     at = spec.topology.coordinates(rank)
     layout = spec.layout(spec.topology, tp_rank=at.tp, pp_rank=at.pp)
     path = source.optim_path(rank)

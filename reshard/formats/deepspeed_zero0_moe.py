@@ -26,6 +26,7 @@ tensors regrouped (reshard.layouts.zero0_expert_groups), saved with torch.save.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -37,9 +38,18 @@ from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
-from reshard.formats.torch_archive import TensorRef, load_checked, load_portable
+from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint
+from reshard.formats.deepspeed_target import TargetFile
+from reshard.formats.torch_archive import NewTensor, TensorRef, load_checked, load_portable, refs_in
+from reshard.layouts.experts import ExpertParams
+from reshard.layouts.zero import Stream
 from reshard.topology import Topology
-from reshard.layouts.zero0_expert_groups import GroupOrder, solve_per_expert_counts
+from reshard.layouts.zero0_expert_groups import (
+    GroupOrder,
+    Zero0Space,
+    solve_per_expert_counts,
+    target_places,
+)
 
 _EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 INNER = "optimizer_state_dict"  # fp16/unfused_optimizer.py `state_dict`
@@ -397,3 +407,268 @@ def write_target_files(source: Zero0MoeSource, target: Topology, tag_dir: str, n
 def target_file_names(target: Topology) -> list[str]:
     """Every file reshard writes for `target` (the expert files are copied as they are)."""
     return [MODEL] + [expp_file_name(e) for e in range(target.ep)]
+
+
+# --- on the main road: the planner and execute() (docs/architecture.md, "One road") -------------------
+# A ZeRO-0 MoE save lowers to pieces of whole parameters: each parameter of an EP rank's optimizer is
+# one buffer of its own (its index in the torch state_dict), in three spaces (per-element states, 0-d
+# states, fp32 masters: layouts/zero0_expert_groups.Zero0Space). Source ranks are the source's EP
+# ranks (their expp_rank_{e} files); target ranks the target's EP ranks and one more, the model-states
+# file's copy of EP rank 0's optimizer (planning/checkpoint_plan.plan_zero0_moe). Each target file's
+# tree is the one `target_optimizer` builds, with NewTensor slots where it took the source's tensors.
+
+TensorMeta = tuple  # ("tensor", dtype, shape, requires_grad): a tensor the exchange fills, by its source's
+
+
+@dataclass(frozen=True)
+class Zero0MoeSpec(CheckpointSpec):
+    """A ZeRO-0 MoE save as the planner and the writers take it (stage 0; `topology` the source's dp and
+    ep). Its parameters have no names (no `param_shapes` at stage 0): each is placed by its position in
+    its param group (layouts/zero0_expert_groups.GroupOrder)."""
+
+    orders: tuple = ()
+    """Per param group: its GroupOrder, or None for a dense group."""
+    group_lengths: tuple[int, ...] = ()
+    """Parameters per param group on each source EP rank."""
+    spaces: tuple[Zero0Space, ...] = ()
+    entries: tuple = ()
+    """[source EP rank][group][position]: (its state as ((key, TensorMeta or ("value", v)), ...) or None
+    when it has none yet, its fp32 master's TensorMeta or None)."""
+    wrapped: bool = False
+    """FP16_UnfusedOptimizer's dict (`optimizer_state_dict` + `fp32_groups`), else torch's own."""
+    description: str = ""
+
+    def describe(self) -> str:
+        return self.description
+
+
+@dataclass(frozen=True)
+class Zero0MoeCheckpoint(SourceCheckpoint):
+    """A ZeRO-0 MoE source: `optim_template` is EP rank 0's "optimizer" dict, `model_template` the
+    model-states file's tree; source rank e is EP rank e, whose one file is `expp_rank_{e}`."""
+
+    num_experts: tuple[int, ...] = ()
+
+    def optim_name(self, rank: int) -> str:
+        return expp_file_name(rank)
+
+    def model_name(self, rank: int = 0) -> str:
+        return MODEL
+
+    def source_files(self, rank: int) -> list[str]:
+        if rank >= self.spec.topology.ep:  # dp ranks beyond the EP ranks save no file at stage 0
+            return []
+        return [self.optim_path(rank)] + ([self.model_path()] if rank == 0 else [])
+
+    def expert_problem(self, target: Topology) -> str | None:
+        bad = sorted({n for n in self.num_experts if n % target.ep})
+        if bad:
+            return (f"the MoE layers have {', '.join(map(str, bad))} experts, which ep={target.ep} does not divide "
+                    "(DeepSpeed's MoE needs num_experts % ep_size == 0)")
+        return None
+
+
+def _meta(value) -> TensorMeta:
+    return ("tensor", value.dtype, tuple(value.shape), bool(value.requires_grad)) if isinstance(value, TensorRef) \
+        else ("value", value)
+
+
+def _entries(optimizer: dict, wrapped: bool) -> tuple:
+    inner = optimizer.get(INNER, optimizer)
+    masters = optimizer.get("fp32_groups") if wrapped else None
+    rows = []
+    for g, group in enumerate(inner["param_groups"]):
+        row = []
+        for position, index in enumerate(group["params"]):
+            state = inner["state"].get(index)
+            # the keys as unpickled, not interned: torch.save pickles a string once per object, and each
+            # source file's keys are one object per file, as a load of that file gives them
+            state = None if state is None else tuple((key, _meta(value)) for key, value in state.items())
+            row.append((state, _meta(masters[g][position]) if masters is not None else None))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def _numel(shape) -> int:
+    return functools.reduce(lambda a, b: a * b, shape, 1)
+
+
+def _spaces(entries: tuple, wrapped: bool, path0: str) -> tuple[Zero0Space, ...]:
+    """The spaces of a save from its entries; refused (naming EP rank 0's file) where the parameters'
+    states differ in their keys or dtypes, which one stream per key cannot carry."""
+    from reshard.formats.deepspeed_spec import itemsize
+    kinds: dict[str, dict[str, str]] = {"optim": {}, "scalar": {}}
+    for rank in entries:
+        for row in rank:
+            for state, _ in row:
+                for key, meta in state or ():
+                    if meta[0] != "tensor":
+                        continue
+                    space = kinds["scalar" if meta[2] == () else "optim"]
+                    if space.setdefault(key, meta[1]) != meta[1]:
+                        raise UnsupportedCheckpoint(path0, f"optimizer state {key!r} is {meta[1]} for one parameter and "
+                                                           f"{space[key]} for another; reshard needs one dtype per state")
+    spaces = []
+    for name, keys in kinds.items():
+        if not keys:
+            continue
+        numels = []
+        for rank in entries:
+            numels.append(tuple(tuple(_state_numel(state, keys, name == "scalar", path0) for state, _ in row)
+                                for row in rank))
+        streams = tuple(Stream(key, dtype, itemsize(dtype)) for key, dtype in keys.items())
+        spaces.append(Zero0Space(name, streams, tuple(numels)))
+    if wrapped:
+        dtypes = {meta[1] for rank in entries for row in rank for _, meta in row}
+        if len(dtypes) != 1:
+            raise UnsupportedCheckpoint(path0, f"holds fp32 masters of dtypes {sorted(dtypes)}; one is expected")
+        dtype = dtypes.pop()
+        spaces.append(Zero0Space("master", (Stream("fp32", dtype, itemsize(dtype)),),
+                                 tuple(tuple(tuple(_numel(meta[2]) for _, meta in row) for row in rank)
+                                       for rank in entries)))
+    return tuple(spaces)
+
+
+def _state_numel(state, keys: dict, scalar: bool, path0: str) -> int:
+    if state is None:
+        return 0
+    tensors = {key: meta for key, meta in state if meta[0] == "tensor" and (meta[2] == ()) == scalar}
+    if set(tensors) != set(keys):
+        raise UnsupportedCheckpoint(path0, f"a parameter's optimizer state holds tensors {sorted(tensors)}, another's "
+                                           f"{sorted(keys)}; reshard needs the same states for every parameter")
+    return 1 if scalar else _numel(next(iter(tensors.values()))[2])
+
+
+def inspect_zero0_moe_checkpoint(save_dir: str, tag: str, *, trust_pickle: bool = False,
+                                 read_tensors: bool = True) -> Zero0MoeCheckpoint:
+    """A ZeRO-0 MoE tag directory as the collective job takes it: `inspect_zero0_moe`'s facts, every EP
+    rank's optimizer file's pickle read and checked against EP rank 0's (no tensor bytes), and the spec
+    the planner lowers. `read_tensors` is accepted for the inspectors' common signature: nothing is read."""
+    facts = inspect_zero0_moe(save_dir, tag, trust_pickle=trust_pickle)
+    optimizers = []
+    for rank in range(facts.topology.ep):
+        path = facts.expp_path(rank)
+        optimizer = _optimizer_of(load_portable(path, schema.safe_globals(), trust_pickle), path)
+        _check_same_groups(facts, optimizer, path)
+        if rank:
+            _check_same_as_ep_rank0(optimizer, path, optimizers[0], facts.expp_path(0))
+        optimizers.append(optimizer)
+    first = optimizers[0]
+    rest = {key: value for key, value in first.items() if key not in (INNER, "fp32_groups", "state")}
+    inner0 = first.get(INNER, first)
+    rest.update({key: value for key, value in inner0.items() if key != "state"})
+    if any(isinstance(value, TensorRef) for value in refs_in(rest)):
+        raise UnsupportedCheckpoint(facts.expp_path(0), "holds tensors in its optimizer dict beside the parameters' "
+                                                        "states and masters; reshard does not know where they go")
+    entries = tuple(_entries(optimizer, facts.wrapped) for optimizer in optimizers)
+    model = load_portable(facts.model_path(), schema.safe_globals(), trust_pickle)
+    lp_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(facts.precision, "float32")
+    spec = Zero0MoeSpec(
+        stage=0, optimizer="wrapped" if facts.wrapped else "torch", bf16_prefix=False, topology=facts.topology,
+        params=(), groups=(), round_robin=False, param_alignment=1, sub_group_size=0, lp_dtype=lp_dtype, streams=(),
+        experts=ExpertParams(tuple(order is not None for order in facts.orders), facts.num_experts, (), ()),
+        orders=facts.orders, group_lengths=facts.group_lengths, spaces=_spaces(entries, facts.wrapped,
+                                                                               facts.expp_path(0)),
+        entries=entries, wrapped=facts.wrapped, description=facts.describe())
+    return Zero0MoeCheckpoint(facts.save_dir, tag, spec, first, model, other_files=facts.expert_files + facts.other_files,
+                              other_dirs=facts.other_dirs, num_experts=facts.num_experts)
+
+
+def _new_tensor(meta: TensorMeta, slot: tuple) -> NewTensor:
+    _, dtype, shape, requires_grad = meta
+    return NewTensor(slot, _numel(shape), dtype, requires_grad, tuple(shape))
+
+
+def _optimizer_tree(source: Zero0MoeCheckpoint, target: Topology, ep_rank: int) -> dict:
+    """EP rank `ep_rank`'s optimizer dict at `target` as `target_optimizer` builds it from the loaded
+    files, its tensors NewTensor slots: ("optim" | "scalar", buffer, state key), ("master", buffer, "fp32"),
+    buffer the parameter's index in this optimizer."""
+    spec = source.spec
+    first = copy.deepcopy(source.optim_template)
+    inner0 = first.get(INNER, first)
+    places = target_places(spec.orders, spec.group_lengths, spec.topology.ep, target.ep, ep_rank)
+    groups, state, masters = [], {}, [] if spec.wrapped else None
+    index = 0
+    for g, (group, order) in enumerate(zip(inner0["param_groups"], spec.orders)):
+        mine = [(rank, position) for group_of, rank, position in places if group_of == g]
+        new_group = dict(group)
+        if order is not None and group.get("name") == f"ep_size_{spec.topology.ep}":
+            new_group["name"] = f"ep_size_{target.ep}"  # moe/utils.py names it after its process group
+        new_group["params"] = list(range(index, index + len(mine)))
+        groups.append(new_group)
+        if masters is not None:
+            masters.append([])
+        for rank, position in mine:
+            entry, master = spec.entries[rank][g][position]
+            if entry is not None:
+                state[index] = {key: (_new_tensor(meta, ("scalar" if meta[2] == () else "optim", index, key))
+                                      if meta[0] == "tensor" else copy.deepcopy(meta[1])) for key, meta in entry}
+            if masters is not None:
+                masters[g].append(_new_tensor(master, ("master", index, "fp32")))
+            index += 1
+    new_inner = dict(inner0, state=state, param_groups=groups)
+    if not spec.wrapped:
+        return new_inner
+    return dict(first, **{INNER: new_inner, "fp32_groups": masters})
+
+
+def zero0_target_files(source: Zero0MoeCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+    """What target rank `rank` of `plan_zero0_moe` writes: `expp_rank_{rank}` for an EP rank, the
+    model-states file for rank target.ep (the source's tree, its module weights copied from the source
+    file, with EP rank 0's optimizer and the target's dp_world_size, engine.py `_save_moe_checkpoint`)."""
+    if rank < target.ep:
+        return [TargetFile(expp_file_name(rank), {"optimizer": _optimizer_tree(source, target, rank)},
+                           expp_file_name(0))]
+    tree = copy.deepcopy(source.model_template)
+    tree["optimizer"] = _optimizer_tree(source, target, 0)  # engine.py `_common_checkpoint_state`: EP rank 0's
+    tree["dp_world_size"] = target.dp
+    return [TargetFile(MODEL, tree, MODEL)]
+
+
+def zero0_source_slots(source: Zero0MoeCheckpoint, rank: int, trust_pickle: bool = False) -> dict:
+    """{slot: (path, TensorRef)} of source EP rank `rank`'s file, checked to hold what the plan was made
+    from (the pickle worker 0 inspected): the slots `_optimizer_tree` names, by source buffer."""
+    spec = source.spec
+    path = source.optim_path(rank)
+    optimizer = _optimizer_of(load_portable(path, schema.safe_globals(), trust_pickle), path)
+    _check_state_sizes(optimizer, _inner(optimizer, path), path)
+    if (INNER in optimizer) != spec.wrapped or _entries(optimizer, spec.wrapped) != spec.entries[rank]:
+        raise CheckpointError(path, "changed since it was inspected (its optimizer states differ from what the plan "
+                                    "was made from)")
+    inner = optimizer.get(INNER, optimizer)
+    slots, buffer = {}, 0
+    for g, group in enumerate(inner["param_groups"]):
+        for position, index in enumerate(group["params"]):
+            for key, value in (inner["state"].get(index) or {}).items():
+                if isinstance(value, TensorRef):
+                    slots[("scalar" if tuple(value.shape) == () else "optim", buffer, key)] = (path, value)
+            if spec.wrapped:
+                slots[("master", buffer, "fp32")] = (path, optimizer["fp32_groups"][g][position])
+            buffer += 1
+    return slots
+
+
+@dataclass(frozen=True)
+class Zero0Moe:
+    """The target form of a ZeRO-0 MoE save (a reshard.formats.stage_change.ZeroStageTarget): stage 0
+    kept, planned by planning/checkpoint_plan.plan_zero0_moe, its files `zero0_target_files`, its source
+    slots `zero0_source_slots` (the ZeRO partition checks find none at stage 0)."""
+
+    trust_pickle: bool = False
+    stage = 0
+    changed_to = None
+
+    def plan(self, source: Zero0MoeCheckpoint, target: Topology, workers: int, budget_bytes: int,
+             ownership=None):
+        from reshard.planning.checkpoint_plan import plan_zero0_moe
+        return plan_zero0_moe(source.spec, target, workers, budget_bytes, ownership)
+
+    def notes(self, spec) -> list[str]:
+        return ["whole tensors per parameter (no ZeRO partitions), each parameter's states a buffer of their own; "
+                "the model-states file holds EP rank 0's optimizer again"]
+
+    def files(self, source: Zero0MoeCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+        return zero0_target_files(source, target, rank)
+
+    def source_slots(self, source: Zero0MoeCheckpoint, rank: int, found: dict) -> dict:
+        return zero0_source_slots(source, rank, self.trust_pickle)

@@ -46,7 +46,7 @@ from reshard.formats.folded_expert_files import (
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
 from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
 from reshard.jobs.lifecycle import (
     JobOutput,
@@ -197,16 +197,15 @@ class WholeWorld:
             # another number of stages or model ranks: whole tensors, no rounds (the side road, issue 37)
             from reshard.jobs.pipeline_job import run_pipeline_unit
             return run_pipeline_unit
-        if is_zero0_moe(tag_dir):  # whole tensors, no rounds
-            from reshard.jobs.zero0_job import run_zero0_unit
-            return run_zero0_unit
         return None
 
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
-            inspect = inspect_pipeline_columns if is_pipeline(os.path.join(unit.source, unit.tag)) else \
+            tag_dir = os.path.join(unit.source, unit.tag)
+            inspect = inspect_pipeline_columns if is_pipeline(tag_dir) else \
+                inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else \
                 inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
             source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
             stages = []
@@ -227,7 +226,7 @@ class WholeWorld:
                                | set(save_dir_files.manifest_names(carried)))
 
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int:
-        return output_bytes(source, target_dp, target_tp=target.tp)
+        return output_bytes(source, target_dp, target_tp=target.tp, target_ep=target.ep)
 
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start:
         return life.begin(transport, describe)
@@ -321,7 +320,7 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
               placement: Placement) -> CheckpointResult:
-    whole_file_job = placement.whole_file_job(unit, opts)  # ZeRO-0 MoE, pipeline changing pp or tp: no rounds
+    whole_file_job = placement.whole_file_job(unit, opts)  # a pipeline changing tp: no rounds
     if whole_file_job is not None:
         return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()

@@ -20,6 +20,7 @@ from reshard.errors import OptionError, ReshardError
 from reshard.formats.deepspeed_client_state import differing_client_state
 from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
 from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_zero0_moe import Zero0Moe, Zero0MoeCheckpoint
 from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.jobs.manifest import Manifest
 from reshard.jobs.options import ReshardOptions
@@ -125,12 +126,26 @@ class CheckpointTarget:
 
 def checkpoint_target(opts: ReshardOptions, source: SourceCheckpoint) -> CheckpointTarget:
     """The stage change refused where it does not apply (naming the tag directory), then the topology."""
+    if isinstance(source, Zero0MoeCheckpoint):
+        return CheckpointTarget(zero0_target_topology(opts, source), Zero0Moe(trust_pickle=opts.trust_pickle))
     if is_stage_change(source.spec, opts.target_stage):
         check_stage_change(source.spec, opts.target_stage, source.tag_dir)
     return CheckpointTarget(target_topology(opts, source), zero_stage_target(source.spec, opts.target_stage))
 
 
-def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) -> int:
+def zero0_target_topology(opts: ReshardOptions, source: Zero0MoeCheckpoint) -> Topology:
+    """A ZeRO-0 MoE save's target: only its dp and ep change (refused by name otherwise)."""
+    model = source.model_path()
+    if opts.target_stage not in (None, 0):
+        raise OptionError(f"{model}: --target-stage {opts.target_stage}: changing the ZeRO stage of a ZeRO-0 MoE "
+                          "checkpoint is not supported")
+    if opts.target_tp not in (None, 1):
+        raise OptionError(f"{model}: --target-tp {opts.target_tp}: a ZeRO-0 MoE checkpoint has no tensor-parallel "
+                          "metadata; only its dp and ep change")
+    return target_topology(opts, source)
+
+
+def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, target_ep: int = 1) -> int:
     """About how many bytes the target files of `source` resharded for `target_dp` (x `target_tp`)
     ranks take on disk: partitioned bytes are conserved (replicated TP parameters aside), each
     target file adds one pickle structure, every file occupies whole blocks, and DeepSpeed's
@@ -144,6 +159,14 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) 
     def blocks(nbytes: int) -> int:
         return -(-nbytes // block) * block
 
+    if spec.stage == 0:  # ZeRO-0 MoE: per target EP rank its dense and local experts' states, at most EP rank
+        # 0's file times how many source ranks' experts it takes; the model-states file with them once more
+        optim0 = os.path.getsize(source.optim_path(0)) * -(-spec.topology.ep // target_ep)
+        n = len(source.other_files)
+        return ((target_ep + 1) * blocks(optim0) + blocks(os.path.getsize(source.model_path(0)))
+                + sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
+                + sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
+                + blocks(1024 + 200 * (target_ep + 1 + n)) + 2 * block)
     optim = [os.path.getsize(source.optim_path(r)) for r in range(n)]
     structure = max(optim[0] - sum(optim) // n, 0)  # one optim file's pickle, counters, ...
     total = target_dp * blocks(sum(optim) // target_dp + structure)

@@ -26,7 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from reshard.layouts.expert_placement import ExpertPlacement
+from reshard.layouts.zero import PieceTable, Stream, table_from_columns
 
 Shape = tuple[int, ...]
 
@@ -132,3 +135,78 @@ def solve_per_expert_counts(shapes: Sequence[Shape | None], layer_shapes: Sequen
         raise ValueError(f"its {total} parameters split into MoE layers in more than one way "
                          f"({list(solutions[0])} or {list(solutions[1])} per expert per layer)")
     return solutions[0]
+
+
+@dataclass(frozen=True)
+class Zero0Space:
+    """One space of a ZeRO-0 MoE save: the tensors kept per parameter that move together."""
+
+    name: str
+    """"optim" (per-element optimizer states), "scalar" (0-d states: torch's `step`) or "master"
+    (FP16_UnfusedOptimizer's fp32 copy of every parameter, `fp32_groups`)."""
+    streams: tuple[Stream, ...]
+    """One per tensor kept per parameter in this space, by its state key ("fp32" for masters)."""
+    numels: tuple[tuple[tuple[int, ...], ...], ...]
+    """[source EP rank][param group][position]: elements of that parameter here (0: it has none)."""
+
+
+def target_places(orders: Sequence[GroupOrder | None], group_lengths: Sequence[int], source_ep: int, target_ep: int,
+                  target_rank: int) -> list[tuple[int, int, int]]:
+    """Every parameter of target EP rank `target_rank`'s optimizer, in its order (param group by
+    param group): (group, source EP rank, position in that group on the source rank). A dense group
+    is EP rank 0's list (every EP rank holds the same dense parameters, each with the state of the
+    same data-parallel step: engine.py `_save_moe_checkpoint` keeps EP rank 0's in the model file)."""
+    places = []
+    for g, (order, length) in enumerate(zip(orders, group_lengths)):
+        if order is None:
+            places += [(g, 0, p) for p in range(length)]
+        else:
+            places += [(g, rank, p) for rank, p in order.sources(source_ep, target_ep, target_rank)]
+    return places
+
+
+def zero0_pieces(numels: Sequence[Sequence[Sequence[int]]], orders: Sequence[GroupOrder | None],
+                 group_lengths: Sequence[int], source_ep: int, target_ep: int
+                 ) -> tuple[PieceTable, PieceTable, tuple[int, ...]]:
+    """(source pieces, target pieces, per target buffer its most elements) of one space of a ZeRO-0
+    MoE save resharded from `source_ep` to `target_ep` EP ranks (docs/architecture.md, "One road").
+
+        old, new, sizes = zero0_pieces(numels, orders, lengths, source_ep=2, target_ep=1)
+        plan_space("optim", old, new, streams, sizes, Ownership(2, 2, workers), budget)
+
+    `numels[e][g][p]`: the elements parameter p of param group g on source EP rank e has in this space
+    (0: none, a parameter with no optimizer state yet). Each parameter of a rank's optimizer is one
+    buffer of its own, numbered in the optimizer's order over every group (its index in the torch
+    state_dict), whole at offset 0: nothing is partitioned at stage 0. Target ranks 0 .. target_ep - 1
+    are the `expp_rank_{e}` files; rank `target_ep` is the model-states file's copy of EP rank 0's
+    optimizer (engine.py `_common_checkpoint_state`), so each of its pieces is a replicated piece of
+    rank 0's. The space is every target buffer in order, each followed by its copies on the other
+    target ranks, so that a dense parameter's copies (one per target rank, all read from source EP
+    rank 0) fall at one buffer position and are read once per round (transport/read_once.py)."""
+    group_base = [0]
+    for length in group_lengths:
+        group_base.append(group_base[-1] + length)
+    ranks = target_ep + 1
+    places = [target_places(orders, group_lengths, source_ep, target_ep, t if t < target_ep else 0)
+              for t in range(ranks)]
+    count = len(places[0])
+    sizes = [0] * count
+    start, src_rank, src_buffer, dst_rank, dst_buffer = [], [], [], [], []
+    total = 0
+    for buffer in range(count):
+        for t in range(ranks):
+            g, rank, position = places[t][buffer]
+            n = int(numels[rank][g][position])
+            if n == 0:
+                continue
+            start.append(total)
+            src_rank.append(rank)
+            src_buffer.append(group_base[g] + position)
+            dst_rank.append(t)
+            dst_buffer.append(buffer)
+            sizes[buffer] = max(sizes[buffer], n)
+            total += n
+    start, zeros = np.asarray(start, np.int64), np.zeros(len(start), np.int64)
+    old = table_from_columns([(start, np.asarray(src_rank, np.int64), np.asarray(src_buffer, np.int64), zeros)], total)
+    new = table_from_columns([(start, np.asarray(dst_rank, np.int64), np.asarray(dst_buffer, np.int64), zeros)], total)
+    return old, new, tuple(sizes)

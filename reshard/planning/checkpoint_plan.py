@@ -34,6 +34,7 @@ from reshard.layouts.tensor_pieces import (
     zero3_frozen_pieces,
     zero12_pieces,
 )
+from reshard.layouts.zero0_expert_groups import zero0_pieces
 from reshard.topology import Topology
 
 
@@ -248,3 +249,20 @@ def pipeline_stage_change_pieces(source_columns, target_columns, source: Topolog
         ranks = np.array([target.rank_of(d, model, stage) for d in range(target.dp)], dtype=np.int64)
         target_pieces.append((pieces.start + target_bases[column], ranks[pieces.rank], pieces.buffer, pieces.offset))
     return table_from_columns(columns, total), table_from_columns(target_pieces, total)
+
+
+def plan_zero0_moe(spec, target: Topology, workers: int, budget_bytes: int,
+                   ownership: Ownership | None = None) -> ReshardPlan:
+    """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec) at `target`'s ep: one space per
+    kind of per-parameter tensor (`spec.spaces`: states, 0-d states, fp32 masters), each parameter a
+    whole buffer (layouts/zero0_expert_groups.zero0_pieces). Source ranks are the source's EP ranks
+    (their `expp_rank_{e}` files), target ranks the target's plus one for the model-states file's copy
+    of EP rank 0's optimizer; dp does not place anything at stage 0."""
+    ownership = ownership or Ownership(spec.topology.ep, target.ep + 1, workers)
+    spaces, offset = [], 0
+    for space in spec.spaces:
+        old, new, sizes = zero0_pieces(space.numels, spec.orders, spec.group_lengths, spec.topology.ep, target.ep)
+        spaces.append(plan_space(space.name, old, new, space.streams, sizes, ownership, budget_bytes,
+                                 round_offset=offset))
+        offset += spaces[-1].rounds
+    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
