@@ -309,7 +309,7 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict, node_local: bool = Fals
         if role.kind == "expert" and (schema.expert_file_mp_rank(name) or 0) > 0:
             continue  # refused by _refuse_tensor_and_expert_parallel, which reads the model file first
         if role.kind == "expert" and not schema.expert_file_index(name):
-            if name.startswith("expp_rank_"):  # reshard.jobs.zero0_job reshards these, offline only
+            if name.startswith("expp_rank_"):  # deepspeed_zero0_moe's own inspection takes them (collective job)
                 raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is the expert optimizer file of a ZeRO-0 "
                                                                          "MoE checkpoint; the offline job and "
                                                                          "reshard.deepspeed.load_checkpoint reshard it, "

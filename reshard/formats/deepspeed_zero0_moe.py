@@ -1,9 +1,11 @@
-"""A native DeepSpeed MoE checkpoint saved without ZeRO (stage 0): read it, write it for another ep.
+"""A native DeepSpeed MoE checkpoint saved without ZeRO (stage 0): read it, lower it for another ep.
 
-    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe, write_target_files
-    source = inspect_zero0_moe("/ckpt/run1/global_step3")     # pickles only
-    source.topology, source.orders                            # Topology(dp=2, ep=2), per-group orders
-    write_target_files(source, Topology(dp=2, ep=1), staging_dir, ["expp_rank_0_mp_rank_00_optim_states.pt"])
+    python -m reshard SRC DST --target-dp 4 --target-ep 1      # the collective job, through the planner
+
+    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe, inspect_zero0_moe_checkpoint
+    facts = inspect_zero0_moe("/ckpt/run1", "global_step3")   # pickles only: Topology(dp=2, ep=2), orders
+    source = inspect_zero0_moe_checkpoint("/ckpt/run1", "global_step3")   # what the collective job plans
+    Zero0Moe().files(source, Topology(dp=2, ep=1), rank=0)    # expp_rank_0's tree, NewTensor slots
 
 What DeepSpeed 0.19.8 writes at stage 0 (runtime/engine.py `_save_moe_checkpoint`, CPU-checked
 with a client torch.optim.AdamW in fp32 and FP16_UnfusedOptimizer in bf16):
@@ -22,7 +24,9 @@ The state_dict is torch's: `state` {param index: {step, exp_avg, ...}} and `para
 whose `params` list the indices group by group; FP16_UnfusedOptimizer wraps it as
 `optimizer_state_dict` beside `fp32_groups` (one fp32 master per parameter) and its loss-scale
 scalars. Whole tensors per parameter, nothing partitioned: the target's files are the source's
-tensors regrouped (reshard.layouts.zero0_expert_groups), saved with torch.save.
+tensors regrouped (reshard.layouts.zero0_expert_groups). The collective job moves them through the
+planner and execute() like every other layout ("on the main road" below); the in-job load
+(reshard.deepspeed) builds each rank's dict in memory (`target_optimizers`).
 """
 from __future__ import annotations
 
@@ -34,7 +38,6 @@ from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.layouts.expert_placement import ExpertPlacement
-from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
@@ -375,38 +378,6 @@ def target_optimizers(source: Zero0MoeSource, target: Topology, ep_ranks, *, tru
     """{EP rank: its optimizer dict at `target`} for the given target EP ranks (in-job loads)."""
     sources = _SourceOptimizers(source, trust_pickle)
     return {e: sources.target(target, e) for e in ep_ranks}
-
-
-def write_target_files(source: Zero0MoeSource, target: Topology, tag_dir: str, names: list[str], *,
-                       trust_pickle: bool = False) -> tuple[list[str], list[str]]:
-    """Write the named target files (expp_rank_* of `target`, and the model-states file) into
-    `tag_dir`. Reads only the source files they draw on, memory-mapped. Returns the paths
-    written and the source paths read."""
-    sources = _SourceOptimizers(source, trust_pickle)
-    read = sources.read
-    optimizer_of = functools.partial(sources.target, target)
-    paths = []
-    for name in names:
-        path = os.path.join(tag_dir, name)
-        if name == MODEL:
-            tree = _load(source.model_path(), trust_pickle)
-            read.append(source.model_path())
-            tree["optimizer"] = optimizer_of(0)  # engine.py `_common_checkpoint_state`: dp rank 0's, EP rank 0's
-            tree["dp_world_size"] = target.dp
-        else:
-            match = _EXPP_RE.match(name)
-            if not match:
-                raise ValueError(f"{name} is not a ZeRO-0 MoE target file")
-            tree = {"optimizer": optimizer_of(int(match[1]))}
-        import torch
-        torch.save(tree, path, pickle_module=classes)
-        paths.append(path)
-    return paths, read
-
-
-def target_file_names(target: Topology) -> list[str]:
-    """Every file reshard writes for `target` (the expert files are copied as they are)."""
-    return [MODEL] + [expp_file_name(e) for e in range(target.ep)]
 
 
 # --- on the main road: the planner and execute() (docs/architecture.md, "One road") -------------------

@@ -16,8 +16,7 @@ the job checks the budget instead: before anything is written, worker 0 estimate
 peak (`whole_tensor_bytes`) and refuses a --memory-budget that cannot hold it (a dry run prints the
 plan with that verdict instead). Worker 0 inspects the source and checks the options here (the
 batch config too, as for ZeRO saves); the rest (lock, staging, journal, each worker's stages,
-manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job, shared with
-reshard.jobs.zero0_job.
+manifest, publish, clean-up on failure) is the lifecycle in reshard.jobs.whole_file_job.
 
 With a model axis (PipeModelDataParallelTopology, tp > 1) every model rank's column of stages is a
 pipeline of its own (reshard.formats.deepspeed_pipeline): the work units are the (stage, model rank)

@@ -1,7 +1,6 @@
-"""Whole-file reshard jobs on the one lifecycle (reshard.jobs.lifecycle), shared by zero0_job and pipeline_job.
+"""Whole-file reshard jobs on the one lifecycle (reshard.jobs.lifecycle), used by pipeline_job.
 
-    python -m reshard SRC DST --target-dp 4 --target-ep 1   # a ZeRO-0 MoE save: zero0_job runs this
-    python -m reshard SRC DST --target-dp 3                 # a PipelineModule save: pipeline_job runs this
+    python -m reshard SRC DST --target-dp 3 --target-tp 1   # a PipelineModule save changing tp: pipeline_job runs this
 
 Jobs whose target files are each built whole by one worker (no rounds, no exchange) run the
 lifecycle every job runs; only which files a worker builds and how, and what the manifest says
