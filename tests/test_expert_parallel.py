@@ -317,6 +317,9 @@ MOE_NEEDS = {
     "test_zero0_moe_round_trip_and_dry_run": (("moe_z0_fp32", 2, 2),),
     "test_moe_universal_oracle_at_another_dp": (("moe_z1_fp32", 1, 2),),
     "test_zero0_moe_output_bytes_are_pinned": (("moe_z0_fp32", 2, 2), ("moe_z0_bf16", 1, 2)),
+    "test_zero0_moe_by_rounds_within_a_budget_reads_each_source_byte_once": (("moe_z0_fp32", 2, 2),
+                                                                             ("moe_z0_bf16", 1, 2)),
+    "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -896,6 +899,84 @@ def test_zero0_moe_output_bytes_are_pinned(moe_trained, tmp_path, name):
         f"{source_key} trained to other values here than where the pins were recorded (truth digest {digest}): "
         "the pins cannot judge this output")
     assert tree_hashes(out) == pinned[name]
+
+
+ZERO0_BUDGET = 4096
+# (pinned case, target dp, ep, workers): each pin resharded again with another worker count, in rounds
+ZERO0_BUDGET_CASES = [("moe_z0_fp32-ep2w2-to-ep1-dp2", 2, 1, 2), ("moe_z0_fp32-ep2w2-to-ep4-dp4", 4, 4, 3),
+                      ("moe_z0_bf16-ep1w2-to-ep2-dp2", 2, 2, 1)]
+
+
+def _zero0_state_bytes(source, target_ep: int) -> int:
+    """Bytes of the source's optimizer tensors the target draws on, each counted once: every tensor of
+    EP rank 0's file (its dense groups serve every target EP rank), and the expert groups' tensors of the
+    other EP ranks' files (each expert goes to one target EP rank), fp32 masters included. From the
+    files by torch.load, not from reshard's lowering."""
+    total = 0
+    for path in sorted((source / "global_step3").glob("expp_rank_*_mp_rank_00_optim_states.pt")):
+        rank = int(path.name.split("_")[2])
+        optimizer = _load_tree(path)["optimizer"]
+        inner = optimizer.get("optimizer_state_dict", optimizer)
+        for g, group in enumerate(inner["param_groups"]):
+            if rank and not group.get("moe"):
+                continue  # a dense group: EP rank 0's copy is the one read
+            for position, index in enumerate(group["params"]):
+                tensors = [v for v in inner["state"].get(index, {}).values() if torch.is_tensor(v)]
+                if "fp32_groups" in optimizer:
+                    tensors.append(optimizer["fp32_groups"][g][position])
+                total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name,dp,ep,workers", ZERO0_BUDGET_CASES, ids=[c[0] for c in ZERO0_BUDGET_CASES])
+def test_zero0_moe_by_rounds_within_a_budget_reads_each_source_byte_once(moe_trained, tmp_path, name, dp, ep,
+                                                                         workers):
+    """A ZeRO-0 MoE reshard under a 4 KiB budget (the whole-file job it replaces took every tensor whole,
+    budget unchecked): many rounds, none moving more than the budget, every source byte the target
+    draws on read once (a dense parameter's states serve every target EP rank and the model-states
+    file's copy of EP rank 0's optimizer, read once for all), and the pinned bytes."""
+    from test_pipeline_pinned import tree_hashes
+    from trained import reshard_in_threads
+    _, pinned = _zero0_pins()
+    source_key, [(_, _, _)] = ZERO0_PINNED_CASES[name]
+    source, _ = moe_trained(*source_key)
+    optim_files = list((source / "global_step3").glob("expp_rank_*"))
+    assert min(p.stat().st_size for p in optim_files) > 4 * ZERO0_BUDGET
+    out = tmp_path / "out"
+    result = reshard_in_threads(source, out, dp, workers, target_ep=ep, memory_budget=ZERO0_BUDGET)
+    [checkpoint] = result.checkpoints
+    plan = checkpoint.plan
+    assert plan is not None, "took a whole-file job, not the rounds"
+    assert plan.rounds > 4 and max(plan.round_bytes()) <= ZERO0_BUDGET, (plan.rounds, max(plan.round_bytes()))
+    carried = sum(p.stat().st_size for p in (source / "global_step3").glob("layer_*"))  # copied whole, read once
+    assert checkpoint.bytes_read - carried == _zero0_state_bytes(source, ep)
+    assert tree_hashes(out) == pinned[name]
+
+
+@pytest.mark.e2e
+def test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes(moe_trained, tmp_path):
+    """ep 2 -> 1 by `torchrun -m reshard` (2 workers) under a 4 KiB budget, killed in round 3 (SIGKILL,
+    the journal durable every 1 KiB), run again: it resumes and publishes the pinned bytes. The
+    whole-file job it replaces had no resume: a run started over."""
+    from reshard_proof.launch import TorchrunError
+    from test_pipeline_pinned import tree_hashes
+    from trained import reshard_with_torchrun
+
+    from reshard.jobs.destination import STAGING
+    from reshard.jobs.manifest import JOURNAL_NAME
+    _, pinned = _zero0_pins()
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    out = tmp_path / "out"
+    args = ("--target-ep", "1", "--memory-budget", "4K", "--durable-every", "1K")
+    with pytest.raises(TorchrunError):
+        reshard_with_torchrun(source, out, 2, 2, *args, env={"RESHARD_FAILPOINTS": "kill@round=3"})
+    journals = list((out / STAGING).glob(f"*/{JOURNAL_NAME}"))
+    assert len(journals) == 1 and not (out / "latest").exists()
+    done = reshard_with_torchrun(source, out, 2, 2, *args)
+    assert "resuming an interrupted" in done.stdout + done.stderr, done.stdout
+    assert tree_hashes(out) == pinned["moe_z0_fp32-ep2w2-to-ep1-dp2"]
+    assert not (out / STAGING).exists()
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:

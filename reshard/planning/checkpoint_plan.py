@@ -262,7 +262,9 @@ def plan_zero0_moe(spec, target: Topology, workers: int, budget_bytes: int,
     spaces, offset = [], 0
     for space in spec.spaces:
         old, new, sizes = zero0_pieces(space.numels, spec.orders, spec.group_lengths, spec.topology.ep, target.ep)
+        # a dense parameter's states go from one reader to every target rank at one buffer position:
+        # windows sized for that reader's sends keep its copies in one round, so they are read once
         spaces.append(plan_space(space.name, old, new, space.streams, sizes, ownership, budget_bytes,
-                                 round_offset=offset))
+                                 round_offset=offset, receiving_ranks=target.ep + 1))
         offset += spaces[-1].rounds
     return ReshardPlan(ownership, tuple(spaces), budget_bytes)
