@@ -250,6 +250,67 @@ def test_zero0_group_order_moves_each_parameter_to_its_experts_place(counts, sou
     assert seen == set(source)  # every source parameter lands exactly once
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=2), st.integers(0, 3), st.sampled_from([1, 2, 4]),
+       st.sampled_from([1, 2, 4]), st.integers(1, 3), st.data())
+def test_zero0_pieces_move_each_parameter_to_its_place_in_every_target_file(counts, dense, source_ep, target_ep,
+                                                                          workers, data):
+    """The lowering of a ZeRO-0 MoE save (layouts/zero0_expert_groups.zero0_pieces, one buffer per
+    parameter): a dense group and an expert group of random per-expert counts, each parameter of random
+    size (0: no optimizer state), every source buffer filled with its own values, `plan.intersect`'s
+    segments run as copies. Each target EP rank's buffer b holds the source parameter `GroupOrder`
+    places there (the model-states file's rank, EP rank 0's), dense parameters from source EP rank 0;
+    each element is read once per target copy (dense: every target rank and the model file; an
+    expert: its one rank, and the model file's when that is rank 0). plan_zero0_moe keeps its budget."""
+    from types import SimpleNamespace
+
+    from reshard.layouts.zero0_expert_groups import GroupOrder, Zero0Space, target_places, zero0_pieces
+    from reshard.planning.checkpoint_plan import plan_zero0_moe
+    from reshard.planning.plan import intersect
+    order = GroupOrder(tuple(counts), (4,) * len(counts))
+    orders, lengths = (None, order), (dense, order.length(source_ep))
+    numels = tuple(tuple(tuple(data.draw(st.integers(0, 5)) for _ in range(length)) for length in lengths)
+                   for _ in range(source_ep))
+    held = {(e, g * lengths[0] + p if g else p): 1000.0 * (e + 1) + 100 * g + 10 * p + np.arange(n) / 10
+            for e in range(source_ep) for g in range(2) for p, n in enumerate(numels[e][g])}
+    old, new, sizes = zero0_pieces(numels, orders, lengths, source_ep, target_ep)
+    segments = intersect(old, new)
+    moved, reads = {}, {key: np.zeros(len(v), dtype=np.int64) for key, v in held.items()}
+    for src_rank, src_buffer, src_offset, dst_rank, dst_buffer, dst_offset, length in zip(
+            segments.src_rank, segments.src_buffer, segments.src_offset, segments.dst_rank, segments.dst_buffer,
+            segments.dst_offset, segments.length):
+        source = held[int(src_rank), int(src_buffer)]
+        target = moved.setdefault((int(dst_rank), int(dst_buffer)), np.full(sizes[dst_buffer], np.nan))
+        target[dst_offset:dst_offset + length] = source[src_offset:src_offset + length]
+        reads[int(src_rank), int(src_buffer)][src_offset:src_offset + length] += 1
+    wanted_reads = {key: 0 for key in held}
+    for rank in range(target_ep + 1):
+        for buffer, (g, e, p) in enumerate(target_places(orders, lengths, source_ep, target_ep,
+                                                         rank if rank < target_ep else 0)):
+            key = (e, g * lengths[0] + p if g else p)
+            if numels[e][g][p] == 0:
+                assert (rank, buffer) not in moved
+                continue
+            np.testing.assert_array_equal(moved[rank, buffer][:numels[e][g][p]], held[key])
+            wanted_reads[key] += 1
+            if g:
+                assert ExpertPlacement(4, target_ep).ep_rank_of(order.entries(source_ep, e)[p][1]) == \
+                    (rank if rank < target_ep else 0)
+    for (e, buffer), count in wanted_reads.items():
+        if buffer < lengths[0]:  # dense: from EP rank 0 into every target rank and the model file
+            expected = target_ep + 1 if e == 0 else 0
+        else:  # an expert: into its target rank, and the model file too when that is rank 0
+            expert = order.entries(source_ep, e)[buffer - lengths[0]][1]
+            expected = 2 if ExpertPlacement(4, target_ep).ep_rank_of(expert) == 0 else 1
+        if len(held[e, buffer]):
+            assert count == expected, (e, buffer)
+        assert (reads[e, buffer] == expected).all(), (e, buffer)
+    spec = SimpleNamespace(topology=Topology(dp=4, ep=source_ep), orders=orders, group_lengths=lengths,
+                           spaces=(Zero0Space("optim", (Stream("exp_avg", "float32", 4),), numels),))
+    plan = plan_zero0_moe(spec, Topology(dp=4, ep=target_ep), workers, budget_bytes=256)
+    assert plan.ownership.target_ranks == target_ep + 1 and max(plan.round_bytes(), default=0) <= 256
+
+
 def test_file_shares_split_whole_files_over_workers():
     from reshard.planning.file_shares import file_shares
     sizes = {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt": 1000 + e for layer in range(2) for e in range(8)}
