@@ -381,6 +381,7 @@ MOE_NEEDS = {
     "test_zero0_moe_by_rounds_within_a_budget_reads_each_source_byte_once": (("moe_z0_fp32", 2, 2),
                                                                              ("moe_z0_bf16", 1, 2)),
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
+    "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1038,6 +1039,29 @@ def test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes(
     assert "resuming an interrupted" in done.stdout + done.stderr, done.stdout
     assert tree_hashes(out) == pinned["moe_z0_fp32-ep2w2-to-ep1-dp2"]
     assert not (out / STAGING).exists()
+
+
+@pytest.mark.e2e
+def test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file(moe_trained, tmp_path):
+    """One stream per state key carries every parameter's states: a parameter of EP rank 1 whose state
+    lacks `exp_avg_sq` (crafted) is refused before anything is written, naming that file; the source is
+    left as it was. (The whole-file job copied such a state dict into the target as it was.)"""
+    from test_pipeline_pinned import tree_hashes
+
+    from reshard.jobs.collective_job import reshard_checkpoint
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    path = broken / "global_step3" / "expp_rank_1_mp_rank_00_optim_states.pt"
+    tree = torch.load(path, weights_only=True)
+    state = tree["optimizer"]["state"]
+    del state[next(iter(state))]["exp_avg_sq"]
+    torch.save(tree, path)
+    before = tree_hashes(broken)
+    with pytest.raises(UnsupportedCheckpoint, match="needs the same states for every parameter") as error:
+        reshard_checkpoint(str(broken), str(tmp_path / "out"), 2, target_ep=1, quiet=True)
+    assert str(path) in str(error.value)
+    assert not (tmp_path / "out").exists() and tree_hashes(broken) == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:

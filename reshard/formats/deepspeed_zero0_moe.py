@@ -464,12 +464,12 @@ def _numel(shape) -> int:
     return functools.reduce(lambda a, b: a * b, shape, 1)
 
 
-def _spaces(entries: tuple, wrapped: bool, path0: str) -> tuple[Zero0Space, ...]:
-    """The spaces of a save from its entries; refused (naming EP rank 0's file) where the parameters'
-    states differ in their keys or dtypes, which one stream per key cannot carry."""
+def _spaces(entries: tuple, wrapped: bool, paths: list[str]) -> tuple[Zero0Space, ...]:
+    """The spaces of a save from its entries (`paths`: each EP rank's file); refused, naming the file,
+    where the parameters' states differ in their keys or dtypes, which one stream per key cannot carry."""
     from reshard.formats.deepspeed_spec import itemsize
     kinds: dict[str, dict[str, str]] = {"optim": {}, "scalar": {}}
-    for rank in entries:
+    for rank, path in zip(entries, paths):
         for row in rank:
             for state, _ in row:
                 for key, meta in state or ():
@@ -477,36 +477,40 @@ def _spaces(entries: tuple, wrapped: bool, path0: str) -> tuple[Zero0Space, ...]
                         continue
                     space = kinds["scalar" if meta[2] == () else "optim"]
                     if space.setdefault(key, meta[1]) != meta[1]:
-                        raise UnsupportedCheckpoint(path0, f"optimizer state {key!r} is {meta[1]} for one parameter and "
-                                                           f"{space[key]} for another; reshard needs one dtype per state")
+                        raise UnsupportedCheckpoint(path, f"optimizer state {key!r} is {meta[1]} for one parameter and "
+                                                          f"{space[key]} for another; reshard needs one dtype per state")
     spaces = []
     for name, keys in kinds.items():
         if not keys:
             continue
         numels = []
-        for rank in entries:
-            numels.append(tuple(tuple(_state_numel(state, keys, name == "scalar", path0) for state, _ in row)
+        for rank, path in zip(entries, paths):
+            numels.append(tuple(tuple(_state_numel(state, keys, name == "scalar", path) for state, _ in row)
                                 for row in rank))
         streams = tuple(Stream(key, dtype, itemsize(dtype)) for key, dtype in keys.items())
         spaces.append(Zero0Space(name, streams, tuple(numels)))
     if wrapped:
-        dtypes = {meta[1] for rank in entries for row in rank for _, meta in row}
-        if len(dtypes) != 1:
-            raise UnsupportedCheckpoint(path0, f"holds fp32 masters of dtypes {sorted(dtypes)}; one is expected")
-        dtype = dtypes.pop()
+        dtype = None
+        for rank, path in zip(entries, paths):
+            dtypes = {meta[1] for row in rank for _, meta in row} | ({dtype} if dtype else set())
+            if len(dtypes) > 1:
+                raise UnsupportedCheckpoint(path, f"holds fp32 masters of dtypes {sorted(dtypes)} (with EP rank "
+                                                  "0's); one is expected")
+            dtype = next(iter(dtypes), dtype)
         spaces.append(Zero0Space("master", (Stream("fp32", dtype, itemsize(dtype)),),
                                  tuple(tuple(tuple(_numel(meta[2]) for _, meta in row) for row in rank)
                                        for rank in entries)))
     return tuple(spaces)
 
 
-def _state_numel(state, keys: dict, scalar: bool, path0: str) -> int:
+def _state_numel(state, keys: dict, scalar: bool, path: str) -> int:
     if state is None:
         return 0
     tensors = {key: meta for key, meta in state if meta[0] == "tensor" and (meta[2] == ()) == scalar}
     if set(tensors) != set(keys):
-        raise UnsupportedCheckpoint(path0, f"a parameter's optimizer state holds tensors {sorted(tensors)}, another's "
-                                           f"{sorted(keys)}; reshard needs the same states for every parameter")
+        raise UnsupportedCheckpoint(path, f"a parameter's optimizer state holds tensors {sorted(tensors)}, another's "
+                                          f"{sorted(keys)}; reshard needs the same states for every parameter "
+                                          "(or none, before its first step)")
     return 1 if scalar else _numel(next(iter(tensors.values()))[2])
 
 
@@ -538,8 +542,8 @@ def inspect_zero0_moe_checkpoint(save_dir: str, tag: str, *, trust_pickle: bool 
         stage=0, optimizer="wrapped" if facts.wrapped else "torch", bf16_prefix=False, topology=facts.topology,
         params=(), groups=(), round_robin=False, param_alignment=1, sub_group_size=0, lp_dtype=lp_dtype, streams=(),
         experts=ExpertParams(tuple(order is not None for order in facts.orders), facts.num_experts, (), ()),
-        orders=facts.orders, group_lengths=facts.group_lengths, spaces=_spaces(entries, facts.wrapped,
-                                                                               facts.expp_path(0)),
+        orders=facts.orders, group_lengths=facts.group_lengths,
+        spaces=_spaces(entries, facts.wrapped, [facts.expp_path(rank) for rank in range(facts.topology.ep)]),
         entries=entries, wrapped=facts.wrapped, description=facts.describe())
     return Zero0MoeCheckpoint(facts.save_dir, tag, spec, first, model, other_files=facts.expert_files + facts.other_files,
                               other_dirs=facts.other_dirs, num_experts=facts.num_experts)
