@@ -138,9 +138,9 @@ def loss_scaler_state(optimizer_state: dict) -> dict | None:
     DeepSpeed grows the scale on an update when the clean updates before it since the last overflow,
     `c = cur_iter - last_overflow_iter - 1`, are a positive multiple of `scale_window`; GradScaler grows
     on the step where `_growth_tracker + 1` reaches `growth_interval`. So `_growth_tracker` is
-    `(c - 1) mod scale_window`, and the next growth comes on the same step, except right after an overflow
-    (c = 0): `_growth_tracker` is then 0 and GradScaler grows one step before DeepSpeed would, as it always
-    does after a backoff. DeepSpeed's hysteresis (`delayed_shift` > 1:
+    `(c - 1) mod scale_window`, and the next growth comes on the same step, except where no clean update
+    came yet since the start or the last overflow (c = 0): `_growth_tracker` is then 0 and GradScaler grows
+    one step before DeepSpeed would, as it always does after a backoff (tests/test_loss_scaler_state.py). DeepSpeed's hysteresis (`delayed_shift` > 1:
     overflows tolerated before backing off) and `min_scale` have no GradScaler counterpart."""
     scaler = (optimizer_state or {}).get("loss_scaler")
     if scaler is None:
