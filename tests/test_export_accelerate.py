@@ -9,12 +9,14 @@ a few rows under a 4 kB budget. Then the Trainer with FSDP2 (Accelerate's plugin
 on 2 CPU ranks runs `trainer.train(resume_from_checkpoint=OUT)` from another seed
 (tests/entry/hf_fsdp2.py): before its first step every parameter, exp_avg and exp_avg_sq equals the
 DeepSpeed engine's truth element by element, every Adam step is 3, the global step and learning
-rate continue, and the run reaches step 6 and saves. That run's own FSDP2 save is then the format's
-reference: the export's two `.metadata` name the same keys, sizes and dtypes as Accelerate's.
+rate continue, and the run reaches step 6 and saves, logging at steps 4-6 the losses the DeepSpeed run
+logged. That run's own FSDP2 save is then the format's reference: the export's two `.metadata` name
+the same keys, sizes and dtypes as Accelerate's.
 One launch (the resume) and one export process; refusals run in this process.
 """
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import subprocess
@@ -141,3 +143,20 @@ def test_layout_is_refused_with_another_format(hf_trained, tmp_path):
                                 "safetensors", "--layout", "accelerate")
     assert result.returncode == 2 and "--layout applies to --format dcp only" in result.stdout + result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _logged_losses(checkpoint) -> dict:
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def test_the_next_logged_losses_are_deepspeeds(hf_trained, fsdp2_resume):
+    """Steps 4-6 of the FSDP2 run log the losses the DeepSpeed run logged, to the bit: the same parameters
+    and Adam state (above), the same batches (the Trainer skips the 3 it saw, from data_seed), and a
+    gradient mean over 2 ranks, which is the same sum however the reduction is scheduled."""
+    deepspeed = _logged_losses(hf_trained("z2") / "checkpoint-6")
+    fsdp2 = _logged_losses(fsdp2_resume["resumed"] / "checkpoint-6")
+    print(f"\nlogged losses, DeepSpeed: {deepspeed}\n               FSDP2 resumed: {fsdp2}")
+    assert sorted(deepspeed) == [1, 2, 3, 4, 5, 6] and sorted(fsdp2) == [1, 2, 3, 4, 5, 6]
+    assert all(fsdp2[step] == deepspeed[step] for step in (1, 2, 3))  # carried in trainer_state.json
+    assert [fsdp2[step] for step in (4, 5, 6)] == [deepspeed[step] for step in (4, 5, 6)]

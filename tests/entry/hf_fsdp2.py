@@ -46,7 +46,7 @@ def make_trainer(out: str, seed: int, callbacks):
         fsdp_config={"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True},
         per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
         save_strategy="steps", learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
-        logging_strategy="no", report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
+        logging_strategy="steps", logging_steps=1, report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
         dataloader_num_workers=0, save_only_model=False)
     return CpuFsdpTrainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
 
