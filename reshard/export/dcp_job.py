@@ -29,6 +29,12 @@ Steps, and which workers run them (the skeleton of every export, `reshard.export
    are written in OUT/.reshard-staging/TAG and moved into OUT with `.metadata` last
    (reshard.jobs.lifecycle.publish_files), so a directory with `.metadata` is complete.
 
+With `layout="accelerate"` (`--layout accelerate`, reshard.export.dcp_output_layout) the same blobs go
+into two checkpoints, OUT/pytorch_model_fsdp_0/ (the model's streams) and OUT/optimizer_0/ (the
+optimizer's, keyed `optimizer.` as Accelerate saves them), each file `__{worker}_{i}.distcp` in both and
+each directory with its own `.metadata`; worker 0 carries the save directory's other files (the HF
+Trainer's) into staging, and `pytorch_model_fsdp_0/.metadata` is moved into OUT last.
+
 Keys are those `get_state_dict` gives for an FSDP2 model with torch.optim.AdamW: `model.<fqn>`
 (every tensor of the model's state_dict(), a tied alias under its own name, sharing the owner's
 chunks), `optim.state.<fqn>.{step, exp_avg, exp_avg_sq}`, `optim.param_groups.<i>.<hyperparameter>`.
