@@ -409,8 +409,8 @@ class DcpResult:
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (PyTorch DCP)\n"
                 f"  {counted(len(self.files), '.distcp file')}; {counted(self.workers, 'worker')}, "
                 f"{counted(self.rounds, 'round')}, "
-                f"{self.seconds:.1f} s; {load}; counters, LR scheduler, client_state and an fp16 loss scaler in "
-                f"{RUN_STATE_NAME}"
+                f"{self.seconds:.1f} s; {load}; counters, LR scheduler and client_state (and an fp16 run's loss "
+                f"scaler) in {RUN_STATE_NAME}"
                 + "".join(f"\n  note: {note}" for note in self.notes))
 
 
