@@ -261,6 +261,9 @@ dcp.load + set_state_dict load into an FSDP2 model and torch.optim.AdamW at any 
 model.<fqn> (fp32 masters cast to --dtype), optim.state.<fqn>.{step,exp_avg,exp_avg_sq},
 optim.param_groups.<i>.<hyperparameter>; counters, LR scheduler and client_state in
 OUT/reshard_run_state.pt (docs/moving-to-fsdp2.md). Adam/AdamW state only; pipeline saves not yet.
+--layout accelerate (dcp only) writes OUT/pytorch_model_fsdp_0/ and OUT/optimizer_0/ as Accelerate's FSDP2
+SHARDED_STATE_DICT checkpoint, plus the save directory's own files (trainer_state.json, scheduler.pt,
+rng_state_*.pth...): a Hugging Face Trainer under FSDP2 resumes with train(resume_from_checkpoint=OUT).
 --max-shard-size applies to safetensors only, --chunk-size to dcp only."""
 
 
@@ -278,6 +281,10 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", help="largest file, HF style: 5GB = 5*10^9 bytes (default 5GB)")
     parser.add_argument("--chunk-size", type=_size, default=64 << 20,
                         help="dcp: largest row block of a tensor stored as one chunk, in fp32 bytes (default 64M)")
+    parser.add_argument("--layout", choices=("torch", "accelerate"), default=None,
+                        help="dcp: torch = one DCP checkpoint with get_state_dict's keys (default); accelerate = "
+                             "pytorch_model_fsdp_0/ + optimizer_0/ and the save directory's Trainer files, as an "
+                             "Accelerate / HF Trainer FSDP2 checkpoint")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in SRC/latest)")
     parser.add_argument("--memory-budget", type=_size, default=1 << 30, help="as for reshard (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty destination")
@@ -300,7 +307,7 @@ def export_main(argv: list[str]) -> int:
             return export_dcp(source, args.destination, dtype=args.dtype, tag=tag,
                               memory_budget=args.memory_budget, chunk_bytes=args.chunk_size,
                               trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
-                              timeout=args.timeout, transport=transport)
+                              timeout=args.timeout, transport=transport, layout=args.layout or "torch")
         if args.format == "universal":
             return export_universal(source, args.destination, tag=tag, memory_budget=args.memory_budget,
                                     trust_pickle=args.trust_pickle, overwrite=args.overwrite, backend=args.backend,
@@ -313,6 +320,9 @@ def export_main(argv: list[str]) -> int:
 
     if args.workers < 1:
         _print_once("reshard export: error: --workers must be at least 1")
+        return 2
+    if args.layout is not None and args.format != "dcp":
+        _print_once(f"reshard export: error: --layout applies to --format dcp only, not {args.format}")
         return 2
     if args.workers > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "

@@ -35,6 +35,7 @@ EXPORTS = {
     "universal": (export_universal, UniversalWriter, {}),
     "safetensors": (export_safetensors, SafetensorsWriter, {"max_shard_size": "1KB"}),
     "dcp": (export_dcp, DcpWriter, {"chunk_bytes": 64}),
+    "dcp_accelerate": (export_dcp, DcpWriter, {"chunk_bytes": 64, "layout": "accelerate"}),  # files in sub-directories
 }
 
 

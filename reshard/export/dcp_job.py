@@ -29,6 +29,12 @@ Steps, and which workers run them (the skeleton of every export, `reshard.export
    are written in OUT/.reshard-staging/TAG and moved into OUT with `.metadata` last
    (reshard.jobs.lifecycle.publish_files), so a directory with `.metadata` is complete.
 
+With `layout="accelerate"` (`--layout accelerate`, reshard.export.dcp_output_layout) the same blobs go
+into two checkpoints, OUT/pytorch_model_fsdp_0/ (the model's streams) and OUT/optimizer_0/ (the
+optimizer's, keyed `optimizer.` as Accelerate saves them), each file `__{worker}_{i}.distcp` in both and
+each directory with its own `.metadata`; worker 0 carries the save directory's other files (the HF
+Trainer's) into staging, and `pytorch_model_fsdp_0/.metadata` is moved into OUT last.
+
 Keys are those `get_state_dict` gives for an FSDP2 model with torch.optim.AdamW: `model.<fqn>`
 (every tensor of the model's state_dict(), a tied alias under its own name, sharing the owner's
 chunks), `optim.state.<fqn>.{step, exp_avg, exp_avg_sq}`, `optim.param_groups.<i>.<hyperparameter>`.
@@ -57,6 +63,7 @@ from reshard.export.dcp_format import (
 )
 from reshard.export.dcp_layout import DEFAULT_CHUNK_BYTES, DcpLayout, dcp_layout
 from reshard.export.dcp_optimizer import RUN_STATE_NAME, adamw_groups, check_adam_states, run_state
+from reshard.export.dcp_output_layout import OUTPUT_LAYOUTS, DcpOutputLayout, check_carried_files
 from reshard.export.hf_layout import hf_layout
 from reshard.export.pipeline_export import pipeline_tag_of
 from reshard.export.runner import ExportOutput, run_export
@@ -68,6 +75,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_archive import dtype_of, load_checked
+from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
@@ -80,11 +88,13 @@ MODEL_STREAMS = ("fp32", "frozen")
 """Streams that are the model's own values (`model.<fqn>`); the others are optimizer state."""
 
 
-def blob_key(name: str, stream: str) -> tuple[str, tuple]:
-    """The flat DCP key of a stream of tensor `name`, and its path in the nested state dict."""
+def blob_key(name: str, stream: str, out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]) -> tuple[str, tuple, str]:
+    """The flat DCP key of a stream of tensor `name`, its path in the nested state dict, and the
+    directory (relative to OUT) whose checkpoint holds it."""
     if stream in MODEL_STREAMS:
-        return f"model.{name}", ("model", name)
-    return f"optim.state.{name}.{stream}", ("optim", "state", name, stream)
+        return f"model.{name}", ("model", name), out.model_dir
+    prefix = out.optimizer_key
+    return f"{prefix}.state.{name}.{stream}", (prefix, "state", name, stream), out.optimizer_dir
 
 
 def file_names(ownership: Ownership, files: int) -> list[str]:
@@ -102,19 +112,25 @@ def streams_of(source: SourceCheckpoint) -> dict:
     return {"optim": source.spec.streams, "frozen": source.spec.frozen_streams}
 
 
-def file_blobs(layout: DcpLayout, streams: dict, f: int) -> tuple[list[PlacedBlob], list[tuple[int, str]], int]:
-    """The blobs of output file `f`, chunk by chunk, each chunk's streams in the source's order; for each
-    blob its (chunk index in the file, stream name); the file's size."""
-    entries, owners = [], []
+def file_blobs(layout: DcpLayout, streams: dict, f: int, out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]
+               ) -> dict[str, tuple[list[PlacedBlob], list[tuple[int, str]], int]]:
+    """Output file `f` in each directory of `out` that has blobs in it: directory -> (the blobs, chunk by
+    chunk, each chunk's streams in the source's order; for each blob its (chunk index in the file,
+    stream name); the file's size)."""
+    entries, owners = {}, {}
     for k, chunk in enumerate(layout.files[f]):
         tensor = layout.tensors[chunk.tensor]
         for stream in streams[tensor.source]:
-            key, _ = blob_key(tensor.name, stream.name)
+            key, _, directory = blob_key(tensor.name, stream.name, out)
             dtype = tensor.dtype if stream.name in MODEL_STREAMS else stream.dtype
-            entries.append((key, k, chunk.offsets(tensor.shape), chunk.sizes(tensor.shape), dtype))
-            owners.append((k, stream.name))
-    placed, size = place_blobs(entries)
-    return placed, owners, size
+            entries.setdefault(directory, []).append((key, k, chunk.offsets(tensor.shape), chunk.sizes(tensor.shape),
+                                                       dtype))
+            owners.setdefault(directory, []).append((k, stream.name))
+    files = {}
+    for directory, placing in entries.items():
+        placed, size = place_blobs(placing)
+        files[directory] = (placed, owners[directory], size)
+    return files
 
 
 def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int) -> ReshardPlan:
@@ -154,37 +170,41 @@ class DcpWriter:
     """The .distcp files one worker owns: every blob reserved first, values written at offsets, CRCs last."""
 
     blobs: dict = field(default_factory=dict)
-    """file -> its PlacedBlobs"""
+    """(file, directory) -> its PlacedBlobs"""
     located: dict = field(default_factory=dict)
-    """(file, chunk index, stream) -> PlacedBlob"""
+    """(file, chunk index, stream) -> (directory, PlacedBlob)"""
     stream_dtypes: dict = field(default_factory=dict)
     """stream name -> dtype the exchange delivers"""
     fds: dict = field(default_factory=dict)
+    """(file, directory) -> open descriptor"""
     bytes_written: int = 0
 
     @classmethod
     def create(cls, layout: DcpLayout, streams: dict, names: list[str], out_dir: str, owned,
-               reuse_existing: bool = False) -> "DcpWriter":
+               reuse_existing: bool = False, out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]) -> "DcpWriter":
         """`reuse_existing`: resuming, keep the values the files hold (the structure, the same bytes, is
-        written again; the CRC fields are filled at the end either way)."""
+        written again; the CRC fields are filled at the end either way). File `f` of `layout` is written
+        as `names[f]` in each directory of `out` that holds some of its blobs."""
         writer = cls(stream_dtypes={s.name: s.dtype for group in streams.values() for s in group})
         try:
             for f in owned:
-                placed, owners, size = file_blobs(layout, streams, f)
-                if not placed:
-                    continue
-                path = confined(out_dir, os.path.join(out_dir, names[f]))
-                fd = (os.open(path, os.O_RDWR | os.O_NOFOLLOW) if reuse_existing
-                      else open_new_file(out_dir, path, os.O_RDWR))
-                writer.fds[f] = fd
-                if not reuse_existing:
-                    os.ftruncate(fd, size)  # the data regions read as zeros until written
-                for blob in placed:
-                    _write(fd, blob.template.head, blob.file_offset)
-                    _write(fd, blob.template.tail, blob.data_at + blob.template.data_bytes)
-                writer.blobs[f] = placed
-                for (k, stream), blob in zip(owners, placed):
-                    writer.located[(f, k, stream)] = blob
+                for directory, (placed, owners, size) in file_blobs(layout, streams, f, out).items():
+                    if not placed:
+                        continue
+                    folder = confined(out_dir, os.path.join(out_dir, directory)) if directory else out_dir
+                    os.makedirs(folder, exist_ok=True)
+                    path = confined(out_dir, os.path.join(folder, names[f]))
+                    fd = (os.open(path, os.O_RDWR | os.O_NOFOLLOW) if reuse_existing
+                          else open_new_file(out_dir, path, os.O_RDWR))
+                    writer.fds[(f, directory)] = fd
+                    if not reuse_existing:
+                        os.ftruncate(fd, size)  # the data regions read as zeros until written
+                    for blob in placed:
+                        _write(fd, blob.template.head, blob.file_offset)
+                        _write(fd, blob.template.tail, blob.data_at + blob.template.data_bytes)
+                    writer.blobs[(f, directory)] = placed
+                    for (k, stream), blob in zip(owners, placed):
+                        writer.located[(f, k, stream)] = (directory, blob)
         except BaseException:
             writer.close()
             raise
@@ -192,9 +212,9 @@ class DcpWriter:
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
         _space, k, stream = slot
-        blob = self.located[(rank, k, stream)]
+        directory, blob = self.located[(rank, k, stream)]
         out = _cast(data, self.stream_dtypes[stream], blob.dtype)
-        pwrite_exact(self.fds[rank], out, blob.data_at + element * dtype_of(blob.dtype).itemsize)
+        pwrite_exact(self.fds[(rank, directory)], out, blob.data_at + element * dtype_of(blob.dtype).itemsize)
         self.bytes_written += len(out)
 
     def sync(self) -> None:
@@ -203,10 +223,10 @@ class DcpWriter:
             os.fsync(fd)
 
     def finish(self) -> None:
-        for f, placed in self.blobs.items():
+        for key, placed in self.blobs.items():
             for blob in placed:
-                fill_crc(self.fds[f], blob, _read, _write)
-            os.fsync(self.fds[f])
+                fill_crc(self.fds[key], blob, _read, _write)
+            os.fsync(self.fds[key])
         self.close()
 
     def close(self) -> None:
@@ -231,8 +251,10 @@ class OptimizerMapping:
     """FQN -> Adam step (float)."""
 
 
-def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pickle: bool):
-    """Worker 0: the source, refused unless its optimizer maps to torch AdamW, and the mapping."""
+def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pickle: bool,
+                    out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]):
+    """Worker 0: the source, refused unless its optimizer maps to torch AdamW (and, in the accelerate
+    layout, unless its save directory's files can be carried), the mapping, and the files to carry."""
     check_paths(source_dir, destination)
     source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
     refuse_tensor_parallel(source, "the DCP export")
@@ -241,7 +263,10 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
     optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
     groups, steps = adamw_groups(source, optimizer_state, ds_config)
-    return source, OptimizerMapping(groups, steps)
+    carried = save_dir_files.list_save_dir_files(source.save_dir) if out.carries_save_dir else []
+    if out.carries_save_dir:
+        check_carried_files(source.save_dir, carried, out, out.directories + (RUN_STATE_NAME,))
+    return source, OptimizerMapping(groups, steps), carried
 
 
 def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) -> int:
@@ -268,51 +293,80 @@ def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) ->
     return template.size
 
 
-def write_replicated(path: str, source: SourceCheckpoint, layout: DcpLayout, mapping: OptimizerMapping,
-                     metadata: MetadataBuilder, budget_bytes: int) -> None:
-    """Worker 0's own file: the tensors stored whole in the model-states file (buffers, ZeRO-1/2 frozen
-    parameters; copied in pieces under the budget), every parameter's Adam step, the param groups."""
-    relative = os.path.basename(path)
+class _Appender:
+    """One file written front to back, created on first use (a directory with nothing to hold gets none)."""
+
+    def __init__(self, root: str, path: str):
+        self.root, self.path, self.fd, self.at = root, path, None, 0
+
+    def claim(self) -> int:
+        """Open the file if not yet; returns where the next blob starts."""
+        if self.fd is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = open_new_file(self.root, self.path, os.O_RDWR)
+        return self.at
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+
+
+def write_replicated(out_dir: str, file_name: str, source: SourceCheckpoint, layout: DcpLayout,
+                     mapping: OptimizerMapping, metadata: dict, budget_bytes: int,
+                     out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]) -> None:
+    """Worker 0's own file `file_name` in the model's and the optimizer's directory (one file where they are
+    the same): the tensors stored whole in the model-states file (buffers, ZeRO-1/2 frozen parameters;
+    copied in pieces under the budget), every parameter's Adam step, the param groups. `metadata`:
+    directory -> its MetadataBuilder."""
     model_path = source.model_path(0)
-    fd = open_new_file(os.path.dirname(path), path, os.O_RDWR)
-    at = 0
+    files = {d: _Appender(out_dir, confined(out_dir, os.path.join(out_dir, d, file_name))) for d in out.directories}
     try:
-        def put(key: str, route: tuple, blob: bytes, shape=None, dtype=None) -> None:
-            nonlocal at
-            pwrite_exact(fd, memoryview(blob), at)
+        def put(key: str, route: tuple, directory: str, blob: bytes, shape=None, dtype=None) -> None:
+            file = files[directory]
+            at = file.claim()
+            pwrite_exact(file.fd, memoryview(blob), at)
             if shape is None:
-                metadata.add_bytes(key, route, relative, at, len(blob))
+                metadata[directory].add_bytes(key, route, file_name, at, len(blob))
             else:
-                metadata.add_chunk(key, route, shape, dtype, (0,) * len(shape), shape, relative, at, len(blob))
-            at += len(blob)
+                metadata[directory].add_chunk(key, route, shape, dtype, (0,) * len(shape), shape, file_name, at,
+                                              len(blob))
+            file.at += len(blob)
 
         for tensor in layout.tensors:
             if tensor.source != "whole":
                 continue
-            length = _copy_whole(fd, at, tensor, model_path, budget_bytes)
-            metadata.add_chunk(f"model.{tensor.name}", ("model", tensor.name), tensor.shape, tensor.dtype,
-                               (0,) * len(tensor.shape), tensor.shape, relative, at, length)
-            at += length
+            file = files[out.model_dir]
+            at = file.claim()
+            length = _copy_whole(file.fd, at, tensor, model_path, budget_bytes)
+            metadata[out.model_dir].add_chunk(f"model.{tensor.name}", ("model", tensor.name), tensor.shape,
+                                              tensor.dtype, (0,) * len(tensor.shape), tensor.shape, file_name, at,
+                                              length)
+            file.at += length
+        prefix = out.optimizer_key
         for name, step in mapping.steps.items():
-            put(f"optim.state.{name}.step", ("optim", "state", name, "step"),
+            put(f"{prefix}.state.{name}.step", (prefix, "state", name, "step"), out.optimizer_dir,
                 tensor_blob(torch.tensor(step, dtype=torch.float32)), (), "float32")
         for i, group in enumerate(mapping.param_groups):
             for key, value in group.items():
-                put(f"optim.param_groups.{i}.{key}", ("optim", "param_groups", i, key), bytes_blob(value))
-        os.fsync(fd)
+                put(f"{prefix}.param_groups.{i}.{key}", (prefix, "param_groups", i, key), out.optimizer_dir,
+                    bytes_blob(value))
     finally:
-        os.close(fd)
+        for file in files.values():
+            file.close()
 
 
-def add_chunk_metadata(metadata: MetadataBuilder, layout: DcpLayout, streams: dict, names: list[str]) -> None:
-    """Every chunk blob of every file (all workers'), and each tied alias as its owner's chunks."""
+def add_chunk_metadata(metadata: dict, layout: DcpLayout, streams: dict, names: list[str],
+                       out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]) -> None:
+    """Every chunk blob of every file (all workers'), into the MetadataBuilder of its directory."""
     for f in range(len(layout.files)):
-        placed, owners, _ = file_blobs(layout, streams, f)
-        for (k, stream), blob in zip(owners, placed):
-            tensor = layout.tensors[layout.files[f][k].tensor]
-            key, route = blob_key(tensor.name, stream)
-            metadata.add_chunk(key, route, tensor.shape, blob.dtype, blob.offsets, blob.sizes, names[f],
-                               blob.file_offset, blob.template.size)
+        for directory, (placed, owners, _) in file_blobs(layout, streams, f, out).items():
+            for (k, stream), blob in zip(owners, placed):
+                tensor = layout.tensors[layout.files[f][k].tensor]
+                key, route, _ = blob_key(tensor.name, stream, out)
+                metadata[directory].add_chunk(key, route, tensor.shape, blob.dtype, blob.offsets, blob.sizes,
+                                              names[f], blob.file_offset, blob.template.size)
 
 
 def add_aliases(metadata: MetadataBuilder, layout: DcpLayout) -> None:
@@ -340,70 +394,96 @@ class DcpResult:
     peak_rss_bytes: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
+    layout: str = "torch"
+    carried: list = field(default_factory=list)
+    """Files of the save directory carried into OUT (the accelerate layout)."""
+
     def summary(self) -> str:
+        if self.layout == "accelerate":
+            load = (f"pytorch_model_fsdp_0/ and optimizer_0/ as Accelerate's FSDP2 SHARDED_STATE_DICT; "
+                    f"{counted(len(self.carried), 'file')} of the save directory carried (trainer_state.json, "
+                    "scheduler.pt...): resume with trainer.train(resume_from_checkpoint=OUT) under FSDP2 "
+                    "(docs/moving-to-fsdp2.md)")
+        else:
+            load = "load with dcp.load + set_state_dict (docs/moving-to-fsdp2.md)"
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (PyTorch DCP)\n"
                 f"  {counted(len(self.files), '.distcp file')}; {counted(self.workers, 'worker')}, "
                 f"{counted(self.rounds, 'round')}, "
-                f"{self.seconds:.1f} s; load with dcp.load + set_state_dict (docs/moving-to-fsdp2.md); counters, "
-                f"LR scheduler and client_state in {RUN_STATE_NAME}"
+                f"{self.seconds:.1f} s; {load}; counters, LR scheduler and client_state (and an fp16 run's loss "
+                f"scaler) in {RUN_STATE_NAME}"
                 + "".join(f"\n  note: {note}" for note in self.notes))
 
 
 def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str | None = None,
                memory_budget: int = 1 << 30, chunk_bytes: int = DEFAULT_CHUNK_BYTES, trust_pickle: bool = False,
                overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
-               timeout: float = 600.0, durable_every: int = 1 << 30) -> DcpResult:
+               timeout: float = 600.0, durable_every: int = 1 << 30, layout: str = "torch") -> DcpResult:
+    """`layout`: "torch" (one DCP directory, get_state_dict's keys) or "accelerate" (a checkpoint directory
+    as Accelerate's FSDP2 resume and the HF Trainer read it: reshard.export.dcp_output_layout)."""
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if layout not in OUTPUT_LAYOUTS:
+        raise OptionError(f"--layout must be one of {', '.join(OUTPUT_LAYOUTS)}, got {layout!r}")
     if chunk_bytes < 1:
         raise OptionError("--chunk-size must be positive")
     own_transport = transport is None
     transport = transport or transport_from_environment(backend, timeout)
     try:
         return _run(str(source), str(destination), DTYPES[dtype], tag, memory_budget, chunk_bytes, trust_pickle,
-                    overwrite, durable_every, transport)
+                    overwrite, durable_every, transport, OUTPUT_LAYOUTS[layout])
     finally:
         if own_transport:
             transport.close()
 
 
 def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pickle, overwrite, durable_every,
-         transport) -> DcpResult:
+         transport, out: DcpOutputLayout) -> DcpResult:
     started = time.perf_counter()
     pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
     if pipeline_tag is not None:
         raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
                                     "is a PipelineModule save: the DCP export does not serve pipeline saves yet "
                                     "(export it with --format safetensors or universal)")
-    source, mapping = on_rank0(transport, lambda: inspect_for_dcp(source_dir, destination, tag, trust_pickle))
+    source, mapping, carried = on_rank0(
+        transport, lambda: inspect_for_dcp(source_dir, destination, tag, trust_pickle, out))
     model = hf_layout(source, out_dtype, 1 << 62)
     layout = dcp_layout([t for f in model.files for t in f.tensors], model.kept_for_tied, transport.size, chunk_bytes)
     plan = plan_dcp(source, layout, transport.size, budget)
     streams = streams_of(source)
     names = file_names(plan.ownership, len(layout.files))
     output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes}), overwrite, durable_every)
+        source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes, "layout": out.name,
+                 "carried": carried}), overwrite, durable_every)
 
     def open_writer(owned, staged, reuse_existing):
-        return DcpWriter.create(layout, streams, names, staged, owned, reuse_existing)
+        return DcpWriter.create(layout, streams, names, staged, owned, reuse_existing, out)
 
     def publish(staging: Staging):
         # the chunk files are in staging; worker 0's own file, the run state and .metadata (which makes
         # the directory a checkpoint) are written there too, then every file moves into OUT, .metadata last
-        metadata = MetadataBuilder.empty()
+        # (the accelerate layout: one checkpoint per directory, the model's .metadata last)
+        metadata = {directory: MetadataBuilder.empty() for directory in out.directories}
         own = sum(1 for f in range(len(layout.files)) if plan.ownership.writer(f) == 0)
-        replicated = os.path.join(staging.tag_dir, f"__0_{own}{DISTCP_SUFFIX}")
-        write_replicated(replicated, source, layout, mapping, metadata, budget)  # replaces a resumed run's attempt
-        add_chunk_metadata(metadata, layout, streams, names)
-        add_aliases(metadata, layout)
+        write_replicated(staging.tag_dir, f"__0_{own}{DISTCP_SUFFIX}", source, layout, mapping, metadata, budget,
+                         out)  # replaces a resumed run's attempt
+        add_chunk_metadata(metadata, layout, streams, names, out)
+        add_aliases(metadata[out.model_dir], layout)
         model_states = _load_mapped(source.model_path(0), trust_pickle)  # only the values touched are read
-        torch.save(run_state(model_states), os.path.join(staging.tag_dir, RUN_STATE_NAME), pickle_module=classes)
-        write_metadata(os.path.join(staging.tag_dir, METADATA_NAME), metadata.build(output.fingerprint))
-        publish_files(staging, last=METADATA_NAME)
+        optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
+        torch.save(run_state(model_states, optimizer_state), os.path.join(staging.tag_dir, RUN_STATE_NAME),
+                   pickle_module=classes)
+        if carried:
+            staged = save_dir_files.staging_dir(staging.tag_dir)
+            save_dir_files.stage(source.save_dir, carried, staged, staging.tag_dir)
+            save_dir_files.publish(staged, carried, staging.tag_dir)
+        for directory, builder in metadata.items():
+            write_metadata(os.path.join(staging.tag_dir, directory, METADATA_NAME),
+                           builder.build(output.fingerprint + directory))
+        publish_files(staging, last=out.complete_marker)
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     written = [n for f, n in enumerate(names) if layout.files[f]]
     result = DcpResult(source.save_dir, destination, source.tag, written, transport.size, plan.rounds,
-                       peak_rss_bytes=rss, notes=output.notes)
+                       peak_rss_bytes=rss, notes=output.notes, layout=out.name, carried=list(carried))
     result.seconds = time.perf_counter() - started
     return result

@@ -2,7 +2,7 @@
 
     from reshard.export.dcp_optimizer import adamw_groups, run_state
     groups, steps = adamw_groups(source, optimizer_state, ds_config)   # [{hp..., "params": [fqn...]}], {fqn: step}
-    run_state(model_states)    # {"global_steps", "global_samples", "skipped_steps", "lr_scheduler", "client_state"}
+    run_state(model_states, optimizer_state)   # {"global_steps", ..., "lr_scheduler", "client_state", "loss_scaler"}
 
 What `get_state_dict(model, torch.optim.AdamW)` holds for an FSDP2 model (torch 2.13,
 torch/distributed/checkpoint/state_dict.py `_get_optim_state_dict`), and so what the export writes:
@@ -123,10 +123,47 @@ def adamw_groups(source: SourceCheckpoint, optimizer_state: dict, ds_config: dic
     return out, steps
 
 
-def run_state(model_states: dict) -> dict:
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window", "min_scale",
+                      "delayed_shift", "cur_hysteresis", "consecutive_hysteresis", "dynamic")
+"""DeepSpeed 0.19.8 runtime/fp16/loss_scaler.py: LossScaler (`cur_scale`) and DynamicLossScaler's state."""
+
+
+def loss_scaler_state(optimizer_state: dict) -> dict | None:
+    """An fp16 run's loss scaler from rank 0's `optimizer_state_dict` (`loss_scaler`, pickled by ZeRO's
+    `state_dict`), or None where there is none to carry: no scaler, or the scale-1 `LossScaler` DeepSpeed
+    creates for fp32 and bf16 runs (loss_scaler.py `CreateLossScaler`), which scales nothing.
+
+    {"deepspeed": its attributes (LOSS_SCALER_FIELDS it has), "grad_scaler": the same state as
+    `torch.amp.GradScaler.state_dict()` (torch/amp/grad_scaler.py) for a dynamic scaler, else None}.
+    DeepSpeed grows the scale on an update when the clean updates before it since the last overflow,
+    `c = cur_iter - last_overflow_iter - 1`, are a positive multiple of `scale_window`; GradScaler grows
+    on the step where `_growth_tracker + 1` reaches `growth_interval`. So `_growth_tracker` is
+    `(c - 1) mod scale_window`, and the next growth comes on the same step, except where no clean update
+    came yet since the start or the last overflow (c = 0): `_growth_tracker` is then 0 and GradScaler grows
+    one step before DeepSpeed would, as it always does after a backoff (tests/test_loss_scaler_state.py). DeepSpeed's hysteresis (`delayed_shift` > 1:
+    overflows tolerated before backing off) and `min_scale` have no GradScaler counterpart."""
+    scaler = (optimizer_state or {}).get("loss_scaler")
+    if scaler is None:
+        return None
+    values = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if hasattr(scaler, k)}
+    dynamic = bool(values.get("dynamic", False))
+    if not dynamic and float(values.get("cur_scale", 1.0)) == 1.0:
+        return None
+    grad_scaler = None
+    if dynamic:
+        window = int(values["scale_window"])
+        clean = int(values["cur_iter"]) - int(values["last_overflow_iter"]) - 1
+        grad_scaler = {"scale": float(values["cur_scale"]), "growth_factor": float(values["scale_factor"]),
+                       "backoff_factor": 1.0 / float(values["scale_factor"]), "growth_interval": window,
+                       "_growth_tracker": (clean - 1) % window if clean >= 1 else 0}
+    return {"deepspeed": values, "grad_scaler": grad_scaler}
+
+
+def run_state(model_states: dict, optimizer_state: dict | None = None) -> dict:
     """What `load_checkpoint` restores besides the model and optimizer, for a training script to restore
-    itself: DeepSpeed's counters, the LR scheduler's state_dict and the client_state (every top-level
-    key DeepSpeed did not write itself: engine.py `_save_checkpoint` merges client_state there)."""
+    itself: DeepSpeed's counters, the LR scheduler's state_dict, the client_state (every top-level
+    key DeepSpeed did not write itself: engine.py `_save_checkpoint` merges client_state there) and an
+    fp16 run's loss scaler (`loss_scaler_state`, from rank 0's `optimizer_state_dict`)."""
     return {
         "format": "reshard DCP export run state, version 1",
         "global_steps": model_states.get("global_steps"),
@@ -134,4 +171,5 @@ def run_state(model_states: dict) -> dict:
         "skipped_steps": model_states.get("skipped_steps"),
         "lr_scheduler": model_states.get("lr_scheduler"),
         "client_state": {k: v for k, v in model_states.items() if k not in DEEPSPEED_MODEL_KEYS},
+        "loss_scaler": loss_scaler_state(optimizer_state),
     }

@@ -208,6 +208,11 @@ class Staging:
         for name, target in targets:
             os.replace(os.path.join(self.tag_dir, name), target)
         _fsync_dir(self.destination)
+        for root, dirs, _ in os.walk(self.tag_dir, topdown=False):  # the emptied sub-directories, then the staging
+            for name in dirs:
+                path = os.path.join(root, name)
+                if not os.path.islink(path) and not os.listdir(path):
+                    os.rmdir(path)
         self.discard()
 
     def discard(self) -> None:

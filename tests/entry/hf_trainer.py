@@ -5,7 +5,8 @@
         --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py jobs JOBS.json
 
-train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6); at each save rank 0 writes
+train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6), the loss logged at every step
+(trainer_state.json `log_history`: what a resume elsewhere is compared with); at each save rank 0 writes
 truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
 the learning rate, the global step.
 resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` with nothing else
@@ -46,7 +47,7 @@ def make_trainer(args, seed: int, callbacks):
         output_dir=args.out, use_cpu=True, deepspeed=ds_config(args.stage, args.bf16), bf16=args.bf16,
         per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
         save_strategy="steps", learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
-        logging_strategy="no", report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
+        logging_strategy="steps", logging_steps=1, report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
         dataloader_num_workers=0, save_only_model=False)
     return Trainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
 

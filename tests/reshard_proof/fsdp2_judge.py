@@ -10,6 +10,8 @@ comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine rec
 - every trainable parameter equals its fp32 master, every frozen parameter and persistent buffer
   its saved value (upcast), exp_avg, exp_avg_sq and step equal DeepSpeed's, and every group's
   lr, betas, eps, weight_decay, initial_lr and name equal the DeepSpeed optimizer's;
+- an fp16 run's loss scaler is in the run state as DeepSpeed saved it, and as a torch.amp.GradScaler
+  state with the same scale and window (None where the run scaled nothing);
 - the export's `.metadata` names the same keys, sizes, dtypes and state-dict paths as the one
   `dcp.save` writes for the model and optimizer just loaded (torch's own writer as the reference);
 - one more AdamW step, with one fixed full gradient per parameter (the same on every rank,
@@ -143,6 +145,24 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, devic
         comparison = compare_trees(want, got)
         if not comparison.ok:
             mismatches.append(f"{what}: {'; '.join(comparison.mismatches)}")
+
+    # an fp16 run's loss scaler: DeepSpeed's attributes as it saved them, and a torch.amp.GradScaler loaded
+    # from the carried state holds the same scale and window; a run with nothing to scale carries None
+    scaler, carried = engine.get("loss_scaler"), run_state.get("loss_scaler")
+    if scaler and (scaler.get("dynamic") or scaler.get("cur_scale", 1.0) != 1.0):
+        saved = (carried or {}).get("deepspeed") or {}
+        for key in ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window", "dynamic"):
+            if key in scaler:
+                same(f"loss scaler {key}", saved.get(key), scaler[key])
+        if scaler.get("dynamic") and carried and carried.get("grad_scaler"):
+            grad_scaler = torch.amp.GradScaler("cpu")
+            grad_scaler.load_state_dict(carried["grad_scaler"])
+            same("GradScaler scale", grad_scaler.get_scale(), scaler["cur_scale"])
+            same("GradScaler growth_interval", grad_scaler.get_growth_interval(), scaler["scale_window"])
+        elif scaler.get("dynamic"):
+            mismatches.append("loss scaler: a dynamic DeepSpeed scaler, but no GradScaler state carried")
+    else:
+        same("loss scaler (none to carry)", carried, None)
 
     # the format against torch's own: dcp.save of the state just loaded writes the same keys, sizes,
     # dtypes and paths as the export's .metadata (exported with the default --dtype fp32)

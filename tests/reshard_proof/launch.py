@@ -61,7 +61,7 @@ RANKS_WITHOUT_AGENT = frozenset({
     "reshard_proof.tensor_parallel", "tests.pipeline_run", "reshard_proof.fsdp2_judge",
     # scripts, by their path in the checkout
     "tests/entry/universal_load.py", "tests/entry/hf_trainer.py",
-    "tests/entry/hf_accelerate.py", "tests/entry/ppo_resumes.py", "launch/examples/ppo_actor_critic.py",
+    "tests/entry/hf_accelerate.py", "tests/entry/hf_fsdp2.py", "tests/entry/ppo_resumes.py", "launch/examples/ppo_actor_critic.py",
     "bench/synthetic_load_check.py",
 })
 """Proof entry points (modules, or scripts by their path relative to the checkout) run_torchrun starts
