@@ -77,23 +77,28 @@ class MemoryTargetWriter:
         self.bytes_written = 0
         for rank in ranks:
             for target in target_files(source, target_topology, rank):
-                if source.spec.stage < 3 and source.spec.tensor is None and \
+                if source.spec.stage < 3 and source.spec.tensor is None and source.spec.columns is None and \
                         target.name == schema.model_file_name(source.spec.stage):
                     continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
-                obj, roles = materialize(target.tree)
-                carried = source.carried.get(target.template)
-                if carried is None:  # the AutoTP model states: frozen weights and buffers from the template file
-                    carried = read_storages(os.path.join(source.tag_dir, target.template),
-                                            [ref for ref in refs_in(target.tree) if isinstance(ref, TensorRef)])
-                for tensor in leaves_in_order(obj):
-                    role = roles.get(tensor.untyped_storage()._cdata)
-                    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-                    if isinstance(role, tuple) and not is_copy_role(role):
-                        raw.zero_()  # padding reads as zeros, as in a written file
-                        self.locations[(rank, role)] = raw.numpy()
-                    elif role is not None and len(raw):
-                        raw.copy_(torch.frombuffer(bytearray(carried_bytes(carried, role)), dtype=torch.uint8))
-                self.objects[(rank, target.name)] = obj
+                self.objects[(rank, target.name)] = self.build(source, rank, target)
+
+    def build(self, source: SourceCheckpoint, rank: int, target) -> object:
+        """`target` (a TargetFile of rank `rank`) as the object torch.load would return: carried values
+        copied in, the slots the exchange writes zeroed and recorded in `locations`."""
+        obj, roles = materialize(target.tree)
+        carried = source.carried.get(target.template)
+        if carried is None:  # the AutoTP model states: frozen weights and buffers from the template file
+            carried = read_storages(os.path.join(source.tag_dir, target.template),
+                                    [ref for ref in refs_in(target.tree) if isinstance(ref, TensorRef)])
+        for tensor in leaves_in_order(obj):
+            role = roles.get(tensor.untyped_storage()._cdata)
+            raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+            if isinstance(role, tuple) and not is_copy_role(role):
+                raw.zero_()  # padding reads as zeros, as in a written file
+                self.locations[(rank, role)] = raw.numpy()
+            elif role is not None and len(raw):
+                raw.copy_(torch.frombuffer(bytearray(carried_bytes(carried, role)), dtype=torch.uint8))
+        return obj
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
         start = element * itemsize
@@ -191,7 +196,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if isinstance(pipeline, str):  # saved by a PipelineModule at this engine's (pp, dp): DeepSpeed's own load
         return engine.load_checkpoint(load_dir, pipeline, **load_checkpoint_kwargs)
     if pipeline is not None:
-        return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
+        if not on_rank0(transport, lambda: _keeps_columns(engine, pipeline)):  # a tp change (issue 37: pptp)
+            return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
+        return _load_pipeline_columns(engine, pipeline, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
         return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
@@ -279,6 +286,125 @@ def _engine_layers(engine):
         if isinstance(spec, TiedLayerSpec):
             tied.setdefault(spec.key, []).append(index)
     return PipelineLayers(len(specs), {key: tuple(indices) for key, indices in tied.items()})
+
+
+def _keeps_columns(engine, pipe) -> bool:
+    """Whether a pipeline save goes to this engine on the main road: the collective job's one predicate
+    (collective_job.keeps_pipeline_columns), asked with the engine's (pp, dp, tp) as the target and its
+    layer list, which the engine has (`_engine_layers`), as the --pipeline-layers a pp change needs."""
+    from reshard.jobs.collective_job import keeps_pipeline_columns
+    from reshard.jobs.options import ReshardOptions
+    pp, dp, tp = _engine_pipeline(engine)
+    opts = ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=_engine_layers(engine).count)
+    return keeps_pipeline_columns(opts, pipe.tag_dir)
+
+
+def _engine_stage(engine) -> tuple:
+    """This rank's (stage, model rank, dp rank, param names per optimizer group, each parameter's shape,
+    buffer names): stage_1_and_2.py `bit16_groups` (each group's flat order) named by the engine's
+    `param_names`, engine.py `_get_buffer_names` (what DeepSpeed would save for this stage)."""
+    groups = getattr(engine.optimizer, "bit16_groups", None)
+    names = None if groups is None else [[engine.param_names[p] for p in group] for group in groups]
+    shapes = {} if groups is None else {engine.param_names[p]: tuple(p.shape) for group in groups for p in group}
+    buffers = tuple(engine._get_buffer_names()) if hasattr(engine, "_get_buffer_names") else ()
+    return (int(engine.stage_id), int(engine.grid.get_slice_parallel_rank()),
+            int(engine.grid.get_data_parallel_rank()), names, shapes, buffers)
+
+
+def _pipeline_columns_source(pipe, target: Topology, stages: list, trust_pickle: bool) -> SourceCheckpoint:
+    """The save as the main road takes it (inspect_pipeline_columns), its target columns the engine's own
+    stages when pp changes (collective_job.with_target_stages), each checked against what the engine's
+    ranks train (`stages`: every rank's `_engine_stage`): the same parameters in the same param groups,
+    of the same shapes. On worker 0."""
+    from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+    from reshard.formats.deepspeed_pipeline import source_groups
+    from reshard.jobs.collective_job import with_target_stages
+    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle)
+    by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
+                if model == 0 and dp == 0}
+    model_path = pipe.model_path(0)
+    saved_groups, group_of = source_groups(pipe)
+    for stage in range(target.pp):
+        names, _, _ = by_stage[stage]
+        if names is None or len(names) != saved_groups:
+            raise UnsupportedCheckpoint(model_path, f"has {saved_groups} optimizer param group(s); in-job resharding "
+                                                    "of pipeline checkpoints serves a ZeRO-1 engine with as many, "
+                                                    f"stage {stage} of this engine has "
+                                                    f"{'no ZeRO-1 optimizer' if names is None else len(names)}")
+    if target.pp != pipe.pp:
+        source = with_target_stages(source, pipe, [[n for group in by_stage[s][0] for n in group]
+                                                   for s in range(target.pp)],
+                                    [by_stage[s][2] for s in range(target.pp)])
+    columns = source.spec.target_columns if target.pp != pipe.pp else source.spec.columns
+    for stage, model, _, names, shapes, _ in stages:
+        params, groups = columns[stage * target.tp + model]
+        saved = [[params[i].name for i in group] for group in groups]
+        if saved != names:
+            found = next((name for group in names for name in group if group_of.get(name) is None), None)
+            raise UnsupportedCheckpoint(model_path, f"holds no parameter {found}, which stage {stage} of this engine "
+                                                    f"({target.pp} stages) trains: the engine's model differs from "
+                                                    "the saved one" if found is not None else
+                                                    f"puts stage {stage}'s parameters in param groups "
+                                                    f"{saved}, this engine in {names}: the engine's model or "
+                                                    "its param groups differ from the saved ones")
+        for param in params:
+            if tuple(param.shape) != shapes[param.name]:
+                raise UnsupportedCheckpoint(model_path, f"holds {param.name} of shape {list(param.shape)}, this "
+                                                        f"engine of shape {list(shapes[param.name])}: the engine's "
+                                                        "model differs from the saved one")
+    return source
+
+
+def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: bool, kwargs: dict):
+    """A PipelineModule save at another dp or pp (tp kept), into this PipelineEngine, through the plan and
+    `execute()` as the collective job reshards it (docs/architecture.md, "One road"): the target is the
+    engine's grid (pp, dp, tp) and, with another pp, its own stages (every rank's optimizer groups
+    gathered); each rank is the worker of its own target rank (reshard numbers ranks tp fastest, then
+    dp, then pp, as PipeModelDataParallelTopology's axes ['pipe', 'data', 'model'] do), reads its share
+    of the source ranks, and fills its stage's optimizer file in memory under `memory_budget` by rounds
+    (MemoryTargetWriter). The stage's model-states file holds no tensors of the exchange (`module` None):
+    each rank builds its column's from the source's as the job writes it (zero12_model_file). Layer files
+    are per global layer index, the same at any pp and dp: DeepSpeed reads them from the source."""
+    from reshard.formats.deepspeed_target import zero12_model_file
+    pp, dp, tp = _engine_pipeline(engine)
+    target = Topology(dp=dp, tp=tp, pp=pp)
+    here = _engine_stage(engine)
+    stage, model_rank, dp_rank = here[:3]
+    rank = target.rank_of(dp_rank, model_rank, stage)
+    if transport.size != target.world_size or transport.rank != rank:
+        raise ReshardError(f"in-job resharding of a pipeline checkpoint: rank {transport.rank} of {transport.size} is "
+                           f"this engine's stage {stage}, model rank {model_rank}, dp rank {dp_rank}, which reshard "
+                           f"numbers {rank} of {target.world_size} (tp fastest, then dp, then pp, as DeepSpeed's "
+                           "pipeline grid); a job with another rank order must reshard offline")
+    stages = transport.all_gather_object(here)
+    started = time.perf_counter()
+    source = on_rank0(transport, lambda: _pipeline_columns_source(pipe, target, stages, trust_pickle))
+    plan = plan_reshard(source.spec, target, transport.size, budget)
+    objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
+    column = target.rank_of(0, model_rank, stage)
+    model_file = zero12_model_file(source, target, column)
+    model = objects.get((column, model_file.name))
+    if model is None:  # dp rank > 0: the column's file, built here (it holds no exchanged tensors)
+        model = MemoryTargetWriter(source, target, []).build(source, column, model_file)
+    root = tempfile.mkdtemp(prefix="reshard-injob-")
+    try:
+        tag_dir = os.path.join(root, source.tag)
+        os.makedirs(tag_dir)
+        # engine.py `_get_all_ckpt_names` globs every stage's mp_rank_XX file and state_dict_factory.py
+        # `check_ckpt_list` reads `mp_world_size` from the first: the other columns' names serve a stub
+        served = {os.path.join(tag_dir, schema.model_file_name_of(target, target.rank_of(0, m, s), 1)):
+                  {"mp_world_size": pp * tp} for s in range(pp) for m in range(tp)}
+        served[os.path.join(tag_dir, model_file.name)] = classes.to_deepspeed(model)
+        optim_name = schema.optim_file_name_of(target, rank, source.spec.bf16_prefix)
+        served[os.path.join(tag_dir, optim_name)] = classes.to_deepspeed(objects[(rank, optim_name)])
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.other_files}
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if transport.rank == 0:
+        print(f"reshard: resharded {source.tag_dir} from {source.spec.topology.describe()} to {target.describe()} "
+              f"in-job in {plan.rounds} round(s) in {time.perf_counter() - started:.2f} s", flush=True)
+    return _as_source_path(source, load_path), client_state
 
 
 def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
