@@ -22,12 +22,13 @@ dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole gro
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
 Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
-to DeepSpeed's load as it is; otherwise every rank rebuilds its own stage's model-states file and
-its own dp rank's optimizer file in memory from whole tensors (no rounds: the `memory_budget` is
-checked against an estimate, and a load it cannot hold is refused), taking the stage's parameter
-names and order from the engine itself, and reads the layer files from the source; with another
-tp of the model axis (a save carrying universal_checkpoint_info patterns) every tensor is joined
-whole over the saved model ranks and cut for the engine's, layer files too (`_load_pipeline`).
+to DeepSpeed's load as it is; at another dp or pp with the save's tp, the plan and `execute()` as the
+collective job runs them (`_load_pipeline_columns`): the target is the engine's grid and, with
+another pp, the engine's own stages; each rank fills its own stage's optimizer file in memory within
+`memory_budget` by rounds, and the layer files are read from the source. With another tp of the
+model axis (a save carrying universal_checkpoint_info patterns; issue 37: not planned yet) every
+tensor is joined whole over the saved model ranks and cut for the engine's, layer files too, the
+budget only checked (`_load_pipeline`).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -408,18 +409,16 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
 
 
 def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
-    """A PipelineModule save at another (pp, dp, tp), into this PipelineEngine: every rank rebuilds, in
+    """A PipelineModule save at another tp (and any pp, dp), into this PipelineEngine, the one pipeline case
+    the plan does not take yet (issue 37; `_keeps_columns` says which): every rank rebuilds, in
     memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
     full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
     the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, one flat per param
     group, named by the engine's `param_names`; each parameter must sit in the group the save put
     it in, whose hyperparameters the file carries). So the layer list and partition method the
     offline job asks for come from the engine itself, and so does the stage's `buffer_names`
-    (engine.py `_get_buffer_names`). With the model axis kept, layer files, buffers included, are
-    read from the source as they are (named by global layer index, the same at any pp), and each
-    rank rebuilds from its own model rank's column of stages (`get_slice_parallel_rank`), as the
-    offline job does. With another tp (a save with a model axis whose client state carries
-    universal_checkpoint_info patterns), the rules are taken as the offline --target-tp takes them
+    (engine.py `_get_buffer_names`). The save must have a model axis whose client state carries
+    universal_checkpoint_info patterns; the rules are taken as the offline --target-tp takes them
     (pipeline_job.model_axis_plan, the layer list from the engine's specs, `_engine_layers`): every
     rank joins every source tensor whole over the saved model ranks (model_axis_states) and cuts its
     own stage's parameters for its model rank (cut_model_axis_states), and the layer files of its
@@ -439,7 +438,6 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         load_whole,
         model_axis_layer_states,
         model_axis_states,
-        named_states,
         source_groups,
         stage_flats,
         stage_model_name,
@@ -452,13 +450,12 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     # runtime/pipe/topology.py PipelineParallelGrid: the model (tensor-slicing) axis, 1 without one
     model_rank = int(engine.grid.get_slice_parallel_rank())
     model_path = source.model_path(0, model_rank if model_rank < source.tp else 0)
-    tp_changed = tp != source.tp
-    if tp_changed and not source.has_model_axis:
+    if not source.has_model_axis:
         raise UnsupportedCheckpoint(model_path, f"was saved without a pipeline model axis (its layer files have no "
                                                 f"-model_XX suffix), this engine has tp {tp}: there is no tensor "
                                                 "slicing to change")
-    layers = _engine_layers(engine) if tp_changed else None
-    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}") if tp_changed else (None, None)
+    layers = _engine_layers(engine)
+    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}")
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
     saved_groups, group_of = source_groups(source)
     if groups is None or len(groups) != saved_groups:
@@ -473,27 +470,23 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                 raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
                                                         f"in group {group}: its hyperparameters would be another "
                                                         "group's")
-    # with tp changed every model rank's column is joined (model None: 4 x the optimizer bytes of all)
-    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params),
-                                model=None if tp_changed else model_rank)
+    # every model rank's column is joined (model None: 4 x the optimizer bytes of all)
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params), model=None)
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
                            f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
-    if tp_changed:
-        # only this stage's parameters are joined (the others' columns are not read whole)
-        template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
-        states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
-        del joined
-    else:
-        template, states = named_states(source, trust_pickle, model_rank)
+    # only this stage's parameters are joined (the others' columns are not read whole)
+    template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
+    states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
+    del joined
     for name, param in params:
         if name not in states or states[name]["fp32"].numel() != param.numel():
             found = "holds no parameter" if name not in states else \
                 f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
             raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages"
-                                                    f"{f', tp {tp}' if tp_changed else ''}) trains: the engine's "
+                                                    f", tp {tp}) trains: the engine's "
                                                     "model differs from the saved one")
     group_names = [[name for name, _ in pairs] for pairs in named]
     masters, moments = stage_flats(states, group_names)
@@ -504,7 +497,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                                for pairs in named],
                  dp_world_size=dp, mp_world_size=pp * tp,
                  checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
-                                                 "pp_degree": pp, **({"tp_degree": tp} if tp_changed else {})})
+                                                 "pp_degree": pp, "tp_degree": tp})
     ranks = build_optimizers(template, [tuple(names) for names in group_names],
                              [tuple(p.numel() for _, p in pairs) for pairs in named], masters, moments, dp)
     optimizer = next(itertools.islice(ranks, dp_rank, None))
@@ -520,23 +513,18 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16,
                                                             stage_model_rank(stage, model_rank, tp)))] = \
             classes.to_deepspeed(optimizer)
-        if tp_changed:  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut for this model rank
-            module = engine.module
-            for index in layer_indices(source):
-                if module._local_start <= index < module._local_stop:
-                    [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
-                    for m in range(tp):
-                        served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
-            redirected = {}
-        else:
-            redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
-        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
+        module = engine.module  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut
+        for index in layer_indices(source):
+            if module._local_start <= index < module._local_stop:
+                [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
+                for m in range(tp):
+                    served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, {}, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if torch.distributed.get_rank() == 0:
-        axis = f" (tp {source.tp} -> {tp})" if tp_changed else f" (tp {tp} kept)" if tp > 1 else ""
         print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job"
-              f"{axis} in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
+              f" (tp {source.tp} -> {tp}) in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
     return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 
 
