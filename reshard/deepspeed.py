@@ -312,7 +312,7 @@ def _engine_stage(engine) -> tuple:
             int(engine.grid.get_data_parallel_rank()), names, shapes, buffers)
 
 
-def _pipeline_columns_source(pipe, target: Topology, stages: list, trust_pickle: bool) -> SourceCheckpoint:
+def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pickle: bool) -> SourceCheckpoint:
     """The save as the main road takes it (inspect_pipeline_columns), its target columns the engine's own
     stages when pp changes (collective_job.with_target_stages), each checked against what the engine's
     ranks train (`stages`: every rank's `_engine_stage`): the same parameters in the same param groups,
@@ -332,6 +332,12 @@ def _pipeline_columns_source(pipe, target: Topology, stages: list, trust_pickle:
                                                     "of pipeline checkpoints serves a ZeRO-1 engine with as many, "
                                                     f"stage {stage} of this engine has "
                                                     f"{'no ZeRO-1 optimizer' if names is None else len(names)}")
+    for stage, _, _, names, _, _ in stages:
+        found = next((name for group in names for name in group if name not in group_of), None)
+        if found is not None:
+            raise UnsupportedCheckpoint(model_path, f"holds no parameter {found}, which stage {stage} of this engine "
+                                                    f"({target.pp} stages) trains: the engine's model differs from "
+                                                    "the saved one")
     if target.pp != pipe.pp:
         source = with_target_stages(source, pipe, [[n for group in by_stage[s][0] for n in group]
                                                    for s in range(target.pp)],
@@ -341,13 +347,9 @@ def _pipeline_columns_source(pipe, target: Topology, stages: list, trust_pickle:
         params, groups = columns[stage * target.tp + model]
         saved = [[params[i].name for i in group] for group in groups]
         if saved != names:
-            found = next((name for group in names for name in group if group_of.get(name) is None), None)
-            raise UnsupportedCheckpoint(model_path, f"holds no parameter {found}, which stage {stage} of this engine "
-                                                    f"({target.pp} stages) trains: the engine's model differs from "
-                                                    "the saved one" if found is not None else
-                                                    f"puts stage {stage}'s parameters in param groups "
-                                                    f"{saved}, this engine in {names}: the engine's model or "
-                                                    "its param groups differ from the saved ones")
+            raise UnsupportedCheckpoint(model_path, f"puts stage {stage}'s parameters in param groups {saved}, this "
+                                                    f"engine in {names}: the engine's model or its param groups "
+                                                    "differ from the saved ones")
         for param in params:
             if tuple(param.shape) != shapes[param.name]:
                 raise UnsupportedCheckpoint(model_path, f"holds {param.name} of shape {list(param.shape)}, this "
@@ -379,7 +381,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
                            "pipeline grid); a job with another rank order must reshard offline")
     stages = transport.all_gather_object(here)
     started = time.perf_counter()
-    source = on_rank0(transport, lambda: _pipeline_columns_source(pipe, target, stages, trust_pickle))
+    source = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle))
     plan = plan_reshard(source.spec, target, transport.size, budget)
     objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
     column = target.rank_of(0, model_rank, stage)

@@ -733,3 +733,33 @@ def test_pipeline_writers_replace_a_symlink_planted_in_staging_and_write_what_to
     assert sorted(os.listdir(tag)) == sorted(names) and os.listdir(tag.parent) == ["step3"]  # no scratch left
     with pytest.raises(OptionError, match="refusing to write outside the destination"):
         write_named_file(str(tag), str(tmp_path / "elsewhere.pt"), lambda path: torch.save(model, path))
+
+
+@pytest.mark.e2e
+def test_in_job_target_stages_are_the_engines_and_a_differing_engine_is_refused_by_name(pipeline_runs):
+    # what the in-job load plans from (reshard.deepspeed.pipeline_columns_for_engine), given every rank's
+    # stage as _engine_stage gathers it: the shared (2, 1) fp32 session save (no training of its own) for an
+    # engine at (pp, dp) (1, 2) whose one stage holds every parameter once; then an engine with a parameter
+    # the save lacks, one with the parameters in another param group, and one with another shape
+    from reshard.deepspeed import pipeline_columns_for_engine
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_shapes
+    from reshard.topology import Topology
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    pipe = inspect_pipeline(str(save_dir), "step3")
+    shapes = source_shapes(pipe)
+    names = list(dict.fromkeys(n for spec in pipe.stages for group in spec.names for n in group))
+    target = Topology(dp=2, pp=1)
+
+    def engine(names_per_group, shapes=shapes):
+        return [(0, 0, d, names_per_group, {n: tuple(shapes.get(n, (1,))) for g in names_per_group for n in g}, ())
+                for d in range(2)]
+    source = pipeline_columns_for_engine(pipe, target, engine([names]), False)
+    [(params, groups)] = source.spec.target_columns
+    assert [p.name for p in params] == names and groups == (tuple(range(len(names))),)
+    model = f"{save_dir}/step3/mp_rank_00_model_states.pt"
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + ".*holds no parameter 9.weight, which stage 0"):
+        pipeline_columns_for_engine(pipe, target, engine([names + ["9.weight"]]), False)
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + ".*has 1 optimizer param group.*this engine has 2"):
+        pipeline_columns_for_engine(pipe, target, engine([names[:2], names[2:]]), False)
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + f".*holds {names[1]} of shape"):
+        pipeline_columns_for_engine(pipe, target, engine([names], {**shapes, names[1]: (3, 3)}), False)

@@ -278,7 +278,7 @@ def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names) -> S
     per target stage its parameter `names` and persistent `buffer_names`, each stage's column repeated
     for the save's model ranks, the shapes and param groups the save's (`pipe`: inspect_pipeline). The
     offline job takes the stages from the layer list (pipeline_stage_change), the in-job load from the
-    engine's own stages (reshard.deepspeed)."""
+    engine's own stages (reshard.deepspeed), verify --against from the output's (reshard.verify)."""
     from reshard.formats.deepspeed_pipeline import source_groups, source_shapes
     from reshard.layouts.pipeline import split_by_group
     from reshard.layouts.zero import ParamSpec
