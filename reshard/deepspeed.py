@@ -22,12 +22,13 @@ dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole gro
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
 Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
-to DeepSpeed's load as it is; otherwise every rank rebuilds its own stage's model-states file and
-its own dp rank's optimizer file in memory from whole tensors (no rounds: the `memory_budget` is
-checked against an estimate, and a load it cannot hold is refused), taking the stage's parameter
-names and order from the engine itself, and reads the layer files from the source; with another
-tp of the model axis (a save carrying universal_checkpoint_info patterns) every tensor is joined
-whole over the saved model ranks and cut for the engine's, layer files too (`_load_pipeline`).
+to DeepSpeed's load as it is; at another dp or pp with the save's tp, the plan and `execute()` as the
+collective job runs them (`_load_pipeline_columns`): the target is the engine's grid and, with
+another pp, the engine's own stages; each rank fills its own stage's optimizer file in memory within
+`memory_budget` by rounds, and the layer files are read from the source. With another tp of the
+model axis (a save carrying universal_checkpoint_info patterns; issue 37: not planned yet) every
+tensor is joined whole over the saved model ranks and cut for the engine's, layer files too, the
+budget only checked (`_load_pipeline`).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -77,23 +78,28 @@ class MemoryTargetWriter:
         self.bytes_written = 0
         for rank in ranks:
             for target in target_files(source, target_topology, rank):
-                if source.spec.stage < 3 and source.spec.tensor is None and \
+                if source.spec.stage < 3 and source.spec.tensor is None and source.spec.columns is None and \
                         target.name == schema.model_file_name(source.spec.stage):
                     continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
-                obj, roles = materialize(target.tree)
-                carried = source.carried.get(target.template)
-                if carried is None:  # the AutoTP model states: frozen weights and buffers from the template file
-                    carried = read_storages(os.path.join(source.tag_dir, target.template),
-                                            [ref for ref in refs_in(target.tree) if isinstance(ref, TensorRef)])
-                for tensor in leaves_in_order(obj):
-                    role = roles.get(tensor.untyped_storage()._cdata)
-                    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-                    if isinstance(role, tuple) and not is_copy_role(role):
-                        raw.zero_()  # padding reads as zeros, as in a written file
-                        self.locations[(rank, role)] = raw.numpy()
-                    elif role is not None and len(raw):
-                        raw.copy_(torch.frombuffer(bytearray(carried_bytes(carried, role)), dtype=torch.uint8))
-                self.objects[(rank, target.name)] = obj
+                self.objects[(rank, target.name)] = self.build(source, rank, target)
+
+    def build(self, source: SourceCheckpoint, rank: int, target) -> object:
+        """`target` (a TargetFile of rank `rank`) as the object torch.load would return: carried values
+        copied in, the slots the exchange writes zeroed and recorded in `locations`."""
+        obj, roles = materialize(target.tree)
+        carried = source.carried.get(target.template)
+        if carried is None:  # the AutoTP model states: frozen weights and buffers from the template file
+            carried = read_storages(os.path.join(source.tag_dir, target.template),
+                                    [ref for ref in refs_in(target.tree) if isinstance(ref, TensorRef)])
+        for tensor in leaves_in_order(obj):
+            role = roles.get(tensor.untyped_storage()._cdata)
+            raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+            if isinstance(role, tuple) and not is_copy_role(role):
+                raw.zero_()  # padding reads as zeros, as in a written file
+                self.locations[(rank, role)] = raw.numpy()
+            elif role is not None and len(raw):
+                raw.copy_(torch.frombuffer(bytearray(carried_bytes(carried, role)), dtype=torch.uint8))
+        return obj
 
     def write(self, rank: int, slot: tuple, element: int, itemsize: int, data: memoryview) -> None:
         start = element * itemsize
@@ -191,7 +197,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if isinstance(pipeline, str):  # saved by a PipelineModule at this engine's (pp, dp): DeepSpeed's own load
         return engine.load_checkpoint(load_dir, pipeline, **load_checkpoint_kwargs)
     if pipeline is not None:
-        return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
+        if not on_rank0(transport, lambda: _keeps_columns(engine, pipeline)):  # a tp change (issue 37: pptp)
+            return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
+        return _load_pipeline_columns(engine, pipeline, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
         return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
@@ -281,19 +289,138 @@ def _engine_layers(engine):
     return PipelineLayers(len(specs), {key: tuple(indices) for key, indices in tied.items()})
 
 
+def _keeps_columns(engine, pipe) -> bool:
+    """Whether a pipeline save goes to this engine on the main road: the collective job's one predicate
+    (collective_job.keeps_pipeline_columns), asked with the engine's (pp, dp, tp) as the target and its
+    layer list, which the engine has (`_engine_layers`), as the --pipeline-layers a pp change needs."""
+    from reshard.jobs.collective_job import keeps_pipeline_columns
+    from reshard.jobs.options import ReshardOptions
+    pp, dp, tp = _engine_pipeline(engine)
+    opts = ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=_engine_layers(engine).count)
+    return keeps_pipeline_columns(opts, pipe.tag_dir)
+
+
+def _engine_stage(engine) -> tuple:
+    """This rank's (stage, model rank, dp rank, param names per optimizer group, each parameter's shape,
+    buffer names): stage_1_and_2.py `bit16_groups` (each group's flat order) named by the engine's
+    `param_names`, engine.py `_get_buffer_names` (what DeepSpeed would save for this stage)."""
+    groups = getattr(engine.optimizer, "bit16_groups", None)
+    names = None if groups is None else [[engine.param_names[p] for p in group] for group in groups]
+    shapes = {} if groups is None else {engine.param_names[p]: tuple(p.shape) for group in groups for p in group}
+    buffers = tuple(engine._get_buffer_names()) if hasattr(engine, "_get_buffer_names") else ()
+    return (int(engine.stage_id), int(engine.grid.get_slice_parallel_rank()),
+            int(engine.grid.get_data_parallel_rank()), names, shapes, buffers)
+
+
+def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pickle: bool) -> SourceCheckpoint:
+    """The save as the main road takes it (inspect_pipeline_columns), its target columns the engine's own
+    stages when pp changes (collective_job.with_target_stages), each checked against what the engine's
+    ranks train (`stages`: every rank's `_engine_stage`): the same parameters in the same param groups,
+    of the same shapes. On worker 0."""
+    from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+    from reshard.formats.deepspeed_pipeline import source_groups
+    from reshard.jobs.collective_job import with_target_stages
+    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle)
+    by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
+                if model == 0 and dp == 0}
+    model_path = pipe.model_path(0)
+    saved_groups, group_of = source_groups(pipe)
+    for stage in range(target.pp):
+        names, _, _ = by_stage[stage]
+        if names is None or len(names) != saved_groups:
+            raise UnsupportedCheckpoint(model_path, f"has {saved_groups} optimizer param group(s); in-job resharding "
+                                                    "of pipeline checkpoints serves a ZeRO-1 engine with as many, "
+                                                    f"stage {stage} of this engine has "
+                                                    f"{'no ZeRO-1 optimizer' if names is None else len(names)}")
+    for stage, _, _, names, _, _ in stages:
+        found = next((name for group in names for name in group if name not in group_of), None)
+        if found is not None:
+            raise UnsupportedCheckpoint(model_path, f"holds no parameter {found}, which stage {stage} of this engine "
+                                                    f"({target.pp} stages) trains: the engine's model differs from "
+                                                    "the saved one")
+    if target.pp != pipe.pp:
+        source = with_target_stages(source, pipe, [[n for group in by_stage[s][0] for n in group]
+                                                   for s in range(target.pp)],
+                                    [by_stage[s][2] for s in range(target.pp)])
+    columns = source.spec.target_columns if target.pp != pipe.pp else source.spec.columns
+    for stage, model, _, names, shapes, _ in stages:
+        params, groups = columns[stage * target.tp + model]
+        saved = [[params[i].name for i in group] for group in groups]
+        if saved != names:
+            raise UnsupportedCheckpoint(model_path, f"puts stage {stage}'s parameters in param groups {saved}, this "
+                                                    f"engine in {names}: the engine's model or its param groups "
+                                                    "differ from the saved ones")
+        for param in params:
+            if tuple(param.shape) != shapes[param.name]:
+                raise UnsupportedCheckpoint(model_path, f"holds {param.name} of shape {list(param.shape)}, this "
+                                                        f"engine of shape {list(shapes[param.name])}: the engine's "
+                                                        "model differs from the saved one")
+    return source
+
+
+def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: bool, kwargs: dict):
+    """A PipelineModule save at another dp or pp (tp kept), into this PipelineEngine, through the plan and
+    `execute()` as the collective job reshards it (docs/architecture.md, "One road"): the target is the
+    engine's grid (pp, dp, tp) and, with another pp, its own stages (every rank's optimizer groups
+    gathered); each rank is the worker of its own target rank (reshard numbers ranks tp fastest, then
+    dp, then pp, as PipeModelDataParallelTopology's axes ['pipe', 'data', 'model'] do), reads its share
+    of the source ranks, and fills its stage's optimizer file in memory under `memory_budget` by rounds
+    (MemoryTargetWriter). The stage's model-states file holds no tensors of the exchange (`module` None):
+    each rank builds its column's from the source's as the job writes it (zero12_model_file). Layer files
+    are per global layer index, the same at any pp and dp: DeepSpeed reads them from the source."""
+    from reshard.formats.deepspeed_target import zero12_model_file
+    pp, dp, tp = _engine_pipeline(engine)
+    target = Topology(dp=dp, tp=tp, pp=pp)
+    here = _engine_stage(engine)
+    stage, model_rank, dp_rank = here[:3]
+    rank = target.rank_of(dp_rank, model_rank, stage)
+    if transport.size != target.world_size or transport.rank != rank:
+        raise ReshardError(f"in-job resharding of a pipeline checkpoint: rank {transport.rank} of {transport.size} is "
+                           f"this engine's stage {stage}, model rank {model_rank}, dp rank {dp_rank}, which reshard "
+                           f"numbers {rank} of {target.world_size} (tp fastest, then dp, then pp, as DeepSpeed's "
+                           "pipeline grid); a job with another rank order must reshard offline")
+    stages = transport.all_gather_object(here)
+    started = time.perf_counter()
+    source = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle))
+    plan = plan_reshard(source.spec, target, transport.size, budget)
+    objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
+    column = target.rank_of(0, model_rank, stage)
+    model_file = zero12_model_file(source, target, column)
+    model = objects.get((column, model_file.name))
+    if model is None:  # dp rank > 0: the column's file, built here (it holds no exchanged tensors)
+        model = MemoryTargetWriter(source, target, []).build(source, column, model_file)
+    root = tempfile.mkdtemp(prefix="reshard-injob-")
+    try:
+        tag_dir = os.path.join(root, source.tag)
+        os.makedirs(tag_dir)
+        # engine.py `_get_all_ckpt_names` globs every stage's mp_rank_XX file and state_dict_factory.py
+        # `check_ckpt_list` reads `mp_world_size` from the first: the other columns' names serve a stub
+        served = {os.path.join(tag_dir, schema.model_file_name_of(target, target.rank_of(0, m, s), 1)):
+                  {"mp_world_size": pp * tp} for s in range(pp) for m in range(tp)}
+        served[os.path.join(tag_dir, model_file.name)] = classes.to_deepspeed(model)
+        optim_name = schema.optim_file_name_of(target, rank, source.spec.bf16_prefix)
+        served[os.path.join(tag_dir, optim_name)] = classes.to_deepspeed(objects[(rank, optim_name)])
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.other_files}
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if transport.rank == 0:
+        print(f"reshard: resharded {source.tag_dir} from {source.spec.topology.describe()} to {target.describe()} "
+              f"in-job in {plan.rounds} round(s) in {time.perf_counter() - started:.2f} s", flush=True)
+    return _as_source_path(source, load_path), client_state
+
+
 def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
-    """A PipelineModule save at another (pp, dp, tp), into this PipelineEngine: every rank rebuilds, in
+    """A PipelineModule save at another tp (and any pp, dp), into this PipelineEngine, the one pipeline case
+    the plan does not take yet (issue 37; `_keeps_columns` says which): every rank rebuilds, in
     memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
     full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
     the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, one flat per param
     group, named by the engine's `param_names`; each parameter must sit in the group the save put
     it in, whose hyperparameters the file carries). So the layer list and partition method the
     offline job asks for come from the engine itself, and so does the stage's `buffer_names`
-    (engine.py `_get_buffer_names`). With the model axis kept, layer files, buffers included, are
-    read from the source as they are (named by global layer index, the same at any pp), and each
-    rank rebuilds from its own model rank's column of stages (`get_slice_parallel_rank`), as the
-    offline job does. With another tp (a save with a model axis whose client state carries
-    universal_checkpoint_info patterns), the rules are taken as the offline --target-tp takes them
+    (engine.py `_get_buffer_names`). The save must have a model axis whose client state carries
+    universal_checkpoint_info patterns; the rules are taken as the offline --target-tp takes them
     (pipeline_job.model_axis_plan, the layer list from the engine's specs, `_engine_layers`): every
     rank joins every source tensor whole over the saved model ranks (model_axis_states) and cuts its
     own stage's parameters for its model rank (cut_model_axis_states), and the layer files of its
@@ -313,7 +440,6 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         load_whole,
         model_axis_layer_states,
         model_axis_states,
-        named_states,
         source_groups,
         stage_flats,
         stage_model_name,
@@ -326,13 +452,12 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
     # runtime/pipe/topology.py PipelineParallelGrid: the model (tensor-slicing) axis, 1 without one
     model_rank = int(engine.grid.get_slice_parallel_rank())
     model_path = source.model_path(0, model_rank if model_rank < source.tp else 0)
-    tp_changed = tp != source.tp
-    if tp_changed and not source.has_model_axis:
+    if not source.has_model_axis:
         raise UnsupportedCheckpoint(model_path, f"was saved without a pipeline model axis (its layer files have no "
                                                 f"-model_XX suffix), this engine has tp {tp}: there is no tensor "
                                                 "slicing to change")
-    layers = _engine_layers(engine) if tp_changed else None
-    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}") if tp_changed else (None, None)
+    layers = _engine_layers(engine)
+    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}")
     groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
     saved_groups, group_of = source_groups(source)
     if groups is None or len(groups) != saved_groups:
@@ -347,27 +472,23 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                 raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
                                                         f"in group {group}: its hyperparameters would be another "
                                                         "group's")
-    # with tp changed every model rank's column is joined (model None: 4 x the optimizer bytes of all)
-    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params),
-                                model=None if tp_changed else model_rank)
+    # every model rank's column is joined (model None: 4 x the optimizer bytes of all)
+    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params), model=None)
     if needed > budget:
         raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
                            f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
                            "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
     started = time.perf_counter()
-    if tp_changed:
-        # only this stage's parameters are joined (the others' columns are not read whole)
-        template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
-        states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
-        del joined
-    else:
-        template, states = named_states(source, trust_pickle, model_rank)
+    # only this stage's parameters are joined (the others' columns are not read whole)
+    template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
+    states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
+    del joined
     for name, param in params:
         if name not in states or states[name]["fp32"].numel() != param.numel():
             found = "holds no parameter" if name not in states else \
                 f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
             raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages"
-                                                    f"{f', tp {tp}' if tp_changed else ''}) trains: the engine's "
+                                                    f", tp {tp}) trains: the engine's "
                                                     "model differs from the saved one")
     group_names = [[name for name, _ in pairs] for pairs in named]
     masters, moments = stage_flats(states, group_names)
@@ -378,7 +499,7 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
                                for pairs in named],
                  dp_world_size=dp, mp_world_size=pp * tp,
                  checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
-                                                 "pp_degree": pp, **({"tp_degree": tp} if tp_changed else {})})
+                                                 "pp_degree": pp, "tp_degree": tp})
     ranks = build_optimizers(template, [tuple(names) for names in group_names],
                              [tuple(p.numel() for _, p in pairs) for pairs in named], masters, moments, dp)
     optimizer = next(itertools.islice(ranks, dp_rank, None))
@@ -394,23 +515,18 @@ def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict
         served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16,
                                                             stage_model_rank(stage, model_rank, tp)))] = \
             classes.to_deepspeed(optimizer)
-        if tp_changed:  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut for this model rank
-            module = engine.module
-            for index in layer_indices(source):
-                if module._local_start <= index < module._local_stop:
-                    [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
-                    for m in range(tp):
-                        served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
-            redirected = {}
-        else:
-            redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.layer_files}
-        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
+        module = engine.module  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut
+        for index in layer_indices(source):
+            if module._local_start <= index < module._local_stop:
+                [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
+                for m in range(tp):
+                    served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
+        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, {}, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if torch.distributed.get_rank() == 0:
-        axis = f" (tp {source.tp} -> {tp})" if tp_changed else f" (tp {tp} kept)" if tp > 1 else ""
         print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job"
-              f"{axis} in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
+              f" (tp {source.tp} -> {tp}) in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
     return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
 
 

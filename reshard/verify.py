@@ -3,8 +3,9 @@
     python -m reshard verify DST                    # re-hash every file listed in the manifest
     torchrun --nproc_per_node=4 -m reshard verify DST --against SRC   # logical check, distributed
 
-A pipeline output (reshard.jobs.pipeline_job) is checked with whole tensors instead: see
-verify_pipeline_against.
+A pipeline output is checked the same way (the plan a pipeline reshard runs, the output's own stages as
+the target's); its layer files by their bytes and its stages' cover of the parameters besides. Only a
+pipeline output at another tp is still checked with whole tensors (verify_pipeline_against, issue 37).
 
 `--against` replays the reshard plan, but where the job would write a slice it reads the
 slice back from DST and compares bytes; every element of every target partition is checked
@@ -29,6 +30,7 @@ from reshard.jobs.execute import execute
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import (
     inspect_checkpoint,
+    inspect_pipeline_columns,
     resolve_tag,
     source_rank_tensors,
 )
@@ -88,8 +90,9 @@ def verify_hashes(destination: str, tag: str | None = None) -> VerifyResult:
 class _Comparer:
     """Stands where the job's TargetWriter would: compares each arriving slice with DST's bytes."""
 
-    def __init__(self, locations: dict):
+    def __init__(self, locations: dict, name_at=None):
         self.locations = locations
+        self.name_at = name_at  # (rank, slot, element) -> the parameter there, where the layout says
         self.fds: dict = {}
         self.elements = 0
         self.problems: list[str] = []
@@ -106,8 +109,10 @@ class _Comparer:
             b = np.frombuffer(data, dtype=np.uint8).reshape(count, itemsize)
             first = int(np.flatnonzero((a != b).any(axis=1))[0])
             differing = int((a != b).any(axis=1).sum())
+            name = self.name_at(rank, slot, element + first) if self.name_at is not None else None
             self.problems.append(f"{path}: {slot[2]} of flat buffer {slot[1]}: {differing} of {count} elements from "
-                                 f"element {element} differ from the source (first at element {element + first})")
+                                 f"element {element} differ from the source (first at element {element + first}"
+                                 f"{f', in {name}' if name else ''})")
 
     def sync(self) -> None:
         pass
@@ -258,10 +263,14 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
     transport = transport or transport_from_environment()
     try:
         pipeline_tag = on_rank0(transport, lambda: _pipeline_tag(source_dir, tag))
-        if pipeline_tag is not None:
+        if pipeline_tag is not None and not on_rank0(transport, lambda: _keeps_columns(source_dir, destination,
+                                                                                        pipeline_tag)):
+            # a tp change: whole tensors still (issue 37, until the plan re-slices a pipeline's model axis)
             return verify_pipeline_against(destination, source_dir, pipeline_tag, transport, trust_pickle)
 
         def inspect_both():
+            if pipeline_tag is not None:
+                return _inspect_pipeline_pair(source_dir, destination, pipeline_tag, trust_pickle)
             src = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
             refuse_tensor_parallel(src, "verify --against")
             dst = inspect_checkpoint(destination, src.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
@@ -273,6 +282,10 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         result = VerifyResult(destination, source.tag, "against source")
         if transport.rank == 0:  # files beside the tag directory (HF Trainer, Accelerate): same bytes
             result.problems, result.checked_files = save_dir_files.differences(source.save_dir, target.save_dir)
+            if pipeline_tag is not None:  # layer files by their bytes, each parameter in a stage, the stages' order
+                more, checked = _pipeline_file_problems(
+                    *_inspect_pipelines(source_dir, destination, pipeline_tag, trust_pickle))
+                result.problems, result.checked_files = result.problems + more, result.checked_files + checked
         def open_comparer() -> _Comparer:
             locations = {}
             for rank in own.target_ranks_of(transport.rank):
@@ -282,7 +295,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
                                                          trust_pickle)
                 result.problems += problems
                 result.checked_files += files
-            return _Comparer(locations)
+            return _Comparer(locations, (lambda rank, slot, element: _column_parameter_at(
+                source.spec, target.spec.topology, rank, slot[1], element)) if pipeline_tag is not None else None)
 
         def gather(reader, comparer, finished) -> None:
             reports = transport.all_gather_object((result.problems + comparer.problems, comparer.elements,
@@ -302,6 +316,81 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             transport.close()
 
 
+def _column_parameter_at(spec, topology, rank: int, buffer: int, element: int) -> str | None:
+    """The parameter whose element sits at `element` of flat buffer `buffer` of pipeline rank `rank` of
+    `topology` (its column's ZeRO-1 layout, spec.layout: pieces over the column's parameters end to end),
+    or None in padding."""
+    at = topology.coordinates(rank)
+    layout = spec.layout(topology, topology.tp, at.tp, at.pp)
+    pieces = layout.pieces
+    inside = (pieces.rank == at.dp) & (pieces.buffer == buffer) & (pieces.offset <= element) & \
+        (element < pieces.offset + pieces.length)
+    if not inside.any():
+        return None
+    i = int(np.flatnonzero(inside)[0])
+    position = int(pieces.start[i]) + element - int(pieces.offset[i])
+    ends = np.cumsum(layout.numels)
+    index = int(np.searchsorted(ends, position, side="right"))
+    return layout.params[index].name if index < len(layout.params) else None
+
+
+def _keeps_columns(source_dir: str, destination: str, tag: str) -> bool:
+    """Whether a pipeline output is checked on the main road: the collective job's one predicate
+    (collective_job.keeps_pipeline_columns), asked for the output's (pp, dp, tp). The output's own stage
+    files say which parameters each of its stages holds, so the layer list a reshard's pp change needs
+    is not needed here: the predicate is asked as for a reshard given one."""
+    from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
+    from reshard.jobs.collective_job import keeps_pipeline_columns
+    from reshard.jobs.options import ReshardOptions
+    tag_dir = os.path.join(destination, tag)
+    if not is_pipeline(tag_dir):
+        raise CheckpointError(tag_dir, f"is not a pipeline checkpoint, but {os.path.join(source_dir, tag)} is")
+    pp, dp, tp = saved_pipeline_topology(tag_dir)
+    return keeps_pipeline_columns(ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=True),
+                                  os.path.join(source_dir, tag))
+
+
+def _inspect_pipelines(source_dir: str, destination: str, tag: str, trust_pickle: bool):
+    """(source, output) as deepspeed_pipeline.inspect_pipeline reads them, the output's layer files
+    unread (they are compared with the source's by their bytes)."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    return (inspect_pipeline(source_dir, tag, trust_pickle),
+            inspect_pipeline(destination, tag, trust_pickle, layer_shapes=False))
+
+
+def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pickle: bool
+                           ) -> tuple[SourceCheckpoint, SourceCheckpoint]:
+    """A pipeline source and output as the main road takes them (inspect_pipeline_columns); at another pp
+    the source's target columns are the output's own stages (collective_job.with_target_stages), which
+    `_pipeline_file_problems` checks against the source's parameters and layers."""
+    from reshard.jobs.collective_job import with_target_stages
+    source_pipe, target_pipe = _inspect_pipelines(source_dir, destination, tag, trust_pickle)
+    if target_pipe.bf16 != source_pipe.bf16:
+        raise CheckpointError(target_pipe.tag_dir, f"is not a reshard of {source_pipe.tag_dir}: bf16 prefix differs")
+    source = inspect_pipeline_columns(source_dir, tag, trust_pickle=trust_pickle)
+    target = inspect_pipeline_columns(destination, tag, trust_pickle=trust_pickle, layer_shapes=False)
+    if target_pipe.pp != source_pipe.pp:
+        known = {n for spec in source_pipe.stages for group in spec.names for n in group}
+        for spec in target_pipe.stages:
+            unknown = sorted({n for group in spec.names for n in group} - known)
+            if unknown:
+                raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}:"
+                                                                          f" it holds {unknown}, which no source stage"
+                                                                          " holds")
+        source = with_target_stages(source, source_pipe, [[n for group in spec.names for n in group]
+                                                          for spec in target_pipe.stages],
+                                    [spec.buffer_names for spec in target_pipe.stages])
+    elif target.spec.columns != source.spec.columns:
+        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its stages hold other "
+                                              "parameters or param groups at the same number of stages")
+    for name in ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"):
+        if getattr(source.spec, name) != getattr(target.spec, name):
+            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
+                                                  f"({_clip(getattr(source.spec, name))} vs "
+                                                  f"{_clip(getattr(target.spec, name))})")
+    return source, target
+
+
 def _pipeline_tag(source_dir: str, tag: str | None) -> str | None:
     """The source's tag when it is a pipeline save (reshard.formats.deepspeed_pipeline), else None."""
     from reshard.formats.deepspeed_pipeline import is_pipeline
@@ -318,14 +407,14 @@ def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> Non
                                                   f"({_clip(getattr(a, name))} vs {_clip(getattr(b, name))})")
 
 
-# Pipeline outputs (reshard.jobs.pipeline_job). The job works with whole tensors, so does this
-# check: each target stage's optimizer files are joined by the target's own layout and every
-# parameter's fp32 master and per-element state are compared by name with the source's, which
-# owes nothing to how the job cut them. Keys the job recomputes (partition counts, paddings,
-# slice mappings, world sizes, param_shapes) are checked against the target's own (pp, dp);
-# everything else must equal the source file it came from. Layer files must be the source's bytes.
-# With tp changed (a model axis re-cut by the save's universal_checkpoint_info patterns,
-# reshard.layouts.model_axis), every source tensor is joined whole over the source's model ranks
+# Pipeline outputs at another tp (reshard.jobs.pipeline_job; every other pipeline output is checked
+# through the plan, above). The job works with whole tensors, so does this check: each target stage's
+# optimizer files are joined by the target's own layout and every parameter's fp32 master and
+# per-element state are compared by name with the cut of the source's, which owes nothing to how the
+# job cut them. Keys the job recomputes (partition counts, paddings, slice mappings, world sizes,
+# param_shapes) are checked against the target's own (pp, dp); everything else must equal the source
+# file it came from. The model axis is re-cut by the save's universal_checkpoint_info patterns
+# (reshard.layouts.model_axis): every source tensor is joined whole over the source's model ranks
 # (deepspeed_pipeline.model_axis_states, whose join checks replicated tensors equal) and each
 # target (stage, model rank)'s states, and each target layer file's tensors, must equal the cut
 # of that join for its model rank (`ModelAxisChange`); param_shapes the target's local shapes.
@@ -656,33 +745,21 @@ def _pipeline_file_problems(source, target, change: ModelAxisChange | None = Non
 
 def verify_pipeline_against(destination: str, source_dir: str, tag: str, transport: Transport,
                             trust_pickle: bool = False) -> VerifyResult:
-    """verify --against for a pipeline output: target (stage, model rank) unit u = stage * tp + model
-    checked by worker u % W (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds
-    them), the layer files and the parameter cover by worker 0. With tp changed, each worker joins
-    every source tensor over the model ranks once and compares its units with their cuts
-    (ModelAxisChange)."""
-    from reshard.formats.deepspeed_pipeline import (
-        cut_model_axis_states,
-        inspect_pipeline,
-        is_pipeline,
-        model_axis_states,
-        read_stage,
-        states_by_name,
-    )
+    """verify --against for a pipeline output at another tp (the one case the plan does not take yet,
+    issue 37): target (stage, model rank) unit u = stage * tp + model checked by worker u % W
+    (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds them), the layer files and the
+    parameter cover by worker 0; each worker joins every source tensor over the model ranks once and
+    compares its units with their cuts (ModelAxisChange)."""
+    from reshard.formats.deepspeed_pipeline import cut_model_axis_states, model_axis_states
     from reshard.jobs.pipeline_job import stage_files_written_by
 
     def inspect_both():
-        source = inspect_pipeline(source_dir, tag, trust_pickle)
-        if not is_pipeline(os.path.join(destination, tag)):
-            raise CheckpointError(os.path.join(destination, tag), f"is not a pipeline checkpoint, but "
-                                                                   f"{source.tag_dir} is")
-        # the output's layer files are judged below against the source's (bytes, or the re-cut), so that a
-        # damaged one is reported as a difference rather than refused as unreadable input
-        target = inspect_pipeline(destination, tag, trust_pickle, layer_shapes=False)
+        # the output's layer files are judged below against the source's re-cut, so that a damaged one
+        # is reported as a difference rather than refused as unreadable input
+        source, target = _inspect_pipelines(source_dir, destination, tag, trust_pickle)
         if target.bf16 != source.bf16:
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
-        change = _model_axis_change(source, target, trust_pickle) if target.tp != source.tp else None
-        return source, target, change
+        return source, target, _model_axis_change(source, target, trust_pickle)
     source, target, change = on_rank0(transport, inspect_both)
     result = VerifyResult(destination, tag, "against source")
     problems, files, elements = [], 0, 0
@@ -690,19 +767,12 @@ def verify_pipeline_against(destination: str, source_dir: str, tag: str, transpo
         problems, files = save_dir_files.differences(source.save_dir, target.save_dir)
         more, checked = _pipeline_file_problems(source, target, change, trust_pickle)
         problems, files = problems + more, files + checked
-    column, source_states, joined = None, {}, None
+    joined = None
     for stage, model in stage_files_written_by(target.pp, target.tp, transport.size)[transport.rank]:
-        if change is not None:  # every source tensor joined whole over the model ranks once, as the job
-            if joined is None:
-                joined = model_axis_states(source, change.rules, trust_pickle)[1]
-            names = [name for group in target.stages[stage].names for name in group if name in joined]
-            source_states = cut_model_axis_states(joined, change.rules, names, target.tp, model)
-        elif model != column:  # whole tensors, as the job: every source stage of the model rank's column joined once
-            column, source_states = model, {}
-            for index, spec in enumerate(source.stages):
-                _, masters, moments = read_stage(source, index, trust_pickle, model)
-                for name, states in states_by_name(spec, masters, moments).items():
-                    source_states.setdefault(name, states)
+        if joined is None:  # every source tensor joined whole over the model ranks once, as the job
+            joined = model_axis_states(source, change.rules, trust_pickle)[1]
+        names = [name for group in target.stages[stage].names for name in group if name in joined]
+        source_states = cut_model_axis_states(joined, change.rules, names, target.tp, model)
         more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle, model,
                                                            change)
         problems, files, elements = problems + more, files + checked, elements + compared

@@ -456,9 +456,18 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     engine = build_engine(args.pp, args.precision, seed=777, universal=args.universal, frozen=args.frozen,
                           groups=args.groups, mp=args.mp, info=args.info)
     rank = int(os.environ["RANK"])
+    note = ""
     if in_job:  # reshard's in-job API: the source's own files, rebuilt in memory for this engine
+        import contextlib
+        import io
+
         import reshard.deepspeed
-        path, client = reshard.deepspeed.load_checkpoint(engine, load)
+        budget = {"memory_budget": args.in_job_budget} if args.in_job_budget else {}
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # its summary line (rounds) goes into the verdict too
+            path, client = reshard.deepspeed.load_checkpoint(engine, load, **budget)
+        note = printed.getvalue()
+        print(note, end="", flush=True)
     else:
         path, client = engine.load_checkpoint(load)
     truths = [torch.load(os.path.join(args.truth, name), weights_only=True) for name in sorted(os.listdir(args.truth))]
@@ -505,7 +514,7 @@ def check_one(args, load: str, verdict_path: str, in_job: bool) -> None:
     engine.train_batch(data_iter=iter([batch(9000 + i) for i in range(GRAD_ACCUM)]))
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {"rank": rank, "checked": len(got), "problems": problems,
-                                                   "loss": loss, "saved_loss": truths[0]["loss"]})
+                                                   "loss": loss, "saved_loss": truths[0]["loss"], "note": note})
     if rank == 0:
         verdict = {"ok": all(not g["problems"] for g in gathered), "ranks": gathered}
         with open(verdict_path + ".tmp", "w") as out:
@@ -550,6 +559,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--universal", action="store_true", help="check: load a ds_to_universal output")
     parser.add_argument("--in-job", action="store_true", help="check: load through reshard.deepspeed.load_checkpoint")
+    parser.add_argument("--in-job-budget", type=int, help="check: the in-job loads' memory_budget (bytes)")
     parser.add_argument("--also", nargs=3, action="append", default=[], metavar=("LOAD", "VERDICT", "MODE"),
                         help="check: one more save (MODE plain, in-job or universal), in a fresh engine, same truth")
     parser.add_argument("--more", nargs=3, action="append", default=[], metavar=("VARIANT", "SAVE", "TRUTH"),

@@ -166,7 +166,10 @@ CASES = [
 # Each also loads its source in-job (reshard.deepspeed.load_checkpoint) at the target (pp, dp), in the
 # launch that judges the cases there (`judged`): one more engine in a launch that runs anyway.
 SHARED_WITH_IN_JOB = ("fp32", (2, 1), (1, 2), 1)
-IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
+# the in-job loads' memory_budget: far below one stage's optimizer files (at least 19 KB of masters and
+# moments on each save's smallest stage), so each load takes several rounds
+IN_JOB_BUDGET = 4096
+IN_JOB_CASES = [SHARED_WITH_IN_JOB, ("fp32", (2, 1), (2, 2), 2), ("fp32-groups", (2, 2), (1, 2), 1), ("fp32-groups", (2, 2), (3, 1), 2),
                 ("fp32-frozen", (2, 2), (4, 1), 2), ("fp16", (2, 2), (1, 1), 1), ("bf16", (2, 2), (3, 1), 2)]
 
 
@@ -234,6 +237,7 @@ def judge_at(pipeline_runs, tmp_path_factory, cases, in_job=IN_JOB_CASES) -> dic
         (_, _, variant, load, truth, verdict, mode), *more = group
         run_torchrun(HARNESS, world, ["check", "--pp", target[0], *harness_flags(variant), "--truth", truth,
                                       "--load", load, "--verdict", verdict, *(["--in-job"] if mode == "in-job" else []),
+                                      "--in-job-budget", IN_JOB_BUDGET,
                                       *[str(arg) for j in more for arg in ("--judge", *j[2:])]],
                      expect_files=[j[5] for j in group], timeout=500)
     alone = judgings if len(judgings) == 1 else []
@@ -369,13 +373,22 @@ def test_in_job_load_of_a_pipeline_save_delegates_at_its_topology_and_refuses_a_
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", IN_JOB_CASES, ids=lambda case: f"{case[0]}-{case[1]}-to-{case[2]}")
-def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(judged, case):
+def test_in_job_load_rebuilds_a_pipeline_save_for_an_engine_at_another_pp_and_dp(judged, pipeline_runs, case):
     # through reshard.deepspeed.load_checkpoint on the source itself, in the check launch at the target it
     # shares with the offline output's; the verdict compares every master and moment (a frozen weight
     # and a buffer by value), loss, counters, lr and each param group's hyperparameters, client_state
+    # under IN_JOB_BUDGET, through the plan and execute() by rounds (reshard.deepspeed prints how many)
+    save_dir, _ = pipeline_runs(case[0], *case[1])
+    stage_bytes = {}  # each stage's (mp rank's) optimizer files together
+    for path in (save_dir / "step3").glob("*optim_states.pt"):
+        stage = re.search(r"mp_rank_(\d+)", path.name)[1]
+        stage_bytes[stage] = stage_bytes.get(stage, 0) + os.path.getsize(path)
+    assert min(stage_bytes.values()) > 4 * IN_JOB_BUDGET, stage_bytes
     result = _verdict(judged(case)["in_job"])
     assert result["ok"], result
     assert sum(rank["checked"] for rank in result["ranks"]) >= 9
+    rounds = re.search(r"in-job in (\d+) round\(s\)", result["ranks"][0]["note"])
+    assert rounds and int(rounds[1]) > 1, result["ranks"][0]["note"]
 
 
 def test_in_job_load_of_a_plain_save_is_not_taken_for_a_pipeline(tmp_path):
@@ -584,7 +597,9 @@ def test_verify_against_passes_a_pipeline_output_and_names_what_was_corrupted(pi
     _rewrite(optim, bump_one_exp_avg)
     found = verify(moment)
     assert not found.ok
-    assert any(p.startswith(f"{optim}: ") and "exp_avg: 1 of" in p for p in found.problems), found.summary()
+    # the main road's words (the plan's flat buffer), with the parameter the element belongs to
+    assert any(p.startswith(f"{optim}: ") and "exp_avg of flat buffer 0: 1 of" in p and re.search(r", in \S+\)$", p)
+               for p in found.problems), found.summary()
 
     counter = out.parent / "counter"
     shutil.copytree(out, counter)
@@ -718,3 +733,33 @@ def test_pipeline_writers_replace_a_symlink_planted_in_staging_and_write_what_to
     assert sorted(os.listdir(tag)) == sorted(names) and os.listdir(tag.parent) == ["step3"]  # no scratch left
     with pytest.raises(OptionError, match="refusing to write outside the destination"):
         write_named_file(str(tag), str(tmp_path / "elsewhere.pt"), lambda path: torch.save(model, path))
+
+
+@pytest.mark.e2e
+def test_in_job_target_stages_are_the_engines_and_a_differing_engine_is_refused_by_name(pipeline_runs):
+    # what the in-job load plans from (reshard.deepspeed.pipeline_columns_for_engine), given every rank's
+    # stage as _engine_stage gathers it: the shared (2, 1) fp32 session save (no training of its own) for an
+    # engine at (pp, dp) (1, 2) whose one stage holds every parameter once; then an engine with a parameter
+    # the save lacks, one with the parameters in another param group, and one with another shape
+    from reshard.deepspeed import pipeline_columns_for_engine
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_shapes
+    from reshard.topology import Topology
+    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    pipe = inspect_pipeline(str(save_dir), "step3")
+    shapes = source_shapes(pipe)
+    names = list(dict.fromkeys(n for spec in pipe.stages for group in spec.names for n in group))
+    target = Topology(dp=2, pp=1)
+
+    def engine(names_per_group, shapes=shapes):
+        return [(0, 0, d, names_per_group, {n: tuple(shapes.get(n, (1,))) for g in names_per_group for n in g}, ())
+                for d in range(2)]
+    source = pipeline_columns_for_engine(pipe, target, engine([names]), False)
+    [(params, groups)] = source.spec.target_columns
+    assert [p.name for p in params] == names and groups == (tuple(range(len(names))),)
+    model = f"{save_dir}/step3/mp_rank_00_model_states.pt"
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + ".*holds no parameter 9.weight, which stage 0"):
+        pipeline_columns_for_engine(pipe, target, engine([names + ["9.weight"]]), False)
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + ".*has 1 optimizer param group.*this engine has 2"):
+        pipeline_columns_for_engine(pipe, target, engine([names[:2], names[2:]]), False)
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + f".*holds {names[1]} of shape"):
+        pipeline_columns_for_engine(pipe, target, engine([names], {**shapes, names[1]: (3, 3)}), False)

@@ -126,8 +126,9 @@ def _verify_against_catches_a_model_rank_mix_up(out, save_dir, workers: int, dp:
     found = verify(swapped)
     assert not found.ok
     sliced = ("1.weight", "1.bias", "3.weight")  # the parameters whose values differ per model rank
-    assert any(p.startswith(tuple(f"{first}: {name} fp32: " for name in sliced)) for p in found.problems), \
-        found.summary()
+    # the main road's words (state, flat buffer) and the parameter the first differing element belongs to
+    assert any(p.startswith(f"{first}: fp32 of flat buffer ") and p.endswith(tuple(f", in {name})" for name in sliced))
+               for p in found.problems), found.summary()
 
 
 # (target (pp, dp), workers): pp down with dp up, W=3 differing from both worlds (4 and 4); and the

@@ -952,18 +952,19 @@ def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:
 
 
 def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
-                             read_tensors: bool = True) -> SourceCheckpoint:
+                             read_tensors: bool = True, layer_shapes: bool = True) -> SourceCheckpoint:
     """A PipelineModule save as the main road takes it when its stages and model ranks are kept
     (docs/architecture.md, "One road"): each column (stage s, model rank m; mp index s * tp + m) is a
     ZeRO-1 save over its stage's own parameters, so the spec holds each column's (params, groups)
     (`CheckpointSpec.columns`), its topology (dp, tp, pp), and the source keeps each column's dp rank 0
     trees as templates; the layer files travel unchanged, as `other_files`. The save's structure is
     checked first as the pipeline job checks it (deepspeed_pipeline.inspect_pipeline, which refuses
-    parameter alignment and round-robin gradients)."""
+    parameter alignment and round-robin gradients). `layer_shapes=False`: the layer files are not read
+    (verify --against compares an output's layer files with the source's, and reports a damaged one)."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
-    pipe = inspect_pipeline(save_dir, tag, trust_pickle)
+    pipe = inspect_pipeline(save_dir, tag, trust_pickle, layer_shapes=layer_shapes)
     tag_dir = os.path.join(save_dir, tag)
     topology = Topology(dp=pipe.dp, tp=pipe.tp, pp=pipe.pp)
     columns, templates, carried, everything, spec = [], [], {}, [], None

@@ -261,25 +261,36 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
     options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list), each
     target column's (params, groups) and each stage's buffers set on the spec (`target_columns`), the
     target topology at the new pp, and a note saying how the layers were re-assigned."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_groups, source_shapes
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from reshard.jobs.pipeline_job import pipeline_target
-    from reshard.layouts.pipeline import split_by_group
-    from reshard.layouts.zero import ParamSpec
     pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     stages = pipeline_target(opts, pipe).stages
-    shapes, (count, group_of) = source_shapes(pipe), source_groups(pipe)
-    columns = []
-    for names in stages.names:
-        index = {name: i for i, name in enumerate(names)}
-        column = (tuple(ParamSpec(name, tuple(int(d) for d in shapes[name])) for name in names),
-                  tuple(tuple(index[name] for name in group) for group in split_by_group(names, group_of, count)))
-        columns += [column] * pipe.tp
-    spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=stages.buffer_names)
     kept = checkpoint_target(dataclasses.replace(opts, target_pp=None), source)
     target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names)))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
-    return dataclasses.replace(source, spec=spec), target, [note]
+    return with_target_stages(source, pipe, stages.names, stages.buffer_names), target, [note]
+
+
+def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names) -> SourceCheckpoint:
+    """`source` (inspect_pipeline_columns) with the target stages set on its spec (`target_columns`):
+    per target stage its parameter `names` and persistent `buffer_names`, each stage's column repeated
+    for the save's model ranks, the shapes and param groups the save's (`pipe`: inspect_pipeline). The
+    offline job takes the stages from the layer list (pipeline_stage_change), the in-job load from the
+    engine's own stages (reshard.deepspeed), verify --against from the output's (reshard.verify)."""
+    from reshard.formats.deepspeed_pipeline import source_groups, source_shapes
+    from reshard.layouts.pipeline import split_by_group
+    from reshard.layouts.zero import ParamSpec
+    shapes, (count, group_of) = source_shapes(pipe), source_groups(pipe)
+    columns = []
+    for stage_names in names:
+        index = {name: i for i, name in enumerate(stage_names)}
+        column = (tuple(ParamSpec(name, tuple(int(d) for d in shapes[name])) for name in stage_names),
+                  tuple(tuple(index[name] for name in group)
+                        for group in split_by_group(stage_names, group_of, count)))
+        columns += [column] * pipe.tp
+    spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=tuple(buffer_names))
+    return dataclasses.replace(source, spec=spec)
 
 
 def tensor_parallel_notes(spec) -> list[str]:
