@@ -11,7 +11,10 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
-A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target (stage, model rank) unit
+A DeepSpeed PipelineModule save that the collective job takes through the plan (its model ranks
+kept: `_PipelineColumnsUnit`, chosen by the collective job's own `pipeline_on_road`) is dealt the same
+way, over every target rank (stage, dp rank, model rank), its layer files copied. One with a tp change
+(`_PipelineUnit`, the whole-tensor road issue 37 retires) is dealt by target (stage, model rank) unit
 instead: a unit's model-states file and optimizer files are built together from its whole tensors
 (reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one unit (a stage,
 without a model axis) is one item (`stage_item`), dealt by size with the layer files, which are
