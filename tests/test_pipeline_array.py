@@ -228,6 +228,12 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(requ
     if on_road:  # by rounds under the budget: every task that wrote a target file moved it in several
         rounds = [r.checkpoints[0].rounds for r in (*results, retried) if r.checkpoints[0].reports[0].target_ranks]
         assert rounds and min(rounds) > 1, rounds
+        # each task reads only the source bytes its files hold (and copies its layer files): together no
+        # more than the output's bytes
+        reports = [r.checkpoints[0].reports[0] for r in (*results, retried)]
+        read = sum(r.bytes_read + r.bytes_carried for r in reports)
+        output = sum(p.stat().st_size for p in (destination / "step3").iterdir() if p.suffix == ".pt")
+        assert 0 < read <= output, (read, output)
     for name, before in kept.items():
         after = os.stat(destination / "step3" / name)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name
