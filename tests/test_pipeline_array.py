@@ -111,22 +111,30 @@ def test_pipeline_items_are_dealt_whole_once_each_deterministically(tmp_path, so
 
 
 @pytest.mark.e2e
-def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(pipeline_runs, tmp_path):
+def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(tp_saves, tmp_path):
+    """A tp change, the one pipeline case array tasks still build from whole tensors (a dp or pp change
+    runs on the plan, by rounds, test_array_tasks_out_of_order_one_retried_publish_the_collective_output)."""
     from reshard.jobs.collective_job import run_job
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
+    save_dir, _ = tp_saves["fp32-mp2u"]
     for task in range(2):
-        with pytest.raises(OptionError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: pipeline checkpoints are "
+        with pytest.raises(OptionError, match=r"optim_states.pt: pipeline checkpoints are "
                                               r"resharded with whole tensors .* array task \d would hold about"):
             run_job(ReshardOptions(source=str(save_dir), destination=str(tmp_path / "out"), target_dp=2,
-                                   array_task=task, array_tasks=2, memory_budget="1K", **BATCH_SETTINGS_CHANGE).validate())
+                                   target_tp=1, target_pp=2, array_task=task, array_tasks=2, memory_budget="1K",
+                                   **PP_CHANGE, **BATCH_SETTINGS_CHANGE).validate())
     assert not (tmp_path / "out").exists()
+
+
+ON_ROAD_BUDGET = "4K"
+"""The budget array tasks on the plan run under (test_pipeline_stage_change's): many rounds per task, where
+the whole-tensor builders refuse anything below a unit's tensors."""
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("variant, target, tasks, options", [
     ("fp32", (2, 3), 2, {}), ("fp32", (3, 2), 3, {"target_pp": 3, **PP_CHANGE}),
-    # the model-axis save of tests/test_pipeline_model_axis.py ((pp, tp, dp) = (2, 2, 1)): its units are
-    # (stage, model rank) pairs, each model rank's column joined for the new stage
+    # the model-axis save of tests/test_pipeline_model_axis.py ((pp, tp, dp) = (2, 2, 1)): tp kept, pp 2 -> 1,
+    # its target files (stage, dp rank, model rank) dealt one by one
     ("fp32-mp2", (1, 2), 3, {"target_pp": 1, **PP_CHANGE}),
     # conftest `tp_saves`' Megatron-style (2, 2, 1) save to tp 1: each layer index's files re-cut, one item
     # (the source's two slices per layer, copied, would publish wrong files with exit 0)
@@ -134,58 +142,98 @@ def test_a_memory_budget_no_array_task_can_hold_is_refused_by_every_task(pipelin
     ids=["dp-change", "pp-change", "model-axis-pp-change", "tp-change"])
 def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(request, tmp_path, monkeypatch,
                                                                             variant, target, tasks, options):
+    """The cases collective_job.keeps_pipeline_columns accepts (model ranks kept) run on the plan: each
+    task's target files through the one-worker plan restricted to them, under a 4 KiB --memory-budget
+    (by rounds); a tp change still on the whole-tensor builders, at the default budget. Either way one
+    task fails mid-share (the disk fills), the others run in reverse order, and the re-run task
+    publishes the collective job's output (pinned in tests/test_pipeline_pinned.py) file for file."""
     import torch
 
+    import reshard.formats.target_writer as target_writer
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
-    from reshard.jobs.array_job import publish_main
-    from reshard.jobs.collective_job import run_job
+    from reshard.jobs.array_job import inspect_unit, publish_main
+    from reshard.jobs.collective_job import pipeline_on_road, run_job
     from reshard.jobs.pipeline_job import pipeline_target
+    from reshard.jobs.runs import Unit
     save_dir, _ = (request.getfixturevalue("tp_saves")[variant] if "target_tp" in options
                    else request.getfixturevalue("pipeline_runs")(variant, 2, 1))
     options = {**options, **BATCH_SETTINGS_CHANGE}  # the save's train_batch_size is for dp 1
+    on_road = "target_tp" not in options
     dp = target[1]
     expected, destination = tmp_path / "collective", tmp_path / "array"
     reshard_in_threads(save_dir, expected, dp, 2, **options)
 
     def opts(task: int) -> ReshardOptions:
         return ReshardOptions(source=str(save_dir), destination=str(destination), target_dp=dp, array_task=task,
-                              array_tasks=tasks, quiet=True, **options).validate()
+                              array_tasks=tasks, quiet=True, **options,
+                              **({"memory_budget": ON_ROAD_BUDGET} if on_road else {})).validate()
 
-    # the task to fail: one dealt a unit and some layer files
-    source = inspect_pipeline(str(save_dir), "step3")
-    planned = pipeline_target(opts(0), source)
-    tp = planned.topology.tp
-    items = pipeline_files(0, source, planned)
+    # the task to fail: one dealt a target file (or unit) and some copied or re-cut layer files
+    if on_road:
+        job = inspect_unit(opts(0), Unit(str(save_dir), "step3", str(destination), "step3"), pipeline_on_road)
+        assert job.source.spec.columns is not None  # on the plan, not the whole-tensor builders
+        items = job.files(0)
+
+        def names_of(item):
+            return [item.name]
+        tp = job.target.tp
+    else:
+        source = inspect_pipeline(str(save_dir), "step3")
+        planned = pipeline_target(opts(0), source)
+        tp = planned.topology.tp
+        items = pipeline_files(0, source, planned)
+
+        def names_of(item):
+            return item_file_names(item, source, planned)
     owners = deal_files(items, tasks)
     failing = next(t for t in range(tasks) if {f.rank is None for f, o in zip(items, owners) if o == t} == {True, False})
-    unit = next(f for f, o in zip(items, owners) if o == failing and f.rank is not None)
-    # layer items, written before the units: copied files, or with tp changed each index's re-cut files
+    its_targets = [f for f, o in zip(items, owners) if o == failing and f.rank is not None]
+    # layer items, written before the target files: copied files, or with tp changed each index's re-cut files
     its_layers = [f for f, o in zip(items, owners) if o == failing and f.rank is None]
     its_items = owners.count(failing)
-    # the disk fills as the task saves its unit's second file (dp rank 0's optimizer file)
-    unit_files = item_file_names(unit, source, planned)
-    fills_at = unit_files[1]
-    save = torch.save
+    if on_road:  # the disk fills as the task creates its second target file (the first is begun, never done)
+        assert len(its_targets) > 1, its_targets
+        fills_at = its_targets[1].name
+        begun = [f.name for f in its_targets if f.rank == min(t.rank for t in its_targets)][0]
+        skeleton = target_writer.write_tree_skeleton
 
-    def save_until_full(obj, path, *args, **kwargs):
-        if os.path.basename(str(path)) == fills_at:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return save(obj, path, *args, **kwargs)
+        def skeleton_until_full(path, *args, **kwargs):
+            if os.path.basename(str(path)) == fills_at:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return skeleton(path, *args, **kwargs)
+        monkeypatch.setattr(target_writer, "write_tree_skeleton", skeleton_until_full)
+    else:  # the disk fills as the task saves its unit's second file (dp rank 0's optimizer file)
+        unit_files = names_of(its_targets[0])
+        fills_at, begun = unit_files[1], unit_files[0]
+        save = torch.save
 
-    monkeypatch.setattr(torch, "save", save_until_full)
+        def save_until_full(obj, path, *args, **kwargs):
+            if os.path.basename(str(path)) == fills_at:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return save(obj, path, *args, **kwargs)
+        monkeypatch.setattr(torch, "save", save_until_full)
     with pytest.raises(ReshardError, match=f"re-run array task {failing} to write the rest"):
         run_job(opts(failing))
     monkeypatch.undo()
     staged = destination / ".reshard-staging" / "step3"
     kept = {name: os.stat(staged / name) for f in its_layers  # marked done: a re-run must leave them
-            for name in item_file_names(f, source, planned)}
-    assert (staged / unit_files[0]).is_file()  # the unit was begun, not finished
-    for task in reversed([t for t in range(tasks) if t != failing]):
-        run_job(opts(task))
+            for name in names_of(f)}
+    if begun != fills_at:
+        assert (staged / begun).is_file()  # begun, not finished
+    results = [run_job(opts(task)) for task in reversed([t for t in range(tasks) if t != failing])]
     assert publish_main([str(destination)]) == 1 and not (destination / "latest").exists()
     retried = run_job(opts(failing))
     assert f"{len(its_layers)} of this task's {its_items} file(s) were already done" in retried.summary()
     assert "this task completed the set" in retried.summary()
+    if on_road:  # by rounds under the budget: every task that wrote a target file moved it in several
+        rounds = [r.checkpoints[0].rounds for r in (*results, retried) if r.checkpoints[0].reports[0].target_ranks]
+        assert rounds and min(rounds) > 1, rounds
+        # each task reads only the source bytes its files hold (and copies its layer files): together no
+        # more than the output's bytes
+        reports = [r.checkpoints[0].reports[0] for r in (*results, retried)]
+        read = sum(r.bytes_read + r.bytes_carried for r in reports)
+        output = sum(p.stat().st_size for p in (destination / "step3").iterdir() if p.suffix == ".pt")
+        assert 0 < read <= output, (read, output)
     for name, before in kept.items():
         after = os.stat(destination / "step3" / name)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name

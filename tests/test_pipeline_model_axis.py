@@ -232,15 +232,17 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     assert ("mp_rank_00_model_states.pt: is a pipeline save with a model axis (tp 2); the export joins each tensor "
             "over the model ranks by the universal_checkpoint_info patterns of its client state") in run.stderr
     assert not (tmp_path / "export").exists()
-    # an array task's items are (stage, model rank) units (tests/test_pipeline_array.py proves the output):
-    # its dry run names each unit's files by its mp_rank_XX, every unit dealt to one of the two tasks
+    # a dp change with the model ranks kept: an array task's items are target files, on the plan
+    # (tests/test_pipeline_array.py proves the output): its dry run names each file of each (stage, model
+    # rank) by its mp_rank_XX, every file dealt to exactly one of the two tasks
     planned = [reshard_in_process(save_dir, tmp_path / "array", "--target-dp", "2", "--ignore-batch-config",
                                   "--array-task", task,
                                   "--array-tasks", "2", "--dry-run") for task in (0, 1)]
     assert [run.returncode for run in planned] == [0, 0], [run.stderr for run in planned]
     for unit in range(4):
-        assert sum(f"mp_rank_{unit:02d}_model_states.pt, zero_pp_rank_0_mp_rank_{unit:02d}_optim_states.pt, "
-                   f"zero_pp_rank_1_mp_rank_{unit:02d}_optim_states.pt" in run.stdout for run in planned) == 1, unit
+        for name in (f"mp_rank_{unit:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{unit:02d}_optim_states.pt",
+                     f"zero_pp_rank_1_mp_rank_{unit:02d}_optim_states.pt"):
+            assert sum(name in run.stdout for run in planned) == 1, name
     assert not (tmp_path / "array").exists()
     assert pipeline_to_load(str(save_dir), None, (2, 1, 2)) == "step3"  # DeepSpeed's own load at the save's (pp, dp, tp)
     in_job = pipeline_to_load(str(save_dir), None, (1, 2, 2))  # rebuilt per model rank (judged in the test above)

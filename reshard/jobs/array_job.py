@@ -11,7 +11,10 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
-A DeepSpeed PipelineModule save (`_PipelineUnit`) is dealt by target (stage, model rank) unit
+A DeepSpeed PipelineModule save that the collective job takes through the plan (its model ranks
+kept: `_PipelineColumnsUnit`, chosen by the collective job's own `pipeline_on_road`) is dealt the same
+way, over every target rank (stage, dp rank, model rank), its layer files copied. One with a tp change
+(`_PipelineUnit`, the whole-tensor road issue 37 retires) is dealt by target (stage, model rank) unit
 instead: a unit's model-states file and optimizer files are built together from its whole tensors
 (reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one unit (a stage,
 without a model axis) is one item (`stage_item`), dealt by size with the layer files, which are
@@ -180,7 +183,7 @@ def _tensor_bytes(tree) -> int:
 def files_of(unit_index: int, source: SourceCheckpoint, target: Topology, carried=()) -> list[ArrayFile]:
     """Every file of one checkpoint's output, weighed; `carried` (save-directory files) count as one item."""
     files = [ArrayFile(unit_index, file.name, _tensor_bytes(file.tree), rank)
-             for rank in range(target.dp) for file in target_files(source, target, rank)]
+             for rank in range(target.world_size) for file in target_files(source, target, rank)]
     files += [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
               for name in sorted(source.other_files)]
     if carried:
@@ -259,12 +262,20 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def _inspect(opts: ReshardOptions, unit: Unit) -> "_ZeroUnit | _PipelineUnit":
-    """One checkpoint inspected, its target worked out, and the options checked against it."""
+def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_ZeroUnit | _PipelineUnit":
+    """One checkpoint inspected, its target worked out, and the options checked against it.
+    `pipeline_on_road(opts, save_dir, tag)`: (source, target, notes) of a pipeline save the plan takes,
+    else None (reshard.jobs.collective_job.pipeline_on_road: the collective job's own predicate)."""
     check_paths(unit.source, unit.destination)
     if is_pipeline(os.path.join(unit.source, unit.tag)):
+        on_road = pipeline_on_road(opts, unit.source, unit.tag) if pipeline_on_road is not None else None
+        if on_road is not None:  # through the plan, as the collective job
+            source, target, notes = on_road
+            carried = save_dir_files.list_save_dir_files(source.save_dir)
+            return _PipelineColumnsUnit(source, target.topology, carried,
+                                        notes + preflight(opts, source, target.topology, carried))
         source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        return _PipelineUnit(source, pipeline_target(opts, source))
+        return _PipelineUnit(source, pipeline_target(opts, source))  # a tp change: whole tensors (issue 37)
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     refuse_experts(source, "SLURM array mode for")
@@ -273,14 +284,15 @@ def _inspect(opts: ReshardOptions, unit: Unit) -> "_ZeroUnit | _PipelineUnit":
     return _ZeroUnit(source, target, carried, preflight(opts, source, target, carried))
 
 
-def run_array_task(opts: ReshardOptions) -> ReshardResult:
-    """Run task `opts.array_task` of `opts.array_tasks`, then publish whatever is complete."""
+def run_array_task(opts: ReshardOptions, pipeline_on_road=None) -> ReshardResult:
+    """Run task `opts.array_task` of `opts.array_tasks`, then publish whatever is complete.
+    `pipeline_on_road`: as `inspect_unit` takes it (None: every pipeline save on the whole-tensor builders)."""
     started = time.perf_counter()
     task, tasks = opts.array_task, opts.array_tasks
     check_paths(opts.source, opts.destination)
     units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
     result = ReshardResult(notes=notes)
-    inspected = [_inspect(opts, unit) for unit in units]
+    inspected = [inspect_unit(opts, unit, pipeline_on_road) for unit in units]
     files = [f for index, job in enumerate(inspected) for f in job.files(index)]
     owners = deal_files(files, tasks)
     shares = []
@@ -340,8 +352,21 @@ class _ZeroUnit:
     def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
         pass  # the rounds keep every task within --memory-budget
 
+    def output(self, opts: ReshardOptions, unit: Unit) -> ArrayOutput:
+        """What the set is: its fingerprint, manifest entries and where its copied files come from."""
+        source, carried = self.source, self.carried
+        names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                                   | set(save_dir_files.manifest_names(carried)))
+        return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
+                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp),
+                           manifest_source_entry(source, identity),
+                           {"dp_world_size": opts.target_dp, "stage": source.spec.stage},
+                           outputs_of(unit.destination, source.save_dir, opts.target_dp), carried,
+                           list(source.other_dirs))
+
     def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
-        source, target, carried = self.source, self.target, self.carried
+        source, target = self.source, self.target
         started = time.perf_counter()
         spec = source.spec
         plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
@@ -356,19 +381,39 @@ class _ZeroUnit:
         if opts.dry_run:
             result.notes.append(_dry_run_note(opts, mine, [f.name for f in mine]))
             return result
-        names = [n for r in range(spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
-        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
-                                   | set(save_dir_files.manifest_names(carried)))
-        output = ArrayOutput(source.tag, source.tag_dir, source.save_dir,
-                             output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp),
-                             manifest_source_entry(source, identity),
-                             {"dp_world_size": opts.target_dp, "stage": spec.stage},
-                             outputs_of(unit.destination, source.save_dir, opts.target_dp), carried,
-                             list(source.other_dirs))
+        output = self.output(opts, unit)
 
         def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
             return _write_targets(opts, source, target, tag_dir, array_dir, targets, report)
         return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
+
+
+@dataclass
+class _PipelineColumnsUnit(_ZeroUnit):
+    """A PipelineModule save that the collective job takes through the plan
+    (collective_job.keeps_pipeline_columns: model ranks kept; dp changed, or pp with a layer list): its
+    target files dealt one by one over every target rank (stage, dp rank, model rank) and each written
+    through the one-worker plan restricted to it, as a ZeRO save's; the layer files copied as they are.
+    Fingerprint and manifest are the collective job's (collective_job._describe_output, _publish), so the
+    set publishes the same bytes."""
+
+    def output(self, opts: ReshardOptions, unit: Unit) -> ArrayOutput:
+        source, target = self.source, self.target
+        names = [n for r in range(source.spec.topology.world_size) for n in map(os.path.basename,
+                                                                                 source.source_files(r))]
+        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
+                                   | set(save_dir_files.manifest_names(self.carried)))
+        placement = None  # as the collective job's fingerprint: what decides the new stages, with another pp
+        if source.spec.target_columns is not None:
+            placement = {"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+                         "partition": opts.pipeline_partition}
+        return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
+                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, None,
+                                              placement=placement),
+                           {**source.manifest_source, "files": identity},
+                           {"dp_world_size": opts.target_dp, "pp": target.pp, "tp": target.tp, "stage": 1},
+                           outputs_of(unit.destination, source.save_dir, opts.target_dp, 1, 1), self.carried,
+                           list(source.other_dirs))
 
 
 PIPELINE_STAGE = ".reshard-pipeline-stage-"
@@ -559,7 +604,7 @@ def _plan_for_share(source: SourceCheckpoint, target: Topology, opts: ReshardOpt
     share keeps only its own ranks' parts, so the plan is made with the budget scaled by
     M / (ranks in the share): once restricted, a round holds at most a third of the real budget."""
     ranks = {rank for rank, _ in locations}
-    scale = target.dp / max(1, len(ranks))
+    scale = target.world_size / max(1, len(ranks))
     return plan_reshard(source.spec, target, 1, int(opts.memory_budget * scale), tabulated=True)
 
 
@@ -569,7 +614,7 @@ def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: st
     Returns the number of rounds that moved data."""
     ranks = sorted({f.rank for f in targets})
     per_rank = 2 if source.spec.stage == 3 else 1
-    ensure_open_files(per_rank * source.spec.dp_world_size + len(targets) + 1)
+    ensure_open_files(per_rank * source.spec.topology.world_size + len(targets) + 1)
     writer = TargetWriter.create(source, tag_dir, target, ranks, only={f.name for f in targets})
     try:
         share = restrict_to_files(_plan_for_share(source, target, opts, writer.locations), writer.locations)

@@ -107,7 +107,7 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     phase began (the command line passes its process's start), else this call."""
     if opts.array_tasks is not None:  # one SLURM array task: no transport, no peers
         from reshard.jobs.array_job import run_array_task
-        return run_array_task(opts)
+        return run_array_task(opts, pipeline_on_road)
     clock = PhaseClock(started)
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
@@ -204,15 +204,12 @@ class WholeWorld:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
             tag_dir = os.path.join(unit.source, unit.tag)
-            inspect = inspect_pipeline_columns if is_pipeline(tag_dir) else \
-                inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else \
-                inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
-            source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-            stages = []
-            if source.spec.columns is not None and opts.target_pp not in (None, source.spec.topology.pp):
-                source, target, stages = pipeline_stage_change(opts, source)
+            if is_pipeline(tag_dir):  # one that keeps its columns (keeps_pipeline_columns)
+                source, target, stages = inspect_pipeline_target(opts, unit.source, unit.tag)
             else:
-                target = checkpoint_target(opts, source)
+                inspect = inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else inspect_checkpoint
+                source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+                target, stages = checkpoint_target(opts, source), []
             carried = save_dir_files.list_save_dir_files(source.save_dir)
             return source, target, carried, stages + preflight(opts, source, target.topology, carried)
 
@@ -253,6 +250,27 @@ def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
     pp, _, tp = saved_pipeline_topology(tag_dir)
     return (opts.target_pp in (None, pp) or bool(opts.pipeline_layers)) and opts.target_tp in (None, tp) \
         and opts.target_stage is None
+
+
+def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
+                            ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of a pipeline save `keeps_pipeline_columns` accepts: inspected as columns
+    (inspect_pipeline_columns) and its target worked out once, the target stages with another pp
+    (`pipeline_stage_change`). What every job kind that takes such a save through the plan calls
+    (WholeWorld.inspect; array tasks, reshard.jobs.array_job)."""
+    source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    if opts.target_pp not in (None, source.spec.topology.pp):
+        return pipeline_stage_change(opts, source)
+    return source, checkpoint_target(opts, source), []
+
+
+def pipeline_on_road(opts: ReshardOptions, save_dir: str, tag: str
+                     ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]] | None:
+    """`inspect_pipeline_target` of a pipeline save that `keeps_pipeline_columns` accepts, else None: what
+    a job kind below this module (array tasks, node-local) is handed, so the predicate stays one."""
+    if not keeps_pipeline_columns(opts, os.path.join(save_dir, tag)):
+        return None
+    return inspect_pipeline_target(opts, save_dir, tag)
 
 
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
