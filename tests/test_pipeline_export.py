@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
-from reshard.export.pipeline_export import module_tensors
+from reshard.export.pipeline_layout import module_tensors
 from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage
 
 HARNESS = "tests.pipeline_run"

@@ -653,7 +653,7 @@ UNIVERSAL_KEYS = {name: ["param"] if name.startswith(("tied_modules.", "3.bias",
 
 
 def test_universal_entries_carry_the_keys_merge_tp_slices_writes_for_each_rule():
-    from reshard.export.pipeline_export import universal_entry
+    from reshard.export.universal_names import universal_entry
     entries = {kind: list(universal_entry(None if kind is None else ModelAxisRule(kind, dim), "t").items())
                for kind, dim in [(None, 0), ("replicated", None), ("average", None), ("row", 1), ("column", 0),
                                  ("two-sub-params", 0), ("vocabulary", 0)]}

@@ -58,14 +58,14 @@ from reshard.export.dcp_format import (
 from reshard.export.dcp_layout import DEFAULT_CHUNK_BYTES, DcpLayout, dcp_layout
 from reshard.export.dcp_optimizer import RUN_STATE_NAME, adamw_groups, check_adam_states, run_state
 from reshard.export.hf_layout import hf_layout
-from reshard.export.pipeline_export import pipeline_tag_of
+
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_job import DTYPES
 from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.files.paths import confined, open_new_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs.destination import Staging, check_paths

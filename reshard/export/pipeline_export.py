@@ -67,14 +67,13 @@ joins cannot keep, and layer files whose names are ambiguous.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.export.hf_layout import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
@@ -85,27 +84,31 @@ from reshard.export.hf_layout import (
     safetensors_header,
     write_index,
 )
+from reshard.export.pipeline_layout import LAYER, TRAINABLE, ModuleTensor, PipelineModel, export_rules, module_tensors
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
-from reshard.export.universal_names import LATEST_UNIVERSAL, OPTIMIZER_STATE, check_directory_name
+from reshard.export.universal_names import (
+    LATEST_UNIVERSAL,
+    OPTIMIZER_STATE,
+    UNIVERSAL_PARAM,
+    check_directory_name,
+    universal_entry,
+)
 from reshard.files.byte_io import pwrite_exact
 from reshard.files.paths import confined, open_new_file, write_named_file
 from reshard.files.resources import peak_resident_bytes
 from reshard.formats import deepspeed_classes as classes
-from reshard.formats.deepspeed_inspect import resolve_tag
 from reshard.formats.deepspeed_pipeline import (
     BASE,
     LAYER_RE,
     OPTIM,
     PipelineSource,
     inspect_pipeline,
-    is_pipeline,
     join_model_slices,
     joined_stage_states,
     joined_state_bytes,
     layer_file_name,
     load_whole,
     read_stage,
-    saved_model_axis_info,
     stage_model_name,
     states_by_name,
 )
@@ -115,166 +118,8 @@ from reshard.jobs.manifest import export_files_fingerprint, source_identity
 from reshard.jobs.pipeline_job import refuse_over_budget, stages_written_by
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.jobs.results import counted
-from reshard.layouts.model_axis import ModelAxisError, ModelAxisRule, ModelAxisRules, model_axis_rules
 from reshard.transport.collective import check_peers, on_rank0
 
-TRAINABLE = "optim"
-"""ExportTensor.source of a trainable parameter (its values: a stage's fp32 masters)."""
-LAYER = "whole"
-"""ExportTensor.source of a frozen parameter or buffer (its values: a layer file's tensor)."""
-# the keys of a universal checkpoint's per-state dict (DeepSpeed 0.19.8 checkpoint/constants.py
-# PARAM, CAT_DIM, PARAM_N_SUB_PARAMS, VOCAB_TENSOR), as ds_to_universal.py `merge_tp_slices` writes them
-UNIVERSAL_PARAM, CAT_DIM, N_SUB_PARAMS, VOCAB_TENSOR = "param", "cat_dim", "param_n_sub_params", "vocab_tensor"
-
-
-@dataclass(frozen=True)
-class ModuleTensor:
-    """One tensor of `PipelineModule.state_dict()` and where its values are."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    """torch dtype name of the values found: float32 for a master, the layer file's otherwise."""
-    stage: int = -1
-    """A trainable parameter: the first stage whose optimizer holds it; -1 otherwise."""
-    layer_file: str = ""
-    """A frozen parameter or buffer: the layer file holding it (its key there: `key`)."""
-    key: str = ""
-
-
-@dataclass(frozen=True)
-class PipelineModel:
-    """Every tensor of the module, in state_dict() order: tied modules first (keys in order of
-    their first layer), then the layers by index, each in its own order."""
-
-    tensors: tuple[ModuleTensor, ...]
-    tied_files: dict
-    """Layer file -> the tied key it was named by (what the summary reports)."""
-    rules: ModelAxisRules | None = None
-    """With a model axis: the save's universal_checkpoint_info rules, by which every tensor is joined
-    over the model ranks (`shape` is then the whole tensor's); None without (or at tp 1 without patterns)."""
-
-
-def _dtype_name(value) -> str:
-    return str(value.dtype).removeprefix("torch.")
-
-
-def module_tensors(source: PipelineSource, trust_pickle: bool = False,
-                   rules: ModelAxisRules | None = None) -> PipelineModel:
-    """Name every tensor of the layer files and every trainable parameter of the stages (worker 0;
-    the layer files are mapped, not read). With a model axis, of model rank 0's layer files and
-    stage files (every rank holds the same names, inspect_pipeline checks the stages'), each shape
-    then joined over the model ranks by `rules`."""
-    trainable: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for spec in source.stages:
-        for names, shapes in zip(spec.names, spec.shapes):
-            for name, shape in zip(names, shapes):
-                trainable.setdefault(name, (spec.index, tuple(shape)))
-    known = set(trainable) | {name for spec in source.stages for name in spec.buffer_names}
-    tied_keys: dict[str, dict[str, tuple[int, ...]]] = {}
-    for name, (_, shape) in trainable.items():
-        head, _, rest = name.partition(".")
-        if head == "tied_modules":
-            key, _, param = rest.partition(".")
-            tied_keys.setdefault(key, {})[param] = shape
-    found: dict[str, ModuleTensor] = {}
-    held_by: dict[str, tuple[str, str]] = {}
-    """name -> (layer file, key) it was first read from"""
-    order: list[tuple[tuple, str]] = []
-    tied_files = {}
-    files = sorted((f for f in source.layer_files if LAYER_RE.match(f)[3] is None or int(LAYER_RE.match(f)[3]) == 0),
-                   key=lambda f: int(LAYER_RE.match(f)[1]))
-    for file in files:
-        index = int(LAYER_RE.match(file)[1])
-        path = os.path.join(source.tag_dir, file)
-        state = load_whole(path, trust_pickle)
-        if not isinstance(state, dict):
-            raise CheckpointError(path, "does not hold a layer's state_dict")
-        tensors = {str(k): v for k, v in state.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
-        prefix = f"{index}."
-        if not any(prefix + key in known for key in tensors):
-            owners = [key for key, params in tied_keys.items()
-                      if all(p in tensors and tuple(tensors[p].shape) == shape for p, shape in params.items())]
-            if len(owners) > 1:
-                raise UnsupportedCheckpoint(path, f"holds the trainable parameters of tied modules {owners}; "
-                                                  "which one it is cannot be told from the checkpoint")
-            if owners:
-                prefix = f"tied_modules.{owners[0]}."
-                tied_files[file] = owners[0]
-        rank = (0, min(int(LAYER_RE.match(f)[1]) for f, k in tied_files.items() if k == tied_files[file])) \
-            if file in tied_files else (1, index)
-        for key, value in tensors.items():
-            name = prefix + key
-            if name in found:  # a tied module without forward_fn is saved at each of its indices: one module
-                earlier_file, earlier_key = held_by[name]
-                if not _same_tensor(source, earlier_file, earlier_key, value, trust_pickle):
-                    raise UnsupportedCheckpoint(path, f"holds {key}, named {name} like {earlier_file}'s {earlier_key}, "
-                                                      "with other values: whether it is that tied module cannot be "
-                                                      "told from the checkpoint")
-                continue
-            held_by[name] = (file, key)
-            if name in trainable:
-                stage, shape = trainable[name]
-                if tuple(value.shape) != shape:
-                    raise CheckpointError(path, f"holds {key} of shape {tuple(value.shape)}, but stage {stage}'s "
-                                                f"param_shapes give {name} the shape {shape}")
-                found[name] = ModuleTensor(name, shape, "float32", stage=stage)
-            else:
-                found[name] = ModuleTensor(name, tuple(int(x) for x in value.shape), _dtype_name(value),
-                                           layer_file=file, key=key)
-            order.append((rank, name))
-    # a trainable parameter no layer file holds (a tied module used only through forward_fn is saved nowhere)
-    for name, (stage, shape) in trainable.items():
-        if name not in found:
-            found[name] = ModuleTensor(name, shape, "float32", stage=stage)
-            head = name.split(".")[0]
-            order.append(((0, -1) if head == "tied_modules" else (1, int(head) if head.isdigit() else 1 << 30), name))
-    ranked = sorted(range(len(order)), key=lambda i: (order[i][0], i))
-    tensors = tuple(found[order[i][1]] for i in ranked)
-    if rules is not None:
-        tensors = tuple(_whole(source, rules, t) for t in tensors)
-    return PipelineModel(tensors, tied_files, rules)
-
-
-def export_rules(source: PipelineSource, trust_pickle: bool = False) -> ModelAxisRules | None:
-    """How each tensor of a model-axis save is joined over the model ranks: the rules of the
-    universal_checkpoint_info in stage 0's model-states file (client state, the same in every stage
-    file; reshard.layouts.model_axis). None without a model axis, and at tp 1 without usable patterns
-    (one model rank holds every tensor whole: nothing to join). At tp > 1 a save without them is
-    refused naming the file and what is missing: which dim a tensor is sliced on is recorded nowhere else."""
-    if not source.has_model_axis:
-        return None
-    path = source.model_path(0)
-    try:
-        return model_axis_rules(saved_model_axis_info(source, trust_pickle))
-    except ModelAxisError as error:
-        if source.tp == 1:
-            return None
-        raise UnsupportedCheckpoint(path, f"is a pipeline save with a model axis (tp {source.tp}); the export joins "
-                                          "each tensor over the model ranks by the universal_checkpoint_info patterns "
-                                          f"of its client state, and it {error}") from None
-
-
-def _whole(source: PipelineSource, rules: ModelAxisRules, tensor: ModuleTensor) -> ModuleTensor:
-    """`tensor` at its whole shape, joined over the source's model ranks by its rule; a vocabulary
-    tensor must need no padding change (ModelAxisRules.check_vocabulary), as for a tp change."""
-    rule = rules.rule(tensor.name)
-    where = (os.path.join(source.tag_dir, tensor.layer_file) if tensor.stage < 0
-             else source.optim_path(tensor.stage, 0, 0))
-    try:
-        shape = rule.joined_shape(tensor.shape, source.tp)
-        if rule.kind == "vocabulary":
-            rules.check_vocabulary(tensor.name, shape)
-    except ModelAxisError as error:
-        text = str(error)
-        raise UnsupportedCheckpoint(where, text if text.startswith(tensor.name) else f"{tensor.name} {text}") from None
-    return dataclasses.replace(tensor, shape=shape)
-
-
-def _same_tensor(source: PipelineSource, file: str, key: str, value, trust_pickle: bool) -> bool:
-    import torch
-    other = load_whole(os.path.join(source.tag_dir, file), trust_pickle)[key]
-    return other.dtype == value.dtype and torch.equal(other, value)
 
 
 def _layer_value(source: PipelineSource, model: PipelineModel, tensor: ModuleTensor, trust_pickle: bool):
@@ -387,16 +232,6 @@ def _run_work(transport, life: Lifecycle, write, place) -> None:
     life.run(work)
 
 
-def pipeline_tag_of(source_dir: str, tag: str | None) -> str | None:
-    """The tag (given, or `latest`'s) when it is a PipelineModule save, else None (worker 0; a source
-    whose tag cannot be found is left to the non-pipeline export, which reports it)."""
-    try:
-        tag = resolve_tag(source_dir, tag)
-    except ReshardError:
-        return None
-    return tag if is_pipeline(os.path.join(source_dir, tag)) else None
-
-
 def _inspect(source_dir: str, destination: str, tag: str, trust_pickle: bool):
     check_paths(source_dir, destination)
     source = inspect_pipeline(source_dir, tag, trust_pickle)
@@ -498,26 +333,6 @@ def export_pipeline_safetensors(source_dir: str, destination: str, tag: str, out
 
 
 # ---- universal --------------------------------------------------------------------------------
-
-def universal_entry(rule: ModelAxisRule | None, param) -> dict:
-    """One state's file of one parameter, as ds_to_universal.py `merge_tp_slices` writes it (and
-    universal_checkpoint.py `load_hp_checkpoint_state` reads it back, cutting the target rank's slice
-    by these keys): replicated and averaged tensors bare {"param"} (taken whole at any tp); two fused
-    sub-parameters {"cat_dim": 0, "param_n_sub_params": 2}; others {"cat_dim": 1 (row) or 0}; a
-    vocabulary tensor also "vocab_tensor": True; the param last. `rule` None (no model axis, no
-    patterns): {"cat_dim": 0}, merge_tp_slices' default."""
-    entry: dict = {}
-    if rule is None:
-        entry[CAT_DIM] = 0
-    elif rule.kind == "two-sub-params":
-        entry.update({CAT_DIM: 0, N_SUB_PARAMS: 2})
-    elif not rule.whole:
-        entry[CAT_DIM] = rule.dim
-    if rule is not None and rule.kind == "vocabulary":
-        entry[VOCAB_TENSOR] = True
-    entry[UNIVERSAL_PARAM] = param
-    return entry
-
 
 def _write_universal_stage(source: PipelineSource, model: PipelineModel, stage: int, zero_dir: str,
                            trust_pickle: bool) -> None:

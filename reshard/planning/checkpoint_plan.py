@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
-from reshard.layouts.zero import PieceTable, buffer_numels, logical_bases, table_from_columns
+from reshard.layouts.zero import ParamSpec, PieceTable, buffer_numels, logical_bases, table_from_columns
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space, sorted_distinct
 from reshard.layouts.zero import zero3_chunk, zero12_layout
 from reshard.layouts.tensor_pieces import (
@@ -182,6 +182,30 @@ def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
     sizes = [buffer_numels(spec.layout(target, target.tp, model, stage))
              for stage in range(target.pp) for model in range(target.tp)]
     return tuple(int(max((s[b] for s in sizes if b < len(s)), default=0)) for b in range(max(map(len, sizes))))
+
+
+def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None) -> tuple[tuple[ParamSpec, ...], PieceTable]:
+    """(the trainable parameters of an export's space, each once, and the source's pieces over them end
+    to end): what every export reads (reshard.export: one global tensor per parameter).
+
+        params, pieces = trainable_pieces(source.spec)                     # a ZeRO save: spec.params
+        params, pieces = trainable_pieces(source.spec, export_params)     # a pipeline save: its own order
+
+    A save without pipeline columns: its own parameters and layout. A PipelineModule save (spec.columns,
+    tp 1): `params` (every parameter of every stage, each once by name, in the export's order) as ONE
+    target column, lowered by `pipeline_stage_change_pieces` (the stage change's lowering, to one stage
+    at dp 1), so a tied parameter is read once, from the first stage holding it. ValueError when a
+    pipeline save has a model axis cut over more than one rank (its tensors are joined by other pieces)
+    or `params` does not name every stage's parameters."""
+    if getattr(spec, "columns", None) is None:
+        return spec.params, spec.layout(spec.topology).pieces
+    if spec.topology.tp != 1:
+        raise ValueError(f"a pipeline save at tp {spec.topology.tp}: its parameters are cut over the model ranks")
+    if params is None:  # the order the columns first hold them in
+        params = tuple({p.name: p for column_params, _ in spec.columns for p in column_params}.values())
+    one = Topology(dp=1, tp=1, pp=1)
+    old, _ = pipeline_stage_change_pieces(spec.columns, ((params, (tuple(range(len(params))),)),), spec.topology, one)
+    return params, old
 
 
 def pipeline_stage_change_pieces(source_columns, target_columns, source: Topology, target: Topology
