@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -249,13 +250,33 @@ def test_universal_export_holds_the_truth_and_equals_ds_to_universal_file_by_fil
 
 
 @pytest.mark.e2e
+def test_a_budget_far_below_a_stages_optimizer_bytes_exports_by_rounds_to_the_pinned_bytes(pipeline_runs, tp_saves,
+                                                                                         tmp_path):
+    # the whole-tensor road refused any budget below a stage's joined optimizer files ("the universal
+    # export of a pipeline checkpoint joins each stage's optimizer files whole", exit 2); the main road
+    # keeps 1 KiB (stage 0 alone holds 2.6 kB of fp32 masters, 7.7 kB with Adam's moments) by rounds, and
+    # writes the pinned bytes (tests/test_pipeline_pinned.py), tp 2 joined over the model ranks too
+    from test_pipeline_pinned import PINNED, tree_hashes
+    from trained import reshard_in_process
+    save, _ = pipeline_runs("fp32", 2, 1)
+    universal = reshard_in_process("export", save, tmp_path / "u", "--format", "universal", "--memory-budget", "1K",
+                                   "--workers", "2")
+    assert universal.returncode == 0, universal.stderr
+    rounds = int(re.search(r"(\d+) rounds", universal.stdout)[1])
+    assert rounds > 100, universal.stdout
+    assert tree_hashes(tmp_path / "u") == PINNED["fp32-pp2-dp1-universal"]
+    mp2u, _ = tp_saves["fp32-mp2u"]
+    st = reshard_in_process("export", mp2u, tmp_path / "st", "--format", "safetensors", "--memory-budget", "1K",
+                            "--max-shard-size", "4KB", "--workers", "2")
+    assert st.returncode == 0, st.stderr
+    assert int(re.search(r"(\d+) rounds", st.stdout)[1]) > 10, st.stdout
+    assert tree_hashes(tmp_path / "st") == PINNED["fp32-mp2u-safetensors"]
+
+
+@pytest.mark.e2e
 def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
     from trained import reshard_in_process  # the message, not the launcher
     save, _ = pipeline_runs("fp32", 2, 1)
-    over = reshard_in_process("export", save, tmp_path / "small", "--format", "universal", "--memory-budget", "1K")
-    assert over.returncode == 2, over.stderr
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: the universal export of a pipeline checkpoint" in over.stderr
-    assert not (tmp_path / "small").exists()
     # a model axis suffix on one layer file of a save without one (tp_degree 1): inconsistent, refused
     # (at tp 1 either naming is DeepSpeed's, so the first file unlike the suffixed one is named)
     axis = tmp_path / "axis"
@@ -278,27 +299,27 @@ def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
 @pytest.mark.e2e
 def test_a_failed_pipeline_export_leaves_nothing_and_the_same_command_then_succeeds(pipeline_runs, tmp_path,
                                                                                      monkeypatch):
-    # the one lifecycle: worker 1 fails writing its stage (a full disk); every worker learns it, the
-    # staging, the lock and the OUT this run created are removed; the same command then publishes
+    # the one lifecycle: worker 1 fails creating its files (a full disk), before any round; every worker
+    # learns it, the staging, the lock and the OUT this run created are removed; the same command then publishes
     import errno
 
     from threaded_transport import run_workers
 
     from reshard.errors import ReshardError
-    from reshard.export import export_universal, pipeline_export
+    from reshard.export import export_universal, universal
     save, _ = pipeline_runs("fp32", 2, 1)
-    real = pipeline_export.read_stage
+    real = universal.UniversalWriter.create
 
-    def disk_full_on_stage_1(source, stage, trust_pickle=False):
-        if stage == 1:
+    def disk_full_on_worker_1(source, bundles, zero_dir, owned, *args, **kwargs):
+        if 0 not in owned:
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
-        return real(source, stage, trust_pickle)
+        return real(source, bundles, zero_dir, owned, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_export, "read_stage", disk_full_on_stage_1)
+    monkeypatch.setattr(universal.UniversalWriter, "create", disk_full_on_worker_1)
     out = tmp_path / "out"
     with pytest.raises(ReshardError, match="No space left on device"):
         run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
     assert not out.exists(), sorted(out.rglob("*"))
-    monkeypatch.setattr(pipeline_export, "read_stage", real)
+    monkeypatch.setattr(universal.UniversalWriter, "create", real)
     run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
     assert sorted(p.name for p in out.iterdir()) == ["latest_universal", "step3"]

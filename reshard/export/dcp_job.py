@@ -253,16 +253,17 @@ def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) ->
     ref = tensor.ref
     out_itemsize = dtype_of(tensor.dtype).itemsize
     step = max(1, (budget_bytes // 3) // max(ref.itemsize, out_itemsize))
-    source = os.open(model_path, os.O_RDONLY)
-    try:
-        for first in range(0, tensor.numel, step):
-            count = min(step, tensor.numel - first)
-            buffer = np.empty(count * ref.itemsize, dtype=np.uint8)
-            pread_exact(source, memoryview(buffer), ref.byte_offset + first * ref.itemsize, model_path)
-            pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
-                         at + template.data_offset + first * out_itemsize)
-    finally:
-        os.close(source)
+    for path, start, element, count in tensor.whole_runs(model_path):  # a pipeline's layer files: runs
+        source = os.open(path, os.O_RDONLY)
+        try:
+            for first in range(0, count, step):
+                n = min(step, count - first)
+                buffer = np.empty(n * ref.itemsize, dtype=np.uint8)
+                pread_exact(source, memoryview(buffer), start + first * ref.itemsize, path)
+                pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
+                             at + template.data_offset + (element + first) * out_itemsize)
+        finally:
+            os.close(source)
     fill_crc(fd, PlacedBlob(f"model.{tensor.name}", 0, (0,) * len(tensor.shape), tuple(tensor.shape), tensor.dtype,
                             at, template), _read, _write)
     return template.size

@@ -62,6 +62,9 @@ class ExportTensor:
     """The source tensor in the rank-0 model-states file, or in `path` ("whole" only)."""
     path: str = ""
     """"whole": the file holding `ref` when not the rank-0 model-states file (a pipeline's layer file)."""
+    runs: tuple = ()
+    """"whole", joined over a model axis: (file, byte offset, element of this tensor, elements) of every
+    run of every model rank's slice (reshard.export.pipeline_layout); empty: `ref` is the whole tensor."""
     data_offset: int = 0
     """Byte offset in the file's data section (after the header)."""
 
@@ -72,6 +75,11 @@ class ExportTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_of(self.dtype).itemsize
+
+    def whole_runs(self, model_path: str) -> tuple:
+        """A "whole" tensor's (file, byte offset, element of this tensor, elements) runs, in order:
+        `runs`, or the one run of `ref` in `path` (default: `model_path`, the rank-0 model-states file)."""
+        return self.runs or ((self.path or model_path, self.ref.byte_offset, 0, self.numel),)
 
 
 @dataclass(frozen=True)

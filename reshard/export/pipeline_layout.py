@@ -33,6 +33,7 @@ without patterns is refused (`export_rules`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -44,11 +45,13 @@ from reshard.formats.deepspeed_pipeline import (
     LAYER_RE,
     PipelineSource,
     inspect_pipeline,
+    layer_file_name,
     load_whole,
     saved_model_axis_info,
 )
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import TensorRef, load_portable
+from reshard.jobs.manifest import source_identity
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules
 from reshard.layouts.zero import ParamSpec
 
@@ -230,33 +233,61 @@ class PipelineExport:
     def tied_files(self) -> dict:
         return self.model.tied_files
 
+    def identity(self) -> dict:
+        """What an export's fingerprint adds for this save (jobs.manifest.export_fingerprint names the
+        stage and optimizer files): the layer files' sizes and mtimes, so a changed one is not resumed."""
+        return {"layer_files": source_identity(self.pipe.tag_dir, self.pipe.layer_files)}
+
 
 def export_tensors(pipe: PipelineSource, model: PipelineModel, out_dtype: str, trust_pickle: bool = False
                    ) -> tuple[tuple[ExportTensor, ...], tuple[ParamSpec, ...]]:
     """The export's tensors of `model` (trainable ones cast to `out_dtype`, floating layer tensors too)
-    and its trainable parameters in that order."""
-    tensors, params, refs = [], [], {}
+    and its trainable parameters in that order, each at its whole shape. A layer tensor a model axis
+    cuts (tp > 1, not replicated) is joined from every model rank's layer file run by run
+    (ExportTensor.runs, as `pipeline_export_pieces` joins a trainable one); a replicated one is model
+    rank 0's."""
+    tensors, params, trees = [], [], {}
+
+    def ref_of(path: str, key: str, where: str) -> TensorRef:
+        if path not in trees:
+            trees[path] = load_portable(path, schema.safe_globals(), trust_pickle)
+        ref = trees[path].get(key) if isinstance(trees[path], dict) else None
+        if not isinstance(ref, TensorRef):
+            raise CheckpointError(path, f"does not hold {key} as a tensor, which {where} holds")
+        if not ref.is_contiguous:
+            raise UnsupportedCheckpoint(path, f"layer tensor {key} is not stored contiguously")
+        return ref
+
     for t in model.tensors:
         if t.stage >= 0:
             tensors.append(ExportTensor(t.name, t.shape, out_dtype, TRAINABLE, len(params)))
             params.append(ParamSpec(t.name, t.shape))
             continue
         path = os.path.join(pipe.tag_dir, t.layer_file)
-        if path not in refs:
-            refs[path] = load_portable(path, schema.safe_globals(), trust_pickle)
-        ref = refs[path].get(t.key) if isinstance(refs[path], dict) else None
-        if not isinstance(ref, TensorRef):
-            raise CheckpointError(path, f"does not hold {t.key} as a tensor")
-        if not ref.is_contiguous:
-            raise UnsupportedCheckpoint(path, f"layer tensor {t.key} is not stored contiguously")
-        tensors.append(ExportTensor(t.name, t.shape, out_dtype_for(t.dtype, out_dtype), LAYER, -1, ref, path))
+        ref = ref_of(path, t.key, t.layer_file)
+        rule = model.rules.rule(t.name) if model.rules is not None and pipe.tp > 1 else None
+        runs = ()
+        if rule is not None and not rule.whole:
+            index = int(LAYER_RE.match(t.layer_file)[1])
+            outer = 2 if rule.kind == "two-sub-params" else math.prod(ref.shape[:rule.dim])
+            run = ref.numel // outer
+            parts = []
+            for m in range(pipe.tp):
+                rank_path = os.path.join(pipe.tag_dir, layer_file_name(index, m))
+                part = ref_of(rank_path, t.key, t.layer_file)
+                if (part.shape, part.dtype) != (ref.shape, ref.dtype):
+                    raise CheckpointError(rank_path, f"holds {t.key} as {part.dtype} {list(part.shape)}, "
+                                                     f"{t.layer_file} as {ref.dtype} {list(ref.shape)}")
+                parts.append((rank_path, part))
+            runs = tuple((rank_path, part.byte_offset + o * run * part.itemsize, o * pipe.tp * run + m * run, run)
+                         for o in range(outer) for m, (rank_path, part) in enumerate(parts) if run)
+        tensors.append(ExportTensor(t.name, t.shape, out_dtype_for(t.dtype, out_dtype), LAYER, -1, ref, path, runs))
     return tuple(tensors), tuple(params)
 
 
 def inspect_pipeline_export(save_dir: str, tag: str, out_dtype: str, trust_pickle: bool = False) -> PipelineExport:
-    """Worker 0: the save (checked as every pipeline job checks it), its tensors' names and sources. A
-    model axis cut over more than one rank is refused here (its tensors are joined over the model
-    ranks, which the export's pieces do not do yet)."""
+    """Worker 0: the save (checked as every pipeline job checks it), its tensors' names, whole shapes and
+    sources."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=trust_pickle)  # counters carried: checked per rank
     pipe = inspect_pipeline(source.save_dir, source.tag, trust_pickle)
     model = module_tensors(pipe, trust_pickle, export_rules(pipe, trust_pickle))

@@ -33,12 +33,10 @@ from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.export.hf_layout import INDEX_NAME, SAFETENSORS_DTYPES, ExportLayout, hf_layout, shard_files, write_index
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
-from reshard.export.pipeline_export import export_pipeline_safetensors
 from reshard.export.pipeline_layout import inspect_pipeline_export
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_pipeline import saved_pipeline_topology
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
@@ -94,15 +92,16 @@ class ExportResult:
                 + "".join(f"\n  note: {note}" for note in [*self.notes, *missing_notes(self.model_files)]))
 
 
-def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
+def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int, rules=None
+                ) -> ReshardPlan:
     """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure); of a
-    pipeline save, each trainable parameter once (`trainable_pieces`)."""
+    pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
     ownership = Ownership(spec.topology.world_size, len(layout.files), workers)
     numels = layout.buffer_numels()
     fp32 = tuple(s for s in spec.streams if s.name == "fp32")
-    params, pieces = trainable_pieces(spec, layout.params or None)
+    params, pieces = trainable_pieces(spec, layout.params or None, None if rules is None else rules.rule)
     spaces = [plan_space("optim", pieces, layout.pieces("optim", [p.numel for p in params]), fp32, numels, ownership,
                          budget_bytes)]
     if spec.frozen:
@@ -136,10 +135,6 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
          transport):
     started = time.perf_counter()
     pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None and saved_pipeline_topology(os.path.join(source_dir, pipeline_tag))[2] > 1:
-        # a model axis cut over several ranks: the whole-tensor exporter joins its slices (same lifecycle)
-        return export_pipeline_safetensors(source_dir, destination, pipeline_tag, out_dtype, max_shard_bytes, budget,
-                                           trust_pickle, overwrite, transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
@@ -151,18 +146,18 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
                                                              "cannot store")
             layout = ExportLayout(shard_files(list(found.tensors), max_shard_bytes), {},
                                   sum(p.numel for p in found.params), 0, found.params)
-            return found.source, layout, found.tied_files
+            return found.source, layout, found.tied_files, found.model.rules, found.identity()
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the safetensors export")
-        return source, hf_layout(source, out_dtype, max_shard_bytes), {}
+        return source, hf_layout(source, out_dtype, max_shard_bytes), {}, None, {}
 
-    source, layout, tied_files = on_rank0(transport, inspect)
-    plan = plan_export(source, layout, transport.size, budget)
+    source, layout, tied_files, rules, identity = on_rank0(transport, inspect)
+    plan = plan_export(source, layout, transport.size, budget, rules)
     stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
                      "frozen": source.spec.frozen_dtype}
     model_path = source.model_path(0)
     output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes}), overwrite,
+        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes, **identity}), overwrite,
         durable_every)
 
     def open_writer(files, staged, reuse_existing):

@@ -77,9 +77,9 @@ class SafetensorsWriter:
         self.bytes_written += len(out)
 
     def copy_whole(self, model_path: str, budget_bytes: int) -> None:
-        """Tensors stored whole in the model-states file (or in their own `path`: a pipeline's layer
-        files): read, cast and write in chunks of at most a third of the budget (the exchange is over by
-        then, so its buffers are gone)."""
+        """Tensors stored whole in the model-states file (or in their own files: a pipeline's layer
+        files, joined over a model axis run by run, `ExportTensor.whole_runs`): read, cast and write in
+        chunks of at most a third of the budget (the exchange is over by then, so its buffers are gone)."""
         chunk_bytes = max(budget_bytes // 3, 64)
         sources = {}
         try:
@@ -88,20 +88,20 @@ class SafetensorsWriter:
                 for tensor in export.tensors:
                     if tensor.source != "whole" or not tensor.numel:
                         continue
-                    path = tensor.path or model_path
-                    if path not in sources:
-                        sources[path] = os.open(path, os.O_RDONLY)
-                    src = sources[path]
                     ref = tensor.ref
                     step = max(1, chunk_bytes // ref.itemsize)
                     out_itemsize = dtype_of(tensor.dtype).itemsize
-                    for first in range(0, tensor.numel, step):
-                        count = min(step, tensor.numel - first)
-                        buffer = np.empty(count * ref.itemsize, dtype=np.uint8)
-                        pread_exact(src, memoryview(buffer), ref.byte_offset + first * ref.itemsize, path)
-                        out = _cast(memoryview(buffer), ref.dtype, tensor.dtype)
-                        pwrite_exact(self.fds[f], out, self.data_start[f] + tensor.data_offset + first * out_itemsize)
-                        self.bytes_written += len(out)
+                    for path, at, element, count in tensor.whole_runs(model_path):
+                        if path not in sources:
+                            sources[path] = os.open(path, os.O_RDONLY)
+                        for first in range(0, count, step):
+                            n = min(step, count - first)
+                            buffer = np.empty(n * ref.itemsize, dtype=np.uint8)
+                            pread_exact(sources[path], memoryview(buffer), at + first * ref.itemsize, path)
+                            out = _cast(memoryview(buffer), ref.dtype, tensor.dtype)
+                            pwrite_exact(self.fds[f], out,
+                                         self.data_start[f] + tensor.data_offset + (element + first) * out_itemsize)
+                            self.bytes_written += len(out)
         finally:
             for src in sources.values():
                 os.close(src)

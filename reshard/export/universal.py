@@ -34,23 +34,22 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from reshard.files.byte_io import pwrite_exact
+from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
-from reshard.export.pipeline_export import export_pipeline_universal
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
 from reshard.export.universal_names import LATEST_UNIVERSAL, check_directory_name, universal_entry
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_pipeline import saved_pipeline_topology
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import NewTensor, is_ref, load_checked, locate_storages, materialize, write_skeleton
+from reshard.formats.torch_archive import NewTensor, dtype_of, is_ref, load_checked, locate_storages, materialize, write_skeleton
 from reshard.formats.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
@@ -108,13 +107,14 @@ def universal_bundles(source: SourceCheckpoint, workers: int, params: tuple = ()
     return ExportLayout(files, {}, sum(p.numel for p in space), 0, tuple(params))
 
 
-def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
+def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int, rules=None
+                   ) -> ReshardPlan:
     """Every stream (fp32 and optimizer states) of every parameter to the writer of its bundle (pure); of a
-    pipeline save, each trainable parameter once (`trainable_pieces`)."""
+    pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
     ownership = Ownership(spec.topology.world_size, len(bundles.files), workers)
-    params, pieces = trainable_pieces(spec, bundles.params or None)
+    params, pieces = trainable_pieces(spec, bundles.params or None, None if rules is None else rules.rule)
     space = plan_space("optim", pieces, bundles.pieces("optim", [p.numel for p in params]), spec.streams,
                        bundles.buffer_numels(), ownership, budget_bytes)
     return ReshardPlan(ownership, (space,), budget_bytes)
@@ -240,6 +240,20 @@ def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickl
         shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))
 
 
+def _joined_value(tensor: ExportTensor) -> torch.Tensor:
+    """A layer tensor joined over the model axis from its runs (a frozen parameter or buffer: whole, as
+    write_universal_metadata holds a module entry)."""
+    itemsize = tensor.ref.itemsize
+    buffer = np.empty(tensor.numel * itemsize, dtype=np.uint8)
+    for path, at, element, count in tensor.whole_runs(""):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pread_exact(fd, memoryview(buffer)[element * itemsize:(element + count) * itemsize], at, path)
+        finally:
+            os.close(fd)
+    return torch.frombuffer(buffer, dtype=dtype_of(tensor.ref.dtype)).reshape(tensor.shape)
+
+
 def write_pipeline_universal_metadata(found: PipelineExport, tag_dir: str, trust_pickle: bool = False) -> None:
     """A PipelineModule save's rest, as ds_to_universal writes it (worker 0, after the rounds):
     optimizer_state.pt of stage 0's dp rank 0 (`_save_optimizer_state`), each parameter's step.pt from
@@ -264,16 +278,19 @@ def write_pipeline_universal_metadata(found: PipelineExport, tag_dir: str, trust
             for p in ids:
                 if step is not None and first_stage[params[p].name] == stage:
                     torch.save(step, os.path.join(zero_dir, check_directory_name(params[p].name, source), "step.pt"))
-    layer_files = {}
+    layer_files, keys = {}, {t.name: t.key for t in found.model.tensors}
     for tensor in found.tensors:
         if tensor.source != "whole":
             continue
-        if tensor.path not in layer_files:
-            layer_files[tensor.path] = _load_small(tensor.path, trust_pickle)
         directory = os.path.join(zero_dir, check_directory_name(tensor.name, source))
         os.makedirs(directory, exist_ok=True)
-        key = next(t.key for t in found.model.tensors if t.name == tensor.name)
-        torch.save({"param": layer_files[tensor.path][key].float()}, os.path.join(directory, "fp32.pt"))
+        if tensor.runs:  # joined over the model axis (pipeline_layout.export_tensors)
+            value = _joined_value(tensor)
+        else:
+            if tensor.path not in layer_files:
+                layer_files[tensor.path] = _load_small(tensor.path, trust_pickle)
+            value = layer_files[tensor.path][keys[tensor.name]]
+        torch.save({"param": value.float()}, os.path.join(directory, "fp32.pt"))
     for rank in range(spec.topology.world_size):
         at = spec.topology.coordinates(rank)
         if at.dp == 0:  # ds_to_universal copies every (stage, model rank)'s file
@@ -317,10 +334,6 @@ def export_universal(source: str, destination: str, *, tag: str | None = None, m
 def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_every, transport) -> UniversalResult:
     started = time.perf_counter()
     pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None and saved_pipeline_topology(os.path.join(source_dir, pipeline_tag))[2] > 1:
-        # a model axis cut over several ranks: the whole-tensor exporter joins its slices (same lifecycle)
-        return export_pipeline_universal(source_dir, destination, pipeline_tag, budget, trust_pickle, overwrite,
-                                         transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
@@ -335,8 +348,9 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_
 
     source, found = on_rank0(transport, inspect)
     bundles = universal_bundles(source, transport.size, found.params if found else ())
-    plan = plan_universal(source, bundles, transport.size, budget)
-    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal"}), overwrite,
+    plan = plan_universal(source, bundles, transport.size, budget, found.model.rules if found else None)
+    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal",
+                                                                        **(found.identity() if found else {})}), overwrite,
                           durable_every)
 
     def publish(staging: Staging):
