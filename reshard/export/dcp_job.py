@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.errors import OptionError
 from reshard.export.dcp_format import (
     DISTCP_SUFFIX,
     METADATA_NAME,
@@ -56,7 +56,8 @@ from reshard.export.dcp_format import (
     write_metadata,
 )
 from reshard.export.dcp_layout import DEFAULT_CHUNK_BYTES, DcpLayout, dcp_layout
-from reshard.export.dcp_optimizer import RUN_STATE_NAME, adamw_groups, check_adam_states, run_state
+from reshard.export.dcp_optimizer import RUN_STATE_NAME, adamw_groups, check_adam_states, pipeline_adamw_groups, run_state
+from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
 from reshard.export.hf_layout import hf_layout
 
 from reshard.export.runner import ExportOutput, run_export
@@ -72,6 +73,7 @@ from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
+from reshard.planning.checkpoint_plan import trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -117,14 +119,18 @@ def file_blobs(layout: DcpLayout, streams: dict, f: int) -> tuple[list[PlacedBlo
     return placed, owners, size
 
 
-def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int) -> ReshardPlan:
-    """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure)."""
+def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int,
+             pipeline: PipelineExport | None = None) -> ReshardPlan:
+    """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure);
+    of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis)."""
     spec = source.spec
-    ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
+    ownership = Ownership(spec.topology.world_size, len(layout.files), workers)
     numels = layout.buffer_numels()
-    spaces = [plan_space("optim", spec.layout(spec.topology).pieces,
-                         layout.pieces("optim", [p.numel for p in spec.params]), spec.streams, numels, ownership,
-                         budget_bytes)]
+    rules = pipeline.model.rules if pipeline is not None else None
+    params, pieces = trainable_pieces(spec, pipeline.params if pipeline is not None else None,
+                                      None if rules is None else rules.rule)
+    spaces = [plan_space("optim", pieces, layout.pieces("optim", [p.numel for p in params]), spec.streams, numels,
+                         ownership, budget_bytes)]
     if spec.frozen:
         old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
         spaces.append(plan_space("frozen", old_frozen, layout.pieces("frozen", [p.numel for p in spec.frozen]),
@@ -231,6 +237,20 @@ class OptimizerMapping:
     """FQN -> Adam step (float)."""
 
 
+def inspect_pipeline_for_dcp(source_dir: str, destination: str, tag: str, out_dtype: str, trust_pickle: bool):
+    """Worker 0: a PipelineModule save (its tensors named as PipelineModule.state_dict() names them,
+    reshard.export.pipeline_layout), refused unless its optimizer maps to torch AdamW, and the mapping."""
+    check_paths(source_dir, destination)
+    found = inspect_pipeline_export(source_dir, tag, out_dtype, trust_pickle)
+    source = found.source
+    check_adam_states(source)
+    ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
+    states = [_load_mapped(source.optim_path(source.spec.topology.rank_of(0, 0, stage)), trust_pickle)[schema.OPTIM]
+              for stage in range(source.spec.topology.pp)]
+    groups, steps = pipeline_adamw_groups(found, states, ds_config)
+    return source, OptimizerMapping(groups, steps), found
+
+
 def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pickle: bool):
     """Worker 0: the source, refused unless its optimizer maps to torch AdamW, and the mapping."""
     check_paths(source_dir, destination)
@@ -241,7 +261,7 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
     optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
     groups, steps = adamw_groups(source, optimizer_state, ds_config)
-    return source, OptimizerMapping(groups, steps)
+    return source, OptimizerMapping(groups, steps), None
 
 
 def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) -> int:
@@ -371,19 +391,26 @@ def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str |
 def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pickle, overwrite, durable_every,
          transport) -> DcpResult:
     started = time.perf_counter()
-    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None:
-        raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
-                                    "is a PipelineModule save: the DCP export does not serve pipeline saves yet "
-                                    "(export it with --format safetensors or universal)")
-    source, mapping = on_rank0(transport, lambda: inspect_for_dcp(source_dir, destination, tag, trust_pickle))
-    model = hf_layout(source, out_dtype, 1 << 62)
-    layout = dcp_layout([t for f in model.files for t in f.tensors], model.kept_for_tied, transport.size, chunk_bytes)
-    plan = plan_dcp(source, layout, transport.size, budget)
+
+    def inspect():
+        pipeline_tag = pipeline_tag_of(source_dir, tag)
+        if pipeline_tag is not None:  # a PipelineModule save: its module's names, each parameter once and whole
+            return inspect_pipeline_for_dcp(source_dir, destination, pipeline_tag, out_dtype, trust_pickle)
+        return inspect_for_dcp(source_dir, destination, tag, trust_pickle)
+
+    source, mapping, pipeline = on_rank0(transport, inspect)
+    if pipeline is None:
+        model = hf_layout(source, out_dtype, 1 << 62)
+        tensors, aliases = [t for f in model.files for t in f.tensors], model.kept_for_tied
+    else:
+        tensors, aliases = list(pipeline.tensors), {}
+    layout = dcp_layout(tensors, aliases, transport.size, chunk_bytes)
+    plan = plan_dcp(source, layout, transport.size, budget, pipeline)
     streams = streams_of(source)
     names = file_names(plan.ownership, len(layout.files))
     output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes}), overwrite, durable_every)
+        source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes,
+                 **(pipeline.identity() if pipeline is not None else {})}), overwrite, durable_every)
 
     def open_writer(owned, staged, reuse_existing):
         return DcpWriter.create(layout, streams, names, staged, owned, reuse_existing)
