@@ -640,7 +640,7 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
 
 
-# ---- exports of the model-axis saves (reshard.export.pipeline_export) ---------------------------
+# ---- exports of the model-axis saves (reshard.export, the main road) ----------------------------
 
 EXPORTED = {"tp 2": VARIANT, "tp 1": TP1_VARIANT}
 # the module's own names (PipelineModule.state_dict()), each tensor whole: at tp 1 hidden 44
