@@ -73,7 +73,7 @@ from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
-from reshard.planning.checkpoint_plan import trainable_pieces
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -124,7 +124,7 @@ def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_b
     """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure);
     of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis)."""
     spec = source.spec
-    ownership = Ownership(spec.topology.world_size, len(layout.files), workers)
+    ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
     rules = pipeline.model.rules if pipeline is not None else None
     params, pieces = trainable_pieces(spec, pipeline.params if pipeline is not None else None,
@@ -265,24 +265,28 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
 
 
 def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) -> int:
-    """A tensor stored whole in the model-states file as one blob at `at`: read, cast and written in
-    pieces of at most a third of the budget (never held whole), then its CRC-32. Returns the blob's size."""
+    """A tensor stored whole in the model-states file (or a pipeline's layer files, `ExportTensor.whole_runs`)
+    as one blob at `at`: read, cast and written in pieces of at most a third of the budget (never held
+    whole), then its CRC-32. Returns the blob's size."""
     template = blob_template(tuple(tensor.shape), tensor.dtype)
     pwrite_exact(fd, memoryview(template.head), at)
     pwrite_exact(fd, memoryview(template.tail), at + template.data_offset + template.data_bytes)
     ref = tensor.ref
     out_itemsize = dtype_of(tensor.dtype).itemsize
     step = max(1, (budget_bytes // 3) // max(ref.itemsize, out_itemsize))
-    for path, start, element, count in tensor.whole_runs(model_path):  # a pipeline's layer files: runs
-        source = os.open(path, os.O_RDONLY)
-        try:
+    sources = {}
+    try:
+        for path, start, element, count in tensor.whole_runs(model_path):  # a pipeline's layer files: runs
+            if path not in sources:
+                sources[path] = os.open(path, os.O_RDONLY)
             for first in range(0, count, step):
                 n = min(step, count - first)
                 buffer = np.empty(n * ref.itemsize, dtype=np.uint8)
-                pread_exact(source, memoryview(buffer), start + first * ref.itemsize, path)
+                pread_exact(sources[path], memoryview(buffer), start + first * ref.itemsize, path)
                 pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
                              at + template.data_offset + (element + first) * out_itemsize)
-        finally:
+    finally:
+        for source in sources.values():
             os.close(source)
     fill_crc(fd, PlacedBlob(f"model.{tensor.name}", 0, (0,) * len(tensor.shape), tuple(tensor.shape), tensor.dtype,
                             at, template), _read, _write)

@@ -41,7 +41,7 @@ from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, ref
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
-from reshard.planning.checkpoint_plan import trainable_pieces
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -98,7 +98,7 @@ def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, bu
     pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
-    ownership = Ownership(spec.topology.world_size, len(layout.files), workers)
+    ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
     fp32 = tuple(s for s in spec.streams if s.name == "fp32")
     params, pieces = trainable_pieces(spec, layout.params or None, None if rules is None else rules.rule)

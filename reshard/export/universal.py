@@ -55,7 +55,7 @@ from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
 from reshard.files.paths import confined
-from reshard.planning.checkpoint_plan import trainable_pieces
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -113,7 +113,7 @@ def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int
     pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
-    ownership = Ownership(spec.topology.world_size, len(bundles.files), workers)
+    ownership = Ownership(source_rank_count(spec), len(bundles.files), workers)
     params, pieces = trainable_pieces(spec, bundles.params or None, None if rules is None else rules.rule)
     space = plan_space("optim", pieces, bundles.pieces("optim", [p.numel for p in params]), spec.streams,
                        bundles.buffer_numels(), ownership, budget_bytes)

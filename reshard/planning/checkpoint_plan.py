@@ -184,6 +184,12 @@ def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
     return tuple(int(max((s[b] for s in sizes if b < len(s)), default=0)) for b in range(max(map(len, sizes))))
 
 
+def source_rank_count(spec) -> int:
+    """The source ranks whose files an export's plan reads: every (dp rank, model rank, stage) of a
+    pipeline save (its global ranks, `Topology.rank_of`), the dp ranks of any other save it serves."""
+    return spec.topology.world_size if getattr(spec, "columns", None) is not None else spec.dp_world_size
+
+
 def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None, rule_of=None
                      ) -> tuple[tuple[ParamSpec, ...], PieceTable]:
     """(the trainable parameters of an export's space, each once and whole, and the source's pieces over
@@ -195,7 +201,8 @@ def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None, rule_of=
     A save without pipeline columns: its own parameters and layout. A PipelineModule save
     (spec.columns): `params` (every parameter, each once, by name, at its whole shape, in the export's
     order), its pieces from `pipeline_export_pieces`; `rule_of(name)` (a ModelAxisRule) says how a
-    model axis cuts each parameter (needed at tp > 1)."""
+    model axis cuts each parameter. `params` may be left out at tp 1 only (then the order the columns
+    first hold them in, at their stage shapes)."""
     if getattr(spec, "columns", None) is None:
         return spec.params, spec.layout(spec.topology).pieces
     if params is None:  # tp 1: the order the columns first hold them in
