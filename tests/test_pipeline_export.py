@@ -323,3 +323,55 @@ def test_a_failed_pipeline_export_leaves_nothing_and_the_same_command_then_succe
     monkeypatch.setattr(universal.UniversalWriter, "create", real)
     run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
     assert sorted(p.name for p in out.iterdir()) == ["latest_universal", "step3"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["universal", "safetensors", "dcp"])
+def test_a_pipeline_export_that_fails_half_way_resumes_by_round_to_the_same_bytes(tp_saves, tmp_path, monkeypatch,
+                                                                                  kind):
+    # the main road's promise for a pipeline save with a model axis: a failure in the rounds keeps the
+    # staging and its journal, publishes nothing, and the same command resumes from the last durable
+    # round to the bytes of an uninterrupted export (the pinned ones for safetensors and universal); the
+    # whole-tensor road started over
+    import errno
+
+    from test_pipeline_pinned import PINNED, tree_hashes
+    from threaded_transport import run_workers
+
+    from reshard.errors import ReshardError
+    from reshard.export import export_dcp, export_safetensors, export_universal
+    from reshard.export.dcp_job import DcpWriter
+    from reshard.export.safetensors_writer import SafetensorsWriter
+    from reshard.export.universal import UniversalWriter
+    export, writer, extra = {"universal": (export_universal, UniversalWriter, {}),
+                             "safetensors": (export_safetensors, SafetensorsWriter, {"max_shard_size": "4KB"}),
+                             "dcp": (export_dcp, DcpWriter, {"chunk_bytes": 64})}[kind]
+    save, _ = tp_saves["fp32-mp2u"]
+
+    def run(out, **options):
+        return run_workers(2, lambda t: export(str(save), str(out), memory_budget=2048, transport=t, **extra,
+                                               **options))[0]
+
+    real_write, calls = writer.write, {"n": 0, "fail_after": None}
+
+    def disk_fills_up(self, *args):
+        calls["n"] += 1
+        if calls["fail_after"] is not None and calls["n"] > calls["fail_after"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args)
+
+    monkeypatch.setattr(writer, "write", disk_fills_up)
+    reference = tmp_path / "reference"
+    run(reference)
+    calls["n"], calls["fail_after"] = 0, calls["n"] // 2
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match="re-run the same command to resume"):
+        run(out, durable_every=1)
+    monkeypatch.setattr(writer, "write", real_write)
+    assert sorted(p.name for p in out.iterdir()) == [".reshard-staging"]
+    result = run(out, durable_every=1)
+    resumed = [note for note in result.notes if note.startswith("resuming an interrupted export")]
+    assert resumed and not resumed[0].startswith("resuming an interrupted export: 0 of"), result.notes
+    assert tree_hashes(out) == tree_hashes(reference)
+    if kind != "dcp":
+        assert tree_hashes(out) == PINNED[f"fp32-mp2u-{kind}"]
