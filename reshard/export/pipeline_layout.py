@@ -259,6 +259,12 @@ def export_tensors(pipe: PipelineSource, model: PipelineModel, out_dtype: str, t
         return ref
 
     for t in model.tensors:
+        if model.rules is not None and pipe.tp > 1 and model.rules.rule(t.name).kind == "average":
+            # ds_to_universal averages the model ranks' copies; the export reads model rank 0's alone and
+            # compares none (the whole-tensor exporter did): refused rather than taken unchecked
+            raise UnsupportedCheckpoint(pipe.model_path(0), f"{t.name} matches parameter_to_average_patterns: the "
+                                                            "export reads one model rank's copy and cannot check that "
+                                                            f"the {pipe.tp} model ranks' copies are equal")
         if t.stage >= 0:
             tensors.append(ExportTensor(t.name, t.shape, out_dtype, TRAINABLE, len(params)))
             params.append(ParamSpec(t.name, t.shape))
