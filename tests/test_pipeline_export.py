@@ -375,3 +375,22 @@ def test_a_pipeline_export_that_fails_half_way_resumes_by_round_to_the_same_byte
     assert tree_hashes(out) == tree_hashes(reference)
     if kind != "dcp":
         assert tree_hashes(out) == PINNED[f"fp32-mp2u-{kind}"]
+
+
+def test_an_averaged_tensor_of_a_model_axis_is_refused_by_name_not_read_from_one_rank():
+    # ds_to_universal averages the model ranks' copies of a parameter_to_average_patterns tensor; the main
+    # road reads model rank 0's alone, so at tp > 1 it refuses rather than take one copy unchecked
+    from types import SimpleNamespace
+
+    from reshard.export.pipeline_layout import ModuleTensor, PipelineModel, export_tensors
+    from reshard.layouts.model_axis import model_axis_rules
+    rules = model_axis_rules({"tp_replicated_parameter_patterns": [r"0\."],
+                              "parameter_to_average_patterns": [r"1\.norm\."]})
+    model = PipelineModel((ModuleTensor("0.weight", (4, 2), "float32", stage=0),
+                           ModuleTensor("1.norm.weight", (2,), "float32", stage=1)), {}, rules)
+    pipe = SimpleNamespace(tp=2, tag_dir="/ckpt/step3", model_path=lambda stage=0, model=0: "/ckpt/step3/mp_rank_00.pt")
+    with pytest.raises(UnsupportedCheckpoint, match=r"^/ckpt/step3/mp_rank_00.pt: 1.norm.weight matches "
+                                                    "parameter_to_average_patterns"):
+        export_tensors(pipe, model, "float32")
+    tensors, params = export_tensors(SimpleNamespace(**{**vars(pipe), "tp": 1}), model, "float32")  # tp 1: one copy
+    assert [p.name for p in params] == ["0.weight", "1.norm.weight"]
