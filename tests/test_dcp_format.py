@@ -19,7 +19,7 @@ import pytest
 import torch
 from threaded_transport import run_workers
 
-from reshard.errors import UnsupportedCheckpoint
+from reshard.errors import ReshardError, UnsupportedCheckpoint
 from reshard.export import export_dcp
 from reshard.export.dcp_format import blob_template, fill_crc
 from reshard.export.dcp_layout import dcp_layout, row_blocks
@@ -120,14 +120,15 @@ def test_what_torch_adamw_cannot_continue_is_refused_by_name():
         check_adam_states(sgd)
 
 
-def test_a_pipeline_save_is_refused_by_name_and_nothing_is_written(tmp_path):
-    """A hand-made directory with a pipeline layer file's name: the refusal comes from the names alone."""
+def test_a_broken_pipeline_save_is_refused_naming_a_file_and_nothing_is_written(tmp_path):
+    """A hand-made directory with a pipeline layer file's name and nothing else: pipeline saves are served
+    (tests/test_export_dcp.py), this one is refused by the pipeline inspection, naming what is missing."""
     save = tmp_path / "save"
     (save / "global_step1").mkdir(parents=True)
     (save / "latest").write_text("global_step1")
     (save / "global_step1" / "layer_00-model_states.pt").write_bytes(b"")
     out = tmp_path / "out"
-    with pytest.raises(UnsupportedCheckpoint, match="PipelineModule save: the DCP export does not serve pipeline"):
+    with pytest.raises(ReshardError, match=str(save / "global_step1")):
         run_workers(1, lambda t: export_dcp(str(save), str(out), transport=t))
     assert not out.exists()
     assert np.array_equal(sorted(os.listdir(save / "global_step1")), ["layer_00-model_states.pt"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
-from reshard.export.pipeline_export import module_tensors
+from reshard.export.pipeline_layout import module_tensors
 from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage
 
 HARNESS = "tests.pipeline_run"
@@ -249,13 +250,33 @@ def test_universal_export_holds_the_truth_and_equals_ds_to_universal_file_by_fil
 
 
 @pytest.mark.e2e
+def test_a_budget_far_below_a_stages_optimizer_bytes_exports_by_rounds_to_the_pinned_bytes(pipeline_runs, tp_saves,
+                                                                                         tmp_path):
+    # the whole-tensor road refused any budget below a stage's joined optimizer files ("the universal
+    # export of a pipeline checkpoint joins each stage's optimizer files whole", exit 2); the main road
+    # keeps 1 KiB (stage 0 alone holds 2.6 kB of fp32 masters, 7.7 kB with Adam's moments) by rounds, and
+    # writes the pinned bytes (tests/test_pipeline_pinned.py), tp 2 joined over the model ranks too
+    from test_pipeline_pinned import PINNED, tree_hashes
+    from trained import reshard_in_process
+    save, _ = pipeline_runs("fp32", 2, 1)
+    universal = reshard_in_process("export", save, tmp_path / "u", "--format", "universal", "--memory-budget", "1K",
+                                   "--workers", "2")
+    assert universal.returncode == 0, universal.stderr
+    rounds = int(re.search(r"(\d+) rounds", universal.stdout)[1])
+    assert rounds > 100, universal.stdout
+    assert tree_hashes(tmp_path / "u") == PINNED["fp32-pp2-dp1-universal"]
+    mp2u, _ = tp_saves["fp32-mp2u"]
+    st = reshard_in_process("export", mp2u, tmp_path / "st", "--format", "safetensors", "--memory-budget", "1K",
+                            "--max-shard-size", "4KB", "--workers", "2")
+    assert st.returncode == 0, st.stderr
+    assert int(re.search(r"(\d+) rounds", st.stdout)[1]) > 10, st.stdout
+    assert tree_hashes(tmp_path / "st") == PINNED["fp32-mp2u-safetensors"]
+
+
+@pytest.mark.e2e
 def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
     from trained import reshard_in_process  # the message, not the launcher
     save, _ = pipeline_runs("fp32", 2, 1)
-    over = reshard_in_process("export", save, tmp_path / "small", "--format", "universal", "--memory-budget", "1K")
-    assert over.returncode == 2, over.stderr
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: the universal export of a pipeline checkpoint" in over.stderr
-    assert not (tmp_path / "small").exists()
     # a model axis suffix on one layer file of a save without one (tp_degree 1): inconsistent, refused
     # (at tp 1 either naming is DeepSpeed's, so the first file unlike the suffixed one is named)
     axis = tmp_path / "axis"
@@ -278,27 +299,98 @@ def test_pipeline_export_refusals_name_the_file(pipeline_runs, tmp_path):
 @pytest.mark.e2e
 def test_a_failed_pipeline_export_leaves_nothing_and_the_same_command_then_succeeds(pipeline_runs, tmp_path,
                                                                                      monkeypatch):
-    # the one lifecycle: worker 1 fails writing its stage (a full disk); every worker learns it, the
-    # staging, the lock and the OUT this run created are removed; the same command then publishes
+    # the one lifecycle: worker 1 fails creating its files (a full disk), before any round; every worker
+    # learns it, the staging, the lock and the OUT this run created are removed; the same command then publishes
     import errno
 
     from threaded_transport import run_workers
 
     from reshard.errors import ReshardError
-    from reshard.export import export_universal, pipeline_export
+    from reshard.export import export_universal, universal
     save, _ = pipeline_runs("fp32", 2, 1)
-    real = pipeline_export.read_stage
+    real = universal.UniversalWriter.create
 
-    def disk_full_on_stage_1(source, stage, trust_pickle=False):
-        if stage == 1:
+    def disk_full_on_worker_1(source, bundles, zero_dir, owned, *args, **kwargs):
+        if 0 not in owned:
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
-        return real(source, stage, trust_pickle)
+        return real(source, bundles, zero_dir, owned, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_export, "read_stage", disk_full_on_stage_1)
+    monkeypatch.setattr(universal.UniversalWriter, "create", disk_full_on_worker_1)
     out = tmp_path / "out"
     with pytest.raises(ReshardError, match="No space left on device"):
         run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
     assert not out.exists(), sorted(out.rglob("*"))
-    monkeypatch.setattr(pipeline_export, "read_stage", real)
+    monkeypatch.setattr(universal.UniversalWriter, "create", real)
     run_workers(2, lambda t: export_universal(str(save), str(out), transport=t))
     assert sorted(p.name for p in out.iterdir()) == ["latest_universal", "step3"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["universal", "safetensors", "dcp"])
+def test_a_pipeline_export_that_fails_half_way_resumes_by_round_to_the_same_bytes(tp_saves, tmp_path, monkeypatch,
+                                                                                  kind):
+    # the main road's promise for a pipeline save with a model axis: a failure in the rounds keeps the
+    # staging and its journal, publishes nothing, and the same command resumes from the last durable
+    # round to the bytes of an uninterrupted export (the pinned ones for safetensors and universal); the
+    # whole-tensor road started over
+    import errno
+
+    from test_pipeline_pinned import PINNED, tree_hashes
+    from threaded_transport import run_workers
+
+    from reshard.errors import ReshardError
+    from reshard.export import export_dcp, export_safetensors, export_universal
+    from reshard.export.dcp_job import DcpWriter
+    from reshard.export.safetensors_writer import SafetensorsWriter
+    from reshard.export.universal import UniversalWriter
+    export, writer, extra = {"universal": (export_universal, UniversalWriter, {}),
+                             "safetensors": (export_safetensors, SafetensorsWriter, {"max_shard_size": "4KB"}),
+                             "dcp": (export_dcp, DcpWriter, {"chunk_bytes": 64})}[kind]
+    save, _ = tp_saves["fp32-mp2u"]
+
+    def run(out, **options):
+        return run_workers(2, lambda t: export(str(save), str(out), memory_budget=2048, transport=t, **extra,
+                                               **options))[0]
+
+    real_write, calls = writer.write, {"n": 0, "fail_after": None}
+
+    def disk_fills_up(self, *args):
+        calls["n"] += 1
+        if calls["fail_after"] is not None and calls["n"] > calls["fail_after"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args)
+
+    monkeypatch.setattr(writer, "write", disk_fills_up)
+    reference = tmp_path / "reference"
+    run(reference)
+    calls["n"], calls["fail_after"] = 0, calls["n"] // 2
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match="re-run the same command to resume"):
+        run(out, durable_every=1)
+    monkeypatch.setattr(writer, "write", real_write)
+    assert sorted(p.name for p in out.iterdir()) == [".reshard-staging"]
+    result = run(out, durable_every=1)
+    resumed = [note for note in result.notes if note.startswith("resuming an interrupted export")]
+    assert resumed and not resumed[0].startswith("resuming an interrupted export: 0 of"), result.notes
+    assert tree_hashes(out) == tree_hashes(reference)
+    if kind != "dcp":
+        assert tree_hashes(out) == PINNED[f"fp32-mp2u-{kind}"]
+
+
+def test_an_averaged_tensor_of_a_model_axis_is_refused_by_name_not_read_from_one_rank():
+    # ds_to_universal averages the model ranks' copies of a parameter_to_average_patterns tensor; the main
+    # road reads model rank 0's alone, so at tp > 1 it refuses rather than take one copy unchecked
+    from types import SimpleNamespace
+
+    from reshard.export.pipeline_layout import ModuleTensor, PipelineModel, export_tensors
+    from reshard.layouts.model_axis import model_axis_rules
+    rules = model_axis_rules({"tp_replicated_parameter_patterns": [r"0\."],
+                              "parameter_to_average_patterns": [r"1\.norm\."]})
+    model = PipelineModel((ModuleTensor("0.weight", (4, 2), "float32", stage=0),
+                           ModuleTensor("1.norm.weight", (2,), "float32", stage=1)), {}, rules)
+    pipe = SimpleNamespace(tp=2, tag_dir="/ckpt/step3", model_path=lambda stage=0, model=0: "/ckpt/step3/mp_rank_00.pt")
+    with pytest.raises(UnsupportedCheckpoint, match=r"^/ckpt/step3/mp_rank_00.pt: 1.norm.weight matches "
+                                                    "parameter_to_average_patterns"):
+        export_tensors(pipe, model, "float32")
+    tensors, params = export_tensors(SimpleNamespace(**{**vars(pipe), "tp": 1}), model, "float32")  # tp 1: one copy
+    assert [p.name for p in params] == ["0.weight", "1.norm.weight"]

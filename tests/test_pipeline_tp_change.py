@@ -640,7 +640,7 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
 
 
-# ---- exports of the model-axis saves (reshard.export.pipeline_export) ---------------------------
+# ---- exports of the model-axis saves (reshard.export, the main road) ----------------------------
 
 EXPORTED = {"tp 2": VARIANT, "tp 1": TP1_VARIANT}
 # the module's own names (PipelineModule.state_dict()), each tensor whole: at tp 1 hidden 44
@@ -653,7 +653,7 @@ UNIVERSAL_KEYS = {name: ["param"] if name.startswith(("tied_modules.", "3.bias",
 
 
 def test_universal_entries_carry_the_keys_merge_tp_slices_writes_for_each_rule():
-    from reshard.export.pipeline_export import universal_entry
+    from reshard.export.universal_names import universal_entry
     entries = {kind: list(universal_entry(None if kind is None else ModelAxisRule(kind, dim), "t").items())
                for kind, dim in [(None, 0), ("replicated", None), ("average", None), ("row", 1), ("column", 0),
                                  ("two-sub-params", 0), ("vocabulary", 0)]}

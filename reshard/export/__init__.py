@@ -8,8 +8,8 @@
 
     from reshard.export import export_dcp, export_safetensors, export_universal
 
-A PipelineModule save (layer_XX-model_states.pt files) goes to reshard.export.pipeline_export: the
-same options and lifecycle, names as PipelineModule.state_dict() gives them.
+A PipelineModule save (layer_XX-model_states.pt files) takes the same road, its tensors named as
+PipelineModule.state_dict() names them (reshard.export.pipeline_layout), each parameter once and whole.
 """
 from reshard.export.dcp_job import export_dcp
 from reshard.export.safetensors_job import export_safetensors

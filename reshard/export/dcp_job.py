@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.errors import OptionError
 from reshard.export.dcp_format import (
     DISTCP_SUFFIX,
     METADATA_NAME,
@@ -62,17 +62,24 @@ from reshard.export.dcp_format import (
     write_metadata,
 )
 from reshard.export.dcp_layout import DEFAULT_CHUNK_BYTES, DcpLayout, dcp_layout
-from reshard.export.dcp_optimizer import RUN_STATE_NAME, adamw_groups, check_adam_states, run_state
+from reshard.export.dcp_optimizer import (
+    RUN_STATE_NAME,
+    adamw_groups,
+    check_adam_states,
+    pipeline_adamw_groups,
+    run_state,
+)
 from reshard.export.dcp_output_layout import OUTPUT_LAYOUTS, DcpOutputLayout, check_carried_files
+from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
 from reshard.export.hf_layout import hf_layout
-from reshard.export.pipeline_export import pipeline_tag_of
+
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_job import DTYPES
 from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.files.paths import confined, open_new_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs import save_dir_files
@@ -80,6 +87,7 @@ from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -133,14 +141,18 @@ def file_blobs(layout: DcpLayout, streams: dict, f: int, out: DcpOutputLayout = 
     return files
 
 
-def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int) -> ReshardPlan:
-    """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure)."""
+def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int,
+             pipeline: PipelineExport | None = None) -> ReshardPlan:
+    """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure);
+    of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis)."""
     spec = source.spec
-    ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
+    ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
-    spaces = [plan_space("optim", spec.layout(spec.topology).pieces,
-                         layout.pieces("optim", [p.numel for p in spec.params]), spec.streams, numels, ownership,
-                         budget_bytes)]
+    rules = pipeline.model.rules if pipeline is not None else None
+    params, pieces = trainable_pieces(spec, pipeline.params if pipeline is not None else None,
+                                      None if rules is None else rules.rule)
+    spaces = [plan_space("optim", pieces, layout.pieces("optim", [p.numel for p in params]), spec.streams, numels,
+                         ownership, budget_bytes)]
     if spec.frozen:
         old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
         spaces.append(plan_space("frozen", old_frozen, layout.pieces("frozen", [p.numel for p in spec.frozen]),
@@ -251,6 +263,20 @@ class OptimizerMapping:
     """FQN -> Adam step (float)."""
 
 
+def inspect_pipeline_for_dcp(source_dir: str, destination: str, tag: str, out_dtype: str, trust_pickle: bool):
+    """Worker 0: a PipelineModule save (its tensors named as PipelineModule.state_dict() names them,
+    reshard.export.pipeline_layout), refused unless its optimizer maps to torch AdamW, and the mapping."""
+    check_paths(source_dir, destination)
+    found = inspect_pipeline_export(source_dir, tag, out_dtype, trust_pickle)
+    source = found.source
+    check_adam_states(source)
+    ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
+    states = [_load_mapped(source.optim_path(source.spec.topology.rank_of(0, 0, stage)), trust_pickle)[schema.OPTIM]
+              for stage in range(source.spec.topology.pp)]
+    groups, steps = pipeline_adamw_groups(found, states, ds_config)
+    return source, OptimizerMapping(groups, steps), found
+
+
 def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pickle: bool,
                     out: DcpOutputLayout = OUTPUT_LAYOUTS["torch"]):
     """Worker 0: the source, refused unless its optimizer maps to torch AdamW (and, in the accelerate
@@ -270,24 +296,29 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
 
 
 def _copy_whole(fd: int, at: int, tensor, model_path: str, budget_bytes: int) -> int:
-    """A tensor stored whole in the model-states file as one blob at `at`: read, cast and written in
-    pieces of at most a third of the budget (never held whole), then its CRC-32. Returns the blob's size."""
+    """A tensor stored whole in the model-states file (or a pipeline's layer files, `ExportTensor.whole_runs`)
+    as one blob at `at`: read, cast and written in pieces of at most a third of the budget (never held
+    whole), then its CRC-32. Returns the blob's size."""
     template = blob_template(tuple(tensor.shape), tensor.dtype)
     pwrite_exact(fd, memoryview(template.head), at)
     pwrite_exact(fd, memoryview(template.tail), at + template.data_offset + template.data_bytes)
     ref = tensor.ref
     out_itemsize = dtype_of(tensor.dtype).itemsize
     step = max(1, (budget_bytes // 3) // max(ref.itemsize, out_itemsize))
-    source = os.open(model_path, os.O_RDONLY)
+    sources = {}
     try:
-        for first in range(0, tensor.numel, step):
-            count = min(step, tensor.numel - first)
-            buffer = np.empty(count * ref.itemsize, dtype=np.uint8)
-            pread_exact(source, memoryview(buffer), ref.byte_offset + first * ref.itemsize, model_path)
-            pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
-                         at + template.data_offset + first * out_itemsize)
+        for path, start, element, count in tensor.whole_runs(model_path):  # a pipeline's layer files: runs
+            if path not in sources:
+                sources[path] = os.open(path, os.O_RDONLY)
+            for first in range(0, count, step):
+                n = min(step, count - first)
+                buffer = np.empty(n * ref.itemsize, dtype=np.uint8)
+                pread_exact(sources[path], memoryview(buffer), start + first * ref.itemsize, path)
+                pwrite_exact(fd, _cast(memoryview(buffer), ref.dtype, tensor.dtype),
+                             at + template.data_offset + (element + first) * out_itemsize)
     finally:
-        os.close(source)
+        for source in sources.values():
+            os.close(source)
     fill_crc(fd, PlacedBlob(f"model.{tensor.name}", 0, (0,) * len(tensor.shape), tuple(tensor.shape), tensor.dtype,
                             at, template), _read, _write)
     return template.size
@@ -439,21 +470,32 @@ def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str |
 def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pickle, overwrite, durable_every,
          transport, out: DcpOutputLayout) -> DcpResult:
     started = time.perf_counter()
-    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None:
-        raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
-                                    "is a PipelineModule save: the DCP export does not serve pipeline saves yet "
-                                    "(export it with --format safetensors or universal)")
-    source, mapping, carried = on_rank0(
-        transport, lambda: inspect_for_dcp(source_dir, destination, tag, trust_pickle, out))
-    model = hf_layout(source, out_dtype, 1 << 62)
-    layout = dcp_layout([t for f in model.files for t in f.tensors], model.kept_for_tied, transport.size, chunk_bytes)
-    plan = plan_dcp(source, layout, transport.size, budget)
+
+    def inspect():
+        pipeline_tag = pipeline_tag_of(source_dir, tag)
+        if pipeline_tag is not None:  # a PipelineModule save: its module's names, each parameter once and whole
+            if out.carries_save_dir:
+                raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
+                                            f"is a PipelineModule save: the {out.name} layout is for Hugging Face "
+                                            "Trainer saves; export it with the torch layout (the default)")
+            return (*inspect_pipeline_for_dcp(source_dir, destination, pipeline_tag, out_dtype, trust_pickle), [])
+        source, mapping, carried = inspect_for_dcp(source_dir, destination, tag, trust_pickle, out)
+        return source, mapping, None, carried
+
+    source, mapping, pipeline, carried = on_rank0(transport, inspect)
+    if pipeline is None:
+        model = hf_layout(source, out_dtype, 1 << 62)
+        tensors, aliases = [t for f in model.files for t in f.tensors], model.kept_for_tied
+    else:
+        tensors, aliases = list(pipeline.tensors), {}
+    layout = dcp_layout(tensors, aliases, transport.size, chunk_bytes)
+    plan = plan_dcp(source, layout, transport.size, budget, pipeline)
     streams = streams_of(source)
     names = file_names(plan.ownership, len(layout.files))
     output = ExportOutput(destination, source.tag, export_fingerprint(
         source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes, "layout": out.name,
-                 "carried": carried}), overwrite, durable_every)
+                 "carried": carried, **(pipeline.identity() if pipeline is not None else {})}),
+        overwrite, durable_every)
 
     def open_writer(owned, staged, reuse_existing):
         return DcpWriter.create(layout, streams, names, staged, owned, reuse_existing, out)

@@ -159,6 +159,47 @@ def loss_scaler_state(optimizer_state: dict) -> dict | None:
     return {"deepspeed": values, "grad_scaler": grad_scaler}
 
 
+def pipeline_adamw_groups(found, optimizer_states: list, ds_config: dict) -> tuple[list[dict], dict]:
+    """adamw_groups of a PipelineModule save (`found`: reshard.export.pipeline_layout.PipelineExport):
+    `optimizer_states`, per stage, its model rank 0's dp rank 0 `optimizer_state_dict`. Every stage
+    runs its own optimizer with the same param groups (deepspeed.initialize's, each stage keeping the
+    parameters it holds), so torch AdamW group g holds every stage's group-g parameters, each once, in
+    the module's order; its hyperparameters are stage 0's, and a stage whose differ is refused by name.
+    A parameter's step is its group's step on the first stage holding it (a tied one's copies step
+    together: runtime/pipe/engine.py `_exec_reduce_tied_grads`)."""
+    spec = found.source.spec
+    first_stage = {t.name: t.stage for t in found.model.tensors if t.stage >= 0}
+    order = {p.name: i for i, p in enumerate(found.params)}
+    names_of, steps, hyper = {}, {}, None
+    for stage, osd in enumerate(optimizer_states):
+        where = found.source.optim_path(spec.topology.rank_of(0, 0, stage))
+        params, groups = spec.columns[stage * spec.topology.tp]
+        base = osd["base_optimizer_state"]
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+        if hyper is None:
+            hyper, first = kept, where
+        elif kept != hyper:
+            raise UnsupportedCheckpoint(where, f"its optimizer param groups {kept} differ from those of {first} "
+                                               f"({hyper}); torch AdamW keeps one set of param groups")
+        if len(kept) != len(groups):
+            raise UnsupportedCheckpoint(where, f"{len(kept)} optimizer param groups, but the stage's model states "
+                                               f"name {len(groups)}")
+        for g, ids in enumerate(groups):
+            step = base["state"].get(g, {}).get("step")
+            for p in ids:
+                name = params[p].name
+                if first_stage[name] != stage:
+                    continue
+                if step is None:
+                    raise UnsupportedCheckpoint(where, f"param group {g} has no Adam step (the optimizer never stepped?)")
+                names_of.setdefault(g, []).append(name)
+                steps[name] = _step_value(step, where)
+    base0 = optimizer_states[0]["base_optimizer_state"]["param_groups"]
+    out = [adamw_group(group, sorted(names_of.get(g, []), key=order.__getitem__), ds_config, first)
+           for g, group in enumerate(base0)]
+    return out, steps
+
+
 def run_state(model_states: dict, optimizer_state: dict | None = None) -> dict:
     """What `load_checkpoint` restores besides the model and optimizer, for a training script to restore
     itself: DeepSpeed's counters, the LR scheduler's state_dict, the client_state (every top-level

@@ -59,7 +59,12 @@ class ExportTensor:
     index: int
     """Parameter id in the optimizer space ("optim"), frozen id ("frozen"); -1 for "whole"."""
     ref: TensorRef | None = None
-    """The source tensor in the rank-0 model-states file ("whole" only)."""
+    """The source tensor in the rank-0 model-states file, or in `path` ("whole" only)."""
+    path: str = ""
+    """"whole": the file holding `ref` when not the rank-0 model-states file (a pipeline's layer file)."""
+    runs: tuple = ()
+    """"whole", joined over a model axis: (file, byte offset, element of this tensor, elements) of every
+    run of every model rank's slice (reshard.export.pipeline_layout); empty: `ref` is the whole tensor."""
     data_offset: int = 0
     """Byte offset in the file's data section (after the header)."""
 
@@ -70,6 +75,11 @@ class ExportTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_of(self.dtype).itemsize
+
+    def whole_runs(self, model_path: str) -> tuple:
+        """A "whole" tensor's (file, byte offset, element of this tensor, elements) runs, in order:
+        `runs`, or the one run of `ref` in `path` (default: `model_path`, the rank-0 model-states file)."""
+        return self.runs or ((self.path or model_path, self.ref.byte_offset, 0, self.numel),)
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,9 @@ class ExportLayout:
     params_total: int
     """Elements of the optimizer space (so the pieces tile it)."""
     frozen_total: int
+    params: tuple = ()
+    """The optimizer space's parameters (ParamSpec), in the order "optim" tensors' `index` counts, when
+    not the source spec's `params` (a pipeline save: each parameter once, reshard.export.pipeline_layout)."""
 
     @property
     def total_size(self) -> int:
@@ -162,6 +175,14 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     for tensor in tensors:
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise UnsupportedCheckpoint(path, f"{tensor.name} is {tensor.dtype}, which safetensors cannot store")
+    files = shard_files(tensors, max_shard_bytes)
+    kept = {alias: owner for alias, owner in shared.items()}
+    return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+
+
+def shard_files(tensors: list, max_shard_bytes: int) -> tuple[ExportFile, ...]:
+    """`tensors` packed into `model-0000i-of-0000n.safetensors` shards (`pack_in_order`), each placed
+    back to back in its file."""
     shards = pack_in_order(tensors, max_shard_bytes)
     files = []
     for number, members in enumerate(shards, start=1):
@@ -170,8 +191,7 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
             placed.append(ExportTensor(**{**tensor.__dict__, "data_offset": offset}))
             offset += tensor.nbytes
         files.append(ExportFile(f"model-{number:05d}-of-{len(shards):05d}.safetensors", tuple(placed)))
-    kept = {alias: owner for alias, owner in shared.items()}
-    return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+    return tuple(files)
 
 
 def safetensors_header(file: ExportFile) -> bytes:

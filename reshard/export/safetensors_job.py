@@ -30,17 +30,18 @@ from dataclasses import dataclass, field
 
 from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
-from reshard.errors import OptionError
-from reshard.export.hf_layout import INDEX_NAME, ExportLayout, hf_layout, write_index
+from reshard.errors import OptionError, UnsupportedCheckpoint
+from reshard.export.hf_layout import INDEX_NAME, SAFETENSORS_DTYPES, ExportLayout, hf_layout, shard_files, write_index
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
-from reshard.export.pipeline_export import export_pipeline_safetensors, pipeline_tag_of
+from reshard.export.pipeline_layout import inspect_pipeline_export
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -74,12 +75,15 @@ class ExportResult:
     seconds: float = 0.0
     peak_rss_bytes: list = field(default_factory=list)
     kept_for_tied: dict = field(default_factory=dict)
+    tied_files: dict = field(default_factory=dict)
+    """A pipeline save: layer file -> the tied module's key it was named by (reshard.export.pipeline_layout)."""
     notes: list = field(default_factory=list)
     model_files: list = field(default_factory=list)
     """config, generation config and tokenizer files copied from the save directory (export.model_files)."""
 
     def summary(self) -> str:
-        tied = ", ".join(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items())
+        tied = ", ".join([*(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items()),
+                          *(f"{file} as tied_modules.{key}" for file, key in self.tied_files.items())])
         return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
                 f"  {counted(len(self.files), 'safetensors file')}, {self.total_size:,} bytes of tensors; "
                 f"{counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, {self.seconds:.1f} s"
@@ -88,15 +92,18 @@ class ExportResult:
                 + "".join(f"\n  note: {note}" for note in [*self.notes, *missing_notes(self.model_files)]))
 
 
-def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
-    """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure)."""
+def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int, rules=None
+                ) -> ReshardPlan:
+    """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure); of a
+    pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
-    ownership = Ownership(spec.dp_world_size, len(layout.files), workers)
+    ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
     fp32 = tuple(s for s in spec.streams if s.name == "fp32")
-    spaces = [plan_space("optim", spec.layout(spec.topology).pieces,
-                         layout.pieces("optim", [p.numel for p in spec.params]), fp32, numels, ownership, budget_bytes)]
+    params, pieces = trainable_pieces(spec, layout.params or None, None if rules is None else rules.rule)
+    spaces = [plan_space("optim", pieces, layout.pieces("optim", [p.numel for p in params]), fp32, numels, ownership,
+                         budget_bytes)]
     if spec.frozen:
         old_frozen, _ = spec.frozen_layout(spec.dp_world_size)
         spaces.append(plan_space("frozen", old_frozen, layout.pieces("frozen", [p.numel for p in spec.frozen]),
@@ -128,24 +135,29 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
          transport):
     started = time.perf_counter()
     pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None:  # a PipelineModule save: its own whole-tensor export, the same lifecycle
-        return export_pipeline_safetensors(source_dir, destination, pipeline_tag, out_dtype, max_shard_bytes, budget,
-                                           trust_pickle, overwrite, transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
+        if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
+            found = inspect_pipeline_export(source_dir, pipeline_tag, out_dtype, trust_pickle)
+            for tensor in found.tensors:
+                if tensor.dtype not in SAFETENSORS_DTYPES:
+                    raise UnsupportedCheckpoint(tensor.path, f"{tensor.name} is {tensor.dtype}, which safetensors "
+                                                             "cannot store")
+            layout = ExportLayout(shard_files(list(found.tensors), max_shard_bytes), {},
+                                  sum(p.numel for p in found.params), 0, found.params)
+            return found.source, layout, found.tied_files, found.model.rules, found.identity()
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the safetensors export")
-        return source
+        return source, hf_layout(source, out_dtype, max_shard_bytes), {}, None, {}
 
-    source: SourceCheckpoint = on_rank0(transport, inspect)
-    layout = hf_layout(source, out_dtype, max_shard_bytes)
-    plan = plan_export(source, layout, transport.size, budget)
+    source, layout, tied_files, rules, identity = on_rank0(transport, inspect)
+    plan = plan_export(source, layout, transport.size, budget, rules)
     stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
                      "frozen": source.spec.frozen_dtype}
     model_path = source.model_path(0)
     output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes}), overwrite,
+        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes, **identity}), overwrite,
         durable_every)
 
     def open_writer(files, staged, reuse_existing):
@@ -165,6 +177,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
     result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
                           transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied,
+                          tied_files=tied_files,
                           notes=output.notes, model_files=model_files)
     result.seconds = time.perf_counter() - started
     return result

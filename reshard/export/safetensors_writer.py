@@ -77,10 +77,11 @@ class SafetensorsWriter:
         self.bytes_written += len(out)
 
     def copy_whole(self, model_path: str, budget_bytes: int) -> None:
-        """Tensors stored whole in the model-states file: read, cast and write in chunks of at most
-        a third of the budget (the exchange is over by then, so its buffers are gone)."""
+        """Tensors stored whole in the model-states file (or in their own files: a pipeline's layer
+        files, joined over a model axis run by run, `ExportTensor.whole_runs`): read, cast and write in
+        chunks of at most a third of the budget (the exchange is over by then, so its buffers are gone)."""
         chunk_bytes = max(budget_bytes // 3, 64)
-        src = os.open(model_path, os.O_RDONLY)
+        sources = {}
         try:
             for f in self.files:
                 export: ExportFile = self.layout.files[f]
@@ -90,15 +91,20 @@ class SafetensorsWriter:
                     ref = tensor.ref
                     step = max(1, chunk_bytes // ref.itemsize)
                     out_itemsize = dtype_of(tensor.dtype).itemsize
-                    for first in range(0, tensor.numel, step):
-                        count = min(step, tensor.numel - first)
-                        buffer = np.empty(count * ref.itemsize, dtype=np.uint8)
-                        pread_exact(src, memoryview(buffer), ref.byte_offset + first * ref.itemsize, model_path)
-                        out = _cast(memoryview(buffer), ref.dtype, tensor.dtype)
-                        pwrite_exact(self.fds[f], out, self.data_start[f] + tensor.data_offset + first * out_itemsize)
-                        self.bytes_written += len(out)
+                    for path, at, element, count in tensor.whole_runs(model_path):
+                        if path not in sources:
+                            sources[path] = os.open(path, os.O_RDONLY)
+                        for first in range(0, count, step):
+                            n = min(step, count - first)
+                            buffer = np.empty(n * ref.itemsize, dtype=np.uint8)
+                            pread_exact(sources[path], memoryview(buffer), at + first * ref.itemsize, path)
+                            out = _cast(memoryview(buffer), ref.dtype, tensor.dtype)
+                            pwrite_exact(self.fds[f], out,
+                                         self.data_start[f] + tensor.data_offset + (element + first) * out_itemsize)
+                            self.bytes_written += len(out)
         finally:
-            os.close(src)
+            for src in sources.values():
+                os.close(src)
 
     def sync(self) -> None:
         for fd in self.fds.values():

@@ -34,26 +34,28 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from reshard.files.byte_io import pwrite_exact
+from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pack_in_order
-from reshard.export.pipeline_export import export_pipeline_universal, pipeline_tag_of
 from reshard.export.runner import ExportOutput, run_export
-from reshard.export.universal_names import LATEST_UNIVERSAL, check_directory_name
+from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
+from reshard.export.universal_names import LATEST_UNIVERSAL, check_directory_name, universal_entry
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import NewTensor, is_ref, load_checked, locate_storages, materialize, write_skeleton
+from reshard.formats.torch_archive import NewTensor, dtype_of, is_ref, load_checked, locate_storages, materialize, write_skeleton
 from reshard.formats.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
 from reshard.files.paths import confined
+from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 
@@ -82,25 +84,38 @@ def check_universal_names(source: SourceCheckpoint) -> None:
                 check_directory_name(name, source)
 
 
-def universal_bundles(source: SourceCheckpoint, workers: int) -> ExportLayout:
-    """Trainable parameters in order, cut into about `BUNDLES_PER_WORKER * workers` bundles of equal bytes."""
+def check_pipeline_universal_names(found: PipelineExport) -> None:
+    """check_universal_names for a PipelineModule save: every tensor of its module (trainable ones and
+    the layer files' frozen parameters and buffers) and every optimizer state."""
+    for tensor in found.tensors:
+        check_directory_name(tensor.name, found.source)
+    for stream in found.source.spec.streams:
+        check_directory_name(stream.name, found.source)
+
+
+def universal_bundles(source: SourceCheckpoint, workers: int, params: tuple = ()) -> ExportLayout:
+    """Trainable parameters in order (`params` when not the spec's: a pipeline save's, each once), cut
+    into about `BUNDLES_PER_WORKER * workers` bundles of equal bytes."""
     spec = source.spec
-    for p in spec.params:
+    space = params or spec.params
+    for p in space:
         check_directory_name(p.name, source)
-    tensors = [ExportTensor(p.name, p.shape, "float32", "optim", i) for i, p in enumerate(spec.params)]
+    tensors = [ExportTensor(p.name, p.shape, "float32", "optim", i) for i, p in enumerate(space)]
     target = max(1, sum(t.nbytes for t in tensors) // (BUNDLES_PER_WORKER * workers))
     bundles = pack_in_order(tensors, target)
     files = tuple(ExportFile(f"bundle-{k}", tuple(b)) for k, b in enumerate(bundles))
-    return ExportLayout(files, {}, spec.total_elements, 0)
+    return ExportLayout(files, {}, sum(p.numel for p in space), 0, tuple(params))
 
 
-def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int) -> ReshardPlan:
-    """Every stream (fp32 and optimizer states) of every parameter to the writer of its bundle (pure)."""
+def plan_universal(source: SourceCheckpoint, bundles: ExportLayout, workers: int, budget_bytes: int, rules=None
+                   ) -> ReshardPlan:
+    """Every stream (fp32 and optimizer states) of every parameter to the writer of its bundle (pure); of a
+    pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
     refuse_experts(source, "exporting")
-    ownership = Ownership(spec.dp_world_size, len(bundles.files), workers)
-    space = plan_space("optim", spec.layout(spec.topology).pieces,
-                       bundles.pieces("optim", [p.numel for p in spec.params]), spec.streams,
+    ownership = Ownership(source_rank_count(spec), len(bundles.files), workers)
+    params, pieces = trainable_pieces(spec, bundles.params or None, None if rules is None else rules.rule)
+    space = plan_space("optim", pieces, bundles.pieces("optim", [p.numel for p in params]), spec.streams,
                        bundles.buffer_numels(), ownership, budget_bytes)
     return ReshardPlan(ownership, (space,), budget_bytes)
 
@@ -116,8 +131,11 @@ class UniversalWriter:
 
     @classmethod
     def create(cls, source: SourceCheckpoint, bundles: ExportLayout, zero_dir: str, owned,
-               reuse_existing: bool = False) -> "UniversalWriter":
-        """`reuse_existing`: resuming, the files exist already: locate their storages, write nothing."""
+               reuse_existing: bool = False, rules=None, grad_streams=()) -> "UniversalWriter":
+        """`reuse_existing`: resuming, the files exist already: locate their storages, write nothing.
+        `rules`: a pipeline save's model-axis rules (reshard.layouts.model_axis), which set the keys of
+        each parameter's files (universal_entry); None: {"cat_dim": 0, "param"}. `grad_streams`: the
+        streams written with requires_grad (a pipeline save's masters, PipelineExport.masters_require_grad)."""
         writer = cls()
         spec = source.spec
         for b in owned:
@@ -130,10 +148,12 @@ class UniversalWriter:
                         os.unlink(path)
                     slot = (b, k, stream.name)
                     flat = NewTensor(slot, tensor.numel, stream.dtype)
-                    tree = flat if spec.stage == 3 else {"cat_dim": 0, "param": flat}
+                    tree = flat if spec.stage == 3 else universal_entry(
+                        None if rules is None else rules.rule(tensor.name), flat)
                     obj, roles = materialize(tree)
                     if spec.stage != 3:
                         obj["param"] = obj["param"].view(tensor.shape)  # same storage, so the same role
+                        obj["param"].requires_grad_(stream.name in grad_streams)
                     offsets = (locate_storages(path, obj, roles) if reuse_existing
                                else write_skeleton(path, obj, roles))
                     if slot in offsets:
@@ -220,6 +240,63 @@ def write_universal_metadata(source: SourceCheckpoint, tag_dir: str, trust_pickl
         shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))
 
 
+def _joined_value(tensor: ExportTensor) -> torch.Tensor:
+    """A layer tensor joined over the model axis from its runs (a frozen parameter or buffer: whole, as
+    write_universal_metadata holds a module entry)."""
+    itemsize = tensor.ref.itemsize
+    buffer = np.empty(tensor.numel * itemsize, dtype=np.uint8)
+    for path, at, element, count in tensor.whole_runs(""):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pread_exact(fd, memoryview(buffer)[element * itemsize:(element + count) * itemsize], at, path)
+        finally:
+            os.close(fd)
+    return torch.frombuffer(buffer, dtype=dtype_of(tensor.ref.dtype)).reshape(tensor.shape)
+
+
+def write_pipeline_universal_metadata(found: PipelineExport, tag_dir: str, trust_pickle: bool = False) -> None:
+    """A PipelineModule save's rest, as ds_to_universal writes it (worker 0, after the rounds):
+    optimizer_state.pt of stage 0's dp rank 0 (`_save_optimizer_state`), each parameter's step.pt from
+    the first stage holding it (its group's step there), and, beyond ds_to_universal (which finds no
+    `module` in a stage file and writes nothing for them), zero/<name>/fp32.pt {"param": value.float()}
+    of every frozen parameter and buffer of the layer files, as it writes for every non-trainable module
+    entry of a save without a pipeline; then every stage's model-states file, copied."""
+    source, spec = found.source, found.source.spec
+    zero_dir = os.path.join(tag_dir, "zero")
+    osd = _load_small(source.optim_path(0), trust_pickle)[schema.OPTIM]
+    out = {k: v for k, v in osd.items()
+           if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
+    out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"), pickle_module=classes)
+    first_stage = {t.name: t.stage for t in found.model.tensors}
+    for column, (params, groups) in enumerate(spec.columns):
+        stage = column // spec.topology.tp
+        rank = spec.topology.rank_of(0, 0, stage)
+        base = _load_small(source.optim_path(rank), trust_pickle)[schema.OPTIM]["base_optimizer_state"]
+        for g, ids in enumerate(groups):
+            step = base["state"].get(g, {}).get("step")
+            for p in ids:
+                if step is not None and first_stage[params[p].name] == stage:
+                    torch.save(step, os.path.join(zero_dir, check_directory_name(params[p].name, source), "step.pt"))
+    layer_files, keys = {}, {t.name: t.key for t in found.model.tensors}
+    for tensor in found.tensors:
+        if tensor.source != "whole":
+            continue
+        directory = os.path.join(zero_dir, check_directory_name(tensor.name, source))
+        os.makedirs(directory, exist_ok=True)
+        if tensor.runs:  # joined over the model axis (pipeline_layout.export_tensors)
+            value = _joined_value(tensor)
+        else:
+            if tensor.path not in layer_files:
+                layer_files[tensor.path] = _load_small(tensor.path, trust_pickle)
+            value = layer_files[tensor.path][keys[tensor.name]]
+        torch.save({"param": value.float()}, os.path.join(directory, "fp32.pt"))
+    for rank in range(spec.topology.world_size):
+        at = spec.topology.coordinates(rank)
+        if at.dp == 0:  # ds_to_universal copies every (stage, model rank)'s file
+            shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))
+
+
 @dataclass
 class UniversalResult:
     source: str
@@ -257,36 +334,44 @@ def export_universal(source: str, destination: str, *, tag: str | None = None, m
 def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_every, transport) -> UniversalResult:
     started = time.perf_counter()
     pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-    if pipeline_tag is not None:  # a PipelineModule save: its own whole-tensor export, the same lifecycle
-        return export_pipeline_universal(source_dir, destination, pipeline_tag, budget, trust_pickle, overwrite,
-                                         transport)
 
     def inspect():
         check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
+        if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
+            found = inspect_pipeline_export(source_dir, pipeline_tag, "float32", trust_pickle)
+            check_pipeline_universal_names(found)
+            return found.source, found
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the universal export")
         check_universal_names(source)
-        return source
+        return source, None
 
-    source: SourceCheckpoint = on_rank0(transport, inspect)
-    bundles = universal_bundles(source, transport.size)
-    plan = plan_universal(source, bundles, transport.size, budget)
-    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal"}), overwrite,
+    source, found = on_rank0(transport, inspect)
+    bundles = universal_bundles(source, transport.size, found.params if found else ())
+    plan = plan_universal(source, bundles, transport.size, budget, found.model.rules if found else None)
+    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal",
+                                                                        **(found.identity() if found else {})}), overwrite,
                           durable_every)
 
     def publish(staging: Staging):
         # the parameters' files are in staging/zero; the rest, then the lifecycle's publish: the
         # tag directory into place by one rename, then latest_universal (replaced atomically) names it
-        write_universal_metadata(source, staging.tag_dir, trust_pickle)
+        if found is None:
+            write_universal_metadata(source, staging.tag_dir, trust_pickle)
+        else:
+            write_pipeline_universal_metadata(found, staging.tag_dir, trust_pickle)
         publish_tag_dir(staging, None, source.tag, scripts_from=None, latest_name=LATEST_UNIVERSAL)
 
     def open_writer(owned, staged, reuse_existing):
         zero_dir = os.path.join(staged, "zero")
         os.makedirs(zero_dir, exist_ok=True)
-        return UniversalWriter.create(source, bundles, zero_dir, owned, reuse_existing)
+        return UniversalWriter.create(source, bundles, zero_dir, owned, reuse_existing,
+                                      found.model.rules if found else None,
+                                      ("fp32",) if found and found.masters_require_grad else ())
 
     rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
-    result = UniversalResult(source.save_dir, destination, source.tag, len(source.spec.params), transport.size,
+    result = UniversalResult(source.save_dir, destination, source.tag, len(bundles.params or source.spec.params),
+                             transport.size,
                              plan.rounds, peak_rss_bytes=rss, notes=output.notes)
     result.seconds = time.perf_counter() - started
     return result

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from reshard.errors import UnsupportedCheckpoint
 from reshard.files.paths import tag_problem
+from reshard.layouts.model_axis import ModelAxisRule
 
 LATEST_UNIVERSAL = "latest_universal"
 
 OPTIMIZER_STATE = "optimizer_state.pt"
 """The one file zero/ holds beside the parameters' directories."""
+# the keys of a universal checkpoint's per-state dict (DeepSpeed 0.19.8 checkpoint/constants.py
+# PARAM, CAT_DIM, PARAM_N_SUB_PARAMS, VOCAB_TENSOR), as ds_to_universal.py `merge_tp_slices` writes them
+UNIVERSAL_PARAM, CAT_DIM, N_SUB_PARAMS, VOCAB_TENSOR = "param", "cat_dim", "param_n_sub_params", "vocab_tensor"
 
 
 def check_directory_name(name: str, source) -> str:
@@ -29,3 +33,23 @@ def check_directory_name(name: str, source) -> str:
         raise UnsupportedCheckpoint(source.model_path(0), f"parameter name {name!r} {problem}: it cannot be a "
                                                           "directory of a universal checkpoint")
     return name
+
+
+def universal_entry(rule: ModelAxisRule | None, param) -> dict:
+    """One state's file of one parameter, as ds_to_universal.py `merge_tp_slices` writes it (and
+    universal_checkpoint.py `load_hp_checkpoint_state` reads it back, cutting the target rank's slice
+    by these keys): replicated and averaged tensors bare {"param"} (taken whole at any tp); two fused
+    sub-parameters {"cat_dim": 0, "param_n_sub_params": 2}; others {"cat_dim": 1 (row) or 0}; a
+    vocabulary tensor also "vocab_tensor": True; the param last. `rule` None (no model axis, no
+    patterns): {"cat_dim": 0}, merge_tp_slices' default."""
+    entry: dict = {}
+    if rule is None:
+        entry[CAT_DIM] = 0
+    elif rule.kind == "two-sub-params":
+        entry.update({CAT_DIM: 0, N_SUB_PARAMS: 2})
+    elif not rule.whole:
+        entry[CAT_DIM] = rule.dim
+    if rule is not None and rule.kind == "vocabulary":
+        entry[VOCAB_TENSOR] = True
+    entry[UNIVERSAL_PARAM] = param
+    return entry

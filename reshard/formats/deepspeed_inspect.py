@@ -17,7 +17,7 @@ import dataclasses
 import os
 
 from reshard.files.byte_io import pread_exact
-from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats import deepspeed_tensor
 from reshard.formats.deepspeed_folding import FOLDING_KEY
@@ -78,6 +78,17 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
     elif check_tag(tag, "--tag") and not os.path.isdir(os.path.join(save_dir, tag)):
         raise CheckpointError(os.path.join(save_dir, tag), f"does not exist: no tag {tag!r} in {save_dir}")
     return tag
+
+
+def pipeline_tag_of(save_dir: str, tag: str | None) -> str | None:
+    """The tag (given, or `latest`'s) when it is a PipelineModule save, else None (a source whose tag
+    cannot be found is left to the caller's own inspection, which reports it)."""
+    from reshard.formats.deepspeed_pipeline import is_pipeline
+    try:
+        tag = resolve_tag(save_dir, tag)
+    except ReshardError:
+        return None
+    return tag if is_pipeline(os.path.join(save_dir, tag)) else None
 
 
 def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,

@@ -67,17 +67,12 @@ def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, 
 
 def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
     """Identifies an export's output: the source files (sizes, mtimes) and the export's options
-    (`export`: format, dtype, shard size...). Worker count and budget join in `plan_fingerprint`."""
+    (`export`: format, dtype, shard size...; a pipeline save's exports name its layer files' identity
+    there). Worker count and budget join in `plan_fingerprint`."""
     names = {os.path.basename(path) for rank in range(source.spec.topology.world_size)
              for path in source.source_files(rank)}
-    return export_files_fingerprint(source.save_dir, source.tag, source_identity(source.tag_dir, names), export)
-
-
-def export_files_fingerprint(save_dir: str, tag: str, identity: dict, export: dict) -> str:
-    """export_fingerprint from the source files' identity (`source_identity`), for a save that is not
-    a SourceCheckpoint (a pipeline save, reshard.export.pipeline_export)."""
-    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(save_dir), "tag": tag, "files": identity,
-                    "export": export})
+    return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(source.save_dir), "tag": source.tag,
+                    "files": source_identity(source.tag_dir, names), "export": export})
 
 
 def manifest_source_entry(source: "SourceCheckpoint", identity: dict) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.planning.chunked_plan import ChunkedSide, plan_chunked_space
-from reshard.layouts.zero import PieceTable, buffer_numels, logical_bases, table_from_columns
+from reshard.layouts.zero import ParamSpec, PieceTable, buffer_numels, logical_bases, table_from_columns
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space, sorted_distinct
 from reshard.layouts.zero import zero3_chunk, zero12_layout
 from reshard.layouts.tensor_pieces import (
@@ -183,6 +183,101 @@ def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
     sizes = [buffer_numels(spec.layout(target, target.tp, model, stage))
              for stage in range(target.pp) for model in range(target.tp)]
     return tuple(int(max((s[b] for s in sizes if b < len(s)), default=0)) for b in range(max(map(len, sizes))))
+
+
+def source_rank_count(spec) -> int:
+    """The source ranks whose files an export's plan reads: every (dp rank, model rank, stage) of a
+    pipeline save (its global ranks, `Topology.rank_of`), the dp ranks of any other save it serves."""
+    return spec.topology.world_size if getattr(spec, "columns", None) is not None else spec.dp_world_size
+
+
+def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None, rule_of=None
+                     ) -> tuple[tuple[ParamSpec, ...], PieceTable]:
+    """(the trainable parameters of an export's space, each once and whole, and the source's pieces over
+    them end to end): what every export reads (reshard.export: one global tensor per parameter).
+
+        params, pieces = trainable_pieces(source.spec)                                  # a ZeRO save
+        params, pieces = trainable_pieces(source.spec, export_params, rules.rule)       # a pipeline save
+
+    A save without pipeline columns: its own parameters and layout. A PipelineModule save
+    (spec.columns): `params` (every parameter, each once, by name, at its whole shape, in the export's
+    order), its pieces from `pipeline_export_pieces`; `rule_of(name)` (a ModelAxisRule) says how a
+    model axis cuts each parameter. `params` may be left out at tp 1 only (then the order the columns
+    first hold them in, at their stage shapes)."""
+    if getattr(spec, "columns", None) is None:
+        return spec.params, spec.layout(spec.topology).pieces
+    if params is None:  # tp 1: the order the columns first hold them in
+        params = tuple({p.name: p for column_params, _ in spec.columns for p in column_params}.values())
+    return tuple(params), pipeline_export_pieces(spec.columns, params, spec.topology, rule_of)
+
+
+def pipeline_export_pieces(columns, params, topology: Topology, rule_of=None) -> PieceTable:
+    """A PipelineModule save's pieces over `params` (its parameters, each once and whole, end to end in
+    row-major order): what an export to one global tensor per parameter reads (docs/architecture.md,
+    "One road"). Pure.
+
+        pieces = pipeline_export_pieces(spec.columns, params, spec.topology, rules.rule)
+
+    Each column (stage s, model rank m; mp index s * tp + m) is a ZeRO-1 save over its stage's local
+    parameters (`columns`, CheckpointSpec.columns) at topology.dp. A parameter held by several stages
+    (tied) is read from the first stage holding it (every stage's copy is equal: runtime/pipe/engine.py
+    `_exec_reduce_tied_grads`), as `pipeline_stage_change_pieces` reads it. With a model axis (tp > 1)
+    `rule_of(name)` (reshard.layouts.model_axis.ModelAxisRule) says how the model ranks cut it, as
+    ds_to_universal.py `merge_tp_slices` joins them: a replicated (or averaged) tensor is read from model
+    rank 0 alone (its copies are not read, so not compared: the whole-tensor road compared them); a
+    tensor cut on dim d is, on each rank, prod(local[:d]) runs of prod(local[d:]) elements, run o of rank
+    m at o * tp * run + m * run of the whole tensor (dim 0: one run per rank; a row-parallel weight:
+    one per row); two fused sub-parameters on dim 0 are two runs per rank (`merge_tp_slices` joins the
+    first halves of every rank, then the second). A piece is cut at every run and every ZeRO partition
+    bound, so it is contiguous on both sides. ValueError when a parameter of `params` has no source, a
+    stage holds one `params` lacks, or shapes disagree."""
+    tp = topology.tp
+    index = {p.name: i for i, p in enumerate(params)}
+    bases = logical_bases([p.numel for p in params])
+    total = int(sum(p.numel for p in params))
+    read, found = set(), []
+    for column, (column_params, groups) in enumerate(columns):
+        stage, model = divmod(column, tp)
+        pieces = zero12_layout(column_params, groups, topology.dp).pieces
+        local_bases = logical_bases([p.numel for p in column_params])
+        ranks = np.array([topology.rank_of(d, model, stage) for d in range(topology.dp)], dtype=np.int64)
+        for pid, param in enumerate(column_params):
+            if param.name not in index:
+                raise ValueError(f"stage {stage} holds {param.name!r}, which the export does not name")
+            rule = rule_of(param.name) if rule_of is not None and tp > 1 else None
+            whole = rule is None or rule.whole
+            key = param.name if whole else (param.name, model)
+            if key in read or (whole and model != 0):
+                continue  # a tied copy of a later stage, or a replicated copy of another model rank
+            read.add(key)
+            n, want = param.numel, params[index[param.name]]
+            if want.numel != n * (1 if whole else tp):
+                raise ValueError(f"{param.name!r}: shape {tuple(param.shape)} on model rank {model} of stage {stage}, "
+                                 f"{tuple(want.shape)} whole")
+            if whole:
+                outer = 1
+            elif rule.kind == "two-sub-params":
+                outer = 2
+            else:
+                outer = int(np.prod(param.shape[:rule.dim], dtype=np.int64))
+            run = n // outer if outer else 0
+            if not n:
+                continue
+            lo = local_bases[pid]
+            inside = pieces.start[(pieces.start > lo) & (pieces.start < lo + n)] - lo
+            cuts = sorted_distinct(np.concatenate((np.arange(outer, dtype=np.int64) * run, inside)))
+            at = np.searchsorted(pieces.start, cuts + lo, side="right") - 1
+            o = cuts // run
+            start = bases[index[param.name]] + o * (1 if whole else tp) * run + (0 if whole else model * run) \
+                + cuts - o * run
+            found.append((start, ranks[pieces.rank[at]], pieces.buffer[at], pieces.offset[at] + cuts + lo -
+                          pieces.start[at]))
+    missing = [p.name for p in params if p.name not in read and not any((p.name, m) in read for m in range(tp))]
+    partial = sorted({name for name, m in (k for k in read if isinstance(k, tuple))
+                      if sum((name, r) in read for r in range(tp)) != tp})
+    if missing or partial:
+        raise ValueError(f"no stage holds {(missing or partial)[:3]} (on every model rank)")
+    return table_from_columns(found, total)
 
 
 def pipeline_stage_change_pieces(source_columns, target_columns, source: Topology, target: Topology

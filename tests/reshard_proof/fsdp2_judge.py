@@ -7,6 +7,8 @@ For each case, on every rank: ProofModel from another seed, `fully_shard` (gloo,
 DTensor Shard(0)), AdamW with torch's default hyperparameters (so a lost one shows), then
 `get_state_dict` -> `dcp.load` -> `set_state_dict`, as a training script resuming from DCP does. Then,
 comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine recorded when it saved:
+(A truth directory is a PipelineModule save's, tests/pipeline_run.py's: reshard_proof.pipeline_truth gives
+it this shape and the model, its layers under PipelineModule.state_dict()'s names.)
 - every trainable parameter equals its fp32 master, every frozen parameter and persistent buffer
   its saved value (upcast), exp_avg, exp_avg_sq and step equal DeepSpeed's, and every group's
   lr, betas, eps, weight_decay, initial_lr and name equal the DeepSpeed optimizer's;
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
+from reshard_proof import pipeline_truth
 from reshard_proof.bitwise import compare_trees
 from reshard_proof.model import ProofModel, build_param_groups
 from reshard_proof.truth_file import read_truth
@@ -77,16 +80,20 @@ def metadata_differences(ours, theirs, missing_ok=()) -> list[str]:
 
 
 def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, device: str = "cpu") -> dict:
-    truth = read_truth(truth_path)
+    # a directory: a PipelineModule save's truth (tests/pipeline_run.py), judged in a model of its layers
+    # under PipelineModule.state_dict()'s names (reshard_proof.pipeline_truth)
+    pipeline = os.path.isdir(truth_path)
+    truth = pipeline_truth.judge_truth(truth_path) if pipeline else read_truth(truth_path)
     engine = truth["engine"]
     torch.manual_seed(seed)
-    model = ProofModel().to(device)
+    model = (pipeline_truth.proof_model(truth["model"]) if pipeline else ProofModel()).to(device)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(build_param_groups(model))
+    optimizer = torch.optim.AdamW(pipeline_truth.proof_param_groups(model, truth["model"]) if pipeline
+                                  else build_param_groups(model))
     # built before the load, as a training script does: it gives each group its initial_lr, and dcp.load
     # reads only the keys the state dict it is given holds. A DeepSpeed scheduler from the config
     # (WarmupDecayLR) has no torch class: its saved state is compared as it is.
-    torch_scheduler = "lr_lambdas" in (engine["lr_scheduler"] or {})
+    torch_scheduler = "lr_lambdas" in (engine.get("lr_scheduler") or {})
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decaying_lr_factor) if torch_scheduler else None
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -139,8 +146,10 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, devic
     for key, want in engine["counters"].items():
         same(f"run state {key}", run_state[key], want)
     scheduler_state = scheduler.state_dict() if scheduler is not None else run_state["lr_scheduler"]
-    for what, want, got in (("lr scheduler", engine["lr_scheduler"], scheduler_state),
-                            ("client_state", truth["client_state"], run_state["client_state"])):
+    compared = [("client_state", truth["client_state"], run_state["client_state"])]
+    if "lr_scheduler" in engine:  # a pipeline truth does not record it
+        compared.insert(0, ("lr scheduler", engine["lr_scheduler"], scheduler_state))
+    for what, want, got in compared:
         checks += 1
         comparison = compare_trees(want, got)
         if not comparison.ok:
