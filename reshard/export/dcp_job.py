@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.errors import OptionError
+from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.export.dcp_format import (
     DISTCP_SUFFIX,
     METADATA_NAME,
