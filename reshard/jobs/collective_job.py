@@ -210,7 +210,8 @@ class WholeWorld:
                 inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
             source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
             stages = []
-            if source.spec.columns is not None and opts.target_pp not in (None, source.spec.topology.pp):
+            if source.spec.columns is not None and (opts.target_pp not in (None, source.spec.topology.pp)
+                                                    or opts.target_tp not in (None, source.spec.topology.tp)):
                 source, target, stages = pipeline_stage_change(opts, source)
             else:
                 target = checkpoint_target(opts, source)
@@ -247,39 +248,50 @@ class WholeWorld:
 
 
 def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
-    """A PipelineModule save resharded with its model ranks kept (dp changed, or pp given a layer list):
-    each column a ZeRO-1 save, through the planner and `execute()`
-    (reshard.formats.deepspeed_inspect.inspect_pipeline_columns). A pp change without --pipeline-layers
-    goes to the pipeline job, which refuses it by name."""
-    pp, _, tp = saved_pipeline_topology(tag_dir)
-    return (opts.target_pp in (None, pp) or bool(opts.pipeline_layers)) and opts.target_tp in (None, tp) \
-        and opts.target_stage is None
+    """Whether a PipelineModule save takes the main road (the planner and `execute()`): every reshard of one
+    does, its dp, pp and tp changed or kept (reshard.formats.deepspeed_inspect.inspect_pipeline_columns, then
+    `pipeline_stage_change`, which refuses by name what it cannot serve: a pp or tp change without
+    --pipeline-layers, --target-stage, --target-ep). One predicate for every job kind."""
+    return True
 
 
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
-    """A pipeline save at another number of stages, tp kept: the target stages worked out (and the
-    options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list), each
-    target column's (params, groups) and each stage's buffers set on the spec (`target_columns`), the
-    target topology at the new pp, and a note saying how the layers were re-assigned."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_groups, source_shapes
+    """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
+    options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list; with tp
+    changed, weighed at the target's local shapes), each target column's (params at its local shapes,
+    groups) and each stage's buffers set on the spec (`target_columns`), with tp changed each parameter's
+    split and the layer files' tensors too (`model_axis`, deepspeed_pipeline.pipeline_model_axis: the layer
+    files are then re-cut in the plan, not carried), the target topology at the new pp and tp, and a note
+    saying how the layers were re-assigned."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, pipeline_model_axis, source_groups, source_shapes
     from reshard.jobs.pipeline_job import pipeline_target
     from reshard.layouts.pipeline import split_by_group
     from reshard.layouts.zero import ParamSpec
     pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
-    stages = pipeline_target(opts, pipe).stages
-    shapes, (count, group_of) = source_shapes(pipe), source_groups(pipe)
+    planned = pipeline_target(opts, pipe)
+    stages, tp = planned.stages, planned.topology.tp
+    shapes, (count, group_of) = planned.shapes or source_shapes(pipe), source_groups(pipe)
     columns = []
     for names in stages.names:
         index = {name: i for i, name in enumerate(names)}
         column = (tuple(ParamSpec(name, tuple(int(d) for d in shapes[name])) for name in names),
                   tuple(tuple(index[name] for name in group) for group in split_by_group(names, group_of, count)))
-        columns += [column] * pipe.tp
+        columns += [column] * tp
     spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=stages.buffer_names)
-    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None), source)
-    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names)))
+    if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
+        axis, layer_templates = pipeline_model_axis(pipe, planned.model_axis, planned.layers, stages.bounds, tp,
+                                                    opts.trust_pickle)
+        spec = dataclasses.replace(spec, model_axis=axis)
+        source = dataclasses.replace(source, layer_templates=layer_templates,
+                                     other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
+    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)
+    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names), tp=tp))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
+    if planned.tp_changed:
+        note += (f", every parameter and layer-file tensor re-cut from {pipe.tp} to {tp} model ranks by the save's "
+                 "universal_checkpoint_info patterns")
     return dataclasses.replace(source, spec=spec), target, [note]
 
 

@@ -70,7 +70,7 @@ def target_sequence_parallel(opts: ReshardOptions, source: SourceCheckpoint) -> 
 def check_tensor_parallel_target(source: SourceCheckpoint, target: Topology) -> None:
     """Refuse a target TP size the checkpoint cannot be resharded to."""
     spec = source.spec
-    if spec.tensor is None and target.tp != spec.topology.tp:
+    if spec.tensor is None and spec.model_axis is None and target.tp != spec.topology.tp:  # a pipeline's: checked
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
                           "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
