@@ -33,7 +33,7 @@ from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_file
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
-from reshard.errors import ReshardError
+from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.layouts.experts import expert_placement_lines
@@ -44,7 +44,7 @@ from reshard.formats.folded_expert_files import (
     write_expert_files,
 )
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
-from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
+from reshard.formats.deepspeed_pipeline import is_pipeline
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
@@ -193,10 +193,8 @@ class WholeWorld:
 
     def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
         tag_dir = os.path.join(unit.source, unit.tag)
-        if is_pipeline(tag_dir) and not (opts is not None and keeps_pipeline_columns(opts, tag_dir)):
-            # another number of stages or model ranks: whole tensors, no rounds (the side road, issue 37)
-            from reshard.jobs.pipeline_job import run_pipeline_unit
-            return run_pipeline_unit
+        if is_pipeline(tag_dir) and (opts is None or keeps_pipeline_columns(opts, tag_dir)):
+            return None  # every pipeline reshard takes the rounds (issue 37)
         if is_zero0_moe(tag_dir):  # whole tensors, no rounds
             from reshard.jobs.zero0_job import run_zero0_unit
             return run_zero0_unit
@@ -209,6 +207,8 @@ class WholeWorld:
             inspect = inspect_pipeline_columns if is_pipeline(os.path.join(unit.source, unit.tag)) else \
                 inspect_checkpoint  # a pipeline here keeps its columns (keeps_pipeline_columns)
             source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+            if source.spec.columns is not None:
+                refuse_pipeline_options(opts, source)
             stages = []
             if source.spec.columns is not None and (opts.target_pp not in (None, source.spec.topology.pp)
                                                     or opts.target_tp not in (None, source.spec.topology.tp)):
@@ -250,9 +250,21 @@ class WholeWorld:
 def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
     """Whether a PipelineModule save takes the main road (the planner and `execute()`): every reshard of one
     does, its dp, pp and tp changed or kept (reshard.formats.deepspeed_inspect.inspect_pipeline_columns, then
-    `pipeline_stage_change`, which refuses by name what it cannot serve: a pp or tp change without
-    --pipeline-layers, --target-stage, --target-ep). One predicate for every job kind."""
+    `pipeline_stage_change`, which refuses a pp or tp change without --pipeline-layers by name, and
+    `refuse_pipeline_options`: --target-stage, --target-ep). One predicate for every job kind."""
     return True
+
+
+def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+    """What no pipeline reshard serves, refused by name whatever else changes: another ZeRO stage
+    (DeepSpeed's PipelineEngine asserts ZeRO stage < 2, runtime/pipe/engine.py `PipelineEngine.__init__`,
+    and a pipeline save is a ZeRO-1 save per column) and an expert-parallel size (no experts)."""
+    for applies, option in ((opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+                            (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}")):
+        if applies:
+            raise OptionError(f"{source.model_path(0)}: {option} is not supported for pipeline checkpoints: "
+                              "DeepSpeed's PipelineEngine runs ZeRO-0 and ZeRO-1 only (runtime/pipe/engine.py), and "
+                              "a pipeline has no experts; reshard changes its dp, pp and a model axis's tp")
 
 
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
@@ -333,7 +345,7 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
               placement: Placement) -> CheckpointResult:
-    whole_file_job = placement.whole_file_job(unit, opts)  # ZeRO-0 MoE, pipeline changing pp or tp: no rounds
+    whole_file_job = placement.whole_file_job(unit, opts)  # ZeRO-0 MoE (node-local: pipelines): no rounds
     if whole_file_job is not None:
         return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()
