@@ -1258,7 +1258,7 @@ def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[
     layer's first trainable parameter (stage 0 for a layer with none) and written into the target stage
     holding its index; the templates are (index, source stage, target stage, model rank 0's tree) per layer
     file, which each target model rank's file is built from (`reshard.formats.deepspeed_target`). The rules
-    were checked against every tensor before (jobs/pipeline_job.model_axis_plan)."""
+    were checked against every tensor before (formats/pipeline_target.model_axis_plan)."""
     from reshard.formats.deepspeed_spec import itemsize
     from reshard.formats.torch_archive import TensorRef, load_portable
     from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis

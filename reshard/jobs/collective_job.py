@@ -270,14 +270,14 @@ def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> N
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
-    options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list; with tp
-    changed, weighed at the target's local shapes), each target column's (params at its local shapes,
+    options checked) from the layer list (reshard.formats.pipeline_target.pipeline_target, which every job
+    kind shares; with tp changed, weighed at the target's local shapes; the batch config is preflight's), each target column's (params at its local shapes,
     groups) and each stage's buffers set on the spec (`target_columns`), with tp changed each parameter's
     split and the layer files' tensors too (`model_axis`, deepspeed_pipeline.pipeline_model_axis: the layer
     files are then re-cut in the plan, not carried), the target topology at the new pp and tp, and a note
     saying how the layers were re-assigned."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, pipeline_model_axis, source_groups, source_shapes
-    from reshard.jobs.pipeline_job import pipeline_target
+    from reshard.formats.pipeline_target import pipeline_target
     from reshard.layouts.pipeline import split_by_group
     from reshard.layouts.zero import ParamSpec
     pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)

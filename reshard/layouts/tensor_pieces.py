@@ -265,6 +265,9 @@ def pipeline_model_axis_pieces(source_columns, target_columns, splits: Mapping[s
     total = 0
     for stage in range(target.pp):
         names = [p.name for p in target_columns[stage * target.tp][0]]
+        if not names:  # a stage of no parameter (DeepSpeed's ZeRO-1 cannot build one; callers refuse it)
+            stages.append((None, None, total, {}))
+            continue
         params = TensorParallelParams(tuple(names), tuple(tuple(int(d) for d in shapes[n]) for n in names),
                                       tuple(splits[n] for n in names))
         space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
@@ -277,11 +280,13 @@ def pipeline_model_axis_pieces(source_columns, target_columns, splits: Mapping[s
     missing = sorted({n for _, _, _, index in stages for n in index} - set(first_stage))
     if missing:
         raise ValueError(f"the target stages hold {missing[:3]}, which no source stage holds (another layer list?)")
-    strided = any(space.grid.strided.any() for _, space, _, _ in stages)
+    strided = any(space.grid.strided.any() for _, space, _, _ in stages if space is not None)
     target_pieces = []
     for column, (params, groups) in enumerate(target_columns):
         stage, model = divmod(column, target.tp)
         stage_params, space, base, _ = stages[stage]
+        if space is None:
+            continue
         _check_local_shapes(params, stage_params, target.tp, model, f"target stage {stage}, model rank {model}")
         start, dp, buffer, offset, length, param = _param_pieces(params, groups, target.dp)
         start, dp, buffer, offset, *strides = _lower(stage_params, space, "target", target.tp, model,
