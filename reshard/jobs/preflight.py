@@ -150,6 +150,10 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1) 
     model0 = os.path.getsize(source.model_path(0))
     total += target_dp * blocks(model0) if spec.stage == 3 else columns * blocks(model0)
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
+    # a pipeline tp change re-cuts its layer files (no longer carried): about their bytes again, a replicated
+    # tensor once per target model rank
+    layers = sum(os.path.getsize(os.path.join(tag_dir, name)) for r in range(n) for name in source.layer_file_names(r))
+    total += blocks(-(-layers * max(target_tp, spec.topology.tp) // spec.topology.tp)) if layers else 0
     total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)
     total += blocks(1024 + 200 * files) + 2 * block  # manifest, journal, latest
