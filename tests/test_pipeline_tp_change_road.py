@@ -111,3 +111,27 @@ def test_a_zero_stage_or_expert_size_is_refused_by_name_on_the_road(tp_saves, tm
         assert f"mp_rank_00_model_states.pt: {extra[0]} {extra[1]} is not supported for pipeline checkpoints" \
             in run.stderr, run.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_file_slice_of_another_dtype_is_refused_naming_the_file(tp_saves, tmp_path):
+    """The road reads each layer file's tensors at their offsets, so each is checked first to be its model
+    rank's slice in model rank 0's dtype: one saved as float64 is refused naming its file, exit 2, nothing
+    written, the source untouched (the whole-tensor job cast it into float32 and exited 0)."""
+    import hashlib
+    import shutil
+
+    from trained import reshard_in_process
+    save, _ = tp_saves[VARIANT]
+    copy = tmp_path / "save"
+    shutil.copytree(save, copy)
+    odd = next(copy.glob("*/layer_01-model_01-model_states.pt"))
+    state = torch.load(odd, weights_only=True)
+    state["weight"] = state["weight"].double()
+    torch.save(state, odd)
+    before = hashlib.sha256(odd.read_bytes()).hexdigest()
+    run = reshard_in_process(copy, tmp_path / "out", "--target-dp", "2", "--target-tp", "1", *LAYERS)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{odd}: weight is a float64 tensor of shape [22, 24]; model rank 1's slice is a contiguous float32 " \
+           "tensor of shape [22, 24]" in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()
+    assert hashlib.sha256(odd.read_bytes()).hexdigest() == before
