@@ -292,12 +292,15 @@ def _engine_layers(engine):
 def _keeps_columns(engine, pipe) -> bool:
     """Whether a pipeline save goes to this engine on the main road: the collective job's one predicate
     (collective_job.keeps_pipeline_columns), asked with the engine's (pp, dp, tp) as the target and its
-    layer list, which the engine has (`_engine_layers`), as the --pipeline-layers a pp change needs."""
+    layer list, which the engine has (`_engine_layers`), as the --pipeline-layers a pp change needs; and
+    the model ranks kept: this load builds the target columns at the save's tp (`with_target_stages`), and
+    does not yet re-cut slices for another tp as the offline job does (collective_job.pipeline_stage_change),
+    so a tp change still takes `_load_pipeline` (issue 37)."""
     from reshard.jobs.collective_job import keeps_pipeline_columns
     from reshard.jobs.options import ReshardOptions
     pp, dp, tp = _engine_pipeline(engine)
     opts = ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=_engine_layers(engine).count)
-    return keeps_pipeline_columns(opts, pipe.tag_dir)
+    return tp == pipe.tp and keeps_pipeline_columns(opts, pipe.tag_dir)
 
 
 def _engine_stage(engine) -> tuple:

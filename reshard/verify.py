@@ -338,7 +338,9 @@ def _keeps_columns(source_dir: str, destination: str, tag: str) -> bool:
     """Whether a pipeline output is checked on the main road: the collective job's one predicate
     (collective_job.keeps_pipeline_columns), asked for the output's (pp, dp, tp). The output's own stage
     files say which parameters each of its stages holds, so the layer list a reshard's pp change needs
-    is not needed here: the predicate is asked as for a reshard given one."""
+    is not needed here: the predicate is asked as for a reshard given one. An output at another tp is
+    still checked with whole tensors (`verify_pipeline_against`): this check builds the output's columns
+    at the source's tp (`with_target_stages`) and does not yet re-cut slices (issue 37)."""
     from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
     from reshard.jobs.collective_job import keeps_pipeline_columns
     from reshard.jobs.options import ReshardOptions
@@ -346,6 +348,8 @@ def _keeps_columns(source_dir: str, destination: str, tag: str) -> bool:
     if not is_pipeline(tag_dir):
         raise CheckpointError(tag_dir, f"is not a pipeline checkpoint, but {os.path.join(source_dir, tag)} is")
     pp, dp, tp = saved_pipeline_topology(tag_dir)
+    if tp != saved_pipeline_topology(os.path.join(source_dir, tag))[2]:
+        return False
     return keeps_pipeline_columns(ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=True),
                                   os.path.join(source_dir, tag))
 

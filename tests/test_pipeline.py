@@ -489,38 +489,25 @@ def test_the_budget_a_refusal_names_is_enough(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_dry_run_over_the_budget_prints_the_plan_with_the_verdict(pipeline_runs, tp_saves, tmp_path):
-    # issue 39: `--dry-run` refused with the budget error (exit 2) instead of printing the plan. With tp
-    # changed (the whole-tensor job); with the model ranks kept (a dp or pp change) the budget is kept by
-    # rounds (issue 37, tests/test_pipeline_columns.py, tests/test_pipeline_stage_change.py), as the pp
-    # change's dry run shows first
+def test_a_dry_run_far_below_a_stage_prints_the_plan_by_rounds(pipeline_runs, tp_saves, tmp_path):
+    # issue 39: `--dry-run` refused with the budget error (exit 2) instead of printing the plan. Every
+    # pipeline reshard now keeps the budget by rounds on the main road (issue 37: a dp or pp change,
+    # tests/test_pipeline_columns.py, tests/test_pipeline_stage_change.py; a tp change,
+    # tests/test_pipeline_tp_change_road.py), so a dry run far below a stage's files plans rounds, no verdict
     from trained import reshard_in_process
 
-    from reshard.jobs.options import parse_size
-    save_dir, _ = pipeline_runs("fp32", 2, 1)
-    out = tmp_path / "out"
     layers = ("--pipeline-layers", "7", "--pipeline-tied", "embed:0,6", "--ignore-batch-config")
-    by_rounds = reshard_in_process(save_dir, out, "--target-dp", "1", "--target-pp", "1", *layers, "--memory-budget",
-                                   "4K", "--dry-run")
-    assert by_rounds.returncode == 0 and "OVER BUDGET" not in by_rounds.stdout, by_rounds.stdout
-    assert re.search(r"\d+ rounds under a 4\.0 KiB budget", by_rounds.stdout), by_rounds.stdout
-    assert "layers re-assigned to 1 stages by 'parameters' (bounds [0, 7])" in by_rounds.stdout, by_rounds.stdout
-    assert not out.exists()
-    save_dir, _ = tp_saves["fp32-mp2u"]
-    tp_change = ("--target-dp", "2", "--target-tp", "1", *layers)
-    planned = reshard_in_process(save_dir, out, *tp_change, "--memory-budget", "4K", "--dry-run")
-    assert planned.returncode == 0, planned.stderr
-    assert "shares built by workers 0: [(0, 0, (0, 1)), (1, 0, (0, 1))]" in planned.stdout, planned.stdout  # the plan
-    verdict = re.search(r"largest worker about (\S+ \S+) of --memory-budget 4\.0 KiB: OVER BUDGET, a run is "
-                        r"refused; give --memory-budget (\S+) or more", planned.stdout)
-    assert verdict, planned.stdout
-    assert not out.exists()
-    refused = reshard_in_process(save_dir, out, *tp_change, "--memory-budget", "4K")
-    assert refused.returncode == 2 and f"give --memory-budget {verdict[2]} or more" in refused.stderr, refused.stderr
-    assert not out.exists()
-    enough = reshard_in_process(save_dir, out, *tp_change, "--memory-budget", verdict[2], "--dry-run")
-    assert enough.returncode == 0 and "OVER BUDGET" not in enough.stdout, enough.stdout
-    assert parse_size(verdict[2]) > 4096
+    for save_dir, change, note in (
+            (pipeline_runs("fp32", 2, 1)[0], ("--target-dp", "1", "--target-pp", "1"),
+             "layers re-assigned to 1 stages by 'parameters' (bounds [0, 7])"),
+            (tp_saves["fp32-mp2u"][0], ("--target-dp", "2", "--target-tp", "1"),
+             "every parameter and layer-file tensor re-cut from 2 to 1 model ranks")):
+        out = tmp_path / "out"
+        planned = reshard_in_process(save_dir, out, *change, *layers, "--memory-budget", "4K", "--dry-run")
+        assert planned.returncode == 0 and "OVER BUDGET" not in planned.stdout, planned.stdout + planned.stderr
+        assert re.search(r"\d+ rounds under a 4\.0 KiB budget", planned.stdout), planned.stdout
+        assert note in planned.stdout, planned.stdout
+        assert not out.exists()
 
 
 @pytest.mark.e2e

@@ -538,21 +538,13 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
     assert run.returncode == 2, run.stderr
     assert "--target-tp 1 (the save has tp 2): DeepSpeed's `parameters` partition" in run.stderr
     assert not (tmp_path / "out").exists()
-    # the whole-tensor budget: one worker writing the one (stage, model rank) unit needs every source
-    # tensor of every model rank, mapped, joined and cut (3 x the optimizer bytes, and a target rank's file)
-    optimizer_bytes = sum(os.path.getsize(save_dir / "step3" / f"zero_pp_rank_0_mp_rank_{i:02d}_optim_states.pt")
-                          for i in range(4))
-    budget = 3 * optimizer_bytes
+    # by rounds on the main road (issue 37): a budget far below the optimizer files plans rounds, where the
+    # whole-tensor job refused anything under 3 x them (tests/test_pipeline_tp_change_road.py runs it)
     run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
-                             *layers, "--ignore-batch-config", "--memory-budget", str(budget))
-    assert run.returncode == 2, run.stderr
-    assert "over --memory-budget" in run.stderr and "or more workers (each joins, over every model rank, only" in run.stderr
-    assert not (tmp_path / "out").exists()
-    run = reshard_in_process(save_dir, tmp_path / "out", "--target-dp", "4", "--target-tp", "1", "--target-pp", "1",
-                             *layers, "--ignore-batch-config", "--dry-run")
+                             *layers, "--ignore-batch-config", "--memory-budget", "4K", "--dry-run")
     assert run.returncode == 0, run.stderr
-    assert ("every tensor joined over the source's 2 model ranks and re-cut for 1 by the save's "
-            "universal_checkpoint_info patterns" in run.stdout and "the layer files of 6 layers re-cut for tp 1" in run.stdout)
+    assert ("every parameter and layer-file tensor re-cut from 2 to 1 model ranks by the save's "
+            "universal_checkpoint_info patterns" in run.stdout and re.search(r"\d+ rounds under a 4\.0 KiB", run.stdout))
     assert not (tmp_path / "out").exists()
     # array tasks' dry runs: together they name every target file once, the layer files re-cut at tp 1
     named = []

@@ -842,6 +842,8 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
         _check_same_model_values(mtree, mpath, source)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
             mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
+    if spec.model_axis is not None:  # a pipeline tp change: the layer files this rank reads
+        found.update(_layer_file_tensors(source, rank, trust_pickle))
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
@@ -849,6 +851,36 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
             _check_local_param_shapes(mtree, mpath, layout)
         _check_same_model_values(mtree, mpath, source, with_param_shapes=spec.tensor is None)
         found.update({slot: (mpath, ref) for slot, ref in validate_model_tree(mtree, mpath, spec, rank).items()})
+    return found
+
+
+def _layer_file_tensors(source: SourceCheckpoint, rank: int, trust_pickle: bool) -> dict:
+    """{(layer space, tensor, "layer"): (path, TensorRef)} of the layer files source rank `rank` reads under a
+    pipeline tp change (SourceCheckpoint.layer_file_names), each tensor checked to be the one the plan reads:
+    its entry present, its model rank's slice of the shape and the dtype model rank 0's file gave, contiguous."""
+    axis, at = source.spec.model_axis, source.spec.topology.coordinates(rank)
+    found = {}
+    for name in source.layer_file_names(rank):
+        path = os.path.join(source.tag_dir, name)
+        index = int(name[len("layer_"):].partition("-")[0])
+        tree = load_portable(path, schema.safe_globals(), trust_pickle)
+        template = next(t for i, _, _, t in source.layer_templates if i == index)
+        if not isinstance(tree, dict) or list(tree) != list(template):
+            raise CheckpointError(path, f"holds the entries {list(tree) if isinstance(tree, dict) else type(tree)}, "
+                                        f"{schema.layer_file_name(index, 0)} {list(template)}")
+        for key, ref in tree.items():
+            place = axis.tensor(index, key)
+            if place is None:
+                continue
+            space, j = place
+            shape = tuple(space.tensors.local_shape(j, source.spec.topology.tp, at.tp))
+            if not isinstance(ref, TensorRef) or tuple(ref.shape) != shape or ref.dtype != space.stream.dtype \
+                    or not ref.is_contiguous:
+                what = (f"a {ref.dtype} tensor of shape {list(ref.shape)}{'' if ref.is_contiguous else ', strided'}"
+                        if isinstance(ref, TensorRef) else type(ref).__name__)
+                raise CheckpointError(path, f"{key} is {what}; model rank {at.tp}'s slice is a contiguous "
+                                            f"{space.stream.dtype} tensor of shape {list(shape)}")
+            found[(space.name, j, space.stream.name)] = (path, ref)
     return found
 
 

@@ -1123,9 +1123,7 @@ def cut_model_axis_states(joined: dict, rules, names: Sequence[str], tp: int, ra
                    for key, whole in joined[name].items()} for name in names}
 
 
-def layer_file_name(index: int, model: int | None) -> str:
-    """module.py `ckpt_layer_path`: `layer_XX-model_YY-model_states.pt` with a model axis (None: without)."""
-    return f"layer_{index:02d}" + ("" if model is None else f"-model_{model:02d}") + "-model_states.pt"
+layer_file_name = schema.layer_file_name  # module.py `ckpt_layer_path`
 
 
 def layer_indices(source: PipelineSource) -> list[int]:
@@ -1248,3 +1246,56 @@ def pipeline_summary_text(summary: dict) -> str:
                  + (f"; --target-tp T (the model axis has tp {tp}) needs them too, and universal_checkpoint_info "
                     "patterns in the client state saying how each parameter is sliced" if axis else ""))
     return "\n".join(lines)
+
+
+def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[int], target_tp: int,
+                        trust_pickle: bool = False):
+    """(reshard.layouts.model_axis.PipelineModelAxis, layer templates) of a tp change of `source` to
+    `target_tp` model ranks, the target stages holding layers `bounds[s]..bounds[s + 1] - 1`: each trainable
+    parameter's split and whole shape by `rules` (the save's universal_checkpoint_info patterns), and every
+    tensor of model rank 0's layer files (module.py `save_state_dict`: each layer's state_dict, weights,
+    buffers and frozen parameters) in one plan space per dtype, each read by the source stage holding the
+    layer's first trainable parameter (stage 0 for a layer with none) and written into the target stage
+    holding its index; the templates are (index, source stage, target stage, model rank 0's tree) per layer
+    file, which each target model rank's file is built from (`reshard.formats.deepspeed_target`). The rules
+    were checked against every tensor before (formats/pipeline_target.model_axis_plan)."""
+    from reshard.formats.deepspeed_spec import itemsize
+    from reshard.formats.torch_archive import TensorRef, load_portable
+    from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis
+    from reshard.layouts.tensor_parallel import TensorParallelParams
+    from reshard.layouts.zero import Stream
+    splits, shapes = {}, {}
+    for name, local in source_shapes(source).items():
+        rule = rules.rule(name)
+        shapes[name] = rule.joined_shape(local, source.tp)
+        splits[name] = rule.split(shapes[name])
+    first_stage = {}
+    for spec in source.stages:
+        for group in spec.names:
+            for name in group:
+                first_stage.setdefault(name, spec.index)
+    by_dtype: dict[str, list] = {}
+    templates = []
+    for index in layer_indices(source):
+        path = os.path.join(source.tag_dir, layer_file_name(index, 0 if source.has_model_axis else None))
+        tree = load_portable(path, schema.safe_globals(), trust_pickle)
+        if not isinstance(tree, dict):
+            raise CheckpointError(path, "does not hold a layer's state_dict")
+        entries = [(key, value, layer_tensor_name(layers, index, key)) for key, value in tree.items()
+                   if isinstance(value, TensorRef)]
+        held = [first_stage[name] for _, _, name in entries if name in first_stage]
+        stage = held[0] if held else 0
+        target_stage = bisect.bisect_right(list(bounds), index) - 1
+        for key, ref, name in entries:
+            rule = rules.rule(name)
+            whole = rule.joined_shape(ref.shape, source.tp)
+            by_dtype.setdefault(ref.dtype, []).append(((index, key), name, whole, rule.split(whole), stage,
+                                                       target_stage))
+        templates.append((index, stage, target_stage, tree))
+    spaces = tuple(LayerFileSpace(f"layer_{dtype}", Stream("layer", dtype, itemsize(dtype)),
+                                  TensorParallelParams(tuple(e[1] for e in entries), tuple(e[2] for e in entries),
+                                                       tuple(e[3] for e in entries)),
+                                  tuple(e[0] for e in entries), tuple(e[4] for e in entries),
+                                  tuple(e[5] for e in entries))
+                   for dtype, entries in by_dtype.items())
+    return PipelineModelAxis(splits, shapes, spaces), tuple(templates)

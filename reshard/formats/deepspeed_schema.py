@@ -105,6 +105,12 @@ def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:
     return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def layer_file_name(index: int, model: int | None) -> str:
+    """A PipelineModule's layer file (module.py `ckpt_layer_path`): `layer_XX-model_YY-model_states.pt` with a
+    model axis, `layer_XX-model_states.pt` without (model None)."""
+    return f"layer_{index:02d}" + ("" if model is None else f"-model_{model:02d}") + "-model_states.pt"
+
+
 def optim_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 

@@ -36,6 +36,7 @@ from reshard.layouts.zero import (
     zero3_layout,
     zero12_layout,
 )
+from reshard.layouts.model_axis import PipelineModelAxis
 from reshard.layouts.tensor_parallel import TensorParallelSpec
 from reshard.topology import Topology
 
@@ -86,6 +87,10 @@ class CheckpointSpec:
     `layout` gives for a Topology of another pp; None otherwise."""
     target_buffer_names: tuple = ()
     """With `target_columns`: per target stage, its `buffer_names` (empty when the save has none)."""
+    model_axis: PipelineModelAxis | None = None
+    """A pipeline save resharded to another tp (its model axis): each parameter's split and whole shape
+    and the layer files' tensors (reshard.layouts.model_axis); `target_columns` then hold the target's
+    local shapes. None otherwise."""
 
     @property
     def dp_world_size(self) -> int:
@@ -117,7 +122,7 @@ class CheckpointSpec:
         a Topology."""
         if self.columns is not None:
             columns = self.columns if self.target_columns is None or not isinstance(world, Topology) or \
-                world.pp == self.topology.pp else self.target_columns  # a stage change's target side
+                (world.pp, world.tp) == (self.topology.pp, self.topology.tp) else self.target_columns  # the target
             params, groups = columns[pp_rank * (self.topology.tp if tp is None else tp) + tp_rank]
             return zero12_layout(params, groups, world.dp if isinstance(world, Topology) else world,
                                  round_robin=self.round_robin, param_alignment=self.param_alignment)
@@ -201,16 +206,33 @@ class SourceCheckpoint:
     manifest_source: dict | None = None
     """A pipeline save: the manifest's "source" entry (less "files") as the pipeline job writes it, so that
     every job kind's output of it is the same, manifest included (SLURM array tasks still take that job)."""
+    layer_templates: tuple = ()
+    """A pipeline save at another tp (spec.model_axis): per layer file index, (index, source stage, target
+    stage, model rank 0's portable tree), which each target model rank's layer file is built from."""
 
     def templates(self, at) -> tuple[Any, Any, str, str]:
         """(optim tree, model tree, optim file name, model file name) the target files of the rank at
         coordinates `at` are built from: rank 0's, or its pipeline column's dp rank 0's."""
         if not self.column_templates:
             return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
-        stage = at.pp if self.spec.target_columns is None else 0  # a stage change: stage 0's, as the pipeline
-        rank = self.spec.topology.rank_of(0, at.tp, stage)      # job's (deepspeed_pipeline.named_states)
-        return (*self.column_templates[stage * self.spec.topology.tp + at.tp], self.optim_name(rank),
-                self.model_name(rank))
+        tp = self.spec.topology.tp
+        if self.spec.model_axis is not None:  # another tp: model rank 0's stage 0 optimizer file, as the pipeline
+            # job's (deepspeed_pipeline.model_axis_states), and the stage 0 model file of the same model rank, or
+            # of model rank 0 where the source has none (write_repartitioned_stage)
+            optim_column, model_column = 0, at.tp if at.tp < tp else 0
+        else:  # a stage change: stage 0's, as the pipeline job's (deepspeed_pipeline.named_states)
+            optim_column = model_column = at.tp if self.spec.target_columns is not None else at.pp * tp + at.tp
+        optim_rank, model_rank = (self.spec.topology.rank_of(0, c % tp, c // tp) for c in (optim_column, model_column))
+        return (self.column_templates[optim_column][0], self.column_templates[model_column][1],
+                self.optim_name(optim_rank), self.model_name(model_rank))
+
+    def layer_file_names(self, rank: int) -> list[str]:
+        """The layer files source rank `rank` reads under a tp change (those of its model rank whose layers
+        its stage reads, dp rank 0 only; reshard.formats.deepspeed_pipeline.pipeline_model_axis)."""
+        at = self.spec.topology.coordinates(rank)
+        if self.spec.model_axis is None or at.dp != 0:
+            return []
+        return [schema.layer_file_name(index, at.tp) for index, stage, _, _ in self.layer_templates if stage == at.pp]
 
     @property
     def tag_dir(self) -> str:
@@ -241,7 +263,7 @@ class SourceCheckpoint:
         files = [self.optim_path(rank)]
         if self.spec.stage == 3 or self.spec.topology.coordinates(rank).dp == 0:
             files.append(self.model_path(rank))
-        return files
+        return files + [os.path.join(self.tag_dir, name) for name in self.layer_file_names(rank)]
 
 
 def refuse_experts(source: SourceCheckpoint, doing: str) -> None:

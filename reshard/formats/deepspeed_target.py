@@ -72,6 +72,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
     elif at.dp == 0:
         files.append(_zero12_model_file(source, target, rank, layout))
+        files += pipeline_layer_files(source, target, rank)
     for file in files:
         retarget_parallel_sizes(file.tree, spec.topology, target)
     return files
@@ -92,7 +93,7 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
     at = target.coordinates(rank)
     _, model_template, _, model_name = source.templates(at)  # a pipeline column's own
     tree = zero12_model_tree(source, layout, model_template)
-    if spec.target_columns is not None and target.pp != spec.topology.pp:
+    if spec.target_columns is not None and (target.pp, target.tp) != (spec.topology.pp, spec.topology.tp):
         _retarget_pipeline_stages(tree, spec, target, at.pp)
     if spec.tensor is not None:
         _reslice_tensor_parallel_model(tree, spec, target, at.tp)
@@ -109,7 +110,34 @@ def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) ->
         tree["buffer_names"] = list(spec.target_buffer_names[stage])
     tree["mp_world_size"] = target.pp * target.tp
     tree["checkpoint_parallel_dimensions"] = {**(tree.get("checkpoint_parallel_dimensions") or {}),
-                                              "pp_degree": target.pp}
+                                              "pp_degree": target.pp,
+                                              **({"tp_degree": target.tp} if spec.model_axis is not None else {})}
+
+
+def pipeline_layer_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
+    """Under a pipeline tp change (spec.model_axis), the layer files target rank `rank` writes (dp rank 0 of
+    each (stage, model rank), module.py `save_state_dict` without checkpoint_parallel_write_pipeline): each
+    layer of its stage as model rank 0's source file holds it (key order, non-tensor entries), every tensor a
+    new one of its model rank's slice, filled from its layer space (reshard.layouts.model_axis.LayerFileSpace)
+    in the layer file's dtype, its own storage, as torch.save of the cut clones the pipeline job saved
+    (deepspeed_pipeline.model_axis_layer_states). None with tp kept: the layer files travel whole."""
+    axis, at = source.spec.model_axis, target.coordinates(rank)
+    if axis is None or at.dp != 0:
+        return []
+    files = []
+    for index, _, stage, template in source.layer_templates:
+        if stage != at.pp:
+            continue
+        tree = copy.deepcopy(template)
+        for key, value in tree.items():
+            found = axis.tensor(index, key)
+            if found is not None:
+                space, j = found
+                shape = space.tensors.local_shape(j, target.tp, at.tp)
+                tree[key] = NewTensor((space.name, j, space.stream.name), math.prod(shape), space.stream.dtype,
+                                      value.requires_grad, tuple(shape))
+        files.append(TargetFile(schema.layer_file_name(index, at.tp), tree, schema.layer_file_name(index, 0)))
+    return files
 
 
 def retarget_parallel_sizes(tree: Any, source: Topology, target: Topology) -> None:

@@ -33,7 +33,7 @@ from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_file
 from reshard.transport.collective import check_peers, on_rank0
 from reshard.jobs.destination import Staging, check_paths, stale_staging_notes
-from reshard.errors import ReshardError
+from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.layouts.experts import expert_placement_lines
@@ -44,7 +44,7 @@ from reshard.formats.folded_expert_files import (
     write_expert_files,
 )
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
-from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
+from reshard.formats.deepspeed_pipeline import is_pipeline
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
@@ -192,12 +192,7 @@ class WholeWorld:
         return on_rank0(transport, discover)
 
     def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
-        tag_dir = os.path.join(unit.source, unit.tag)
-        if is_pipeline(tag_dir) and not (opts is not None and keeps_pipeline_columns(opts, tag_dir)):
-            # another number of stages or model ranks: whole tensors, no rounds (the side road, issue 37)
-            from reshard.jobs.pipeline_job import run_pipeline_unit
-            return run_pipeline_unit
-        return None
+        return None  # every reshard here takes the rounds, a pipeline's too (issue 37)
 
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
@@ -243,13 +238,23 @@ class WholeWorld:
 
 
 def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
-    """A PipelineModule save resharded with its model ranks kept (dp changed, or pp given a layer list):
-    each column a ZeRO-1 save, through the planner and `execute()`
-    (reshard.formats.deepspeed_inspect.inspect_pipeline_columns). A pp change without --pipeline-layers
-    goes to the pipeline job, which refuses it by name."""
-    pp, _, tp = saved_pipeline_topology(tag_dir)
-    return (opts.target_pp in (None, pp) or bool(opts.pipeline_layers)) and opts.target_tp in (None, tp) \
-        and opts.target_stage is None
+    """Whether a PipelineModule save takes the main road (the planner and `execute()`): every reshard of one
+    does, its dp, pp and tp changed or kept (reshard.formats.deepspeed_inspect.inspect_pipeline_columns, then
+    `pipeline_stage_change`, which refuses a pp or tp change without --pipeline-layers by name, and
+    `refuse_pipeline_options`: --target-stage, --target-ep). One predicate for every job kind."""
+    return True
+
+
+def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> None:
+    """What no pipeline reshard serves, refused by name whatever else changes: another ZeRO stage
+    (DeepSpeed's PipelineEngine asserts ZeRO stage < 2, runtime/pipe/engine.py `PipelineEngine.__init__`,
+    and a pipeline save is a ZeRO-1 save per column) and an expert-parallel size (no experts)."""
+    for applies, option in ((opts.target_stage not in (None, 1), f"--target-stage {opts.target_stage}"),
+                            (opts.target_ep not in (None, 1), f"--target-ep {opts.target_ep}")):
+        if applies:
+            raise OptionError(f"{source.model_path(0)}: {option} is not supported for pipeline checkpoints: "
+                              "DeepSpeed's PipelineEngine runs ZeRO-0 and ZeRO-1 only (runtime/pipe/engine.py), and "
+                              "a pipeline has no experts; reshard changes its dp, pp and a model axis's tp")
 
 
 def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
@@ -259,7 +264,8 @@ def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
     (`pipeline_stage_change`). What every job kind that takes such a save through the plan calls
     (WholeWorld.inspect; array tasks, reshard.jobs.array_job)."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-    if opts.target_pp not in (None, source.spec.topology.pp):
+    refuse_pipeline_options(opts, source)
+    if opts.target_pp not in (None, source.spec.topology.pp) or opts.target_tp not in (None, source.spec.topology.tp):
         return pipeline_stage_change(opts, source)
     return source, checkpoint_target(opts, source), []
 
@@ -275,38 +281,54 @@ def pipeline_on_road(opts: ReshardOptions, save_dir: str, tag: str
 
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
-    """A pipeline save at another number of stages, tp kept: the target stages worked out (and the
-    options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list), each
-    target column's (params, groups) and each stage's buffers set on the spec (`target_columns`), the
-    target topology at the new pp, and a note saying how the layers were re-assigned."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
-    from reshard.jobs.pipeline_job import pipeline_target
+    """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
+    options checked) from the layer list (reshard.formats.pipeline_target.pipeline_target, which every job
+    kind shares; with tp changed, weighed at the target's local shapes; the batch config is preflight's),
+    each target column's (params at its local shapes, groups) and each stage's buffers set on the spec
+    (`with_target_stages`), with tp changed each parameter's split and the layer files' tensors too
+    (`model_axis`, deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not
+    carried), the target topology at the new pp and tp, and a note saying how the layers were re-assigned."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, pipeline_model_axis
+    from reshard.formats.pipeline_target import pipeline_target
     pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
-    stages = pipeline_target(opts, pipe).stages
-    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None), source)
-    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names)))
+    planned = pipeline_target(opts, pipe)
+    stages, tp = planned.stages, planned.topology.tp
+    source = with_target_stages(source, pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)
+    if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
+        axis, layer_templates = pipeline_model_axis(pipe, planned.model_axis, planned.layers, stages.bounds, tp,
+                                                    opts.trust_pickle)
+        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, model_axis=axis),
+                                     layer_templates=layer_templates,
+                                     other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
+    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)
+    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names), tp=tp))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
-    return with_target_stages(source, pipe, stages.names, stages.buffer_names), target, [note]
+    if planned.tp_changed:
+        note += (f", every parameter and layer-file tensor re-cut from {pipe.tp} to {tp} model ranks by the save's "
+                 "universal_checkpoint_info patterns")
+    return source, target, [note]
 
 
-def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names) -> SourceCheckpoint:
+def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names, *, shapes: dict | None = None,
+                       tp: int | None = None) -> SourceCheckpoint:
     """`source` (inspect_pipeline_columns) with the target stages set on its spec (`target_columns`):
     per target stage its parameter `names` and persistent `buffer_names`, each stage's column repeated
-    for the save's model ranks, the shapes and param groups the save's (`pipe`: inspect_pipeline). The
+    for the target's `tp` model ranks (default the save's), the `shapes` (default the save's: local shapes
+    at the target tp when it changes) and param groups the save's (`pipe`: inspect_pipeline). The
     offline job takes the stages from the layer list (pipeline_stage_change), the in-job load from the
     engine's own stages (reshard.deepspeed), verify --against from the output's (reshard.verify)."""
     from reshard.formats.deepspeed_pipeline import source_groups, source_shapes
     from reshard.layouts.pipeline import split_by_group
     from reshard.layouts.zero import ParamSpec
-    shapes, (count, group_of) = source_shapes(pipe), source_groups(pipe)
+    shapes, (count, group_of) = shapes or source_shapes(pipe), source_groups(pipe)
     columns = []
     for stage_names in names:
         index = {name: i for i, name in enumerate(stage_names)}
         column = (tuple(ParamSpec(name, tuple(int(d) for d in shapes[name])) for name in stage_names),
                   tuple(tuple(index[name] for name in group)
                         for group in split_by_group(stage_names, group_of, count)))
-        columns += [column] * pipe.tp
+        columns += [column] * (tp or pipe.tp)
     spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=tuple(buffer_names))
     return dataclasses.replace(source, spec=spec)
 
@@ -331,7 +353,7 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     placement = site.placement
     if source.spec.target_columns is not None:  # what decides the new stages, as the pipeline job's fingerprint
         placement = {"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-                     "partition": opts.pipeline_partition}
+                     "partition": opts.pipeline_partition, **({"tp": topology.tp} if source.spec.model_axis else {})}
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
@@ -349,7 +371,7 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
               placement: Placement) -> CheckpointResult:
-    whole_file_job = placement.whole_file_job(unit, opts)  # a pipeline changing tp: no rounds
+    whole_file_job = placement.whole_file_job(unit, opts)  # node-local pipelines (node_local_pipeline): no rounds
     if whole_file_job is not None:
         return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()

@@ -71,7 +71,7 @@ def target_sequence_parallel(opts: ReshardOptions, source: SourceCheckpoint) -> 
 def check_tensor_parallel_target(source: SourceCheckpoint, target: Topology) -> None:
     """Refuse a target TP size the checkpoint cannot be resharded to."""
     spec = source.spec
-    if spec.tensor is None and target.tp != spec.topology.tp:
+    if spec.tensor is None and spec.model_axis is None and target.tp != spec.topology.tp:  # a pipeline's: checked
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
                           "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
@@ -173,6 +173,10 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, 
     model0 = os.path.getsize(source.model_path(0))
     total += target_dp * blocks(model0) if spec.stage == 3 else columns * blocks(model0)
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
+    # a pipeline tp change re-cuts its layer files (no longer carried): about their bytes again, a replicated
+    # tensor once per target model rank
+    layers = sum(os.path.getsize(os.path.join(tag_dir, name)) for r in range(n) for name in source.layer_file_names(r))
+    total += blocks(-(-layers * max(target_tp, spec.topology.tp) // spec.topology.tp)) if layers else 0
     total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)
     total += blocks(1024 + 200 * files) + 2 * block  # manifest, journal, latest

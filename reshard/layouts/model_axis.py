@@ -42,7 +42,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from reshard.layouts.tensor_parallel import REPLICATED, TensorSplit
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorSplit
+from reshard.layouts.zero import Stream
 
 REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"
 AVERAGE_PATTERNS = "parameter_to_average_patterns"
@@ -192,3 +193,49 @@ def target_local_shapes(rules: ModelAxisRules, local: Mapping[str, Sequence[int]
         except ModelAxisError as error:
             raise ModelAxisError(error.args[0] if str(error).startswith(name) else f"{name} {error}") from None
     return shapes
+
+
+@dataclass(frozen=True)
+class LayerFileSpace:
+    """The tensors of a pipeline save's layer files of one dtype (`layer_XX-model_YY-model_states.pt`: each
+    layer's state_dict per model rank, weights in the training dtype, buffers and frozen parameters too), as
+    one space of the plan (docs/architecture.md, "One road": layer files are module tensors): tensor j is
+    buffer j of the (dp rank 0, model rank, stage) rank whose layer file holds it, source and target alike."""
+
+    name: str
+    """The plan's space name (one per dtype: a piece moves every stream of its space)."""
+    stream: Stream
+    tensors: TensorParallelParams
+    """Every layer tensor of this dtype by its whole shape and its model-axis split, layer files in index order."""
+    keys: tuple[tuple[int, str], ...]
+    """(layer index, state_dict key) of each tensor."""
+    source_stages: tuple[int, ...]
+    """The source stage whose ranks read each tensor's layer files."""
+    target_stages: tuple[int, ...]
+    """The target stage whose layer file holds each tensor."""
+
+
+@dataclass(frozen=True)
+class PipelineModelAxis:
+    """A pipeline save's tp change as the planner lowers it (reshard.layouts.tensor_pieces
+    `pipeline_model_axis_pieces`): each trainable parameter's split over the model axis and whole shape,
+    by its stage name, and its layer files' tensors."""
+
+    splits: Mapping[str, TensorSplit]
+    shapes: Mapping[str, tuple[int, ...]]
+    """Whole (joined) shapes."""
+    layer_spaces: tuple[LayerFileSpace, ...] = ()
+
+    def tensor(self, index: int, key: str) -> tuple[LayerFileSpace, int] | None:
+        """(space, tensor index) of layer `index`'s entry `key`, None when it is no tensor of the plan."""
+        found = self.__dict__.get("_tensor_index")
+        if found is None:
+            found = {k: (space, j) for space in self.layer_spaces for j, k in enumerate(space.keys)}
+            object.__setattr__(self, "_tensor_index", found)
+        return found.get((index, key))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_tensor_index"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)

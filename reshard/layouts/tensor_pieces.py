@@ -36,13 +36,13 @@ in the target files.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from reshard.layouts.zero import ParamSpec, PieceTable, Zero3Layout, Zero12Layout, frozen_pieces, logical_bases, \
-    table_from_columns
-from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, numel
+    table_from_columns, zero12_layout
+from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorSplit, numel
 from reshard.layouts.local_to_global import ShardGrid, globalize, globalize_boxes
 from reshard.layouts.strided_runs import CONTIGUOUS
 from reshard.topology import Topology
@@ -213,9 +213,13 @@ def zero3_frozen_pieces(frozen: tuple[ParamSpec, ...], space: GlobalSpace, topol
     return zero12_pieces(replicated(frozen), space, topology, lambda t: chunks, side)
 
 
-def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str) -> PieceTable:
+def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: Topology, side: str,
+                  stages: Sequence[int] | None = None) -> PieceTable:
     """Pieces of the module tensors of the model-states files: TP rank t's local tensor j is
-    buffer j of global rank (dp 0, tp t), from element 0; replicated ones as in `zero12_pieces`."""
+    buffer j of global rank (dp 0, tp t), from element 0; replicated ones as in `zero12_pieces`.
+    `stages`: tensor j's pipeline stage (a pipeline's layer files, reshard.layouts.model_axis.LayerFileSpace),
+    so that it is buffer j of rank (dp 0, tp t, stage stages[j]); None: every tensor on stage 0."""
+    stage_of = np.zeros(len(module.names), np.int64) if stages is None else np.asarray(stages, np.int64)
     columns = []
     for t in range(topology.tp):
         numels = space.local_numels(module, side, topology.tp, t)
@@ -225,7 +229,8 @@ def module_pieces(module: TensorParallelParams, space: GlobalSpace, topology: To
         start, _, buffer, offset, *strides = _lower(module, space, side, topology.tp, t, local_bases,
                                                     local_bases[keep], np.zeros(count), np.flatnonzero(keep),
                                                     np.zeros(count), numels[keep])
-        columns.append((start, np.full(len(start), topology.rank_of(0, t), np.int64), buffer, offset, *strides))
+        ranks = np.array([topology.rank_of(0, t, stage) for stage in range(topology.pp)], np.int64)
+        columns.append((start, ranks[stage_of[buffer]], buffer, offset, *strides))
     return space.table(columns)
 
 
@@ -234,3 +239,111 @@ def module_buffer_numels(module: TensorParallelParams, space: GlobalSpace, tp: i
     if not tp or not len(space.numels):
         return tuple(int(n) for n in space.numels)
     return tuple(np.max([space.local_numels(module, "target", tp, t) for t in range(tp)], axis=0).tolist())
+
+
+def pipeline_model_axis_pieces(source_columns, target_columns, splits: Mapping[str, TensorSplit],
+                               shapes: Mapping[str, Sequence[int]], source: Topology, target: Topology
+                               ) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of a PipelineModule save whose model axis (tp) changes, its stages
+    kept or re-assigned (docs/architecture.md, "One road").
+
+        old, new = pipeline_model_axis_pieces(spec.columns, spec.target_columns, axis.splits, axis.shapes,
+                                              spec.topology, target)
+
+    `*_columns`: per column (mp index stage * tp + model rank) its (params at that side's local shapes,
+    groups), a ZeRO-1 save over its stage's parameters (CheckpointSpec.columns / target_columns); every
+    model rank of a stage holds the same names. `splits`, `shapes`: each parameter's split over the model
+    axis and whole shape, by name (reshard.layouts.model_axis.PipelineModelAxis). The space is the target
+    stages end to end, each the `GlobalSpace` of its parameters (whole, a replicated one once per target
+    model rank), so a column's local ranges are lowered exactly as an AutoTP rank's (`_lower`: strips
+    for a row-parallel cut, boxes for two fused sub-parameters). Each source parameter is read from the
+    first source stage holding it (a tied parameter: every stage's copy is equal, see
+    `reshard.planning.checkpoint_plan.pipeline_stage_change_pieces`) and from source model rank 0 when
+    replicated, and written into every target stage holding it. ValueError when a target parameter has no
+    source, a source parameter no target, or a local shape is not the split's."""
+    stages = []  # per target stage: (params, space, base, name -> index)
+    total = 0
+    for stage in range(target.pp):
+        names = [p.name for p in target_columns[stage * target.tp][0]]
+        if not names:  # a stage of no parameter (DeepSpeed's ZeRO-1 cannot build one; callers refuse it)
+            stages.append((None, None, total, {}))
+            continue
+        params = TensorParallelParams(tuple(names), tuple(tuple(int(d) for d in shapes[n]) for n in names),
+                                      tuple(splits[n] for n in names))
+        space = GlobalSpace.of(params, source_tp=source.tp, target_tp=target.tp)
+        stages.append((params, space, total, {name: q for q, name in enumerate(names)}))
+        total += space.total
+    first_stage: dict[str, int] = {}
+    for column, (params, _) in enumerate(source_columns):
+        for param in params:
+            first_stage.setdefault(param.name, column // source.tp)
+    missing = sorted({n for _, _, _, index in stages for n in index} - set(first_stage))
+    if missing:
+        raise ValueError(f"the target stages hold {missing[:3]}, which no source stage holds (another layer list?)")
+    strided = any(space.grid.strided.any() for _, space, _, _ in stages if space is not None)
+    target_pieces = []
+    for column, (params, groups) in enumerate(target_columns):
+        stage, model = divmod(column, target.tp)
+        stage_params, space, base, _ = stages[stage]
+        if space is None:
+            continue
+        _check_local_shapes(params, stage_params, target.tp, model, f"target stage {stage}, model rank {model}")
+        start, dp, buffer, offset, length, param = _param_pieces(params, groups, target.dp)
+        start, dp, buffer, offset, *strides = _lower(stage_params, space, "target", target.tp, model,
+                                                     logical_bases([p.numel for p in params]), start, dp, buffer,
+                                                     offset, length, param)
+        ranks = np.array([target.rank_of(d, model, stage) for d in range(target.dp)], dtype=np.int64)
+        target_pieces.append((start + base, ranks[dp], buffer, offset, *strides))
+    source_pieces = []
+    for column, (params, groups) in enumerate(source_columns):
+        stage, model = divmod(column, source.tp)
+        start, dp, buffer, offset, length, pid = _param_pieces(params, groups, source.dp)
+        local_bases = logical_bases([p.numel for p in params])
+        ranks = np.array([source.rank_of(d, model, stage) for d in range(source.dp)], dtype=np.int64)
+        held = np.zeros(len(params), bool)
+        for t, (stage_params, space, base, index) in enumerate(stages):
+            q_of = np.array([index.get(p.name, -1) if first_stage[p.name] == stage else -1 for p in params],
+                            dtype=np.int64)
+            held |= q_of >= 0
+            q = q_of[pid] if len(pid) else pid
+            keep = q >= 0
+            if not keep.any():
+                continue
+            # the source column's ranges of this target stage's parameters, in a local space laid out as
+            # if the column held exactly that stage's parameters (what `_lower` reads)
+            mine = [p for p in params if index.get(p.name, -1) >= 0 and first_stage[p.name] == stage]
+            _check_local_shapes(mine, stage_params, source.tp, model, f"source stage {stage}, model rank {model}",
+                                [index[p.name] for p in mine])
+            virtual = logical_bases(space.local_numels(stage_params, "source", source.tp, model))
+            q = q[keep]
+            lowered = _lower(stage_params, space, "source", source.tp, model, virtual,
+                             virtual[q] + start[keep] - local_bases[pid[keep]], ranks[dp[keep]], buffer[keep],
+                             offset[keep], length[keep], q)
+            source_pieces.append((lowered[0] + base, *lowered[1:]))
+        stray = [p.name for p, h in zip(params, held) if not h and first_stage[p.name] == stage]
+        if stray:
+            raise ValueError(f"source stage {stage} holds {stray[:3]}, which no target stage holds "
+                             "(another layer list?)")
+    columns = [c if strided else c[:4] for c in source_pieces], [c if strided else c[:4] for c in target_pieces]
+    return table_from_columns(columns[0], total), table_from_columns(columns[1], total)
+
+
+def _param_pieces(params, groups, dp: int) -> tuple[np.ndarray, ...]:
+    """A ZeRO-1 column's pieces at `dp` ranks (start, dp rank, buffer, offset, length) cut at its
+    parameters' bounds, with each piece's parameter."""
+    layout = zero12_layout(params, groups, dp)
+    pieces, bases = layout.pieces, logical_bases([p.numel for p in params])
+    start, rank, buffer, offset, length = _cut_at(np.asarray(bases, np.int64), pieces.start, pieces.rank,
+                                                  pieces.buffer, pieces.offset, pieces.length)
+    keep = length > 0
+    start, rank, buffer, offset, length = start[keep], rank[keep], buffer[keep], offset[keep], length[keep]
+    return start, rank, buffer, offset, length, np.searchsorted(bases, start, side="right") - 1
+
+
+def _check_local_shapes(params, stage_params: TensorParallelParams, tp: int, model: int, where: str,
+                        indices: Sequence[int] | None = None) -> None:
+    for param, q in zip(params, range(len(params)) if indices is None else indices):
+        local = stage_params.local_shape(q, tp, model)
+        if stage_params.names[q] != param.name or tuple(local) != tuple(param.shape):
+            raise ValueError(f"{where}: {param.name!r} has shape {tuple(param.shape)}, its split at tp {tp} "
+                             f"gives {stage_params.names[q]!r} {tuple(local)}")

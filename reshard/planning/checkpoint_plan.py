@@ -29,6 +29,7 @@ from reshard.layouts.tensor_pieces import (
     GlobalSpace,
     module_buffer_numels,
     module_pieces,
+    pipeline_model_axis_pieces,
     replicated,
     shared_layouts,
     zero3_frozen_pieces,
@@ -50,6 +51,8 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
     checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
     ownership = ownership or Ownership.between(spec.topology, target, workers)
     if getattr(spec, "columns", None) is not None:  # a pipeline's (CheckpointSpec); planners' stand-ins have none
+        if target.tp != spec.topology.tp:
+            return ReshardPlan(ownership, plan_pipeline_model_axis(spec, target, ownership, budget_bytes), budget_bytes)
         if target.pp != spec.topology.pp:
             return ReshardPlan(ownership, (plan_pipeline_stage_change(spec, target, ownership, budget_bytes),),
                                budget_bytes)
@@ -176,6 +179,30 @@ def plan_pipeline_stage_change(spec, target: Topology, ownership: Ownership, bud
     target stages' columns): one optimizer space over the target columns (pipeline_stage_change_pieces)."""
     old, new = pipeline_stage_change_pieces(spec.columns, spec.target_columns, spec.topology, target)
     return plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
+
+
+def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
+    """A PipelineModule save resharded to another tp, its stages kept or re-assigned (spec.target_columns at
+    the target's local shapes, spec.model_axis: each parameter's split, the layer files' tensors): one
+    optimizer space over the target stages' global parameters (tensor_pieces.pipeline_model_axis_pieces),
+    then each dtype's layer-file tensors as module tensors, re-cut for the target's model ranks
+    (`module_pieces` of each tensor's stage: dp rank 0 of each (stage, model rank) holds them)."""
+    axis = spec.model_axis
+    old, new = pipeline_model_axis_pieces(spec.columns, spec.target_columns, axis.splits, axis.shapes, spec.topology,
+                                          target)
+    spaces = [plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership,
+                         budget_bytes)]
+    del old, new
+    for layer in axis.layer_spaces:
+        space = GlobalSpace.of(layer.tensors, source_tp=spec.topology.tp, target_tp=target.tp)
+        targets = module_pieces(layer.tensors, space, target, "target", layer.target_stages)
+        holders = np.bincount(ownership.writers(sorted_distinct(targets.rank)), minlength=ownership.workers)
+        spaces.append(plan_space(layer.name, module_pieces(layer.tensors, space, spec.topology, "source",
+                                                           layer.source_stages), targets, (layer.stream,),
+                                 module_buffer_numels(layer.tensors, space, target.tp), ownership, budget_bytes,
+                                 round_offset=spaces[-1].round_offset + spaces[-1].rounds,
+                                 receiving_ranks=int(holders.max())))
+    return tuple(spaces)
 
 
 def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
