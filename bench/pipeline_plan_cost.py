@@ -160,6 +160,17 @@ def triple(text: str) -> tuple[int, int, int]:
     return pp, tp, dp
 
 
+def spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, rank in enumerate(ranks):
+        start = rank if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            out.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(out) or "none"
+
+
 def spread(values: list[float]) -> dict:
     return {"runs": values, "min": min(values), "median": statistics.median(values)}
 
@@ -205,20 +216,23 @@ def main() -> None:
     s, t = first["source"], first["target"]
     print(f"pipeline plan cost: {first['parameters'] / 1e9:.1f}e9 parameters, {first['layers']} layers, (pp, tp, dp) "
           f"({s['pp']}, {s['tp']}, {s['dp']}) -> ({t['pp']}, {t['tp']}, {t['dp']}), W = {first['workers']}, worker "
-          f"{first['worker']} (reads source ranks {first['reads_source_ranks']}, writes target ranks "
-          f"{first['writes_target_ranks']}), budget {args.budget}: {first['rounds']} rounds, "
+          f"{first['worker']} (reads source ranks {spans(first['reads_source_ranks'])}, writes target ranks "
+          f"{spans(first['writes_target_ranks'])}), budget {args.budget}: {first['rounds']} rounds, "
           f"{first['worker_segments']:,} segments, {first['worker_bytes_moved'] / 1e9:.2f} GB through this worker")
     for key, label in (("spec_and_stages_seconds", "spec + stage assignment"), ("plan_seconds", "plan_reshard"),
                        ("worker_view_seconds", "worker view"), ("rounds_seconds", "all its rounds"),
                        ("total_seconds", "total"), ("cpu_seconds", "total CPU time")):
         print(f"  {label:26} min {results[key]['min']:7.3f} s  median {results[key]['median']:7.3f} s")
-    goal_met = results["total_seconds"]["median"] < GOAL_SECONDS and results["peak_rss_delta_bytes"]["median"] < GOAL_BYTES
+    memory_met = results["peak_rss_delta_bytes"]["median"] < GOAL_BYTES
+    goal_met = results["total_seconds"]["median"] < GOAL_SECONDS and memory_met
+    cpu_met = results["cpu_seconds"]["median"] < GOAL_SECONDS and memory_met  # what a loaded machine can judge
     print(f"  peak RSS above the start   min {results['peak_rss_delta_bytes']['min'] / 1e6:7.0f} MB median "
           f"{results['peak_rss_delta_bytes']['median'] / 1e6:7.0f} MB (process peak "
           f"{results['peak_rss_bytes']['median'] / 1e6:.0f} MB, the interpreter and numpy included)")
     print(f"  goal: under {GOAL_SECONDS:.0f} s and {GOAL_BYTES / 1e6:.0f} MB per worker: "
-          f"{'met' if goal_met else 'MISSED'} (load average {results['load_average']})")
-    results["goal_met"] = goal_met
+          f"{'met' if goal_met else 'MISSED'} by the median wall, {'met' if cpu_met else 'MISSED'} by the median CPU "
+          f"time (load average {results['load_average']})")
+    results["goal_met"], results["goal_met_by_cpu"] = goal_met, cpu_met
     path = os.path.join(HERE, "results", f"pipeline-plan-cost-{results['started']:%Y%m%d-%H%M%S}.json")
     with open(path, "w") as fd:
         json.dump(results, fd, indent=1, default=str)
