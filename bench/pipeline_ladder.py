@@ -17,8 +17,9 @@ target (default: the dp change (2, 2) and the pp change (1, 2)), `--repeat` turn
 
 Every run is a watched process tree (process_tree.run_watched). The first turn's loads dump every
 parameter's full fp32 master and Adam moments by name; they must equal the source engine's dumps and
-each other, bit for bit, or the bench exits 1. From reshard's summary: bytes read (beside the source's
-bytes) and every worker's peak anonymous (private) memory, against budget + 300 MB (issue 37's goal).
+each other, bit for bit, or the bench exits 1. From reshard's `--result-json`: bytes read (beside the
+source's bytes); from its summary, every worker's peak anonymous (private) memory, against budget + 300 MB
+(issue 37's goal).
 Timings are printed as min and median of the turns: this bench was built on a 2-core machine shared
 with other people's test runs, where a single wall time says little. The page cache is not dropped.
 Writes bench/results/pipeline-ladder-<timestamp>.json.
@@ -52,7 +53,8 @@ HEADROOM = 300 * 10**6  # issue 37: peak private memory per worker at most budge
 
 
 def summary_figures(text: str) -> dict:
-    """From reshard's summary: bytes read and, per worker, (read, written, peak RSS, peak anon) bytes."""
+    """From reshard's summary: bytes read and, per worker, (read, written, peak RSS, peak anon) bytes, each
+    as the summary rounds it."""
     read = READ_RE.search(text)
     workers = [[int(float(row[i]) * UNITS[row[i + 1]]) for i in (1, 3, 5, 7)] for row in WORKER_ROW_RE.findall(text)]
     return {"read_bytes": int(float(read[1]) * UNITS[read[2]]) if read else None,
@@ -72,11 +74,14 @@ def reshard_run(src: str, dst: str, target: tuple[int, int], layers: int, args, 
                "--target-pp", pp, "--pipeline-layers", layers, "--pipeline-tied", f"embed:0,{layers - 1}",
                "--memory-budget", args.budget, "--ignore-batch-config"]
     what = f"reshard {pp}x{dp} turn {turn}"
-    run = watched(command, what, scratch, os.path.join(dst, "latest"))
+    record = os.path.join(scratch, what.replace(" ", "_") + ".json")
+    run = watched([*command, "--result-json", record], what, scratch, os.path.join(dst, "latest"))
     with open(os.path.join(scratch, what.replace(" ", "_") + ".log")) as fd:
         text = fd.read()
     run["summary"] = text[text.find("reshard done"):] if "reshard done" in text else text[-4000:]
     run.update(summary_figures(text))
+    with open(record) as fd:  # exact bytes (the summary rounds them)
+        run["read_bytes"] = json.load(fd)["checkpoints"][0]["bytes_read"]
     return run
 
 
