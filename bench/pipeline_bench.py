@@ -128,6 +128,8 @@ def build_engine(args, pp: int, seed: int, universal: bool):
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if universal:
         config["checkpoint"] = {"load_universal": True}
+    if getattr(args, "node_local", False):  # each rank saves on its own node (bench/pipeline_node_local.py)
+        config["checkpoint"] = {"use_node_local_storage": True}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
     return engine
 
@@ -402,6 +404,7 @@ def main() -> None:
     parser.add_argument("--dump")
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--in-job", action="store_true")
+    parser.add_argument("--node-local", action="store_true", help="train: use_node_local_storage (a per-node --save)")
     args = parser.parse_args()
     if args.mode == "bench" and args.tp_to and args.tp_to != args.tp_from and args.tp_from == 1:
         parser.error("--tp-to needs a source with a model axis (--tp-from > 1)")
