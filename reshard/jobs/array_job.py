@@ -98,6 +98,7 @@ from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
     output_fingerprint,
+    pipeline_stage_placement,
     source_identity,
     write_json_atomically,
 )
@@ -403,10 +404,7 @@ class _PipelineColumnsUnit(_ZeroUnit):
                                                                                  source.source_files(r))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(self.carried)))
-        placement = None  # as the collective job's fingerprint: what decides the new stages, with another pp
-        if source.spec.target_columns is not None:
-            placement = {"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-                         "partition": opts.pipeline_partition}
+        placement = pipeline_stage_placement(opts, source.spec, target.pp, target.tp)  # as the collective job's
         return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
                            output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, None,
                                               placement=placement),

@@ -61,6 +61,7 @@ from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
     output_fingerprint,
+    pipeline_stage_placement,
     plan_fingerprint,
     source_identity,
 )
@@ -350,10 +351,7 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     target_tp = topology.tp if source.spec.tensor is not None else None
     target_ep = _moe_target_ep(source, topology)
     identity = site.source_identity(source, carried)
-    placement = site.placement
-    if source.spec.target_columns is not None:  # what decides the new stages, as the pipeline job's fingerprint
-        placement = {"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-                     "partition": opts.pipeline_partition, **({"tp": topology.tp} if source.spec.model_axis else {})}
+    placement = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp) or site.placement
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
