@@ -26,14 +26,13 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.jobs.node_local import WorkerView
+from reshard.jobs.node_local_columns import node_layer_files
 from reshard.jobs.node_local_pipeline import (
-    fetch_pieces,
-    fetch_plan,
     node_dp_ranks,
-    node_layer_files,
     target_rank,
     unseen_pipeline_files,
 )
+from reshard.jobs.whole_file_moves import fetch_pieces, fetch_plan
 from reshard.topology import Topology
 
 NODES = 2

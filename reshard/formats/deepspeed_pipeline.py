@@ -894,7 +894,8 @@ def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
         index = int(match[1])
         key = layers.tied_key(index)
         prefix = f"tied_modules.{key}." if key is not None else f"{index}."
-        entries = (source.layer_table or {}).get(file) or layer_entries(os.path.join(source.tag_dir, file))
+        entries = source.layer_table[file] if source.layer_table is not None else \
+            layer_entries(os.path.join(source.tag_dir, file))
         for name, (_, numel) in entries.items():
             full = prefix + name
             if full not in trainable and full not in buffers and numel is not None:

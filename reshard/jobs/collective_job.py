@@ -44,7 +44,7 @@ from reshard.formats.folded_expert_files import (
     write_expert_files,
 )
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
-from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
+from reshard.formats.deepspeed_pipeline import is_pipeline, pipeline_topology_of, saved_pipeline_topology
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
@@ -57,6 +57,7 @@ from reshard.jobs.lifecycle import (
 )
 from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.node_local_pipeline import run_node_local_pipeline_unit
+from reshard.jobs.node_local_columns import ColumnsOnNodes
 from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
@@ -114,7 +115,8 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     clock.lap("start-up")
     try:
         started = time.perf_counter()
-        placement = NodeLocal(run_node_local_pipeline_unit) if opts.node_local else WholeWorld(leader=transport.rank == 0)
+        placement = (NodeLocal(run_node_local_pipeline_unit, ColumnsOnNodes(keeps_pipeline_columns, columns_target))
+                     if opts.node_local else WholeWorld(leader=transport.rank == 0))
         units, notes = placement.units(opts, transport)
         result = ReshardResult(notes=notes)
         clock.lap("inspect")
@@ -145,6 +147,8 @@ class Site(Protocol):
     """Who reads each source rank and writes each target rank (None: the planner's own)."""
     placement: dict | None
     """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
+    whole_file_bytes_between_nodes: int
+    """Bytes of whole files this job sends between nodes besides the plan's rounds (counted with the plan's)."""
 
     def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
@@ -181,6 +185,7 @@ class WholeWorld:
     peers = None
     ownership = None
     placement = None  # fingerprints and manifests as before node-local outputs existed
+    whole_file_bytes_between_nodes = 0
 
     def __init__(self, leader: bool):
         self.leader = leader
@@ -242,12 +247,13 @@ class WholeWorld:
         return source.save_dir
 
 
-def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
+def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str, names=None) -> bool:
     """A PipelineModule save resharded with its model ranks kept (dp changed, or pp given a layer list):
     each column a ZeRO-1 save, through the planner and `execute()`
     (reshard.formats.deepspeed_inspect.inspect_pipeline_columns). A pp change without --pipeline-layers
-    goes to the pipeline job, which refuses it by name."""
-    pp, _, tp = saved_pipeline_topology(tag_dir)
+    goes to the pipeline job, which refuses it by name. `names`: the tag directory's file names, where no
+    worker sees them all (a node-local job: the union of what every node sees)."""
+    pp, _, tp = saved_pipeline_topology(tag_dir) if names is None else pipeline_topology_of(names)
     return (opts.target_pp in (None, pp) or bool(opts.pipeline_layers)) and opts.target_tp in (None, tp) \
         and opts.target_stage is None
 
@@ -259,8 +265,15 @@ def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
     (`pipeline_stage_change`). What every job kind that takes such a save through the plan calls
     (WholeWorld.inspect; array tasks, reshard.jobs.array_job)."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    return columns_target(opts, source)
+
+
+def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
+                   ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of inspected columns: with another pp, `pipeline_stage_change`. `pipe`: the
+    save's PipelineSource where it was gathered from the nodes (None: read here)."""
     if opts.target_pp not in (None, source.spec.topology.pp):
-        return pipeline_stage_change(opts, source)
+        return pipeline_stage_change(opts, source, pipe)
     return source, checkpoint_target(opts, source), []
 
 
@@ -273,7 +286,7 @@ def pipeline_on_road(opts: ReshardOptions, save_dir: str, tag: str
     return inspect_pipeline_target(opts, save_dir, tag)
 
 
-def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
+def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """A pipeline save at another number of stages, tp kept: the target stages worked out (and the
     options checked) as the pipeline job does (pipeline_job.pipeline_target, from the layer list), each
@@ -281,7 +294,7 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
     target topology at the new pp, and a note saying how the layers were re-assigned."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from reshard.jobs.pipeline_job import pipeline_target
-    pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
+    pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     stages = pipeline_target(opts, pipe).stages
     kept = checkpoint_target(dataclasses.replace(opts, target_pp=None), source)
     target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names)))
@@ -330,8 +343,8 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     identity = site.source_identity(source, carried)
     placement = site.placement
     if source.spec.target_columns is not None:  # what decides the new stages, as the pipeline job's fingerprint
-        placement = {"pp": topology.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-                     "partition": opts.pipeline_partition}
+        placement = {**(placement or {}), "pp": topology.pp, "layers": opts.pipeline_layers,
+                     "tied": opts.pipeline_tied, "partition": opts.pipeline_partition}
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
@@ -371,7 +384,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
     if node_of_worker is not None:
         result.nodes = len(set(node_of_worker))
-        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker)
+        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker) + site.whole_file_bytes_between_nodes
     crossed_before = getattr(transport, "bytes_between_nodes", 0)
     if opts.dry_run:
         result.planner_imported_torch = "torch" in sys.modules
@@ -471,7 +484,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
     if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (jobs/pipeline_job)
         source_entry = {**source.manifest_source, "files": start.identity}
         target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
-                        "stage": 1}
+                        "stage": 1, **(site.placement or {})}
     elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
         target_entry["tp_world_size"] = target.topology.tp
