@@ -210,6 +210,8 @@ class PipelineNodeSite(NodeSite):
     node_of_worker: tuple[int, ...] = ()
     copies: tuple[str, ...] = ()
     """What this node's leader copies from its own SRC/TAG: layer files its stages load, other files."""
+    piece: int = MAX_PIECE
+    """The most bytes of a whole file one worker sends in one step (within --memory-budget)."""
 
     @property
     def whole_file_bytes_between_nodes(self) -> int:
@@ -237,7 +239,7 @@ class PipelineNodeSite(NodeSite):
                 os.unlink(path)
         report = WorkerReport(me, (), ())
         fetch(transport, self.moves, source.tag_dir, into, staging.destination if staging is not None else "",
-              MAX_PIECE, report)
+              self.piece, report)
         return {t.name: {"bytes": t.size, "blake3": hash_file(os.path.join(into, t.name))} for t in mine}
 
     def leader_copies(self, source) -> tuple[str, ...]:
@@ -290,7 +292,8 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
                             peers=peers, hosts_targets=bool(ranks_here), ownership=ownership, identity=identity,
                             model_states_ranks=model_states_ranks(target_ranks, ranks_per_node),
                             needed_bytes=needed_bytes, ranks_per_node=ranks_per_node, moves=moves,
-                            node_of_worker=tuple(nodes), copies=copies)
+                            node_of_worker=tuple(nodes), copies=copies,
+                            piece=max(1 << 10, min(MAX_PIECE, opts.memory_budget // max(4, 2 * transport.size))))
     return source, target, [], notes, site
 
 

@@ -1,4 +1,9 @@
-"""Node-local PipelineModule saves: fetch what each node lacks, then reshard there as on shared storage.
+"""Node-local PipelineModule saves off the plan: fetch what each node lacks, then reshard there as on shared storage.
+
+What `collective_job.keeps_pipeline_columns` accepts (dp changed; pp changed with tp kept) takes the plan
+instead (reshard.jobs.node_local_columns); this job serves the rest (a tp change), and a save no worker
+can inspect column by column (`node_local_columns.column_inspectors`), chosen in one place
+(`NodeLocal.whole_file_job`).
 
     # on each of 2 nodes (SRC and DST are the same local paths on every node):
     torchrun --nnodes=2 --node_rank=$NODE --nproc_per_node=2 --master_addr=$HEAD --master_port=29500 \
