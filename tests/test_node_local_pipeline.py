@@ -92,6 +92,24 @@ def test_each_lacking_file_is_sent_once_per_node_by_a_worker_that_sees_it():
     assert sum(length for own in pieces for _, _, length in own) == sum(t.size for t in plan)
 
 
+def test_a_column_is_inspected_where_its_model_and_first_optimizer_files_are_else_the_save_leaves_the_plan():
+    from reshard.jobs.node_local_columns import column_inspectors
+    from reshard.jobs.whole_file_moves import bytes_between_nodes
+    node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
+    node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
+    views = [WorkerView(0, "step3", node0), WorkerView(0, "step3", node0), WorkerView(1, None, node1),
+             WorkerView(1, None, node1)]
+    assert column_inspectors(views) == [0, 2]  # the first worker that sees each column's files
+    # stage 1's model-states file where a node's local rank 0 ran it, its dp rank 0 optimizer file on the
+    # other node (pp 2, dp 3 on 3 nodes x 2 ranks): no worker inspects that column, the fetching job serves it
+    split = [WorkerView(0, "step3", node0), WorkerView(1, None, frozenset({optim(0, 1)})),
+             WorkerView(2, None, frozenset({model(1), optim(1, 1)}))]
+    assert column_inspectors(split) is None
+    plan = fetch_plan({0: {layer(0), layer(1)}, 1: {layer(0), layer(1)}}, views, {layer(0): 5, layer(1): 7},
+                      "/ckpt/step3")
+    assert bytes_between_nodes(plan, [0, 0, 1, 1]) == 12 and bytes_between_nodes(plan, [0, 0, 0, 0]) == 0
+
+
 def test_a_file_no_node_sees_is_named_from_the_names_alone():
     names = {layer(0), layer(1), model(0), model(1), optim(0, 0), optim(1, 0), optim(0, 1), optim(1, 1)}
     assert unseen_pipeline_files(names) == []
