@@ -110,6 +110,23 @@ def test_a_column_is_inspected_where_its_model_and_first_optimizer_files_are_els
     assert bytes_between_nodes(plan, [0, 0, 1, 1]) == 12 and bytes_between_nodes(plan, [0, 0, 0, 0]) == 0
 
 
+def test_the_plan_takes_what_the_one_predicate_accepts_with_tp_kept():
+    from reshard.jobs.collective_job import columns_target, keeps_pipeline_columns
+    from reshard.jobs.node_local_columns import ColumnsOnNodes
+    from reshard.jobs.options import ReshardOptions
+    from reshard.jobs.runs import Unit
+    node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
+    node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
+    views = [WorkerView(0, "step3", node0), WorkerView(1, None, node1)]
+    on_nodes, unit = ColumnsOnNodes(keeps_pipeline_columns, columns_target), Unit("/ckpt", "step3", "/dst", "step3")
+
+    def accepts(**options) -> bool:
+        return on_nodes.accepts(ReshardOptions(source="/ckpt", destination="/dst", **options), unit, views)
+    assert accepts(target_dp=4) and accepts(target_dp=4, target_pp=1, pipeline_layers="7")
+    assert not accepts(target_dp=4, target_pp=1)  # no layer list: the fetching job refuses it by name
+    assert not accepts(target_dp=4, target_tp=2)  # a tp change re-cuts the layer files: not whole moves
+
+
 def test_a_file_no_node_sees_is_named_from_the_names_alone():
     names = {layer(0), layer(1), model(0), model(1), optim(0, 0), optim(1, 0), optim(0, 1), optim(1, 1)}
     assert unseen_pipeline_files(names) == []

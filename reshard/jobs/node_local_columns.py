@@ -308,10 +308,15 @@ class ColumnsOnNodes:
     """collective_job.columns_target(opts, source, pipe): the one target of inspected columns."""
 
     def accepts(self, opts, unit, views: Sequence[WorkerView]) -> bool:
-        """The predicate accepts the save, from the names every worker sees, and every column has a
-        worker that sees its model-states and dp rank 0 optimizer files. Pure; the same on every worker."""
+        """The predicate accepts the save, from the names every worker sees, its tp is kept, and every
+        column has a worker that sees its model-states and dp rank 0 optimizer files. Pure; the same on
+        every worker."""
         names = seen_names(views)
-        return self.keeps(opts, os.path.join(unit.source, unit.tag), names) and column_inspectors(views) is not None
+        # the layer files travel whole here: a tp change, which re-cuts them, stays with the fetching job
+        # even where the predicate takes it onto the plan (issue 37's tp change on the main road)
+        tp_kept = opts.target_tp in (None, pipeline_topology_of(names)[2])
+        return (tp_kept and self.keeps(opts, os.path.join(unit.source, unit.tag), names)
+                and column_inspectors(views) is not None)
 
     def inspect(self, opts, unit, transport, views: Sequence[WorkerView]) -> tuple:
         return node_local_pipeline_unit(opts, unit, transport, views, self.columns_target)
