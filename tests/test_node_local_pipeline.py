@@ -1,4 +1,4 @@
-"""Node-local PipelineModule saves (`--node-local` on a pipeline save): fetched where a node lacks files, loaded per node.
+"""Node-local PipelineModule saves (`--node-local` on a pipeline save): on the plan, loaded per node.
 
     python -m pytest -q tests/test_node_local_pipeline.py -m "not e2e"   # placement rules, seconds
     python -m pytest -q tests/test_node_local_pipeline.py                # trains on 2 nodes x 2 ranks (~4-7 min)
@@ -9,7 +9,10 @@ tests/pipeline_run.py trains the tied PipelineModule at (pp, dp) = (2, 2), ZeRO-
 files) and in fp16 (dynamic loss scaling): each node then holds its stage's files only, and DeepSpeed's
 own load of the fp32 save fails on every rank (its pipeline load counts the stage model-states files
 in the directory). reshard, on the same two nodes, writes the fp32 save at (pp 1, dp 4) at 2 ranks per
-node and (pp 2, dp 1) at 1 rank per node, and the bf16 and fp16 saves at (pp 1, dp 4); each target
+node and (pp 2, dp 1) at 1 rank per node, and the bf16 and fp16 saves at (pp 1, dp 4), each through the
+plan's rounds under a 1K budget (reshard.jobs.node_local_columns), byte for byte what the collective job
+writes from the gathered files, the bytes between nodes what the plan says and fewer than every
+pipeline file sent to every node (reshard.jobs.node_local_pipeline, which now serves a tp change); each target
 rank loads its own node's directory with plain `engine.load_checkpoint` (the half-precision targets in
 the fp32 (1, 4) launch, `check --judge`), every fp32 master and Adam moment compared by name with the
 source engine's, the eval loss, the counters, the LR and (fp16) the loss scaler's state, and one more
@@ -26,14 +29,13 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.jobs.node_local import WorkerView
+from reshard.jobs.node_local_columns import node_layer_files
 from reshard.jobs.node_local_pipeline import (
-    fetch_pieces,
-    fetch_plan,
     node_dp_ranks,
-    node_layer_files,
     target_rank,
     unseen_pipeline_files,
 )
+from reshard.jobs.whole_file_moves import fetch_pieces, fetch_plan
 from reshard.topology import Topology
 
 NODES = 2
@@ -88,6 +90,41 @@ def test_each_lacking_file_is_sent_once_per_node_by_a_worker_that_sees_it():
     for sender, own in enumerate(pieces):
         assert all(plan[i].sender == sender and 0 < length <= 16 for i, _, length in own)
     assert sum(length for own in pieces for _, _, length in own) == sum(t.size for t in plan)
+
+
+def test_a_column_is_inspected_where_its_model_and_first_optimizer_files_are_else_the_save_leaves_the_plan():
+    from reshard.jobs.node_local_columns import column_inspectors
+    from reshard.jobs.whole_file_moves import bytes_between_nodes
+    node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
+    node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
+    views = [WorkerView(0, "step3", node0), WorkerView(0, "step3", node0), WorkerView(1, None, node1),
+             WorkerView(1, None, node1)]
+    assert column_inspectors(views) == [0, 2]  # the first worker that sees each column's files
+    # stage 1's model-states file where a node's local rank 0 ran it, its dp rank 0 optimizer file on the
+    # other node (pp 2, dp 3 on 3 nodes x 2 ranks): no worker inspects that column, the fetching job serves it
+    split = [WorkerView(0, "step3", node0), WorkerView(1, None, frozenset({optim(0, 1)})),
+             WorkerView(2, None, frozenset({model(1), optim(1, 1)}))]
+    assert column_inspectors(split) is None
+    plan = fetch_plan({0: {layer(0), layer(1)}, 1: {layer(0), layer(1)}}, views, {layer(0): 5, layer(1): 7},
+                      "/ckpt/step3")
+    assert bytes_between_nodes(plan, [0, 0, 1, 1]) == 12 and bytes_between_nodes(plan, [0, 0, 0, 0]) == 0
+
+
+def test_the_plan_takes_what_the_one_predicate_accepts_with_tp_kept():
+    from reshard.jobs.collective_job import columns_target, keeps_pipeline_columns
+    from reshard.jobs.node_local_columns import ColumnsOnNodes
+    from reshard.jobs.options import ReshardOptions
+    from reshard.jobs.runs import Unit
+    node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
+    node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
+    views = [WorkerView(0, "step3", node0), WorkerView(1, None, node1)]
+    on_nodes, unit = ColumnsOnNodes(keeps_pipeline_columns, columns_target), Unit("/ckpt", "step3", "/dst", "step3")
+
+    def accepts(**options) -> bool:
+        return on_nodes.accepts(ReshardOptions(source="/ckpt", destination="/dst", **options), unit, views)
+    assert accepts(target_dp=4) and accepts(target_dp=4, target_pp=1, pipeline_layers="7")
+    assert not accepts(target_dp=4, target_pp=1)  # no layer list: the fetching job refuses it by name
+    assert not accepts(target_dp=4, target_tp=2)  # a tp change re-cuts the layer files: not whole moves
 
 
 def test_a_file_no_node_sees_is_named_from_the_names_alone():
@@ -201,10 +238,26 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
 
     for name, (precision, pp, dp, per_node, extra) in targets.items():
         src = source_name(precision)
+        result_path = tmp_path / f"result-{name}.json"
+        # a budget far below a stage's optimizer bytes (each ~20 KiB): the plan's rounds, more than one
         run_torchrun_nodes("reshard", NODES, 2, lambda k: [
             root / f"node{k}" / src, root / f"node{k}" / name, "--node-local", "--target-ranks-per-node", per_node,
-            "--target-dp", dp, *extra, *LAYERS, "--ignore-batch-config", "--quiet"],
+            "--target-dp", dp, *extra, *LAYERS, "--ignore-batch-config", "--quiet", "--memory-budget", "1K",
+            "--result-json", result_path],
             expect_files=[root / f"node{k}" / name / "latest" for k in range(NODES)], timeout=300)
+        (result,) = json.loads(result_path.read_text())["checkpoints"]
+        assert result["rounds"] > 1 and result["nodes"] == NODES, result
+        # what crossed between the nodes is what the plan says: its rounds' segments and the layer files
+        # a node's target stages load but it lacks, sent whole
+        assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"], result
+        assert (result["plan_bytes_between_nodes"] > 0) == (pp == 1), result  # pp kept: each node holds its stage
+        held = [{p.name: p.stat().st_size for p in (root / f"node{k}" / src / "step3").iterdir()} for k in range(NODES)]
+        every_file_everywhere = sum(size for k in range(NODES) for other in range(NODES) if other != k
+                                    for file, size in held[other].items() if file not in held[k])
+        print(f"\n[node-local {name}] bytes between nodes: {result['bytes_between_nodes']} (plan "
+              f"{result['plan_bytes_between_nodes']}); every pipeline file to every node: {every_file_everywhere}; "
+              f"{result['rounds']} rounds")
+        assert result["plan_bytes_between_nodes"] < every_file_everywhere, (result, every_file_everywhere)
         reference = tmp_path / f"reference-{name}"
         reshard_in_threads(gathered(root, tmp_path / f"merged-{name}", src), reference, dp, 2, target_pp=pp,
                            pipeline_layers=7, pipeline_tied="embed:0,6", ignore_batch_config=True)
@@ -245,7 +298,7 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
 @pytest.mark.e2e
 @pytest.mark.parametrize("removed,options,message", [
     (model(1), (), f"step3/{model(1)}: is missing: the save has stage model files [0]"),
-    (optim(1, 1), (), f"step3/{optim(1, 1)}: is on no node"),
+    (optim(1, 1), (), f"step3/{optim(1, 1)}: is missing: dp_world_size is 2"),
     (None, ("--target-tp", "2"), "step3/layer_00-model_states.pt: --target-tp 2 (the save has tp 1) with "
                                  "--node-local is not supported for pipeline checkpoints"),
     (None, ("--target-pp", "1"), f"step3/{model(0)}: --target-pp 1 (the save has 2 stages): the new "
@@ -282,5 +335,5 @@ def test_a_dry_run_says_what_each_node_fetches_and_writes_nothing(node_local_pip
     run = reshard_in_process(source, tmp_path / "dst", "--node-local", "--target-ranks-per-node", 2, "--target-dp", 1,
                              "--ignore-batch-config", "--dry-run")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "node 0: target ranks 0..1; fetches 0 source files" in run.stdout, run.stdout
+    assert "node 0: target ranks 0..1; receives 0 layer files (0 bytes) it lacks, whole" in run.stdout, run.stdout
     assert not (tmp_path / "dst").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 
 from reshard.files.byte_io import pread_exact
 from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
@@ -1008,43 +1009,63 @@ def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = resolve_tag(save_dir, tag)
     pipe = inspect_pipeline(save_dir, tag, trust_pickle, layer_shapes=layer_shapes)
-    tag_dir = os.path.join(save_dir, tag)
+    found = [inspect_pipeline_column_trees(pipe, column, trust_pickle, read_tensors)
+             for column in range(pipe.pp * pipe.tp)]
+    return pipeline_columns_source(pipe, found)
+
+
+def inspect_pipeline_column_trees(pipe, column: int, trust_pickle: bool = False, read_tensors: bool = True) -> tuple:
+    """One column's part of inspect_pipeline_columns, on a worker that sees its dp rank 0 files (a
+    node-local job runs each where it is): (its CheckpointSpec, optim file name, carried storages,
+    (optim tree, model tree))."""
+    tag_dir = pipe.tag_dir
     topology = Topology(dp=pipe.dp, tp=pipe.tp, pp=pipe.pp)
+    stage, model = divmod(column, pipe.tp)
+    rank = topology.rank_of(0, model, stage)
+    optim_name = schema.optim_file_name_of(topology, rank, pipe.bf16)
+    model_path = os.path.join(tag_dir, schema.model_file_name_of(topology, rank, 1))
+    optim_path = os.path.join(tag_dir, optim_name)
+    model_tree = load_portable(model_path, schema.safe_globals(), trust_pickle)
+    optim_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle)
+    params, groups = [], []
+    for shapes in model_tree["param_shapes"]:
+        groups.append(tuple(range(len(params), len(params) + len(shapes))))
+        params.extend(ParamSpec(name, tuple(int(d) for d in shape)) for name, shape in shapes.items())
+    osd = optim_tree[OPT]
+    # a stage file holds no module tensors: the model's dtype is the master's under fp32, else named by
+    # the save's flags; it only sets parameter alignment, which pipelines do not use (refused above)
+    lp_dtype = "bfloat16" if pipe.bf16 else ("float16" if (model_tree.get("ds_config") or {}).get(
+        "fp16", {}).get("enabled") else "float32")
+    column_spec = CheckpointSpec(1, "bf16_optimizer" if pipe.bf16_optimizer else "zero", pipe.bf16, topology,
+                                 tuple(params), tuple(groups), False, 1, DEFAULT_SUB_GROUP_SIZE, lp_dtype, ())
+    layout = zero12_layout(column_spec.params, column_spec.groups, pipe.dp)
+    column_spec = dataclasses.replace(column_spec, streams=_discover_streams(osd, optim_path, column_spec, layout))
+    parts = validate_optim_tree(optim_tree, optim_path, column_spec, layout, 0)
+    carried = read_carried(optim_path, optim_tree, parts.values()) if read_tensors else None
+    return column_spec, optim_name, carried, (optim_tree, model_tree)
+
+
+def pipeline_columns_source(pipe, found: Sequence[tuple]) -> SourceCheckpoint:
+    """inspect_pipeline_columns's SourceCheckpoint from every column's inspect_pipeline_column_trees
+    (column order), the columns' optimizer states checked alike."""
+    save_dir, tag, tag_dir = pipe.save_dir, pipe.tag, pipe.tag_dir
     columns, templates, carried, everything, spec = [], [], {}, [], None
-    for column in range(pipe.pp * pipe.tp):
-        stage, model = divmod(column, pipe.tp)
-        rank = topology.rank_of(0, model, stage)
-        optim_name = schema.optim_file_name_of(topology, rank, pipe.bf16)
-        model_path = os.path.join(tag_dir, schema.model_file_name_of(topology, rank, 1))
-        optim_path = os.path.join(tag_dir, optim_name)
-        model_tree = load_portable(model_path, schema.safe_globals(), trust_pickle)
-        optim_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle)
-        params, groups = [], []
-        for shapes in model_tree["param_shapes"]:
-            groups.append(tuple(range(len(params), len(params) + len(shapes))))
-            params.extend(ParamSpec(name, tuple(int(d) for d in shape)) for name, shape in shapes.items())
-        osd = optim_tree[OPT]
-        # a stage file holds no module tensors: the model's dtype is the master's under fp32, else named by
-        # the save's flags; it only sets parameter alignment, which pipelines do not use (refused above)
-        lp_dtype = "bfloat16" if pipe.bf16 else ("float16" if (model_tree.get("ds_config") or {}).get(
-            "fp16", {}).get("enabled") else "float32")
-        column_spec = CheckpointSpec(1, "bf16_optimizer" if pipe.bf16_optimizer else "zero", pipe.bf16, topology,
-                                     tuple(params), tuple(groups), False, 1, DEFAULT_SUB_GROUP_SIZE, lp_dtype, ())
-        layout = zero12_layout(column_spec.params, column_spec.groups, pipe.dp)
-        column_spec = dataclasses.replace(column_spec, streams=_discover_streams(osd, optim_path, column_spec, layout))
+    for column_spec, optim_name, column_carried, trees in found:
         if spec is not None and column_spec.streams != spec.streams:
-            raise UnsupportedCheckpoint(optim_path, f"holds optimizer states {[s.name for s in column_spec.streams]}, "
-                                                    f"column 0 {[s.name for s in spec.streams]}")
+            raise UnsupportedCheckpoint(os.path.join(tag_dir, optim_name),
+                                        f"holds optimizer states {[s.name for s in column_spec.streams]}, "
+                                        f"column 0 {[s.name for s in spec.streams]}")
         spec = spec or column_spec
-        parts = validate_optim_tree(optim_tree, optim_path, column_spec, layout, 0)
-        if read_tensors:
-            carried[optim_name] = read_carried(optim_path, optim_tree, parts.values())
+        if column_carried is not None:
+            carried[optim_name] = column_carried
         columns.append((column_spec.params, column_spec.groups))
-        templates.append((optim_tree, model_tree))
-        everything.extend(params)
+        templates.append(trees)
+        everything.extend(column_spec.params)
     spec = dataclasses.replace(spec, params=tuple(everything), columns=tuple(columns))
-    _, other_dirs = _other_contents(tag_dir, {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
-                                              if os.path.isfile(os.path.join(tag_dir, name))})
+    other_dirs = ()
+    if os.path.isdir(tag_dir):
+        _, other_dirs = _other_contents(tag_dir, {name: schema.classify(name) for name in sorted(os.listdir(tag_dir))
+                                                  if os.path.isfile(os.path.join(tag_dir, name))})
     optim_tree, model_tree = templates[0]
     manifest_source = {"save_dir": save_dir, "tag": tag, "dp_world_size": pipe.dp, "pp": pipe.pp, "tp": pipe.tp,
                        "stage": 1, "description": pipe.describe()}  # jobs/pipeline_job.pipeline_output's

@@ -164,6 +164,9 @@ class PipelineSource:
     DeepSpeed names so at tp 1 too (topology.py `get_rank_repr` keeps the model axis: `model_00`)."""
     ds_config: dict | None = field(default=None, compare=False)
     """Stage 0's saved `ds_config` (the training job's batch settings, which the target must fit)."""
+    layer_table: dict | None = field(default=None, compare=False, repr=False)
+    """Every layer file's layer_entries, gathered from the nodes that hold them (a node-local job, where
+    no worker sees every layer file); None: read from `tag_dir` when asked."""
 
     @property
     def tag_dir(self) -> str:
@@ -213,91 +216,175 @@ def inspect_pipeline(save_dir: str, tag: str, trust_pickle: bool = False, layer_
     name what the per-stage ZeRO-1 re-cut does not handle, and any optimizer file whose partitions
     are not those the stage's `param_shapes` give (check_stage_partitions), and, with `layer_shapes`
     (all but `reshard verify`'s look at an output, which compares its layer files with the source's),
-    `param_shapes` that the layer files do not hold."""
+    `param_shapes` that the layer files do not hold. The same checks as a node-local job makes column
+    by column where each column's files are (pipeline_files, inspect_pipeline_column, gathered_pipeline)."""
     tag_dir = os.path.join(save_dir, tag)
-    names = sorted(os.listdir(tag_dir))
-    layer_files, layer_models, stage_models, optims, others = [], {}, {}, {}, []
-    for name in names:
-        path = os.path.join(tag_dir, name)
+    names = sorted(name for name in os.listdir(tag_dir)
+                   if not name.startswith(".") and not os.path.isdir(os.path.join(tag_dir, name)))
+    stage_models = {int(m[1]) for name in names if (m := STAGE_MODEL_RE.match(name))}
+    optim_mp_ranks = {role.mp_rank for name in names if (role := schema.classify(name)).kind == "optim"}
+    check_stage_model_files(tag_dir, stage_models, optim_mp_ranks)
+    first = load_whole(os.path.join(tag_dir, stage_model_name(0)), trust_pickle)
+    files = pipeline_files(tag_dir, names, int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1)))
+    cache: dict[str, dict | None] = {}
+
+    def layer(name: str) -> dict | None:
+        if name not in cache:
+            path = os.path.join(tag_dir, name)
+            cache[name] = layer_entries(path, trust_pickle) if os.path.isfile(path) else None
+        return cache[name]
+
+    columns = [inspect_pipeline_column(files, stage, model_rank, trust_pickle, first if stage == model_rank == 0 else None,
+                                       layer if layer_shapes else None)
+               for stage in range(files.pp) for model_rank in range(files.tp)]
+    return gathered_pipeline(save_dir, tag, files, columns)
+
+
+@dataclass(frozen=True)
+class PipelineFiles:
+    """What a pipeline tag directory's file names say (a node-local job: the union of what every node sees)."""
+
+    tag_dir: str
+    layer_files: tuple[str, ...]
+    stage_models: frozenset[int]
+    optims: frozenset[tuple[int, int]]
+    """(mp rank, dp rank) of every optimizer file."""
+    other_files: tuple[str, ...]
+    tp: int
+    pp: int
+    model_axis: bool
+    bf16: bool
+
+
+def pipeline_files(tag_dir: str, names: Collection[str], tp: int) -> PipelineFiles:
+    """The file-name facts of a pipeline save with `tp` model ranks (stage 0's tp_degree), refused by name
+    where the names disagree with it. Pure. (check_stage_model_files first, by the caller.)"""
+    layer_files, layer_models, stage_models, optims, others = [], {}, set(), set(), []
+    for name in sorted(names):
         if match := LAYER_RE.match(name):
             layer_files.append(name)
             layer_models.setdefault(int(match[1]), {})[None if match[3] is None else int(match[3])] = name
         elif match := STAGE_MODEL_RE.match(name):
-            stage_models[int(match[1])] = name
+            stage_models.add(int(match[1]))
         elif (role := schema.classify(name)).kind == "optim":
-            optims[(role.mp_rank, role.dp_rank)] = role
-        elif os.path.isdir(path) or name.startswith("."):
-            continue
+            optims.add((role.mp_rank, role.dp_rank))
         else:
             others.append(name)
-    check_stage_model_files(tag_dir, set(stage_models), {mp_rank for mp_rank, _ in optims})
-    first = load_whole(os.path.join(tag_dir, stage_models[0]), trust_pickle)
-    tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
     model_axis = _check_layer_models(tag_dir, layer_models, tp)
     if len(stage_models) % tp:
         raise CheckpointError(tag_dir, f"has {len(stage_models)} stage model files, not a multiple of tp_degree {tp}")
-    pp = len(stage_models) // tp
-    stages, dp, bf16_flags, bf16_optimizer = [], None, {role.bf16 for role in optims.values()}, None
-    layer_cache: dict[str, dict] = {}
+    bf16_flags = {schema.classify(name).bf16 for name in names if schema.classify(name).kind == "optim"}
     if len(bf16_flags) > 1:
         raise CheckpointError(tag_dir, "holds optimizer files with and without the bf16_ prefix")
-    bf16 = bf16_flags.pop() if bf16_flags else False
-    for stage in range(pp):
-        for model_rank in range(tp):
-            index = stage_model_rank(stage, model_rank, tp)
-            model_path = os.path.join(tag_dir, stage_model_name(stage, model_rank, tp))
-            model = first if index == 0 else load_whole(model_path, trust_pickle)
-            dims = model.get("checkpoint_parallel_dimensions") or {}
-            if dims.get("tp_degree", 1) != tp:
-                raise CheckpointError(model_path, f"has tp_degree {dims.get('tp_degree', 1)}, "
-                                                  f"{stage_model_name(0)} has {tp}")
-            if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp * tp:
-                raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
-                                                  f"{model.get('mp_world_size')}, but {len(stage_models)} stage files "
-                                                  f"of tp_degree {tp} are present")
-            _check_stage_model(model, model_path)
-            stage_dp = model.get("dp_world_size")
-            dp = stage_dp if dp is None else dp
-            if stage_dp != dp:
-                raise CheckpointError(model_path, f"has dp_world_size {stage_dp}, stage 0 has {dp}")
-            missing = [d for d in range(dp) if (index, d) not in optims]
-            if missing:
-                raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], bf16, index)),
-                                      f"is missing: dp_world_size is {dp}, so each stage has {dp} optimizer files")
-            optim_path = os.path.join(tag_dir, schema.optim_file_name(0, bf16, index))
-            first_osd = _osd(load_whole(optim_path, trust_pickle), optim_path)
-            stage_bf16_optimizer = _check_optimizer(first_osd, optim_path, model, dp)
-            if bf16_optimizer is not None and stage_bf16_optimizer != bf16_optimizer:
-                raise CheckpointError(model_path, "stages were saved by different optimizer wrappers")
-            bf16_optimizer = stage_bf16_optimizer
-            groups = [list(shapes.items()) for shapes in model["param_shapes"]]
-            spec = PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
-                                 tuple(tuple(_numel(s) for _, s in g) for g in groups),
-                                 tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
-                                 tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ()))
-            # every optimizer file's partitions against the stage's param_shapes, and those against the
-            # layer files, before anything is built from them (the ZeRO road checks the same)
-            keys = check_stage_partitions(first_osd, optim_path, spec, dp, 0)
-            for rank in range(1, dp):
-                path = os.path.join(tag_dir, schema.optim_file_name(rank, bf16, index))
-                check_stage_partitions(_osd(load_whole(path, trust_pickle), path), path, spec, dp, rank, keys)
-            if layer_shapes:
-                _check_param_shapes_against_layers(tag_dir, spec, model_path, model_rank if model_axis else None,
-                                                   layer_cache, trust_pickle)
-            if model_rank == 0:
-                stages.append(spec)
-            elif (spec.names, spec.shapes, spec.buffer_names) != (stages[-1].names, stages[-1].shapes,
-                                                                  stages[-1].buffer_names):
-                # the per-column path reuses model rank 0's layout (stage assignment, budget, groups)
-                raise UnsupportedCheckpoint(model_path, f"holds other parameters, shapes or buffers than model rank "
-                                                        f"0 of stage {stage} ({stage_model_name(stage, 0, tp)}); "
-                                                        "only even (Megatron-style) slices are supported")
-    extra = sorted(key for key in optims if key[0] >= pp * tp or key[1] >= dp)
+    return PipelineFiles(tag_dir, tuple(layer_files), frozenset(stage_models), frozenset(optims), tuple(others), tp,
+                         len(stage_models) // tp, model_axis, bf16_flags.pop() if bf16_flags else False)
+
+
+@dataclass(frozen=True)
+class PipelineColumn:
+    """One (stage, model rank)'s facts, from its model-states file and its optimizer files."""
+
+    stage: PipelineStage
+    model_rank: int
+    dp: int
+    bf16_optimizer: bool
+    keys: tuple
+    """Per param group, dp rank 0's partitioned state keys (every dp rank's must be these)."""
+    ds_config: dict | None
+    model_path: str
+
+
+def inspect_pipeline_column(files: PipelineFiles, stage: int, model_rank: int, trust_pickle: bool = False,
+                            model: dict | None = None, layer=None, optim_ranks: Collection[int] | None = None
+                            ) -> PipelineColumn:
+    """Read and check one (stage, model rank): its model-states file (`model`: already read), its dp rank 0
+    optimizer file and those of `optim_ranks` (None: every dp rank), and, given `layer(name)` (a layer
+    file's layer_entries, None when missing), its `param_shapes` against the layer files."""
+    tag_dir, tp, pp = files.tag_dir, files.tp, files.pp
+    index = stage_model_rank(stage, model_rank, tp)
+    model_path = os.path.join(tag_dir, stage_model_name(stage, model_rank, tp))
+    model = load_whole(model_path, trust_pickle) if model is None else model
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    if dims.get("tp_degree", 1) != tp:
+        raise CheckpointError(model_path, f"has tp_degree {dims.get('tp_degree', 1)}, "
+                                          f"{stage_model_name(0)} has {tp}")
+    if dims.get("pp_degree", pp) != pp or model.get("mp_world_size") != pp * tp:
+        raise CheckpointError(model_path, f"says pp_degree {dims.get('pp_degree')} and mp_world_size "
+                                          f"{model.get('mp_world_size')}, but {len(files.stage_models)} stage files "
+                                          f"of tp_degree {tp} are present")
+    _check_stage_model(model, model_path)
+    dp = model.get("dp_world_size")
+    missing = [d for d in range(dp) if (index, d) not in files.optims]
+    if missing:
+        raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(missing[0], files.bf16, index)),
+                              f"is missing: dp_world_size is {dp}, so each stage has {dp} optimizer files")
+    optim_path = os.path.join(tag_dir, schema.optim_file_name(0, files.bf16, index))
+    first_osd = _osd(load_whole(optim_path, trust_pickle), optim_path)
+    bf16_optimizer = _check_optimizer(first_osd, optim_path, model, dp)
+    groups = [list(shapes.items()) for shapes in model["param_shapes"]]
+    spec = PipelineStage(stage, tuple(tuple(n for n, _ in g) for g in groups),
+                         tuple(tuple(_numel(s) for _, s in g) for g in groups),
+                         tuple(tuple(tuple(int(x) for x in s) for _, s in g) for g in groups),
+                         tuple(model.get("buffer_names") or ()), tuple(model.get("shared_params") or ()))
+    # every optimizer file's partitions against the stage's param_shapes, and those against the
+    # layer files, before anything is built from them (the ZeRO road checks the same)
+    keys = check_stage_partitions(first_osd, optim_path, spec, dp, 0)
+    for rank in sorted(set(range(1, dp) if optim_ranks is None else optim_ranks) - {0}):
+        check_stage_optim_file(files, spec, index, dp, rank, keys, trust_pickle)
+    if layer is not None:
+        _check_param_shapes_against_layers(files, spec, model_path, model_rank if files.model_axis else None, layer)
+    return PipelineColumn(spec, model_rank, dp, bf16_optimizer, tuple(map(tuple, keys)), model.get("ds_config"),
+                          model_path)
+
+
+def check_stage_optim_file(files: PipelineFiles, spec: PipelineStage, index: int, dp: int, rank: int, keys,
+                           trust_pickle: bool = False) -> None:
+    """Dp rank `rank`'s optimizer file of mp index `index` against its stage (check_stage_partitions)."""
+    path = os.path.join(files.tag_dir, schema.optim_file_name(rank, files.bf16, index))
+    check_stage_partitions(_osd(load_whole(path, trust_pickle), path), path, spec, dp, rank, keys)
+
+
+def gathered_pipeline(save_dir: str, tag: str, files: PipelineFiles, columns: Sequence[PipelineColumn],
+                      layer_table: dict | None = None) -> PipelineSource:
+    """The PipelineSource of the columns (stage-major, model rank fastest), checked against each other.
+    `layer_table`: every layer file's layer_entries, when gathered from the nodes that hold them."""
+    tag_dir, tp, pp = files.tag_dir, files.tp, files.pp
+    stages, dp, bf16_optimizer = [], None, None
+    for column in columns:
+        dp = column.dp if dp is None else dp
+        if column.dp != dp:
+            raise CheckpointError(column.model_path, f"has dp_world_size {column.dp}, stage 0 has {dp}")
+        if bf16_optimizer is not None and column.bf16_optimizer != bf16_optimizer:
+            raise CheckpointError(column.model_path, "stages were saved by different optimizer wrappers")
+        bf16_optimizer = column.bf16_optimizer
+        spec = column.stage
+        if column.model_rank == 0:
+            stages.append(spec)
+        elif (spec.names, spec.shapes, spec.buffer_names) != (stages[-1].names, stages[-1].shapes,
+                                                              stages[-1].buffer_names):
+            # the per-column path reuses model rank 0's layout (stage assignment, budget, groups)
+            raise UnsupportedCheckpoint(column.model_path, f"holds other parameters, shapes or buffers than model "
+                                                           f"rank 0 of stage {spec.index} "
+                                                           f"({stage_model_name(spec.index, 0, tp)}); "
+                                                           "only even (Megatron-style) slices are supported")
+    extra = sorted(key for key in files.optims if key[0] >= pp * tp or key[1] >= dp)
     if extra:
-        raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], bf16, extra[0][0])),
+        raise CheckpointError(os.path.join(tag_dir, schema.optim_file_name(extra[0][1], files.bf16, extra[0][0])),
                               f"should not exist: the save has {pp * tp} stage files of {dp} dp ranks")
-    return PipelineSource(save_dir, tag, pp, dp, bf16, bool(bf16_optimizer), tuple(stages), tuple(layer_files),
-                          tuple(others), tp, model_axis, first.get("ds_config"))
+    return PipelineSource(save_dir, tag, pp, dp, files.bf16, bool(bf16_optimizer), tuple(stages), files.layer_files,
+                          files.other_files, tp, files.model_axis, columns[0].ds_config, layer_table)
+
+
+def layer_entries(path: str, trust_pickle: bool = False) -> dict:
+    """A layer file's state_dict as {key: (shape or None, element count or None)}: a tensor's shape
+    (None for a value that is no tensor) and `numel` (None without one). What the layer checks and
+    frozen_numels ask of a layer file; small, so a node-local job gathers it from the node that holds it."""
+    state = load_whole(path, trust_pickle)
+    if not isinstance(state, dict):
+        raise CheckpointError(path, "does not hold a layer's state_dict")
+    return {str(key): (tuple(int(d) for d in value.shape) if schema.tensor_layout(value) is not None else None,
+                       int(value.numel()) if hasattr(value, "numel") else None)
+            for key, value in state.items()}
 
 
 def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks: set[int],
@@ -400,24 +487,15 @@ def check_stage_partitions(osd: dict, path: str, spec: PipelineStage, dp: int, r
     return keys
 
 
-def _check_param_shapes_against_layers(tag_dir: str, spec: PipelineStage, model_path: str, model: int | None,
-                                       cache: dict, trust_pickle: bool) -> None:
+def _check_param_shapes_against_layers(files: PipelineFiles, spec: PipelineStage, model_path: str,
+                                       model: int | None, layer) -> None:
     """Refuse a stage whose `param_shapes` name a parameter its layer file does not hold at that shape
     (module.py `save_state_dict`: layer `idx`'s `state_dict()` in `layer_{idx:02d}...`, its stage
     names `<idx>.<key>`; a tied module's `tied_modules.<key>.<param>` is checked against every layer
-    file of the model rank, since which layer holds it is not recorded)."""
-    def layer(name: str) -> dict:
-        if name not in cache:
-            path = os.path.join(tag_dir, name)
-            state = load_whole(path, trust_pickle) if os.path.isfile(path) else None
-            if state is not None and not isinstance(state, dict):
-                raise CheckpointError(path, "does not hold a layer's state_dict")
-            cache[name] = state
-        return cache[name]
-
+    file of the model rank, since which layer holds it is not recorded). `layer(name)`: the file's
+    layer_entries, None when it is missing."""
     suffix = "" if model is None else f"-model_{model:02d}"
-    own = [name for name in sorted(os.listdir(tag_dir))
-           if (match := LAYER_RE.match(name)) and (match[2] or "") == suffix]
+    own = [name for name in files.layer_files if (LAYER_RE.match(name)[2] or "") == suffix]
     for names, shapes in zip(spec.names, spec.shapes):
         for name, shape in zip(names, shapes):
             head, _, key = name.partition(".")
@@ -426,15 +504,14 @@ def _check_param_shapes_against_layers(tag_dir: str, spec: PipelineStage, model_
                 state = layer(file)
                 if state is None:
                     raise CheckpointError(model_path, f"param_shapes names {name}, but {file} is missing")
-                found = state.get(key)
-                if schema.tensor_layout(found) is None or tuple(found.shape) != tuple(shape):
-                    held = f"shape {list(found.shape)}" if schema.tensor_layout(found) else "nothing"
+                found = state.get(key, (None, None))[0]
+                if found != tuple(shape):
+                    held = f"shape {list(found)}" if found is not None else "nothing"
                     raise CheckpointError(model_path, f"param_shapes says {name} has shape {list(shape)}, but "
                                                       f"{file} holds {held} under {key!r}")
             elif head == "tied_modules":
                 param = key.partition(".")[2]
-                if not any(schema.tensor_layout(v := (layer(file) or {}).get(param)) and tuple(v.shape) == tuple(shape)
-                           for file in own):
+                if not any((layer(file) or {}).get(param, (None, None))[0] == tuple(shape) for file in own):
                     raise CheckpointError(model_path, f"param_shapes says {name} has shape {list(shape)}, but no "
                                                       f"layer file{' of model rank ' + str(model) if model is not None else ''} "
                                                       f"holds {param!r} at that shape")
@@ -817,13 +894,12 @@ def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
         index = int(match[1])
         key = layers.tied_key(index)
         prefix = f"tied_modules.{key}." if key is not None else f"{index}."
-        state = load_whole(os.path.join(source.tag_dir, file))
-        if not isinstance(state, dict):
-            raise CheckpointError(os.path.join(source.tag_dir, file), "does not hold a layer's state_dict")
-        for name, value in state.items():
-            full = prefix + str(name)
-            if full not in trainable and full not in buffers and hasattr(value, "numel"):
-                frozen[full] = int(value.numel())
+        entries = source.layer_table[file] if source.layer_table is not None else \
+            layer_entries(os.path.join(source.tag_dir, file))
+        for name, (_, numel) in entries.items():
+            full = prefix + name
+            if full not in trainable and full not in buffers and numel is not None:
+                frozen[full] = numel
     return frozen
 
 

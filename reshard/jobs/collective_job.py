@@ -57,6 +57,7 @@ from reshard.jobs.lifecycle import (
 )
 from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.node_local_pipeline import run_node_local_pipeline_unit
+from reshard.jobs.node_local_columns import ColumnsOnNodes
 from reshard.jobs.manifest import (
     Manifest,
     manifest_source_entry,
@@ -115,7 +116,8 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     clock.lap("start-up")
     try:
         started = time.perf_counter()
-        placement = NodeLocal(run_node_local_pipeline_unit) if opts.node_local else WholeWorld(leader=transport.rank == 0)
+        placement = (NodeLocal(run_node_local_pipeline_unit, ColumnsOnNodes(keeps_pipeline_columns, columns_target))
+                     if opts.node_local else WholeWorld(leader=transport.rank == 0))
         units, notes = placement.units(opts, transport)
         result = ReshardResult(notes=notes)
         clock.lap("inspect")
@@ -146,6 +148,8 @@ class Site(Protocol):
     """Who reads each source rank and writes each target rank (None: the planner's own)."""
     placement: dict | None
     """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
+    whole_file_bytes_between_nodes: int
+    """Bytes of whole files this job sends between nodes besides the plan's rounds (counted with the plan's)."""
 
     def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
@@ -182,6 +186,7 @@ class WholeWorld:
     peers = None
     ownership = None
     placement = None  # fingerprints and manifests as before node-local outputs existed
+    whole_file_bytes_between_nodes = 0
 
     def __init__(self, leader: bool):
         self.leader = leader
@@ -238,11 +243,13 @@ class WholeWorld:
         return source.save_dir
 
 
-def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str) -> bool:
+def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str, names=None) -> bool:
     """Whether a PipelineModule save takes the main road (the planner and `execute()`): every reshard of one
     does, its dp, pp and tp changed or kept (reshard.formats.deepspeed_inspect.inspect_pipeline_columns, then
     `pipeline_stage_change`, which refuses a pp or tp change without --pipeline-layers by name, and
-    `refuse_pipeline_options`: --target-stage, --target-ep). One predicate for every job kind."""
+    `refuse_pipeline_options`: --target-stage, --target-ep). One predicate for every job kind. `names`: the
+    tag directory's file names, where no worker sees them all (a node-local job: the union of what every
+    node sees); unused while every pipeline reshard takes the road."""
     return True
 
 
@@ -265,9 +272,16 @@ def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
     (`pipeline_stage_change`). What every job kind that takes such a save through the plan calls
     (WholeWorld.inspect; array tasks, reshard.jobs.array_job)."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    return columns_target(opts, source)
+
+
+def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
+                   ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of inspected columns: with another pp, `pipeline_stage_change`. `pipe`: the
+    save's PipelineSource where it was gathered from the nodes (None: read here)."""
     refuse_pipeline_options(opts, source)
     if opts.target_pp not in (None, source.spec.topology.pp) or opts.target_tp not in (None, source.spec.topology.tp):
-        return pipeline_stage_change(opts, source)
+        return pipeline_stage_change(opts, source, pipe)
     return source, checkpoint_target(opts, source), []
 
 
@@ -280,7 +294,7 @@ def pipeline_on_road(opts: ReshardOptions, save_dir: str, tag: str
     return inspect_pipeline_target(opts, save_dir, tag)
 
 
-def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
+def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
     options checked) from the layer list (reshard.formats.pipeline_target.pipeline_target, which every job
@@ -291,7 +305,7 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint
     carried), the target topology at the new pp and tp, and a note saying how the layers were re-assigned."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, pipeline_model_axis
     from reshard.formats.pipeline_target import pipeline_target
-    pipe = inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
+    pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     planned = pipeline_target(opts, pipe)
     stages, tp = planned.stages, planned.topology.tp
     source = with_target_stages(source, pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)
@@ -351,7 +365,10 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     target_tp = topology.tp if source.spec.tensor is not None else None
     target_ep = _moe_target_ep(source, topology)
     identity = site.source_identity(source, carried)
-    placement = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp) or site.placement
+    placement = site.placement
+    stages = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp)
+    if stages is not None:  # what decides the new stages (node-local: beside the node's part)
+        placement = {**(placement or {}), **stages}
     out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
     outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
@@ -391,7 +408,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
     if node_of_worker is not None:
         result.nodes = len(set(node_of_worker))
-        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker)
+        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker) + site.whole_file_bytes_between_nodes
     crossed_before = getattr(transport, "bytes_between_nodes", 0)
     if opts.dry_run:
         result.planner_imported_torch = "torch" in sys.modules
@@ -491,7 +508,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
     if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (jobs/pipeline_job)
         source_entry = {**source.manifest_source, "files": start.identity}
         target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
-                        "stage": 1}
+                        "stage": 1, **(site.placement or {})}
     elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
         target_entry["tp_world_size"] = target.topology.tp

@@ -1,4 +1,9 @@
-"""Node-local PipelineModule saves: fetch what each node lacks, then reshard there as on shared storage.
+"""Node-local PipelineModule saves off the plan: fetch what each node lacks, then reshard there as on shared storage.
+
+What `collective_job.keeps_pipeline_columns` accepts (dp changed; pp changed with tp kept) takes the plan
+instead (reshard.jobs.node_local_columns); this job serves the rest (a tp change), and a save no worker
+can inspect column by column (`node_local_columns.column_inspectors`), chosen in one place
+(`NodeLocal.whole_file_job`).
 
     # on each of 2 nodes (SRC and DST are the same local paths on every node):
     torchrun --nnodes=2 --node_rank=$NODE --nproc_per_node=2 --master_addr=$HEAD --master_port=29500 \
@@ -48,9 +53,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 
 from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
 from reshard.files.byte_io import hash_file
@@ -61,15 +64,10 @@ from reshard.formats.deepspeed_pipeline import (
     LAYER_RE,
     STAGE_MODEL_RE,
     PipelineSource,
-    check_layers_reproduce_source,
     check_stage_model_files,
-    frozen_numels,
     inspect_pipeline,
     load_whole,
     pipeline_topology_of,
-    source_buffers,
-    source_groups,
-    source_numels,
     stage_model_name,
 )
 from reshard.jobs.destination import SAVE_DIR_NAMES
@@ -83,12 +81,12 @@ from reshard.jobs.pipeline_job import (
     build_stages,
     checked_target,
     describe_target,
-    pipeline_layers,
     stage_files_written_by,
 )
 from reshard.jobs.results import CheckpointResult, PhaseClock, WorkerReport
+from reshard.jobs.node_local_columns import layer_stage_bounds, node_layer_files
 from reshard.jobs.runs import Unit
-from reshard.layouts.pipeline import assign_stages, split_by_group
+from reshard.jobs.whole_file_moves import MAX_PIECE, bytes_between_nodes, fetch, fetch_plan
 from reshard.topology import Topology
 from reshard.transport import Transport
 from reshard.transport.collective import check_peers
@@ -98,7 +96,6 @@ FETCH_DIR = ".reshard-source"
 """The fetch area inside a node's staging tag directory (inspect_pipeline passes over dot-names);
 removed before the tag directory is published."""
 
-MAX_PIECE = 64 << 20
 
 
 def pipeline_file(name: str) -> bool:
@@ -119,18 +116,6 @@ def node_dp_ranks(target: Topology, ranks_per_node: int, node: int) -> dict[tupl
     return {(s, m): tuple(d for d in range(target.dp)
                           if target_node(target_rank(s, d, m, target.dp, target.tp), ranks_per_node) == node)
             for s in range(target.pp) for m in range(target.tp)}
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One source file sent whole to a node that lacks it."""
-
-    name: str
-    size: int
-    sender: int
-    """A worker that sees the file."""
-    receiver: int
-    """A worker of the node that lacks it: it writes the file into that node's fetch area."""
 
 
 def unseen_pipeline_files(names: set[str], saved: tuple[int, int] = (0, 0)) -> list[str]:
@@ -179,138 +164,6 @@ def saved_world_sizes(transport: Transport, tag_dir: str, view: WorkerView, trus
         raise CheckpointError(other[0], f"says mp_world_size {other[1]} and dp_world_size {other[2]}, {seen[0][0]} "
                                         f"{seen[0][1]} and {seen[0][2]}: the nodes hold different saves")
     return seen[0][1:] if seen else (0, 0)
-
-
-def fetch_plan(needed: dict[int, set[str]], views: Sequence[WorkerView], sizes: dict[str, int],
-               tag_dir: str) -> list[Transfer]:
-    """Who sends which file to which node. Pure. `needed`: node -> the file names its build needs.
-
-    A file a node lacks is sent by a worker that sees it (the one with the fewest bytes to send so
-    far, then the lowest) to one of that node's workers (in turn). CheckpointError names a file no
-    worker sees."""
-    workers_of: dict[int, list[int]] = {}
-    for worker, view in enumerate(views):
-        workers_of.setdefault(view.node, []).append(worker)
-    load, transfers = [0] * len(views), []
-    for node in sorted(needed):
-        held = set().union(*(views[w].files for w in workers_of.get(node, [])))
-        for index, name in enumerate(sorted(needed[node] - held)):
-            able = [w for w, view in enumerate(views) if name in view.files]
-            if not able:
-                raise CheckpointError(os.path.join(tag_dir, name), "is on no node: no worker sees it; start the job "
-                                                                   "on every node that saved the checkpoint")
-            sender = min(able, key=lambda w: (load[w], w))
-            load[sender] += sizes[name]
-            receivers = workers_of[node]
-            transfers.append(Transfer(name, sizes[name], sender, receivers[index % len(receivers)]))
-    return transfers
-
-
-def fetch_pieces(transfers: Sequence[Transfer], workers: int, piece: int) -> list[list[tuple[int, int, int]]]:
-    """Per sender, its pieces in order: (transfer index, offset, length), each at most `piece` bytes;
-    round r moves every sender's r-th piece. Pure."""
-    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(workers)]
-    for index, transfer in enumerate(transfers):
-        for offset in range(0, transfer.size, piece):
-            pieces[transfer.sender].append((index, offset, min(piece, transfer.size - offset)))
-    return pieces
-
-
-def fetch(transport: Transport, transfers: Sequence[Transfer], source_tag_dir: str, fetch_tag_dir: str,
-          destination: str, piece: int, report: WorkerReport) -> None:
-    """Run `transfers` (collective): each sender reads its pieces from SRC, each receiver writes them
-    at their offsets into `fetch_tag_dir`. A worker that fails locally keeps taking part in every
-    round (sending zeros), then all learn of it (check_peers)."""
-    me, failure = transport.rank, None
-    pieces = fetch_pieces(transfers, transport.size, piece)
-    rounds = max((len(p) for p in pieces), default=0)
-    files: dict[int, int] = {}
-    reading: dict[int, int] = {}
-    try:
-        for index, transfer in enumerate(transfers):
-            if transfer.receiver == me:
-                files[index] = open_new_file(destination, os.path.join(fetch_tag_dir, transfer.name))
-            if transfer.sender == me:
-                reading[index] = fd = os.open(os.path.join(source_tag_dir, transfer.name), os.O_RDONLY)
-                if os.fstat(fd).st_size != transfer.size:
-                    raise CheckpointError(os.path.join(source_tag_dir, transfer.name),
-                                          f"has {os.fstat(fd).st_size} bytes, {transfer.size} when the job "
-                                          "surveyed it: the source changed while the job ran")
-    except (OSError, CheckpointError) as error:
-        failure = error
-    for round_index in range(rounds):
-        send_counts, recv_counts = [0] * transport.size, [0] * transport.size
-        mine = pieces[me][round_index] if round_index < len(pieces[me]) else None
-        data = np.zeros(0, dtype=np.uint8)
-        if mine is not None:
-            index, offset, length = mine
-            send_counts[transfers[index].receiver] = length
-            data = np.zeros(length, dtype=np.uint8)
-            if failure is None:
-                try:
-                    data = np.frombuffer(os.pread(reading[index], length, offset), dtype=np.uint8)
-                    if len(data) != length:
-                        raise CheckpointError(os.path.join(source_tag_dir, transfers[index].name),
-                                              "is shorter than when the job surveyed it")
-                except (OSError, CheckpointError) as error:
-                    failure, data = error, np.zeros(length, dtype=np.uint8)
-            report.bytes_read += length
-        arriving = []
-        for sender in range(transport.size):
-            if round_index < len(pieces[sender]):
-                index, offset, length = pieces[sender][round_index]
-                if transfers[index].receiver == me:
-                    recv_counts[sender] = length
-                    arriving.append((sender, index, offset, length))
-        received = transport.all_to_all(data, send_counts, recv_counts)
-        if mine is not None and transfers[mine[0]].receiver != me:
-            report.bytes_between_nodes += mine[2]
-        start = 0
-        for sender, index, offset, length in arriving:
-            if failure is None:
-                try:
-                    os.pwrite(files[index], memoryview(received[start:start + length]), offset)
-                except OSError as error:
-                    failure = error
-            start += length
-    for fd in [*files.values(), *reading.values()]:
-        os.close(fd)
-    check_peers(transport, failure, "fetching the source files a node lacks")
-
-
-def layer_stage_bounds(opts: ReshardOptions, source: PipelineSource, planned) -> tuple[int, ...] | None:
-    """The target's layer-to-stage bounds (DeepSpeed's `parts`): the new assignment when the stages
-    change; with the stages kept, the source's, worked out from --pipeline-layers when given (the
-    assignment that reproduces every source stage's parameters, reshard.formats.deepspeed_pipeline.
-    check_layers_reproduce_source); None when unknown (then every node gets every layer file)."""
-    if planned.stages is not None:
-        return planned.stages.bounds
-    if not opts.pipeline_layers:
-        return None
-    layers = pipeline_layers(opts, source.model_path(0))
-    numels, groups = source_numels(source), source_groups(source)
-    found = set()
-    for counted in check_layers_reproduce_source(source, layers, opts.pipeline_partition,
-                                                 frozen_numels(source, layers)):
-        for method in dict.fromkeys((opts.pipeline_partition, "parameters", "uniform")):
-            try:
-                assignment = assign_stages(method, layers, numels, source.pp, counted, source_buffers(source))
-            except ValueError:
-                continue
-            if all(split_by_group(assignment.names[s], groups[1], groups[0]) == spec.names
-                   for s, spec in enumerate(source.stages)):
-                found.add(assignment.bounds)
-                break
-    return found.pop() if len(found) == 1 else None
-
-
-def node_layer_files(source: PipelineSource, bounds: tuple[int, ...] | None, stages: set[int]) -> list[str]:
-    """The layer files the ranks of `stages` load (runtime/pipe/module.py `load_state_dir`: the
-    files of its own layers bounds[s] .. bounds[s + 1] - 1); all of them when `bounds` is None."""
-    if bounds is None:
-        return list(source.layer_files)
-    return [name for name in source.layer_files
-            if any(bounds[s] <= int(LAYER_RE.match(name)[1]) < bounds[s + 1] for s in stages)]
 
 
 def refuse_unserved(opts: ReshardOptions, first_layer_file: str, source_pp: int, source_tp: int) -> None:
@@ -372,7 +225,7 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
                                                                                       pp=source_pp),
                               target, transport.size, transport.name, 0, 0.0, opts.dry_run)
     result.nodes = len(set(nodes))
-    result.plan_bytes_between_nodes = sum(t.size for t in transfers if nodes[t.sender] != nodes[t.receiver])
+    result.plan_bytes_between_nodes = bytes_between_nodes(transfers, nodes)
     for n in hosting:
         fetched = [t for t in transfers if nodes[t.receiver] == n]
         ranks = [r for r in range(target_ranks) if target_node(r, ranks_per_node) == n]
@@ -424,7 +277,7 @@ def run_node_local_pipeline_unit(opts: ReshardOptions, unit: Unit, transport: Tr
             try:
                 source = inspect_pipeline(fetch_save_dir, unit.tag, trust_pickle=opts.trust_pickle)
                 planned, needed = checked_target(opts, source, len(peers))
-                built = source, planned, needed, layer_stage_bounds(opts, source, planned)
+                built = source, planned, needed, layer_stage_bounds(opts, source, planned.stages)
             except Exception as error:  # a refusal here is every hosting node's alike
                 failure = error
         check_peers(transport, failure, "inspecting the fetched source")
