@@ -300,7 +300,7 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
         formats.remove("dcp")
     if source.spec.tensor is not None:
         from reshard.layouts.tensor_parallel import describe_splits
-        formats = []  # the exports do not read tensor-parallel checkpoints yet
+        formats = [f for f in formats if f == "dcp"]  # the DCP export joins TP slices whole; the others refuse TP
         notes.append(f"tensor parallel (AutoTP, tp={source.spec.topology.tp}): --target-tp T reshards to any TP size "
                      "whose split dimensions give every rank a shard")
         notes += [f"{kind}: {', '.join(names)}" for kind, names in describe_splits(

@@ -13,8 +13,9 @@
 
 Steps, and which workers run them (the skeleton of every export, `reshard.export.runner`):
 1. worker 0 inspects the source, refuses what does not map to torch AdamW (`dcp_optimizer`) or is not
-   served yet (pipeline saves, tensor and expert parallelism), and works out the param groups and
-   steps; every worker receives them;
+   served yet (expert parallelism), and works out the param groups and steps; every worker receives
+   them (a PipelineModule save and an AutoTP save export each parameter once and whole, joined over
+   its model axis or TP ranks by the plan);
 2. every worker derives the same layout (`dcp_layout`: row-block chunks dealt to one file per
    worker) and plan: each file is a target "rank", each chunk in it a target buffer, so the
    exchange moves fp32 masters, exp_avg and exp_avg_sq (and ZeRO-3 frozen fragments) from the
@@ -80,14 +81,14 @@ from reshard.files.paths import confined, open_new_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts
 from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import counted
-from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
+from reshard.planning.checkpoint_plan import source_rank_count, tensor_parallel_export_pieces, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -144,10 +145,21 @@ def file_blobs(layout: DcpLayout, streams: dict, f: int, out: DcpOutputLayout = 
 def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_bytes: int,
              pipeline: PipelineExport | None = None) -> ReshardPlan:
     """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure);
-    of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis)."""
+    of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis); of an
+    AutoTP save, likewise over its global parameters (`tensor_parallel_export_pieces`)."""
     spec = source.spec
     ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
+    if spec.tensor is not None:  # AutoTP: every TP slice joined whole, a replicated parameter read once
+        old, new = tensor_parallel_export_pieces(spec, layout.pieces("optim", [p.numel for p in spec.params]),
+                                                 len(layout.files))
+        spaces = [plan_space("optim", old, new, spec.streams, numels, ownership, budget_bytes)]
+        if spec.frozen:  # ZeRO-3's partitioned frozen parameters
+            old, new = tensor_parallel_export_pieces(spec, layout.pieces("frozen", [p.numel for p in spec.frozen]),
+                                                     len(layout.files), "frozen")
+            spaces.append(plan_space("frozen", old, new, spec.frozen_streams, numels, ownership, budget_bytes,
+                                     round_offset=spaces[0].rounds))
+        return ReshardPlan(ownership, tuple(spaces), budget_bytes)
     rules = pipeline.model.rules if pipeline is not None else None
     params, pieces = trainable_pieces(spec, pipeline.params if pipeline is not None else None,
                                       None if rules is None else rules.rule)
@@ -283,8 +295,7 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     layout, unless its save directory's files can be carried), the mapping, and the files to carry."""
     check_paths(source_dir, destination)
     source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
-    refuse_tensor_parallel(source, "the DCP export")
-    refuse_experts(source, "exporting to DCP")
+    refuse_experts(source, "exporting to DCP")  # AutoEP with AutoTP (folded) too
     check_adam_states(source)
     ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
     optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]

@@ -214,8 +214,11 @@ def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
 
 def source_rank_count(spec) -> int:
     """The source ranks whose files an export's plan reads: every (dp rank, model rank, stage) of a
-    pipeline save (its global ranks, `Topology.rank_of`), the dp ranks of any other save it serves."""
-    return spec.topology.world_size if getattr(spec, "columns", None) is not None else spec.dp_world_size
+    pipeline save and every (dp rank, tp rank) of an AutoTP save (their global ranks, `Topology.rank_of`),
+    the dp ranks of any other save it serves."""
+    if getattr(spec, "columns", None) is not None or getattr(spec, "tensor", None) is not None:
+        return spec.topology.world_size
+    return spec.dp_world_size
 
 
 def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None, rule_of=None
@@ -236,6 +239,39 @@ def trainable_pieces(spec, params: tuple[ParamSpec, ...] | None = None, rule_of=
     if params is None:  # tp 1: the order the columns first hold them in
         params = tuple({p.name: p for column_params, _ in spec.columns for p in column_params}.values())
     return tuple(params), pipeline_export_pieces(spec.columns, params, spec.topology, rule_of)
+
+
+@dataclass(frozen=True)
+class _WholeTensors:
+    """An export's tensors laid whole end to end (row-major), shaped as `zero12_pieces` reads a layout."""
+
+    params: tuple
+    pieces: PieceTable
+
+
+def tensor_parallel_export_pieces(spec, export_pieces: PieceTable, writers: int, kind: str = "optim"
+                                  ) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of an AutoTP save (spec.tensor) for an export of one global tensor per
+    parameter: each TP-sliced parameter joined whole, a replicated one read once, from TP rank 0. Pure.
+
+        old, new = tensor_parallel_export_pieces(spec, layout.pieces("optim", [p.numel for p in spec.params]), files)
+
+    `export_pieces`: where each element of the parameters (`kind` "optim": spec.params; "frozen": the ZeRO-3
+    frozen ones, which AutoTP leaves whole) laid whole end to end in row-major order goes (rank: the output
+    file, below `writers`). Both sides are lowered into the `GlobalSpace` at target tp 1, the space a reshard
+    to tp 1 plans over (`plan_tensor_parallel_spaces`), which orders a row-parallel parameter strip by strip:
+    the export's row-major pieces are lowered as a tp-1 rank's local space is."""
+    source = spec.topology
+    if kind == "optim":
+        params, whole = spec.tensor.params, tuple(spec.params)
+        space = GlobalSpace.of(params, source_tp=source.tp, target_tp=1)
+        old = zero12_pieces(params, space, source, lambda t: spec.layout(source.dp, source.tp, t), "source")
+    else:
+        params, whole = replicated(spec.frozen), tuple(spec.frozen)
+        space = GlobalSpace.of(params, source_tp=source.tp, target_tp=1)
+        old = zero3_frozen_pieces(spec.frozen, space, source, "source")
+    view = _WholeTensors(whole, export_pieces)
+    return old, zero12_pieces(params, space, Topology(writers), lambda t: view, "target")
 
 
 def pipeline_export_pieces(columns, params, topology: Topology, rule_of=None) -> PieceTable:

@@ -8,7 +8,9 @@ DTensor Shard(0)), AdamW with torch's default hyperparameters (so a lost one sho
 `get_state_dict` -> `dcp.load` -> `set_state_dict`, as a training script resuming from DCP does. Then,
 comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine recorded when it saved:
 (A truth directory is a PipelineModule save's, tests/pipeline_run.py's: reshard_proof.pipeline_truth gives
-it this shape and the model, its layers under PipelineModule.state_dict()'s names.)
+it this shape and the model, its layers under PipelineModule.state_dict()'s names. An AutoTP save's truth,
+reshard_proof.tensor_parallel's, holds every parameter joined whole: `tensor_parallel.judge_truth`, its model
+built whole.)
 - every trainable parameter equals its fp32 master, every frozen parameter and persistent buffer
   its saved value (upcast), exp_avg, exp_avg_sq and step equal DeepSpeed's, and every group's
   lr, betas, eps, weight_decay, initial_lr and name equal the DeepSpeed optimizer's;
@@ -39,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from reshard_proof import pipeline_truth
+from reshard_proof import pipeline_truth, tensor_parallel
 from reshard_proof.bitwise import compare_trees
 from reshard_proof.model import ProofModel, build_param_groups
 from reshard_proof.truth_file import read_truth
@@ -82,14 +84,25 @@ def metadata_differences(ours, theirs, missing_ok=()) -> list[str]:
 def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, device: str = "cpu") -> dict:
     # a directory: a PipelineModule save's truth (tests/pipeline_run.py), judged in a model of its layers
     # under PipelineModule.state_dict()'s names (reshard_proof.pipeline_truth)
+    # a file reshard_proof.tensor_parallel wrote: an AutoTP save's, judged in its model built whole (tp 1)
     pipeline = os.path.isdir(truth_path)
     truth = pipeline_truth.judge_truth(truth_path) if pipeline else read_truth(truth_path)
+    autotp = not pipeline and tensor_parallel.is_truth(truth)
+    if autotp:
+        truth = tensor_parallel.judge_truth(truth)
     engine = truth["engine"]
     torch.manual_seed(seed)
-    model = (pipeline_truth.proof_model(truth["model"]) if pipeline else ProofModel()).to(device)
+    if pipeline:
+        model = pipeline_truth.proof_model(truth["model"])
+    else:
+        model = tensor_parallel.MODELS[truth["model"]]() if autotp else ProofModel()
+    model = model.to(device)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(pipeline_truth.proof_param_groups(model, truth["model"]) if pipeline
-                                  else build_param_groups(model))
+    if pipeline:
+        groups = pipeline_truth.proof_param_groups(model, truth["model"])
+    else:
+        groups = tensor_parallel.param_groups(model) if autotp else build_param_groups(model)
+    optimizer = torch.optim.AdamW(groups)
     # built before the load, as a training script does: it gives each group its initial_lr, and dcp.load
     # reads only the keys the state dict it is given holds. A DeepSpeed scheduler from the config
     # (WarmupDecayLR) has no torch class: its saved state is compared as it is.

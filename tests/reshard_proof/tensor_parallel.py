@@ -174,6 +174,17 @@ def batch(seed: int, step: int, dp_rank: int, size: int = MICRO_BATCH):
     return tokens, (3 * tokens + 1) % VOCAB
 
 
+BETAS = (0.9, 0.95)
+CLIENT_STATE = {"note": "tp proof"}
+
+
+def param_groups(module: nn.Module) -> list[dict]:
+    """The optimizer's groups: matrices with weight decay, the rest without (torch AdamW, betas BETAS)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [dict(params=[p for _, p in named if p.ndim >= 2], lr=1e-2, weight_decay=0.1),
+            dict(params=[p for _, p in named if p.ndim < 2], lr=2e-2, weight_decay=0.0)]
+
+
 def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "base", load_universal: bool = False):
     """A fresh `model` from `seed` in an AutoTP engine at `tp`, started as in a fresh process even
     after other engines in this one (engine_setup.start_as_a_fresh_process)."""
@@ -187,10 +198,7 @@ def build_engine(tp: int, stage: int, precision: str, seed: int, model: str = "b
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(seed)
     module = MODELS[model]()
-    decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in module.named_parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([dict(params=decay, lr=1e-2, weight_decay=0.1),
-                                   dict(params=no_decay, lr=2e-2, weight_decay=0.0)], betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(module), betas=BETAS)
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
                                       config=ds_config(tp, stage, precision, model, load_universal))
     return engine
@@ -330,19 +338,41 @@ def cmd_train(args) -> None:
         train_one(args, stage, precision, model, save_dir, truth_path)
 
 
+def is_truth(truth: dict) -> bool:
+    """Whether a loaded truth file is one `train_one` wrote (not reshard_proof.truth_file's)."""
+    return "params" in truth and "tp" in truth and "global_steps" in truth
+
+
+def judge_truth(truth: dict) -> dict:
+    """A truth `train_one` wrote, in the shape reshard_proof.fsdp2_judge compares (the engine's whole
+    masters, moments and step, frozen values, param groups, counters; client_state; the model to build:
+    MODELS[truth["model"]], groups `param_groups`)."""
+    if truth["precision"] == "fp16":  # a skipped step (overflow) is not an Adam step: the step is not known
+        raise ValueError("an fp16 AutoTP truth does not record Adam's step; judge fp32 or bf16 saves")
+    step = float(truth["global_steps"])  # fp32 and bf16 skip no step: every engine step is an Adam step
+    master = {name: {"fp32": s["fp32"], "state": s["state"], "scalars": {"step": step}}
+              for name, s in truth["params"].items()}
+    engine = {"master": master, "frozen": truth["frozen"], "buffers": {}, "param_groups": truth["param_groups"],
+              "counters": {"global_steps": truth["global_steps"]}}
+    return {"engine": engine, "client_state": CLIENT_STATE, "meta": {}, "model": truth["model"]}
+
+
 def train_one(args, stage: int, precision: str, model: str, save_dir: str, truth_path: str) -> None:
     """Train a fresh engine from args.seed, save it, write its truth (rank 0). Collective."""
     import deepspeed.comm as dist
 
     engine = build_engine(args.tp, stage, precision, args.seed, model)
     train_steps(engine, args.seed, 0, args.steps)
-    engine.save_checkpoint(save_dir, tag=f"global_step{args.steps}", client_state={"note": "tp proof"})
+    engine.save_checkpoint(save_dir, tag=f"global_step{args.steps}", client_state=CLIENT_STATE)
     dist.barrier()
     params = dict(engine.module.named_parameters())
     truth = {"params": full_state(engine), "eval_loss": eval_loss(engine),
              "frozen": {n: v for n, v in module_values(engine).items() if not params[n].requires_grad},
              "global_steps": engine.global_steps, "tp": args.tp, "stage": stage,
-             "precision": precision, "model": model}
+             "precision": precision, "model": model,
+             # as the engine's optimizer holds them (DeepSpeed's wrapper over the client AdamW)
+             "param_groups": [{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+                              for group in engine.optimizer.param_groups]}
     if dist.get_rank() == 0:
         torch.save(truth, truth_path + ".tmp")
         os.replace(truth_path + ".tmp", truth_path)
