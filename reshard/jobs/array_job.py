@@ -11,16 +11,10 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
-A DeepSpeed PipelineModule save that the collective job takes through the plan (its model ranks
-kept: `_PipelineColumnsUnit`, chosen by the collective job's own `pipeline_on_road`) is dealt the same
-way, over every target rank (stage, dp rank, model rank), its layer files copied. One with a tp change
-(`_PipelineUnit`, the whole-tensor road issue 37 retires) is dealt by target (stage, model rank) unit
-instead: a unit's model-states file and optimizer files are built together from its whole tensors
-(reshard.jobs.pipeline_job.build_stages, the collective pipeline job's own), so one unit (a stage,
-without a model axis) is one item (`stage_item`), dealt by size with the layer files, which are
-copied as they are; with --target-tp changing the model axis, each layer index's files are re-cut
-for the target's model ranks (pipeline_job.build_layer_files) and written together, one item
-(`layer_item`), as the collective job writes them.
+A DeepSpeed PipelineModule save goes through the same plan as the collective job
+(`_PipelineColumnsUnit`, inspected by the collective job's own `pipeline_on_road`), dealt the same way
+over every target rank (stage, dp rank, model rank); its layer files are copied with tp kept, and with
+tp changed are target files of the plan, re-cut (issue 37).
 
 A task runs the one lifecycle every job runs (reshard.jobs.lifecycle: complete or not, the
 destination check, staging, lock, free space, clean-up), resuming per file
@@ -71,12 +65,7 @@ from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_pipeline import (
-    PipelineSource,
-    inspect_pipeline,
     is_pipeline,
-    layer_file_name,
-    layer_indices,
-    stage_file_names,
 )
 from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
@@ -103,18 +92,6 @@ from reshard.jobs.manifest import (
     write_json_atomically,
 )
 from reshard.jobs.options import ReshardOptions
-from reshard.jobs.pipeline_job import (
-    WHOLE_TENSORS,
-    PipelineTarget,
-    build_layer_files,
-    build_stages,
-    describe_target,
-    pipeline_output,
-    pipeline_target,
-    refuse_over_budget,
-    stage_output_bytes,
-    unit_tensor_bytes,
-)
 from reshard.planning.plan import ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
@@ -153,9 +130,6 @@ class ArrayFile:
     """Tensor bytes it holds (target file) or its size (copied file): what balancing weighs."""
     rank: int | None
     """Target rank whose file it is; None for a file copied from the source tag directory."""
-    layer: int | None = None
-    """A pipeline save's layer index whose files, re-cut for another tp, the item writes (`layer_item`);
-    None otherwise."""
 
 
 def deal_files(files: list[ArrayFile], tasks: int) -> list[int]:
@@ -263,20 +237,22 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_ZeroUnit | _PipelineUnit":
+def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_ZeroUnit":
     """One checkpoint inspected, its target worked out, and the options checked against it.
-    `pipeline_on_road(opts, save_dir, tag)`: (source, target, notes) of a pipeline save the plan takes,
-    else None (reshard.jobs.collective_job.pipeline_on_road: the collective job's own predicate)."""
+    `pipeline_on_road(opts, save_dir, tag)`: (source, target, notes) of a pipeline save
+    (reshard.jobs.collective_job.pipeline_on_road: the collective job's own predicate and inspection,
+    handed down from above this module)."""
     check_paths(unit.source, unit.destination)
     if is_pipeline(os.path.join(unit.source, unit.tag)):
         on_road = pipeline_on_road(opts, unit.source, unit.tag) if pipeline_on_road is not None else None
-        if on_road is not None:  # through the plan, as the collective job
-            source, target, notes = on_road
-            carried = save_dir_files.list_save_dir_files(source.save_dir)
-            return _PipelineColumnsUnit(source, target.topology, carried,
-                                        notes + preflight(opts, source, target.topology, carried))
-        source = inspect_pipeline(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
-        return _PipelineUnit(source, pipeline_target(opts, source))  # a tp change: whole tensors (issue 37)
+        if on_road is None:
+            raise OptionError(f"{os.path.join(unit.source, unit.tag)}: a pipeline checkpoint in array mode needs "
+                              "the collective job's inspection (run it through `python -m reshard` or "
+                              "reshard.jobs.collective_job.run_job)")
+        source, target, notes = on_road  # through the plan, as the collective job
+        carried = save_dir_files.list_save_dir_files(source.save_dir)
+        return _PipelineColumnsUnit(source, target.topology, carried,
+                                    notes + preflight(opts, source, target.topology, carried))
     source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
     refuse_experts(source, "SLURM array mode for")
@@ -287,7 +263,7 @@ def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_Z
 
 def run_array_task(opts: ReshardOptions, pipeline_on_road=None) -> ReshardResult:
     """Run task `opts.array_task` of `opts.array_tasks`, then publish whatever is complete.
-    `pipeline_on_road`: as `inspect_unit` takes it (None: every pipeline save on the whole-tensor builders)."""
+    `pipeline_on_road`: as `inspect_unit` takes it."""
     started = time.perf_counter()
     task, tasks = opts.array_task, opts.array_tasks
     check_paths(opts.source, opts.destination)
@@ -414,123 +390,6 @@ class _PipelineColumnsUnit(_ZeroUnit):
                            list(source.other_dirs))
 
 
-PIPELINE_STAGE = ".reshard-pipeline-stage-"
-"""The item standing for one target (stage, model rank) unit of a pipeline checkpoint (all its files;
-a dot-name, which no file of a pipeline tag directory can have: reshard.formats.deepspeed_pipeline
-skips them)."""
-
-
-def stage_item(stage: int, model: int = 0, tp: int = 1) -> str:
-    """The item of target (stage, model rank); without a model axis, of the stage."""
-    return f"{PIPELINE_STAGE}{stage:02d}" + (f"-model-{model:02d}" if tp > 1 else "")
-
-
-PIPELINE_LAYER = ".reshard-pipeline-layer-"
-"""The item standing for one layer index's files re-cut for another tp (all its target model ranks';
-a dot-name, as PIPELINE_STAGE)."""
-
-
-def layer_item(index: int) -> str:
-    """The item of layer `index`'s target files, with tp changed."""
-    return f"{PIPELINE_LAYER}{index:02d}"
-
-
-def item_file_names(item: ArrayFile, source: PipelineSource, target: PipelineTarget) -> list[str]:
-    """The names of the files a pipeline item writes into the tag directory."""
-    topology = target.topology
-    if item.rank is not None:
-        return stage_file_names(item.rank // topology.tp, topology.dp, source.bf16, item.rank % topology.tp,
-                                topology.tp)
-    if item.layer is not None:
-        return [layer_file_name(item.layer, model) for model in range(topology.tp)]
-    return [item.name]
-
-
-@dataclass
-class _PipelineUnit:
-    """A DeepSpeed PipelineModule checkpoint (reshard.jobs.pipeline_job): a target (stage, model rank)
-    unit's model-states file and optimizer files are built together from that unit's whole tensors,
-    so a unit is one item (its ArrayFile.rank the unit's index stage * tp + model, its `mp_rank_XX`),
-    dealt by its size with the layer files (copied as they are; with tp changed, re-cut, each layer
-    index's files one item, its ArrayFile.layer the index)."""
-
-    source: PipelineSource
-    target: PipelineTarget
-
-    def files(self, index: int) -> list[ArrayFile]:
-        return pipeline_files(index, self.source, self.target)
-
-    def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
-        """pipeline_job.check_budget for array tasks: a task holds, one unit at a time, what building
-        its neediest unit takes; every task refuses when some task would exceed --memory-budget."""
-        per_unit = unit_tensor_bytes(self.source, self.target)
-        needed = [max((per_unit[f.rank] for f in files if f.rank is not None and owners[f.name] == task),
-                      default=0) for task in range(opts.array_tasks)]
-        refuse_over_budget(self.source, needed, opts.memory_budget, WHOLE_TENSORS, who="array task")
-
-    def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
-        source, target = self.source, self.target
-        tp = target.topology.tp
-        started = time.perf_counter()
-        # by model rank, then stage: a task re-assigning stages joins each model rank's column once (build_stages)
-        units = sorted(((f.rank // tp, f.rank % tp) for f in mine if f.rank is not None), key=lambda u: (u[1], u[0]))
-        result = CheckpointResult(source.save_dir, unit.destination, source.tag, source.describe(),
-                                  Topology(dp=source.dp, tp=source.tp, pp=source.pp), target.topology,
-                                  opts.array_tasks, _no_collectives(opts), 0, 0.0, opts.dry_run)
-        report = WorkerReport(opts.array_task, (), tuple(sorted(f.rank for f in mine if f.rank is not None)))
-        result.reports = [report]
-        result.notes.append(f"pipeline: {describe_target(opts, source, target)}; whole tensors, one "
-                            + ("(stage, model rank) unit" if tp > 1 else "stage") + " at a time")
-        if opts.dry_run:
-            result.notes.append(_dry_run_note(opts, mine, [name for f in mine
-                                                           for name in item_file_names(f, source, target)]))
-            return result
-        made = pipeline_output(opts, source, target)
-        identity = source_identity(source.tag_dir, made.identified)
-        output = ArrayOutput(source.tag, source.tag_dir, source.save_dir, made.fingerprint(source, identity, target),
-                             {**made.manifest_source, "files": identity}, made.manifest_target,
-                             outputs_of(unit.destination, source.save_dir, target.topology.dp))
-
-        def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
-            # with tp changed, first each layer index's re-cut files (all its target model ranks: one item),
-            # small beside a unit, which joins every source tensor (build_stages)
-            for f in targets:
-                if f.layer is not None:
-                    paths = build_layer_files(source, target, [f.layer], tag_dir, opts.trust_pickle, report)
-                    entries = {os.path.basename(path): _durable_entry(path) for path in paths}
-                    report.bytes_written += sum(entry["bytes"] for entry in entries.values())
-                    write_json_atomically(_done_path(array_dir, f.name), {"files": entries})
-            todo = {(f.rank // tp, f.rank % tp) for f in targets if f.rank is not None}
-            with Progress(f"reshard task {opts.array_task}", progress_enabled(opts.quiet, first_worker=True),
-                          unit="stage") as progress:  # whole stages, no rounds: the task's units as they are done
-                progress.start(len(todo))
-                for (stage, model), paths in build_stages(source, target, [u for u in units if u in todo], tag_dir,
-                                                          opts.trust_pickle, report):
-                    entries = {os.path.basename(path): _durable_entry(path) for path in paths}
-                    report.bytes_written += sum(entry["bytes"] for entry in entries.values())
-                    write_json_atomically(_done_path(array_dir, stage_item(stage, model, tp)), {"files": entries})
-                    progress.update(1)
-            return 0
-        return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
-
-
-def pipeline_files(unit_index: int, source: PipelineSource, target: PipelineTarget) -> list[ArrayFile]:
-    """Every item of one pipeline checkpoint's output, weighed: each target (stage, model rank) unit
-    (`stage_item`, `rank` its index stage * tp + model; pipeline_job.stage_output_bytes), then with
-    tp changed each layer index's re-cut files (`layer_item`, weighed by the source files it joins),
-    then each file copied as it is (the layer files with tp kept, and any other file of the tag directory)."""
-    tp = target.topology.tp
-    size = functools.partial(_size_in, source.tag_dir)
-    items = [ArrayFile(unit_index, stage_item(index // tp, index % tp, tp), nbytes, index)
-             for index, nbytes in enumerate(stage_output_bytes(source, target))]
-    if target.tp_changed:
-        items += [ArrayFile(unit_index, layer_item(index), sum(
-            size(layer_file_name(index, model)) for model in range(source.tp)), None, index)
-            for index in layer_indices(source)]
-    copied = (*(() if target.tp_changed else source.layer_files), *source.other_files)
-    return items + [ArrayFile(unit_index, name, size(name), None) for name in copied]
-
-
 def _size_in(directory: str, name: str) -> int:
     return os.path.getsize(os.path.join(directory, name))
 
@@ -580,12 +439,12 @@ def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: di
                                                save_dir_files.staging_dir(staging.tag_dir), unit.destination)
                 report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
                 write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
-            elif f.rank is None and f.layer is None:
+            elif f.rank is None:
                 staging.copy_in(output.tag_dir, [f.name])
                 path = os.path.join(staging.tag_dir, f.name)
                 report.bytes_carried += os.path.getsize(path)
                 _mark_done(array_dir, f.name, path)
-        targets = [f for f in todo if f.rank is not None or f.layer is not None]
+        targets = [f for f in todo if f.rank is not None]
         result.rounds = write_targets(staging.tag_dir, array_dir, targets) if targets else 0
 
     life.run(work)
