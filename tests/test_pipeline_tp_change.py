@@ -643,7 +643,9 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     _rewrite(optim, bump_one_exp_avg)
     run = reshard_in_process("verify", moment, "--against", save_dir)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
+    # named as the plan names it: the file, the state, the element and the parameter holding it
+    assert f"{optim}: exp_avg of flat buffer 0: 1 of " in run.stdout, run.stdout
+    assert "(first at element 0, in tied_modules.embed.weight)" in run.stdout, run.stdout
 
 
 # ---- exports of the model-axis saves (reshard.export, the main road) ----------------------------
