@@ -22,13 +22,11 @@ dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole gro
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
 Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
-to DeepSpeed's load as it is; at another dp or pp with the save's tp, the plan and `execute()` as the
-collective job runs them (`_load_pipeline_columns`): the target is the engine's grid and, with
-another pp, the engine's own stages; each rank fills its own stage's optimizer file in memory within
-`memory_budget` by rounds, and the layer files are read from the source. With another tp of the
-model axis (a save carrying universal_checkpoint_info patterns; issue 37: not planned yet) every
-tensor is joined whole over the saved model ranks and cut for the engine's, layer files too, the
-budget only checked (`_load_pipeline`).
+to DeepSpeed's load as it is; at another dp, pp or tp, the plan and `execute()` as the collective job
+runs them (`_load_pipeline_columns`): the target is the engine's grid and, with another pp or tp, the
+engine's own stages; each rank fills its own stage's optimizer file in memory within `memory_budget` by
+rounds. The layer files are read from the source at the save's tp; at another tp of the model axis (a
+save carrying universal_checkpoint_info patterns) they are re-cut in the same plan, by rounds too.
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -197,8 +195,6 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
     if isinstance(pipeline, str):  # saved by a PipelineModule at this engine's (pp, dp): DeepSpeed's own load
         return engine.load_checkpoint(load_dir, pipeline, **load_checkpoint_kwargs)
     if pipeline is not None:
-        if not on_rank0(transport, lambda: _keeps_columns(engine, pipeline)):  # a tp change (issue 37: pptp)
-            return _load_pipeline(engine, pipeline, memory_budget, trust_pickle, load_checkpoint_kwargs)
         return _load_pipeline_columns(engine, pipeline, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
@@ -289,20 +285,6 @@ def _engine_layers(engine):
     return PipelineLayers(len(specs), {key: tuple(indices) for key, indices in tied.items()})
 
 
-def _keeps_columns(engine, pipe) -> bool:
-    """Whether a pipeline save goes to this engine on the main road: the collective job's one predicate
-    (collective_job.keeps_pipeline_columns), asked with the engine's (pp, dp, tp) as the target and its
-    layer list, which the engine has (`_engine_layers`), as the --pipeline-layers a pp change needs; and
-    the model ranks kept: this load builds the target columns at the save's tp (`with_target_stages`), and
-    does not yet re-cut slices for another tp as the offline job does (collective_job.pipeline_stage_change),
-    so a tp change still takes `_load_pipeline` (issue 37)."""
-    from reshard.jobs.collective_job import keeps_pipeline_columns
-    from reshard.jobs.options import ReshardOptions
-    pp, dp, tp = _engine_pipeline(engine)
-    opts = ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=_engine_layers(engine).count)
-    return tp == pipe.tp and keeps_pipeline_columns(opts, pipe.tag_dir)
-
-
 def _engine_stage(engine) -> tuple:
     """This rank's (stage, model rank, dp rank, param names per optimizer group, each parameter's shape,
     buffer names): stage_1_and_2.py `bit16_groups` (each group's flat order) named by the engine's
@@ -315,14 +297,18 @@ def _engine_stage(engine) -> tuple:
             int(engine.grid.get_data_parallel_rank()), names, shapes, buffers)
 
 
-def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pickle: bool) -> SourceCheckpoint:
+def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pickle: bool, layers=None,
+                                bounds=None) -> SourceCheckpoint:
     """The save as the main road takes it (inspect_pipeline_columns), its target columns the engine's own
-    stages when pp changes (collective_job.with_target_stages), each checked against what the engine's
-    ranks train (`stages`: every rank's `_engine_stage`): the same parameters in the same param groups,
-    of the same shapes. On worker 0."""
+    stages when pp or tp changes (collective_job.with_target_stages; at another tp at the engine's local
+    shapes, with the model axis the offline job plans, collective_job.with_model_axis, by the save's rules,
+    formats/pipeline_target.model_axis_plan, for the engine's `layers` (`_engine_layers`) and stage `bounds`
+    (module.py `parts`)), each checked against what the engine's ranks train (`stages`: every rank's
+    `_engine_stage`): the same parameters in the same param groups, of the same shapes. On worker 0."""
     from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
     from reshard.formats.deepspeed_pipeline import source_groups
-    from reshard.jobs.collective_job import with_target_stages
+    from reshard.formats.pipeline_target import model_axis_plan
+    from reshard.jobs.collective_job import with_model_axis, with_target_stages
     source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle)
     by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
                 if model == 0 and dp == 0}
@@ -341,12 +327,21 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
             raise UnsupportedCheckpoint(model_path, f"holds no parameter {found}, which stage {stage} of this engine "
                                                     f"({target.pp} stages) trains: the engine's model differs from "
                                                     "the saved one")
-    if target.pp != pipe.pp:
+    tp_changed = target.tp != pipe.tp
+    if tp_changed and not pipe.has_model_axis:
+        raise UnsupportedCheckpoint(model_path, f"was saved without a pipeline model axis (its layer files have no "
+                                                f"-model_XX suffix), this engine has tp {target.tp}: there is no "
+                                                "tensor slicing to change")
+    rules, shapes = model_axis_plan(pipe, layers, target.tp, f"this engine's tp {target.tp}") if tp_changed \
+        else (None, None)
+    if target.pp != pipe.pp or tp_changed:
         source = with_target_stages(source, pipe, [[n for group in by_stage[s][0] for n in group]
                                                    for s in range(target.pp)],
-                                    [by_stage[s][2] for s in range(target.pp)])
-    columns = source.spec.target_columns if target.pp != pipe.pp else source.spec.columns
-    for stage, model, _, names, shapes, _ in stages:
+                                    [by_stage[s][2] for s in range(target.pp)], shapes=shapes, tp=target.tp)
+    if tp_changed:  # the layer files re-cut in the plan, as the offline job's (collective_job.pipeline_stage_change)
+        source = with_model_axis(source, pipe, rules, layers, bounds, target.tp, trust_pickle)
+    columns = source.spec.target_columns if source.spec.target_columns is not None else source.spec.columns
+    for stage, model, _, names, shapes_here, _ in stages:
         params, groups = columns[stage * target.tp + model]
         saved = [[params[i].name for i in group] for group in groups]
         if saved != names:
@@ -354,23 +349,27 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
                                                     f"engine in {names}: the engine's model or its param groups "
                                                     "differ from the saved ones")
         for param in params:
-            if tuple(param.shape) != shapes[param.name]:
-                raise UnsupportedCheckpoint(model_path, f"holds {param.name} of shape {list(param.shape)}, this "
-                                                        f"engine of shape {list(shapes[param.name])}: the engine's "
-                                                        "model differs from the saved one")
+            if tuple(param.shape) != shapes_here[param.name]:
+                raise UnsupportedCheckpoint(model_path, f"holds {param.name} of shape {list(param.shape)}"
+                                                        f"{f' at tp {target.tp}' if tp_changed else ''}, this "
+                                                        f"engine of shape {list(shapes_here[param.name])}: the "
+                                                        "engine's model differs from the saved one")
     return source
 
 
 def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: bool, kwargs: dict):
-    """A PipelineModule save at another dp or pp (tp kept), into this PipelineEngine, through the plan and
+    """A PipelineModule save at another dp, pp or tp, into this PipelineEngine, through the plan and
     `execute()` as the collective job reshards it (docs/architecture.md, "One road"): the target is the
-    engine's grid (pp, dp, tp) and, with another pp, its own stages (every rank's optimizer groups
-    gathered); each rank is the worker of its own target rank (reshard numbers ranks tp fastest, then
+    engine's grid (pp, dp, tp) and, with another pp or tp, its own stages (every rank's optimizer groups
+    gathered; with another tp the engine's layer list, `_engine_layers`, and stage bounds, module.py
+    `parts`); each rank is the worker of its own target rank (reshard numbers ranks tp fastest, then
     dp, then pp, as PipeModelDataParallelTopology's axes ['pipe', 'data', 'model'] do), reads its share
     of the source ranks, and fills its stage's optimizer file in memory under `memory_budget` by rounds
     (MemoryTargetWriter). The stage's model-states file holds no tensors of the exchange (`module` None):
     each rank builds its column's from the source's as the job writes it (zero12_model_file). Layer files
-    are per global layer index, the same at any pp and dp: DeepSpeed reads them from the source."""
+    are per global layer index: at the save's tp the same at any pp and dp, so DeepSpeed reads them from
+    the source; at another tp re-cut in the same plan (spec.model_axis), filled on dp rank 0 of each
+    (stage, model rank) and broadcast to its other dp ranks (`_share_layer_files`)."""
     from reshard.formats.deepspeed_target import zero12_model_file
     pp, dp, tp = _engine_pipeline(engine)
     target = Topology(dp=dp, tp=tp, pp=pp)
@@ -384,7 +383,10 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
                            "pipeline grid); a job with another rank order must reshard offline")
     stages = transport.all_gather_object(here)
     started = time.perf_counter()
-    source = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle))
+    layers, bounds = (_engine_layers(engine), tuple(int(b) for b in engine.module.parts)) if tp != pipe.tp \
+        else (None, None)
+    source = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle, layers,
+                                                                     bounds))
     plan = plan_reshard(source.spec, target, transport.size, budget)
     objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
     column = target.rank_of(0, model_rank, stage)
@@ -392,6 +394,8 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     model = objects.get((column, model_file.name))
     if model is None:  # dp rank > 0: the column's file, built here (it holds no exchanged tensors)
         model = MemoryTargetWriter(source, target, []).build(source, column, model_file)
+    layer_files = _share_layer_files(source, target, objects, transport) if source.spec.model_axis is not None \
+        else {}
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
         tag_dir = os.path.join(root, source.tag)
@@ -403,6 +407,13 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
         served[os.path.join(tag_dir, model_file.name)] = classes.to_deepspeed(model)
         optim_name = schema.optim_file_name_of(target, rank, source.spec.bf16_prefix)
         served[os.path.join(tag_dir, optim_name)] = classes.to_deepspeed(objects[(rank, optim_name)])
+        # module.py `load_state_dir` globs `layer_XX-*model_states.pt` and, with as many files as model ranks,
+        # loads this model rank's entry of the sorted list (state_dict_factory.py `check_ckpt_list` reads only
+        # whether the first holds `mp_world_size`): every model rank's name is served, the others' empty
+        for index, obj in layer_files.items():
+            for m in range(tp):
+                served[os.path.join(tag_dir, schema.layer_file_name(index, m))] = \
+                    classes.to_deepspeed(obj) if m == model_rank else {}
         redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.other_files}
         load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
     finally:
@@ -413,124 +424,24 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     return _as_source_path(source, load_path), client_state
 
 
-def _load_pipeline(engine, source, budget: int, trust_pickle: bool, kwargs: dict):
-    """A PipelineModule save at another tp (and any pp, dp), into this PipelineEngine, the one pipeline case
-    the plan does not take yet (issue 37; `_keeps_columns` says which): every rank rebuilds, in
-    memory, its own stage's model-states file and its own dp rank's optimizer file from the source's
-    full fp32 masters and optimizer states by name (whole tensors, memory-mapped source files), in
-    the order its optimizer flattens them (stage_1_and_2.py `bit16_groups`, one flat per param
-    group, named by the engine's `param_names`; each parameter must sit in the group the save put
-    it in, whose hyperparameters the file carries). So the layer list and partition method the
-    offline job asks for come from the engine itself, and so does the stage's `buffer_names`
-    (engine.py `_get_buffer_names`). The save must have a model axis whose client state carries
-    universal_checkpoint_info patterns; the rules are taken as the offline --target-tp takes them
-    (pipeline_job.model_axis_plan, the layer list from the engine's specs, `_engine_layers`): every
-    rank joins every source tensor whole over the saved model ranks (model_axis_states) and cuts its
-    own stage's parameters for its model rank (cut_model_axis_states), and the layer files of its
-    stage are served re-cut for its model rank (model_axis_layer_states): module.py `load_state_dir`
-    globs `layer_XX-*model_states.pt` and, with as many files as model ranks, loads the model rank's
-    entry of the sorted list, so every target model rank's name is served, the others' as empty
-    stubs (state_dict_factory.py `check_ckpt_list` reads only whether the first has `mp_world_size`)."""
-    import collections
-    import itertools
-
-    from reshard.formats.deepspeed_pipeline import (
-        build_optimizers,
-        cut_model_axis_states,
-        joined_state_bytes,
-        layer_file_name,
-        layer_indices,
-        load_whole,
-        model_axis_layer_states,
-        model_axis_states,
-        source_groups,
-        stage_flats,
-        stage_model_name,
-    )
-    from reshard.files.resources import human
-    from reshard.jobs.pipeline_job import model_axis_plan
-    from reshard.layouts.pipeline import stage_model_rank
-    pp, dp, tp = _engine_pipeline(engine)
-    stage, dp_rank = int(engine.stage_id), int(engine.grid.get_data_parallel_rank())
-    # runtime/pipe/topology.py PipelineParallelGrid: the model (tensor-slicing) axis, 1 without one
-    model_rank = int(engine.grid.get_slice_parallel_rank())
-    model_path = source.model_path(0, model_rank if model_rank < source.tp else 0)
-    if not source.has_model_axis:
-        raise UnsupportedCheckpoint(model_path, f"was saved without a pipeline model axis (its layer files have no "
-                                                f"-model_XX suffix), this engine has tp {tp}: there is no tensor "
-                                                "slicing to change")
-    layers = _engine_layers(engine)
-    rules, shapes = model_axis_plan(source, layers, tp, f"this engine's tp {tp}")
-    groups = getattr(engine.optimizer, "bit16_groups", None)  # stage_1_and_2.py: each group's flat order
-    saved_groups, group_of = source_groups(source)
-    if groups is None or len(groups) != saved_groups:
-        raise UnsupportedCheckpoint(model_path, f"has {saved_groups} optimizer param group(s); in-job resharding "
-                                                "of pipeline checkpoints serves a ZeRO-1 engine with as many, this "
-                                                f"engine has {'no ZeRO-1 optimizer' if groups is None else len(groups)}")
-    named = [[(engine.param_names[param], param) for param in group] for group in groups]
-    params = [pair for group in named for pair in group]
-    for group, pairs in enumerate(named):
-        for name, _ in pairs:
-            if group_of.get(name, group) != group:
-                raise UnsupportedCheckpoint(model_path, f"puts {name} in param group {group_of[name]}, this engine "
-                                                        f"in group {group}: its hyperparameters would be another "
-                                                        "group's")
-    # every model rank's column is joined (model None: 4 x the optimizer bytes of all)
-    needed = joined_state_bytes(source, dp, target_elements=sum(p.numel() for _, p in params), model=None)
-    if needed > budget:
-        raise ReshardError(f"{model_path}: in-job resharding of a pipeline checkpoint holds whole tensors; each rank "
-                           f"would hold about {human(needed)}, over memory_budget {human(budget)}: raise "
-                           "memory_budget, or reshard offline (python -m reshard, --memory-budget)")
-    started = time.perf_counter()
-    # only this stage's parameters are joined (the others' columns are not read whole)
-    template, joined = model_axis_states(source, rules, trust_pickle, frozenset(name for name, _ in params))
-    states = cut_model_axis_states(joined, rules, [name for name, _ in params if name in joined], tp, model_rank)
-    del joined
-    for name, param in params:
-        if name not in states or states[name]["fp32"].numel() != param.numel():
-            found = "holds no parameter" if name not in states else \
-                f"holds {states[name]['fp32'].numel()} elements, not {param.numel()}, for"
-            raise UnsupportedCheckpoint(model_path, f"{found} {name}, which stage {stage} of this engine ({pp} stages"
-                                                    f", tp {tp}) trains: the engine's "
-                                                    "model differs from the saved one")
-    group_names = [[name for name, _ in pairs] for pairs in named]
-    masters, moments = stage_flats(states, group_names)
-    model = load_whole(model_path, trust_pickle)
-    if hasattr(engine, "_get_buffer_names"):  # this stage's, as DeepSpeed would save them (not used by its load)
-        model["buffer_names"] = engine._get_buffer_names()
-    model.update(param_shapes=[collections.OrderedDict((name, param.shape) for name, param in pairs)
-                               for pairs in named],
-                 dp_world_size=dp, mp_world_size=pp * tp,
-                 checkpoint_parallel_dimensions={**(model.get("checkpoint_parallel_dimensions") or {}),
-                                                 "pp_degree": pp, "tp_degree": tp})
-    ranks = build_optimizers(template, [tuple(names) for names in group_names],
-                             [tuple(p.numel() for _, p in pairs) for pairs in named], masters, moments, dp)
-    optimizer = next(itertools.islice(ranks, dp_rank, None))
-    root = tempfile.mkdtemp(prefix="reshard-injob-")
-    try:
-        tag_dir = os.path.join(root, source.tag)
-        os.makedirs(tag_dir)
-        # engine.py `_get_all_ckpt_names` globs every stage's mp_rank_XX file and state_dict_factory.py
-        # `check_ckpt_list` reads `mp_world_size` from the first: the other stages' names serve a stub
-        served = {os.path.join(tag_dir, stage_model_name(s, m, tp)): {"mp_world_size": pp * tp}
-                  for s in range(pp) for m in range(tp)}
-        served[os.path.join(tag_dir, stage_model_name(stage, model_rank, tp))] = classes.to_deepspeed(model)
-        served[os.path.join(tag_dir, schema.optim_file_name(dp_rank, source.bf16,
-                                                            stage_model_rank(stage, model_rank, tp)))] = \
-            classes.to_deepspeed(optimizer)
-        module = engine.module  # this stage's layers (module.py `_local_start`.. `_local_stop`), re-cut
-        for index in layer_indices(source):
-            if module._local_start <= index < module._local_stop:
-                [cut] = model_axis_layer_states(source, layers, rules, index, tp, [model_rank], trust_pickle)
-                for m in range(tp):
-                    served[os.path.join(tag_dir, layer_file_name(index, m))] = cut if m == model_rank else {}
-        load_path, client_state = _load_with_served_files(engine, root, source.tag, served, {}, kwargs)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    if torch.distributed.get_rank() == 0:
-        print(f"reshard: resharded {source.tag_dir} from (pp, dp) ({source.pp}, {source.dp}) to ({pp}, {dp}) in-job"
-              f" (tp {source.tp} -> {tp}) in {time.perf_counter() - started:.2f} s (whole tensors)", flush=True)
-    return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
+def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict, transport) -> dict:
+    """This rank's stage's layer files at its model rank ({layer index: object}), under a pipeline tp change: the
+    plan fills them on dp rank 0 of each (stage, model rank) (deepspeed_target.pipeline_layer_files, as
+    DeepSpeed's save writes them there), every dp rank of that column loads them, so its dp rank 0 broadcasts
+    them (scale follow-up, as `_share_model_states`: a broadcast per column to the whole group, pickled)."""
+    here = target.coordinates(transport.rank)
+    mine = {}
+    for s in range(target.pp):
+        for m in range(target.tp):
+            owner = target.rank_of(0, m, s)
+            files = {index: objects[(owner, schema.layer_file_name(index, m))]
+                     for index, _, stage, _ in source.layer_templates if stage == s} \
+                if transport.rank == owner else None
+            if target.dp > 1:
+                files = transport.broadcast_object(files, src=owner)
+            if (here.pp, here.tp) == (s, m):
+                mine = files
+    return mine
 
 
 def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):

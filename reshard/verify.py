@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=4 -m reshard verify DST --against SRC   # logical check, distributed
 
 A pipeline output is checked the same way (the plan a pipeline reshard runs, the output's own stages as
-the target's); its layer files by their bytes and its stages' cover of the parameters besides. Only a
-pipeline output at another tp is still checked with whole tensors (verify_pipeline_against, issue 37).
+the target's); its layer files by their bytes, at another tp as the plan re-cuts them, element by element
+like the flat buffers, and its stages' cover of the parameters besides.
 
 `--against` replays the reshard plan, but where the job would write a slice it reads the
 slice back from DST and compares bytes; every element of every target partition is checked
@@ -16,6 +16,7 @@ anything else is reported. Nothing is written.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -110,6 +111,10 @@ class _Comparer:
             first = int(np.flatnonzero((a != b).any(axis=1))[0])
             differing = int((a != b).any(axis=1).sum())
             name = self.name_at(rank, slot, element + first) if self.name_at is not None else None
+            if slot[2] == "layer":  # a pipeline layer file's tensor, re-cut by the plan (spec.model_axis)
+                self.problems.append(f"{path}: {name}: {differing} of {count} elements from element {element} differ "
+                                     f"from the source's re-cut (first at element {element + first})")
+                return
             self.problems.append(f"{path}: {slot[2]} of flat buffer {slot[1]}: {differing} of {count} elements from "
                                  f"element {element} differ from the source (first at element {element + first}"
                                  f"{f', in {name}' if name else ''})")
@@ -263,10 +268,6 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
     transport = transport or transport_from_environment()
     try:
         pipeline_tag = on_rank0(transport, lambda: _pipeline_tag(source_dir, tag))
-        if pipeline_tag is not None and not on_rank0(transport, lambda: _keeps_columns(source_dir, destination,
-                                                                                        pipeline_tag)):
-            # a tp change: whole tensors still (issue 37, until the plan re-slices a pipeline's model axis)
-            return verify_pipeline_against(destination, source_dir, pipeline_tag, transport, trust_pickle)
 
         def inspect_both():
             if pipeline_tag is not None:
@@ -282,7 +283,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         result = VerifyResult(destination, source.tag, "against source")
         if transport.rank == 0:  # files beside the tag directory (HF Trainer, Accelerate): same bytes
             result.problems, result.checked_files = save_dir_files.differences(source.save_dir, target.save_dir)
-            if pipeline_tag is not None:  # layer files by their bytes, each parameter in a stage, the stages' order
+            if pipeline_tag is not None:  # layer files by their bytes (at another tp by the plan), each parameter
+                # in a stage, the stages' order
                 more, checked = _pipeline_file_problems(
                     *_inspect_pipelines(source_dir, destination, pipeline_tag, trust_pickle))
                 result.problems, result.checked_files = result.problems + more, result.checked_files + checked
@@ -295,8 +297,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
                                                          trust_pickle)
                 result.problems += problems
                 result.checked_files += files
-            return _Comparer(locations, (lambda rank, slot, element: _column_parameter_at(
-                source.spec, target.spec.topology, rank, slot[1], element)) if pipeline_tag is not None else None)
+            return _Comparer(locations, (lambda rank, slot, element: _pipeline_tensor_at(
+                source.spec, target.spec.topology, rank, slot, element)) if pipeline_tag is not None else None)
 
         def gather(reader, comparer, finished) -> None:
             reports = transport.all_gather_object((result.problems + comparer.problems, comparer.elements,
@@ -316,6 +318,18 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             transport.close()
 
 
+def _pipeline_tensor_at(spec, topology, rank: int, slot: tuple, element: int) -> str | None:
+    """What a pipeline output's differing element belongs to: a parameter of its column's flat buffer
+    (`_column_parameter_at`), or under a tp change the layer file tensor of a layer space's slot
+    (spec.model_axis: slot (space name, tensor, "layer")), by its layer and key."""
+    axis = spec.model_axis
+    space = next((s for s in axis.layer_spaces if s.name == slot[0]), None) if axis is not None else None
+    if space is not None:
+        index, key = space.keys[slot[1]]
+        return f"{key} of layer {index} ({space.tensors.names[slot[1]]})"
+    return _column_parameter_at(spec, topology, rank, slot[1], element)
+
+
 def _column_parameter_at(spec, topology, rank: int, buffer: int, element: int) -> str | None:
     """The parameter whose element sits at `element` of flat buffer `buffer` of pipeline rank `rank` of
     `topology` (its column's ZeRO-1 layout, spec.layout: pieces over the column's parameters end to end),
@@ -332,26 +346,6 @@ def _column_parameter_at(spec, topology, rank: int, buffer: int, element: int) -
     ends = np.cumsum(layout.numels)
     index = int(np.searchsorted(ends, position, side="right"))
     return layout.params[index].name if index < len(layout.params) else None
-
-
-def _keeps_columns(source_dir: str, destination: str, tag: str) -> bool:
-    """Whether a pipeline output is checked on the main road: the collective job's one predicate
-    (collective_job.keeps_pipeline_columns), asked for the output's (pp, dp, tp). The output's own stage
-    files say which parameters each of its stages holds, so the layer list a reshard's pp change needs
-    is not needed here: the predicate is asked as for a reshard given one. An output at another tp is
-    still checked with whole tensors (`verify_pipeline_against`): this check builds the output's columns
-    at the source's tp (`with_target_stages`) and does not yet re-cut slices (issue 37)."""
-    from reshard.formats.deepspeed_pipeline import is_pipeline, saved_pipeline_topology
-    from reshard.jobs.collective_job import keeps_pipeline_columns
-    from reshard.jobs.options import ReshardOptions
-    tag_dir = os.path.join(destination, tag)
-    if not is_pipeline(tag_dir):
-        raise CheckpointError(tag_dir, f"is not a pipeline checkpoint, but {os.path.join(source_dir, tag)} is")
-    pp, dp, tp = saved_pipeline_topology(tag_dir)
-    if tp != saved_pipeline_topology(os.path.join(source_dir, tag))[2]:
-        return False
-    return keeps_pipeline_columns(ReshardOptions(target_dp=dp, target_tp=tp, target_pp=pp, pipeline_layers=True),
-                                  os.path.join(source_dir, tag))
 
 
 def _inspect_pipelines(source_dir: str, destination: str, tag: str, trust_pickle: bool):
@@ -373,6 +367,8 @@ def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pi
         raise CheckpointError(target_pipe.tag_dir, f"is not a reshard of {source_pipe.tag_dir}: bf16 prefix differs")
     source = inspect_pipeline_columns(source_dir, tag, trust_pickle=trust_pickle)
     target = inspect_pipeline_columns(destination, tag, trust_pickle=trust_pickle, layer_shapes=False)
+    if target_pipe.tp != source_pipe.tp:
+        return _with_model_axis_change(source, target, source_pipe, target_pipe, trust_pickle)
     if target_pipe.pp != source_pipe.pp:
         known = {n for spec in source_pipe.stages for group in spec.names for n in group}
         for spec in target_pipe.stages:
@@ -395,6 +391,59 @@ def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pi
     return source, target
 
 
+def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, source_pipe, target_pipe,
+                            trust_pickle: bool) -> tuple[SourceCheckpoint, SourceCheckpoint]:
+    """A pipeline output at another tp, as the plan replays it: the source's target columns the output's
+    stages at the output's local shapes and its model axis (collective_job.with_target_stages and
+    with_model_axis, by the save's rules, formats/pipeline_target.model_axis_plan, the layer list as far as
+    naming a layer file's tensors needs it, `_layers_from_names`); the output given the same model axis, its
+    layer files read as the target stage's (SourceCheckpoint.layer_file_names), so that each target rank's
+    re-cut layer tensors are compared like its flat buffers. CheckpointError naming the file where the
+    output cannot be such a reshard (no model axis on either side, no rules)."""
+    from reshard.formats.pipeline_target import model_axis_plan
+    from reshard.jobs.collective_job import with_model_axis, with_target_stages
+    if not (source_pipe.has_model_axis and target_pipe.has_model_axis):
+        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
+                                              f"{target_pipe.tp}, the source's {source_pipe.tp}, and "
+                                              f"{'the source' if not source_pipe.has_model_axis else 'it'} has no "
+                                              "model axis (layer files without -model_XX)")
+    known = {n for spec in source_pipe.stages for group in spec.names for n in group}
+    for spec in target_pipe.stages:
+        unknown = sorted({n for group in spec.names for n in group} - known)
+        if unknown:
+            raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}: it "
+                                                                      f"holds {unknown}, which no source stage holds")
+    layers = _layers_from_names(source_pipe, trust_pickle)
+    rules, shapes = model_axis_plan(source_pipe, layers, target_pipe.tp, f"an output at tp {target_pipe.tp}")
+    source = with_target_stages(source, source_pipe, [[n for group in spec.names for n in group]
+                                                      for spec in target_pipe.stages],
+                                [spec.buffer_names for spec in target_pipe.stages], shapes=shapes, tp=target_pipe.tp)
+    source = with_model_axis(source, source_pipe, rules, layers, _stage_bounds(target_pipe, layers.count),
+                             target_pipe.tp, trust_pickle)
+    target = dataclasses.replace(target, spec=dataclasses.replace(target.spec, model_axis=source.spec.model_axis),
+                                 layer_templates=tuple((index, stage, stage, tree)
+                                                       for index, _, stage, tree in source.layer_templates))
+    for name in ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"):
+        if getattr(source.spec, name) != getattr(target.spec, name):
+            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
+                                                  f"({_clip(getattr(source.spec, name))} vs "
+                                                  f"{_clip(getattr(target.spec, name))})")
+    return source, target
+
+
+def _stage_bounds(pipe, count: int) -> tuple[int, ...]:
+    """The first layer index of each stage of `pipe` (module.py `parts`, which a save does not record), from
+    the layers its parameters and buffers name (`<index>.*`); a stage naming none starts where the previous
+    one does. Which stage a layer file falls to only says which worker compares it: any ascending bounds
+    compare every layer file once."""
+    bounds = [0]
+    for spec in pipe.stages[1:]:
+        held = [int(n.partition(".")[0]) for group in spec.names for n in group if n.partition(".")[0].isdigit()]
+        held += [int(n.partition(".")[0]) for n in spec.buffer_names if n.partition(".")[0].isdigit()]
+        bounds.append(max(bounds[-1], min(held, default=bounds[-1])))
+    return (*bounds, count)
+
+
 def _pipeline_tag(source_dir: str, tag: str | None) -> str | None:
     """The source's tag when it is a pipeline save (reshard.formats.deepspeed_pipeline), else None."""
     from reshard.formats.deepspeed_pipeline import is_pipeline
@@ -409,130 +458,6 @@ def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> Non
         if getattr(a, name) != getattr(b, name):
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
                                                   f"({_clip(getattr(a, name))} vs {_clip(getattr(b, name))})")
-
-
-# Pipeline outputs at another tp (reshard.jobs.pipeline_job; every other pipeline output is checked
-# through the plan, above). The job works with whole tensors, so does this check: each target stage's
-# optimizer files are joined by the target's own layout and every parameter's fp32 master and
-# per-element state are compared by name with the cut of the source's, which owes nothing to how the
-# job cut them. Keys the job recomputes (partition counts, paddings, slice mappings, world sizes,
-# param_shapes) are checked against the target's own (pp, dp); everything else must equal the source
-# file it came from. The model axis is re-cut by the save's universal_checkpoint_info patterns
-# (reshard.layouts.model_axis): every source tensor is joined whole over the source's model ranks
-# (deepspeed_pipeline.model_axis_states, whose join checks replicated tensors equal) and each
-# target (stage, model rank)'s states, and each target layer file's tensors, must equal the cut
-# of that join for its model rank (`ModelAxisChange`); param_shapes the target's local shapes.
-
-FP32_GROUPS = "single_partition_of_fp32_groups"
-_PIPELINE_RECOMPUTED_OPTIM = ("single_partition_of_fp32_groups", "base_optimizer_state", "partition_count",
-                              "group_paddings", "param_alignment_paddings", "param_slice_mappings")
-_PIPELINE_RECOMPUTED_MODEL = ("param_shapes", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions")
-
-
-def _plain(tree):
-    """`tree` with every tensor replaced by (dtype, shape, BLAKE3 of its bytes), for _same and
-    _first_difference; a tree nested deeper than Python's recursion limit is reported as such."""
-    import torch
-    from blake3 import blake3
-
-    def walk(value):
-        if isinstance(value, torch.Tensor):
-            data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return ("tensor", str(value.dtype), tuple(value.shape), blake3(data.tobytes()).hexdigest())
-        if isinstance(value, dict):
-            return type(value)((key, walk(item)) for key, item in value.items()) \
-                if type(value) is not dict else {key: walk(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(walk(item) for item in value)
-        return value
-    try:
-        return walk(tree)
-    except RecursionError:
-        return ("nested too deeply to compare",)
-
-
-def _pipeline_layout_problems(path: str, osd: dict, template: dict, spec, dp: int, rank: int) -> list[str]:
-    """What one target optimizer file holds against its stage's layout at `dp` and its template
-    (the source file it was derived from): sizes, recomputed keys, and every other key equal."""
-    from reshard.layouts.zero import zero12_group
-    problems = []
-    if list(osd) != list(template):
-        return [f"{path}: optimizer_state_dict keys {list(osd)}, the source's {list(template)}"]
-    for key in osd:
-        if key not in _PIPELINE_RECOMPUTED_OPTIM and not _same(_plain(template[key]), _plain(osd[key])):
-            problems.append(f"{path}: optimizer_state_dict[{key!r}]: "
-                            f"{_first_difference(_plain(template[key]), _plain(osd[key]))}")
-    groups = len(spec.names)
-    layouts = [zero12_group(range(len(spec.numels[g])), spec.numels[g], dp) for g in range(groups)]
-    expected = {"partition_count": [dp] * groups,
-                "group_paddings": [layouts[g].tail_padding(rank) for g in range(groups)],
-                "param_slice_mappings": [{spec.names[g][pid]: (numel, start)
-                                          for pid, numel, start in layouts[g].slice_mappings(rank, spec.numels[g])}
-                                         for g in range(groups)]}
-    if "param_alignment_paddings" in template:
-        expected["param_alignment_paddings"] = [[0] * len(spec.names[g]) for g in range(groups)]
-    found = dict(osd)
-    found["partition_count"] = [int(count) for count in osd["partition_count"]]
-    found["param_slice_mappings"] = [{name: (getattr(address, "numel", None), getattr(address, "start", None))
-                                      for name, address in group.items()} for group in osd["param_slice_mappings"]]
-    for key, value in expected.items():
-        if found[key] != value:
-            problems.append(f"{path}: {key} {_clip(found[key])}, expected {_clip(value)} for dp rank {rank} of {dp}")
-    masters, base, base_template = osd[FP32_GROUPS], osd["base_optimizer_state"], template["base_optimizer_state"]
-    for g in range(groups):
-        if g >= len(masters) or masters[g].numel() != layouts[g].lean_numel(rank):
-            problems.append(f"{path}: fp32 partition of group {g} has "
-                            f"{masters[g].numel() if g < len(masters) else 'no'} elements, "
-                            f"{layouts[g].lean_numel(rank)} expected")
-    if list(base) != list(base_template) or not _same(_plain(base.get("param_groups")),
-                                                      _plain(base_template.get("param_groups"))):
-        problems.append(f"{path}: base_optimizer_state param_groups (hyperparameters) differ from the source's")
-    for g in range(groups):
-        state, want = base.get("state", {}).get(g, {}), base_template.get("state", {}).get(g, {})
-        if list(state) != list(want):
-            problems.append(f"{path}: optimizer state keys of group {g} {list(state)}, the source's {list(want)}")
-            continue
-        for key, value in state.items():
-            if hasattr(value, "dim") and value.dim() == 1 and hasattr(want[key], "dim") and want[key].dim() == 1:
-                if value.numel() != layouts[g].partition_numel:
-                    problems.append(f"{path}: {key} of group {g} has {value.numel()} elements, "
-                                    f"{layouts[g].partition_numel} expected")
-            elif not _same(_plain(value), _plain(want[key])):
-                problems.append(f"{path}: {key} of group {g}: {_first_difference(_plain(want[key]), _plain(value))}")
-    return problems
-
-
-@dataclass(frozen=True)
-class ModelAxisChange:
-    """What a tp-changed pipeline output is checked by: the save's rules and the layer list as far
-    as naming a layer file's tensors needs it (`_layers_from_names`)."""
-
-    rules: object
-    """reshard.layouts.model_axis.ModelAxisRules of the source's universal_checkpoint_info."""
-    shapes: dict
-    """Every trainable parameter's shape on one target model rank."""
-    layers: object
-    """reshard.layouts.pipeline.PipelineLayers: which layer index holds which tied module."""
-
-
-def _model_axis_change(source, target, trust_pickle: bool) -> ModelAxisChange:
-    """The rules a tp change was made by; CheckpointError naming the file where the output cannot be
-    one (no model axis on either side, no rules the job could have used)."""
-    from reshard.formats.deepspeed_pipeline import saved_model_axis_info, source_shapes
-    from reshard.layouts.model_axis import ModelAxisError, model_axis_rules, target_local_shapes
-    if not (source.has_model_axis and target.has_model_axis):
-        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
-                                              f"{target.tp}, the source's {source.tp}, and "
-                                              f"{'the source' if not source.has_model_axis else 'it'} has no "
-                                              "model axis (layer files without -model_XX)")
-    path = source.model_path(0)
-    try:
-        rules = model_axis_rules(saved_model_axis_info(source, trust_pickle))
-        shapes = target_local_shapes(rules, source_shapes(source), source.tp, target.tp)
-    except ModelAxisError as error:
-        raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
-                                              f"{target.tp}, the source's {source.tp}, and {path} {error}") from None
-    return ModelAxisChange(rules, shapes, _layers_from_names(source, trust_pickle))
 
 
 def _layers_from_names(source, trust_pickle: bool = False):
@@ -564,151 +489,28 @@ def _layers_from_names(source, trust_pickle: bool = False):
     return PipelineLayers(max(indices, default=0) + 1, tied)
 
 
-def _pipeline_stage_problems(source, target, stage: int, source_states: dict, trust_pickle: bool,
-                             model_rank: int = 0, change: ModelAxisChange | None = None) -> tuple[list, int, int]:
-    """(problems, files checked, elements compared) for target stage `stage` of model rank
-    `model_rank` (`source_states`: that model rank's column of the source; with tp changed, every
-    parameter's states cut for `model_rank` from the join over the source's model ranks)."""
-    import torch
-
-    from reshard.formats.deepspeed_pipeline import OPTIM, load_whole, read_stage
-    from reshard.layouts.zero import zero12_group
-    problems, spec = [], target.stages[stage]
-    kept = target.pp == source.pp and change is None  # a tp change re-assigns the stages as another pp does
-    origin = stage if kept else 0  # the job builds a new stage's files from source stage 0's
-    # with tp changed, a model rank the source lacks takes model rank 0's file (write_repartitioned_stage),
-    # and the optimizer files' template is model rank 0's (model_axis_states)
-    model_origin = model_rank if model_rank < source.tp else 0
-    optim_origin = 0 if change is not None else model_rank
-    model_path = target.model_path(stage, model_rank)
-    model, want = load_whole(model_path, trust_pickle), load_whole(source.model_path(origin, model_origin), trust_pickle)
-    # with new stages, each stage's buffer_names follow its layers (checked in _pipeline_file_problems)
-    recomputed = _PIPELINE_RECOMPUTED_MODEL + (() if kept else ("buffer_names",))
-    rest = {key: value for key, value in model.items() if key not in recomputed}
-    rest_wanted = {key: value for key, value in want.items() if key not in recomputed}
-    if not _same(_plain(rest_wanted), _plain(rest)):
-        problems.append(f"{model_path}: {_first_difference(_plain(rest_wanted), _plain(rest))}")
-    dims = want.get("checkpoint_parallel_dimensions") if kept else \
-        {**(want.get("checkpoint_parallel_dimensions") or {}), "pp_degree": target.pp,
-         **({"tp_degree": target.tp} if change is not None else {})}
-    if (model.get("dp_world_size"), model.get("mp_world_size"), model.get("checkpoint_parallel_dimensions")) != \
-            (target.dp, target.pp * target.tp, dims):
-        problems.append(f"{model_path}: dp_world_size {model.get('dp_world_size')}, mp_world_size "
-                        f"{model.get('mp_world_size')}, checkpoint_parallel_dimensions "
-                        f"{model.get('checkpoint_parallel_dimensions')}; expected {target.dp}, "
-                        f"{target.pp * target.tp}, {dims}")
-    source_shapes = change.shapes if change is not None else {
-        name: shape for s in source.stages for names, shapes in zip(s.names, s.shapes)
-        for name, shape in zip(names, shapes)}
-    if kept and spec.names != source.stages[stage].names:
-        problems.append(f"{model_path}: param_shapes lists {_clip(spec.names)}, the source stage "
-                        f"{_clip(source.stages[stage].names)}")
-    for names, shapes in zip(spec.names, spec.shapes):
-        for name, shape in zip(names, shapes):
-            if name not in source_shapes:
-                problems.append(f"{model_path}: lists {name}, which no source stage holds")
-            elif tuple(source_shapes[name]) != tuple(shape):
-                problems.append(f"{model_path}: {name} has shape {list(shape)}, the source's "
-                                f"{list(source_shapes[name])}" + (f" at tp {target.tp}" if change is not None else ""))
-    if problems:
-        return problems, 1, 0
-    try:
-        files, masters, moments = read_stage(target, stage, trust_pickle, model_rank)
-    except CheckpointError as error:
-        return [str(error)], 1, 0
-    template = load_whole(source.optim_path(origin, 0, optim_origin), trust_pickle)
-    for rank, tree in enumerate(files):
-        path = target.optim_path(stage, rank, model_rank)
-        others, wanted = ({k: v for k, v in tree.items() if k != OPTIM}, {k: v for k, v in template.items() if k != OPTIM})
-        if not _same(_plain(wanted), _plain(others)):
-            problems.append(f"{path}: {_first_difference(_plain(wanted), _plain(others))}")
-        problems += _pipeline_layout_problems(path, tree[OPTIM], template[OPTIM], spec, target.dp, rank)
-    elements = 0
-    for group, (names, numels) in enumerate(zip(spec.names, spec.numels)):
-        partition = zero12_group(range(len(numels)), numels, target.dp).partition_numel
-        offset = 0
-        for name, numel in zip(names, numels):
-            start, offset = offset, offset + numel
-            expected = source_states.get(name)
-            if expected is None:
-                continue  # reported above
-            states = {"fp32": masters[group][start:offset],
-                      **{key: flat[start:offset] for key, flat in moments[group].items()}}
-            if list(states) != list(expected):
-                problems.append(f"{target.optim_path(stage, 0, model_rank)}: {name} holds states {list(states)}, the source "
-                                f"{list(expected)}")
-                continue
-            for key, value in states.items():
-                elements += value.numel()
-                if value.shape != expected[key].shape or not torch.equal(value, expected[key]):
-                    differs = (value != expected[key]) if value.shape == expected[key].shape else \
-                        torch.ones(value.numel(), dtype=torch.bool)
-                    first = int(differs.nonzero()[0])
-                    rank = (start + first) // partition  # the dp rank whose partition holds that element
-                    problems.append(f"{target.optim_path(stage, rank, model_rank)}: {name} {key}: {int(differs.sum())} of "
-                                    f"{value.numel()} elements differ from the source (first at element {first})")
-    return problems, 1 + len(files), elements
-
-
-def _model_axis_layer_problems(source, target, change: ModelAxisChange, trust_pickle: bool) -> tuple[list[str], int]:
-    """With tp changed: the target's layer files are one per layer index and target model rank, each
-    holding the source's entries, every tensor (dtype and values) the cut for its model rank of the
-    join over the source's model ranks, every other entry the source model rank 0 file's."""
-    import torch
-
-    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices, layer_tensor_name, load_whole, \
-        model_axis_layer_states
-    problems, checked = [], 0
-    indices = layer_indices(source)
-    wanted = {layer_file_name(i, m) for i in indices for m in range(target.tp)}
-    if set(target.layer_files) != wanted:
-        problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, expected {sorted(wanted)} "
-                        f"(the source's {len(indices)} layers at tp {target.tp})")
-    for index in indices:
-        # what the job writes for every target model rank: the same join and cut (one rule, one code)
-        cuts = model_axis_layer_states(source, change.layers, change.rules, index, target.tp, range(target.tp),
-                                       trust_pickle)
-        for model, expected in enumerate(cuts):
-            path = os.path.join(target.tag_dir, layer_file_name(index, model))
-            if not os.path.isfile(path):
-                continue  # reported above
-            checked += 1
-            found = load_whole(path, trust_pickle)
-            if not isinstance(found, dict) or list(found) != list(expected):
-                problems.append(f"{path}: entries {list(found) if isinstance(found, dict) else type(found).__name__}, "
-                                f"the source's {list(expected)}")
-                continue
-            for key, value in found.items():
-                want = expected[key]
-                if not hasattr(want, "shape"):  # a non-tensor entry: the source model rank 0 file's
-                    if not _same(_plain(value), _plain(want)):
-                        problems.append(f"{path}: {key}: {_first_difference(_plain(want), _plain(value))}")
-                    continue
-                if not hasattr(value, "shape") or value.dtype != want.dtype or value.shape != want.shape \
-                        or not torch.equal(value, want):
-                    problems.append(f"{path}: {key} differs from model rank {model}'s cut of the source's "
-                                    f"{layer_tensor_name(change.layers, index, key)} joined over {source.tp} "
-                                    "model ranks")
-    return problems, checked
-
-
-def _pipeline_file_problems(source, target, change: ModelAxisChange | None = None,
-                            trust_pickle: bool = False) -> tuple[list[str], int]:
-    """Rank 0's share: layer and other files the source's bytes (with tp changed, the layer files
-    re-cut: _model_axis_layer_problems), every parameter in some stage, an untied one in exactly
-    one, and stages holding ascending layer ranges."""
+def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
+    """Rank 0's share: layer and other files the source's bytes (with tp changed, the layer files one per
+    layer and target model rank, their tensors compared by the plan, the rest by `_compare_unpartitioned`),
+    every parameter in some stage, an untied one in exactly one, and stages holding ascending layer ranges."""
     from reshard.files.byte_io import hash_file
+    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices
     from reshard.jobs.manifest import MANIFEST_NAME
     problems, checked = [], 0
-    if change is not None:
-        problems, checked = _model_axis_layer_problems(source, target, change, trust_pickle)
+    tp_changed = target.tp != source.tp
+    if tp_changed:
+        indices = layer_indices(source)
+        wanted = {layer_file_name(i, m) for i in indices for m in range(target.tp)}
+        if set(target.layer_files) != wanted:
+            problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, expected {sorted(wanted)} "
+                            f"(the source's {len(indices)} layers at tp {target.tp})")
     elif set(target.layer_files) != set(source.layer_files):
         problems.append(f"{target.tag_dir}: layer files {sorted(target.layer_files)}, the source's "
                         f"{sorted(source.layer_files)}")
     extra = sorted(set(target.other_files) - set(source.other_files) - {MANIFEST_NAME})
     if extra:
         problems.append(f"{target.tag_dir}: holds {extra}, which the source does not")
-    for name in sorted((set() if change is not None else set(source.layer_files)) | set(source.other_files)):
+    for name in sorted((set() if tp_changed else set(source.layer_files)) | set(source.other_files)):
         path = os.path.join(target.tag_dir, name)
         checked += 1
         if not os.path.isfile(path):
@@ -745,43 +547,3 @@ def _pipeline_file_problems(source, target, change: ModelAxisChange | None = Non
                             f"stages' last layer {last}")
         last = max([last, *indices])
     return problems, checked
-
-
-def verify_pipeline_against(destination: str, source_dir: str, tag: str, transport: Transport,
-                            trust_pickle: bool = False) -> VerifyResult:
-    """verify --against for a pipeline output at another tp (the one case the plan does not take yet,
-    issue 37): target (stage, model rank) unit u = stage * tp + model checked by worker u % W
-    (reshard.jobs.pipeline_job.stage_files_written_by, as the job builds them), the layer files and the
-    parameter cover by worker 0; each worker joins every source tensor over the model ranks once and
-    compares its units with their cuts (ModelAxisChange)."""
-    from reshard.formats.deepspeed_pipeline import cut_model_axis_states, model_axis_states
-    from reshard.jobs.pipeline_job import stage_files_written_by
-
-    def inspect_both():
-        # the output's layer files are judged below against the source's re-cut, so that a damaged one
-        # is reported as a difference rather than refused as unreadable input
-        source, target = _inspect_pipelines(source_dir, destination, tag, trust_pickle)
-        if target.bf16 != source.bf16:
-            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: bf16 prefix differs")
-        return source, target, _model_axis_change(source, target, trust_pickle)
-    source, target, change = on_rank0(transport, inspect_both)
-    result = VerifyResult(destination, tag, "against source")
-    problems, files, elements = [], 0, 0
-    if transport.rank == 0:
-        problems, files = save_dir_files.differences(source.save_dir, target.save_dir)
-        more, checked = _pipeline_file_problems(source, target, change, trust_pickle)
-        problems, files = problems + more, files + checked
-    joined = None
-    for stage, model in stage_files_written_by(target.pp, target.tp, transport.size)[transport.rank]:
-        if joined is None:  # every source tensor joined whole over the model ranks once, as the job
-            joined = model_axis_states(source, change.rules, trust_pickle)[1]
-        names = [name for group in target.stages[stage].names for name in group if name in joined]
-        source_states = cut_model_axis_states(joined, change.rules, names, target.tp, model)
-        more, checked, compared = _pipeline_stage_problems(source, target, stage, source_states, trust_pickle, model,
-                                                           change)
-        problems, files, elements = problems + more, files + checked, elements + compared
-    reports = transport.all_gather_object((problems, elements, files))
-    result.problems = [p for found, _, _ in reports for p in found]
-    result.checked_elements = sum(n for _, n, _ in reports)
-    result.checked_files = sum(f for _, _, f in reports)
-    return result

@@ -208,6 +208,8 @@ IN_JOB_SAME_PP_DP = (1, 2, 1)
 BF16_VARIANT, BF16_TARGET = "bf16-groups-mp2u", (1, 1, 4)
 BF16 = ("bf16", BF16_TARGET)
 FP16_VARIANT = "fp16-mp2u"
+# the in-job loads' memory_budget: far below a stage's optimizer bytes, so they take more than one round
+IN_JOB_BUDGET = 4096
 IN_JOB_HALF = (BF16, ("fp16", (1, 1, 4)))  # the save itself loaded in-job at that target too (pp-1 launch)
 # (precision, target) -> (variant, workers): W differing from the target's world
 HALF = {BF16: (BF16_VARIANT, 3), ("bf16", (1, 4, 1)): (BF16_VARIANT, 2),
@@ -273,7 +275,7 @@ def tp_changes(tp_saves, tmp_path_factory):
                                    found[key]["verdict"], "plain")] for pp in (1, 2)}
     first, second = found[(1, 4, 1)], found[(1, 1, 4)]
     run_torchrun(HARNESS, 4, ["check", "--pp", 1, "--variant", _variant(4), "--truth", truth, "--load", first["out"],
-                              "--verdict", first["verdict"],
+                              "--verdict", first["verdict"], "--in-job-budget", IN_JOB_BUDGET,
                               "--also", universal, found[("universal", (1, 4, 1))]["verdict"], "universal",
                               "--judge", _variant(1), second["out"], truth, second["verdict"], "plain",
                               "--judge", _variant(1), universal, truth, found[("universal", (1, 1, 4))]["verdict"],
@@ -451,6 +453,10 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
         assert sum(rank["checked"] for rank in verdict["ranks"]) == tp * dp * (params + groups)
         if tp == 2:  # the same tp: the row-parallel sum adds in the saved order, so bit for bit
             assert {rank["loss"] for rank in verdict["ranks"]} == {truths[0]["loss"]}, verdict
+    if change in IN_JOB_HALF:  # in-job: through the plan by rounds under IN_JOB_BUDGET (issue 37)
+        note = tp_changes[("in-job", change)]["verdict"]["ranks"][0]["note"]
+        rounds = re.search(r"in-job in (\d+) round\(s\)", note)
+        assert rounds and int(rounds[1]) > 1, note
 
 
 @pytest.mark.e2e
@@ -507,6 +513,9 @@ def test_in_job_load_changes_tp_equal_to_the_slice_of_the_source(request, target
     pp, tp, dp = target
     # at pp 1 every rank holds every parameter: 9 with the tied embedding once
     assert len(verdict["ranks"]) == pp * tp * dp and all(rank["checked"] == 9 for rank in verdict["ranks"])
+    # through the plan and execute() (issue 37), under IN_JOB_BUDGET by rounds (reshard.deepspeed prints how many)
+    rounds = re.search(r"in-job in (\d+) round\(s\)", verdict["ranks"][0]["note"])
+    assert rounds and int(rounds[1]) > 1, verdict["ranks"][0]["note"]
 
 
 @pytest.mark.e2e
@@ -594,7 +603,7 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     from threaded_transport import run_workers
     from trained import reshard_in_process, reshard_in_threads
 
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
     from reshard.verify import verify_against
     save_dir, _ = tp_saves[VARIANT]
 
@@ -607,7 +616,11 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
         clean = verify(out)
         assert clean.ok, clean.summary()
         target = inspect_pipeline(str(out), "step3")  # every element of every (stage, model rank): fp32 + 2 moments
-        assert clean.checked_elements == 3 * tp * sum(sum(map(sum, spec.numels)) for spec in target.stages)
+        # and, through the same plan (issue 37), every element of every re-cut layer file's tensors
+        layer_elements = sum(value.numel() for name in target.layer_files
+                             for value in load_whole(str(out / "step3" / name)).values() if hasattr(value, "numel"))
+        assert clean.checked_elements == 3 * tp * sum(sum(map(sum, spec.numels)) for spec in target.stages) + \
+            layer_elements
         assert clean.checked_files >= pp * tp * (1 + dp) + 6 * tp
     out = tmp_path / "pp1-tp4-dp1"
     swapped = tmp_path / "swapped"
@@ -618,8 +631,9 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     (swapped / "held").rename(second)
     found = verify(swapped)
     assert not found.ok
-    assert f"{first}: weight differs from model rank 1's cut of the source's 1.weight joined over 2 model ranks" \
-        in found.problems, found.summary()
+    # compared as the plan re-cuts it (the whole-tensor check named "model rank 1's cut of the source's 1.weight")
+    assert any(problem.startswith(f"{first}: weight of layer 1 (1.weight): ") and "differ from the source's re-cut"
+               in problem for problem in found.problems), found.summary()
     moment = tmp_path / "moment"
     shutil.copytree(out, moment)
     optim = moment / "step3" / "zero_pp_rank_0_mp_rank_02_optim_states.pt"
@@ -629,7 +643,9 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     _rewrite(optim, bump_one_exp_avg)
     run = reshard_in_process("verify", moment, "--against", save_dir)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert f"{optim}: tied_modules.embed.weight exp_avg: 1 of" in run.stdout, run.stdout
+    # named as the plan names it: the file, the state, the element and the parameter holding it
+    assert f"{optim}: exp_avg of flat buffer 0: 1 of " in run.stdout, run.stdout
+    assert "(first at element 0, in tied_modules.embed.weight)" in run.stdout, run.stdout
 
 
 # ---- exports of the model-axis saves (reshard.export, the main road) ----------------------------
@@ -686,7 +702,7 @@ def axis_exports(tp_saves, tp_changes, tmp_path_factory):
     verdicts = {target: root / f"universal-{'-'.join(map(str, target))}.json" for target in ((1, 2, 1), (1, 1, 2))}
     source = found["tp 2"]
     args = ["check", "--pp", 1, "--variant", _variant(2), "--universal", "--load", source["ours"], "--truth",
-            source["truth"], "--verdict", verdicts[(1, 2, 1)],
+            source["truth"], "--verdict", verdicts[(1, 2, 1)], "--in-job-budget", IN_JOB_BUDGET,
             "--judge", _variant(1), source["ours"], source["truth"], verdicts[(1, 1, 2)], "universal"]
     in_job = root / "in-job-1-2-1.json"  # its truth: the tp-2 save's, which tp 2 holds as saved
     args += ["--judge", _variant(2), tp_changes[(1, 4, 1)]["out"], source["truth"], in_job, "in-job"]

@@ -303,18 +303,15 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
     (`with_target_stages`), with tp changed each parameter's split and the layer files' tensors too
     (`model_axis`, deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not
     carried), the target topology at the new pp and tp, and a note saying how the layers were re-assigned."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, pipeline_model_axis
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from reshard.formats.pipeline_target import pipeline_target
     pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     planned = pipeline_target(opts, pipe)
     stages, tp = planned.stages, planned.topology.tp
     source = with_target_stages(source, pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)
     if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
-        axis, layer_templates = pipeline_model_axis(pipe, planned.model_axis, planned.layers, stages.bounds, tp,
-                                                    opts.trust_pickle)
-        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, model_axis=axis),
-                                     layer_templates=layer_templates,
-                                     other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
+        source = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
+                                 opts.trust_pickle)
     kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)
     target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names), tp=tp))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
@@ -323,6 +320,20 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
         note += (f", every parameter and layer-file tensor re-cut from {pipe.tp} to {tp} model ranks by the save's "
                  "universal_checkpoint_info patterns")
     return source, target, [note]
+
+
+def with_model_axis(source: SourceCheckpoint, pipe, rules, layers, bounds, tp: int, trust_pickle: bool = False
+                    ) -> SourceCheckpoint:
+    """`source` (with its target stages set, `with_target_stages` at `tp`) with a tp change's model axis
+    (deepspeed_pipeline.pipeline_model_axis: each parameter's split by `rules`, the save's patterns, and the
+    layer files' tensors, the target stages holding layers `bounds[s]..bounds[s + 1] - 1`): the layer files
+    then move through the plan, re-cut, no longer carried. The offline job takes `layers` and `bounds` from
+    the layer list (pipeline_stage_change), the in-job load from the engine (reshard.deepspeed)."""
+    from reshard.formats.deepspeed_pipeline import pipeline_model_axis
+    axis, layer_templates = pipeline_model_axis(pipe, rules, layers, bounds, tp, trust_pickle)
+    return dataclasses.replace(source, spec=dataclasses.replace(source.spec, model_axis=axis),
+                               layer_templates=layer_templates,
+                               other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
 
 
 def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names, *, shapes: dict | None = None,
