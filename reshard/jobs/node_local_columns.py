@@ -156,11 +156,11 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
                             {schema.classify(n).mp_rank for n in names if schema.classify(n).kind == "optim"}, saved)
     files = pipeline_files(tag_dir, names, pipeline_topology_of(names)[2])
     inspectors = column_inspectors(views)
-    if inspectors is None:
-        unseen = next(name for c in range(files.pp * files.tp)
-                      if (name := schema.optim_file_name(0, files.bf16, c)) not in names)
-        raise CheckpointError(os.path.join(tag_dir, unseen), "is on no node: no worker sees it; start the job on "
-                                                             "every node that saved the checkpoint, or copy the file there")
+    if inspectors is None:  # a column's dp rank 0 optimizer file on no node (its model-states file is, above)
+        unseen = [name for c in range(files.pp * files.tp)
+                  if (name := schema.optim_file_name(0, files.bf16, c)) not in names] or [""]
+        raise CheckpointError(os.path.join(tag_dir, unseen[0]), "is on no node: no worker sees it; start the job on "
+                                                                "every node that saved the checkpoint, or copy the file there")
     # a column's model-states file on another node than its dp rank 0 optimizer file: read where it is,
     # its tree gathered, then inspected with that optimizer file (and its templates built) from the tree
     readers = model_readers(views, inspectors)
