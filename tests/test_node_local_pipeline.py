@@ -12,7 +12,9 @@ in the directory). reshard, on the same two nodes, writes the fp32 save at (pp 1
 node and (pp 2, dp 1) at 1 rank per node, and the bf16 and fp16 saves at (pp 1, dp 4), each through the
 plan's rounds under a 1K budget (reshard.jobs.node_local_columns), byte for byte what the collective job
 writes from the gathered files, the bytes between nodes what the plan says and fewer than every
-pipeline file sent to every node (reshard.jobs.node_local_pipeline, which now serves a tp change); each target
+pipeline file sent to every node; the fp32 save again with a split column (stage 1's model-states file moved
+to node 0: no worker sees it with its dp rank 0 optimizer file) at (pp 1, dp 4), its model-states tree
+gathered from where it is, the same bytes; a tp change refused by name; each target
 rank loads its own node's directory with plain `engine.load_checkpoint` (the half-precision targets in
 the fp32 (1, 4) launch, `check --judge`), every fp32 master and Adam moment compared by name with the
 source engine's, the eval loss, the counters, the LR and (fp16) the loss scaler's state, and one more
@@ -30,11 +32,6 @@ import torch
 from reshard.errors import CheckpointError
 from reshard.jobs.node_local import WorkerView
 from reshard.jobs.node_local_columns import node_layer_files
-from reshard.jobs.node_local_pipeline import (
-    node_dp_ranks,
-    target_rank,
-    unseen_pipeline_files,
-)
 from reshard.jobs.whole_file_moves import fetch_pieces, fetch_plan
 from reshard.topology import Topology
 
@@ -63,14 +60,10 @@ def test_target_ranks_are_numbered_as_deepspeeds_pipeline_topology_numbers_them(
     plain, sliced = PipeDataParallelTopology(num_pp=3, num_dp=2), PipeModelDataParallelTopology(3, 2, 4)
     for s in range(3):
         for d in range(2):
-            assert target_rank(s, d, 0, 2, 1) == plain.get_rank(pipe=s, data=d)
+            assert Topology(dp=2, pp=3).rank_of(d, 0, s) == plain.get_rank(pipe=s, data=d)
         for d in range(4):
             for m in range(2):
-                assert target_rank(s, d, m, 4, 2) == sliced.get_rank(pipe=s, data=d, model=m)
-    # (pp 2, dp 1) at 1 rank per node: stage s on node s; every node still writes every stage's model file
-    assert node_dp_ranks(Topology(dp=1, pp=2), 1, 0) == {(0, 0): (0,), (1, 0): ()}
-    assert node_dp_ranks(Topology(dp=1, pp=2), 1, 1) == {(0, 0): (), (1, 0): (0,)}
-    assert node_dp_ranks(Topology(dp=4, pp=1), 2, 1) == {(0, 0): (2, 3)}
+                assert Topology(dp=4, tp=2, pp=3).rank_of(d, m, s) == sliced.get_rank(pipe=s, data=d, model=m)
 
 
 def test_each_lacking_file_is_sent_once_per_node_by_a_worker_that_sees_it():
@@ -92,54 +85,47 @@ def test_each_lacking_file_is_sent_once_per_node_by_a_worker_that_sees_it():
     assert sum(length for own in pieces for _, _, length in own) == sum(t.size for t in plan)
 
 
-def test_a_column_is_inspected_where_its_model_and_first_optimizer_files_are_else_the_save_leaves_the_plan():
-    from reshard.jobs.node_local_columns import column_inspectors
+def test_a_column_is_inspected_where_its_first_optimizer_file_is_its_model_states_tree_read_where_it_is():
+    from reshard.jobs.node_local_columns import column_inspectors, model_readers
     from reshard.jobs.whole_file_moves import bytes_between_nodes
     node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
     node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
     views = [WorkerView(0, "step3", node0), WorkerView(0, "step3", node0), WorkerView(1, None, node1),
              WorkerView(1, None, node1)]
     assert column_inspectors(views) == [0, 2]  # the first worker that sees each column's files
+    assert model_readers(views, [0, 2]) == {}
     # stage 1's model-states file where a node's local rank 0 ran it, its dp rank 0 optimizer file on the
-    # other node (pp 2, dp 3 on 3 nodes x 2 ranks): no worker inspects that column, the fetching job serves it
+    # other node (pp 2, dp 3 on 3 nodes x 2 ranks): that optimizer file's worker inspects the column, with
+    # the model-states tree read by the worker that sees it
     split = [WorkerView(0, "step3", node0), WorkerView(1, None, frozenset({optim(0, 1)})),
              WorkerView(2, None, frozenset({model(1), optim(1, 1)}))]
-    assert column_inspectors(split) is None
+    assert column_inspectors(split) == [0, 1] and model_readers(split, [0, 1]) == {1: 2}
+    assert column_inspectors([split[0], split[2]]) is None  # stage 1's dp rank 0 optimizer file on no node
     plan = fetch_plan({0: {layer(0), layer(1)}, 1: {layer(0), layer(1)}}, views, {layer(0): 5, layer(1): 7},
                       "/ckpt/step3")
     assert bytes_between_nodes(plan, [0, 0, 1, 1]) == 12 and bytes_between_nodes(plan, [0, 0, 0, 0]) == 0
 
 
-def test_the_plan_takes_what_the_one_predicate_accepts_with_tp_kept():
-    from reshard.jobs.collective_job import columns_target, keeps_pipeline_columns
-    from reshard.jobs.node_local_columns import ColumnsOnNodes
+def test_a_tp_change_is_refused_by_name_from_the_names_alone():
+    from reshard.errors import UnsupportedCheckpoint
+    from reshard.jobs.node_local_columns import refuse_tp_change
     from reshard.jobs.options import ReshardOptions
     from reshard.jobs.runs import Unit
     node0 = frozenset({layer(0), model(0), optim(0, 0), optim(1, 0)})
     node1 = frozenset({layer(1), model(1), optim(0, 1), optim(1, 1)})
-    views = [WorkerView(0, "step3", node0), WorkerView(1, None, node1)]
-    on_nodes, unit = ColumnsOnNodes(keeps_pipeline_columns, columns_target), Unit("/ckpt", "step3", "/dst", "step3")
+    views, unit = [WorkerView(0, "step3", node0), WorkerView(1, None, node1)], Unit("/ckpt", "step3", "/dst", "step3")
 
-    def accepts(**options) -> bool:
-        return on_nodes.accepts(ReshardOptions(source="/ckpt", destination="/dst", **options), unit, views)
-    assert accepts(target_dp=4) and accepts(target_dp=4, target_pp=1, pipeline_layers="7")
-    # no layer list: taken (the one predicate takes every pipeline reshard), and refused by name on the road
-    # (formats/pipeline_target.pipeline_target, which every job kind shares)
-    assert accepts(target_dp=4, target_pp=1)
-    assert not accepts(target_dp=4, target_tp=2)  # a tp change re-cuts the layer files: not whole moves
+    def refuse(**options) -> None:
+        refuse_tp_change(ReshardOptions(source="/ckpt", destination="/dst", **options), unit, views)
+    refuse(target_dp=4)
+    refuse(target_dp=4, target_pp=1, target_tp=1)  # tp 1 kept
+    with pytest.raises(UnsupportedCheckpoint, match=r"^/ckpt/step3: --target-tp 2 \(the save has tp 1\) with "
+                                                    r"--node-local: a node-local tp change .* is not served.*shared "
+                                                    r"storage"):
+        refuse(target_dp=4, target_tp=2)
 
 
-def test_a_file_no_node_sees_is_named_from_the_names_alone():
-    names = {layer(0), layer(1), model(0), model(1), optim(0, 0), optim(1, 0), optim(0, 1), optim(1, 1)}
-    assert unseen_pipeline_files(names) == []
-    assert unseen_pipeline_files(names - {optim(1, 1)}) == [optim(1, 1)]
-    sliced = {"layer_00-model_00-model_states.pt", "layer_00-model_01-model_states.pt",
-              "layer_01-model_00-model_states.pt", model(0), model(1), optim(0, 0), optim(0, 1)}
-    assert unseen_pipeline_files(sliced) == ["layer_01-model_01-model_states.pt"]
-    # one node's files of a (pp 2, dp 2) save look like a whole pp-1 save; its stage file's sizes say otherwise
-    node0 = {layer(0), model(0), optim(0, 0), optim(1, 0)}
-    assert unseen_pipeline_files(node0) == []
-    assert unseen_pipeline_files(node0, (2, 2)) == [optim(0, 1), optim(1, 1)]
+def test_a_stage_model_states_file_on_no_node_is_named_from_the_names_alone():
     from reshard.formats.deepspeed_pipeline import check_stage_model_files
     with pytest.raises(CheckpointError, match=r"/ckpt/step3/mp_rank_01_model_states\.pt: is missing"):
         check_stage_model_files("/ckpt/step3", {0}, {0}, 2)
@@ -224,11 +210,23 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
     from reshard_proof.launch import run_torchrun_nodes
     from trained import reshard_in_threads, tree_state
     root, truth = node_local_pipeline
-    before = {(k, p): tree_state(root / f"node{k}" / source_name(p)) for k in range(NODES) for p in PRECISIONS}
+    # a split column, from the fp32 save: stage 1's model-states file on node 0, its optimizer files on node 1,
+    # so no worker sees it with its dp rank 0 optimizer file (DeepSpeed writes it where a node's local rank 0
+    # runs the stage: at pp 2, dp 3 on 3 nodes x 2 ranks, node 1 runs stage 0's dp rank 2 and stage 1's dp
+    # rank 0, and stage 1's model-states file lands on node 2)
+    for k in range(NODES):
+        if not (root / f"node{k}" / "split").exists():
+            shutil.copytree(root / f"node{k}" / "src", root / f"node{k}" / "split")
+    if (root / "node1" / "split" / "step3" / model(1)).exists():
+        shutil.move(root / "node1" / "split" / "step3" / model(1), root / "node0" / "split" / "step3" / model(1))
+    sources = [*(source_name(p) for p in PRECISIONS), "split"]
+    before = {(k, src): tree_state(root / f"node{k}" / src) for k in range(NODES) for src in sources}
     # (precision, pp, dp, ranks per node, extra options); target rank r on node r // G. bf16 and fp16 at
-    # the pp change only, judged in the pp-1 launch that runs anyway (pipeline_run.py check --judge)
+    # the pp change only, judged in the pp-1 launch that runs anyway (pipeline_run.py check --judge), as the
+    # split column's fp32 output is
     targets = {"pp1": ("fp32", 1, 4, 2, ("--target-pp", "1")), "pp2": ("fp32", 2, 1, 1, ()),
-               "pp1-bf16": ("bf16", 1, 4, 2, ("--target-pp", "1")), "pp1-fp16": ("fp16", 1, 4, 2, ("--target-pp", "1"))}
+               "pp1-bf16": ("bf16", 1, 4, 2, ("--target-pp", "1")), "pp1-fp16": ("fp16", 1, 4, 2, ("--target-pp", "1")),
+               "pp1-split": ("fp32", 1, 4, 2, ("--target-pp", "1"))}
 
     def expected(name, node):
         """Every stage's model-states file on every node, the node's ranks' optimizer files, its stages' layers."""
@@ -239,7 +237,7 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
         return {layer(i) for i in range(3 * node, 3 * node + 3)} | {model(0), model(1), optim(0, node, precision)}
 
     for name, (precision, pp, dp, per_node, extra) in targets.items():
-        src = source_name(precision)
+        src = "split" if name.endswith("-split") else source_name(precision)
         result_path = tmp_path / f"result-{name}.json"
         # a budget far below a stage's optimizer bytes (each ~20 KiB): the plan's rounds, more than one
         run_torchrun_nodes("reshard", NODES, 2, lambda k: [
@@ -274,7 +272,7 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
             manifest = json.loads((out / "step3" / "reshard_manifest.json").read_text())
             assert manifest["target"]["node"] == node and manifest["target"]["ranks_per_node"] == per_node
             assert set(manifest["files"]) == expected(name, node)
-    assert {(k, p): tree_state(root / f"node{k}" / source_name(p)) for k in range(NODES) for p in PRECISIONS} \
+    assert {(k, src): tree_state(root / f"node{k}" / src) for k in range(NODES) for src in sources} \
         == before  # the sources are only read
     # the fp16 truth holds the dynamic loss scaler's state, which check_one compares: it moved from a
     # fresh engine's (initial_scale_power 8, loss_scale_window 2), so a scaler not loaded is seen
@@ -301,8 +299,8 @@ def test_each_node_gets_what_deepspeed_loads_there_and_it_loads(node_local_pipel
 @pytest.mark.parametrize("removed,options,message", [
     (model(1), (), f"step3/{model(1)}: is missing: the save has stage model files [0]"),
     (optim(1, 1), (), f"step3/{optim(1, 1)}: is missing: dp_world_size is 2"),
-    (None, ("--target-tp", "2"), "step3/layer_00-model_states.pt: --target-tp 2 (the save has tp 1) with "
-                                 "--node-local is not supported for pipeline checkpoints"),
+    (None, ("--target-tp", "2"), "src/step3: --target-tp 2 (the save has tp 1) with --node-local: a node-local "
+                                 "tp change of a pipeline save is not served"),
     (None, ("--target-pp", "1"), f"step3/{model(0)}: --target-pp 1 (the save has 2 stages): the new "
                                  "layer-to-stage assignment needs the model's layer count"),
 ])

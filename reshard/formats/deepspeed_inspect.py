@@ -332,7 +332,7 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict, node_local: bool = Fals
         if role.kind == "pipeline":  # reshard.jobs.pipeline_job and array_job take them before inspecting
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; node-local "
                                         "pipeline saves are resharded by python -m reshard --node-local "
-                                        "(reshard.jobs.node_local_pipeline), not by this path" if node_local else
+                                        "(reshard.jobs.node_local_columns), not by this path" if node_local else
                                         "is a pipeline-parallel layer file; pipeline checkpoints are resharded by "
                                         "python -m reshard (torchrun, --workers, SLURM array mode), not by this path")
 
@@ -1014,10 +1014,12 @@ def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None
     return pipeline_columns_source(pipe, found)
 
 
-def inspect_pipeline_column_trees(pipe, column: int, trust_pickle: bool = False, read_tensors: bool = True) -> tuple:
-    """One column's part of inspect_pipeline_columns, on a worker that sees its dp rank 0 files (a
-    node-local job runs each where it is): (its CheckpointSpec, optim file name, carried storages,
-    (optim tree, model tree))."""
+def inspect_pipeline_column_trees(pipe, column: int, trust_pickle: bool = False, read_tensors: bool = True,
+                                  model_tree: dict | None = None) -> tuple:
+    """One column's part of inspect_pipeline_columns, on a worker that sees its dp rank 0 optimizer file
+    (a node-local job runs each where it is): (its CheckpointSpec, optim file name, carried storages,
+    (optim tree, model tree)). `model_tree`: its model-states file's portable tree, already read (a
+    node-local job: where that file is, when another node holds the optimizer file)."""
     tag_dir = pipe.tag_dir
     topology = Topology(dp=pipe.dp, tp=pipe.tp, pp=pipe.pp)
     stage, model = divmod(column, pipe.tp)
@@ -1025,7 +1027,8 @@ def inspect_pipeline_column_trees(pipe, column: int, trust_pickle: bool = False,
     optim_name = schema.optim_file_name_of(topology, rank, pipe.bf16)
     model_path = os.path.join(tag_dir, schema.model_file_name_of(topology, rank, 1))
     optim_path = os.path.join(tag_dir, optim_name)
-    model_tree = load_portable(model_path, schema.safe_globals(), trust_pickle)
+    if model_tree is None:
+        model_tree = load_portable(model_path, schema.safe_globals(), trust_pickle)
     optim_tree = load_portable(optim_path, schema.safe_globals(), trust_pickle)
     params, groups = [], []
     for shapes in model_tree["param_shapes"]:

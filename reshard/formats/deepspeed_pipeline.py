@@ -392,7 +392,7 @@ def check_stage_model_files(tag_dir: str, stage_models: set[int], optim_mp_ranks
     """Refuse, naming the first missing one, a save without every stage's `mp_rank_XX_model_states.pt`
     (`stage_models`: the XX present; `optim_mp_ranks`: the mp ranks of the optimizer files present;
     `saved_world`: the mp_world_size a stage file says, when one was read). From names (and that
-    number), so that a node-local job (reshard.jobs.node_local_pipeline) refuses before it fetches anything."""
+    number), so that a node-local job (reshard.jobs.node_local_columns) refuses before it reads anything else."""
     if not stage_models:
         raise CheckpointError(tag_dir, "has pipeline layer files but no mp_rank_XX_model_states.pt")
     seen = max(stage_models) + 1, max((mp_rank + 1 for mp_rank in optim_mp_ranks), default=0), saved_world

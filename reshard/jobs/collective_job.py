@@ -56,7 +56,6 @@ from reshard.jobs.lifecycle import (
     publish_tag_dir,
 )
 from reshard.jobs.node_local import NodeLocal
-from reshard.jobs.node_local_pipeline import run_node_local_pipeline_unit
 from reshard.jobs.node_local_columns import ColumnsOnNodes
 from reshard.jobs.manifest import (
     Manifest,
@@ -116,7 +115,7 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     clock.lap("start-up")
     try:
         started = time.perf_counter()
-        placement = (NodeLocal(run_node_local_pipeline_unit, ColumnsOnNodes(keeps_pipeline_columns, columns_target))
+        placement = (NodeLocal(ColumnsOnNodes(columns_target))
                      if opts.node_local else WholeWorld(leader=transport.rank == 0))
         units, notes = placement.units(opts, transport)
         result = ReshardResult(notes=notes)
@@ -170,8 +169,6 @@ class Placement(Protocol):
     Decided once, from the options (`run_job`)."""
 
     def units(self, opts: ReshardOptions, transport: Transport) -> tuple[list[Unit], list[str]]: ...
-    def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
-        """The job that reshards `unit` whole file by whole file instead (reshard.jobs.whole_file_job), else None."""
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         """(source, target, carried save-directory files, notes, this worker's Site), on every worker:
@@ -196,9 +193,6 @@ class WholeWorld:
             check_paths(opts.source, opts.destination)
             return discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
         return on_rank0(transport, discover)
-
-    def whole_file_job(self, unit: Unit, opts: ReshardOptions | None = None) -> Callable | None:
-        return None  # every reshard here takes the rounds, a pipeline's too (issue 37)
 
     def inspect(self, opts: ReshardOptions, unit: Unit, transport: Transport
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
@@ -397,9 +391,6 @@ def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
               placement: Placement) -> CheckpointResult:
-    whole_file_job = placement.whole_file_job(unit, opts)  # node-local pipelines (node_local_pipeline): no rounds
-    if whole_file_job is not None:
-        return whole_file_job(opts, unit, transport, clock)
     started = time.perf_counter()
     fallbacks_before = len(torch_fallbacks)  # what this job read or wrote with torch, and why
     source, checkpoint, carried, source_notes, site = placement.inspect(opts, unit, transport)

@@ -30,11 +30,9 @@ node of a worker is the launcher's node rank (torchrun's GROUP_RANK, or SLURM_NO
 overrides both). Each target node's first worker (its leader) runs what worker 0 runs for a
 shared destination: lock, staging, journal, manifest, publish, for its own DST.
 
-A PipelineModule save (some worker sees its layer files) that `collective_job.keeps_pipeline_columns`
-accepts takes the plan too, inspected column by column where its files are (reshard.jobs.
-node_local_columns, handed in by the caller as `pipeline_columns`); any other goes to the job the
-caller hands `NodeLocal` (reshard.jobs.node_local_pipeline: each node first fetches the files it
-lacks, then whole-file builds).
+A PipelineModule save (some worker sees its layer files) takes the plan too, inspected column by
+column where its files are (reshard.jobs.node_local_columns, handed in by the caller as
+`pipeline_columns`); a tp change of one is refused by name there.
 """
 from __future__ import annotations
 
@@ -400,15 +398,12 @@ class NodeLocal:
     """The target of a node-local job (a reshard.jobs.collective_job.Placement): one checkpoint,
     read where each node sees its files, each node's part written into that node's DST."""
 
-    def __init__(self, pipeline_job=None, pipeline_columns=None):
+    def __init__(self, pipeline_columns):
         self.views: list[WorkerView] = []
         """What every worker sees of SRC (`survey_source`), once `units` ran."""
-        self.pipeline_job = pipeline_job
-        """run(opts, unit, transport, clock, views) for a PipelineModule save off the plan (None: refused
-        when inspected)."""
         self.pipeline_columns = pipeline_columns
-        """A PipelineModule save on the plan: `accepts(opts, unit, views)`, `inspect(opts, unit, transport,
-        views)` (reshard.jobs.node_local_columns.ColumnsOnNodes; None: none takes the plan)."""
+        """A PipelineModule save on the plan: `inspect(opts, unit, transport, views)`
+        (reshard.jobs.node_local_columns.ColumnsOnNodes, given by the caller: it builds on this module)."""
 
     def is_pipeline(self) -> bool:
         return any(is_layer_file(n) for view in self.views for n in view.files)
@@ -425,21 +420,10 @@ class NodeLocal:
         tag, self.views = survey_source(transport, source, opts.tag)
         return [Unit(source, tag, destination, tag)], []
 
-    def whole_file_job(self, unit: Unit, opts=None):
-        """A PipelineModule save (some worker sees its layer files): `pipeline_job` with the views
-        (reshard.jobs.node_local_pipeline, given by the caller: it builds on this module); every other
-        layout goes through the rounds, whose ownership says who reads what where (None)."""
-        if self.pipeline_job is None or not self.is_pipeline():
-            return None  # the same views on every worker: the same choice
-        if self.pipeline_columns is not None and opts is not None and self.pipeline_columns.accepts(opts, unit,
-                                                                                                     self.views):
-            return None  # through the rounds (`inspect`)
-        return lambda opts, unit, transport, clock: self.pipeline_job(opts, unit, transport, clock, self.views)
-
     def inspect(self, opts, unit: Unit, transport) -> tuple:
         """(source, target, carried, notes, NodeSite): inspected, and the target worked out, by a worker
         that sees rank 0's files; no save-directory files are carried (each node's DST keeps its own)."""
-        if self.pipeline_columns is not None and self.is_pipeline():  # one `whole_file_job` passed to the rounds
+        if self.is_pipeline():  # the same views on every worker: the same choice
             return self.pipeline_columns.inspect(opts, unit, transport, self.views)
         roles = [schema.classify(name) for name in self.views[transport.rank].files]
         seen = {role.dp_rank for role in roles if role.kind == "zero3_model"}  # ZeRO-3 client_state compared on these

@@ -5,22 +5,28 @@
         -m reshard /nvme/ckpt /nvme/ckpt-pp1 --node-local --target-ranks-per-node 2 \
         --target-dp 4 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
 
-What `collective_job.keeps_pipeline_columns` accepts (dp changed; pp changed with tp kept) when every
-(stage, model rank) column has a worker that sees its model-states file and its dp rank 0 optimizer
-file (`column_inspectors`); else reshard.jobs.node_local_pipeline serves the save. No worker sees
-every column (node k holds the stages its ranks ran, reshard.jobs.node_local_pipeline's docstring), so:
+Every node-local pipeline reshard with tp kept (dp changed, pp changed or kept); a tp change is refused
+by name (`refuse_tp_change`: it re-cuts the layer files, which travel whole here). DeepSpeed 0.19.8 with
+use_node_local_storage writes a stage's layer files and optimizer files where the stage's ranks ran and
+its model-states file where a node's LOCAL rank 0 runs that stage (runtime/engine.py
+`_configure_checkpointing`, runtime/pipe/module.py `save_state_dict`), so no worker sees every column,
+and a column's model-states file need not be on the node of its dp rank 0 optimizer file (pp 2, dp 3
+on 3 nodes x 2 ranks). So:
 
 1. from the names every worker sees (node_local.survey_source): the save's file facts
    (deepspeed_pipeline.pipeline_files), each column's inspector, each layer file's reader;
 2. each layer file's small entry table read once where it is (layer_entries), gathered;
-3. each column checked by its inspector (inspect_pipeline_column), every other dp rank's optimizer
+3. each column's model-states tree read where that file is and gathered, when its inspector (a worker
+   that sees its dp rank 0 optimizer file, `column_inspectors`) does not see it (`model_readers`);
+   each column checked by its inspector (inspect_pipeline_column), every other dp rank's optimizer
    file by a worker that sees it, the facts gathered into one PipelineSource (gathered_pipeline) on
    every worker, and each column's templates (inspect_pipeline_column_trees) into the
    SourceCheckpoint (pipeline_columns_source): what the collective job inspects on one worker;
 4. the target from it by the function the collective job uses (`columns_target`, handed in);
-5. who reads and writes (node_local.node_local_ownership): a source rank where its files are, target
+5. who reads and writes (node_local.node_local_ownership): a source rank where its optimizer file is, target
    rank r on node r // G; each node's first target rank writes every target stage's model-states
-   file (DeepSpeed's pipeline load counts them, reshard.jobs.node_local_pipeline's docstring); the
+   file (DeepSpeed's pipeline load counts them: runtime/state_dict_factory.py `SDLoaderBase.check_ckpt_list`
+   checks that the mp_rank files in the directory number mp_world_size); the
    layer files a node's target stages load (node_layer_files) and it lacks, sent whole
    (reshard.jobs.whole_file_moves) when the rounds are done, their bytes added to the plan's bytes
    between nodes; the layer files it holds copied by its leader.
@@ -34,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 from reshard.files.byte_io import hash_file
 from reshard.files.paths import confined
+from reshard.formats.torch_archive import load_portable
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_pipeline_column_trees, pipeline_columns_source
 from reshard.formats.deepspeed_pipeline import (
@@ -68,7 +75,7 @@ from reshard.jobs.results import WorkerReport
 from reshard.jobs.whole_file_moves import MAX_PIECE, Transfer, bytes_between_nodes, fetch, fetch_plan
 from reshard.layouts.pipeline import assign_stages, split_by_group
 from reshard.topology import Topology
-from reshard.errors import PeerFailure, ReshardError
+from reshard.errors import CheckpointError, PeerFailure, ReshardError, UnsupportedCheckpoint
 
 
 def seen_names(views: Sequence[WorkerView]) -> set[str]:
@@ -81,14 +88,32 @@ def first_seeing(views: Sequence[WorkerView], names: Sequence[str]) -> int | Non
 
 
 def column_inspectors(views: Sequence[WorkerView]) -> list[int] | None:
-    """Per column (mp index stage * tp + model rank), the first worker that sees its model-states file and
-    its dp rank 0 optimizer file; None when some column has none, or the names are no pipeline's. Pure."""
+    """Per column (mp index stage * tp + model rank), the worker that inspects it: the first that sees its
+    dp rank 0 optimizer file and its model-states file, else the first that sees that optimizer file (the
+    model-states tree then handed to it, `model_readers`); None when some column's dp rank 0 optimizer
+    file is on no node, or the names are no pipeline's. Pure."""
     names = seen_names(views)
     pp, _, tp = pipeline_topology_of(names)
     bf16 = any(schema.classify(n).bf16 for n in names if schema.classify(n).kind == "optim")
-    found = [first_seeing(views, [f"mp_rank_{c:02d}_model_states.pt", schema.optim_file_name(0, bf16, c)])
-             for c in range(pp * tp)]
+    found = []
+    for c in range(pp * tp):
+        optim = schema.optim_file_name(0, bf16, c)
+        together = first_seeing(views, [f"mp_rank_{c:02d}_model_states.pt", optim])
+        found.append(together if together is not None else first_seeing(views, [optim]))
     return None if not found or None in found else found
+
+
+def model_readers(views: Sequence[WorkerView], inspectors: Sequence[int]) -> dict[int, int]:
+    """{column: the first worker that sees its model-states file} for each column whose inspector does
+    not see it: DeepSpeed writes a stage's model-states file where a node's local rank 0 runs that stage
+    (reshard.jobs.node_local's docstring), which need not be the node of its dp rank 0 optimizer file
+    (pp 2, dp 3 on 3 nodes x 2 ranks). A file on no node is left out (check_stage_model_files names it). Pure."""
+    readers = {}
+    for c, w in enumerate(inspectors):
+        name = f"mp_rank_{c:02d}_model_states.pt"
+        if name not in views[w].files and (reader := first_seeing(views, [name])) is not None:
+            readers[c] = reader
+    return readers
 
 
 def everywhere(transport, work: Callable[[], object]) -> list:
@@ -131,6 +156,19 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
                             {schema.classify(n).mp_rank for n in names if schema.classify(n).kind == "optim"}, saved)
     files = pipeline_files(tag_dir, names, pipeline_topology_of(names)[2])
     inspectors = column_inspectors(views)
+    if inspectors is None:  # a column's dp rank 0 optimizer file on no node (its model-states file is, above)
+        unseen = [name for c in range(files.pp * files.tp)
+                  if (name := schema.optim_file_name(0, files.bf16, c)) not in names] or [""]
+        raise CheckpointError(os.path.join(tag_dir, unseen[0]), "is on no node: no worker sees it; start the job on "
+                                                                "every node that saved the checkpoint, or copy the file there")
+    # a column's model-states file on another node than its dp rank 0 optimizer file: read where it is,
+    # its tree gathered, then inspected with that optimizer file (and its templates built) from the tree
+    readers = model_readers(views, inspectors)
+    handed = {}
+    for part in everywhere(transport, lambda: {c: load_portable(os.path.join(tag_dir, f"mp_rank_{c:02d}_model_states.pt"),
+                                                                schema.safe_globals(), trust_pickle)
+                                                for c, w in readers.items() if w == me}):
+        handed.update(part)
     layer_readers = {name: first_seeing(views, [name]) for name in files.layer_files}
     table = {}
     for part in everywhere(transport, lambda: {name: layer_entries(os.path.join(tag_dir, name), trust_pickle)
@@ -142,7 +180,7 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
                 if (role := schema.classify(n)).kind == "optim" and role.mp_rank == column}
 
     def columns_here() -> dict:
-        return {c: (inspect_pipeline_column(files, *divmod(c, files.tp), trust_pickle, None, table.get,
+        return {c: (inspect_pipeline_column(files, *divmod(c, files.tp), trust_pickle, handed.get(c), table.get,
                                             optim_ranks_here(c)), optim_ranks_here(c))
                 for c, w in enumerate(inspectors) if w == me}
     found = {}
@@ -156,7 +194,7 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
                 name = schema.optim_file_name(rank, files.bf16, c)
                 if rank not in checked and first_seeing(views, [name]) == me:
                     check_stage_optim_file(files, column.stage, c, column.dp, rank, column.keys, trust_pickle)
-        return {c: inspect_pipeline_column_trees(pipe, c, trust_pickle, read_tensors)
+        return {c: inspect_pipeline_column_trees(pipe, c, trust_pickle, read_tensors, handed.get(c))
                 for c, w in enumerate(inspectors) if w == me}
     trees = {}
     for part in everywhere(transport, rest_here):
@@ -259,7 +297,9 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
     target_ranks = topology.world_size
     nodes = [view.node for view in views]
     tag_dir = os.path.join(unit.source, unit.tag)
-    needed = [[os.path.basename(path) for path in source.source_files(r)]
+    # a source rank is read from its optimizer file: its stage's model-states tree was read where that file is
+    # (inspect_columns_on_nodes), and a pipeline's source reader opens no model-states file
+    needed = [[name for name in map(os.path.basename, source.source_files(r)) if not STAGE_MODEL_RE.match(name)]
               for r in range(source.spec.topology.world_size)]
     ownership = node_local_ownership(needed, [v.files for v in views], nodes, target_ranks, ranks_per_node, tag_dir)
     planned = pipeline_target(opts, pipe) if topology.pp != pipe.pp or opts.pipeline_layers else None
@@ -299,24 +339,25 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
 
 @dataclasses.dataclass(frozen=True)
 class ColumnsOnNodes:
-    """What NodeLocal asks of a pipeline save (handed in by reshard.jobs.collective_job, above it):
-    whether it takes the plan (`accepts`), and then its inspection (`inspect`)."""
+    """What NodeLocal asks of a pipeline save (handed in by reshard.jobs.collective_job, above it): its
+    inspection on the plan (`inspect`)."""
 
-    keeps: Callable
-    """collective_job.keeps_pipeline_columns(opts, tag_dir, names): the one predicate."""
     columns_target: Callable
     """collective_job.columns_target(opts, source, pipe): the one target of inspected columns."""
 
-    def accepts(self, opts, unit, views: Sequence[WorkerView]) -> bool:
-        """The predicate accepts the save, from the names every worker sees, its tp is kept, and every
-        column has a worker that sees its model-states and dp rank 0 optimizer files. Pure; the same on
-        every worker."""
-        names = seen_names(views)
-        # the layer files travel whole here: a tp change, which re-cuts them, stays with the fetching job
-        # even where the predicate takes it onto the plan (issue 37's tp change on the main road)
-        tp_kept = opts.target_tp in (None, pipeline_topology_of(names)[2])
-        return (tp_kept and self.keeps(opts, os.path.join(unit.source, unit.tag), names)
-                and column_inspectors(views) is not None)
-
     def inspect(self, opts, unit, transport, views: Sequence[WorkerView]) -> tuple:
+        refuse_tp_change(opts, unit, views)
         return node_local_pipeline_unit(opts, unit, transport, views, self.columns_target)
+
+
+def refuse_tp_change(opts, unit, views: Sequence[WorkerView]) -> None:
+    """A tp change of a node-local pipeline save, refused by name before anything is read: it re-cuts the
+    layer files, which a node-local job moves whole between nodes (`PipelineNodeSite`). Pure; the same
+    on every worker (the names every worker sees)."""
+    tp = pipeline_topology_of(seen_names(views))[2]
+    if opts.target_tp not in (None, tp):
+        raise UnsupportedCheckpoint(os.path.join(unit.source, unit.tag),
+                                    f"--target-tp {opts.target_tp} (the save has tp {tp}) with --node-local: a "
+                                    "node-local tp change of a pipeline save is not served (its layer files are "
+                                    "re-cut, and a node-local job moves them whole); run the reshard on shared "
+                                    "storage (every file in one SRC, without --node-local)")

@@ -337,7 +337,7 @@ def build_stages(source: PipelineSource, target: PipelineTarget, units: Sequence
     model rank's column is joined once, before that column's first unit
     (reshard.formats.deepspeed_pipeline.named_states; stage_files_written_by orders units by model rank).
     `dp_ranks_of(stage, model)`: the dp ranks whose optimizer files a unit writes (a node-local
-    output's own, reshard.jobs.node_local_pipeline); None: all of them."""
+    output's own); None: all of them."""
     assignment, topology = target.stages, target.topology
     if target.tp_changed:
         if dp_ranks_of is not None:  # the node-local job refuses a tp change before it gets here
