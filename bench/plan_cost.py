@@ -268,13 +268,13 @@ def pipeline_model(layers: int, per_layer: int, seed: int = 0):
 
 def run_pipeline_case(source_pp: int, source_dp: int, target_pp: int, target_dp: int, workers: int,
                       layers: int = 258, per_layer: int = 390, worker: int = 0) -> dict:
-    """One worker's planning of a pipeline job that changes the number of stages (reshard.jobs.pipeline_job):
+    """One worker's planning of a pipeline job that changes the number of stages, as the whole-tensor pipeline
+    job (deleted; bench/pipeline_plan_cost.py times the main road's planning) did it:
     the layer list checked against the source's stages (`assign_stages` at the source's pp, as
     check_layers_reproduce_source does), the target's assignment (`assign_stages` at the target's pp,
     once per job), and for each stage this worker builds, its ZeRO-1 layout over the target's dp with
     every rank's `param_slice_mappings` (what build_optimizers derives). Reading and writing tensors
     are not planning and are not timed here (bench/pipeline_bench.py times whole jobs)."""
-    from reshard.jobs.pipeline_job import stages_written_by
     from reshard.layouts.pipeline import assign_stages
     from reshard.layouts.zero import zero12_group
     pipeline, numels = pipeline_model(layers, per_layer)
@@ -285,7 +285,7 @@ def run_pipeline_case(source_pp: int, source_dp: int, target_pp: int, target_dp:
     target = assign_stages("parameters", pipeline, numels, target_pp)
     t2 = time.perf_counter()
     mappings = 0
-    built = stages_written_by(target_pp, workers)[worker]
+    built = tuple(range(worker, target_pp, workers))  # stage s by worker s % W
     for stage in built:
         counts = [numels[name] for name in target.names[stage]]
         group = zero12_group(range(len(counts)), counts, target_dp)

@@ -13,7 +13,7 @@ Sizes, as DeepSpeed defines them (runtime/engine.py, utils/groups.py):
   ranks (utils/groups.py `_create_expert_and_data_parallel`), so `ep` divides `dp` and expert
   parameters are ZeRO-partitioned over `dp // ep` expert-data-parallel ranks. With tp > 1
   (AutoEP folded with AutoTP, the only way DeepSpeed 0.19.8 combines them) see below;
-- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.jobs.pipeline_job, reshard.layouts.pipeline).
+- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.layouts.pipeline).
 
 The world is `dp * tp * pp` ranks. reshard numbers a rank by its coordinates with tp fastest,
 then dp, then pp, as DeepSpeed lays out its groups (utils/groups.py `_init_tp_groups_with_new_group`:

@@ -21,7 +21,7 @@ import pytest
 from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
 from reshard.jobs.options import ReshardOptions
-from reshard.jobs.pipeline_job import pipeline_target, stages_written_by
+from reshard.formats.pipeline_target import pipeline_target
 
 HARNESS = "tests.pipeline_run"  # run as `-m tests.pipeline_run` from the repository root
 # tests/pipeline_run.py's ds_config fixes train_batch_size for the dp it trains at, and its check engines
@@ -39,11 +39,6 @@ def test_layer_file_names_with_and_without_a_model_axis():
     assert LAYER_RE.match("layer_07-model_states.pt")[1] == "07"
     assert LAYER_RE.match("layer_07-model_01-model_states.pt")[3] == "01"
     assert not LAYER_RE.match("layer_7_expert_0_mp_rank_00_model_states.pt")
-
-
-def test_every_stage_is_built_by_exactly_one_worker():
-    assert stages_written_by(5, 2) == ((0, 2, 4), (1, 3))
-    assert stages_written_by(2, 3) == ((0,), (1,), ())
 
 
 def test_changing_pp_is_refused_naming_what_the_checkpoint_lacks():
@@ -433,61 +428,6 @@ def test_a_stage_without_its_model_states_file_is_refused_naming_it(pipeline_run
         inspect_pipeline(str(copy), "step3")
     assert str(refused.value).startswith(str(missing))
 
-def test_the_whole_tensor_path_refuses_a_memory_budget_it_cannot_hold(tmp_path):
-    from reshard.formats.deepspeed_pipeline import source_numels
-    from reshard.jobs.pipeline_job import PipelineTarget, check_budget
-    from reshard.layouts.pipeline import PipelineLayers, assign_stages
-    from reshard.topology import Topology
-    stages = (PipelineStage(0, (("tied_modules.embed.weight", "1.weight"),), ((100, 300),)),
-              PipelineStage(1, (("tied_modules.embed.weight", "2.weight"),), ((100, 100),)))
-    source = PipelineSource(str(tmp_path), "t", 2, 2, False, False, stages, (), ())
-    (tmp_path / "t").mkdir()
-    for stage, size in ((0, 4800), (1, 2400)):  # 12 bytes per element: an fp32 master and two moments
-        for rank in range(2):
-            Path(source.optim_path(stage, rank)).write_bytes(b"\0" * (size // 2))
-    kept = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=16000)
-    # one worker builds both stages, one at a time: stage 0's files mapped and joined, one target rank's file
-    assert check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 1) == [3 * 4800 + 4800 // 3]
-    assert check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 2) == [3 * 4800 + 4800 // 3, 3 * 2400 + 2400 // 3]
-    kept.memory_budget = 15999
-    with pytest.raises(OptionError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt: pipeline checkpoints are "
-                                          r"resharded with whole tensors .* worker 0 would hold about 15.6 KiB"):
-        check_budget(kept, source, PipelineTarget(Topology(dp=3, pp=2), None), 1)
-    merged = ReshardOptions(source="a", destination="b", target_dp=2, target_pp=1, pipeline_layers=4,
-                            pipeline_tied="embed:0,3", memory_budget=16200)
-    one_stage = PipelineTarget(Topology(dp=2, pp=1),
-                               assign_stages("parameters", PipelineLayers(4, {"embed": (0, 3)}), source_numels(source), 1))
-    # every source stage's files mapped (7200), plus the target stage's 500 elements cut from them and one
-    # rank's half being saved; the 3 x 7200 of joined_state_bytes was about twice the measured peak (issue 39,
-    # deepspeed_pipeline.repartitioned_stage_bytes has the figures)
-    assert check_budget(merged, source, one_stage, 2) == [7200 + 500 * 12 * 3 // 2, 0]
-    merged.memory_budget = 7200 + 500 * 12 * 3 // 2 - 1
-    with pytest.raises(OptionError, match="more workers do not help"):
-        check_budget(merged, source, one_stage, 2)
-
-
-def test_the_budget_a_refusal_names_is_enough(tmp_path):
-    # issue 39: "give --memory-budget 2.6 GiB or more" was refused at 2.6G (the estimate rounded to the
-    # nearest tenth, 2.64 GiB printed as 2.6) and worked at 2.7G: the figure is rounded up now
-    from reshard.jobs.options import parse_size
-    from reshard.jobs.pipeline_job import PipelineTarget, check_budget
-    from reshard.topology import Topology
-    source = PipelineSource(str(tmp_path), "t", 2, 2, False, False,
-                            (PipelineStage(0, (("a",),), ((400,),)), PipelineStage(1, (("b",),), ((200,),))), (), ())
-    (tmp_path / "t").mkdir()
-    for stage, size in ((0, 4800), (1, 2400)):
-        for rank in range(2):
-            Path(source.optim_path(stage, rank)).write_bytes(b"\0" * (size // 2))
-    target = PipelineTarget(Topology(dp=3, pp=2), None)
-    opts = ReshardOptions(source="a", destination="b", target_dp=3, memory_budget=15999)
-    with pytest.raises(OptionError) as refused:
-        check_budget(opts, source, target, 1)  # needs 3 x 4800 + 4800 / 3 = 16000 bytes (15.625 KiB)
-    figure = re.search(r"give --memory-budget (.+?) or more", str(refused.value))[1]
-    opts.memory_budget = parse_size(figure)  # as the user types it
-    assert check_budget(opts, source, target, 1) == [16000]
-    assert figure == "15.7K"  # rounded up to a tenth, in the form the flag reads
-
-
 @pytest.mark.e2e
 def test_a_dry_run_far_below_a_stage_prints_the_plan_by_rounds(pipeline_runs, tp_saves, tmp_path):
     # issue 39: `--dry-run` refused with the budget error (exit 2) instead of printing the plan. Every
@@ -633,7 +573,7 @@ def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did(
     with pytest.raises(CheckpointError, match=r"also with the frozen parameters \['1.weight'\] counted"):
         check_layers_reproduce_source(frozen_later, PipelineLayers(7, {"embed": (0, 5)}), "parameters", frozen)
     # reproduced only by `uniform` (the caller's method fails under both weightings), the weighting is
-    # unknown: the job refuses where the two give other target stages (pipeline_job.pipeline_target)
+    # unknown: the job refuses where the two give other target stages (formats/pipeline_target.pipeline_target)
     assert check_layers_reproduce_source(built_frozen, layers, "uniform", frozen) == [{}, frozen]
 
 
@@ -643,7 +583,7 @@ def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
     import dataclasses
 
     from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source
-    from reshard.jobs.pipeline_job import check_no_empty_group
+    from reshard.formats.pipeline_target import check_no_empty_group
     from reshard.layouts.pipeline import PipelineLayers, assign_stages, split_by_group
     layers = PipelineLayers(7, {"embed": (0, 6)})
     numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,

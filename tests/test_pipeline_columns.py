@@ -10,9 +10,9 @@ so (collective_job.keeps_pipeline_columns). The first tests take one column alon
 `SourceCheckpoint` here (`column_checkpoint`: spec from the column's own `param_shapes`, files named
 by its mp index), through the unchanged main-road parts (`plan_reshard`, `execute`, `SourceReader`,
 `target_files`, `TargetWriter`) under a 4 KiB budget, in many rounds, reading each source partition
-byte once, and compare the output byte for byte with the whole-tensor pipeline job's
-(`jobs/pipeline_job.run_pipeline_unit`, called directly: the side road the job took before) on every
-dp-change case the suite reshards; a column stopped after 5 rounds and resumed from that round into the same files
+byte once, and compare the output byte for byte with the collective job's on every dp-change case
+the suite reshards (the job's output is pinned in tests/test_pipeline_pinned.py, recorded from the
+whole-tensor pipeline job, the side road it took before, now deleted); a column stopped after 5 rounds and resumed from that round into the same files
 gives the same bytes. The last test runs the job itself: `python -m reshard` killed mid-rounds and
 resumed to the pinned bytes.
 
@@ -151,9 +151,7 @@ def _side_and_columns(pipeline_runs, tmp_path, case):
     import shutil
 
     from reshard.jobs.options import ReshardOptions
-    from reshard.jobs.pipeline_job import run_pipeline_unit
-    from reshard.jobs.results import PhaseClock
-    from reshard.jobs.runs import discover_units
+    from reshard.jobs.collective_job import run_job
     from reshard.transport.local import LocalTransport
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from test_pipeline import model_ranks
@@ -161,8 +159,8 @@ def _side_and_columns(pipeline_runs, tmp_path, case):
     save, _ = pipeline_runs(variant, pp, dp)
     opts = ReshardOptions(source=str(save), destination=str(tmp_path / "side"), target_dp=target_dp, quiet=True,
                           ignore_batch_config=True).validate()
-    [unit], _ = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
-    tag = run_pipeline_unit(opts, unit, LocalTransport(), PhaseClock()).tag
+    [checkpoint] = run_job(opts, LocalTransport()).checkpoints
+    tag = checkpoint.tag
     source = inspect_pipeline(str(save), tag)
     assert (source.pp, source.tp, source.dp) == (pp, model_ranks(variant), dp)
     main = tmp_path / "main" / tag

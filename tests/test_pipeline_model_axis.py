@@ -25,7 +25,7 @@ import pytest
 from reshard.errors import OptionError, UnsupportedCheckpoint
 from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
 from reshard.jobs.options import ReshardOptions
-from reshard.jobs.pipeline_job import pipeline_target, stage_files_written_by
+from reshard.formats.pipeline_target import pipeline_target
 from reshard.layouts.pipeline import stage_model_rank
 
 VARIANT, SOURCE = "fp32-mp2", (2, 1)  # (pp, dp) of the session's save; tp 2
@@ -43,13 +43,6 @@ def test_stage_files_are_numbered_stage_times_tp_plus_model_rank():
     assert source.optim_path(1, 2, 1) == "/ckpt/t/bf16_zero_pp_rank_2_mp_rank_03_optim_states.pt"
     with pytest.raises(ValueError):
         stage_model_rank(0, 2, 2)
-
-
-def test_each_stage_and_model_rank_is_built_by_one_worker_one_column_at_a_time():
-    # unit stage * tp + model by worker unit % W; each worker's units by model rank first
-    assert stage_files_written_by(2, 2, 3) == (((0, 0), (1, 1)), ((0, 1),), ((1, 0),))
-    assert stage_files_written_by(2, 2, 2) == (((0, 0), (1, 0)), ((0, 1), (1, 1)))
-    assert stage_files_written_by(3, 1, 2) == (((0, 0), (2, 0)), ((1, 0),))  # no model axis: the stages
 
 
 def test_the_model_axis_is_kept_and_another_tp_needs_the_layer_list():
@@ -256,67 +249,3 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     assert "layer_03-model_01-model_states.pt: is missing: the save's tp_degree is 2" in run.stderr
 
 
-def test_a_share_of_a_stages_dp_ranks_needs_the_parameters_those_ranks_hold_and_cuts_them_alike():
-    # repartitioned_share_names against ZeRO-1's own mapping (Zero12Group.slice_mappings, what
-    # build_optimizers writes as param_slice_mappings), and the ranks cut from those parameters alone
-    # (FlatPieces) equal to the ranks cut from the whole flat: the split of a tp-changed unit's
-    # optimizer files over workers writes the same tensors
-    import torch
-
-    from reshard.formats.deepspeed_pipeline import FlatPieces, _cut, repartitioned_share_names
-    from reshard.layouts.zero import zero12_group
-    names = ("a", "b", "c", "d", "e")
-    numels = (7, 30, 1, 12, 9)
-    stage = PipelineStage(0, (names[:4], names[4:]), (numels[:4], numels[4:]))
-    source = PipelineSource("/ckpt", "t", 1, 1, False, False, (stage,), (), ())
-    shapes = {n: (k,) for n, k in zip(names, numels)}
-    flat = torch.arange(sum(numels[:4]), dtype=torch.float32) + 1
-    for dp in (1, 3, 4, 8):
-        layout = zero12_group(range(4), numels[:4], dp)
-        for ranks in ([0], [dp - 1], list(range(dp)), [0, dp - 1], list(range(1, dp))):
-            if not ranks:
-                continue
-            held = repartitioned_share_names(source, names, shapes, dp, ranks)
-            mapped = {names[pid] for rank in ranks for pid, count, _ in layout.slice_mappings(rank, numels[:4]) if count}
-            # a group none of the ranks holds an element of (only padding: "e" alone at dp 8) is named
-            # by its smallest parameter, which says its state keys and dtypes
-            assert held - {"e"} == (mapped or {"c"}), (dp, ranks)
-            assert "e" in held
-            starts = [sum(numels[:i]) for i in range(4)]
-            pieces = FlatPieces.of([flat[s:s + k] for s, k, n in zip(starts, numels, names) if n in held],
-                                   numels[:4], flat.dtype, [n in held for n in names[:4]])
-            for rank in ranks:
-                for lean in (True, False):
-                    assert torch.equal(_cut(pieces, layout, rank, lean), _cut(flat, layout, rank, lean)), (dp, rank)
-
-
-def test_a_tp_change_spreads_every_units_dp_ranks_and_layer_files_over_the_workers_once(tmp_path):
-    from reshard.jobs.pipeline_job import PipelineTarget, tp_change_shares
-    from reshard.layouts.pipeline import StageAssignment
-    from reshard.layouts.model_axis import model_axis_rules
-    from reshard.topology import Topology
-    tag = tmp_path / "t"
-    tag.mkdir()
-    stage = PipelineStage(0, (("1.weight",),), ((100,),))
-    source = PipelineSource(str(tmp_path), "t", 2, 1, False, False, (stage, stage),
-                            tuple(f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(3) for m in range(2)),
-                            (), tp=2, model_axis=True)
-    for name in source.layer_files:
-        (tag / name).write_bytes(b"x" * 30)
-    for unit in range(4):
-        (tag / f"mp_rank_{unit:02d}_model_states.pt").write_bytes(b"x" * 10)
-        (tag / f"zero_pp_rank_0_mp_rank_{unit:02d}_optim_states.pt").write_bytes(b"x" * 1000)
-    assignment = StageAssignment("parameters", (0, 3), (("1.weight",),))
-    target = PipelineTarget(Topology(dp=4, tp=1, pp=1), assignment, model_axis_rules({"tp_replicated_parameter_patterns": ["x"]}),
-                            {"1.weight": (100,)})
-    for workers in (1, 2, 3, 5, 40):
-        shares = tp_change_shares(source, target, workers)
-        assert len(shares) == workers
-        ranks = sorted((stage, model, rank) for units, _ in shares for stage, model, held in units for rank in held)
-        assert ranks == [(0, 0, rank) for rank in range(4)], workers
-        assert sorted(i for _, layers in shares for i in layers) == [0, 1, 2], workers
-        for units, _ in shares:  # each worker's ranks of a unit are consecutive
-            assert all(list(held) == list(range(held[0], held[-1] + 1)) for _, _, held in units)
-    # the one unit (about 1010 bytes by the source's bytes per element) and the layer files (180 bytes),
-    # by weight: 2 workers share the unit's 4 dp ranks, the layers go last
-    assert tp_change_shares(source, target, 2) == ((((0, 0, (0, 1)),), ()), (((0, 0, (2, 3)),), (0, 1, 2)))

@@ -47,7 +47,7 @@ import shutil
 
 import pytest
 
-from reshard.errors import CheckpointError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRule, model_axis_rules, target_local_shapes
 
 MEGATRON_LIKE = {  # the shape of Megatron-DeepSpeed's GPTModelPipe info (patterns against stage names)
@@ -128,35 +128,6 @@ def test_a_padded_vocabulary_and_what_the_rule_cannot_serve_are_refused_saying_w
     twice = model_axis_rules({"parameter_with_row_parallelism_patterns": [r"\d+\.dense", r"3\."]})
     with pytest.raises(ModelAxisError, match=re.escape("3.dense.weight matches more than one row pattern")):
         twice.rule("3.dense.weight")
-
-
-def test_joining_and_cutting_tensors_follow_ds_to_universal_and_refuse_unequal_whole_tensors():
-    import torch
-
-    from reshard.formats.deepspeed_pipeline import cut_model_slice, join_model_slices
-    whole = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
-    for rule, pieces_at_2 in [  # what merge_tp_slices concatenates, by its own torch calls, for tp 2
-            (ModelAxisRule("column", 0), list(whole.chunk(2, 0))),
-            (ModelAxisRule("row", 1), list(whole.chunk(2, 1))),
-            (ModelAxisRule("two-sub-params", 0), [torch.cat([half.chunk(2, 0)[r] for half in whole.chunk(2, 0)])
-                                                  for r in range(2)])]:
-        joined = join_model_slices(rule, [p.clone() for p in pieces_at_2], pieces_at_2[0].shape, "x", "/f")
-        assert torch.equal(joined, whole), rule
-        assert all(torch.equal(cut_model_slice(rule, whole, 2, r), pieces_at_2[r]) for r in range(2)), rule
-        at_4 = [cut_model_slice(rule, whole, 4, r) for r in range(4)]
-        assert torch.equal(join_model_slices(rule, at_4, at_4[0].shape, "x", "/f"), whole), rule
-    halves = [cut_model_slice(ModelAxisRule("two-sub-params", 0), whole, 2, r) for r in range(2)]
-    assert torch.equal(halves[0][:2], whole[:2]) and torch.equal(halves[0][2:], whole[4:6])  # gate, then up
-    same = [whole.clone(), whole.clone()]
-    assert torch.equal(join_model_slices(ModelAxisRule("replicated", None), same, whole.shape, "x", "/f"), whole)
-    assert torch.equal(join_model_slices(ModelAxisRule("average", None), same, whole.shape, "x", "/f"), whole)
-    other = [whole, whole + 1]
-    with pytest.raises(CheckpointError, match=r"^/f: 4.ln.weight is replicated over the model axis .* differs between "
-                                              r"model ranks 0 and 1"):
-        join_model_slices(ModelAxisRule("replicated", None), other, whole.shape, "4.ln.weight", "/f")
-    with pytest.raises(UnsupportedCheckpoint, match=r"^/f: 9.final.bias matches parameter_to_average_patterns and "
-                                                    r"differs .* which loses their values"):
-        join_model_slices(ModelAxisRule("average", None), other, whole.shape, "9.final.bias", "/f")
 
 
 def test_deepspeed_names_layer_files_model_00_at_tp_1_with_a_model_axis():

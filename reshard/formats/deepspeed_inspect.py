@@ -329,7 +329,7 @@ def _refuse_unsupported_files(tag_dir: str, roles: dict, node_local: bool = Fals
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a mixture-of-experts file of DeepSpeed's "
                                                                      "old layout (no layer index); reshard reshards "
                                                                      "native MoE checkpoints of ZeRO-0/1/2 only")
-        if role.kind == "pipeline":  # reshard.jobs.pipeline_job and array_job take them before inspecting
+        if role.kind == "pipeline":  # the columns inspection takes them (inspect_pipeline_columns)
             raise UnsupportedCheckpoint(os.path.join(tag_dir, name), "is a pipeline-parallel layer file; node-local "
                                         "pipeline saves are resharded by python -m reshard --node-local "
                                         "(reshard.jobs.node_local_columns), not by this path" if node_local else
@@ -1071,7 +1071,7 @@ def pipeline_columns_source(pipe, found: Sequence[tuple]) -> SourceCheckpoint:
                                                   if os.path.isfile(os.path.join(tag_dir, name))})
     optim_tree, model_tree = templates[0]
     manifest_source = {"save_dir": save_dir, "tag": tag, "dp_world_size": pipe.dp, "pp": pipe.pp, "tp": pipe.tp,
-                       "stage": 1, "description": pipe.describe()}  # jobs/pipeline_job.pipeline_output's
+                       "stage": 1, "description": pipe.describe()}  # as the deleted pipeline job wrote it (pinned)
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried,
                             tuple(sorted(pipe.layer_files + pipe.other_files)), other_dirs, tuple(templates),
                             manifest_source)

@@ -1,9 +1,12 @@
-"""DeepSpeed PipelineModule checkpoints (ZeRO-1), with or without a model axis: what a tag holds, and each stage's files rebuilt.
+"""DeepSpeed PipelineModule checkpoints (ZeRO-1), with or without a model axis: what a tag holds, checked.
 
-    from reshard.formats.deepspeed_pipeline import is_pipeline, inspect_pipeline, write_stage_files
+    from reshard.formats.deepspeed_pipeline import is_pipeline, inspect_pipeline
     if is_pipeline(tag_dir):
         source = inspect_pipeline(save_dir, tag)           # PipelineSource: pp, dp, stages, layer files
-        write_stage_files(source, stage=1, target_dp=3, tag_dir=out)   # that stage's model + optim files
+
+The files are resharded on the main road (docs/architecture.md "One road"): each (stage, model rank)
+column lowered to pieces (reshard.formats.deepspeed_inspect.inspect_pipeline_columns,
+reshard.jobs.collective_job.pipeline_stage_change); this module keeps the verified file facts.
 
 Files of a pipeline save (DeepSpeed 0.19.8, runtime/pipe/module.py `ckpt_layer_path`,
 `save_state_dict`; runtime/engine.py `_get_ckpt_name`, `_save_checkpoint`):
@@ -53,34 +56,29 @@ dim 0) and refuses what it cannot serve by name: no patterns at all (without the
 joins every parameter on dim 0: on the (2, 2, 1) "-mp2" test save, whose info is empty, a
 row-parallel [24, 21] weight came out [48, 21], the replicated [37, 24] embedding [74, 24]), averaged
 parameters whose ranks differ, a padded vocabulary, fused sub-parameter views, an affine map, and a
-target tp that does not cut a sliced dim evenly. `model_axis_states` joins every model rank's column
-(named_states) into whole per-name fp32 masters and moments, `cut_model_axis_states` cuts a target
-model rank's slice, and `write_repartitioned_stage` writes each target (stage, model rank) at the
-target's local shapes (`param_shapes`, mp_world_size pp * tp, checkpoint_parallel_dimensions
-tp_degree; universal_checkpoint_info and the rest of client_state carried). Since DeepSpeed's
-`parameters` partition weighs local (sliced) parameter counts, the stages are re-assigned with the
-target's (reshard.jobs.pipeline_job). Every layer file's tensors (weights in the training dtype,
-buffers, frozen parameters; by their stage names) are joined and re-cut by the same rule and
-written under the target's `-model_XX` names (`write_model_axis_layer_files`), replicated ones
-checked equal on every source rank.
+target tp that does not cut a sliced dim evenly. The main road lowers every model rank's slice onto
+the whole parameter (reshard.layouts.tensor_pieces.pipeline_model_axis_pieces) and writes each target
+(stage, model rank) at the target's local shapes (`param_shapes`, mp_world_size pp * tp,
+checkpoint_parallel_dimensions tp_degree; universal_checkpoint_info and the rest of client_state
+carried). Since DeepSpeed's `parameters` partition weighs local (sliced) parameter counts, the stages
+are re-assigned with the target's (reshard.formats.pipeline_target). Every layer file's tensors
+(weights in the training dtype, buffers, frozen parameters; by their stage names) are re-cut by the
+same rule in the same plan (`pipeline_model_axis`, reshard.layouts.model_axis.LayerFileSpace) under
+the target's `-model_XX` names; a replicated one is read from model rank 0.
 
 Each stage is its own data-parallel group: its optimizer files are an ordinary ZeRO-1 save over
 the stage's parameters (a tied module's parameters sit in every stage holding it, named
 `tied_modules.<key>.<param>`). With the number of stages unchanged, a new dp is therefore a
-ZeRO-1 re-cut per stage, with the layer files unchanged; that is what this module writes.
+ZeRO-1 re-cut per stage, with the layer files unchanged.
 
 Changing the number of stages needs what the checkpoint does not record: the layer count
 (trailing layers without a state_dict, and a TiedLayerSpec with a `forward_fn`, leave no file) and
 the positions of the tied layers; the caller gives them (reshard.layouts.pipeline.PipelineLayers),
-they are checked against the source's own stage assignment, and `write_repartitioned_stage`
-rebuilds each target stage from every parameter's full fp32 master and optimizer states: one
-ZeRO-1 flat per optimizer param group (a parameter keeps its group; the group's hyperparameters
+they are checked against the source's own stage assignment, and each target stage is one ZeRO-1
+flat per optimizer param group (a parameter keeps its group; the group's hyperparameters
 and scalar state come from the source), and the stage's `buffer_names` recomputed for its layers
 (the buffers themselves travel in the layer files). Shared parameters (`shared_params`, one
 tensor under two names inside the model, not a TiedLayerSpec) are refused with a pp change.
-
-This is the whole-tensor path: a stage's optimizer files are loaded whole (memory-mapped), one
-stage at a time per worker; it is not the bounded-memory round exchange of reshard.jobs.collective_job.
 """
 from __future__ import annotations
 
@@ -195,13 +193,6 @@ class PipelineSource:
 def stage_model_name(stage: int, model: int = 0, tp: int = 1) -> str:
     """The model-states file of (stage, model rank) with `tp` model ranks (stage_model_rank)."""
     return f"mp_rank_{stage_model_rank(stage, model, tp):02d}_model_states.pt"
-
-
-def stage_file_names(stage: int, dp: int, bf16: bool, model: int = 0, tp: int = 1) -> list[str]:
-    """The files of (stage `stage`, model rank `model`) at `dp` ranks and `tp` model ranks, in the
-    order they are written: its model-states file, then one optimizer file per dp rank."""
-    return [stage_model_name(stage, model, tp),
-            *(schema.optim_file_name(rank, bf16, stage_model_rank(stage, model, tp)) for rank in range(dp))]
 
 
 def load_whole(path: str, trust_pickle: bool = False):
@@ -750,24 +741,6 @@ def target_optimizers(source: PipelineSource, stage: int, target_dp: int, trust_
     return build_optimizers(template, list(spec.names), list(spec.numels), masters, moments, target_dp, ranks)
 
 
-def write_stage_files(source: PipelineSource, stage: int, target_dp: int, tag_dir: str,
-                      trust_pickle: bool = False, model_rank: int = 0,
-                      dp_ranks: Collection[int] | None = None) -> list[str]:
-    """Write (stage `stage`, model rank `model_rank`)'s model-states file (dp_world_size updated) and
-    its `target_dp` optimizer files into `tag_dir`, under their source names (the stages and the
-    model axis kept); return the paths written. `dp_ranks`: only these dp ranks' optimizer files
-    (a node-local output holds its own ranks'); none at all reads no optimizer file."""
-    model = load_whole(source.model_path(stage, model_rank), trust_pickle)
-    model["dp_world_size"] = target_dp
-    names = stage_file_names(stage, target_dp, source.bf16, model_rank, source.tp)
-    if dp_ranks is not None:
-        dp_ranks = sorted(dp_ranks)
-        names = [names[0], *(names[1 + rank] for rank in dp_ranks)]
-    optimizers = (target_optimizers(source, stage, target_dp, trust_pickle, model_rank, dp_ranks)
-                  if dp_ranks is None or dp_ranks else iter(()))
-    return _save_stage(model, optimizers, names, tag_dir)
-
-
 def named_states(source: PipelineSource, trust_pickle: bool = False, model: int = 0,
                  names: frozenset[str] | set[str] | None = None):
     """(stage 0's optimizer file as a template, {name: {"fp32": flat, <state>: flat}}) over every
@@ -826,55 +799,6 @@ def source_groups(source: PipelineSource) -> tuple[int, dict[str, int]]:
 def source_buffers(source: PipelineSource) -> list[str]:
     """Every persistent buffer's name once (`buffer_names`), stage order; a tied module's once."""
     return list(dict.fromkeys(name for spec in source.stages for name in spec.buffer_names))
-
-
-def joined_state_bytes(source: PipelineSource, target_dp: int, kept_stage: int | None = None,
-                       target_elements: int = 0, model: int | None = 0) -> int:
-    """About the most bytes of tensors (beyond the interpreter's own) that building one target stage
-    from whole tensors holds, from the optimizer files' sizes: with the stages kept
-    (`kept_stage`, `write_stage_files`), that stage's source files mapped and joined into flats and
-    one target rank's file at a time: 3 x their bytes (mapped pages, flats, and what torch.cat,
-    torch.save and the allocator keep besides) + 1/D. With a model axis, of model rank `model`'s
-    column. With the stages changed in the in-job load (`named_states`, the engine's partitions built
-    in memory), every source stage joined and kept: 3 x all optimizer bytes, plus the target stage's
-    `target_elements` joined and one target rank's share (the offline job writes from views of the
-    mapped files instead: `repartitioned_stage_bytes`). bench/pipeline_bench.py's save ((2, 1) ->
-    (1, 2), 127 MiB of optimizer files) peaked at about 3.85 x above the interpreter's own, where this
-    says 4.4 x; a stage kept, (2, 1) -> (2, 2), offline with one worker: 194 MiB above the
-    interpreter's own (418 MiB VmHWM; `import torch` and reshard alone: 224 MiB), where this says
-    223 MiB (measured again 2026-11-28, as `repartitioned_stage_bytes` was). With tp changed (`model` None,
-    model_axis_states; offline or in-job alike), every model rank's column is joined and kept, then each tensor joined whole
-    over the model ranks (one more copy): 4 x the optimizer bytes of every (stage, model rank), plus
-    the target unit's `target_elements` (at the target's local shapes) as above. Measured on a
-    (2, 2, 1) save with 218 MiB of optimizer files (tests/pipeline_run.py's -mp2u model widened to
-    dim 1024, hidden 8192), one worker: -> (1, 1, 4) peaked at 1.25 GiB RSS, about 1.03 GiB above the
-    interpreter's own, where this says 1.1 GiB; -> (2, 1, 2) at 1.08 GiB (0.86 above), where this says 1.0."""
-    models = range(source.tp) if model is None else [model]
-    sizes = [sum(os.path.getsize(source.optim_path(s, d, m)) for d in range(source.dp) for m in models)
-             for s in range(source.pp)]
-    if kept_stage is not None:
-        return 3 * sizes[kept_stage] + sizes[kept_stage] // target_dp
-    elements = len(models) * sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
-    per_element = sum(sizes) / max(1, elements)
-    return int((3 if model is not None else 4) * sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
-
-
-def repartitioned_stage_bytes(source: PipelineSource, target_dp: int, target_elements: int, model: int = 0) -> int:
-    """About the most bytes (beyond the interpreter's own) that the offline job holds building one
-    target stage of `target_elements` elements with the stages changed, tp kept, from model rank
-    `model`'s column (`named_states` + `write_repartitioned_stage`): every source stage's optimizer
-    file mapped, its pages touched once (1 x their bytes: the per-name states are views of them),
-    the target stage's partitions cut from those views (`FlatPieces`, 1 x the target's bytes), and one
-    target rank's file being saved (1/D). Measured on bench/pipeline_bench.py's save ((pp, dp) (2, 1),
-    127 MiB of optimizer files; VmHWM of one worker less that of an interpreter that imported torch
-    and reshard, 224 MiB): -> (1, 2) 250 MiB, where this says 307 (the 3 x estimate of
-    joined_state_bytes said 562: about twice the peak, issue 39); -> (1, 1) 251, this 367 (was 622);
-    -> (3, 1) with two workers 149 and 94 MiB, this 217 and 202 (was 471 and 457). Never below the
-    peak measured, and within 1.5 x of it for the neediest worker."""
-    sizes = [sum(os.path.getsize(source.optim_path(s, d, model)) for d in range(source.dp)) for s in range(source.pp)]
-    elements = sum(sum(sum(g) for g in spec.numels) for spec in source.stages)
-    per_element = sum(sizes) / max(1, elements)
-    return int(sum(sizes) + per_element * target_elements * (1 + 1 / target_dp))
 
 
 def frozen_numels(source: PipelineSource, layers) -> dict[str, int]:
@@ -969,117 +893,10 @@ def source_numels(source: PipelineSource) -> dict[str, int]:
     return numels
 
 
-def stage_flats(states: dict, groups: Sequence[Sequence[str]]) -> tuple[list, list[dict]]:
-    """Per param group, the fp32 master flat and each per-element state's flat of `groups`' names
-    (their unpadded concatenation, stage_1_and_2.py's flat order), from named_states' tensors."""
-    import torch
-    masters, moments = [], []
-    for names in groups:
-        keys = [key for key in states[names[0]] if key != "fp32"] if names else []
-        masters.append(torch.cat([states[name]["fp32"] for name in names]) if names else torch.zeros(0))
-        moments.append({key: torch.cat([states[name][key] for name in names]) for key in keys})
-    return masters, moments
-
-
 def source_shapes(source: PipelineSource) -> dict[str, tuple[int, ...]]:
     """Every trainable parameter's shape on one model rank (`param_shapes`), stage order."""
     return {name: shape for spec in source.stages for group_names, group_shapes in zip(spec.names, spec.shapes)
             for name, shape in zip(group_names, group_shapes)}
-
-
-def write_repartitioned_stage(source: PipelineSource, states: dict, template: dict, names: Sequence[str],
-                              target_pp: int, stage: int, target_dp: int, tag_dir: str,
-                              trust_pickle: bool = False, buffer_names: Sequence[str] | None = None,
-                              model_rank: int = 0, target_tp: int | None = None,
-                              shapes: dict[str, tuple[int, ...]] | None = None,
-                              ranks: Sequence[int] | None = None,
-                              model_file: bool | None = None) -> list[str]:
-    """Target stage `stage` of `target_pp`: its model-states file and `target_dp` optimizer files,
-    of model rank `model_rank` (`states`, `template`: named_states of that rank's column, the model
-    axis kept; or, with `target_tp` other than the source's, model_axis_states' whole tensors cut for
-    that rank by cut_model_axis_states, `shapes` each parameter's shape at the target). `names`: the
-    stage's parameters in flat order, `buffer_names` its buffers (reshard.layouts.pipeline.
-    StageAssignment); each parameter keeps its source param group. With `ranks`, only those dp
-    ranks' optimizer files, and the model-states file only with rank 0 (`model_file`: whether
-    to write it regardless, as a node-local output does on every node): `states` then needs only
-    the parameters `repartitioned_share_names` names for them. Returns the paths written."""
-    import collections
-
-    import torch
-
-    tp = source.tp if target_tp is None else target_tp
-    shapes = shapes or source_shapes(source)
-    groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
-    numels = [tuple(_numel(shapes[n]) for n in group) for group in groups]
-    masters, moments = _held_flats(states, groups, numels)
-    files = stage_file_names(stage, target_dp, source.bf16, model_rank, tp)
-    with_model = model_file if model_file is not None else ranks is None or 0 in ranks
-    if ranks is not None:
-        files = [*files[:1 if with_model else 0], *(files[1 + rank] for rank in ranks)]
-    if not with_model:
-        return _save_stage(None, build_optimizers(template, list(groups), numels, masters, moments, target_dp, ranks),
-                           files, tag_dir)
-    # the per-stage keys (ds_config, universal_checkpoint_info and the rest of client_state) are the
-    # same in every source (stage, model rank) file; a model rank the source lacks takes model rank 0's
-    model = load_whole(source.model_path(0, model_rank if model_rank < source.tp else 0), trust_pickle)
-    model["param_shapes"] = [collections.OrderedDict((name, torch.Size(shapes[name])) for name in group)
-                             for group in groups]
-    if buffer_names is not None:
-        model["buffer_names"] = list(buffer_names)
-    model["dp_world_size"] = target_dp
-    model["mp_world_size"] = target_pp * tp  # engine.py: the grid's model-parallel size, pp * tp
-    model["checkpoint_parallel_dimensions"] = {**(model.get("checkpoint_parallel_dimensions") or {}),
-                                               "pp_degree": target_pp,
-                                               **({"tp_degree": tp} if target_tp is not None else {})}
-    trees = build_optimizers(template, list(groups), numels, masters, moments, target_dp, ranks)
-    return _save_stage(model, trees, files, tag_dir)
-
-
-def _held_flats(states: dict, groups: Sequence[Sequence[str]], numels: Sequence[Sequence[int]]):
-    """stage_flats as FlatPieces over the parameters `states` holds (every one, or a share's):
-    per group, the fp32 master's and each per-element state's pieces; the state keys and dtypes
-    from the group's first held parameter (a group none is held of: no states, as stage_flats
-    gives an empty group)."""
-    import torch
-    masters, moments = [], []
-    for names, counts in zip(groups, numels):
-        held = [name in states for name in names]
-        first = next((states[name] for name in names if name in states), {"fp32": torch.zeros(0)})
-        flats = {key: FlatPieces.of([states[name][key] for name in names if name in states], counts,
-                                    first[key].dtype, held) for key in first}
-        masters.append(flats.pop("fp32"))
-        moments.append(flats)
-    return masters, moments
-
-
-def repartitioned_share_names(source: PipelineSource, names: Sequence[str], shapes: dict[str, tuple[int, ...]],
-                              target_dp: int, ranks: Sequence[int]) -> frozenset[str]:
-    """The parameters of a target stage (`names` in flat order, `shapes` at the target) whose
-    elements the optimizer partitions of dp `ranks` hold (stage_1_and_2.py's flat split, as
-    build_optimizers cuts it), and of each param group no rank of `ranks` touches its smallest
-    parameter (which says the group's state keys and dtypes): what write_repartitioned_stage needs
-    for those ranks."""
-    import numpy as np
-    groups = split_by_group(names, source_groups(source)[1], len(source.stages[0].names))
-    runs = []  # `ranks` as runs of consecutive ranks [first, last]
-    for rank in sorted(set(ranks)):
-        if runs and runs[-1][1] == rank - 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    needed = set()
-    for group in groups:
-        numels = np.array([_numel(shapes[n]) for n in group], dtype=np.int64)
-        ends = np.cumsum(numels)
-        starts = ends - numels
-        partition = zero12_group(range(len(group)), numels.tolist(), target_dp).partition_numel
-        touched = set()
-        for first, last in runs:  # the parameters overlapping elements [first * ps, (last + 1) * ps)
-            a = int(np.searchsorted(ends, first * partition, "right"))
-            b = int(np.searchsorted(starts, (last + 1) * partition, "left"))
-            touched.update(name for name, size in zip(group[a:b], numels[a:b]) if size)
-        needed |= touched or ({min(group, key=lambda n: _numel(shapes[n]))} if group else set())
-    return frozenset(needed)
 
 
 def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
@@ -1104,99 +921,6 @@ def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
                 raise CheckpointError(path, f"has a universal_checkpoint_info other than {os.path.basename(first)}'s; "
                                             "how each parameter is sliced over the model axis must be one rule")
     return info
-
-
-def join_model_slices(rule, pieces: Sequence, local_shape: Sequence[int], name: str, where: str):
-    """The whole tensor of one model-axis tensor from every source model rank's `pieces` (each of
-    `local_shape`, any layout), by `rule` (reshard.layouts.model_axis.ModelAxisRule): a tensor every
-    rank holds whole must be equal on every rank (ds_to_universal.py `merge_tp_slices` asserts as
-    much for the replicated; it averages the others, which reshard refuses as lossy unless they are
-    equal); a sliced one is assembled from each rank's pieces (TensorSplit.local_pieces)."""
-    import torch
-    local_shape = tuple(int(d) for d in local_shape)
-    if rule.whole:
-        first = pieces[0].reshape(local_shape)
-        for rank, other in enumerate(pieces[1:], 1):
-            if not torch.equal(first, other.reshape(local_shape)):
-                if rule.kind == "average":
-                    raise UnsupportedCheckpoint(where, f"{name} matches parameter_to_average_patterns and differs "
-                                                       f"between model ranks 0 and {rank}: ds_to_universal averages "
-                                                       "such slices, which loses their values; reshard does not")
-                raise CheckpointError(where, f"{name} is replicated over the model axis (tp_replicated_parameter_"
-                                             f"patterns) but differs between model ranks 0 and {rank}")
-        return first
-    tp = len(pieces)
-    whole = rule.joined_shape(local_shape, tp)
-    split = rule.split(whole)
-    out = torch.empty(split.view or whole, dtype=pieces[0].dtype)
-    for rank, piece in enumerate(pieces):
-        flat = piece.reshape(-1)
-        for offset, box, _ in split.local_pieces(0, whole, tp, rank):
-            region = out[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
-            region.copy_(flat[offset:offset + box.numel].view(box.sizes))
-    return out.reshape(whole)
-
-
-def cut_model_slice(rule, whole, tp: int, rank: int):
-    """Model rank `rank`'s slice of `whole` at `tp` ranks (the inverse of join_model_slices; the
-    tensor itself when every rank holds it whole)."""
-    import torch
-    if rule.whole:
-        return whole
-    shape = tuple(whole.shape)
-    split, local = rule.split(shape), rule.local_shape(shape, tp)
-    view = whole.reshape(split.view or shape)
-    pieces = split.local_pieces(0, shape, tp, rank)
-    if len(pieces) == 1:  # one box (a plain split): its elements in order, a view when they are contiguous
-        _, box, _ = pieces[0]
-        return view[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].reshape(local)
-    out = torch.empty(_numel(local), dtype=whole.dtype)
-    for offset, box, _ in pieces:
-        out[offset:offset + box.numel] = view[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))].reshape(-1)
-    return out.view(local)
-
-
-def model_axis_states(source: PipelineSource, rules, trust_pickle: bool = False,
-                      names: frozenset[str] | set[str] | None = None):
-    """(model rank 0's stage 0 optimizer file as a template, {name: {"fp32": whole, <state>: whole}}):
-    named_states of every model rank's column (of `names` only, when given), each tensor joined over
-    the model ranks by its rule."""
-    shapes = source_shapes(source)
-    columns = [named_states(source, trust_pickle, model, names) for model in range(source.tp)]
-    template, joined = columns[0][0], {}
-    stage_of = {}
-    for spec in reversed(source.stages):
-        stage_of.update({name: spec.index for group in spec.names for name in group})
-    for name, states in columns[0][1].items():
-        rule, where = rules.rule(name), source.optim_path(stage_of[name], 0, 0)
-        joined[name] = {key: join_model_slices(rule, [column[name][key] for _, column in columns], shapes[name],
-                                               name, where) for key in states}
-    return template, joined
-
-
-def joined_stage_states(source: PipelineSource, stage: int, rules, trust_pickle: bool = False,
-                        moments: bool = True) -> dict[str, dict]:
-    """{name: {"fp32": whole, <state>: whole}} of one stage: every model rank's flats of it
-    (read_stage), each tensor joined over the model ranks by its rule (join_model_slices), at its
-    whole shape; without `moments` the fp32 masters alone. The exports' per-stage counterpart of
-    model_axis_states (a tied parameter is taken from the stage the caller names for it)."""
-    spec = source.stages[stage]
-    shapes = {name: shape for names, group_shapes in zip(spec.names, spec.shapes)
-              for name, shape in zip(names, group_shapes)}
-    columns = []
-    for model in range(source.tp):
-        _, masters, flats = read_stage(source, stage, trust_pickle, model)
-        columns.append(states_by_name(spec, masters, flats if moments else [{} for _ in flats]))
-    where = source.optim_path(stage, 0, 0)
-    return {name: {key: join_model_slices(rules.rule(name), [column[name][key] for column in columns], shapes[name],
-                                          name, where) for key in states}
-            for name, states in columns[0].items()}
-
-
-def cut_model_axis_states(joined: dict, rules, names: Sequence[str], tp: int, rank: int) -> dict:
-    """model_axis_states' whole tensors of `names`, each cut for model rank `rank` of `tp`, flat."""
-    return {name: {key: cut_model_slice(rules.rule(name), whole, tp, rank).reshape(-1)
-                   for key, whole in joined[name].items()} for name in names}
 
 
 layer_file_name = schema.layer_file_name  # module.py `ckpt_layer_path`
@@ -1229,47 +953,6 @@ def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int,
             target_local_shapes(rules, local, source.tp, target_tp)
         except ModelAxisError as error:
             raise UnsupportedCheckpoint(path, f"{asked or f'--target-tp {target_tp}'}: {error}") from None
-
-
-def model_axis_layer_states(source: PipelineSource, layers, rules, index: int, target_tp: int,
-                            ranks: Sequence[int], trust_pickle: bool = False) -> list:
-    """Layer `index`'s state_dict for each model rank of `ranks` at `target_tp`: every tensor of the
-    source ranks' files (weights in the training dtype, buffers, frozen parameters) joined and re-cut
-    by its rule (`layers` names them for the rules, layer_tensor_name); what
-    write_model_axis_layer_files writes and the in-job load (reshard.deepspeed) serves."""
-    paths = [os.path.join(source.tag_dir, layer_file_name(index, m)) for m in range(source.tp)]
-    states = [load_whole(path, trust_pickle) for path in paths]
-    for path, state in zip(paths, states):
-        if not isinstance(state, dict) or state.keys() != states[0].keys():
-            raise CheckpointError(path, f"does not hold the entries of {os.path.basename(paths[0])}")
-    joined = {}
-    for key, value in states[0].items():
-        if hasattr(value, "shape"):
-            name = layer_tensor_name(layers, index, key)
-            joined[key] = (rules.rule(name), join_model_slices(rules.rule(name), [s[key] for s in states],
-                                                               tuple(value.shape), name, paths[0]))
-    cut = []
-    for rank in ranks:
-        out = states[0].copy()  # an OrderedDict as the layer's state_dict(), its non-tensor entries kept
-        if hasattr(states[0], "_metadata"):  # Module.state_dict's version record, which copy() drops
-            out._metadata = states[0]._metadata
-        for key, (rule, whole) in joined.items():
-            out[key] = cut_model_slice(rule, whole, target_tp, rank).clone()
-        cut.append(out)
-    return cut
-
-
-def write_model_axis_layer_files(source: PipelineSource, layers, rules, index: int, target_tp: int, tag_dir: str,
-                                 trust_pickle: bool = False) -> list[str]:
-    """Layer `index`'s files at `target_tp` model ranks (model_axis_layer_states), each rank's under
-    its `-model_XX` name; returns the paths written."""
-    import torch
-    written = []
-    for rank, state in enumerate(model_axis_layer_states(source, layers, rules, index, target_tp, range(target_tp),
-                                                         trust_pickle)):
-        written.append(write_named_file(tag_dir, os.path.join(tag_dir, layer_file_name(index, rank)),
-                                        lambda path, state=state: torch.save(state, path)))
-    return written
 
 
 def _save_stage(model: dict | None, optimizers: Iterator[dict], names: Sequence[str], tag_dir: str) -> list[str]:

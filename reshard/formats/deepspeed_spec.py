@@ -217,8 +217,8 @@ class SourceCheckpoint:
             return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
         tp = self.spec.topology.tp
         if self.spec.model_axis is not None:  # another tp: model rank 0's stage 0 optimizer file, as the pipeline
-            # job's (deepspeed_pipeline.model_axis_states), and the stage 0 model file of the same model rank, or
-            # of model rank 0 where the source has none (write_repartitioned_stage)
+            # job's were (pinned bytes), and the stage 0 model file of the same model rank, or
+            # of model rank 0 where the source has none
             optim_column, model_column = 0, at.tp if at.tp < tp else 0
         else:  # a stage change: stage 0's, as the pipeline job's (deepspeed_pipeline.named_states)
             optim_column = model_column = at.tp if self.spec.target_columns is not None else at.pp * tp + at.tp

@@ -104,8 +104,8 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
 
 def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) -> None:
     """A stage file at another number of stages: its buffers, and the model-parallel size (pp * tp) and
-    pp degree as engine.py saves them, set as the pipeline job sets them
-    (deepspeed_pipeline.write_repartitioned_stage), key order kept."""
+    pp degree as engine.py saves them, set as the deleted pipeline job set them
+    (the pinned bytes of tests/test_pipeline_pinned.py), key order kept."""
     if spec.target_buffer_names:
         tree["buffer_names"] = list(spec.target_buffer_names[stage])
     tree["mp_world_size"] = target.pp * target.tp

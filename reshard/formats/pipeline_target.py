@@ -1,6 +1,6 @@
 """The target of a PipelineModule reshard from the caller's layer list: its stages, and at another tp how each
-tensor is sliced. One function for every job kind (reshard.jobs.collective_job.pipeline_stage_change on the
-main road; the whole-tensor pipeline job, array mode, node-local and the in-job load until they join it).
+tensor is sliced. One function for every job kind (reshard.jobs.collective_job.pipeline_stage_change, which
+the collective job, array tasks, node-local and, with the engine's stages, the in-job load call).
 
     from reshard.formats.pipeline_target import pipeline_target
     planned = pipeline_target(opts, inspect_pipeline(save_dir, tag))   # OptionError / UnsupportedCheckpoint by name
@@ -79,8 +79,7 @@ def pipeline_target(opts, source: PipelineSource) -> PipelineTarget:
     reproduced at the source first; at another tp weighed at the target's local shapes, `model_axis_plan`);
     what no pipeline reshard serves refused by name. `opts`: the job's options (reshard.jobs.options.
     ReshardOptions: target_dp, target_pp, target_tp, target_stage, target_ep, pipeline_layers,
-    pipeline_tied, pipeline_partition). The batch config is the caller's to check (the main road's
-    preflight, reshard.jobs.pipeline_job.pipeline_target for the whole-tensor job)."""
+    pipeline_tied, pipeline_partition). The batch config is the caller's to check (preflight)."""
     model = source.model_path(0)
     if opts.target_pp not in (None, source.pp) and not opts.pipeline_layers:
         raise UnsupportedCheckpoint(model, f"--target-pp {opts.target_pp} (the save has {source.pp} stages): "

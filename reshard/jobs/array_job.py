@@ -390,10 +390,6 @@ class _PipelineColumnsUnit(_ZeroUnit):
                            list(source.other_dirs))
 
 
-def _size_in(directory: str, name: str) -> int:
-    return os.path.getsize(os.path.join(directory, name))
-
-
 def _no_collectives(opts: ReshardOptions) -> str:
     return f"no collectives (array task {opts.array_task} of {opts.array_tasks})"
 

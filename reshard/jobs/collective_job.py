@@ -507,7 +507,7 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
     spec = source.spec
     target_entry = {"dp_world_size": opts.target_dp, "stage": target.zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
-    if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (jobs/pipeline_job)
+    if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (pinned bytes)
         source_entry = {**source.manifest_source, "files": start.identity}
         target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
                         "stage": 1, **(site.placement or {})}

@@ -9,7 +9,7 @@
 
 Every kind of job runs this sequence, and only this one: the collective job (reshard.jobs.collective_job, also
 node-local, where each node's leader runs the destination steps for its own DST), the
-whole-file jobs (reshard.jobs.whole_file_job: ZeRO-0 MoE, pipeline) and the exports
+exports
 (reshard.export.runner), and each SLURM array task (reshard.jobs.array_job), which has no peers
 and shares its staging with the other tasks: it resumes per file (`ResumeByFile`) where the others
 resume by rounds (`ResumeByRounds`), and its set is placed by `publish_sets` once every task is done.

@@ -207,7 +207,7 @@ def layer_stage_bounds(opts, source: PipelineSource, stages) -> tuple[int, ...] 
     stages change; with the stages kept, the source's, worked out from --pipeline-layers when given (the
     assignment that reproduces every source stage's parameters, reshard.formats.deepspeed_pipeline.
     check_layers_reproduce_source); None when unknown (then every node gets every layer file)."""
-    from reshard.jobs.pipeline_job import pipeline_layers
+    from reshard.formats.pipeline_target import pipeline_layers
     if stages is not None:
         return stages.bounds
     if not opts.pipeline_layers:
@@ -288,7 +288,7 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
     """(source, target, carried, notes, PipelineNodeSite) of a node-local pipeline save on the plan, on
     every worker (NodeLocal.inspect's answer). `columns_target(opts, source, pipe)`: the collective
     job's (source, target, notes) of inspected columns. Collective."""
-    from reshard.jobs.pipeline_job import pipeline_target
+    from reshard.formats.pipeline_target import pipeline_target
     source, pipe = inspect_columns_on_nodes(transport, views, unit.source, unit.tag, opts.trust_pickle,
                                             not opts.dry_run)
     source, target, notes = columns_target(opts, source, pipe)

@@ -224,7 +224,7 @@ class ReshardOptions:
         topology that does not validate, or one whose ep `expert_problem(target)` (a checkpoint's
         own check: None when its experts fit) says cannot hold the experts."""
         from reshard.errors import TopologyError
-        if self.target_pp not in (None, source.pp):  # pipeline saves: the stages kept here, else pipeline_job
+        if self.target_pp not in (None, source.pp):  # pipeline saves: pipeline_stage_change
             raise OptionError(f"{path}: --target-pp {self.target_pp} is for DeepSpeed PipelineModule checkpoints; "
                               "this one has no pipeline stages (no layer_XX-model_states.pt files)")
         try:
