@@ -18,9 +18,10 @@ pipeline (`inspect_pipeline_columns` on the two nodes' files gathered, `collecti
 for the target stages), planned by `plan_reshard` with node-local ownership (`node_local.node_local_ownership`:
 each source rank read on a node that holds its files, target rank r written on node r // 2), and
 `ReshardPlan.bytes_between_nodes`: the optimizer bytes the main road's exchange must send between the
-nodes. The job that runs today (reshard.jobs.node_local_pipeline, whole files, no rounds) sends every
-pipeline file a node lacks whole, so its figure is the files' bytes; once the node-local pipeline road
-is on the plan, the measured figure should equal the plan's. The source bytes on each node are printed
+nodes. The job (reshard.jobs.node_local_columns, on the plan since issue 37's node-local branch; the
+whole-file job it replaced sent every pipeline file a node lacks) sends the optimizer exchange plus the
+layer files a node's target stages load but it lacks, whole, and counts them in its plan figure, so the
+measured figure equals the job's own plan figure. The source bytes on each node are printed
 too. Writes bench/results/pipeline-node-local-<timestamp>.json.
 """
 from __future__ import annotations
@@ -168,8 +169,8 @@ def main() -> None:
     results["load_average_at_end"] = os.getloadavg()
     print(f"\nnode-local pipeline, (pp, dp) (2, 2) -> ({args.target_pp}, {args.target_dp}), {NODES} nodes x {PER_NODE} "
           f"ranks; source per node {results['source_bytes_per_node']} bytes")
-    print(f"  crossed between nodes (measured, today's job)  {crossed:>12,} bytes")
-    print(f"  today's job's own plan figure (whole files)     {planned:>12,} bytes  (equal: {crossed == planned})")
+    print(f"  crossed between nodes (measured)               {crossed:>12,} bytes")
+    print(f"  the job's own plan figure (with layer files)    {planned:>12,} bytes  (equal: {crossed == planned})")
     print(f"  every file a node lacks: optimizer files {results['lacking_bytes']['optimizer_files']:,} bytes, "
           f"layer and model-states files {results['lacking_bytes']['layer_and_model_files']:,} bytes")
     print(f"  main road's plan (optimizer exchange)           {road:>12,} bytes  "

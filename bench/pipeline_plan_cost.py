@@ -19,7 +19,7 @@ one worker of the job derives, the way a real job derives it: the source spec as
 `inspect_pipeline_columns` builds it (per column (stage, model rank) its own (params, groups), a
 ZeRO-1 save; `spec.params` every column's end to end), the layer list checked against the source's
 stages and the target stages assigned (`layouts.pipeline.assign_stages`, "parameters" method, as
-`collective_job.pipeline_stage_change` gets them through `pipeline_job.pipeline_target`), the target
+`collective_job.pipeline_stage_change` gets them through `formats/pipeline_target.pipeline_target`), the target
 columns set on the spec (`target_columns`); then `plan_reshard` (the plan every worker derives:
 `plan_pipeline_stage_change`, or `plan_pipeline_columns` when pp is kept), that worker's view
 (`worker_view`, buffer sizes), and every one of its rounds (`WorkerPlan.round`), as the exchange asks

@@ -22,8 +22,7 @@ destination check, staging, lock, free space, clean-up), resuming per file
 beside the staging tag directory in DST/.reshard-staging/TAG.array/: `record.json` (what the set
 is: output fingerprint, K, every file and its owner, the manifest fields; written once, by
 whichever task comes first, and compared by every later one), `done/NAME.json` (NAME is complete
-and fsynced: its size and BLAKE3: the per-file completion marker; a pipeline unit's lists every
-file of the unit), and `task-I/` (where the
+and fsynced: its size and BLAKE3: the per-file completion marker), and `task-I/` (where the
 lifecycle keeps the task's lock: one live run per task). Tasks may run at any time, in any order,
 on any hosts that see SRC and DST, one after another or at once, and may be retried: a retried
 task redoes the files it had not finished.

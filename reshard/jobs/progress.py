@@ -12,7 +12,7 @@ terminal (a log file: tqdm then writes a line per refresh), RESHARD_PROGRESS=0 n
 summary on stdout is the same either way.
 
 A job's rounds (`reshard.jobs.execute`, with `start_rounds`) count the bytes all workers move;
-a job with no rounds to count (whole-file jobs, the pipeline exports) counts what worker 0 has
+a step with no rounds to count (verify without --against) counts what worker 0 has
 done of its own share, or, while a step has no count, shows the seconds it has taken.
 """
 from __future__ import annotations
