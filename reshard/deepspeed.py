@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from reshard.planning.checkpoint_plan import plan_reshard
+from reshard.planning.plan import Ownership
 from reshard.transport.collective import on_rank0
 from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.errors import ReshardError, UnsupportedCheckpoint
@@ -68,16 +69,18 @@ DEFAULT_BUDGET = 1 << 30
 
 
 class MemoryTargetWriter:
-    """Builds the target files of some ranks as in-memory objects (what torch.load would return)."""
+    """Builds the target files of some ranks as in-memory objects (what torch.load would return).
+    `files`: what a target rank writes (a ZeroStageTarget's `files`, as the collective job's
+    TargetWriter takes it); by default deepspeed_target.target_files, less the ZeRO-1/2 model states."""
 
-    def __init__(self, source: SourceCheckpoint, target_topology: Topology, ranks):
+    def __init__(self, source: SourceCheckpoint, target_topology: Topology, ranks, files=None):
         self.objects: dict[tuple[int, str], object] = {}
         self.locations: dict[tuple, np.ndarray] = {}
         self.bytes_written = 0
         for rank in ranks:
-            for target in target_files(source, target_topology, rank):
-                if source.spec.stage < 3 and source.spec.tensor is None and source.spec.columns is None and \
-                        target.name == schema.model_file_name(source.spec.stage):
+            for target in (files or target_files)(source, target_topology, rank):
+                if files is None and source.spec.stage < 3 and source.spec.tensor is None and \
+                        source.spec.columns is None and target.name == schema.model_file_name(source.spec.stage):
                     continue  # ZeRO-1/2 model states: every rank reads the source file, as DeepSpeed does
                 self.objects[(rank, target.name)] = self.build(source, rank, target)
 
@@ -198,7 +201,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, memory_bud
         return _load_pipeline_columns(engine, pipeline, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
     zero0 = on_rank0(transport, lambda: _zero0_moe_source(load_dir, tag, trust_pickle))
     if zero0 is not None:
-        return _load_zero0_moe(engine, zero0, transport, trust_pickle, load_checkpoint_kwargs)
+        return _load_zero0_moe(engine, zero0, transport, memory_budget, trust_pickle, load_checkpoint_kwargs)
     source: SourceCheckpoint = on_rank0(transport, lambda: inspect_checkpoint(load_dir, tag, trust_pickle=trust_pickle))
     target = _engine_topology(engine)
     target_dp = target.dp
@@ -445,47 +448,79 @@ def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict
 
 
 def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):
-    """The ZeRO-0 MoE checkpoint in `load_dir` (reshard.formats.deepspeed_zero0_moe), else None."""
+    """The ZeRO-0 MoE checkpoint in `load_dir` as the planner takes it
+    (reshard.formats.deepspeed_zero0_moe.inspect_zero0_moe_checkpoint: pickles only), else None."""
     from reshard.formats.deepspeed_inspect import resolve_tag
-    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe, is_zero0_moe
+    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
     tag = resolve_tag(os.path.abspath(load_dir), tag)
     if not is_zero0_moe(os.path.join(load_dir, tag)):
         return None
-    return inspect_zero0_moe(load_dir, tag, trust_pickle=trust_pickle)
+    return inspect_zero0_moe_checkpoint(load_dir, tag, trust_pickle=trust_pickle)
 
 
-def _load_zero0_moe(engine, source, transport, trust_pickle: bool, kwargs: dict):
-    """A ZeRO-0 MoE checkpoint: DeepSpeed loads it at any dp as it is; at another ep every rank
-    builds its own EP rank's optimizer file (and the model states, which hold EP rank 0's) in
-    memory from the source files, memory-mapped, and DeepSpeed's load reads them from there."""
-    from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name, target_optimizers
+def zero0_in_job_ownership(source_ep: int, target: Topology, workers: int) -> Ownership:
+    """Who reads and writes what in an in-job ZeRO-0 MoE load (plan_zero0_moe's ranks): source EP rank e
+    read in contiguous blocks; target EP rank e's `expp_rank_{e}` written by the first job rank of that
+    EP rank (its other ranks receive it); the model-states file (target rank target.ep) by the last job
+    rank that writes nothing else, else rank 0 (every rank receives it)."""
+    readers = [e * workers // source_ep for e in range(source_ep)]
+    writers = [next(r for r in range(workers) if target.expert_parallel_rank(r) == e) for e in range(target.ep)]
+    spare = [r for r in range(workers) if r not in writers]
+    return Ownership.from_tables(readers, writers + [spare[-1] if spare else 0], workers)
+
+
+def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, kwargs: dict):
+    """A ZeRO-0 MoE checkpoint: DeepSpeed loads it at any dp as it is; at another ep through the plan and
+    `execute()` as the collective job reshards it (formats/deepspeed_zero0_moe.Zero0Moe): each file the
+    engine reads at the target ep (every EP rank's `expp_rank_{e}`, the model states holding EP rank 0's
+    optimizer) is filled in memory under `memory_budget` by rounds on one rank (`zero0_in_job_ownership`)
+    and sent to the ranks that load it (a broadcast per file to the whole group, pickled: the scale
+    follow-up `_share_model_states` names); DeepSpeed's load reads them from there."""
+    from reshard.formats.deepspeed_zero0_moe import MODEL, Zero0Moe, expp_file_name
     target = _engine_topology(engine)
     problem = source.expert_problem(target)
     if target.tp != 1 or problem:
         raise UnsupportedCheckpoint(source.model_path(), f"cannot be loaded by this engine ({target}): "
                                                          f"{problem or 'ZeRO-0 MoE with tensor parallelism'}")
-    if target.ep == source.topology.ep:
+    if target.ep == source.spec.topology.ep:
         return engine.load_checkpoint(source.save_dir, source.tag, **kwargs)
     started = time.perf_counter()
+    zero0 = Zero0Moe(trust_pickle=trust_pickle)
+    own = zero0_in_job_ownership(source.spec.topology.ep, target, transport.size)
+    plan = zero0.plan(source, target, transport.size, budget, own)
+    objects = execute(plan, transport,
+                      open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
+                                                            trust_pickle=trust_pickle, extra_slots=zero0.source_slots),
+                      open_sink=lambda: MemoryTargetWriter(source, target, own.target_ranks_of(transport.rank),
+                                                           files=zero0.files),
+                      opening="opening source files", finish=lambda reader, writer: writer.objects)
     ep_rank = target.expert_parallel_rank(transport.rank)
-    optimizers = target_optimizers(source, target, sorted({0, ep_rank}), trust_pickle=trust_pickle)
-    # the training process's allowlist stays as it was (load_checked scopes it)
-    model = load_checked(source.model_path(), schema.safe_globals(), trust_pickle)
-    model.update(optimizer=optimizers[0], dp_world_size=target.dp)
+    optimizer = None
+    for e in range(target.ep):
+        writer = own.writer(e)
+        obj = objects.get((e, expp_file_name(e))) if transport.rank == writer else None
+        if any(r != writer and target.expert_parallel_rank(r) == e for r in range(transport.size)):
+            obj = transport.broadcast_object(obj, src=writer)
+        if e == ep_rank:
+            optimizer = obj
+    model = transport.broadcast_object(objects.get((target.ep, MODEL)), src=own.writer(target.ep))
+    del objects
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
         tag_dir = os.path.join(root, source.tag)
         os.makedirs(tag_dir)
         served = {os.path.join(tag_dir, MODEL): classes.to_deepspeed(model),
-                  os.path.join(tag_dir, expp_file_name(ep_rank)): {"optimizer": optimizers[ep_rank]}}
-        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name) for name in source.expert_files}
+                  os.path.join(tag_dir, expp_file_name(ep_rank)): classes.to_deepspeed(optimizer)}
+        # expert files are named by global expert id, the same at any ep: DeepSpeed reads its own from the source
+        redirected = {os.path.join(tag_dir, name): os.path.join(source.tag_dir, name)
+                      for name in source.other_files if schema.expert_file_index(name)}
         load_path, client_state = _load_with_served_files(engine, root, source.tag, served, redirected, kwargs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if transport.rank == 0:
-        print(f"reshard: resharded {source.tag_dir} from {source.topology.describe()} to {target.describe()} "
-              f"in-job in {time.perf_counter() - started:.2f} s", flush=True)
-    return None if load_path is None else os.path.join(source.tag_dir, os.path.basename(load_path)), client_state
+        print(f"reshard: resharded {source.tag_dir} from {source.spec.topology.describe()} to {target.describe()} "
+              f"in-job in {plan.rounds} round(s) in {time.perf_counter() - started:.2f} s", flush=True)
+    return _as_source_path(source, load_path), client_state
 
 
 def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transport, trust_pickle: bool) -> dict:

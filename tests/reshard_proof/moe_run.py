@@ -12,6 +12,7 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.moe_run check --ep 1 \
         --job moe_z2_fp32 /tmp/ck.truth.pt native /tmp/out1 /tmp/v1.json \
         --job autoep_z2_fp32 /tmp/ae.truth.pt in_job /tmp/ae /tmp/v2.json   # loads of several sources, one launch
+        --job moe_z0_fp32 /tmp/z0.truth.pt in_job:4096 /tmp/z0 /tmp/v3.json   # in-job, memory_budget=4096
 
 Experts live on one expert-parallel rank each, so no rank's view is the whole truth: every rank
 captures its own view (reshard_proof.engine_state), expert names are rewritten from the LOCAL
@@ -191,8 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.mode == "check":
         if (args.load_dir or args.in_job_load_dir or args.universal_load_dir) and not (args.variant and args.truth):
             parser.error("--load-dir, --in-job-load-dir and --universal-load-dir need --variant and --truth")
-        if any(how not in ("native", "in_job", "universal") for _, _, how, _, _ in args.job):
-            parser.error("a --job's HOW is native, in_job or universal")
+        if any(not re.fullmatch(r"native|in_job(:\d+)?|universal", how) for _, _, how, _, _ in args.job):
+            parser.error("a --job's HOW is native, in_job, in_job:BYTES or universal")
     return args
 
 
@@ -232,19 +233,27 @@ def _expected_param_groups(truth_groups: list[dict], ep: int) -> list[dict]:
 
 
 def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
-    """`how`: "native" (engine.load_checkpoint), "in_job" (reshard.deepspeed.load_checkpoint) or
-    "universal" (engine.load_checkpoint with checkpoint.load_universal)."""
+    """`how`: "native" (engine.load_checkpoint), "in_job" (reshard.deepspeed.load_checkpoint; "in_job:BYTES"
+    with memory_budget=BYTES, its summary line and the rounds it names in the verdict) or "universal"
+    (engine.load_checkpoint with checkpoint.load_universal)."""
+    import contextlib
     import dataclasses
+    import io
 
     import deepspeed.comm as dist
 
+    how, _, budget = how.partition(":")
     in_job, universal = how == "in_job", how == "universal"
+    printed = io.StringIO()
     engine = build_engine(dataclasses.replace(variant, load_universal=universal), args.seed, ep=args.ep)
     load_error, started = None, time.perf_counter()
     try:
         if in_job:
             from reshard.deepspeed import load_checkpoint as load_in_job
-            load_path, client_state = load_in_job(engine, load_dir)
+            with contextlib.redirect_stdout(printed):  # its summary line (rounds) goes into the verdict too
+                load_path, client_state = load_in_job(engine, load_dir,
+                                                      **({"memory_budget": int(budget)} if budget else {}))
+            print(printed.getvalue(), end="", flush=True)
         else:
             load_path, client_state = engine.load_checkpoint(load_dir)
         if load_path is None:
@@ -282,7 +291,9 @@ def check_one(variant, args, truth: dict, load_dir: str, how: str) -> dict:
             "beyond_masters": beyond_masters[:MAX_REPORTED_MISMATCHES],
             "load_error": "\n".join(load_errors) or None, "eval_loss": loss if math.isfinite(loss) else None,
             "truth_eval_loss": float(truth["eval_loss"]), "extra_step_losses": extra,
-            "load_seconds": round(time.perf_counter() - started, 3)}
+            "load_seconds": round(time.perf_counter() - started, 3), "memory_budget": int(budget) if budget else None,
+            "in_job_rounds": int(rounds[-1]) if (rounds := re.findall(r"in-job in (\d+) round", printed.getvalue()))
+            else None}
 
 
 def check(args) -> None:
