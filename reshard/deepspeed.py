@@ -28,6 +28,11 @@ engine's own stages; each rank fills its own stage's optimizer file in memory wi
 rounds. The layer files are read from the source at the save's tp; at another tp of the model axis (a
 save carrying universal_checkpoint_info patterns) they are re-cut in the same plan, by rounds too.
 
+ZeRO-0 MoE (no ZeRO, one whole optimizer state_dict per EP rank): at another ep the plan and `execute()`
+as the collective job runs them (`_load_zero0_moe`): each target `expp_rank_{e}` file, and the model
+states holding EP rank 0's optimizer, is filled in memory within `memory_budget` by rounds on one rank
+and broadcast to the ranks that load it (scale follow-up, as above).
+
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
 (removed afterwards) and DeepSpeed's checkpoint engine is pointed, for the duration of the

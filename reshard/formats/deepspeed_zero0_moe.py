@@ -25,8 +25,8 @@ whose `params` list the indices group by group; FP16_UnfusedOptimizer wraps it a
 `optimizer_state_dict` beside `fp32_groups` (one fp32 master per parameter) and its loss-scale
 scalars. Whole tensors per parameter, nothing partitioned: the target's files are the source's
 tensors regrouped (reshard.layouts.zero0_expert_groups). The collective job moves them through the
-planner and execute() like every other layout ("on the main road" below); the in-job load
-(reshard.deepspeed) builds each rank's dict in memory (`target_optimizers`).
+planner and execute() like every other layout ("on the main road" below), and so does the in-job
+load (reshard.deepspeed), into in-memory files.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  #
 from reshard.formats.deepspeed_rank_values import compare, describe, refuse
 from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint
 from reshard.formats.deepspeed_target import TargetFile
-from reshard.formats.torch_archive import NewTensor, TensorRef, load_checked, load_portable, refs_in
+from reshard.formats.torch_archive import NewTensor, TensorRef, load_portable, refs_in
 from reshard.layouts.experts import ExpertParams
 from reshard.layouts.zero import Stream
 from reshard.topology import Topology
@@ -236,55 +236,6 @@ def _optimizer_of(tree, path: str) -> dict:
     return tree["optimizer"]
 
 
-def _load(path: str, trust_pickle: bool):
-    # a ZeRO-0 MoE job loads whole files: the torch path; an in-job load leaves the allowlist as it was
-    return load_checked(path, schema.safe_globals(), trust_pickle)
-
-
-def target_optimizer(source: Zero0MoeSource, loaded: dict[int, dict], target: Topology, ep_rank: int) -> dict:
-    """EP rank `ep_rank`'s optimizer dict at `target`, from the source EP ranks' loaded dicts
-    (`loaded` maps source EP rank -> its file's "optimizer"; the ones `source_ranks_for` names).
-    Hyperparameters, scalars and dense groups come from source EP rank 0."""
-    first = loaded[0]
-    inner0 = first.get(INNER, first)
-    groups, state, masters = [], {}, [] if source.wrapped else None
-    index = 0
-    for g, (group, order) in enumerate(zip(inner0["param_groups"], source.orders)):
-        if order is None:
-            places = [(0, p) for p in range(len(group["params"]))]
-        else:
-            places = order.sources(source.topology.ep, target.ep, ep_rank)
-        new_group = dict(group)
-        if order is not None and group.get("name") == f"ep_size_{source.topology.ep}":
-            new_group["name"] = f"ep_size_{target.ep}"  # moe/utils.py names it after its process group
-        new_group["params"] = list(range(index, index + len(places)))
-        groups.append(new_group)
-        if masters is not None:
-            masters.append([])
-        for src_rank, position in places:
-            optimizer = loaded[src_rank]
-            inner = optimizer.get(INNER, optimizer)
-            old = inner["param_groups"][g]["params"][position]
-            if old in inner["state"]:
-                state[index] = inner["state"][old]
-            if masters is not None:
-                masters[g].append(optimizer["fp32_groups"][g][position])
-            index += 1
-    new_inner = dict(inner0, state=state, param_groups=groups)
-    if not source.wrapped:
-        return new_inner
-    return dict(first, **{INNER: new_inner, "fp32_groups": masters})
-
-
-def source_ranks_for(source: Zero0MoeSource, target: Topology, ep_rank: int) -> list[int]:
-    """The source EP ranks whose optimizer files target EP rank `ep_rank` draws on (0 always: dense state)."""
-    ranks = {0}
-    for order in source.orders:
-        if order is not None:
-            ranks |= {rank for rank, _ in order.sources(source.topology.ep, target.ep, ep_rank)}
-    return sorted(ranks)
-
-
 def _check_same_groups(source: Zero0MoeSource, optimizer: dict, path: str) -> None:
     """Every EP rank's file has EP rank 0's groups, of the same lengths (DeepSpeed's MoE
     deep-copies one expert), and the same wrapper."""
@@ -329,7 +280,7 @@ def _dense(shape, stride) -> bool:
 
 def _rank_values(optimizer: dict) -> dict:
     """What every EP rank's optimizer file holds alike, and the targets take from EP rank 0's
-    (`target_optimizer`): the fp16 wrapper's loss-scale values (fp16/unfused_optimizer.py
+    (`_optimizer_tree`): the fp16 wrapper's loss-scale values (fp16/unfused_optimizer.py
     `state_dict`: cur_scale, cur_iter, ...; every rank steps the scaler from the same overflow, which
     runtime/utils.py `CheckOverflow.has_overflow` all-reduces over every rank for MoE) and
     each param group's hyperparameters (lr, betas, ...: one scheduler on every rank)."""
@@ -350,43 +301,13 @@ def _check_same_as_ep_rank0(optimizer: dict, path: str, optimizer0: dict, path0:
         refuse(path, f"optimizer.{where}", describe(here), path0, describe(there))
 
 
-class _SourceOptimizers:
-    """The source EP ranks' optimizer dicts, each loaded (memory-mapped) and checked once."""
-
-    def __init__(self, source: Zero0MoeSource, trust_pickle: bool):
-        self.source, self.trust_pickle = source, trust_pickle
-        self.loaded: dict[int, dict] = {}
-        self.read: list[str] = []
-
-    def __getitem__(self, rank: int) -> dict:
-        if rank not in self.loaded:
-            path = self.source.expp_path(rank)
-            optimizer = _optimizer_of(_load(path, self.trust_pickle), path)
-            _check_same_groups(self.source, optimizer, path)
-            if rank != 0:
-                _check_same_as_ep_rank0(optimizer, path, self[0], self.source.expp_path(0))
-            self.read.append(path)
-            self.loaded[rank] = optimizer
-        return self.loaded[rank]
-
-    def target(self, target: Topology, ep_rank: int) -> dict:
-        ranks = source_ranks_for(self.source, target, ep_rank)
-        return target_optimizer(self.source, {r: self[r] for r in ranks}, target, ep_rank)
-
-
-def target_optimizers(source: Zero0MoeSource, target: Topology, ep_ranks, *, trust_pickle: bool = False) -> dict:
-    """{EP rank: its optimizer dict at `target`} for the given target EP ranks (in-job loads)."""
-    sources = _SourceOptimizers(source, trust_pickle)
-    return {e: sources.target(target, e) for e in ep_ranks}
-
-
 # --- on the main road: the planner and execute() (docs/architecture.md, "One road") -------------------
 # A ZeRO-0 MoE save lowers to pieces of whole parameters: each parameter of an EP rank's optimizer is
 # one buffer of its own (its index in the torch state_dict), in three spaces (per-element states, 0-d
 # states, fp32 masters: layouts/zero0_expert_groups.Zero0Space). Source ranks are the source's EP
 # ranks (their expp_rank_{e} files); target ranks the target's EP ranks and one more, the model-states
 # file's copy of EP rank 0's optimizer (planning/checkpoint_plan.plan_zero0_moe). Each target file's
-# tree is the one `target_optimizer` builds, with NewTensor slots where it took the source's tensors.
+# tree is EP rank 0's dict regrouped (`_optimizer_tree`), with NewTensor slots for the source's tensors.
 
 TensorMeta = tuple  # ("tensor", dtype, shape, requires_grad): a tensor the exchange fills, by its source's
 
@@ -555,8 +476,9 @@ def _new_tensor(meta: TensorMeta, slot: tuple) -> NewTensor:
 
 
 def _optimizer_tree(source: Zero0MoeCheckpoint, target: Topology, ep_rank: int) -> dict:
-    """EP rank `ep_rank`'s optimizer dict at `target` as `target_optimizer` builds it from the loaded
-    files, its tensors NewTensor slots: ("optim" | "scalar", buffer, state key), ("master", buffer, "fp32"),
+    """EP rank `ep_rank`'s optimizer dict at `target` (hyperparameters, scalars and dense groups from
+    source EP rank 0; each parameter's states and master where `target_places` puts them), its tensors
+    NewTensor slots: ("optim" | "scalar", buffer, state key), ("master", buffer, "fp32"),
     buffer the parameter's index in this optimizer."""
     spec = source.spec
     first = copy.deepcopy(source.optim_template)
