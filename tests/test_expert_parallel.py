@@ -250,6 +250,21 @@ def test_zero0_group_order_moves_each_parameter_to_its_experts_place(counts, sou
     assert seen == set(source)  # every source parameter lands exactly once
 
 
+@pytest.mark.parametrize("source_ep, dp, ep", [(2, 2, 1), (1, 2, 2), (2, 4, 2), (2, 4, 4), (4, 4, 1)])
+def test_zero0_in_job_ownership_writes_each_file_on_a_rank_that_loads_it(source_ep, dp, ep):
+    """The in-job ZeRO-0 MoE load (reshard.deepspeed._load_zero0_moe): target EP rank e's file is written
+    by a job rank of EP rank e, the model-states file by a rank writing nothing else where there is one,
+    and every source EP rank has a reader."""
+    from reshard.deepspeed import zero0_in_job_ownership
+    target = Topology(dp=dp, ep=ep)
+    own = zero0_in_job_ownership(source_ep, target, dp)
+    assert (own.source_ranks, own.target_ranks) == (source_ep, ep + 1)
+    assert all(target.expert_parallel_rank(own.writer(e)) == e for e in range(ep))
+    assert sorted(r for w in range(dp) for r in own.source_ranks_of(w)) == list(range(source_ep))
+    model_writer = own.writer(ep)
+    assert (model_writer not in [own.writer(e) for e in range(ep)]) == (dp > ep)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=2), st.integers(0, 3), st.sampled_from([1, 2, 4]),
        st.sampled_from([1, 2, 4]), st.integers(1, 3), st.data())
