@@ -103,13 +103,6 @@ class Zero0MoeSource:
         return (f"ZeRO-0 native MoE, {self.precision} ({optimizer}), {self.topology.dp} dp ranks, ep={self.topology.ep}, "
                 f"{len(self.num_experts)} MoE layers of {'/'.join(map(str, self.num_experts))} experts")
 
-    def expert_problem(self, target: Topology) -> str | None:
-        bad = sorted({n for n in self.num_experts if n % target.ep})
-        if bad:
-            return (f"the MoE layers have {', '.join(map(str, bad))} experts, which ep={target.ep} does not divide "
-                    "(DeepSpeed's MoE needs num_experts % ep_size == 0)")
-        return None
-
 
 def _inner(optimizer: dict, path: str) -> dict:
     inner = optimizer.get(INNER, optimizer) if isinstance(optimizer, dict) else None
