@@ -160,3 +160,18 @@ def test_the_next_logged_losses_are_deepspeeds(hf_trained, fsdp2_resume):
     assert sorted(deepspeed) == [1, 2, 3, 4, 5, 6] and sorted(fsdp2) == [1, 2, 3, 4, 5, 6]
     assert all(fsdp2[step] == deepspeed[step] for step in (1, 2, 3))  # carried in trainer_state.json
     assert [fsdp2[step] for step in (4, 5, 6)] == [deepspeed[step] for step in (4, 5, 6)]
+
+
+@pytest.mark.e2e
+def test_a_pipeline_save_is_refused_in_the_accelerate_layout_by_name(pipeline_runs, tmp_path):
+    """The accelerate layout is a Hugging Face Trainer checkpoint directory; a PipelineModule save exports to
+    DCP in the torch layout only (refused by name where the two exports met, reshard.export.dcp_job._run)."""
+    from reshard.errors import UnsupportedCheckpoint
+    from reshard.export.dcp_job import export_dcp
+    save, _ = pipeline_runs("fp32", 2, 1)
+    before = tree_files(save)
+    with pytest.raises(UnsupportedCheckpoint, match=r"step3: is a PipelineModule save: the accelerate layout is for "
+                                                    r"Hugging Face Trainer saves"):
+        export_dcp(str(save), str(tmp_path / "out"), layout="accelerate")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert tree_files(save) == before
