@@ -52,7 +52,7 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(requ
 
     import reshard.formats.target_writer as target_writer
     from reshard.jobs.array_job import inspect_unit, publish_main
-    from reshard.jobs.collective_job import pipeline_on_road, run_job
+    from reshard.jobs.collective_job import inspect_pipeline_target, run_job
     from reshard.jobs.runs import Unit
     save_dir, _ = (request.getfixturevalue("tp_saves")[variant] if "target_tp" in options
                    else request.getfixturevalue("pipeline_runs")(variant, 2, 1))
@@ -67,7 +67,7 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(requ
                               memory_budget=ON_ROAD_BUDGET).validate()
 
     # the task to fail: one dealt a target file (or unit) and some copied or re-cut layer files
-    job = inspect_unit(opts(0), Unit(str(save_dir), "step3", str(destination), "step3"), pipeline_on_road)
+    job = inspect_unit(opts(0), Unit(str(save_dir), "step3", str(destination), "step3"), inspect_pipeline_target)
     assert job.source.spec.columns is not None  # on the plan
     items, tp = job.files(0), job.target.tp
     owners = deal_files(items, tasks)

@@ -6,7 +6,7 @@ With its stages and model ranks kept, each column of a PipelineModule save, the 
 `zero_pp_rank_{d}_mp_rank_{c}_optim_states.pt` and `mp_rank_{c}_model_states.pt` of mp index
 c = stage * tp + model rank (layouts/pipeline.stage_model_rank), is an ordinary ZeRO-1 save over
 that stage's own parameters (docs/architecture.md, "One road"), and the collective job reshards it
-so (collective_job.keeps_pipeline_columns). The first tests take one column alone, made a
+so (collective_job.inspect_pipeline_target). The first tests take one column alone, made a
 `SourceCheckpoint` here (`column_checkpoint`: spec from the column's own `param_shapes`, files named
 by its mp index), through the unchanged main-road parts (`plan_reshard`, `execute`, `SourceReader`,
 `target_files`, `TargetWriter`) under a 4 KiB budget, in many rounds, reading each source partition

@@ -12,7 +12,7 @@ for one worker restricted to the segments its own files hold (`restrict_to_files
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
 A DeepSpeed PipelineModule save goes through the same plan as the collective job
-(`_PipelineColumnsUnit`, inspected by the collective job's own `pipeline_on_road`), dealt the same way
+(`_PipelineColumnsUnit`, inspected by the collective job's own `inspect_pipeline_target`), dealt the same way
 over every target rank (stage, dp rank, model rank); its layer files are copied with tp kept, and with
 tp changed are target files of the plan, re-cut (issue 37).
 
@@ -236,19 +236,18 @@ def _write_record_once(path: str, record: dict) -> None:
                               f"{os.path.dirname(path)[:-len(ARRAY_SUFFIX)]} once none of them runs")
 
 
-def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_ZeroUnit":
+def inspect_unit(opts: ReshardOptions, unit: Unit, inspect_pipeline=None) -> "_ZeroUnit":
     """One checkpoint inspected, its target worked out, and the options checked against it.
-    `pipeline_on_road(opts, save_dir, tag)`: (source, target, notes) of a pipeline save
-    (reshard.jobs.collective_job.pipeline_on_road: the collective job's own predicate and inspection,
-    handed down from above this module)."""
+    `inspect_pipeline(opts, save_dir, tag)`: (source, target, notes) of a pipeline save
+    (reshard.jobs.collective_job.inspect_pipeline_target: the collective job's own inspection, handed
+    down from above this module)."""
     check_paths(unit.source, unit.destination)
     if is_pipeline(os.path.join(unit.source, unit.tag)):
-        on_road = pipeline_on_road(opts, unit.source, unit.tag) if pipeline_on_road is not None else None
-        if on_road is None:
+        if inspect_pipeline is None:
             raise OptionError(f"{os.path.join(unit.source, unit.tag)}: a pipeline checkpoint in array mode needs "
                               "the collective job's inspection (run it through `python -m reshard` or "
                               "reshard.jobs.collective_job.run_job)")
-        source, target, notes = on_road  # through the plan, as the collective job
+        source, target, notes = inspect_pipeline(opts, unit.source, unit.tag)  # through the plan, as the collective job
         carried = save_dir_files.list_save_dir_files(source.save_dir)
         return _PipelineColumnsUnit(source, target.topology, carried,
                                     notes + preflight(opts, source, target.topology, carried))
@@ -260,15 +259,15 @@ def inspect_unit(opts: ReshardOptions, unit: Unit, pipeline_on_road=None) -> "_Z
     return _ZeroUnit(source, target, carried, preflight(opts, source, target, carried))
 
 
-def run_array_task(opts: ReshardOptions, pipeline_on_road=None) -> ReshardResult:
+def run_array_task(opts: ReshardOptions, inspect_pipeline=None) -> ReshardResult:
     """Run task `opts.array_task` of `opts.array_tasks`, then publish whatever is complete.
-    `pipeline_on_road`: as `inspect_unit` takes it."""
+    `inspect_pipeline`: as `inspect_unit` takes it."""
     started = time.perf_counter()
     task, tasks = opts.array_task, opts.array_tasks
     check_paths(opts.source, opts.destination)
     units, notes = discover_units(opts.source, opts.destination, opts.tag, opts.all_tags)
     result = ReshardResult(notes=notes)
-    inspected = [inspect_unit(opts, unit, pipeline_on_road) for unit in units]
+    inspected = [inspect_unit(opts, unit, inspect_pipeline) for unit in units]
     files = [f for index, job in enumerate(inspected) for f in job.files(index)]
     owners = deal_files(files, tasks)
     shares = []
@@ -366,10 +365,10 @@ class _ZeroUnit:
 
 @dataclass
 class _PipelineColumnsUnit(_ZeroUnit):
-    """A PipelineModule save that the collective job takes through the plan
-    (collective_job.keeps_pipeline_columns: model ranks kept; dp changed, or pp with a layer list): its
-    target files dealt one by one over every target rank (stage, dp rank, model rank) and each written
-    through the one-worker plan restricted to it, as a ZeRO save's; the layer files copied as they are.
+    """A PipelineModule save (dp, pp or tp changed), inspected as the collective job inspects it
+    (collective_job.inspect_pipeline_target): its target files dealt one by one over every target rank
+    (stage, dp rank, model rank) and each written through the one-worker plan restricted to it, as a ZeRO
+    save's; the layer files copied with tp kept, re-cut target files with tp changed.
     Fingerprint and manifest are the collective job's (collective_job._describe_output, _publish), so the
     set publishes the same bytes."""
 

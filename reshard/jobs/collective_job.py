@@ -108,7 +108,7 @@ def run_job(opts: ReshardOptions, transport: Transport | None = None, *, started
     phase began (the command line passes its process's start), else this call."""
     if opts.array_tasks is not None:  # one SLURM array task: no transport, no peers
         from reshard.jobs.array_job import run_array_task
-        return run_array_task(opts, pipeline_on_road)
+        return run_array_task(opts, inspect_pipeline_target)
     clock = PhaseClock(started)
     own_transport = transport is None
     transport = transport or transport_from_environment(opts.backend, opts.timeout, opts.transport)
@@ -199,7 +199,7 @@ class WholeWorld:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
             tag_dir = os.path.join(unit.source, unit.tag)
-            if is_pipeline(tag_dir):  # one that keeps its columns (keeps_pipeline_columns)
+            if is_pipeline(tag_dir):  # column by column, through the plan
                 source, target, stages = inspect_pipeline_target(opts, unit.source, unit.tag)
             else:
                 inspect = inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else inspect_checkpoint
@@ -237,16 +237,6 @@ class WholeWorld:
         return source.save_dir
 
 
-def keeps_pipeline_columns(opts: ReshardOptions, tag_dir: str, names=None) -> bool:
-    """Whether a PipelineModule save takes the main road (the planner and `execute()`): every reshard of one
-    does, its dp, pp and tp changed or kept (reshard.formats.deepspeed_inspect.inspect_pipeline_columns, then
-    `pipeline_stage_change`, which refuses a pp or tp change without --pipeline-layers by name, and
-    `refuse_pipeline_options`: --target-stage, --target-ep). One predicate for every job kind. `names`: the
-    tag directory's file names, where no worker sees them all (a node-local job: the union of what every
-    node sees); unused while every pipeline reshard takes the road."""
-    return True
-
-
 def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> None:
     """What no pipeline reshard serves, refused by name whatever else changes: another ZeRO stage
     (DeepSpeed's PipelineEngine asserts ZeRO stage < 2, runtime/pipe/engine.py `PipelineEngine.__init__`,
@@ -261,31 +251,22 @@ def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> N
 
 def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
                             ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
-    """(source, target, notes) of a pipeline save `keeps_pipeline_columns` accepts: inspected as columns
-    (inspect_pipeline_columns) and its target worked out once, the target stages with another pp
-    (`pipeline_stage_change`). What every job kind that takes such a save through the plan calls
-    (WholeWorld.inspect; array tasks, reshard.jobs.array_job)."""
+    """(source, target, notes) of a pipeline save, every one of which takes the plan: inspected as columns
+    (inspect_pipeline_columns) and its target worked out once, the target stages with another pp or tp
+    (`columns_target`). What every job kind calls for one (WholeWorld.inspect; array tasks,
+    reshard.jobs.array_job, which sits below this module and is handed it by `run_job`)."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     return columns_target(opts, source)
 
 
 def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                    ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
-    """(source, target, notes) of inspected columns: with another pp, `pipeline_stage_change`. `pipe`: the
+    """(source, target, notes) of inspected columns: with another pp or tp, `pipeline_stage_change`. `pipe`: the
     save's PipelineSource where it was gathered from the nodes (None: read here)."""
     refuse_pipeline_options(opts, source)
     if opts.target_pp not in (None, source.spec.topology.pp) or opts.target_tp not in (None, source.spec.topology.tp):
         return pipeline_stage_change(opts, source, pipe)
     return source, checkpoint_target(opts, source), []
-
-
-def pipeline_on_road(opts: ReshardOptions, save_dir: str, tag: str
-                     ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]] | None:
-    """`inspect_pipeline_target` of a pipeline save that `keeps_pipeline_columns` accepts, else None: what
-    a job kind below this module (array tasks, node-local) is handed, so the predicate stays one."""
-    if not keeps_pipeline_columns(opts, os.path.join(save_dir, tag)):
-        return None
-    return inspect_pipeline_target(opts, save_dir, tag)
 
 
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
