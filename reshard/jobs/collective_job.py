@@ -53,12 +53,11 @@ from reshard.jobs.lifecycle import (
     Lifecycle,
     Start,
     destination_names,
-    publish_tag_dir,
+    publish_checkpoint,
 )
 from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.node_local_columns import ColumnsOnNodes
 from reshard.jobs.manifest import (
-    Manifest,
     manifest_source_entry,
     output_fingerprint,
     pipeline_stage_placement,
@@ -83,7 +82,6 @@ from reshard.formats.stage_change import ZeroStageTarget
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
-from reshard.version import __version__
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
@@ -497,7 +495,5 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
         target_entry["tp_world_size"] = target.topology.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
         target_entry["ep"] = _moe_target_ep(source, target.topology)
-    publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
-                                      reshard_version=__version__),
-                    unit.latest, scripts_from=site.scripts_from(source),
-                    carried=carried)
+    publish_checkpoint(staging, start.output_fingerprint, source_entry, target_entry, files, unit.latest,
+                       site.scripts_from(source), carried)
