@@ -329,6 +329,15 @@ class ExportResult:
         return "\n".join(lines)
 
 
+def report_result(result, result_json: str | None = None) -> None:
+    """Worker 0's last step of every command that ran a job (the reshard and its exports, by torchrun or
+    `--workers`): a ReshardResult as JSON at `result_json` when asked (`--result-json`, a path the options
+    checked: ReshardOptions.validate; the exports take none), then `result`'s summary on stdout."""
+    if result_json:
+        result.write_json(result_json)
+    print_summary(result.summary())
+
+
 def print_summary(text: str) -> None:
     """Print `text` on stdout; when the reader has gone (`reshard inspect X | head`), stop writing
     quietly: what was asked for has run, and its exit status stands."""
