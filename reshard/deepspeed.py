@@ -264,7 +264,8 @@ def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int,
     refused by name."""
     from reshard.formats.deepspeed_inspect import resolve_tag
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
-    tag = resolve_tag(os.path.abspath(load_dir), tag)
+    load_dir = os.path.abspath(load_dir)  # the PipelineSource's paths, as inspect_pipeline_columns makes them
+    tag = resolve_tag(load_dir, tag)
     tag_dir = os.path.join(load_dir, tag)
     if not is_pipeline(tag_dir):
         return None
@@ -317,7 +318,7 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
     from reshard.formats.deepspeed_pipeline import source_groups
     from reshard.formats.pipeline_target import model_axis_plan
     from reshard.jobs.collective_job import with_model_axis, with_target_stages
-    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle)
+    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle, pipe=pipe)
     by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
                 if model == 0 and dp == 0}
     model_path = pipe.model_path(0)
