@@ -27,7 +27,7 @@ import sys
 
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.options import ReshardOptions, field_docs, parse_size
-from reshard.jobs.results import print_summary, process_started
+from reshard.jobs.results import print_summary, process_started, report_result
 from reshard.transport import is_first_worker
 from reshard.transport.forked import WorkerLost
 
@@ -339,7 +339,7 @@ def export_main(argv: list[str]) -> int:
         _print_once(f"reshard export: error: {error}")
         return 2
     if _is_worker0():
-        print_summary(result.summary())
+        report_result(result)
     return 0
 
 
@@ -403,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reshard: error: {error}", file=sys.stderr)
         return 1
     if _is_worker0():
-        if options.result_json:
-            result.write_json(options.result_json)
-        print_summary(result.summary())
+        report_result(result, options.result_json)
     return 0
 

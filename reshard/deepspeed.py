@@ -17,8 +17,8 @@ Tensor parallelism (AutoTP, ZeRO-1/2 and ZeRO-3): the engine's TP size is its mo
 in the file names DeepSpeed loads), its DP size `dp_world_size`; the job must hold exactly
 tp x dp ranks, numbered as reshard numbers them (tp fastest, utils/groups.py). The module
 weights of each TP rank's model-states file are resliced in the same plan (never the source
-file served); the rank owning (dp 0, tp t) builds that object and broadcasts it to the other
-dp ranks of TP rank t (scale follow-up: a broadcast per TP rank to the whole group, pickled).
+file served); the rank owning (dp 0, tp t) builds that object and sends it to the other dp ranks
+of TP rank t alone (`share_file`: point to point, pickled; no other rank receives it).
 Under ZeRO-3 every (dp, tp) rank builds its own model-states and optim objects.
 
 Pipeline parallelism (PipelineModule, ZeRO-1): a save at the PipelineEngine's own (pp, dp, tp) goes
@@ -31,7 +31,7 @@ save carrying universal_checkpoint_info patterns) they are re-cut in the same pl
 ZeRO-0 MoE (no ZeRO, one whole optimizer state_dict per EP rank): at another ep the plan and `execute()`
 as the collective job runs them (`_load_zero0_moe`): each target `expp_rank_{e}` file, and the model
 states holding EP rank 0's optimizer, is filled in memory within `memory_budget` by rounds on one rank
-and broadcast to the ranks that load it (scale follow-up, as above).
+and sent to the ranks that load it alone (`share_file`, as above).
 
 What does touch disk: DeepSpeed's loader checks that the files it loads exist, so each rank
 creates empty placeholder files with the target names in a private temporary directory
@@ -264,7 +264,8 @@ def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int,
     refused by name."""
     from reshard.formats.deepspeed_inspect import resolve_tag
     from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
-    tag = resolve_tag(os.path.abspath(load_dir), tag)
+    load_dir = os.path.abspath(load_dir)  # the PipelineSource's paths, as inspect_pipeline_columns makes them
+    tag = resolve_tag(load_dir, tag)
     tag_dir = os.path.join(load_dir, tag)
     if not is_pipeline(tag_dir):
         return None
@@ -317,7 +318,7 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
     from reshard.formats.deepspeed_pipeline import source_groups
     from reshard.formats.pipeline_target import model_axis_plan
     from reshard.jobs.collective_job import with_model_axis, with_target_stages
-    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle)
+    source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle, pipe=pipe)
     by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
                 if model == 0 and dp == 0}
     model_path = pipe.model_path(0)
@@ -377,7 +378,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     each rank builds its column's from the source's as the job writes it (zero12_model_file). Layer files
     are per global layer index: at the save's tp the same at any pp and dp, so DeepSpeed reads them from
     the source; at another tp re-cut in the same plan (spec.model_axis), filled on dp rank 0 of each
-    (stage, model rank) and broadcast to its other dp ranks (`_share_layer_files`)."""
+    (stage, model rank) and sent to its other dp ranks (`_share_layer_files`)."""
     from reshard.formats.deepspeed_target import zero12_model_file
     pp, dp, tp = _engine_pipeline(engine)
     target = Topology(dp=dp, tp=tp, pp=pp)
@@ -435,20 +436,19 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
 def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict, transport) -> dict:
     """This rank's stage's layer files at its model rank ({layer index: object}), under a pipeline tp change: the
     plan fills them on dp rank 0 of each (stage, model rank) (deepspeed_target.pipeline_layer_files, as
-    DeepSpeed's save writes them there), every dp rank of that column loads them, so its dp rank 0 broadcasts
-    them (scale follow-up, as `_share_model_states`: a broadcast per column to the whole group, pickled)."""
+    DeepSpeed's save writes them there), every dp rank of that column loads them, so its dp rank 0 sends
+    each to that column's other dp ranks (`share_file`)."""
     here = target.coordinates(transport.rank)
     mine = {}
     for s in range(target.pp):
         for m in range(target.tp):
             owner = target.rank_of(0, m, s)
-            files = {index: objects[(owner, schema.layer_file_name(index, m))]
-                     for index, _, stage, _ in source.layer_templates if stage == s} \
-                if transport.rank == owner else None
-            if target.dp > 1:
-                files = transport.broadcast_object(files, src=owner)
-            if (here.pp, here.tp) == (s, m):
-                mine = files
+            column = [target.rank_of(d, m, s) for d in range(target.dp)]
+            for index, _, stage, _ in source.layer_templates:
+                if stage == s:
+                    obj = share_file(transport, objects, (owner, schema.layer_file_name(index, m)), owner, column)
+                    if (here.pp, here.tp) == (s, m):
+                        mine[index] = obj
     return mine
 
 
@@ -479,8 +479,7 @@ def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, 
     `execute()` as the collective job reshards it (formats/deepspeed_zero0_moe.Zero0Moe): each file the
     engine reads at the target ep (every EP rank's `expp_rank_{e}`, the model states holding EP rank 0's
     optimizer) is filled in memory under `memory_budget` by rounds on one rank (`zero0_in_job_ownership`)
-    and sent to the ranks that load it (a broadcast per file to the whole group, pickled: the scale
-    follow-up `_share_model_states` names); DeepSpeed's load reads them from there."""
+    and sent to the ranks that load it alone (`share_file`); DeepSpeed's load reads them from there."""
     from reshard.formats.deepspeed_zero0_moe import MODEL, Zero0Moe, expp_file_name
     target = _engine_topology(engine)
     problem = source.expert_problem(target)
@@ -502,13 +501,11 @@ def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, 
     ep_rank = target.expert_parallel_rank(transport.rank)
     optimizer = None
     for e in range(target.ep):
-        writer = own.writer(e)
-        obj = objects.get((e, expp_file_name(e))) if transport.rank == writer else None
-        if any(r != writer and target.expert_parallel_rank(r) == e for r in range(transport.size)):
-            obj = transport.broadcast_object(obj, src=writer)
+        loaders = [r for r in range(transport.size) if target.expert_parallel_rank(r) == e]
+        obj = share_file(transport, objects, (e, expp_file_name(e)), own.writer(e), loaders)
         if e == ep_rank:
             optimizer = obj
-    model = transport.broadcast_object(objects.get((target.ep, MODEL)), src=own.writer(target.ep))
+    model = share_file(transport, objects, (target.ep, MODEL), own.writer(target.ep), range(transport.size))
     del objects
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
@@ -540,16 +537,30 @@ def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transpo
 def _share_model_states(source: SourceCheckpoint, target: Topology, ownership, objects: dict, transport) -> None:
     """Under AutoTP ZeRO-1/2 the plan fills TP rank t's model states for target rank (dp 0, tp t),
     on the worker that writes that rank (in-job: worker r writes target rank r); every dp rank of
-    TP rank t loads that file."""
+    TP rank t loads that file, which `share_file` sends to them alone."""
     here = target.coordinates(transport.rank)
     for t in range(target.tp):
         rank = target.rank_of(0, t)
-        owner = ownership.writer(rank)
-        key = (rank, schema.model_file_name_of(target, rank, source.spec.stage))
-        if target.dp > 1:
-            obj = transport.broadcast_object(objects.get(key) if transport.rank == owner else None, src=owner)
-            if here.tp == t and (transport.rank, key[1]) not in objects:
-                objects[(transport.rank, key[1])] = obj
+        name = schema.model_file_name_of(target, rank, source.spec.stage)
+        loaders = [target.rank_of(d, t) for d in range(target.dp)]
+        obj = share_file(transport, objects, (rank, name), ownership.writer(rank), loaders)
+        if here.tp == t and (transport.rank, name) not in objects:
+            objects[(transport.rank, name)] = obj
+
+
+def share_file(transport, objects: dict, key, owner: int, loaders) -> object | None:
+    """The in-memory file `objects[key]`, built on worker `owner`, on each worker of `loaders` (the ranks
+    whose DeepSpeed load reads it): sent point to point, pickled, to each loader but the owner, and to no
+    other worker (TorchDistributedTransport.send_object; a broadcast would pickle it to the whole group).
+    Returns the file on the owner and the loaders, None elsewhere. Every worker calls it for the same keys in
+    the same order, so each send meets its receive and no two wait on each other."""
+    if transport.rank == owner:
+        obj = objects[key]
+        for rank in loaders:
+            if rank != owner:
+                transport.send_object(obj, rank)
+        return obj
+    return transport.recv_object(owner) if transport.rank in loaders else None
 
 
 def _load_served(engine, source: SourceCheckpoint, target: Topology, objects: dict, rank: int, kwargs: dict):

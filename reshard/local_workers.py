@@ -78,7 +78,7 @@ def run_forked(workers: int, timeout: float, work, *, over_gloo: bool = False, r
     """Run `work(transport)` on `workers` forked processes (this one is worker 0); worker 0 prints the
     result's summary (and writes `result_json`, or the refusal there); return the exit status.
     `python -m reshard export --workers W` runs its export this way too."""
-    from reshard.jobs.results import print_summary, write_refusal_json
+    from reshard.jobs.results import report_result, write_refusal_json
     from reshard.transport.forked import ForkedLinks, ForkedTransport, WorkerLost
 
     if over_gloo:
@@ -114,9 +114,7 @@ def run_forked(workers: int, timeout: float, work, *, over_gloo: bool = False, r
         finally:
             transport.close()
         if rank == 0 and code == 0:
-            if result_json:
-                result.write_json(result_json)
-            print_summary(result.summary())
+            report_result(result, result_json)
     except BaseException:
         if rank == 0:
             raise

@@ -169,7 +169,7 @@ def test_summaries_read_as_sentences():
                            "shared memory (forked workers)", 0, 1.0, False).summary()
     assert "2 workers over shared memory (forked workers)" in two, two
     from reshard.export.dcp_job import DcpResult
-    dcp = DcpResult("/src", "/out", "global_step3", ["__0_0.distcp"], 1, 3).summary()
+    dcp = DcpResult("/src", "/out", "global_step3", 1, 3, files=["__0_0.distcp"]).summary()
     assert "1 .distcp file; 1 worker, 3 rounds" in dcp and "(s)" not in dcp, dcp
 
     def can_write(sizes, why=""):

@@ -46,6 +46,28 @@ def test_a_pp_change_by_rounds_within_a_budget_reads_each_source_byte_once(pipel
     assert tree_hashes(out) == PINNED["fp32-pp2-dp1-to-pp1-dp2-w1"]
 
 
+def test_a_pp_change_reads_the_stage_pickles_once(pipeline_runs, tmp_path, monkeypatch):
+    """Worker 0 inspects a pp change's source once (deepspeed_pipeline.inspect_pipeline: every stage's model-
+    states and optimizer pickles, every layer file's header), for the columns and the target's stages alike
+    (collective_job.inspect_pipeline_target hands it down); it read them twice before. The dry run of the
+    same job: the target really is pp 1, and every source rank is planned."""
+    from test_pipeline_tp_change import LAYERS as LAYER_OPTIONS
+
+    from reshard.formats import deepspeed_pipeline
+    from reshard.jobs.collective_job import reshard_checkpoint
+    save, _ = pipeline_runs("fp32", 2, 1)
+    inspected = []
+    inspect = deepspeed_pipeline.inspect_pipeline
+    monkeypatch.setattr(deepspeed_pipeline, "inspect_pipeline",
+                        lambda *args, **kwargs: inspected.append(args[:2]) or inspect(*args, **kwargs))
+    result = reshard_checkpoint(str(save), str(tmp_path / "out"), 2, target_pp=1, dry_run=True, quiet=True,
+                                **LAYER_OPTIONS)
+    [checkpoint] = result.checkpoints
+    assert (checkpoint.source_topology.pp, checkpoint.target_topology.pp) == (2, 1)
+    assert len(inspected) == 1, inspected
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_pp_change_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes(pipeline_runs, tmp_path):
     """Issue 37's held-out check at this scale: pp 2 -> 1 by `torchrun -m reshard` (2 workers) under a
     4 KiB budget, killed in round 3 (SIGKILL, the journal durable every 1 KiB), run again: it resumes and

@@ -87,7 +87,7 @@ from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
-from reshard.jobs.results import counted
+from reshard.jobs.results import ExportResult, counted
 from reshard.planning.checkpoint_plan import source_rank_count, tensor_parallel_export_pieces, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -424,23 +424,22 @@ def add_aliases(metadata: MetadataBuilder, layout: DcpLayout) -> None:
                                length)
 
 
-@dataclass
-class DcpResult:
-    source: str
-    destination: str
-    tag: str
-    files: list
-    workers: int
-    rounds: int
-    seconds: float = 0.0
-    peak_rss_bytes: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
+@dataclass(kw_only=True)
+class DcpResult(ExportResult):
+    """What a DCP export wrote, besides what every export reports (reshard.jobs.results.ExportResult)."""
 
+    files: list
+    """The .distcp files the workers wrote (worker 0's own file of whole tensors besides)."""
     layout: str = "torch"
     carried: list = field(default_factory=list)
     """Files of the save directory carried into OUT (the accelerate layout)."""
 
-    def summary(self) -> str:
+    format_name = " (PyTorch DCP)"
+
+    def written(self) -> str:
+        return counted(len(self.files), ".distcp file")
+
+    def how_to_load(self) -> list[str]:
         if self.layout == "accelerate":
             load = (f"pytorch_model_fsdp_0/ and optimizer_0/ as Accelerate's FSDP2 SHARDED_STATE_DICT; "
                     f"{counted(len(self.carried), 'file')} of the save directory carried (trainer_state.json, "
@@ -448,12 +447,7 @@ class DcpResult:
                     "(docs/moving-to-fsdp2.md)")
         else:
             load = "load with dcp.load + set_state_dict (docs/moving-to-fsdp2.md)"
-        return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (PyTorch DCP)\n"
-                f"  {counted(len(self.files), '.distcp file')}; {counted(self.workers, 'worker')}, "
-                f"{counted(self.rounds, 'round')}, "
-                f"{self.seconds:.1f} s; {load}; counters, LR scheduler and client_state (and an fp16 run's loss "
-                f"scaler) in {RUN_STATE_NAME}"
-                + "".join(f"\n  note: {note}" for note in self.notes))
+        return [load, f"counters, LR scheduler and client_state (and an fp16 run's loss scaler) in {RUN_STATE_NAME}"]
 
 
 def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str | None = None,
@@ -534,9 +528,7 @@ def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pic
                            builder.build(output.fingerprint + directory))
         publish_files(staging, last=out.complete_marker)
 
-    rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
-    written = [n for f, n in enumerate(names) if layout.files[f]]
-    result = DcpResult(source.save_dir, destination, source.tag, written, transport.size, plan.rounds,
-                       peak_rss_bytes=rss, notes=output.notes, layout=out.name, carried=list(carried))
-    result.seconds = time.perf_counter() - started
-    return result
+    done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
+                      started=started)
+    return DcpResult.of(done, files=[n for f, n in enumerate(names) if layout.files[f]], layout=out.name,
+                        carried=list(carried))

@@ -24,10 +24,13 @@ journal, resume, atomic publish) around the one skeleton (`reshard.jobs.execute`
    files moved with the completing one last); all agree.
 A failure before the rounds removes the staging (and OUT, when this run created it); after,
 the staging stays for a resume and the message says so. OUT holds no output that looks
-complete until the publish. Returns each worker's peak RSS in bytes, gathered on every worker.
+complete until the publish. Returns what every export reports (reshard.jobs.results.ExportResult: where
+from and to, workers, rounds, seconds since `started`, each worker's peak RSS, the lifecycle's notes), on
+every worker; each format's result adds what it wrote (`ExportResult.of`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from reshard.jobs.destination import RESHARD_NAMES
@@ -36,6 +39,7 @@ from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle
 from reshard.jobs.manifest import plan_fingerprint
 from reshard.jobs.progress import Progress, progress_enabled
+from reshard.jobs.results import ExportResult
 from reshard.planning.plan import ReshardPlan
 from reshard.files.resources import peak_resident_bytes
 from reshard.formats.source_reader import SourceReader
@@ -59,10 +63,12 @@ class ExportOutput:
 
 
 def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: ExportOutput, open_writer, publish, *,
-               trust_pickle: bool = False) -> list[int]:
+               trust_pickle: bool = False, started: float | None = None) -> ExportResult:
     """`open_writer(target_ranks, staged_dir, reuse_existing)` creates this worker's writer;
     `publish(staging)` (worker 0, after every writer finished) completes the output in staging and
-    places it with reshard.jobs.lifecycle.publish_tag_dir or publish_files."""
+    places it with reshard.jobs.lifecycle.publish_tag_dir or publish_files. `started`: the
+    time.perf_counter() at which the export began (before its inspection), else this call."""
+    started = time.perf_counter() if started is None else started
     own = plan.ownership
     life = Lifecycle(output.destination, output.tag, leader=transport.rank == 0, overwrite=output.overwrite,
                      words=EXPORT)
@@ -82,4 +88,6 @@ def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: E
         after=lambda reader, writer, finished: life.publish(transport, None, lambda _: publish(staging)),
         start_round=start.rounds_done, durable_every_bytes=output.durable_every, on_durable=life.journal,
         progress=Progress("export", progress_enabled(False, transport.rank == 0))))
-    return transport.all_gather_object(peak_resident_bytes())
+    peak_rss = transport.all_gather_object(peak_resident_bytes())
+    return ExportResult(source.save_dir, output.destination, output.tag, transport.size, plan.rounds,
+                        time.perf_counter() - started, peak_rss, output.notes)

@@ -40,7 +40,7 @@ from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_o
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
-from reshard.jobs.results import counted
+from reshard.jobs.results import ExportResult, counted
 from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
@@ -63,33 +63,29 @@ def parse_shard_size(text: str | int) -> int:
     return int(float(match[1]) * _DECIMAL[unit])
 
 
-@dataclass
-class ExportResult:
-    source: str
-    destination: str
-    tag: str
+@dataclass(kw_only=True)
+class SafetensorsResult(ExportResult):
+    """What a safetensors export wrote, besides what every export reports (reshard.jobs.results.ExportResult)."""
+
     files: list
     total_size: int
-    workers: int
-    rounds: int
-    seconds: float = 0.0
-    peak_rss_bytes: list = field(default_factory=list)
     kept_for_tied: dict = field(default_factory=dict)
     tied_files: dict = field(default_factory=dict)
     """A pipeline save: layer file -> the tied module's key it was named by (reshard.export.pipeline_layout)."""
-    notes: list = field(default_factory=list)
     model_files: list = field(default_factory=list)
     """config, generation config and tokenizer files copied from the save directory (export.model_files)."""
 
-    def summary(self) -> str:
+    def written(self) -> str:
+        return f"{counted(len(self.files), 'safetensors file')}, {self.total_size:,} bytes of tensors"
+
+    def details(self) -> list[str]:
         tied = ", ".join([*(f"{alias} stored as {owner}" for alias, owner in self.kept_for_tied.items()),
                           *(f"{file} as tied_modules.{key}" for file, key in self.tied_files.items())])
-        return (f"export done: {self.source} (tag {self.tag}) -> {self.destination}\n"
-                f"  {counted(len(self.files), 'safetensors file')}, {self.total_size:,} bytes of tensors; "
-                f"{counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, {self.seconds:.1f} s"
-                + (f"\n  tied: {tied}" if tied else "")
-                + (f"\n  copied from the save directory: {', '.join(self.model_files)}" if self.model_files else "")
-                + "".join(f"\n  note: {note}" for note in [*self.notes, *missing_notes(self.model_files)]))
+        return ([f"tied: {tied}"] if tied else []) + \
+            ([f"copied from the save directory: {', '.join(self.model_files)}"] if self.model_files else [])
+
+    def all_notes(self) -> list[str]:
+        return [*self.notes, *missing_notes(self.model_files)]
 
 
 def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, budget_bytes: int, rules=None
@@ -114,7 +110,7 @@ def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, bu
 def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
                        tag: str | None = None, memory_budget: int = 1 << 30, trust_pickle: bool = False,
                        overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
-                       timeout: float = 600.0, durable_every: int = 1 << 30) -> ExportResult:
+                       timeout: float = 600.0, durable_every: int = 1 << 30) -> SafetensorsResult:
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     max_shard_bytes = parse_shard_size(max_shard_size)
@@ -174,10 +170,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
         write_index(staging.tag_dir, layout.total_size, layout.weight_map())
         publish_files(staging, last=INDEX_NAME)
 
-    rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
-    result = ExportResult(source.save_dir, destination, source.tag, [f.name for f in layout.files], layout.total_size,
-                          transport.size, plan.rounds, peak_rss_bytes=rss, kept_for_tied=layout.kept_for_tied,
-                          tied_files=tied_files,
-                          notes=output.notes, model_files=model_files)
-    result.seconds = time.perf_counter() - started
-    return result
+    done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
+                      started=started)
+    return SafetensorsResult.of(done, files=[f.name for f in layout.files], total_size=layout.total_size,
+                                kept_for_tied=layout.kept_for_tied, tied_files=tied_files, model_files=model_files)

@@ -53,7 +53,7 @@ from reshard.formats.torch_archive import NewTensor, dtype_of, is_ref, load_chec
 from reshard.formats.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
-from reshard.jobs.results import counted
+from reshard.jobs.results import ExportResult
 from reshard.files.paths import confined
 from reshard.planning.checkpoint_plan import source_rank_count, trainable_pieces
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
@@ -297,24 +297,20 @@ def write_pipeline_universal_metadata(found: PipelineExport, tag_dir: str, trust
             shutil.copyfile(source.model_path(rank), os.path.join(tag_dir, source.model_name(rank)))
 
 
-@dataclass
-class UniversalResult:
-    source: str
-    destination: str
-    tag: str
-    params: int
-    workers: int
-    rounds: int
-    seconds: float = 0.0
-    peak_rss_bytes: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
+@dataclass(kw_only=True)
+class UniversalResult(ExportResult):
+    """What a universal export wrote, besides what every export reports (reshard.jobs.results.ExportResult)."""
 
-    def summary(self) -> str:
-        return (f"export done: {self.source} (tag {self.tag}) -> {self.destination} (DeepSpeed universal)\n"
-                f"  {self.params} parameters; {counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, "
-                f"{self.seconds:.1f} s; "
-                f"load with \"checkpoint\": {{\"load_universal\": true}}"
-                + "".join(f"\n  note: {note}" for note in self.notes))
+    params: int
+    """Parameters written, each a directory under OUT/TAG/zero."""
+
+    format_name = " (DeepSpeed universal)"
+
+    def written(self) -> str:
+        return f"{self.params} parameters"
+
+    def how_to_load(self) -> list[str]:
+        return ['load with "checkpoint": {"load_universal": true}']
 
 
 def export_universal(source: str, destination: str, *, tag: str | None = None, memory_budget: int = 1 << 30,
@@ -369,9 +365,6 @@ def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_
                                       found.model.rules if found else None,
                                       ("fp32",) if found and found.masters_require_grad else ())
 
-    rss = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle)
-    result = UniversalResult(source.save_dir, destination, source.tag, len(bundles.params or source.spec.params),
-                             transport.size,
-                             plan.rounds, peak_rss_bytes=rss, notes=output.notes)
-    result.seconds = time.perf_counter() - started
-    return result
+    done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
+                      started=started)
+    return UniversalResult.of(done, params=len(bundles.params or source.spec.params))

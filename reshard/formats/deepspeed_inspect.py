@@ -996,7 +996,7 @@ def _check_same_counters(tree, source: SourceCheckpoint, path: str) -> None:
 
 
 def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None, *, trust_pickle: bool = False,
-                             read_tensors: bool = True, layer_shapes: bool = True) -> SourceCheckpoint:
+                             read_tensors: bool = True, layer_shapes: bool = True, pipe=None) -> SourceCheckpoint:
     """A PipelineModule save as the main road takes it when its stages and model ranks are kept
     (docs/architecture.md, "One road"): each column (stage s, model rank m; mp index s * tp + m) is a
     ZeRO-1 save over its stage's own parameters, so the spec holds each column's (params, groups)
@@ -1004,11 +1004,13 @@ def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None
     trees as templates; the layer files travel unchanged, as `other_files`. The save's structure is
     checked first as the pipeline job checks it (deepspeed_pipeline.inspect_pipeline, which refuses
     parameter alignment and round-robin gradients). `layer_shapes=False`: the layer files are not read
-    (verify --against compares an output's layer files with the source's, and reports a damaged one)."""
+    (verify --against compares an output's layer files with the source's, and reports a damaged one).
+    `pipe`: the save's inspect_pipeline, where the caller has read it already (a pp or tp change needs it
+    again for the target's stages, collective_job.inspect_pipeline_target): the stage pickles read once."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
-    save_dir = os.path.abspath(os.fspath(save_dir))
-    tag = resolve_tag(save_dir, tag)
-    pipe = inspect_pipeline(save_dir, tag, trust_pickle, layer_shapes=layer_shapes)
+    if pipe is None:
+        save_dir = os.path.abspath(os.fspath(save_dir))
+        pipe = inspect_pipeline(save_dir, resolve_tag(save_dir, tag), trust_pickle, layer_shapes=layer_shapes)
     found = [inspect_pipeline_column_trees(pipe, column, trust_pickle, read_tensors)
              for column in range(pipe.pp * pipe.tp)]
     return pipeline_columns_source(pipe, found)

@@ -79,11 +79,10 @@ from reshard.jobs.lifecycle import (
     ReadySet,
     ResumeByFile,
     destination_names,
+    publish_checkpoint,
     publish_sets,
-    publish_tag_dir,
 )
 from reshard.jobs.manifest import (
-    Manifest,
     manifest_source_entry,
     output_fingerprint,
     pipeline_stage_placement,
@@ -110,7 +109,6 @@ from reshard.formats.source_reader import SourceReader
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport.local import LocalTransport
-from reshard.version import __version__
 
 SAVE_DIR_FILES = save_dir_files.STAGED
 """The item standing for every file of the save directory beside DeepSpeed's (reshard.jobs.save_dir_files)."""
@@ -537,7 +535,7 @@ def publish_ready(destination: str, *, tags: list[str] | None = None, latest: st
 
 
 def _publish_record(destination: str, record: dict, array_dir: str) -> None:
-    """Manifest from the done markers, then the tag directory into place (reshard.jobs.lifecycle.publish_tag_dir)."""
+    """Manifest from the done markers, then the tag directory into place (reshard.jobs.lifecycle.publish_checkpoint)."""
     staging = Staging(destination, record["tag"])
     files = {}
     for item in record["owners"]:
@@ -555,9 +553,8 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
                                    f"{record['owners'][item]}")
             files[name] = entry
     staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
-    publish_tag_dir(staging, Manifest(record["fingerprint"], source=record["source"], target=record["target"],
-                                      files=files, reshard_version=__version__),
-                    None, scripts_from=record["source"]["save_dir"], carried=record.get("save_dir_files") or [])
+    publish_checkpoint(staging, record["fingerprint"], record["source"], record["target"], files, None,
+                       record["source"]["save_dir"], record.get("save_dir_files") or [])
 
 
 def build_publish_parser():

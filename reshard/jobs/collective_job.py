@@ -43,7 +43,7 @@ from reshard.formats.folded_expert_files import (
     target_expert_files,
     write_expert_files,
 )
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
+from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns, resolve_tag
 from reshard.formats.deepspeed_pipeline import is_pipeline
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
@@ -53,12 +53,11 @@ from reshard.jobs.lifecycle import (
     Lifecycle,
     Start,
     destination_names,
-    publish_tag_dir,
+    publish_checkpoint,
 )
 from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.node_local_columns import ColumnsOnNodes
 from reshard.jobs.manifest import (
-    Manifest,
     manifest_source_entry,
     output_fingerprint,
     pipeline_stage_placement,
@@ -83,7 +82,6 @@ from reshard.formats.stage_change import ZeroStageTarget
 from reshard.formats.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport import Transport, transport_from_environment
-from reshard.version import __version__
 
 
 def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transport: Transport | None = None,
@@ -254,15 +252,20 @@ def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
     """(source, target, notes) of a pipeline save, every one of which takes the plan: inspected as columns
     (inspect_pipeline_columns) and its target worked out once, the target stages with another pp or tp
     (`columns_target`). What every job kind calls for one (WholeWorld.inspect; array tasks,
-    reshard.jobs.array_job, which sits below this module and is handed it by `run_job`)."""
-    source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-    return columns_target(opts, source)
+    reshard.jobs.array_job, which sits below this module and is handed it by `run_job`). The stage pickles
+    are read once (deepspeed_pipeline.inspect_pipeline), for the columns and the target's stages alike."""
+    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    save_dir = os.path.abspath(save_dir)
+    pipe = inspect_pipeline(save_dir, resolve_tag(save_dir, tag), opts.trust_pickle)
+    source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
+                                      pipe=pipe)
+    return columns_target(opts, source, pipe)
 
 
 def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                    ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """(source, target, notes) of inspected columns: with another pp or tp, `pipeline_stage_change`. `pipe`: the
-    save's PipelineSource where it was gathered from the nodes (None: read here)."""
+    save's PipelineSource where it was read already or gathered from the nodes (None: read here)."""
     refuse_pipeline_options(opts, source)
     if opts.target_pp not in (None, source.spec.topology.pp) or opts.target_tp not in (None, source.spec.topology.tp):
         return pipeline_stage_change(opts, source, pipe)
@@ -497,7 +500,5 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
         target_entry["tp_world_size"] = target.topology.tp
     if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
         target_entry["ep"] = _moe_target_ep(source, target.topology)
-    publish_tag_dir(staging, Manifest(start.output_fingerprint, source=source_entry, target=target_entry, files=files,
-                                      reshard_version=__version__),
-                    unit.latest, scripts_from=site.scripts_from(source),
-                    carried=carried)
+    publish_checkpoint(staging, start.output_fingerprint, source_entry, target_entry, files, unit.latest,
+                       site.scripts_from(source), carried)

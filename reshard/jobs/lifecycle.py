@@ -28,7 +28,7 @@ Call order, and which workers run each step:
    `journal(rounds_done)` after each durable stretch;
 3. `publish(transport, hashes, place)`: every worker's hashes are gathered; the leader runs
    `place(all_hashes)` (manifest, journal removed, tag directory into place, `latest` last:
-   `publish_tag_dir`; an export completes its staging, then places it with `publish_tag_dir` or
+   `publish_checkpoint`; an export completes its staging, then places it with `publish_tag_dir` or
    `publish_files`); all agree. An array task has no peers to
    agree with: after its share, `publish_sets` places, under DST's lock, every set whose files are
    all done, then `latest`;
@@ -70,6 +70,7 @@ from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal, write_jo
 from reshard.files.paths import confined
 from reshard.files.resources import check_free_space, disk_full_message, is_disk_full
 from reshard.formats.target_writer import WriteFailed
+from reshard.version import __version__
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,17 @@ def publish_tag_dir(staging: Staging, manifest: Manifest | None, latest: str | N
     if carried:
         save_dir_files.publish(save_dir_files.staging_dir(staging.tag_dir), carried, staging.destination)
     staging.publish(latest, scripts_from=scripts_from, latest_name=latest_name)
+
+
+def publish_checkpoint(staging: Staging, fingerprint: str, source: dict, target: dict, files: dict,
+                       latest: str | None, scripts_from: str | None, carried: list[str] = ()) -> None:
+    """Publish a resharded checkpoint, the last step of every job kind that writes one (the collective and
+    node-local jobs, reshard.jobs.collective_job; a SLURM array set, reshard.jobs.array_job): its manifest
+    (reshard.jobs.manifest.Manifest: the output's `fingerprint`, the `source` and `target` entries, every
+    file's size and hash, this reshard's version), then `publish_tag_dir`."""
+    publish_tag_dir(staging, Manifest(fingerprint, source=source, target=target, files=files,
+                                      reshard_version=__version__),
+                    latest, scripts_from=scripts_from, carried=carried)
 
 
 def publish_files(staging: Staging, last: str) -> None:

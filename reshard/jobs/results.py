@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from reshard.files.paths import write_file_atomically
 from reshard.planning.plan import ReshardPlan
@@ -273,6 +273,69 @@ class ReshardResult:
         if len(self.checkpoints) > 1:
             parts.append(f"{len(self.checkpoints)} checkpoints in {self.seconds:.2f} s")
         return "\n".join(parts)
+
+
+@dataclass
+class ExportResult:
+    """What an export did, whatever its format (reshard.export.runner.run_export returns it; each format's
+    result adds what it wrote: reshard.export.dcp_job.DcpResult, safetensors_job.SafetensorsResult,
+    universal.UniversalResult); `summary()` is what the CLI prints:
+
+        export done: SRC (tag T) -> OUT{format_name}
+          {written()}; N workers, R rounds, S s{; how_to_load()}
+          {each line of details()}
+          note: {each of all_notes()}
+    """
+
+    source: str
+    destination: str
+    tag: str
+    workers: int
+    rounds: int
+    seconds: float = 0.0
+    peak_rss_bytes: list = field(default_factory=list)
+    """Each worker's peak RSS (VmHWM), gathered on every worker."""
+    notes: list = field(default_factory=list)
+
+    format_name = ""
+    """What the first line names the output as, after OUT: " (PyTorch DCP)"."""
+
+    @classmethod
+    def of(cls, done: "ExportResult", **written):
+        """This format's result: the figures every export has (`done`, run_export's) and what it wrote."""
+        return cls(**{f.name: getattr(done, f.name) for f in fields(ExportResult)}, **written)
+
+    def written(self) -> str:
+        """What the export wrote, the second line's start: "3 .distcp files"."""
+        return ""
+
+    def how_to_load(self) -> list[str]:
+        """What follows the run's figures on the second line, each after "; "."""
+        return []
+
+    def details(self) -> list[str]:
+        """Lines between the figures and the notes."""
+        return []
+
+    def all_notes(self) -> list[str]:
+        return list(self.notes)
+
+    def summary(self) -> str:
+        lines = [f"export done: {self.source} (tag {self.tag}) -> {self.destination}{self.format_name}",
+                 f"  {self.written()}; {counted(self.workers, 'worker')}, {counted(self.rounds, 'round')}, "
+                 f"{self.seconds:.1f} s" + "".join(f"; {part}" for part in self.how_to_load())]
+        lines += [f"  {line}" for line in self.details()]
+        lines += [f"  note: {note}" for note in self.all_notes()]
+        return "\n".join(lines)
+
+
+def report_result(result, result_json: str | None = None) -> None:
+    """Worker 0's last step of every command that ran a job (the reshard and its exports, by torchrun or
+    `--workers`): a ReshardResult as JSON at `result_json` when asked (`--result-json`, a path the options
+    checked: ReshardOptions.validate; the exports take none), then `result`'s summary on stdout."""
+    if result_json:
+        result.write_json(result_json)
+    print_summary(result.summary())
 
 
 def print_summary(text: str) -> None:

@@ -43,6 +43,20 @@ class TorchDistributedTransport:
         self.dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
         return box[0]
 
+    def send_object(self, obj, dst: int) -> None:
+        """`obj`, pickled, to worker `dst` alone (which calls `recv_object` with this worker's rank)."""
+        self.dist.send_object_list([obj], dst=self._global(dst), group=self.group, device=self.device)
+
+    def recv_object(self, src: int):
+        """What worker `src` sends with `send_object`."""
+        box = [None]
+        self.dist.recv_object_list(box, src=self._global(src), group=self.group, device=self.device)
+        return box[0]
+
+    def _global(self, rank: int) -> int:
+        """A worker's rank in the default group, which send/recv_object_list name it by."""
+        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
+
     def all_gather_object(self, obj):
         out = [None] * self.size
         self.dist.all_gather_object(out, obj, group=self.group)
