@@ -397,6 +397,7 @@ MOE_NEEDS = {
                                                                              ("moe_z0_bf16", 1, 2)),
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
+    "test_moe_array_tasks_publish_the_collective_output": (),
 }
 
 
@@ -909,11 +910,17 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     """ep2 -> ep1 -> ep2 and ep2 -> ep4 -> ep2 give back DeepSpeed's own optimizer files (every key,
     name and element; the model states too); the dry run shows the placement and writes nothing."""
     from reshard.jobs.collective_job import reshard_checkpoint
+    from reshard.jobs.manifest import Manifest
+    from reshard.verify import verify_hashes
     from reshard_proof.bitwise import compare_trees
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     for ep, world in ((1, 2), (4, 4)):
         there, back = tmp_path / f"ep{ep}", tmp_path / f"back{ep}"
         _reshard(source, there, world, ep, 2)
+        # the manifest lists the output's files only (the source's tag directory was once carried as a
+        # save-directory sub-directory beside it, listed as ../global_step3/..., and verify failed)
+        checked, listed = verify_hashes(str(there)), Manifest.read(str(there / "global_step3")).files
+        assert checked.ok and not any(name.startswith("..") for name in listed), checked.summary()
         _reshard(there, back, 2, 2, 3)
         names = sorted(n for n in os.listdir(back / "global_step3") if n != "reshard_manifest.json")
         assert names == sorted(os.listdir(source / "global_step3"))
@@ -1087,6 +1094,54 @@ def test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file(moe_
         reshard_checkpoint(str(broken), str(tmp_path / "out"), 2, target_ep=1, quiet=True)
     assert str(path) in str(error.value)
     assert not (tmp_path / "out").exists() and tree_hashes(broken) == before
+
+
+# --- SLURM array mode: the collective job's plan, files and manifest, task by task --------------
+
+ARRAY_BUDGET = "4K"
+# source -> [(target dp, ep, array tasks)]: native MoE, AutoEP (ZeRO-2 and ZeRO-3) and ZeRO-0 MoE, each
+# to targets whose collective outputs the load tests above judge (E2E, ZERO0) or that are pinned
+# (ZERO0_PINNED_CASES); ep changed both ways, dp changed
+ARRAY_CASES = {
+    ("moe_z2_fp32", 2, 2): [(2, 1, 3), (4, 4, 2)],
+    ("autoep_z2_fp32", 2, 2): [(2, 1, 3)],
+    ("autoep_z3_fp32", 2, 4): [(2, 1, 3)],
+    ("moe_z0_fp32", 2, 2): [(2, 1, 3), (4, 4, 2)],
+    ("moe_z0_bf16", 1, 2): [(2, 2, 3)],
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(ARRAY_CASES), ids=[f"{v}-ep{e}w{w}" for v, e, w in ARRAY_CASES])
+def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, source_key):
+    """SLURM array mode serves every MoE layout the collective job does: K tasks, run in reverse order in
+    this process under a 4 KiB --memory-budget (several rounds each), publish the collective job's output
+    (2 workers, in threads) file for file, the manifest included; together the tasks read no more than
+    the output's bytes. Before, array mode refused every MoE save by name."""
+    from trained import tree_files
+
+    from reshard.jobs.collective_job import run_job
+    from reshard.jobs.options import ReshardOptions
+    source, _ = moe_trained(*source_key)
+    for dp, ep, tasks in ARRAY_CASES[source_key]:
+        expected, destination = tmp_path / f"collective-ep{ep}-w{dp}", tmp_path / f"array-ep{ep}-w{dp}"
+        _reshard(source, expected, dp, ep, 2)
+        results = [run_job(ReshardOptions(source=str(source), destination=str(destination), target_dp=dp,
+                                          target_ep=ep, array_task=task, array_tasks=tasks, quiet=True,
+                                          memory_budget=ARRAY_BUDGET).validate())
+                   for task in reversed(range(tasks))]
+        assert "this task completed the set" in results[-1].summary(), results[-1].summary()
+        assert tree_files(destination) == tree_files(expected), (dp, ep)  # every file, the manifest included
+        reports = [r.checkpoints[0].reports[0] for r in results]
+        # by rounds under the budget: every task whose files take slices (a model-states file alone takes
+        # none) moved them in several
+        rounds = [r.checkpoints[0].rounds for r in results if r.checkpoints[0].rounds]
+        assert len(rounds) >= 2 and min(rounds) > 1, rounds
+        # each task reads only the source bytes its files hold and copies its whole files (the expert files,
+        # the save directory's): together no more than the output's bytes
+        read = sum(r.bytes_read + r.bytes_carried for r in reports)
+        output = sum(p.stat().st_size for p in destination.rglob("*") if p.is_file())
+        assert 0 < read <= output, (read, output)
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
@@ -1272,6 +1327,12 @@ def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     names = sorted(os.listdir(save / "global_step2"))
     assert names == sorted(_folded_save_names(tp=2, ep=2, dp=2))
     before = {name: (save / "global_step2" / name).read_bytes() for name in names}
+    # SLURM array mode leaves AutoEP folded with AutoTP layers to the collective job (its expert files are
+    # rewritten per TP rank beside the plan): refused by name, nothing written
+    refused = reshard_in_process(str(save), str(tmp_path / "array"), "--target-dp", "2", "--array-task", "0",
+                                 "--array-tasks", "2")
+    assert refused.returncode == 2 and "is a tensor-parallel (AutoTP, tp=2) checkpoint; SLURM array mode" in \
+        refused.stderr and not (tmp_path / "array").exists(), refused.stderr
 
     result = reshard_cli(str(save), str(tmp_path / "w2"), "--target-dp", "1", "--target-tp", "2", "--target-ep", "2")
     assert result.returncode == 0, result.stderr

@@ -549,7 +549,9 @@ class Zero0Moe:
     changed_to = None
 
     def plan(self, source: Zero0MoeCheckpoint, target: Topology, workers: int, budget_bytes: int,
-             ownership=None):
+             ownership=None, tabulated: bool = True):
+        """Every space from its piece tables (plan_zero0_moe), whatever `tabulated` asks: an array task
+        restricts it to its files by them."""
         from reshard.planning.checkpoint_plan import plan_zero0_moe
         return plan_zero0_moe(source.spec, target, workers, budget_bytes, ownership)
 
