@@ -908,10 +908,13 @@ def test_zero0_moe_reshard_loads_exactly(moe_cases, source_key):
 @pytest.mark.e2e
 def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     """ep2 -> ep1 -> ep2 and ep2 -> ep4 -> ep2 give back DeepSpeed's own optimizer files (every key,
-    name and element; the model states too); the dry run shows the placement and writes nothing."""
+    name and element; the model states too); `verify` by hashes and `--against` the source pass on the
+    outputs and report a changed element; the dry run shows the placement and writes nothing."""
+    from threaded_transport import run_workers
+
     from reshard.jobs.collective_job import reshard_checkpoint
     from reshard.jobs.manifest import Manifest
-    from reshard.verify import verify_hashes
+    from reshard.verify import verify_against, verify_hashes
     from reshard_proof.bitwise import compare_trees
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     for ep, world in ((1, 2), (4, 4)):
@@ -921,6 +924,10 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
         # save-directory sub-directory beside it, listed as ../global_step3/..., and verify failed)
         checked, listed = verify_hashes(str(there)), Manifest.read(str(there / "global_step3")).files
         assert checked.ok and not any(name.startswith("..") for name in listed), checked.summary()
+        # verify --against replays the plan (3 workers) and compares every element of every target file,
+        # the model-states file's copy of EP rank 0's optimizer included (it refused ZeRO-0 MoE before)
+        against = run_workers(3, lambda t: verify_against(str(there), str(source), transport=t))[0]
+        assert against.ok and against.checked_elements == _zero0_output_elements(there), against.summary()
         _reshard(there, back, 2, 2, 3)
         names = sorted(n for n in os.listdir(back / "global_step3") if n != "reshard_manifest.json")
         assert names == sorted(os.listdir(source / "global_step3"))
@@ -928,6 +935,16 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
             mismatches = compare_trees(_load_tree(source / "global_step3" / name),
                                        _load_tree(back / "global_step3" / name), name).mismatches
             assert not mismatches, mismatches[:10]
+    # a changed element of an output file is reported, naming the file
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "ep4", bad)
+    path = bad / "global_step3" / "expp_rank_3_mp_rank_00_optim_states.pt"
+    tree = torch.load(path, weights_only=True)
+    state = tree["optimizer"]["state"]
+    state[next(iter(state))]["exp_avg"].view(-1)[0] += 1.0
+    torch.save(tree, path)
+    against = verify_against(str(bad), str(source))
+    assert not against.ok and str(path) in against.summary() and "exp_avg" in against.summary(), against.summary()
     dry = reshard_checkpoint(str(source), str(tmp_path / "dry"), 4, target_ep=4, dry_run=True, quiet=True)
     text = dry.summary()
     assert "ZeRO-0 native MoE" in text and "EP rank 3: experts 3-3" in text and not (tmp_path / "dry").exists()
@@ -940,6 +957,22 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     with pytest.raises(CheckpointError, match="is missing: the expert param groups are named ep_size_2") as error:
         reshard_checkpoint(str(broken), str(tmp_path / "y"), 2, quiet=True)
     assert str(missing) in str(error.value)
+
+
+def _zero0_output_elements(out) -> int:
+    """Elements of every optimizer tensor (states and fp32 masters) in a ZeRO-0 MoE output's expp_rank
+    files and in the model-states file's copy of EP rank 0's optimizer: what verify --against compares.
+    From the files by torch.load, not from reshard's lowering."""
+    total = 0
+    for path in sorted((out / "global_step3").glob("*.pt")):
+        if not path.name.startswith(("expp_rank_", "mp_rank_")):
+            continue
+        optimizer = _load_tree(path)["optimizer"]
+        inner = optimizer.get("optimizer_state_dict", optimizer)
+        tensors = [v for state in inner["state"].values() for v in state.values() if torch.is_tensor(v)]
+        tensors += [t for group in optimizer.get("fp32_groups", ()) for t in group]
+        total += sum(t.numel() for t in tensors)
+    return total
 
 
 # The bytes of every ZeRO-0 MoE output the suite makes, recorded from the whole-file road

@@ -525,6 +525,11 @@ def zero0_source_slots(source: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
     if (INNER in optimizer) != spec.wrapped or _entries(optimizer, spec.wrapped) != spec.entries[rank]:
         raise CheckpointError(path, "changed since it was inspected (its optimizer states differ from what the plan "
                                     "was made from)")
+    return _slots_of(optimizer, spec.wrapped, path)
+
+
+def _slots_of(optimizer: dict, wrapped: bool, path: str) -> dict:
+    """{slot: (path, TensorRef)} of one optimizer dict, buffer b its b-th parameter over the groups."""
     inner = optimizer.get(INNER, optimizer)
     slots, buffer = {}, 0
     for g, group in enumerate(inner["param_groups"]):
@@ -532,10 +537,24 @@ def zero0_source_slots(source: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
             for key, value in (inner["state"].get(index) or {}).items():
                 if isinstance(value, TensorRef):
                     slots[("scalar" if tuple(value.shape) == () else "optim", buffer, key)] = (path, value)
-            if spec.wrapped:
+            if wrapped:
                 slots[("master", buffer, "fp32")] = (path, optimizer["fp32_groups"][g][position])
             buffer += 1
     return slots
+
+
+def zero0_output_slots(output: Zero0MoeCheckpoint, rank: int, trust_pickle: bool = False) -> dict:
+    """{slot: (path, TensorRef)} where target rank `rank` of `plan_zero0_moe` put each tensor in `output`
+    (a ZeRO-0 MoE output, inspected as a source): its `expp_rank_{rank}` file, or for rank ep the
+    model-states file's copy of EP rank 0's optimizer. What `verify --against` reads back (reshard.verify)."""
+    if rank < output.spec.topology.ep:
+        return zero0_source_slots(output, rank, trust_pickle)
+    path = output.model_path()
+    optimizer = _optimizer_of(load_portable(path, schema.safe_globals(), trust_pickle), path)
+    _check_state_sizes(optimizer, _inner(optimizer, path), path)
+    if (INNER in optimizer) != output.spec.wrapped:
+        raise CheckpointError(path, "holds another optimizer kind than its expp_rank files")
+    return _slots_of(optimizer, output.spec.wrapped, path)
 
 
 @dataclass(frozen=True)
