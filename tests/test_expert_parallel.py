@@ -398,6 +398,7 @@ MOE_NEEDS = {
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
     "test_moe_array_tasks_publish_the_collective_output": (),
+    "test_zero0_moe_node_local_is_refused_by_name": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1175,6 +1176,26 @@ def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, so
         read = sum(r.bytes_read + r.bytes_carried for r in reports)
         output = sum(p.stat().st_size for p in destination.rglob("*") if p.is_file())
         assert 0 < read <= output, (read, output)
+
+
+@pytest.mark.e2e
+def test_zero0_moe_node_local_is_refused_by_name(moe_trained, tmp_path, monkeypatch):
+    """What stays refused: a node-local reshard of a ZeRO-0 MoE save (one simulated node holding every
+    file, the job in this process) is refused naming the tag directory and the layout, before anything
+    is written; the source is left as it was. (Before, it failed saying no worker saw source rank 0's
+    optim-states file, as if files were missing.)"""
+    from test_pipeline_pinned import tree_hashes
+
+    from reshard.jobs.collective_job import reshard_checkpoint
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    before = tree_hashes(source)
+    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
+    with pytest.raises(UnsupportedCheckpoint, match="is a ZeRO-0 MoE checkpoint .*node-local resharding of it is "
+                                                    "not supported yet") as error:
+        reshard_checkpoint(str(source), str(tmp_path / "out"), 2, target_ep=1, node_local=True,
+                           target_ranks_per_node=2, quiet=True)
+    assert str(source / "global_step3") in str(error.value)
+    assert not (tmp_path / "out").exists() and tree_hashes(source) == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:

@@ -64,9 +64,14 @@ def expp_file_name(ep_rank: int) -> str:
     return f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
 
 
+def is_expp_file(name: str) -> bool:
+    """Whether `name` is a ZeRO-0 MoE save's per-EP-rank optimizer file (engine.py `_get_optimizer_ckpt_name`)."""
+    return _EXPP_RE.match(name) is not None
+
+
 def is_zero0_moe(tag_dir: str) -> bool:
     """Whether the tag directory holds the per-EP-rank optimizer files of a ZeRO-0 MoE save."""
-    return os.path.isdir(tag_dir) and any(_EXPP_RE.match(name) for name in os.listdir(tag_dir))
+    return os.path.isdir(tag_dir) and any(is_expp_file(name) for name in os.listdir(tag_dir))
 
 
 @dataclass(frozen=True)
