@@ -7,6 +7,10 @@ A pipeline output is checked the same way (the plan a pipeline reshard runs, the
 the target's); its layer files by their bytes, at another tp as the plan re-cuts them, element by element
 like the flat buffers, and its stages' cover of the parameters besides.
 
+A ZeRO-0 MoE output is checked through its own plan (reshard.formats.deepspeed_zero0_moe.Zero0Moe, as the
+reshard ran it): every element of each `expp_rank` file and of the model-states file's copy of EP rank
+0's optimizer, and its expert files by their bytes.
+
 `--against` replays the reshard plan, but where the job would write a slice it reads the
 slice back from DST and compares bytes; every element of every target partition is checked
 against its source element, with the same workers and memory budget as a reshard. It also
@@ -24,7 +28,6 @@ import numpy as np
 
 from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_range, pread_exact
-from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.transport.collective import on_rank0
 from reshard.errors import CheckpointError
 from reshard.jobs.execute import execute
@@ -36,7 +39,14 @@ from reshard.formats.deepspeed_inspect import (
     source_rank_tensors,
 )
 from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
-from reshard.formats.deepspeed_target import target_files
+from reshard.formats.deepspeed_zero0_moe import (
+    Zero0Moe,
+    Zero0MoeCheckpoint,
+    inspect_zero0_moe_checkpoint,
+    is_zero0_moe,
+    zero0_output_slots,
+)
+from reshard.formats.stage_change import SameStage
 from reshard.formats.torch_archive import (
     NewTensor,
     TensorRef,
@@ -224,10 +234,11 @@ def _clip(value) -> str:
 
 
 def _compare_unpartitioned(source: SourceCheckpoint, destination_tag_dir: str, target_topology, rank: int,
-                           trust_pickle: bool) -> tuple[list[str], int]:
-    """Problems in the unpartitioned content of one target rank's files, and how many files were checked."""
+                           trust_pickle: bool, files_of) -> tuple[list[str], int]:
+    """Problems in the unpartitioned content of one target rank's files (`files_of(source, topology, rank)`:
+    the stage form's), and how many files were checked."""
     problems, memo = [], {}
-    targets = target_files(source, target_topology, rank)
+    targets = files_of(source, target_topology, rank)
     for target in targets:
         path = os.path.join(destination_tag_dir, target.name)
         if not os.path.isfile(path):
@@ -272,17 +283,27 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         def inspect_both():
             if pipeline_tag is not None:
                 return _inspect_pipeline_pair(source_dir, destination, pipeline_tag, trust_pickle)
+            resolved = resolve_tag(source_dir, tag)
+            if is_zero0_moe(os.path.join(source_dir, resolved)):
+                return _inspect_zero0_moe_pair(source_dir, destination, resolved, trust_pickle)
             src = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
             refuse_tensor_parallel(src, "verify --against")
             dst = inspect_checkpoint(destination, src.tag, trust_pickle=trust_pickle, carry_model_bytes=False)
             _check_same_model(src, dst)
             return src, dst
         source, target = on_rank0(transport, inspect_both)
-        plan = plan_reshard(source.spec, target.spec.topology, transport.size, memory_budget)
+        # the stage form plans, names the files and the source slots, as the reshard did (a ZeRO-0 MoE
+        # save's: reshard.formats.deepspeed_zero0_moe.Zero0Moe)
+        zero0 = isinstance(source, Zero0MoeCheckpoint)
+        zero = Zero0Moe(trust_pickle=trust_pickle) if zero0 else SameStage(source.spec.stage)
+        plan = zero.plan(source, target.spec.topology, transport.size, memory_budget)
         own = plan.ownership
         result = VerifyResult(destination, source.tag, "against source")
         if transport.rank == 0:  # files beside the tag directory (HF Trainer, Accelerate): same bytes
             result.problems, result.checked_files = save_dir_files.differences(source.save_dir, target.save_dir)
+            if zero0:  # the expert files, carried whole by the reshard
+                more, checked = _whole_file_problems(source, target)
+                result.problems, result.checked_files = result.problems + more, result.checked_files + checked
             if pipeline_tag is not None:  # layer files by their bytes (at another tp by the plan), each parameter
                 # in a stage, the stages' order
                 more, checked = _pipeline_file_problems(
@@ -291,10 +312,12 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
         def open_comparer() -> _Comparer:
             locations = {}
             for rank in own.target_ranks_of(transport.rank):
-                for slot, found in source_rank_tensors(target, rank, trust_pickle=trust_pickle).items():
+                found_in = (zero0_output_slots(target, rank, trust_pickle) if zero0
+                            else source_rank_tensors(target, rank, trust_pickle=trust_pickle))
+                for slot, found in found_in.items():
                     locations[(rank, slot)] = found
                 problems, files = _compare_unpartitioned(source, target.tag_dir, target.spec.topology, rank,
-                                                         trust_pickle)
+                                                         trust_pickle, zero.files)
                 result.problems += problems
                 result.checked_files += files
             return _Comparer(locations, (lambda rank, slot, element: _pipeline_tensor_at(
@@ -309,7 +332,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
 
         execute(plan, transport,
                 open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
-                                                      trust_pickle=trust_pickle),
+                                                      trust_pickle=trust_pickle, extra_slots=zero.source_slots),
                 open_sink=open_comparer, opening="opening files", after=gather,
                 progress=Progress("verify", progress_enabled(False, transport.rank == 0)))
         return result
@@ -449,6 +472,39 @@ def _pipeline_tag(source_dir: str, tag: str | None) -> str | None:
     from reshard.formats.deepspeed_pipeline import is_pipeline
     tag = resolve_tag(source_dir, tag)
     return tag if is_pipeline(os.path.join(source_dir, tag)) else None
+
+
+def _inspect_zero0_moe_pair(source_dir: str, destination: str, tag: str, trust_pickle: bool
+                            ) -> tuple[Zero0MoeCheckpoint, Zero0MoeCheckpoint]:
+    """A ZeRO-0 MoE source and its output, both inspected as sources (deepspeed_zero0_moe), refused,
+    naming the output, where it is not a reshard of the same model: other optimizer kind, precision,
+    experts per layer or param groups."""
+    src = inspect_zero0_moe_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
+    dst = inspect_zero0_moe_checkpoint(destination, tag, trust_pickle=trust_pickle)
+    for name in ("optimizer", "lp_dtype", "wrapped", "orders"):
+        if getattr(src.spec, name) != getattr(dst.spec, name):
+            raise CheckpointError(dst.tag_dir, f"is not a reshard of {src.tag_dir}: {name} differs "
+                                               f"({_clip(getattr(src.spec, name))} vs {_clip(getattr(dst.spec, name))})")
+    if src.num_experts != dst.num_experts:
+        raise CheckpointError(dst.tag_dir, f"is not a reshard of {src.tag_dir}: experts per MoE layer differ "
+                                           f"({list(src.num_experts)} vs {list(dst.num_experts)})")
+    return src, dst
+
+
+def _whole_file_problems(source: SourceCheckpoint, target: SourceCheckpoint) -> tuple[list[str], int]:
+    """The source's files that a reshard carries whole (`other_files`: a ZeRO-0 MoE save's expert files),
+    each compared by its bytes with the output's; and how many were checked."""
+    problems = []
+    for name in source.other_files:
+        path = os.path.join(target.tag_dir, name)
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+            continue
+        size = os.path.getsize(os.path.join(source.tag_dir, name))
+        if os.path.getsize(path) != size or hash_range(path, 0, size) != hash_range(
+                os.path.join(source.tag_dir, name), 0, size):
+            problems.append(f"{path}: differs from {os.path.join(source.tag_dir, name)}, which the reshard copies whole")
+    return problems, len(source.other_files)
 
 
 def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> None:

@@ -397,6 +397,8 @@ MOE_NEEDS = {
                                                                              ("moe_z0_bf16", 1, 2)),
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
+    "test_moe_array_tasks_publish_the_collective_output": (),
+    "test_zero0_moe_node_local_is_refused_by_name": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -907,13 +909,26 @@ def test_zero0_moe_reshard_loads_exactly(moe_cases, source_key):
 @pytest.mark.e2e
 def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     """ep2 -> ep1 -> ep2 and ep2 -> ep4 -> ep2 give back DeepSpeed's own optimizer files (every key,
-    name and element; the model states too); the dry run shows the placement and writes nothing."""
+    name and element; the model states too); `verify` by hashes and `--against` the source pass on the
+    outputs and report a changed element; the dry run shows the placement and writes nothing."""
+    from threaded_transport import run_workers
+
     from reshard.jobs.collective_job import reshard_checkpoint
+    from reshard.jobs.manifest import Manifest
+    from reshard.verify import verify_against, verify_hashes
     from reshard_proof.bitwise import compare_trees
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     for ep, world in ((1, 2), (4, 4)):
         there, back = tmp_path / f"ep{ep}", tmp_path / f"back{ep}"
         _reshard(source, there, world, ep, 2)
+        # the manifest lists the output's files only (the source's tag directory was once carried as a
+        # save-directory sub-directory beside it, listed as ../global_step3/..., and verify failed)
+        checked, listed = verify_hashes(str(there)), Manifest.read(str(there / "global_step3")).files
+        assert checked.ok and not any(name.startswith("..") for name in listed), checked.summary()
+        # verify --against replays the plan (3 workers) and compares every element of every target file,
+        # the model-states file's copy of EP rank 0's optimizer included (it refused ZeRO-0 MoE before)
+        against = run_workers(3, lambda t: verify_against(str(there), str(source), transport=t))[0]
+        assert against.ok and against.checked_elements == _zero0_output_elements(there), against.summary()
         _reshard(there, back, 2, 2, 3)
         names = sorted(n for n in os.listdir(back / "global_step3") if n != "reshard_manifest.json")
         assert names == sorted(os.listdir(source / "global_step3"))
@@ -921,6 +936,16 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
             mismatches = compare_trees(_load_tree(source / "global_step3" / name),
                                        _load_tree(back / "global_step3" / name), name).mismatches
             assert not mismatches, mismatches[:10]
+    # a changed element of an output file is reported, naming the file
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "ep4", bad)
+    path = bad / "global_step3" / "expp_rank_3_mp_rank_00_optim_states.pt"
+    tree = torch.load(path, weights_only=True)
+    state = tree["optimizer"]["state"]
+    state[next(iter(state))]["exp_avg"].view(-1)[0] += 1.0
+    torch.save(tree, path)
+    against = verify_against(str(bad), str(source))
+    assert not against.ok and str(path) in against.summary() and "exp_avg" in against.summary(), against.summary()
     dry = reshard_checkpoint(str(source), str(tmp_path / "dry"), 4, target_ep=4, dry_run=True, quiet=True)
     text = dry.summary()
     assert "ZeRO-0 native MoE" in text and "EP rank 3: experts 3-3" in text and not (tmp_path / "dry").exists()
@@ -933,6 +958,22 @@ def test_zero0_moe_round_trip_and_dry_run(moe_trained, tmp_path):
     with pytest.raises(CheckpointError, match="is missing: the expert param groups are named ep_size_2") as error:
         reshard_checkpoint(str(broken), str(tmp_path / "y"), 2, quiet=True)
     assert str(missing) in str(error.value)
+
+
+def _zero0_output_elements(out) -> int:
+    """Elements of every optimizer tensor (states and fp32 masters) in a ZeRO-0 MoE output's expp_rank
+    files and in the model-states file's copy of EP rank 0's optimizer: what verify --against compares.
+    From the files by torch.load, not from reshard's lowering."""
+    total = 0
+    for path in sorted((out / "global_step3").glob("*.pt")):
+        if not path.name.startswith(("expp_rank_", "mp_rank_")):
+            continue
+        optimizer = _load_tree(path)["optimizer"]
+        inner = optimizer.get("optimizer_state_dict", optimizer)
+        tensors = [v for state in inner["state"].values() for v in state.values() if torch.is_tensor(v)]
+        tensors += [t for group in optimizer.get("fp32_groups", ()) for t in group]
+        total += sum(t.numel() for t in tensors)
+    return total
 
 
 # The bytes of every ZeRO-0 MoE output the suite makes, recorded from the whole-file road
@@ -1087,6 +1128,74 @@ def test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file(moe_
         reshard_checkpoint(str(broken), str(tmp_path / "out"), 2, target_ep=1, quiet=True)
     assert str(path) in str(error.value)
     assert not (tmp_path / "out").exists() and tree_hashes(broken) == before
+
+
+# --- SLURM array mode: the collective job's plan, files and manifest, task by task --------------
+
+ARRAY_BUDGET = "4K"
+# source -> [(target dp, ep, array tasks)]: native MoE, AutoEP (ZeRO-2 and ZeRO-3) and ZeRO-0 MoE, each
+# to targets whose collective outputs the load tests above judge (E2E, ZERO0) or that are pinned
+# (ZERO0_PINNED_CASES); ep changed both ways, dp changed
+ARRAY_CASES = {
+    ("moe_z2_fp32", 2, 2): [(2, 1, 3), (4, 4, 2)],
+    ("autoep_z2_fp32", 2, 2): [(2, 1, 3)],
+    ("autoep_z3_fp32", 2, 4): [(2, 1, 3)],
+    ("moe_z0_fp32", 2, 2): [(2, 1, 3), (4, 4, 2)],
+    ("moe_z0_bf16", 1, 2): [(2, 2, 3)],
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source_key", list(ARRAY_CASES), ids=[f"{v}-ep{e}w{w}" for v, e, w in ARRAY_CASES])
+def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, source_key):
+    """SLURM array mode serves every MoE layout the collective job does: K tasks, run in reverse order in
+    this process under a 4 KiB --memory-budget (several rounds each), publish the collective job's output
+    (2 workers, in threads) file for file, the manifest included; together the tasks read no more than
+    the output's bytes. Before, array mode refused every MoE save by name."""
+    from trained import tree_files
+
+    from reshard.jobs.collective_job import run_job
+    from reshard.jobs.options import ReshardOptions
+    source, _ = moe_trained(*source_key)
+    for dp, ep, tasks in ARRAY_CASES[source_key]:
+        expected, destination = tmp_path / f"collective-ep{ep}-w{dp}", tmp_path / f"array-ep{ep}-w{dp}"
+        _reshard(source, expected, dp, ep, 2)
+        results = [run_job(ReshardOptions(source=str(source), destination=str(destination), target_dp=dp,
+                                          target_ep=ep, array_task=task, array_tasks=tasks, quiet=True,
+                                          memory_budget=ARRAY_BUDGET).validate())
+                   for task in reversed(range(tasks))]
+        assert "this task completed the set" in results[-1].summary(), results[-1].summary()
+        assert tree_files(destination) == tree_files(expected), (dp, ep)  # every file, the manifest included
+        reports = [r.checkpoints[0].reports[0] for r in results]
+        # by rounds under the budget: every task whose files take slices (a model-states file alone takes
+        # none) moved them in several
+        rounds = [r.checkpoints[0].rounds for r in results if r.checkpoints[0].rounds]
+        assert len(rounds) >= 2 and min(rounds) > 1, rounds
+        # each task reads only the source bytes its files hold and copies its whole files (the expert files,
+        # the save directory's): together no more than the output's bytes
+        read = sum(r.bytes_read + r.bytes_carried for r in reports)
+        output = sum(p.stat().st_size for p in destination.rglob("*") if p.is_file())
+        assert 0 < read <= output, (read, output)
+
+
+@pytest.mark.e2e
+def test_zero0_moe_node_local_is_refused_by_name(moe_trained, tmp_path, monkeypatch):
+    """What stays refused: a node-local reshard of a ZeRO-0 MoE save (one simulated node holding every
+    file, the job in this process) is refused naming the tag directory and the layout, before anything
+    is written; the source is left as it was. (Before, it failed saying no worker saw source rank 0's
+    optim-states file, as if files were missing.)"""
+    from test_pipeline_pinned import tree_hashes
+
+    from reshard.jobs.collective_job import reshard_checkpoint
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    before = tree_hashes(source)
+    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
+    with pytest.raises(UnsupportedCheckpoint, match="is a ZeRO-0 MoE checkpoint .*node-local resharding of it is "
+                                                    "not supported yet") as error:
+        reshard_checkpoint(str(source), str(tmp_path / "out"), 2, target_ep=1, node_local=True,
+                           target_ranks_per_node=2, quiet=True)
+    assert str(source / "global_step3") in str(error.value)
+    assert not (tmp_path / "out").exists() and tree_hashes(source) == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
@@ -1272,6 +1381,12 @@ def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     names = sorted(os.listdir(save / "global_step2"))
     assert names == sorted(_folded_save_names(tp=2, ep=2, dp=2))
     before = {name: (save / "global_step2" / name).read_bytes() for name in names}
+    # SLURM array mode leaves AutoEP folded with AutoTP layers to the collective job (its expert files are
+    # rewritten per TP rank beside the plan): refused by name, nothing written
+    refused = reshard_in_process(str(save), str(tmp_path / "array"), "--target-dp", "2", "--array-task", "0",
+                                 "--array-tasks", "2")
+    assert refused.returncode == 2 and "is a tensor-parallel (AutoTP, tp=2) checkpoint; SLURM array mode" in \
+        refused.stderr and not (tmp_path / "array").exists(), refused.stderr
 
     result = reshard_cli(str(save), str(tmp_path / "w2"), "--target-dp", "1", "--target-tp", "2", "--target-ep", "2")
     assert result.returncode == 0, result.stderr

@@ -64,9 +64,14 @@ def expp_file_name(ep_rank: int) -> str:
     return f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
 
 
+def is_expp_file(name: str) -> bool:
+    """Whether `name` is a ZeRO-0 MoE save's per-EP-rank optimizer file (engine.py `_get_optimizer_ckpt_name`)."""
+    return _EXPP_RE.match(name) is not None
+
+
 def is_zero0_moe(tag_dir: str) -> bool:
     """Whether the tag directory holds the per-EP-rank optimizer files of a ZeRO-0 MoE save."""
-    return os.path.isdir(tag_dir) and any(_EXPP_RE.match(name) for name in os.listdir(tag_dir))
+    return os.path.isdir(tag_dir) and any(is_expp_file(name) for name in os.listdir(tag_dir))
 
 
 @dataclass(frozen=True)
@@ -525,6 +530,11 @@ def zero0_source_slots(source: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
     if (INNER in optimizer) != spec.wrapped or _entries(optimizer, spec.wrapped) != spec.entries[rank]:
         raise CheckpointError(path, "changed since it was inspected (its optimizer states differ from what the plan "
                                     "was made from)")
+    return _slots_of(optimizer, spec.wrapped, path)
+
+
+def _slots_of(optimizer: dict, wrapped: bool, path: str) -> dict:
+    """{slot: (path, TensorRef)} of one optimizer dict, buffer b its b-th parameter over the groups."""
     inner = optimizer.get(INNER, optimizer)
     slots, buffer = {}, 0
     for g, group in enumerate(inner["param_groups"]):
@@ -532,10 +542,24 @@ def zero0_source_slots(source: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
             for key, value in (inner["state"].get(index) or {}).items():
                 if isinstance(value, TensorRef):
                     slots[("scalar" if tuple(value.shape) == () else "optim", buffer, key)] = (path, value)
-            if spec.wrapped:
+            if wrapped:
                 slots[("master", buffer, "fp32")] = (path, optimizer["fp32_groups"][g][position])
             buffer += 1
     return slots
+
+
+def zero0_output_slots(output: Zero0MoeCheckpoint, rank: int, trust_pickle: bool = False) -> dict:
+    """{slot: (path, TensorRef)} where target rank `rank` of `plan_zero0_moe` put each tensor in `output`
+    (a ZeRO-0 MoE output, inspected as a source): its `expp_rank_{rank}` file, or for rank ep the
+    model-states file's copy of EP rank 0's optimizer. What `verify --against` reads back (reshard.verify)."""
+    if rank < output.spec.topology.ep:
+        return zero0_source_slots(output, rank, trust_pickle)
+    path = output.model_path()
+    optimizer = _optimizer_of(load_portable(path, schema.safe_globals(), trust_pickle), path)
+    _check_state_sizes(optimizer, _inner(optimizer, path), path)
+    if (INNER in optimizer) != output.spec.wrapped:
+        raise CheckpointError(path, "holds another optimizer kind than its expp_rank files")
+    return _slots_of(optimizer, output.spec.wrapped, path)
 
 
 @dataclass(frozen=True)
@@ -549,7 +573,9 @@ class Zero0Moe:
     changed_to = None
 
     def plan(self, source: Zero0MoeCheckpoint, target: Topology, workers: int, budget_bytes: int,
-             ownership=None):
+             ownership=None, tabulated: bool = True):
+        """Every space from its piece tables (plan_zero0_moe), whatever `tabulated` asks: an array task
+        restricts it to its files by them."""
         from reshard.planning.checkpoint_plan import plan_zero0_moe
         return plan_zero0_moe(source.spec, target, workers, budget_bytes, ownership)
 

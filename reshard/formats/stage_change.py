@@ -77,8 +77,9 @@ class SameStage:
     """The stage an output fingerprint records: none (fingerprints stay as before stage changes)."""
 
     def plan(self, source: SourceCheckpoint, target: Topology, workers: int, budget_bytes: int,
-             ownership: Ownership | None = None) -> ReshardPlan:
-        return plan_reshard(source.spec, target, workers, budget_bytes, ownership=ownership)
+             ownership: Ownership | None = None, tabulated: bool = False) -> ReshardPlan:
+        """`tabulated`: every space from its piece tables (an array task restricts the plan by them)."""
+        return plan_reshard(source.spec, target, workers, budget_bytes, ownership=ownership, tabulated=tabulated)
 
     def notes(self, spec: CheckpointSpec) -> list[str]:
         return []
@@ -103,7 +104,8 @@ class StageChange:
         return self.stage
 
     def plan(self, source: SourceCheckpoint, target: Topology, workers: int, budget_bytes: int,
-             ownership: Ownership | None = None) -> ReshardPlan:
+             ownership: Ownership | None = None, tabulated: bool = True) -> ReshardPlan:
+        """Every space from its piece tables, whatever `tabulated` asks (plan_stage_change)."""
         return plan_stage_change(source, target, self.stage, workers, budget_bytes, ownership)
 
     def notes(self, spec: CheckpointSpec) -> list[str]:

@@ -11,6 +11,11 @@ get about equal bytes and no two tasks write the same file. A task then runs the
 for one worker restricted to the segments its own files hold (`restrict_to_files`): it preads
 exactly the source byte ranges those need and writes them in place, through the same
 exchange code as a collective job but over a LocalTransport, so no other process is involved.
+Every save is inspected, targeted and planned as the collective job does it (`preflight.checkpoint_target`:
+the stage form plans and names the target files), so native MoE, AutoEP and ZeRO-0 MoE saves (each
+EP rank's file and the model-states file's copy of EP rank 0's optimizer dealt as target files) publish
+the collective job's bytes, manifest included; AutoTP saves, AutoEP folded with AutoTP layers among them,
+are refused by name (`refuse_tensor_parallel`).
 A DeepSpeed PipelineModule save goes through the same plan as the collective job
 (`_PipelineColumnsUnit`, inspected by the collective job's own `inspect_pipeline_target`), dealt the same way
 over every target rank (stage, dp rank, model rank); its layer files are copied with tp kept, and with
@@ -50,7 +55,6 @@ import numpy as np
 
 from reshard.jobs import save_dir_files
 from reshard.files.byte_io import hash_file
-from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.jobs.destination import (
     ARRAY_DONE,
     ARRAY_RECORD,
@@ -62,16 +66,17 @@ from reshard.jobs.destination import (
 )
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
+from reshard.layouts.experts import expert_placement_lines
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_pipeline import (
     is_pipeline,
 )
 from reshard.formats.deepspeed_spec import (
     SourceCheckpoint,
-    refuse_experts,
     refuse_tensor_parallel,
 )
-from reshard.formats.deepspeed_target import target_files
+from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
+from reshard.formats.stage_change import ZeroStageTarget
 from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
 from reshard.jobs.lifecycle import (
     JobOutput,
@@ -93,9 +98,10 @@ from reshard.jobs.options import ReshardOptions
 from reshard.planning.plan import ReshardPlan
 from reshard.jobs.preflight import (
     ZERO3_RANK_IDENTITY_NOTE,
+    CheckpointTarget,
+    checkpoint_target,
     outputs_of,
     preflight,
-    target_topology,
 )
 from reshard.files.resources import (
     anonymous_rss_bytes,
@@ -152,10 +158,14 @@ def _tensor_bytes(tree) -> int:
     return total
 
 
-def files_of(unit_index: int, source: SourceCheckpoint, target: Topology, carried=()) -> list[ArrayFile]:
-    """Every file of one checkpoint's output, weighed; `carried` (save-directory files) count as one item."""
+def files_of(unit_index: int, source: SourceCheckpoint, target: CheckpointTarget, plan: ReshardPlan,
+             carried=()) -> list[ArrayFile]:
+    """Every file of one checkpoint's output, weighed: each target rank's of `plan` (the one-worker plan),
+    named by the stage form (`target.zero.files`, as the collective job names them); `carried`
+    (save-directory files) count as one item."""
     files = [ArrayFile(unit_index, file.name, _tensor_bytes(file.tree), rank)
-             for rank in range(target.world_size) for file in target_files(source, target, rank)]
+             for rank in range(plan.ownership.target_ranks)
+             for file in target.zero.files(source, target.topology, rank)]
     files += [ArrayFile(unit_index, name, os.path.getsize(os.path.join(source.tag_dir, name)), None)
               for name in sorted(source.other_files)]
     if carried:
@@ -168,22 +178,25 @@ def restrict_to_files(plan: ReshardPlan, locations) -> ReshardPlan:
     """`plan` (for one worker) keeping only the segments whose target buffers `locations` holds.
 
     `locations` are a TargetWriter's keys, (rank, (space, buffer, stream)); every stream of a
-    kept buffer must be there (DeepSpeed keeps a buffer's states in one file)."""
+    kept buffer that receives elements must be there (DeepSpeed keeps a buffer's states in one file;
+    an empty tensor, such as the fp32 partition of a rank that holds only a group's padding, has no
+    location and receives nothing)."""
     streams_of = defaultdict(set)
     for rank, (space, buffer, stream) in locations:
         streams_of[(space, rank, buffer)].add(stream)
     spaces = []
     for space in plan.spaces:
         keys = [(rank, buffer) for (name, rank, buffer), streams in streams_of.items() if name == space.name]
-        for rank, buffer in keys:
-            missing = {s.name for s in space.streams} - streams_of[(space.name, rank, buffer)]
-            if missing:
-                raise ReshardError(f"target rank {rank}: states {sorted(missing)} of {space.name} buffer {buffer} "
-                                   "are in another file; array tasks cannot split them")
         seg = space.table
         width = int(seg.dst_buffer.max()) + 1 if len(seg) else 1
         wanted = np.asarray([rank * width + buffer for rank, buffer in keys if buffer < width], dtype=np.int64)
         keep = np.isin(seg.dst_rank * width + seg.dst_buffer, wanted)
+        receiving = set(np.unique((seg.dst_rank * width + seg.dst_buffer)[keep & (seg.length > 0)]).tolist())
+        for rank, buffer in keys:
+            missing = {s.name for s in space.streams} - streams_of[(space.name, rank, buffer)]
+            if missing and rank * width + buffer in receiving:
+                raise ReshardError(f"target rank {rank}: states {sorted(missing)} of {space.name} buffer {buffer} "
+                                   "are in another file; array tasks cannot split them")
         spaces.append(space.restricted(keep))
     return ReshardPlan(plan.ownership, tuple(spaces), plan.budget_bytes)
 
@@ -247,14 +260,24 @@ def inspect_unit(opts: ReshardOptions, unit: Unit, inspect_pipeline=None) -> "_Z
                               "reshard.jobs.collective_job.run_job)")
         source, target, notes = inspect_pipeline(opts, unit.source, unit.tag)  # through the plan, as the collective job
         carried = save_dir_files.list_save_dir_files(source.save_dir)
-        return _PipelineColumnsUnit(source, target.topology, carried,
+        return _PipelineColumnsUnit(source, target, _one_worker_plan(opts, source, target), carried,
                                     notes + preflight(opts, source, target.topology, carried))
-    source = inspect_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    # as the collective job inspects it (collective_job.WholeWorld.inspect): a ZeRO-0 MoE save by its own
+    # inspector, whose stage form (deepspeed_zero0_moe.Zero0Moe) plans and names its files
+    inspect = inspect_zero0_moe_checkpoint if is_zero0_moe(os.path.join(unit.source, unit.tag)) else inspect_checkpoint
+    source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    # AutoTP, and AutoEP folded with AutoTP layers, whose expert files the collective job rewrites beside the plan
     refuse_tensor_parallel(source, "SLURM array mode (--array-task)")
-    refuse_experts(source, "SLURM array mode for")
-    target = target_topology(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
+    target = checkpoint_target(opts, source)  # refuses --target-ep > 1 for a checkpoint without experts
     carried = save_dir_files.list_save_dir_files(source.save_dir)
-    return _ZeroUnit(source, target, carried, preflight(opts, source, target, carried))
+    return _ZeroUnit(source, target, _one_worker_plan(opts, source, target), carried,
+                     preflight(opts, source, target.topology, carried))
+
+
+def _one_worker_plan(opts: ReshardOptions, source: SourceCheckpoint, target: CheckpointTarget) -> ReshardPlan:
+    """The plan for one worker under the job's budget (its rounds are the result's; its target ranks the
+    files dealt out), from the piece tables an array task restricts."""
+    return target.zero.plan(source, target.topology, 1, opts.memory_budget, tabulated=True)
 
 
 def run_array_task(opts: ReshardOptions, inspect_pipeline=None) -> ReshardResult:
@@ -311,53 +334,75 @@ class ArrayOutput:
 
 @dataclass
 class _ZeroUnit:
-    """A ZeRO-1/2/3 checkpoint: target files dealt one by one, each written through the one-worker
-    plan restricted to it (`restrict_to_files`)."""
+    """A ZeRO-1/2/3 checkpoint (native MoE and AutoEP included) or a ZeRO-0 MoE one: target files dealt
+    one by one, each written through the one-worker plan restricted to it (`restrict_to_files`). Its
+    target, files, fingerprint and manifest are the collective job's (collective_job.WholeWorld.inspect,
+    _describe_output, _publish), so the set publishes the same bytes."""
 
     source: SourceCheckpoint
-    target: Topology
+    checkpoint: CheckpointTarget
+    """The target, worked out as the collective job works it out (preflight.checkpoint_target)."""
+    plan: ReshardPlan
+    """The one-worker plan under the job's budget (`_one_worker_plan`)."""
     carried: list
     notes: list
 
+    @property
+    def target(self) -> Topology:
+        return self.checkpoint.topology
+
+    @property
+    def zero(self) -> ZeroStageTarget:
+        return self.checkpoint.zero
+
     def files(self, index: int) -> list[ArrayFile]:
-        return files_of(index, self.source, self.target, self.carried)
+        return files_of(index, self.source, self.checkpoint, self.plan, self.carried)
 
     def check(self, opts: ReshardOptions, files: list[ArrayFile], owners: dict) -> None:
         pass  # the rounds keep every task within --memory-budget
 
     def output(self, opts: ReshardOptions, unit: Unit) -> ArrayOutput:
         """What the set is: its fingerprint, manifest entries and where its copied files come from."""
-        source, carried = self.source, self.carried
-        names = [n for r in range(source.spec.dp_world_size) for n in map(os.path.basename, source.source_files(r))]
+        source, carried, zero = self.source, self.carried, self.zero
+        names = [n for r in range(source.spec.topology.world_size)
+                 for n in map(os.path.basename, source.source_files(r))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(carried)))
+        # an MoE output records its target ep, in fingerprint and manifest, as the collective job's does
+        target_ep = self.target.ep if source.spec.experts is not None else None
         return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
-                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp),
+                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp,
+                                              target_stage=zero.changed_to, target_ep=target_ep),
                            manifest_source_entry(source, identity),
-                           {"dp_world_size": opts.target_dp, "stage": source.spec.stage},
-                           outputs_of(unit.destination, source.save_dir, opts.target_dp), carried,
+                           {"dp_world_size": opts.target_dp, "stage": zero.stage,
+                            **({"ep": target_ep} if target_ep is not None else {})},
+                           outputs_of(unit.destination, source.save_dir, opts.target_dp, 1, zero.stage, target_ep),
+                           carried,
                            list(source.other_dirs))
 
     def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
-        source, target = self.source, self.target
+        source, target, plan = self.source, self.target, self.plan
         started = time.perf_counter()
         spec = source.spec
-        plan = plan_reshard(source.spec, target, 1, opts.memory_budget, tabulated=True)
         ranks = tuple(sorted({f.rank for f in mine if f.rank is not None}))
         result = CheckpointResult(source.save_dir, unit.destination, source.tag, spec.describe(), spec.topology,
                                   target, opts.array_tasks, _no_collectives(opts), plan.rounds, 0.0, opts.dry_run,
                                   plan, notes=list(self.notes))
         report = WorkerReport(opts.array_task, (), ranks)
         result.reports = [report]
+        if spec.experts is not None:
+            result.notes += expert_placement_lines(spec.experts, target)
         if spec.stage == 3:
             result.notes.append(ZERO3_RANK_IDENTITY_NOTE)
+        result.notes += self.zero.notes(spec)
         if opts.dry_run:
             result.notes.append(_dry_run_note(opts, mine, [f.name for f in mine]))
             return result
         output = self.output(opts, unit)
 
         def write_targets(tag_dir: str, array_dir: str, targets: list) -> int:
-            return _write_targets(opts, source, target, tag_dir, array_dir, targets, report)
+            return _write_targets(opts, source, self.checkpoint, plan.ownership.target_ranks, tag_dir, array_dir,
+                                  targets, report)
         return _run_share(opts, unit, output, owners, mine, place, result, report, started, write_targets)
 
 
@@ -446,27 +491,30 @@ def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: di
     return result
 
 
-def _plan_for_share(source: SourceCheckpoint, target: Topology, opts: ReshardOptions, locations) -> ReshardPlan:
+def _plan_for_share(source: SourceCheckpoint, target: CheckpointTarget, opts: ReshardOptions, locations,
+                    target_ranks: int) -> ReshardPlan:
     """The one-worker plan, its rounds sized for the target ranks this share writes.
 
     A round of the one-worker plan takes an equal window of every target rank's buffers; a
     share keeps only its own ranks' parts, so the plan is made with the budget scaled by
     M / (ranks in the share): once restricted, a round holds at most a third of the real budget."""
     ranks = {rank for rank, _ in locations}
-    scale = target.world_size / max(1, len(ranks))
-    return plan_reshard(source.spec, target, 1, int(opts.memory_budget * scale), tabulated=True)
+    scale = target_ranks / max(1, len(ranks))
+    return target.zero.plan(source, target.topology, 1, int(opts.memory_budget * scale), tabulated=True)
 
 
-def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: str, array_dir: str, targets: list,
-                   report: WorkerReport) -> int:
+def _write_targets(opts, source: SourceCheckpoint, target: CheckpointTarget, target_ranks: int, tag_dir: str,
+                   array_dir: str, targets: list, report: WorkerReport) -> int:
     """Write `targets` complete: skeletons, carried storages, then every slice read straight from the source.
     Returns the number of rounds that moved data."""
     ranks = sorted({f.rank for f in targets})
     per_rank = 2 if source.spec.stage == 3 else 1
     ensure_open_files(per_rank * source.spec.topology.world_size + len(targets) + 1)
-    writer = TargetWriter.create(source, tag_dir, target, ranks, only={f.name for f in targets})
+    writer = TargetWriter.create(source, tag_dir, target.topology, ranks, only={f.name for f in targets},
+                                 files_of=target.zero.files)
     try:
-        share = restrict_to_files(_plan_for_share(source, target, opts, writer.locations), writer.locations)
+        share = restrict_to_files(_plan_for_share(source, target, opts, writer.locations, target_ranks),
+                                  writer.locations)
     except BaseException:
         writer.close()
         raise
@@ -476,7 +524,8 @@ def _write_targets(opts, source: SourceCheckpoint, target: Topology, tag_dir: st
     rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
     hashes, report_read = execute(
         share, LocalTransport(),
-        open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle),
+        open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle,
+                                              extra_slots=target.zero.source_slots),
         open_sink=lambda: writer, opening="opening source files",
         opened=lambda reader, sink: sink.copy_in_background(),
         finish=lambda reader, sink: sink.finish(),  # fsync, hash and close

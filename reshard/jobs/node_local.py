@@ -45,6 +45,7 @@ from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint
 from reshard.formats.deepspeed_pipeline import LAYER_RE
 from reshard.formats.deepspeed_target import zero12_model_file
+from reshard.formats.deepspeed_zero0_moe import is_expp_file
 from reshard.formats.folded_expert_files import rewrites_expert_files
 from reshard.files.paths import check_tag
 from reshard.jobs.destination import check_paths
@@ -423,6 +424,10 @@ class NodeLocal:
     def inspect(self, opts, unit: Unit, transport) -> tuple:
         """(source, target, carried, notes, NodeSite): inspected, and the target worked out, by a worker
         that sees rank 0's files; no save-directory files are carried (each node's DST keeps its own)."""
+        if any(is_expp_file(name) for view in self.views for name in view.files):  # every worker alike
+            raise UnsupportedCheckpoint(os.path.join(unit.source, unit.tag), "is a ZeRO-0 MoE checkpoint (expp_rank_* "
+                                        "optimizer files); node-local resharding of it is not supported yet: run "
+                                        "the job on a file system every worker sees")
         if self.is_pipeline():  # the same views on every worker: the same choice
             return self.pipeline_columns.inspect(opts, unit, transport, self.views)
         roles = [schema.classify(name) for name in self.views[transport.rank].files]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from reshard.errors import CheckpointError
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import resolve_tag
+from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class Unit:
 
 
 def is_tag_dir(path: str) -> bool:
-    return os.path.isdir(path) and any(schema.classify(n).kind == "optim" for n in os.listdir(path))
+    """Whether `path` is a DeepSpeed tag directory: it holds ZeRO optimizer files, or a ZeRO-0 MoE
+    save's per-EP-rank ones (`expp_rank_{e}`), which are not a save directory's files to carry."""
+    return os.path.isdir(path) and (any(schema.classify(n).kind == "optim" for n in os.listdir(path))
+                                    or is_zero0_moe(path))
 
 
 def holds_checkpoint_files(path: str) -> bool:
