@@ -2,7 +2,7 @@
 
     def test_something(hf_trained):
         output_dir = hf_trained("z2")        # Trainer, ZeRO-2 fp32, 2 ranks: checkpoint-3, checkpoint-6,
-                                             # truth-3.pt, truth-6.pt
+                                             # truth-3.pt, truth-6.pt ("z2_fp16": the same in fp16)
         report = run_entry("hf_trainer.py", 3, "resume", out, "--stage", "2", "--from", ..., report=path)
 
 The `hf_trained` fixture lives in conftest.py. Entry scripts are in tests/entry/ (hf_trainer.py,
@@ -18,6 +18,7 @@ from reshard_proof.launch import TorchrunError, run_torchrun
 
 ENTRY = Path(__file__).resolve().parent / "entry"
 RUNS = {"z2": ("hf_trainer.py", ["--stage", "2"]), "z3_bf16": ("hf_trainer.py", ["--stage", "3", "--bf16"]),
+        "z2_fp16": ("hf_trainer.py", ["--stage", "2", "--fp16"]),
         "accelerate_z3": ("hf_accelerate.py", ["--stage", "3"])}
 
 
@@ -65,7 +66,8 @@ class HfRuns:
             out, done = self._paths(name)
             stage = int(options[options.index("--stage") + 1])
             if script == "hf_trainer.py":
-                jobs.append({"mode": "train", "out": str(out), "stage": stage, "bf16": "--bf16" in options})
+                jobs.append({"mode": "train", "out": str(out), "stage": stage, "bf16": "--bf16" in options,
+                             "fp16": "--fp16" in options})
             else:
                 out.mkdir(parents=True, exist_ok=True)
                 jobs.append({"mode": "train", "kind": "accelerate", "state_dir": str(out / "state"), "stage": stage,
