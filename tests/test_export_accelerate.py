@@ -19,7 +19,13 @@ docs/moving-to-fsdp2.md tells a user to, and resumed in the same launch by an fp
 a CPU run needs that a GPU run gets from Accelerate): the masters and moments equal DeepSpeed's to the
 bit, the scale goes on from 512 to DeepSpeed's 1024 at step 6, and the next losses are DeepSpeed's as
 FSDP2 hands them back in fp16.
-One launch (both resumes) and one export process; the fp16 export and the refusals run in this process.
+AutoTP: the session's DeepSpeed ZeRO-1 AutoTP Trainer run (tp 2, dp 1: transformers builds it with
+`deepspeed.tp_model_init`; q/k/v/gate/up column-parallel, o/down row-parallel, the rest whole) is exported in
+this process, each TP slice joined whole, and resumed in the same launch by the FSDP2 Trainer at dp 2, one row
+per rank: the masters and moments equal DeepSpeed's joined whole, to the bit, and the next losses DeepSpeed's
+to within the rounding of a different summation order.
+One launch (the three resumes) and one export process; the fp16 and AutoTP exports and the refusals run in
+this process.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ def fsdp2_resume(hf_trained, tmp_path_factory):
     """{"source", "export", "resumed", "report", "source_files", "fp16": the same for the fp16 run}: the
     exports of checkpoint-3 and the FSDP2 Trainer's resumes from them (one launch)."""
     root = tmp_path_factory.mktemp("fsdp2-accelerate")
-    run, run16 = hf_trained("z2"), hf_trained("z2_fp16")
+    run, run16, run_tp = hf_trained("z2"), hf_trained("z2_fp16"), hf_trained("z1_tp2")
     source, export = run / "checkpoint-3", root / "checkpoint-3-fsdp2"
     source_files = tree_files(source)
     started = time.perf_counter()
@@ -66,22 +72,35 @@ def fsdp2_resume(hf_trained, tmp_path_factory):
     print(f"export --layout accelerate of the fp16 run (in this process): {time.perf_counter() - started:.1f} s wall")
     run_state16 = torch.load(export16 / "reshard_run_state.pt", weights_only=True)
     torch.save(run_state16["loss_scaler"]["grad_scaler"], export16 / "scaler.pt")  # the user's step (docs)
+    source_tp, export_tp = run_tp / "checkpoint-3", root / "checkpoint-3-autotp-fsdp2"
+    source_tp_files = tree_files(source_tp)
+    started = time.perf_counter()
+    exported_tp = reshard_in_process("export", source_tp, export_tp, "--format", "dcp", "--layout", "accelerate",
+                                     "--chunk-size", str(CHUNK_BYTES))
+    assert exported_tp.returncode == 0, exported_tp.stdout + exported_tp.stderr
+    print(f"export --layout accelerate of the AutoTP run (in this process): {time.perf_counter() - started:.1f} s wall")
     report, resumed = root / "report.json", root / "resumed"
     report16, resumed16 = root / "report-fp16.json", root / "resumed-fp16"
+    report_tp, resumed_tp = root / "report-autotp.json", root / "resumed-autotp"
     jobs = root / "resume-jobs.json"
     jobs.write_text(json.dumps([
         {"out": str(resumed), "source": str(export), "truth": str(run / "truth-3.pt"),
          "control": str(run / "truth-6.pt"), "report": str(report)},
         {"out": str(resumed16), "source": str(export16), "truth": str(run16 / "truth-3.pt"),
-         "control": str(run16 / "truth-6.pt"), "report": str(report16), "fp16": True}]))
+         "control": str(run16 / "truth-6.pt"), "report": str(report16), "fp16": True},
+        # one row per rank: the global batch of 2 rows the AutoTP run (dp 1) took, in the same order
+        {"out": str(resumed_tp), "source": str(export_tp), "truth": str(run_tp / "truth-3.pt"),
+         "control": str(run_tp / "truth-6.pt"), "report": str(report_tp), "kv_heads": 2, "batch": 1}]))
     started = time.perf_counter()
-    run_entry("hf_fsdp2.py", 2, "--jobs", jobs, expect=report16)
-    print(f"FSDP2 Trainer resumes at 2 ranks, fp32 and fp16 (load, 3 steps, save; each): "
+    run_entry("hf_fsdp2.py", 2, "--jobs", jobs, expect=report_tp)
+    print(f"FSDP2 Trainer resumes at 2 ranks, fp32, fp16 and AutoTP (load, 3 steps, save; each): "
           f"{time.perf_counter() - started:.1f} s wall")
     return {"source": source, "export": export, "resumed": resumed, "report": read_report(report),
             "source_files": source_files, "stdout": exported.stdout,
             "fp16": {"run": run16, "export": export16, "resumed": resumed16, "report": read_report(report16),
-                     "run_state": run_state16}}
+                     "run_state": run_state16},
+            "autotp": {"run": run_tp, "source": source_tp, "source_files": source_tp_files, "export": export_tp,
+                       "resumed": resumed_tp, "report": read_report(report_tp), "stdout": exported_tp.stdout}}
 
 
 def test_trainer_under_fsdp2_resumes_the_deepspeed_run_with_its_adam_state(fsdp2_resume):
@@ -251,3 +270,43 @@ def test_the_fp16_runs_next_logged_losses_are_deepspeeds_in_fp16(fsdp2_resume):
     assert norms[1][4] == norms[0][4]
     for step in (5, 6):
         assert abs(resumed[step] - deepspeed[step]) <= _fp16_ulp(deepspeed[step]), (step, resumed[step], deepspeed[step])
+
+
+def test_an_autotp_trainer_save_resumes_under_fsdp2_from_the_accelerate_export(fsdp2_resume):
+    """DeepSpeed ZeRO-1 AutoTP (tp 2) Trainer checkpoint -> `--layout accelerate` -> FSDP2 at dp 2: every
+    parameter, exp_avg and exp_avg_sq equals the AutoTP engine's, its TP slices joined whole as DeepSpeed cut
+    them (the truth: reshard_proof.tensor_parallel.full_state), Adam step 3; Accelerate's layout; the
+    Trainer's files carried, nothing of DeepSpeed's; the source untouched."""
+    tp = fsdp2_resume["autotp"]
+    data = tp["report"]
+    assert data["fsdp_version"] == 2 and data["parameter_class"] == "DTensor" and data["world_size"] == 2
+    assert data["mismatches"] == [], data["mismatches"]
+    assert data["checked_tensors"] == 63 and len(data["control_mismatches"]) == 63
+    assert data["adam_step_count"] == 21 and data["adam_steps"] == [3.0]
+    assert data["global_step_at_resume"] == data["truth_global_step"] == 3 and data["lr_at_resume"] == data["truth_lr"]
+    assert data["final_global_step"] == 6
+    assert (tp["source"] / "global_step3" / "mp_rank_01_model_states.pt").is_file()  # a TP save: a file per TP rank
+    for directory in DIRECTORIES:
+        ours, theirs = _described(_metadata(tp["export"] / directory)), \
+            _described(_metadata(tp["resumed"] / "checkpoint-6" / directory))
+        assert ours == theirs, (directory, set(ours) ^ set(theirs))
+    exported = tree_files(tp["export"])
+    for name in ("trainer_state.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "config.json"):
+        assert exported[name] == tp["source_files"][name], name
+    assert not any(name.startswith(("global_step", "latest", "zero_to_", ".reshard")) for name in exported)
+    assert tree_files(tp["source"]) == tp["source_files"]
+
+
+def test_the_autotp_runs_next_logged_losses_are_deepspeeds_to_rounding(fsdp2_resume):
+    """Steps 4-6 under FSDP2 log DeepSpeed's AutoTP losses to a relative 1e-6 (a few fp32 spacings), not to
+    the bit: AutoTP sums each row-parallel product (o_proj, down_proj) as two half-sums all-reduced, where
+    FSDP2 runs the whole matmul; and each AutoTP rank's loss is the mean over both rows, FSDP2's the mean of
+    two one-row means (equal token counts, so the same value but another rounding). Same batches: the AutoTP
+    run is dp 1 with 2 rows, the FSDP2 run dp 2 with one row each, the same 2 rows."""
+    tp = fsdp2_resume["autotp"]
+    deepspeed, resumed = _logged(tp["run"] / "checkpoint-6", "loss"), _logged(tp["resumed"] / "checkpoint-6", "loss")
+    print(f"\nAutoTP logged losses, DeepSpeed: {deepspeed}\n                      FSDP2 resumed: {resumed}")
+    assert sorted(deepspeed) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert all(resumed[step] == deepspeed[step] for step in (1, 2, 3))  # carried in trainer_state.json
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(deepspeed[step], rel=1e-6, abs=0), (step, resumed[step], deepspeed[step])

@@ -13,7 +13,7 @@ before any step, every rank gathers each parameter and its Adam exp_avg / exp_av
 the learning rate and the global step; training then goes on to step 6 and saves an FSDP2 checkpoint.
 With --control, the same state is also compared with another truth (a negative control: that must differ).
 --jobs: several resumes one after the other in one launch (starting torch and transformers on every rank
-is what a launch costs); JOBS.json lists them as {"out", "source", "truth", "report", "control", "fp16"}.
+is what a launch costs); JOBS.json lists them as {"out", "source", "truth", "report", "control", "fp16", "kv_heads", "batch"}.
 Accelerate's shared state is reset between them, the process group kept.
 
 Accelerate 1.15 turns FSDP on only for accelerator devices: accelerate/state.py
@@ -51,7 +51,7 @@ from hf_common import TokenRows, compare_with_truth, leave_and_exit, tiny_llama,
 STEPS, SAVE_EVERY = 6, 3
 
 
-def make_trainer(out: str, seed: int, callbacks, fp16: bool = False):
+def make_trainer(out: str, seed: int, callbacks, fp16: bool = False, kv_heads: int = 1, batch: int = 2):
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
     from transformers import Trainer, TrainingArguments
@@ -73,11 +73,11 @@ def make_trainer(out: str, seed: int, callbacks, fp16: bool = False):
     training = TrainingArguments(
         output_dir=out, use_cpu=True, fsdp=True,
         fsdp_config={"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True},
-        per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
         save_strategy="steps", learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
         logging_strategy="steps", logging_steps=1, report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
         dataloader_num_workers=0, save_only_model=False, fp16=fp16, **({"optim": "adamw_torch"} if fp16 else {}))
-    return CpuFsdpTrainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
+    return CpuFsdpTrainer(model=tiny_llama(seed, kv_heads), args=training, train_dataset=TokenRows(), callbacks=callbacks)
 
 
 def full_fsdp2_state(model, optimizer) -> tuple[dict, dict]:
@@ -122,7 +122,8 @@ def resume(args, rank: int) -> None:
                 control = torch.load(args.control, weights_only=True)
                 holder["report"]["control_mismatches"] = compare_with_truth(full, control["state"])[0]
 
-    trainer = holder["trainer"] = make_trainer(args.out, seed=99, callbacks=[Check()], fp16=args.fp16)
+    trainer = holder["trainer"] = make_trainer(args.out, seed=99, callbacks=[Check()], fp16=args.fp16,
+                                                kv_heads=args.kv_heads, batch=args.batch)
     if trainer.accelerator.scaler is not None:  # module docstring: the fp16 resume needs a scale in place
         trainer.accelerator.scaler.scale(torch.zeros(()))
     trainer.train(resume_from_checkpoint=args.source)
@@ -147,7 +148,7 @@ def run_jobs(jobs: list[dict], rank: int) -> None:
     for number, job in enumerate(jobs):
         if number:
             AcceleratorState._reset_state(reset_partial_state=False)  # this job's precision and plugin
-        resume(argparse.Namespace(**{"control": None, "fp16": False, **job}), rank)
+        resume(argparse.Namespace(**{"control": None, "fp16": False, "kv_heads": 1, "batch": 2, **job}), rank)
 
 
 def main() -> None:
@@ -158,6 +159,8 @@ def main() -> None:
     parser.add_argument("--report")
     parser.add_argument("--control", help="another run's truth, which the resumed state must not equal")
     parser.add_argument("--fp16", action="store_true", help="TrainingArguments(fp16=True): FSDP2 in fp16")
+    parser.add_argument("--kv-heads", type=int, default=1, help="the Llama's key/value heads (2: an AutoTP run's)")
+    parser.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     parser.add_argument("--jobs", help="a JSON list of resumes, each with the options above as keys")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
