@@ -25,7 +25,8 @@ this process, each TP slice joined whole, and resumed in the same launch by the 
 per rank: the masters and moments equal DeepSpeed's joined whole, to the bit, and the next losses DeepSpeed's
 to within the rounding of a different summation order.
 One launch (the three resumes) and one export process; the fp16 and AutoTP exports and the refusals run in
-this process.
+this process. The AutoTP run is trained in a launch of its own (tests/hf_runs.py ALONE), the others in the
+session's shared HF launch.
 """
 from __future__ import annotations
 
