@@ -318,6 +318,15 @@ def counters(engine) -> dict:
     return state
 
 
+def run_state(engine) -> dict:
+    """What the DCP export's judge compares beside the tensors (reshard_proof.pipeline_truth): the LR
+    scheduler's state_dict (WarmupLR from the config) and the Adam steps of this rank's optimizer, as the
+    optimizer holds them (its base optimizer's per-partition `step`; fp16 steps skipped on overflow are not
+    counted there). Kept out of `counters`, which a load's engine is compared with key by key."""
+    steps = {float(state["step"]) for state in engine.optimizer.optimizer.state.values() if "step" in state}
+    return {"lr_scheduler": engine.lr_scheduler.state_dict(), "adam_steps": sorted(steps)}
+
+
 def eval_loss(engine) -> float:
     fixed = batch(12345)
     return float(engine.eval_batch(iter([fixed]), num_micro_batches=1))
@@ -366,7 +375,7 @@ def train_one(args, save: str, truth_dir: str) -> None:
     engine.save_checkpoint(save, tag="step3", client_state={"note": "pipeline", "universal_checkpoint_info":
                                                             UNIVERSAL_INFO if args.info else {}})
     truth = {"tensors": stage_truth(engine), "loss": eval_loss(engine), "counters": counters(engine),
-             "model_rank": ModelAxis.rank, "tp": ModelAxis.size}
+             "model_rank": ModelAxis.rank, "tp": ModelAxis.size, **run_state(engine)}
     os.makedirs(truth_dir, exist_ok=True)
     torch.save(truth, os.path.join(truth_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()

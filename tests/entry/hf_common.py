@@ -6,11 +6,12 @@
 import torch
 
 
-def tiny_llama(seed: int):
+def tiny_llama(seed: int, kv_heads: int = 1):
+    """kv_heads 2 for an AutoTP run at tp 2: AutoTP cuts k_proj / v_proj by whole heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=32,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
 

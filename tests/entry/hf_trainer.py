@@ -1,6 +1,6 @@
 """torchrun entry for tests: a tiny Llama trained by the Hugging Face Trainer with DeepSpeed, on CPU ranks.
 
-    torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16]
+    torchrun --standalone --nproc_per_node=2 tests/entry/hf_trainer.py train  OUT --stage 2 [--bf16 | --fp16] [--autotp 2]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py resume OUT --stage 2 \
         --from CKPT/checkpoint-3 --truth OUT_OF_TRAIN/truth-3.pt --report R.json [--in-job]
     torchrun --standalone --nproc_per_node=3 tests/entry/hf_trainer.py jobs JOBS.json
@@ -8,14 +8,18 @@
 train: 6 optimizer steps, a save every 3 (checkpoint-3, checkpoint-6), the loss logged at every step
 (trainer_state.json `log_history`: what a resume elsewhere is compared with); at each save rank 0 writes
 truth-{step}.pt: every parameter's full fp32 master and Adam moments (DeepSpeed's own getters),
-the learning rate, the global step.
+the learning rate, the global step, and an fp16 run's loss scaler (DeepSpeed's attributes, below).
+--fp16: DeepSpeed's fp16 (dynamic loss scale from 2**8, growing after 2 clean steps, so that by step 3
+the scale has moved); DeepSpeed's CPU accelerator refuses fp16, torch runs it on CPU: the entry lets it.
+--autotp K: DeepSpeed AutoTP at tp K (`tensor_parallel.autotp_size`; transformers builds it with
+`deepspeed.tp_model_init`), the Llama with 2 key/value heads; the truth joins each split parameter whole.
 resume: a model from another seed, `trainer.train(resume_from_checkpoint=...)` with nothing else
 done; at the first on_step_begin the same quantities are compared with the truth, element by
 element; training then goes on to step 6 and its save. With --in-job the Trainer resumes through
 `reshard.integrations.huggingface.enable_resharding(trainer)` from the checkpoint as saved.
 jobs: several trainings or resumes one after the other in one launch, since starting torch, DeepSpeed
 and transformers on every rank is what one costs; JOBS.json lists them as {"mode": "train", "out",
-"stage", "bf16"}, {"mode": "resume", "out", "stage", "bf16", "source", "truth", "report", "in_job"},
+"stage", "bf16", "fp16", "autotp"}, {"mode": "resume", "out", "stage", "bf16", "source", "truth", "report", "in_job"},
 or, for hf_accelerate.py's, the same with "kind": "accelerate" and its arguments (put those last:
 Accelerate's DeepSpeed switch is an environment variable). Each gets a Trainer or Accelerator, an
 Accelerator state and a DeepSpeed engine of its own (Accelerate's shared state is reset between
@@ -32,10 +36,17 @@ from hf_common import TokenRows, compare_with_truth, full_state, leave_and_exit,
 STEPS, SAVE_EVERY = 6, 3
 
 
-def ds_config(stage: int, bf16: bool) -> dict:
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+
+
+def ds_config(stage: int, bf16: bool, fp16: bool = False, autotp: int = 1) -> dict:
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    if fp16:  # "auto" takes TrainingArguments.fp16; a small scale that grows, so the scaler has a state to carry
+        config["fp16"] = {"enabled": "auto", "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+    if autotp > 1:  # the Trainer builds the AutoTP model itself (integrations/deepspeed.py: deepspeed.tp_model_init)
+        config["tensor_parallel"] = {"autotp_size": autotp}
     if stage == 3:
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
     return config
@@ -43,13 +54,18 @@ def ds_config(stage: int, bf16: bool) -> dict:
 
 def make_trainer(args, seed: int, callbacks):
     from transformers import Trainer, TrainingArguments
+    fp16, autotp = getattr(args, "fp16", False), getattr(args, "autotp", 1)
+    if fp16:
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True  # DeepSpeed's CPU accelerator says no; torch can
     training = TrainingArguments(
-        output_dir=args.out, use_cpu=True, deepspeed=ds_config(args.stage, args.bf16), bf16=args.bf16,
+        output_dir=args.out, use_cpu=True, deepspeed=ds_config(args.stage, args.bf16, fp16, autotp), bf16=args.bf16, fp16=fp16,
         per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS, save_steps=SAVE_EVERY,
         save_strategy="steps", learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
         logging_strategy="steps", logging_steps=1, report_to="none", seed=seed, data_seed=7, disable_tqdm=True,
         dataloader_num_workers=0, save_only_model=False)
-    return Trainer(model=tiny_llama(seed), args=training, train_dataset=TokenRows(), callbacks=callbacks)
+    return Trainer(model=tiny_llama(seed, kv_heads=2 if autotp > 1 else 1), args=training, train_dataset=TokenRows(),
+                   callbacks=callbacks)
 
 
 def resume(args, rank: int) -> None:
@@ -94,13 +110,25 @@ def train(args, rank: int) -> None:
     class Truth(TrainerCallback):
         def on_save(self, training_args, state, control, **kwargs):
             trainer = holder["trainer"]
-            full = full_state(trainer.model_wrapped)
+            engine = trainer.model_wrapped
+            full = full_state(engine) if getattr(args, "autotp", 1) == 1 else joined_tp_state(engine)
+            scaler = getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
             if rank == 0:
-                torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step},
+                torch.save({"state": full, "lr": trainer.lr_scheduler.get_last_lr(), "global_step": state.global_step,
+                            "skipped_steps": engine.skipped_steps,
+                            "loss_scaler": None if scaler is None else
+                            {k: float(getattr(scaler, k)) for k in LOSS_SCALER_FIELDS}},
                            os.path.join(args.out, f"truth-{state.global_step}.pt"))
 
     trainer = holder["trainer"] = make_trainer(args, seed=11, callbacks=[Truth()])
     trainer.train()
+
+
+def joined_tp_state(engine) -> dict:
+    """name -> {fp32, exp_avg, exp_avg_sq}, each TP-split parameter joined whole as DeepSpeed cut it
+    (reshard_proof.tensor_parallel.full_state); collective."""
+    from reshard_proof.tensor_parallel import full_state as tp_full_state
+    return {name: {"fp32": entry["fp32"], **entry["state"]} for name, entry in tp_full_state(engine).items()}
 
 
 def run_jobs(jobs: list[dict], rank: int) -> None:
@@ -129,6 +157,8 @@ def main() -> None:
     parser.add_argument("out", help="the output directory; for jobs, JOBS.json")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--autotp", type=int, default=1, help="DeepSpeed AutoTP at this tp size")
     parser.add_argument("--from", dest="source")
     parser.add_argument("--truth")
     parser.add_argument("--report")

@@ -160,7 +160,7 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, devic
         same(f"run state {key}", run_state[key], want)
     scheduler_state = scheduler.state_dict() if scheduler is not None else run_state["lr_scheduler"]
     compared = [("client_state", truth["client_state"], run_state["client_state"])]
-    if "lr_scheduler" in engine:  # a pipeline truth does not record it
+    if "lr_scheduler" in engine:
         compared.insert(0, ("lr scheduler", engine["lr_scheduler"], scheduler_state))
     for what, want, got in compared:
         checks += 1

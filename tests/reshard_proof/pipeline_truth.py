@@ -7,14 +7,14 @@
 
 tests/pipeline_run.py records, per rank, its stage's fp32 masters and Adam moments by name (read from the
 live engine with safe_get_full_fp32_param / safe_get_full_optimizer_state), frozen values, buffers and the
-engine's counters. `judge_truth` gives them the shape of reshard_proof.fsdp2_judge's truth: every
+engine's counters, its LR scheduler's state_dict and the Adam steps its optimizer holds
+(`pipeline_run.run_state`). `judge_truth` gives them the shape of reshard_proof.fsdp2_judge's truth: every
 parameter once (a tied one is in each stage holding it, equal; with a model axis every model rank's slices
-joined whole by that harness's own layers, `pipeline_run.sliced_truth`), each with Adam's step. The step
-is not in a pipeline truth: it is the engine's optimizer steps taken, global_steps less skipped_steps (its
-counters; an fp32 ZeRO-1 Adam steps every parameter once per step). Betas and eps are torch AdamW's
-defaults, which the harness's config leaves as they are ("Adam", torch_adam, lr and weight_decay given).
-The LR scheduler's state is not recorded (the judge compares it only where a truth has it), and the client
-state is the harness's own key (`{"note": "pipeline"}`).
+joined whole by that harness's own layers, `pipeline_run.sliced_truth`), each with Adam's step as the
+optimizers recorded it (one value on every rank, or a ValueError), and the scheduler's state, which the
+judge compares with the export's. Betas and eps are torch AdamW's defaults, which the harness's config
+leaves as they are ("Adam", torch_adam, lr and weight_decay given). The client state is the harness's own
+key (`{"note": "pipeline"}`).
 
 `proof_model` is the model a user moving to FSDP2 builds: the same layers as tests/pipeline_run.py's
 PipelineModule at pp=1 (no model axis: the parallel Linears whole), registered under the names
@@ -43,7 +43,10 @@ def judge_truth(truth_dir: str) -> dict:
             for name, states in truth["tensors"].items():
                 tensors.setdefault(name, states)
     counters = truths[0]["counters"]
-    step = float(counters["global_steps"] - counters["skipped_steps"])
+    steps = sorted({step for truth in truths for step in truth["adam_steps"]})  # tests/pipeline_run.py run_state
+    if len(steps) != 1:
+        raise ValueError(f"{truth_dir}: the ranks' optimizers hold Adam steps {steps}, not one")
+    step = steps[0]
     master = {name: {"fp32": s["fp32"], "state": {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]},
                      "scalars": {"step": step}} for name, s in tensors.items() if "fp32" in s}
     frozen = {name: s["frozen"] for name, s in tensors.items() if "frozen" in s}
@@ -51,7 +54,8 @@ def judge_truth(truth_dir: str) -> dict:
     groups = [{"lr": group["lr"], "weight_decay": group["weight_decay"], "betas": ADAMW_BETAS, "eps": ADAMW_EPS}
               for group in counters["hyperparameters"]]
     engine = {"master": master, "frozen": frozen, "buffers": buffers, "param_groups": groups,
-              "counters": {key: counters[key] for key in ("global_steps", "global_samples", "skipped_steps")}}
+              "counters": {key: counters[key] for key in ("global_steps", "global_samples", "skipped_steps")},
+              "lr_scheduler": truths[0]["lr_scheduler"]}
     whole = tensors["1.bias"][next(iter(tensors["1.bias"]))]
     model = {"hidden": int(whole.shape[0]), "scaled": "4.scale" in buffers, "frozen": sorted(frozen),
              "groups": len(groups)}
