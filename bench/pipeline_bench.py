@@ -158,6 +158,43 @@ def dump_stage(engine, path: str, extra: dict) -> None:
                     "tp": engine.grid.get_slice_parallel_world_size(), **extra}, path)
 
 
+def fill_moments(engine) -> None:
+    """Give an untrained engine's Adam moments distinct values, parameter by parameter, seeded by the
+    parameter's name (exp_avg in [-1, 1), exp_avg_sq in [0, 1)). torch's Adam makes its state at the first
+    step; DeepSpeed 0.19.8's ZeRO-1 no longer runs one at init (stage_1_and_2.py
+    `initialize_optimizer_states` only sets zero gradients), so here each rank in turn (the ranks one after
+    the other: the step's gradient and temporaries stay on one rank at a time) runs the optimizer's own step
+    on zero gradients with weight decay off, which leaves the masters as they are (equal to the module
+    weights) and the moments zero; zero moments would let a
+    misplaced slice of a moment pass a comparison unseen, so they are filled in place. Seeding by name gives
+    the tied embedding's two copies (one per stage) the same moments, as training keeps them. Each group's
+    fragments are found by the optimizer's own `_param_slice_mappings` (`_create_param_mapping`, offsets in
+    this rank's partition). The save is still DeepSpeed's own `save_checkpoint` of this engine."""
+    import zlib
+
+    import torch
+    zero = engine.optimizer
+    for turn in range(torch.distributed.get_world_size()):
+        if turn == torch.distributed.get_rank():
+            for flat in zero.single_partition_of_fp32_groups:
+                flat.grad = torch.zeros_like(flat)
+            decay = [group["weight_decay"] for group in zero.optimizer.param_groups]
+            for group in zero.optimizer.param_groups:  # AdamW's decay would move the masters off the module
+                group["weight_decay"] = 0.0            # weights (this step copies nothing back to them)
+            zero.optimizer.step()
+            for group, value in zip(zero.optimizer.param_groups, decay):
+                group["weight_decay"] = value
+            for flat in zero.single_partition_of_fp32_groups:
+                flat.grad = None
+        torch.distributed.barrier()
+    for group, mapping in zip(zero.optimizer.param_groups, zero._param_slice_mappings):
+        state = zero.optimizer.state[group["params"][0]]
+        for name, fragment in mapping.items():
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            state["exp_avg"].narrow(0, fragment.start, fragment.numel).uniform_(-1, 1, generator=generator)
+            state["exp_avg_sq"].narrow(0, fragment.start, fragment.numel).uniform_(0, 1, generator=generator)
+
+
 def worker(args) -> None:
     import resource
 
@@ -165,15 +202,19 @@ def worker(args) -> None:
 
     from reshard.jobs.options import parse_size
     rank = int(os.environ["RANK"])
-    os.makedirs(args.dump, exist_ok=True)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     if args.mode == "train":
         engine = build_engine(args, args.pp, seed=1, universal=False)
-        for step in range(2):
+        for step in range(args.steps):
             engine.train_batch(data_iter=batches(GRAD_ACCUM, 100 * step + 10 * engine.grid.data_parallel_id))
+        if args.steps == 0:  # no backward (bench/pipeline_big_rung.py: a save too big to train here)
+            fill_moments(engine)
         # ds_to_universal refuses a save without universal_checkpoint_info (Megatron-DeepSpeed writes it)
         info = model_axis_info(args.pairs) if args.model_axis else {}
         engine.save_checkpoint(args.save, tag=TAG, client_state={"universal_checkpoint_info": info})
-        dump_stage(engine, os.path.join(args.dump, f"rank{rank}.pt"), {})
+        if args.dump:
+            dump_stage(engine, os.path.join(args.dump, f"rank{rank}.pt"), {})
     else:
         engine = build_engine(args, args.pp, seed=777, universal=args.universal)
         torch.distributed.barrier()
@@ -404,6 +445,8 @@ def main() -> None:
     parser.add_argument("--dump")
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--in-job", action="store_true")
+    parser.add_argument("--steps", type=int, default=2, help="train: training steps before the save (0: none, "
+                                                             "the moments filled in place, fill_moments)")
     parser.add_argument("--node-local", action="store_true", help="train: use_node_local_storage (a per-node --save)")
     args = parser.parse_args()
     if args.mode == "bench" and args.tp_to and args.tp_to != args.tp_from and args.tp_from == 1:

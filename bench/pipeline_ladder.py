@@ -3,6 +3,7 @@
     python bench/pipeline_ladder.py                         # 2 GB rung, dp change and pp 2 -> 1, 3 repeats
     python bench/pipeline_ladder.py --sizes 0.6G,2G --repeat 3 --budget 32M
     python bench/pipeline_ladder.py --sizes 2G --targets 1,2 --repeat 1   # one target, one run each
+    nice -n 10 python bench/pipeline_ladder.py --sizes 2G --tp-from 2 --targets "2,2;1,2" --repeat 2  # tp 2 -> 1
 
 Per size, one PipelineModule save is trained here with real DeepSpeed on 2 CPU ranks at (pp, dp) =
 (2, 1), as bench/pipeline_bench.py trains its save (the same worker modes: a tied embedding/head, Linear
@@ -14,6 +15,14 @@ target (default: the dp change (2, 2) and the pp change (1, 2)), `--repeat` turn
                   then plain load_checkpoint(DST) in a PipelineModule engine at (P, D)
     universal     ds_to_universal.py (W extract and merge workers; converted once per turn, it serves
                   every target), then load_checkpoint with "load_universal" at (P, D)
+
+With `--tp-from T` the rung is the tp-change rung: the source is trained on 2 x T ranks at (pp, tp, dp) =
+(2, T, 1) with pipeline_bench.py's Megatron-style model (ColumnParallelLinear / RowParallelLinear pairs,
+`PipeModelDataParallelTopology`, the save's `universal_checkpoint_info` patterns; the rung's hidden width
+rounded up to a multiple of T), every target is built at tp `--tp-to` (default 1), reshard gets
+`--target-tp`, and the source engine's dumps are joined over its model ranks and cut again at the target
+tp before they are compared (pipeline_bench.joined_truth). ds_to_universal + load_universal supports the
+tp change, so it stays the baseline.
 
 Every run is a watched process tree (process_tree.run_watched). The first turn's loads dump every
 parameter's full fp32 master and Adam moments by name; they must equal the source engine's dumps and
@@ -72,7 +81,8 @@ def reshard_run(src: str, dst: str, target: tuple[int, int], layers: int, args, 
     pp, dp = target
     command = [sys.executable, "-m", "reshard", src, dst, "--workers", args.workers, "--target-dp", dp,
                "--target-pp", pp, "--pipeline-layers", layers, "--pipeline-tied", f"embed:0,{layers - 1}",
-               "--memory-budget", args.budget, "--ignore-batch-config"]
+               "--memory-budget", args.budget, "--ignore-batch-config",
+               *(["--target-tp", args.tp_to] if args.tp_from > 1 else [])]
     what = f"reshard {pp}x{dp} turn {turn}"
     record = os.path.join(scratch, what.replace(" ", "_") + ".json")
     run = watched([*command, "--result-json", record], what, scratch, os.path.join(dst, "latest"))
@@ -85,13 +95,13 @@ def reshard_run(src: str, dst: str, target: tuple[int, int], layers: int, args, 
     return run
 
 
-def load_run(shape: list, target: tuple[int, int], load_dir: str, dump: str, universal: bool, scratch: str,
+def load_run(shape: list, target: tuple[int, int], tp: int, load_dir: str, dump: str, universal: bool, scratch: str,
              turn: int) -> dict:
     from pipeline_bench import read_dumps, torchrun, watched
     pp, dp = target
     shutil.rmtree(dump, ignore_errors=True)
     what = f"{'universal' if universal else 'native'} load {pp}x{dp} turn {turn}"
-    run = watched(torchrun(pp * dp, "load", "--pp", pp, "--tp", 1, *shape, "--load", load_dir, "--dump", dump,
+    run = watched(torchrun(pp * tp * dp, "load", "--pp", pp, "--tp", tp, *shape, "--load", load_dir, "--dump", dump,
                            *(["--universal"] if universal else [])), what, scratch)
     _, extras = read_dumps(dump)
     run["load_seconds"] = max(e["load_seconds"] for e in extras)
@@ -100,23 +110,29 @@ def load_run(shape: list, target: tuple[int, int], load_dir: str, dump: str, uni
 
 def rung(size: str, args, results: dict) -> dict:
     from make_checkpoint import tree_bytes
-    from pipeline_bench import TAG, differences, read_dumps, torchrun, watched
+    from pipeline_bench import TAG, differences, joined_truth, read_dumps, torchrun, watched
     from run import log, run_universal_conversion
     dim, hidden, pairs = SIZES[size]
+    stp, ttp = args.tp_from, args.tp_to
+    if stp > 1:  # the Megatron-style pairs cut hidden evenly at both tps
+        step = stp * ttp
+        hidden = -(-hidden // step) * step
     layers = 3 * pairs + 3
-    shape = ["--dim", dim, "--hidden", hidden, "--pairs", pairs]
+    shape = ["--dim", dim, "--hidden", hidden, "--pairs", pairs, *(["--model-axis"] if stp > 1 else [])]
     scratch = os.path.join(os.path.abspath(args.scratch), size)
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     src, uni = os.path.join(scratch, "src"), os.path.join(scratch, "universal")
-    case = {"size": size, "dim": dim, "hidden": hidden, "pairs": pairs, "layers": layers, "source": {"pp": 2, "dp": 1},
+    case = {"size": size, "dim": dim, "hidden": hidden, "pairs": pairs, "layers": layers,
+            "source": {"pp": 2, "tp": stp, "dp": 1}, "target_tp": ttp,
             "load_average_at_start": os.getloadavg()}
-    log(f"[{size}] training the source at (pp, dp) = (2, 1), dim {dim}, {pairs} pairs ...")
-    case["train"] = watched(torchrun(2, "train", "--pp", 2, "--tp", 1, *shape, "--save", src, "--dump",
+    log(f"[{size}] training the source at (pp, tp, dp) = (2, {stp}, 1), dim {dim}, hidden {hidden}, {pairs} pairs ...")
+    case["train"] = watched(torchrun(2 * stp, "train", "--pp", 2, "--tp", stp, *shape, "--save", src, "--dump",
                                      os.path.join(scratch, "truth")), "train", scratch)
     case["source_bytes"] = tree_bytes(src)
     truth, _ = read_dumps(os.path.join(scratch, "truth"))
-    case["elements"] = sum(v["fp32"].numel() for v in truth.values())
+    case["elements"] = sum(v["fp32"].numel() for v in joined_truth(truth, pairs, stp, 1).values())
+    truth = joined_truth(truth, pairs, stp, ttp)  # as an engine at the target tp holds it
     log(f"  source {case['source_bytes'] / 1e9:.2f} GB, {case['elements'] / 1e6:.1f}M elements")
     case["targets"] = {}
     conversions = []
@@ -124,14 +140,14 @@ def rung(size: str, args, results: dict) -> dict:
         conversions.append(run_universal_conversion(os.path.join(src, TAG), uni, TAG, args.workers, scratch))
         log(f"  turn {turn}: ds_to_universal {conversions[-1]['wall_seconds']:.1f} s")
         for target in args.targets:
-            key = f"{target[0]}x{target[1]}"
-            entry = case["targets"].setdefault(key, {"target": {"pp": target[0], "dp": target[1]}, "reshard": [],
+            key = f"{target[0]}x{target[1]}" + (f" tp {stp}->{ttp}" if stp > 1 else "")
+            entry = case["targets"].setdefault(key, {"target": {"pp": target[0], "tp": ttp, "dp": target[1]}, "reshard": [],
                                                      "native_load": [], "universal_load": []})
-            dst = os.path.join(scratch, f"reshard-{key}")
+            dst = os.path.join(scratch, f"reshard-{key}".replace(" ", "-").replace(">", ""))
             entry["reshard"].append(reshard_run(src, dst, target, layers, args, scratch, turn))
-            ours, theirs = os.path.join(scratch, f"dump-native-{key}"), os.path.join(scratch, f"dump-universal-{key}")
-            entry["native_load"].append(load_run(shape, target, dst, ours, False, scratch, turn))
-            entry["universal_load"].append(load_run(shape, target, uni, theirs, True, scratch, turn))
+            ours, theirs = (os.path.join(scratch, f"dump-{kind}-{target[0]}x{target[1]}") for kind in ("native", "universal"))
+            entry["native_load"].append(load_run(shape, target, ttp, dst, ours, False, scratch, turn))
+            entry["universal_load"].append(load_run(shape, target, ttp, uni, theirs, True, scratch, turn))
             if turn == 0:  # the judgement: every master and moment, by name
                 got, want = read_dumps(ours)[0], read_dumps(theirs)[0]
                 entry["reshard_vs_source"] = differences(got, truth)
@@ -173,16 +189,16 @@ def parse_budget(text: str) -> int:
 
 
 def report(results: dict) -> None:
-    print(f"\n== pipeline ladder: (pp, dp) (2, 1) -> targets, reshard --workers {results['workers']} at "
+    print(f"\n== pipeline ladder: (pp, tp, dp) (2, {results['tp_from']}, 1) -> targets (pp, dp) at tp {results['tp_to']}, reshard --workers {results['workers']} at "
           f"--memory-budget {results['memory_budget']}, {results['repeat']} turns (min / median s) ==")
-    print(f"{'size':>5} {'target':>7} {'reshard':>12} {'+ load':>12} {'ds_to_univ':>12} {'+ load':>12} "
+    print(f"{'size':>5} {'target':>14} {'reshard':>12} {'+ load':>12} {'ds_to_univ':>12} {'+ load':>12} "
           f"{'ratio med':>9} {'read / source':>16} {'worker anon max':>16} {'equal':>6}")
     for case in results["cases"]:
         conv = case["conversion_seconds"]
         for key, e in case["targets"].items():
             ours, theirs = e["reshard_plus_native_load_seconds"], e["universal_plus_load_seconds"]
             read = max(e["read_bytes"]) if all(e["read_bytes"]) else 0
-            print(f"{case['size']:>5} {key:>7} {e['reshard_seconds']['min']:5.1f}/{e['reshard_seconds']['median']:<6.1f}"
+            print(f"{case['size']:>5} {key:>14} {e['reshard_seconds']['min']:5.1f}/{e['reshard_seconds']['median']:<6.1f}"
                   f"{ours['min']:5.1f}/{ours['median']:<6.1f} {conv['min']:5.1f}/{conv['median']:<6.1f}"
                   f"{theirs['min']:5.1f}/{theirs['median']:<6.1f} {e['ratio_of_medians']:8.2f}x "
                   f"{read / 1e9:6.2f}/{case['source_bytes'] / 1e9:.2f} GB "
@@ -196,19 +212,25 @@ def main() -> None:
     parser.add_argument("--sizes", default="2G", help=f"comma-separated rungs of {sorted(SIZES)}")
     parser.add_argument("--targets", default="2,2;1,2", help="'pp,dp;pp,dp': the target shapes (source (2, 1))")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tp-from", type=int, default=1, help="> 1: the tp-change rung, source (2, T, 1)")
+    parser.add_argument("--tp-to", type=int, default=1, help="the targets' tp (reshard --target-tp)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--budget", default="32M", help="reshard's --memory-budget")
     parser.add_argument("--scratch", default=os.path.join(HERE, ".cache", "pipeline-ladder"))
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = parser.parse_args()
     args.targets = [tuple(int(x) for x in t.split(",")) for t in args.targets.split(";")]
+    if args.tp_from == 1 and args.tp_to != 1:
+        parser.error("--tp-to needs a source with a model axis (--tp-from > 1)")
     from run import machine_info
     results = {"started": datetime.datetime.now(datetime.UTC), "machine": machine_info(), "workers": args.workers,
-               "memory_budget": args.budget, "repeat": args.repeat, "cases": []}
+               "memory_budget": args.budget, "repeat": args.repeat, "tp_from": args.tp_from, "tp_to": args.tp_to,
+               "nice": os.nice(0), "cases": []}
     for size in args.sizes.split(","):
         results["cases"].append(rung(size, args, results))
     report(results)
-    path = os.path.join(HERE, "results", f"pipeline-ladder-{results['started']:%Y%m%d-%H%M%S}.json")
+    name = "pipeline-ladder" + (f"-tp{args.tp_from}to{args.tp_to}" if args.tp_from > 1 else "")
+    path = os.path.join(HERE, "results", f"{name}-{results['started']:%Y%m%d-%H%M%S}.json")
     with open(path, "w") as fd:
         json.dump(results, fd, indent=1, default=str)
     print(f"wrote {path}")
