@@ -17,11 +17,12 @@ figure of the main road's plan for the same job: the source inspected as the mai
 pipeline (`inspect_pipeline_columns` on the two nodes' files gathered, `collective_job.pipeline_stage_change`
 for the target stages), planned by `plan_reshard` with node-local ownership (`node_local.node_local_ownership`:
 each source rank read on a node that holds its files, target rank r written on node r // 2), and
-`ReshardPlan.bytes_between_nodes`: the optimizer bytes the main road's exchange must send between the
-nodes. The job (reshard.jobs.node_local_columns, on the plan since issue 37's node-local branch; the
-whole-file job it replaced sent every pipeline file a node lacks) sends the optimizer exchange plus the
-layer files a node's target stages load but it lacks, whole, and counts them in its plan figure, so the
-measured figure equals the job's own plan figure. The source bytes on each node are printed
+`ReshardPlan.bytes_between_nodes`: the optimizer bytes the collective job's exchange would send between the
+nodes (it carries the layer files whole, outside its plan). The job (reshard.jobs.node_local_columns, on the
+plan since issue 37's node-local branch; the whole-file job it replaced sent every pipeline file a node
+lacks) sends the optimizer exchange and the layer files' tensors a node's ranks load, both as pieces of its
+plan (no whole-file move beside the rounds since issue 37's nltp branch), so the measured figure equals the
+job's own plan figure. The source bytes on each node are printed
 too. Writes bench/results/pipeline-node-local-<timestamp>.json.
 """
 from __future__ import annotations
@@ -73,8 +74,8 @@ def tree_bytes(folder: str) -> int:
 
 def main_road_plan_bytes(root: str, model: Model, target_pp: int, target_dp: int, budget: int) -> dict:
     """The main road's plan for the job on the gathered source, with node-local ownership: the bytes
-    its exchange sends between nodes (optimizer space only: the layer and model-states files are not
-    in the plan)."""
+    its exchange sends between nodes (optimizer space only: the collective job carries the layer files whole,
+    and no job moves model-states files between nodes)."""
     from reshard.jobs.collective_job import pipeline_stage_change
     from reshard.jobs.node_local import node_local_ownership
     from reshard.jobs.options import ReshardOptions
@@ -170,10 +171,10 @@ def main() -> None:
     print(f"\nnode-local pipeline, (pp, dp) (2, 2) -> ({args.target_pp}, {args.target_dp}), {NODES} nodes x {PER_NODE} "
           f"ranks; source per node {results['source_bytes_per_node']} bytes")
     print(f"  crossed between nodes (measured)               {crossed:>12,} bytes")
-    print(f"  the job's own plan figure (with layer files)    {planned:>12,} bytes  (equal: {crossed == planned})")
+    print(f"  the job's own plan figure (layer files in it)   {planned:>12,} bytes  (equal: {crossed == planned})")
     print(f"  every file a node lacks: optimizer files {results['lacking_bytes']['optimizer_files']:,} bytes, "
           f"layer and model-states files {results['lacking_bytes']['layer_and_model_files']:,} bytes")
-    print(f"  main road's plan (optimizer exchange)           {road:>12,} bytes  "
+    print(f"  collective plan (optimizer exchange only)       {road:>12,} bytes  "
           f"({'the same as crossed' if road == crossed else f'crossed is {crossed / road:.2f}x this' if road else 'none'})")
     folder = os.path.join(HERE, "results")
     path = os.path.join(folder, f"pipeline-node-local-{results['started']:%Y%m%d-%H%M%S}.json")

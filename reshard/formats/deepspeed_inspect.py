@@ -843,7 +843,7 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
         _check_same_model_values(mtree, mpath, source)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
             mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
-    if spec.model_axis is not None:  # a pipeline tp change: the layer files this rank reads
+    if spec.layer_axis is not None:  # a pipeline's layer files as tensors of the plan: those this rank reads
         found.update(_layer_file_tensors(source, rank, trust_pickle))
     if spec.stage == 3:
         mpath = source.model_path(rank)
@@ -859,7 +859,7 @@ def _layer_file_tensors(source: SourceCheckpoint, rank: int, trust_pickle: bool)
     """{(layer space, tensor, "layer"): (path, TensorRef)} of the layer files source rank `rank` reads under a
     pipeline tp change (SourceCheckpoint.layer_file_names), each tensor checked to be the one the plan reads:
     its entry present, its model rank's slice of the shape and the dtype model rank 0's file gave, contiguous."""
-    axis, at = source.spec.model_axis, source.spec.topology.coordinates(rank)
+    axis, at = source.spec.layer_axis, source.spec.topology.coordinates(rank)
     found = {}
     for name in source.layer_file_names(rank):
         path = os.path.join(source.tag_dir, name)
@@ -868,7 +868,7 @@ def _layer_file_tensors(source: SourceCheckpoint, rank: int, trust_pickle: bool)
         template = next(t for i, _, _, t in source.layer_templates if i == index)
         if not isinstance(tree, dict) or list(tree) != list(template):
             raise CheckpointError(path, f"holds the entries {list(tree) if isinstance(tree, dict) else type(tree)}, "
-                                        f"{schema.layer_file_name(index, 0)} {list(template)}")
+                                        f"{schema.layer_file_name(index, axis.layer_file_model(0))} {list(template)}")
         for key, ref in tree.items():
             place = axis.tensor(index, key)
             if place is None:

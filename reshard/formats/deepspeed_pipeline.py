@@ -92,7 +92,7 @@ from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.paths import write_named_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
-from reshard.formats.torch_archive import load_checked
+from reshard.formats.torch_archive import load_checked, load_portable
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
 from reshard.layouts.zero import Zero12Group, zero12_group
 
@@ -165,6 +165,22 @@ class PipelineSource:
     layer_table: dict | None = field(default=None, compare=False, repr=False)
     """Every layer file's layer_entries, gathered from the nodes that hold them (a node-local job, where
     no worker sees every layer file); None: read from `tag_dir` when asked."""
+    trees: dict | None = field(default=None, compare=False, repr=False)
+    """{file name: portable tree} of every stage model-states file and model rank 0's layer files, gathered
+    from the nodes that hold them (a node-local tp change: `saved_model_axis_info`, `check_layer_files_cut`
+    and `pipeline_model_axis` read them); None: read from `tag_dir` when asked."""
+
+    def tree(self, name: str, trust_pickle: bool = False, whole: bool = False):
+        """The tree of file `name` of the tag directory: the gathered one (`trees`), else read here, as
+        torch loads it (`whole`: load_whole) or portable (torch_archive.load_portable)."""
+        if self.trees is not None:
+            if name not in self.trees:
+                raise CheckpointError(os.path.join(self.tag_dir, name), "was not gathered from the nodes")
+            return self.trees[name]
+        path = os.path.join(self.tag_dir, name)
+        if whole:
+            return load_whole(path, trust_pickle)
+        return load_portable(path, schema.safe_globals(), trust_pickle)
 
     @property
     def tag_dir(self) -> str:
@@ -906,13 +922,13 @@ def saved_model_axis_info(source: PipelineSource, trust_pickle: bool = False):
     naming the first file that says otherwise, so that no rule is taken from one file when another
     disagrees."""
     first = source.model_path(0)
-    info = load_whole(first, trust_pickle).get("universal_checkpoint_info")
+    info = source.tree(os.path.basename(first), trust_pickle, whole=True).get("universal_checkpoint_info")
     for stage in range(source.pp):
         for model in range(source.tp):
             path = source.model_path(stage, model)
             if path == first:
                 continue
-            other = load_whole(path, trust_pickle).get("universal_checkpoint_info")
+            other = source.tree(os.path.basename(path), trust_pickle, whole=True).get("universal_checkpoint_info")
             try:
                 same = bool(other == info)
             except (RuntimeError, TypeError, ValueError):  # a tensor inside: not the pattern lists of a script
@@ -944,7 +960,7 @@ def check_layer_files_cut(source: PipelineSource, layers, rules, target_tp: int,
     from reshard.layouts.model_axis import ModelAxisError, target_local_shapes
     for index in layer_indices(source):
         path = os.path.join(source.tag_dir, layer_file_name(index, 0 if source.has_model_axis else None))
-        state = load_whole(path)
+        state = source.tree(os.path.basename(path), whole=True)
         if not isinstance(state, dict):
             raise CheckpointError(path, "does not hold a layer's state_dict")
         local = {layer_tensor_name(layers, index, key): tuple(value.shape) for key, value in state.items()
@@ -1019,7 +1035,7 @@ def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[
     file, which each target model rank's file is built from (`reshard.formats.deepspeed_target`). The rules
     were checked against every tensor before (formats/pipeline_target.model_axis_plan)."""
     from reshard.formats.deepspeed_spec import itemsize
-    from reshard.formats.torch_archive import TensorRef, load_portable
+    from reshard.formats.torch_archive import TensorRef
     from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis
     from reshard.layouts.tensor_parallel import TensorParallelParams
     from reshard.layouts.zero import Stream
@@ -1037,7 +1053,7 @@ def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[
     templates = []
     for index in layer_indices(source):
         path = os.path.join(source.tag_dir, layer_file_name(index, 0 if source.has_model_axis else None))
-        tree = load_portable(path, schema.safe_globals(), trust_pickle)
+        tree = source.tree(os.path.basename(path), trust_pickle)
         if not isinstance(tree, dict):
             raise CheckpointError(path, "does not hold a layer's state_dict")
         entries = [(key, value, layer_tensor_name(layers, index, key)) for key, value in tree.items()
@@ -1058,3 +1074,39 @@ def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[
                                   tuple(e[5] for e in entries))
                    for dtype, entries in by_dtype.items())
     return PipelineModelAxis(splits, shapes, spaces), tuple(templates)
+
+
+def kept_layer_files(source: PipelineSource, stages: dict[int, tuple[int, int]], trust_pickle: bool = False):
+    """(reshard.layouts.model_axis.PipelineModelAxis without splits, layer templates) of the layer files with tp
+    kept, as tensors of the plan (a node-local job, which writes them on every node whose ranks load them):
+    every tensor of model rank 0's layer files, each model rank's copy of it whole at model rank 0's shape
+    (the source reader checks every other model rank's file against it), in one plan space per dtype as
+    `pipeline_model_axis` lays them out; `stages`: per layer index (source stage whose ranks read its files,
+    target stage whose ranks write them). The templates are (index, source stage, target stage, model rank
+    0's tree), which every target model rank's layer file is built from (reshard.formats.deepspeed_target)."""
+    from reshard.formats.deepspeed_spec import itemsize
+    from reshard.formats.torch_archive import TensorRef
+    from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis
+    from reshard.layouts.tensor_parallel import TensorParallelParams, TensorSplit
+    from reshard.layouts.zero import Stream
+    whole = TensorSplit("replicated", None)
+    by_dtype: dict[str, list] = {}
+    templates = []
+    for index in layer_indices(source):
+        name = layer_file_name(index, 0 if source.has_model_axis else None)
+        tree = source.tree(name, trust_pickle)
+        if not isinstance(tree, dict):
+            raise CheckpointError(os.path.join(source.tag_dir, name), "does not hold a layer's state_dict")
+        stage, target_stage = stages[index]
+        for key, ref in tree.items():
+            if isinstance(ref, TensorRef):
+                by_dtype.setdefault(ref.dtype, []).append(((index, key), f"layer {index} {key}", tuple(ref.shape),
+                                                           stage, target_stage))
+        templates.append((index, stage, target_stage, tree))
+    spaces = tuple(LayerFileSpace(f"layer_{dtype}", Stream("layer", dtype, itemsize(dtype)),
+                                  TensorParallelParams(tuple(e[1] for e in entries), tuple(e[2] for e in entries),
+                                                       (whole,) * len(entries)),
+                                  tuple(e[0] for e in entries), tuple(e[3] for e in entries),
+                                  tuple(e[4] for e in entries))
+                   for dtype, entries in by_dtype.items())
+    return PipelineModelAxis({}, {}, spaces, model_suffix=source.has_model_axis), tuple(templates)

@@ -91,6 +91,22 @@ class CheckpointSpec:
     """A pipeline save resharded to another tp (its model axis): each parameter's split and whole shape
     and the layer files' tensors (reshard.layouts.model_axis); `target_columns` then hold the target's
     local shapes. None otherwise."""
+    kept_layer_files: PipelineModelAxis | None = None
+    """A pipeline save with tp kept whose layer files are tensors of the plan (a node-local job: they are written
+    on every node whose ranks load them, deepspeed_pipeline.kept_layer_files): each model rank's tensors whole.
+    None: the layer files are carried whole (`SourceCheckpoint.other_files`), or re-cut (`model_axis`)."""
+    layer_copies: tuple[tuple[int, ...], ...] = ()
+    """With `model_axis`: more copies of the layer files than dp rank 0's of each column (a node-local job: a
+    column's first rank on each node writes them, since its ranks load them there,
+    reshard.jobs.node_local_columns.layer_file_copies): per extra copy, per target column (stage * tp + model
+    rank), the target rank writing it, -1 where that stage has no such copy. Each copy takes the layer
+    tensors as pieces of the plan (checkpoint_plan.plan_pipeline_model_axis)."""
+
+    @property
+    def layer_axis(self) -> PipelineModelAxis | None:
+        """The layer files' tensors as the plan moves them: re-cut (`model_axis`), whole (`kept_layer_files`), or
+        None (carried as files)."""
+        return self.model_axis if self.model_axis is not None else self.kept_layer_files
 
     @property
     def dp_world_size(self) -> int:
@@ -230,9 +246,10 @@ class SourceCheckpoint:
         """The layer files source rank `rank` reads under a tp change (those of its model rank whose layers
         its stage reads, dp rank 0 only; reshard.formats.deepspeed_pipeline.pipeline_model_axis)."""
         at = self.spec.topology.coordinates(rank)
-        if self.spec.model_axis is None or at.dp != 0:
+        if self.spec.layer_axis is None or at.dp != 0:
             return []
-        return [schema.layer_file_name(index, at.tp) for index, stage, _, _ in self.layer_templates if stage == at.pp]
+        model = self.spec.layer_axis.layer_file_model(at.tp)
+        return [schema.layer_file_name(index, model) for index, stage, _, _ in self.layer_templates if stage == at.pp]
 
     @property
     def tag_dir(self) -> str:

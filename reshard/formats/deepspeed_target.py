@@ -70,9 +70,10 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[
         if spec.tensor is not None and spec.experts is not None:
             _set_model_folding(tree, target, rank)
         files.append(TargetFile(schema.model_file_name_of(target, rank, 3), tree, source.model_name(0)))
-    elif at.dp == 0:
-        files.append(_zero12_model_file(source, target, rank, layout))
-        files += pipeline_layer_files(source, target, rank)
+    else:
+        if at.dp == 0:
+            files.append(_zero12_model_file(source, target, rank, layout))
+        files += pipeline_layer_files(source, target, rank)  # dp rank 0's, and a node-local job's copies
     for file in files:
         retarget_parallel_sizes(file.tree, spec.topology, target)
     return files
@@ -120,9 +121,11 @@ def pipeline_layer_files(source: SourceCheckpoint, target: Topology, rank: int) 
     layer of its stage as model rank 0's source file holds it (key order, non-tensor entries), every tensor a
     new one of its model rank's slice, filled from its layer space (reshard.layouts.model_axis.LayerFileSpace)
     in the layer file's dtype, its own storage, as torch.save of the cut clones the pipeline job saved
-    (deepspeed_pipeline.model_axis_layer_states). None with tp kept: the layer files travel whole."""
-    axis, at = source.spec.model_axis, target.coordinates(rank)
-    if axis is None or at.dp != 0:
+    (deepspeed_pipeline.model_axis_layer_states). With tp kept, the same from spec.kept_layer_files (a node-local
+    job: each model rank's tensors whole), else none (the layer files are carried whole). A node-local job
+    names more writers (spec.layer_copies: a column's first rank on each node)."""
+    axis, at = source.spec.layer_axis, target.coordinates(rank)
+    if axis is None or (at.dp != 0 and not any(rank in copy for copy in source.spec.layer_copies)):
         return []
     files = []
     for index, _, stage, template in source.layer_templates:
@@ -136,7 +139,8 @@ def pipeline_layer_files(source: SourceCheckpoint, target: Topology, rank: int) 
                 shape = space.tensors.local_shape(j, target.tp, at.tp)
                 tree[key] = NewTensor((space.name, j, space.stream.name), math.prod(shape), space.stream.dtype,
                                       value.requires_grad, tuple(shape))
-        files.append(TargetFile(schema.layer_file_name(index, at.tp), tree, schema.layer_file_name(index, 0)))
+        files.append(TargetFile(schema.layer_file_name(index, axis.layer_file_model(at.tp)), tree,
+                                schema.layer_file_name(index, axis.layer_file_model(0))))
     return files
 
 

@@ -145,8 +145,6 @@ class Site(Protocol):
     """Who reads each source rank and writes each target rank (None: the planner's own)."""
     placement: dict | None
     """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
-    whole_file_bytes_between_nodes: int
-    """Bytes of whole files this job sends between nodes besides the plan's rounds (counted with the plan's)."""
 
     def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
@@ -181,7 +179,6 @@ class WholeWorld:
     peers = None
     ownership = None
     placement = None  # fingerprints and manifests as before node-local outputs existed
-    whole_file_bytes_between_nodes = 0
 
     def __init__(self, leader: bool):
         self.leader = leader
@@ -394,7 +391,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
     node_of_worker = getattr(transport, "node_of_worker", None)  # reshard.transport.nodes: workers on several nodes
     if node_of_worker is not None:
         result.nodes = len(set(node_of_worker))
-        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker) + site.whole_file_bytes_between_nodes
+        result.plan_bytes_between_nodes = plan.bytes_between_nodes(node_of_worker)
     crossed_before = getattr(transport, "bytes_between_nodes", 0)
     if opts.dry_run:
         result.planner_imported_torch = "torch" in sys.modules

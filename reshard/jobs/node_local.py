@@ -31,8 +31,8 @@ overrides both). Each target node's first worker (its leader) runs what worker 0
 shared destination: lock, staging, journal, manifest, publish, for its own DST.
 
 A PipelineModule save (some worker sees its layer files) takes the plan too, inspected column by
-column where its files are (reshard.jobs.node_local_columns, handed in by the caller as
-`pipeline_columns`); a tp change of one is refused by name there.
+column where its files are, its layer files tensors of the plan, a tp change included
+(reshard.jobs.node_local_columns, handed in by the caller as `pipeline_columns`).
 """
 from __future__ import annotations
 
@@ -260,10 +260,6 @@ class NodeSite:
     needed_bytes: int
     """About how many bytes this node's output takes (the free-space check)."""
     ranks_per_node: int
-
-    whole_file_bytes_between_nodes = 0
-    """Bytes of whole files sent between nodes besides the plan's rounds (a pipeline's layer files:
-    reshard.jobs.node_local_columns.PipelineNodeSite)."""
 
     @property
     def placement(self) -> dict:

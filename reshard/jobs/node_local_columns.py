@@ -5,8 +5,7 @@
         -m reshard /nvme/ckpt /nvme/ckpt-pp1 --node-local --target-ranks-per-node 2 \
         --target-dp 4 --target-pp 1 --pipeline-layers 7 --pipeline-tied embed:0,6
 
-Every node-local pipeline reshard with tp kept (dp changed, pp changed or kept); a tp change is refused
-by name (`refuse_tp_change`: it re-cuts the layer files, which travel whole here). DeepSpeed 0.19.8 with
+Every node-local pipeline reshard (dp, pp and a model axis's tp changed or kept) on the plan. DeepSpeed 0.19.8 with
 use_node_local_storage writes a stage's layer files and optimizer files where the stage's ranks ran and
 its model-states file where a node's LOCAL rank 0 runs that stage (runtime/engine.py
 `_configure_checkpointing`, runtime/pipe/module.py `save_state_dict`), so no worker sees every column,
@@ -15,31 +14,35 @@ on 3 nodes x 2 ranks). So:
 
 1. from the names every worker sees (node_local.survey_source): the save's file facts
    (deepspeed_pipeline.pipeline_files), each column's inspector, each layer file's reader;
-2. each layer file's small entry table read once where it is (layer_entries), gathered;
+2. each layer file's small entry table read once where it is (layer_entries), gathered, and the trees of
+   every stage model-states file and of model rank 0's layer files (PipelineSource.trees);
 3. each column's model-states tree read where that file is and gathered, when its inspector (a worker
    that sees its dp rank 0 optimizer file, `column_inspectors`) does not see it (`model_readers`);
    each column checked by its inspector (inspect_pipeline_column), every other dp rank's optimizer
    file by a worker that sees it, the facts gathered into one PipelineSource (gathered_pipeline) on
    every worker, and each column's templates (inspect_pipeline_column_trees) into the
    SourceCheckpoint (pipeline_columns_source): what the collective job inspects on one worker;
-4. the target from it by the function the collective job uses (`columns_target`, handed in);
-5. who reads and writes (node_local.node_local_ownership): a source rank where its optimizer file is, target
-   rank r on node r // G; each node's first target rank writes every target stage's model-states
-   file (DeepSpeed's pipeline load counts them: runtime/state_dict_factory.py `SDLoaderBase.check_ckpt_list`
-   checks that the mp_rank files in the directory number mp_world_size); the
-   layer files a node's target stages load (node_layer_files) and it lacks, sent whole
-   (reshard.jobs.whole_file_moves) when the rounds are done, their bytes added to the plan's bytes
-   between nodes; the layer files it holds copied by its leader.
+4. the target from it by the function the collective job uses (`columns_target`, handed in): with tp
+   changed, the model axis, whose layer-file tensors are re-cut in the plan as the collective job re-cuts
+   them; with tp kept, the layer files' tensors whole in the plan (deepspeed_pipeline.kept_layer_files,
+   each layer's stages `kept_layer_stages`). Either way each layer file is read by the source stage whose
+   ranks see it (`layer_reading_stages`);
+5. who reads and writes (node_local.node_local_ownership): a source rank where its optimizer file and the
+   layer files it reads are, target rank r on node r // G; each node's first target rank writes every
+   target stage's model-states file (DeepSpeed's pipeline load counts them: runtime/state_dict_factory.py
+   `SDLoaderBase.check_ckpt_list` checks that the mp_rank files in the directory number mp_world_size);
+   a column's layer files are written by its dp rank 0 and by its first rank on every other node that runs
+   it (`layer_file_copies`), each copy pieces of the plan, so only what a node's ranks load crosses to it
+   and the plan's bytes between nodes are what crosses.
 Rounds under --memory-budget, and a resume by round, as for every save on the plan.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
-from reshard.files.byte_io import hash_file
-from reshard.files.paths import confined
 from reshard.formats.torch_archive import load_portable
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_pipeline_column_trees, pipeline_columns_source
@@ -53,6 +56,7 @@ from reshard.formats.deepspeed_pipeline import (
     frozen_numels,
     gathered_pipeline,
     inspect_pipeline_column,
+    kept_layer_files,
     layer_entries,
     load_whole,
     pipeline_files,
@@ -71,11 +75,9 @@ from reshard.jobs.node_local import (
     target_node,
 )
 from reshard.jobs.preflight import preflight
-from reshard.jobs.results import WorkerReport
-from reshard.jobs.whole_file_moves import MAX_PIECE, Transfer, bytes_between_nodes, fetch, fetch_plan
 from reshard.layouts.pipeline import assign_stages, split_by_group
 from reshard.topology import Topology
-from reshard.errors import CheckpointError, PeerFailure, ReshardError, UnsupportedCheckpoint
+from reshard.errors import CheckpointError, PeerFailure, ReshardError
 
 
 def seen_names(views: Sequence[WorkerView]) -> set[str]:
@@ -143,7 +145,9 @@ def saved_mp_world_size(path: str, trust_pickle: bool = False) -> int:
 def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: str, tag: str, trust_pickle: bool,
                              read_tensors: bool) -> tuple:
     """Steps 1-3 of the module docstring: (SourceCheckpoint as inspect_pipeline_columns gives it,
-    PipelineSource with the gathered layer table), on every worker. Collective."""
+    PipelineSource with the gathered layer table and the trees of every stage model-states file and of model
+    rank 0's layer files, `PipelineSource.trees`, read where each is: the layer files' plan spaces and a tp
+    change's model axis are worked out from them on every worker), on every worker. Collective."""
     me, tag_dir = transport.rank, os.path.join(save_dir, tag)
     names = seen_names(views)
     stage_files = sorted(n for n in names if STAGE_MODEL_RE.match(n))
@@ -187,6 +191,14 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
     for part in everywhere(transport, columns_here):
         found.update(part)
     pipe = gathered_pipeline(save_dir, tag, files, [found[c][0] for c in range(len(inspectors))], table)
+    wanted = [*stage_files, *(n for n in files.layer_files if LAYER_RE.match(n)[3] in (None, "00"))]
+    tree_readers = {name: first_seeing(views, [name]) for name in wanted}
+    trees = {}
+    for part in everywhere(transport, lambda: {name: load_portable(os.path.join(tag_dir, name),
+                                                                   schema.safe_globals(), trust_pickle)
+                                                for name, w in tree_readers.items() if w == me}):
+        trees.update(part)
+    pipe = dataclasses.replace(pipe, trees=trees)
 
     def rest_here() -> dict:
         for c, (column, checked) in sorted(found.items()):  # the optimizer files its inspector did not see
@@ -229,31 +241,14 @@ def layer_stage_bounds(opts, source: PipelineSource, stages) -> tuple[int, ...] 
     return found.pop() if len(found) == 1 else None
 
 
-def node_layer_files(source: PipelineSource, bounds: tuple[int, ...] | None, stages: set[int]) -> list[str]:
-    """The layer files the ranks of `stages` load (runtime/pipe/module.py `load_state_dir`: the
-    files of its own layers bounds[s] .. bounds[s + 1] - 1); all of them when `bounds` is None."""
-    if bounds is None:
-        return list(source.layer_files)
-    return [name for name in source.layer_files
-            if any(bounds[s] <= int(LAYER_RE.match(name)[1]) < bounds[s + 1] for s in stages)]
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineNodeSite(NodeSite):
     """A NodeSite of a pipeline save: its node's first target rank writes every target stage's
-    model-states file; the layer files of its stages it lacks arrive whole (`moves`) when the rounds are
-    done, those it holds (and the other files of the tag directory it holds) its leader copies."""
+    model-states file; the layer files are tensors of the plan (written by the ranks that hold them,
+    `layer_file_copies`), and its leader copies the other files of the tag directory it holds."""
 
-    moves: tuple[Transfer, ...] = ()
-    node_of_worker: tuple[int, ...] = ()
     copies: tuple[str, ...] = ()
-    """What this node's leader copies from its own SRC/TAG: layer files its stages load, other files."""
-    piece: int = MAX_PIECE
-    """The most bytes of a whole file one worker sends in one step (within --memory-budget)."""
-
-    @property
-    def whole_file_bytes_between_nodes(self) -> int:
-        return bytes_between_nodes(self.moves, self.node_of_worker)
+    """What this node's leader copies from its own SRC/TAG: the files that are not DeepSpeed's it holds."""
 
     def files_of(self, zero):
         ranks, base = self.model_states_ranks, zero.files
@@ -266,19 +261,6 @@ class PipelineNodeSite(NodeSite):
             return kept + [zero12_model_file(source, target, target.rank_of(0, m, s))
                            for s in range(target.pp) for m in range(target.tp)]
         return files
-
-    def copy_share(self, source, start, staging, transport) -> dict:
-        me = transport.rank
-        into = staging.tag_dir if staging is not None else None
-        mine = [t for t in self.moves if t.receiver == me]
-        for transfer in mine:  # a resumed run fetches again what a killed one may have left half written
-            path = confined(staging.destination, os.path.join(into, transfer.name))
-            if os.path.lexists(path):
-                os.unlink(path)
-        report = WorkerReport(me, (), ())
-        fetch(transport, self.moves, source.tag_dir, into, staging.destination if staging is not None else "",
-              self.piece, report)
-        return {t.name: {"bytes": t.size, "blake3": hash_file(os.path.join(into, t.name))} for t in mine}
 
     def leader_copies(self, source) -> tuple[str, ...]:
         return self.copies
@@ -294,47 +276,77 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
     source, target, notes = columns_target(opts, source, pipe)
     notes = notes + preflight(opts, source, target.topology, [])
     topology, ranks_per_node = target.topology, opts.target_ranks_per_node
+    if source.spec.model_axis is not None:  # a tp change: the layer files re-cut in the plan, read where they are
+        source = with_layer_readers(source, pipe, views)
+    else:  # tp kept: the layer files whole, in the plan
+        planned = pipeline_target(opts, pipe) if topology.pp != pipe.pp else None
+        stages = kept_layer_stages(pipe, views, layer_stage_bounds(opts, pipe, None),
+                                   planned.stages.bounds if planned is not None else None)
+        axis, templates = kept_layer_files(pipe, stages, opts.trust_pickle)
+        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, kept_layer_files=axis),
+                                     layer_templates=templates)
+    source = dataclasses.replace(source, spec=dataclasses.replace(
+        source.spec, layer_copies=layer_file_copies(topology, ranks_per_node)))
     target_ranks = topology.world_size
     nodes = [view.node for view in views]
     tag_dir = os.path.join(unit.source, unit.tag)
-    # a source rank is read from its optimizer file: its stage's model-states tree was read where that file is
-    # (inspect_columns_on_nodes), and a pipeline's source reader opens no model-states file
+    # a source rank is read from its optimizer file and the layer files it reads (SourceCheckpoint.source_files):
+    # its stage's model-states tree was read where that file is (inspect_columns_on_nodes), and a pipeline's
+    # source reader opens no model-states file
     needed = [[name for name in map(os.path.basename, source.source_files(r)) if not STAGE_MODEL_RE.match(name)]
               for r in range(source.spec.topology.world_size)]
     ownership = node_local_ownership(needed, [v.files for v in views], nodes, target_ranks, ranks_per_node, tag_dir)
-    planned = pipeline_target(opts, pipe) if topology.pp != pipe.pp or opts.pipeline_layers else None
-    bounds = layer_stage_bounds(opts, pipe, planned.stages if planned is not None else None)
-    hosting = sorted({target_node(r, ranks_per_node) for r in range(target_ranks)})
-    layers_of = {n: set(node_layer_files(pipe, bounds, {topology.coordinates(r).pp for r in range(target_ranks)
-                                                          if target_node(r, ranks_per_node) == n}))
-                 for n in hosting}
     identity = merged_identity(views, seen_names(views))
     sizes = {name: entry["bytes"] for name, entry in identity.items()}
-    moves = tuple(fetch_plan(layers_of, views, sizes, tag_dir))
     me, node = transport.rank, nodes[transport.rank]
     peers = tuple(w for w, n in enumerate(nodes) if n == node)
     held = seen_names([views[w] for w in peers])
-    copies = tuple(sorted((layers_of.get(node, set()) & held)
-                          | {n for n in pipe.other_files if n in held and os.path.isfile(os.path.join(tag_dir, n))}))
+    copies = tuple(sorted(n for n in pipe.other_files if n in held and os.path.isfile(os.path.join(tag_dir, n))))
     source = dataclasses.replace(source, other_files=copies,
                                  other_dirs=tuple(d for d in source.other_dirs if os.path.isdir(os.path.join(tag_dir, d))))
     ranks_here = [r for r in range(target_ranks) if target_node(r, ranks_per_node) == node]
     optim = sum(size for name, size in sizes.items() if schema.classify(name).kind == "optim")
     stage_files = sum(size for name, size in sizes.items() if STAGE_MODEL_RE.match(name))
-    needed_bytes = (-(-optim * len(ranks_here) // max(target_ranks, 1)) + stage_files * 2
-                    + sum(sizes[n] for n in layers_of.get(node, ())) + (len(ranks_here) * 2 + 8) * 4096 + (1 << 20))
-    for n in hosting:
-        arriving = [t for t in moves if nodes[t.receiver] == n]
-        notes.append(f"node {n}: target ranks {min(r for r in range(target_ranks) if target_node(r, ranks_per_node) == n)}"
-                     f"..{max(r for r in range(target_ranks) if target_node(r, ranks_per_node) == n)}; receives "
-                     f"{len(arriving)} layer files ({sum(t.size for t in arriving)} bytes) it lacks, whole")
+    layer_bytes = sum(size for name, size in sizes.items() if LAYER_RE.match(name))  # re-cut: about as big
+    needed_bytes = (-(-optim * len(ranks_here) // max(target_ranks, 1)) + stage_files * 2 + layer_bytes
+                    + (len(ranks_here) * 2 + 8) * 4096 + (1 << 20))
+    for n in sorted({target_node(r, ranks_per_node) for r in range(target_ranks)}):
+        ranks = [r for r in range(target_ranks) if target_node(r, ranks_per_node) == n]
+        stages_here = sorted({topology.coordinates(r).pp for r in ranks})
+        notes.append(f"node {n}: target ranks {min(ranks)}..{max(ranks)}; the layer files of stage(s) "
+                     f"{', '.join(map(str, stages_here))} written there through the plan's rounds"
+                     + (" (re-cut)" if source.spec.model_axis is not None else ""))
     site = PipelineNodeSite(node=node, leader=node_leaders(nodes, target_ranks, ranks_per_node).get(node) == me,
                             peers=peers, hosts_targets=bool(ranks_here), ownership=ownership, identity=identity,
                             model_states_ranks=model_states_ranks(target_ranks, ranks_per_node),
-                            needed_bytes=needed_bytes, ranks_per_node=ranks_per_node, moves=moves,
-                            node_of_worker=tuple(nodes), copies=copies,
-                            piece=max(1 << 10, min(MAX_PIECE, opts.memory_budget // max(4, 2 * transport.size))))
+                            needed_bytes=needed_bytes, ranks_per_node=ranks_per_node, copies=copies)
     return source, target, [], notes, site
+
+
+def kept_layer_stages(pipe: PipelineSource, views: Sequence[WorkerView], source_bounds: tuple[int, ...] | None,
+                      target_bounds: tuple[int, ...] | None) -> dict[int, tuple[int, int]]:
+    """{layer index: (the source stage whose ranks read its files, the target stage whose ranks write them)}
+    with tp kept. Its source stage: by the source's layer-to-stage bounds when known (`layer_stage_bounds`),
+    else the stage holding its parameters or buffers (`<index>.` names), else its predecessor's (a layer
+    without any, or a tied one, whose weight every stage holding it names alike); read where a worker sees
+    the file (`layer_reading_stages`). Its target stage: by `target_bounds` when the stages change, else its
+    source stage. Pure."""
+    owners = {}
+    for spec in pipe.stages:
+        for name in [n for group in spec.names for n in group] + list(spec.buffer_names):
+            head = name.split(".", 1)[0]
+            if head.isdigit():
+                owners.setdefault(int(head), spec.index)
+    stage_of, previous = {}, 0
+    for index in sorted({int(LAYER_RE.match(n)[1]) for n in pipe.layer_files}):
+        if source_bounds is not None:
+            previous = bisect.bisect_right(list(source_bounds), index) - 1
+        else:
+            previous = owners.get(index, previous)
+        stage_of[index] = previous
+    read = layer_reading_stages(pipe, views, stage_of)
+    return {index: (read[index], bisect.bisect_right(list(target_bounds), index) - 1 if target_bounds is not None
+                    else stage) for index, stage in stage_of.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,18 +358,60 @@ class ColumnsOnNodes:
     """collective_job.columns_target(opts, source, pipe): the one target of inspected columns."""
 
     def inspect(self, opts, unit, transport, views: Sequence[WorkerView]) -> tuple:
-        refuse_tp_change(opts, unit, views)
         return node_local_pipeline_unit(opts, unit, transport, views, self.columns_target)
 
 
-def refuse_tp_change(opts, unit, views: Sequence[WorkerView]) -> None:
-    """A tp change of a node-local pipeline save, refused by name before anything is read: it re-cuts the
-    layer files, which a node-local job moves whole between nodes (`PipelineNodeSite`). Pure; the same
-    on every worker (the names every worker sees)."""
-    tp = pipeline_topology_of(seen_names(views))[2]
-    if opts.target_tp not in (None, tp):
-        raise UnsupportedCheckpoint(os.path.join(unit.source, unit.tag),
-                                    f"--target-tp {opts.target_tp} (the save has tp {tp}) with --node-local: a "
-                                    "node-local tp change of a pipeline save is not served (its layer files are "
-                                    "re-cut, and a node-local job moves them whole); run the reshard on shared "
-                                    "storage (every file in one SRC, without --node-local)")
+def layer_reading_stages(pipe: PipelineSource, views: Sequence[WorkerView], chosen: dict[int, int]) -> dict[int, int]:
+    """{layer index: the source stage whose dp rank 0 ranks read its layer files} under a tp change: the
+    stage `chosen` (the collective job's choice, deepspeed_pipeline.pipeline_model_axis: the first stage holding
+    the layer's parameters) where, for every model rank, a worker sees that layer file with the stage's dp
+    rank 0 optimizer file (the reader of that source rank, `node_local_ownership`), else the first stage where
+    one does: a tied layer's file is where the stage that saved it ran (DeepSpeed writes a layer's files on
+    its stage's dp rank 0, module.py `save_state_dict`), not where the first stage holding the tied weight ran.
+    Every stage's copy of a layer file is that one file, so the bytes read are the same. CheckpointError naming
+    a layer file no worker sees with such an optimizer file. Pure."""
+    found = {}
+    for index, first in chosen.items():
+        def fits(stage: int) -> bool:
+            return all(first_seeing(views, [schema.layer_file_name(index, model if pipe.has_model_axis else None),
+                                            schema.optim_file_name(0, pipe.bf16, stage * pipe.tp + model)])
+                       is not None for model in range(pipe.tp))
+        stage = next((s for s in (first, *range(pipe.pp)) if fits(s)), None)
+        if stage is None:
+            name = schema.layer_file_name(index, 0 if pipe.has_model_axis else None)
+            raise CheckpointError(os.path.join(pipe.tag_dir, name),
+                                  "is on no node with a stage's dp rank 0 optimizer file (of every model rank): "
+                                  "start the job on every node that saved the checkpoint, or copy the file there")
+        found[index] = stage
+    return found
+
+
+def with_layer_readers(source, pipe: PipelineSource, views: Sequence[WorkerView]):
+    """`source` (a tp change: spec.model_axis, layer_templates) with each layer file read by the source stage
+    whose ranks see it (`layer_reading_stages`). Pure."""
+    stages = layer_reading_stages(pipe, views, {index: stage for index, stage, _, _ in source.layer_templates})
+    axis = source.spec.model_axis
+    spaces = tuple(dataclasses.replace(space, source_stages=tuple(stages[index] for index, _ in space.keys))
+                   for space in axis.layer_spaces)
+    spec = dataclasses.replace(source.spec, model_axis=dataclasses.replace(axis, layer_spaces=spaces))
+    return dataclasses.replace(source, spec=spec, layer_templates=tuple(
+        (index, stages[index], target_stage, tree) for index, _, target_stage, tree in source.layer_templates))
+
+
+def layer_file_copies(target: Topology, ranks_per_node: int) -> tuple[tuple[int, ...], ...]:
+    """The extra copies of the layer files a node-local tp change writes (CheckpointSpec.layer_copies): every
+    rank of a (stage, model rank) column loads that column's layer files (runtime/pipe/module.py
+    `load_state_dir`), so besides dp rank 0's node each other node running the column gets them, written by
+    the column's first rank there. Per extra copy, per column (stage * tp + model rank), that rank, or -1.
+    Pure."""
+    extras = []
+    for column in range(target.pp * target.tp):
+        stage, model = divmod(column, target.tp)
+        first_on: dict[int, int] = {}
+        for dp in range(target.dp):  # ranks ascend with dp (runtime/pipe/topology.py): the first is the lowest
+            rank = target.rank_of(dp, model, stage)
+            first_on.setdefault(target_node(rank, ranks_per_node), rank)
+        home = target_node(target.rank_of(0, model, stage), ranks_per_node)
+        extras.append([rank for node, rank in sorted(first_on.items()) if node != home])
+    count = max(map(len, extras), default=0)
+    return tuple(tuple(e[c] if c < len(e) else -1 for e in extras) for c in range(count))

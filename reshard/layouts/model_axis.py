@@ -225,6 +225,13 @@ class PipelineModelAxis:
     shapes: Mapping[str, tuple[int, ...]]
     """Whole (joined) shapes."""
     layer_spaces: tuple[LayerFileSpace, ...] = ()
+    model_suffix: bool = True
+    """The layer files are named `layer_XX-model_YY-...` (saved with PipeModelDataParallelTopology), else
+    `layer_XX-model_states.pt` (tp kept on a save without a model axis)."""
+
+    def layer_file_model(self, model: int) -> int | None:
+        """The model rank in a layer file's name (schema.layer_file_name): `model`, or None without a suffix."""
+        return model if self.model_suffix else None
 
     def tensor(self, index: int, key: str) -> tuple[LayerFileSpace, int] | None:
         """(space, tensor index) of layer `index`'s entry `key`, None when it is no tensor of the plan."""

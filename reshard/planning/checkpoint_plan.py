@@ -17,6 +17,8 @@ second space.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +56,11 @@ def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tab
         if target.tp != spec.topology.tp:
             return ReshardPlan(ownership, plan_pipeline_model_axis(spec, target, ownership, budget_bytes), budget_bytes)
         if target.pp != spec.topology.pp:
-            return ReshardPlan(ownership, (plan_pipeline_stage_change(spec, target, ownership, budget_bytes),),
-                               budget_bytes)
-        return ReshardPlan(ownership, (plan_pipeline_columns(spec, target, ownership, budget_bytes),), budget_bytes)
+            optim = plan_pipeline_stage_change(spec, target, ownership, budget_bytes)
+        else:
+            optim = plan_pipeline_columns(spec, target, ownership, budget_bytes)
+        return ReshardPlan(ownership, (optim, *plan_kept_layer_files(spec, target, ownership, budget_bytes, optim)),
+                           budget_bytes)
     if spec.tensor is not None:
         return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
     old, new = spec.layout(spec.topology), spec.layout(target)
@@ -194,15 +198,95 @@ def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budge
                          budget_bytes)]
     del old, new
     for layer in axis.layer_spaces:
-        space = GlobalSpace.of(layer.tensors, source_tp=spec.topology.tp, target_tp=target.tp)
-        targets = module_pieces(layer.tensors, space, target, "target", layer.target_stages)
-        holders = np.bincount(ownership.writers(sorted_distinct(targets.rank)), minlength=ownership.workers)
-        spaces.append(plan_space(layer.name, module_pieces(layer.tensors, space, spec.topology, "source",
-                                                           layer.source_stages), targets, (layer.stream,),
-                                 module_buffer_numels(layer.tensors, space, target.tp), ownership, budget_bytes,
-                                 round_offset=spaces[-1].round_offset + spaces[-1].rounds,
-                                 receiving_ranks=int(holders.max())))
+        sizes = module_buffer_numels(layer.tensors, GlobalSpace.of(layer.tensors, source_tp=spec.topology.tp,
+                                                                   target_tp=target.tp), target.tp)
+        for copy in (None, *spec.layer_copies):
+            old, new = layer_copy_pieces(layer, spec.topology, target, copy)
+            holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
+            spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
+                                     round_offset=spaces[-1].round_offset + spaces[-1].rounds,
+                                     receiving_ranks=int(holders.max())))
     return tuple(spaces)
+
+
+def plan_kept_layer_files(spec, target: Topology, ownership: Ownership, budget_bytes: int, after) -> list:
+    """A PipelineModule save with tp kept whose layer files are tensors of the plan (spec.kept_layer_files: a
+    node-local job): each dtype's layer-file tensors, each model rank's whole, moved after the space `after`,
+    once for dp rank 0 of each column and once per extra copy (spec.layer_copies, `kept_layer_pieces`)."""
+    spaces = [after]
+    for layer in spec.kept_layer_files.layer_spaces if spec.kept_layer_files is not None else ():
+        sizes = tuple(int(np.prod(shape, dtype=np.int64)) for shape in layer.tensors.shapes)
+        for copy in (None, *spec.layer_copies):
+            old, new = kept_layer_pieces(layer, spec.topology, target, copy)
+            holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
+            spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
+                                     round_offset=spaces[-1].round_offset + spaces[-1].rounds,
+                                     receiving_ranks=int(holders.max()) if len(new.rank) else 1))
+    return spaces[1:]
+
+
+def kept_layer_pieces(layer, source: Topology, target: Topology, copy: Sequence[int] | None = None
+                      ) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of one copy of a pipeline's layer files of one dtype with tp kept
+    (reshard.layouts.model_axis.LayerFileSpace, every tensor whole): model rank t's tensor j is buffer j of
+    (dp rank 0, model rank t, its source stage) and is written whole into buffer j of (dp rank 0, model rank t,
+    its target stage), or of `copy`'s writer of that column (as `layer_copy_pieces`). The space is the model
+    ranks one after the other, each its tensors end to end; a tensor without elements has no piece. Pure."""
+    numels = np.asarray([int(np.prod(shape, dtype=np.int64)) for shape in layer.tensors.shapes], np.int64)
+    stages, sources = np.asarray(layer.target_stages, np.int64), np.asarray(layer.source_stages, np.int64)
+    kept = np.flatnonzero(numels > 0)
+    if copy is not None:
+        columns = np.asarray(copy, np.int64).reshape(target.pp, target.tp)
+        kept = kept[(columns >= 0).any(axis=1)[stages[kept]]]
+    bases = np.asarray(logical_bases(numels[kept].tolist()), np.int64)
+    each = int(numels[kept].sum())
+    writer = np.arange(target.world_size, dtype=np.int64)
+    for column, rank in enumerate(copy or ()):
+        stage, model = divmod(column, target.tp)
+        if rank >= 0:
+            writer[target.rank_of(0, model, stage)] = rank
+    old, new = [], []
+    zeros = np.zeros(len(kept), np.int64)
+    for t in range(source.tp):
+        start = bases + t * each
+        old.append((start, np.asarray([source.rank_of(0, t, int(s)) for s in sources[kept]], np.int64), kept, zeros))
+        new.append((start, writer[np.asarray([target.rank_of(0, t, int(s)) for s in stages[kept]], np.int64)], kept,
+                    zeros))
+    return table_from_columns(old, each * source.tp), table_from_columns(new, each * source.tp)
+
+
+def layer_copy_pieces(layer, source: Topology, target: Topology, copy: Sequence[int] | None = None
+                      ) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of one copy of a pipeline's layer files of one dtype
+    (reshard.layouts.model_axis.LayerFileSpace) re-cut for `target`'s model ranks: `copy` None, the files
+    of dp rank 0 of each (stage, model rank) (`module_pieces`); else per target column (stage * tp + model
+    rank) the rank writing another copy of its files, -1 where its stage has none (CheckpointSpec.layer_copies:
+    a node-local job writes a column's layer files on each node whose ranks load them). A copy covers the
+    tensors of the stages it writes, each tensor keeping its buffer number (tensor j is buffer j), so that
+    the same file slots are filled on every rank that writes them. Pure."""
+    stages = np.asarray(layer.target_stages, np.int64)
+    if copy is None:
+        kept = np.arange(len(stages))
+    else:
+        columns = np.asarray(copy, np.int64).reshape(target.pp, target.tp)
+        kept = np.flatnonzero((columns >= 0).any(axis=1)[stages])
+    tensors = layer.tensors
+    if copy is not None:
+        tensors = dataclasses.replace(tensors, names=tuple(tensors.names[j] for j in kept),
+                                      shapes=tuple(tensors.shapes[j] for j in kept),
+                                      splits=tuple(tensors.splits[j] for j in kept))
+    space = GlobalSpace.of(tensors, source_tp=source.tp, target_tp=target.tp)
+    old = module_pieces(tensors, space, source, "source", [layer.source_stages[j] for j in kept])
+    new = module_pieces(tensors, space, target, "target", stages[kept])
+    if copy is None:
+        return old, new
+    writer = np.arange(target.world_size, dtype=np.int64)  # dp rank 0 of a column -> its copy's writer
+    for column, rank in enumerate(copy):
+        stage, model = divmod(column, target.tp)
+        if rank >= 0:
+            writer[target.rank_of(0, model, stage)] = rank
+    return (dataclasses.replace(old, buffer=kept[old.buffer]),
+            dataclasses.replace(new, rank=writer[new.rank], buffer=kept[new.buffer]))
 
 
 def _widest_column_buffers(spec, target: Topology) -> tuple[int, ...]:
