@@ -43,10 +43,9 @@ from reshard.formats.folded_expert_files import (
     target_expert_files,
     write_expert_files,
 )
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns
-from reshard.formats.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+from reshard.formats.deepspeed_save_kind import inspect_save
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
 from reshard.jobs.lifecycle import (
     JobOutput,
@@ -198,15 +197,9 @@ class WholeWorld:
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
-            tag_dir = os.path.join(unit.source, unit.tag)
-            if is_pipeline(tag_dir):  # column by column, through the plan
-                source, target, stages = inspect_pipeline_target(opts, unit.source, unit.tag)
-            else:
-                inspect = inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else inspect_checkpoint
-                source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-                target, stages = checkpoint_target(opts, source), []
+            source, target, notes = inspect_target(opts, unit.source, unit.tag)
             carried = save_dir_files.list_save_dir_files(source.save_dir)
-            return source, target, carried, stages + preflight(opts, source, target.topology, carried)
+            return source, target, carried, notes + preflight(opts, source, target.topology, carried)
 
         source, target, carried, notes = on_rank0(transport, inspect)
         return source, target, carried, notes, self
@@ -249,12 +242,32 @@ def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> N
                               "a pipeline has no experts; reshard changes its dp, pp and a model axis's tp")
 
 
+def inspect_target(opts: ReshardOptions, save_dir: str, tag: str
+                   ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of any save: inspected as the kind of save its files say it is
+    (formats/deepspeed_save_kind.inspect_save) and its target worked out once (`source_target`). What every
+    job kind calls for one (WholeWorld.inspect; array tasks, reshard.jobs.array_job, which sits below this
+    module and is handed `inspect_pipeline_target` by `run_job`)."""
+    source = inspect_save(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    return source_target(opts, source)
+
+
+def source_target(opts: ReshardOptions, source: SourceCheckpoint
+                  ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of an inspected save: a pipeline save's (its columns, `CheckpointSpec.columns`)
+    with its target stages (`columns_target`), every other save's from the options (preflight.checkpoint_target,
+    which gives a ZeRO-0 MoE save its own stage form)."""
+    if source.spec.columns is not None:
+        return columns_target(opts, source)
+    return source, checkpoint_target(opts, source), []
+
+
 def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
                             ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """(source, target, notes) of a pipeline save, every one of which takes the plan: inspected as columns
     (inspect_pipeline_columns) and its target worked out once, the target stages with another pp or tp
-    (`columns_target`). What every job kind calls for one (WholeWorld.inspect; array tasks,
-    reshard.jobs.array_job, which sits below this module and is handed it by `run_job`)."""
+    (`columns_target`). What array tasks (reshard.jobs.array_job, which sits below this module) are handed
+    by `run_job`; `inspect_target` reaches the same for a pipeline save."""
     source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
     return columns_target(opts, source)
 
