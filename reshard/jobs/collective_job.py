@@ -368,13 +368,13 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     stages = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp)
     if stages is not None:  # what decides the new stages (node-local: beside the node's part)
         placement = {**(placement or {}), **stages}
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
-    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
+    outputs = outputs_of(unit.destination, source.save_dir, topology.dp, 1 if source.spec.tensor is None else
                          topology.tp, zero.stage, target_ep)  # a pipeline's manifest names no tp_world_size
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
-                     needed_bytes=site.output_bytes(source, opts.target_dp, topology),
+                     needed_bytes=site.output_bytes(source, topology.dp, topology),
                      earlier=outputs.get(source.tag), latest=unit.latest)
 
 
@@ -499,11 +499,11 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    target_entry = {"dp_world_size": opts.target_dp, "stage": target.zero.stage, **(site.placement or {})}
+    target_entry = {"dp_world_size": target.topology.dp, "stage": target.zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
     if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (pinned bytes)
         source_entry = {**source.manifest_source, "files": start.identity}
-        target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
+        target_entry = {"dp_world_size": target.topology.dp, "pp": target.topology.pp, "tp": target.topology.tp,
                         "stage": 1, **(site.placement or {})}
     elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp
