@@ -5,6 +5,9 @@
     plan.rounds, plan.traffic()
 
 Every worker calls this with the same arguments and gets the same plan (it reads nothing).
+`plan_reshard` asks the save's layout (`save_layout`: the first of `SAVE_LAYOUTS` that holds the spec:
+a PipelineModule save's columns, ZeRO-0 MoE, AutoTP, else data-parallel ZeRO) for its ownership and
+spaces; it branches on no kind of save.
 A checkpoint has one or two logical spaces, moved one after the other: the optimizer space
 (fp32 master weights and every per-partition optimizer state) and, under ZeRO-3, the
 partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces and are planned
