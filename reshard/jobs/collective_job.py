@@ -300,8 +300,8 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
     if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
         source = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
                                  opts.trust_pickle)
-    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)
-    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names), tp=tp))
+    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)  # the stage form
+    target = dataclasses.replace(kept, topology=planned.topology)  # pipeline_target's, worked out there once
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
     if planned.tp_changed:
