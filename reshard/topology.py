@@ -13,7 +13,12 @@ Sizes, as DeepSpeed defines them (runtime/engine.py, utils/groups.py):
   ranks (utils/groups.py `_create_expert_and_data_parallel`), so `ep` divides `dp` and expert
   parameters are ZeRO-partitioned over `dp // ep` expert-data-parallel ranks. With tp > 1
   (AutoEP folded with AutoTP, the only way DeepSpeed 0.19.8 combines them) see below;
-- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.layouts.pipeline).
+- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.layouts.pipeline);
+- room for `sp` (not a field yet): DeepSpeed Ulysses partitions ZeRO over the sequence-data-parallel
+  group of sp x dp ranks and saves that product as `dp_world_size`, so a save's and a target's `dp`
+  here count sp x dp ranks, and the target sp is checked against it where the batch config is
+  (reshard.jobs.preflight.target_sequence_parallel). An `sp` axis would be carved out of `dp` as `ep`
+  is (it divides dp and adds no ranks), read by whatever first lays sequence-parallel files out apart.
 
 The world is `dp * tp * pp` ranks. reshard numbers a rank by its coordinates with tp fastest,
 then dp, then pp, as DeepSpeed lays out its groups (utils/groups.py `_init_tp_groups_with_new_group`:

@@ -1076,4 +1076,4 @@ def pipeline_columns_source(pipe, found: Sequence[tuple]) -> SourceCheckpoint:
                        "stage": 1, "description": pipe.describe()}  # as the deleted pipeline job wrote it (pinned)
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried,
                             tuple(sorted(pipe.layer_files + pipe.other_files)), other_dirs, tuple(templates),
-                            manifest_source)
+                            manifest_source, pipeline=pipe)

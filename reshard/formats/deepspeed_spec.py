@@ -225,6 +225,10 @@ class SourceCheckpoint:
     layer_templates: tuple = ()
     """A pipeline save at another tp (spec.model_axis): per layer file index, (index, source stage, target
     stage, model rank 0's portable tree), which each target model rank's layer file is built from."""
+    pipeline: Any = None
+    """A pipeline save as inspected (deepspeed_pipeline.PipelineSource), kept only until its target is worked
+    out (collective_job.source_target, which needs it for another pp or tp and then drops it), so the stage
+    pickles are read once and never shipped to the workers."""
 
     def templates(self, at) -> tuple[Any, Any, str, str]:
         """(optim tree, model tree, optim file name, model file name) the target files of the rank at

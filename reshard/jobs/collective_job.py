@@ -43,10 +43,9 @@ from reshard.formats.folded_expert_files import (
     target_expert_files,
     write_expert_files,
 )
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns, resolve_tag
-from reshard.formats.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+from reshard.formats.deepspeed_save_kind import inspect_save
 from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 from reshard.formats.torch_archive import torch_fallbacks
 from reshard.jobs.lifecycle import (
     JobOutput,
@@ -193,15 +192,9 @@ class WholeWorld:
                 ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str], list[str], Site]:
         def inspect():  # on worker 0
             check_paths(unit.source, unit.destination)
-            tag_dir = os.path.join(unit.source, unit.tag)
-            if is_pipeline(tag_dir):  # column by column, through the plan
-                source, target, stages = inspect_pipeline_target(opts, unit.source, unit.tag)
-            else:
-                inspect = inspect_zero0_moe_checkpoint if is_zero0_moe(tag_dir) else inspect_checkpoint
-                source = inspect(unit.source, unit.tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
-                target, stages = checkpoint_target(opts, source), []
+            source, target, notes = inspect_target(opts, unit.source, unit.tag)
             carried = save_dir_files.list_save_dir_files(source.save_dir)
-            return source, target, carried, stages + preflight(opts, source, target.topology, carried)
+            return source, target, carried, notes + preflight(opts, source, target.topology, carried)
 
         source, target, carried, notes = on_rank0(transport, inspect)
         return source, target, carried, notes, self
@@ -244,25 +237,44 @@ def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> N
                               "a pipeline has no experts; reshard changes its dp, pp and a model axis's tp")
 
 
+def inspect_target(opts: ReshardOptions, save_dir: str, tag: str
+                   ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of any save: inspected as the kind of save its files say it is
+    (formats/deepspeed_save_kind.inspect_save) and its target worked out once (`source_target`). What every
+    job kind calls for one (WholeWorld.inspect; array tasks, reshard.jobs.array_job, which sits below this
+    module and is handed `inspect_pipeline_target` by `run_job`)."""
+    source = inspect_save(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    return source_target(opts, source)
+
+
+def source_target(opts: ReshardOptions, source: SourceCheckpoint
+                  ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
+    """(source, target, notes) of an inspected save: a pipeline save's (its columns, `CheckpointSpec.columns`)
+    with its target stages (`columns_target`), every other save's from the options (preflight.checkpoint_target,
+    which gives a ZeRO-0 MoE save its own stage form)."""
+    if source.spec.columns is not None:
+        return columns_target(opts, source)
+    return source, checkpoint_target(opts, source), []
+
+
 def inspect_pipeline_target(opts: ReshardOptions, save_dir: str, tag: str
                             ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """(source, target, notes) of a pipeline save, every one of which takes the plan: inspected as columns
     (inspect_pipeline_columns) and its target worked out once, the target stages with another pp or tp
-    (`columns_target`). What every job kind calls for one (WholeWorld.inspect; array tasks,
-    reshard.jobs.array_job, which sits below this module and is handed it by `run_job`). The stage pickles
-    are read once (deepspeed_pipeline.inspect_pipeline), for the columns and the target's stages alike."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
-    save_dir = os.path.abspath(save_dir)
-    pipe = inspect_pipeline(save_dir, resolve_tag(save_dir, tag), opts.trust_pickle)
-    source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run,
-                                      pipe=pipe)
-    return columns_target(opts, source, pipe)
+    (`columns_target`). What array tasks (reshard.jobs.array_job, which sits below this module) are handed
+    by `run_job`; `inspect_target` reaches the same for a pipeline save. The stage pickles are read once
+    (deepspeed_pipeline.inspect_pipeline, kept on the source as `pipeline` until the target is worked out)."""
+    source = inspect_pipeline_columns(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
+    return source_target(opts, source)
 
 
 def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                    ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """(source, target, notes) of inspected columns: with another pp or tp, `pipeline_stage_change`. `pipe`: the
-    save's PipelineSource where it was read already or gathered from the nodes (None: read here)."""
+    save's PipelineSource where it was read already or gathered from the nodes (None: the one the columns were
+    inspected from, `SourceCheckpoint.pipeline`, or read here). The source returned no longer holds it, so
+    it is never shipped to the workers."""
+    pipe, source = pipe or source.pipeline, dataclasses.replace(source, pipeline=None)
     refuse_pipeline_options(opts, source)
     if opts.target_pp not in (None, source.spec.topology.pp) or opts.target_tp not in (None, source.spec.topology.tp):
         return pipeline_stage_change(opts, source, pipe)
@@ -287,8 +299,8 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
     if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
         source = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
                                  opts.trust_pickle)
-    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)
-    target = dataclasses.replace(kept, topology=dataclasses.replace(kept.topology, pp=len(stages.names), tp=tp))
+    kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)  # the stage form
+    target = dataclasses.replace(kept, topology=planned.topology)  # pipeline_target's, worked out there once
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
     if planned.tp_changed:
@@ -355,13 +367,13 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
     stages = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp)
     if stages is not None:  # what decides the new stages (node-local: beside the node's part)
         placement = {**(placement or {}), **stages}
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, target_tp,
+    out_fp = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
                                 placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
-    outputs = outputs_of(unit.destination, source.save_dir, opts.target_dp, 1 if source.spec.tensor is None else
+    outputs = outputs_of(unit.destination, source.save_dir, topology.dp, 1 if source.spec.tensor is None else
                          topology.tp, zero.stage, target_ep)  # a pipeline's manifest names no tp_world_size
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
-                     needed_bytes=site.output_bytes(source, opts.target_dp, topology),
+                     needed_bytes=site.output_bytes(source, topology.dp, topology),
                      earlier=outputs.get(source.tag), latest=unit.latest)
 
 
@@ -486,11 +498,11 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
     spec = source.spec
-    target_entry = {"dp_world_size": opts.target_dp, "stage": target.zero.stage, **(site.placement or {})}
+    target_entry = {"dp_world_size": target.topology.dp, "stage": target.zero.stage, **(site.placement or {})}
     source_entry = manifest_source_entry(source, start.identity)
     if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (pinned bytes)
         source_entry = {**source.manifest_source, "files": start.identity}
-        target_entry = {"dp_world_size": opts.target_dp, "pp": target.topology.pp, "tp": target.topology.tp,
+        target_entry = {"dp_world_size": target.topology.dp, "pp": target.topology.pp, "tp": target.topology.tp,
                         "stage": 1, **(site.placement or {})}
     elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
         source_entry["tp_world_size"] = spec.topology.tp

@@ -5,6 +5,9 @@
     plan.rounds, plan.traffic()
 
 Every worker calls this with the same arguments and gets the same plan (it reads nothing).
+`plan_reshard` asks the save's layout (`save_layout`: the first of `SAVE_LAYOUTS` that holds the spec:
+a PipelineModule save's columns, ZeRO-0 MoE, AutoTP, else data-parallel ZeRO) for its ownership and
+spaces; it branches on no kind of save.
 A checkpoint has one or two logical spaces, moved one after the other: the optimizer space
 (fp32 master weights and every per-partition optimizer state) and, under ZeRO-3, the
 partitioned frozen parameters. ZeRO-1/2 layouts have O(params + ranks) pieces and are planned
@@ -20,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -44,44 +48,168 @@ from reshard.topology import Topology
 def plan_reshard(spec, target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False,
                  ownership: Ownership | None = None) -> ReshardPlan:
     """The plan for moving a checkpoint of `spec` (a CheckpointSpec: topology, layout rules,
-    streams with item sizes) to the `target` topology with `workers` workers.
+    streams with item sizes) to the `target` topology with `workers` workers: the spaces its layout
+    (`save_layout`) lays out, under the budget. Branches on no kind of save.
 
     `tabulated`: plan every space from its piece tables, ZeRO-3 too. A SLURM array task
     (`reshard.jobs.array_job`) restricts a one-worker plan to its files by selecting segments, which
     needs the table; it plans once per task, so the O(params x ranks) table is affordable there.
-    `ownership`: who reads and writes which ranks, when not the arithmetic blocks (node-local
+    `ownership`: who reads and writes which ranks, when not the layout's arithmetic blocks (node-local
     checkpoints: `reshard.jobs.node_local.node_local_ownership`)."""
-    ownership = ownership or Ownership.between(spec.topology, target, workers)
-    if getattr(spec, "columns", None) is not None:  # a pipeline's (CheckpointSpec); planners' stand-ins have none
+    return plan_layout(save_layout(spec), target, workers, budget_bytes, tabulated=tabulated, ownership=ownership)
+
+
+def plan_layout(layout: "SaveLayout", target: Topology, workers: int, budget_bytes: int, *, tabulated: bool = False,
+                ownership: Ownership | None = None) -> ReshardPlan:
+    """The plan of a save whose layout is known (`plan_reshard` finds it from the spec)."""
+    ownership = ownership or layout.ownership(target, workers)
+    return ReshardPlan(ownership, layout.spaces(target, ownership, budget_bytes, tabulated), budget_bytes)
+
+
+class SaveLayout(Protocol):
+    """One kind of save lowered to pieces of global parameters, for the planner (docs/architecture.md,
+    "The seam"): given the one target value, which ranks read and write (`ownership`) and each space's
+    source and target pieces, planned into rounds (`spaces`). A new parallelism adds a class to
+    `SAVE_LAYOUTS`, not a branch to `plan_reshard`. Built by `save_layout` from the spec alone."""
+
+    spec: object
+
+    @staticmethod
+    def holds(spec) -> bool:
+        """Whether `spec` is a save of this kind (asked of the kinds in `SAVE_LAYOUTS`' order)."""
+
+    def ownership(self, target: Topology, workers: int) -> Ownership:
+        """The source and target ranks, blocked over `workers` (when the job does not place them)."""
+
+    def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
+               ) -> tuple:
+        """Every space of this save at `target` (SpacePlan or ChunkedSpacePlan), in the order they move, their
+        rounds numbered on."""
+
+
+@dataclass(frozen=True)
+class PipelineSave:
+    """A PipelineModule save (spec.columns): its columns re-cut over the target dp
+    (`plan_pipeline_columns`), re-assigned to the target stages (`plan_pipeline_stage_change`) or, at
+    another tp, re-sliced with the layer files as module tensors (`plan_pipeline_model_axis`); with tp kept,
+    the layer files a node-local job writes as plan items too (`plan_kept_layer_files`)."""
+
+    spec: object
+
+    @staticmethod
+    def holds(spec) -> bool:
+        return getattr(spec, "columns", None) is not None  # planners' stand-ins have no columns
+
+    def ownership(self, target: Topology, workers: int) -> Ownership:
+        return Ownership.between(self.spec.topology, target, workers)
+
+    def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
+               ) -> tuple:
+        spec = self.spec
         if target.tp != spec.topology.tp:
-            return ReshardPlan(ownership, plan_pipeline_model_axis(spec, target, ownership, budget_bytes), budget_bytes)
+            return plan_pipeline_model_axis(spec, target, ownership, budget_bytes)
         if target.pp != spec.topology.pp:
             optim = plan_pipeline_stage_change(spec, target, ownership, budget_bytes)
         else:
             optim = plan_pipeline_columns(spec, target, ownership, budget_bytes)
-        return ReshardPlan(ownership, (optim, *plan_kept_layer_files(spec, target, ownership, budget_bytes, optim)),
-                           budget_bytes)
-    if spec.tensor is not None:
-        return ReshardPlan(ownership, plan_tensor_parallel_spaces(spec, target, ownership, budget_bytes), budget_bytes)
-    old, new = spec.layout(spec.topology), spec.layout(target)
-    if spec.stage == 3 and not tabulated and spec.experts is None:  # AutoEP ZeRO-3: from its piece tables
-        bases = logical_bases([p.numel for p in spec.params])
-        spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new), spec.streams,
-                                     bases, ownership, budget_bytes)]
-    else:
-        spaces = [plan_space("optim", old.pieces, new.pieces, spec.streams, buffer_numels(new), ownership,
-                             budget_bytes)]
-    if spec.frozen and tabulated:
-        (old_frozen, _), (new_frozen, chunks) = spec.frozen_layout(spec.topology.dp), spec.frozen_layout(target.dp)
-        spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
-                                 budget_bytes, round_offset=spaces[0].rounds))
-    elif spec.frozen:
-        numels = [p.numel for p in spec.frozen]
-        spaces.append(plan_chunked_space("frozen", ChunkedSide.of_frozen(numels, spec.topology.dp),
-                                         ChunkedSide.of_frozen(numels, target.dp), spec.frozen_streams,
-                                         logical_bases(numels), ownership, budget_bytes,
-                                         round_offset=spaces[0].rounds))
-    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+        return (optim, *plan_kept_layer_files(spec, target, ownership, budget_bytes, optim))
+
+
+@dataclass(frozen=True)
+class Zero0ExpertSave:
+    """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec, stage 0): whole parameters, one
+    buffer each, in its `spaces` (`plan_zero0_moe`). Source ranks are its EP ranks, target ranks the
+    target's plus the model-states file's copy of EP rank 0's optimizer."""
+
+    spec: object
+
+    @staticmethod
+    def holds(spec) -> bool:
+        return getattr(spec, "stage", None) == 0
+
+    def ownership(self, target: Topology, workers: int) -> Ownership:
+        return Ownership(self.spec.topology.ep, target.ep + 1, workers)
+
+    def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
+               ) -> tuple:
+        spec, spaces, offset = self.spec, [], 0
+        for space in spec.spaces:
+            old, new, sizes = zero0_pieces(space.numels, spec.orders, spec.group_lengths, spec.topology.ep,
+                                           target.ep)
+            # a dense parameter's states go from one reader to every target rank at one buffer position:
+            # windows sized for that reader's sends keep its copies in one round, so they are read once
+            spaces.append(plan_space(space.name, old, new, space.streams, sizes, ownership, budget_bytes,
+                                     round_offset=offset, receiving_ranks=target.ep + 1))
+            offset += spaces[-1].rounds
+        return tuple(spaces)
+
+
+@dataclass(frozen=True)
+class TensorParallelSave:
+    """An AutoTP save (spec.tensor), with AutoEP experts folded in or not: planned over the global
+    parameters (`plan_tensor_parallel_spaces`)."""
+
+    spec: object
+
+    @staticmethod
+    def holds(spec) -> bool:
+        return spec.tensor is not None
+
+    def ownership(self, target: Topology, workers: int) -> Ownership:
+        return Ownership.between(self.spec.topology, target, workers)
+
+    def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
+               ) -> tuple:
+        return plan_tensor_parallel_spaces(self.spec, target, ownership, budget_bytes)
+
+
+@dataclass(frozen=True)
+class DataParallelSave:
+    """A ZeRO-1/2/3 save over dp ranks (native MoE and AutoEP experts included): the optimizer space, then
+    under ZeRO-3 the partitioned frozen parameters; ZeRO-3 evenly chunked and planned by arithmetic
+    (`reshard.planning.chunked_plan`) unless `tabulated` or with experts."""
+
+    spec: object
+
+    @staticmethod
+    def holds(spec) -> bool:
+        return True
+
+    def ownership(self, target: Topology, workers: int) -> Ownership:
+        return Ownership.between(self.spec.topology, target, workers)
+
+    def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
+               ) -> tuple:
+        spec = self.spec
+        old, new = spec.layout(spec.topology), spec.layout(target)
+        if spec.stage == 3 and not tabulated and spec.experts is None:  # AutoEP ZeRO-3: from its piece tables
+            bases = logical_bases([p.numel for p in spec.params])
+            spaces = [plan_chunked_space("optim", ChunkedSide.of_zero3(old), ChunkedSide.of_zero3(new),
+                                         spec.streams, bases, ownership, budget_bytes)]
+        else:
+            spaces = [plan_space("optim", old.pieces, new.pieces, spec.streams, buffer_numels(new), ownership,
+                                 budget_bytes)]
+        if spec.frozen and tabulated:
+            (old_frozen, _), (new_frozen, chunks) = (spec.frozen_layout(spec.topology.dp),
+                                                     spec.frozen_layout(target.dp))
+            spaces.append(plan_space("frozen", old_frozen, new_frozen, spec.frozen_streams, chunks, ownership,
+                                     budget_bytes, round_offset=spaces[0].rounds))
+        elif spec.frozen:
+            numels = [p.numel for p in spec.frozen]
+            spaces.append(plan_chunked_space("frozen", ChunkedSide.of_frozen(numels, spec.topology.dp),
+                                             ChunkedSide.of_frozen(numels, target.dp), spec.frozen_streams,
+                                             logical_bases(numels), ownership, budget_bytes,
+                                             round_offset=spaces[0].rounds))
+        return tuple(spaces)
+
+
+SAVE_LAYOUTS: tuple[type[SaveLayout], ...] = (PipelineSave, Zero0ExpertSave, TensorParallelSave, DataParallelSave)
+"""Every kind of save the planner lays out, asked in this order (`holds`); the last holds any spec."""
+
+
+def save_layout(spec) -> SaveLayout:
+    """The layout of `spec`'s kind of save (the first of `SAVE_LAYOUTS` that holds it)."""
+    return next(kind(spec) for kind in SAVE_LAYOUTS if kind.holds(spec))
 
 
 @dataclass(frozen=True)
@@ -497,16 +625,8 @@ def plan_zero0_moe(spec, target: Topology, workers: int, budget_bytes: int,
                    ownership: Ownership | None = None) -> ReshardPlan:
     """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec) at `target`'s ep: one space per
     kind of per-parameter tensor (`spec.spaces`: states, 0-d states, fp32 masters), each parameter a
-    whole buffer (layouts/zero0_expert_groups.zero0_pieces). Source ranks are the source's EP ranks
-    (their `expp_rank_{e}` files), target ranks the target's plus one for the model-states file's copy
-    of EP rank 0's optimizer; dp does not place anything at stage 0."""
-    ownership = ownership or Ownership(spec.topology.ep, target.ep + 1, workers)
-    spaces, offset = [], 0
-    for space in spec.spaces:
-        old, new, sizes = zero0_pieces(space.numels, spec.orders, spec.group_lengths, spec.topology.ep, target.ep)
-        # a dense parameter's states go from one reader to every target rank at one buffer position:
-        # windows sized for that reader's sends keep its copies in one round, so they are read once
-        spaces.append(plan_space(space.name, old, new, space.streams, sizes, ownership, budget_bytes,
-                                 round_offset=offset, receiving_ranks=target.ep + 1))
-        offset += spaces[-1].rounds
-    return ReshardPlan(ownership, tuple(spaces), budget_bytes)
+    whole buffer (layouts/zero0_expert_groups.zero0_pieces); the plan its layout gives
+    (`Zero0ExpertSave`). Source ranks are the source's EP ranks (their `expp_rank_{e}` files), target
+    ranks the target's plus one for the model-states file's copy of EP rank 0's optimizer; dp does not
+    place anything at stage 0."""
+    return plan_layout(Zero0ExpertSave(spec), target, workers, budget_bytes, ownership=ownership)
