@@ -72,7 +72,7 @@ from reshard.export.dcp_optimizer import (
 )
 from reshard.export.dcp_output_layout import OUTPUT_LAYOUTS, DcpOutputLayout, check_carried_files
 from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
-from reshard.export.hf_layout import hf_layout
+from reshard.export.hf_layout import hf_layout, refuse_unnamed_experts
 
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_job import DTYPES
@@ -81,7 +81,7 @@ from reshard.files.paths import confined, open_new_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
@@ -295,7 +295,7 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     layout, unless its save directory's files can be carried), the mapping, and the files to carry."""
     check_paths(source_dir, destination)
     source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
-    refuse_experts(source, "exporting to DCP")  # AutoEP with AutoTP (folded) too
+    refuse_unnamed_experts(source, "DCP")
     check_adam_states(source)
     ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
     optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
