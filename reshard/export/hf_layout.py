@@ -201,13 +201,7 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     path = source.model_path(0)
     tensors = []
     seen = set()
-    # a parameter registered under two names (AutoEP's router keeps the gate it replaced: `mlp.router.gate.weight`
-    # is `mlp.gate.gate.weight`, module_inject/auto_ep_layer.py) is one storage in the module: stored as the
-    # trainable one, the other an alias, as a tied one is
-    owner_of_ref = {module[n]: n for n in trainable if isinstance(module.get(n), TensorRef) and module[n].numel}
-    for name, ref in module.items():
-        if name not in trainable and name not in frozen and isinstance(ref, TensorRef) and ref in owner_of_ref:
-            shared[name] = owner_of_ref[ref]
+    shared.update(_router_aliases(spec, module, trainable))
     for name, ref in module.items():
         if name in shared:
             continue
@@ -248,6 +242,25 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     files = shard_files(tensors, max_shard_bytes)
     kept = {alias: owner for alias, owner in shared.items()}
     return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+
+
+def _router_aliases(spec, module: dict, trainable: dict) -> dict:
+    """alias -> owner of every AutoEP router parameter the module also lists under the router's alias: an
+    AutoEPMoELayer registers its router a second time under the name the replaced block gave its gate
+    (module_inject/auto_ep_layer.py `AutoEPMoELayer.__init__`, `setattr(self, alias_target, self.router)`), so
+    `mlp.gate.gate.weight` is the parameter `mlp.router.gate.weight`. The save holds the two as separate copies;
+    the export stores the trainable one (its fp32 master) and the alias as a tied name, read from its chunks."""
+    if spec.experts is None or not spec.experts.autoep:
+        return {}
+    aliases = {}
+    for prefix in spec.experts.layer_prefixes:  # "model.layers.0.mlp.experts."
+        layer = prefix[:prefix.index("experts.")]
+        for name in module:
+            head, _, rest = name[len(layer):].partition(".") if name.startswith(layer) else ("", "", "")
+            owner = f"{layer}router.{rest}"
+            if head and head not in ("router", "experts") and name not in trainable and owner in trainable:
+                aliases[name] = owner
+    return aliases
 
 
 def _moe_layer_of(spec, pid: int) -> str | None:
