@@ -273,7 +273,8 @@ def test_an_autoep_export_fuses_every_experts_slices_and_keeps_the_routers_gate_
     entries = metadata.state_dict_metadata
     for layer in (0, 1):
         prefix = f"model.model.layers.{layer}.mlp."
-        assert [tuple(entries[f"{prefix}experts.w{w}"].size) for w in (1, 2, 3)] == [(4, 16, 8), (4, 8, 16), (4, 16, 8)]
+        assert [tuple(entries[f"{prefix}experts.w{w}"].size) for w in (1, 2, 3)] == [(4, 16, 8), (4, 8, 16),
+                                                                                   (4, 16, 8)]
         assert not any(k.startswith(f"{prefix}experts.w1.") for k in entries)
         gate = [i for i in metadata.storage_data if i.fqn == f"{prefix}gate.gate.weight"]
         router = [i for i in metadata.storage_data if i.fqn == f"{prefix}router.gate.weight"]

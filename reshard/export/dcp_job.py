@@ -13,9 +13,10 @@
 
 Steps, and which workers run them (the skeleton of every export, `reshard.export.runner`):
 1. worker 0 inspects the source, refuses what does not map to torch AdamW (`dcp_optimizer`) or is not
-   served yet (expert parallelism), and works out the param groups and steps; every worker receives
-   them (a PipelineModule save and an AutoTP save export each parameter once and whole, joined over
-   its model axis or TP ranks by the plan);
+   served yet (ZeRO-3 MoE, AutoEP folded with AutoTP), and works out the param groups and steps; every
+   worker receives them (a PipelineModule save and an AutoTP save export each parameter once and whole,
+   joined over its model axis or TP ranks by the plan; an MoE save, as the model at ep 1:
+   `hf_layout.export_names`);
 2. every worker derives the same layout (`dcp_layout`: row-block chunks dealt to one file per
    worker) and plan: each file is a target "rank", each chunk in it a target buffer, so the
    exchange moves fp32 masters, exp_avg and exp_avg_sq (and ZeRO-3 frozen fragments) from the

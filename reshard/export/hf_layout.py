@@ -14,6 +14,9 @@ owner's name, which is the name `named_parameters()` yields and the one HF's `sa
 keeps for an embedding tied to its output head (safetensors refuses two names for one storage).
 Frozen parameters excluded at save and non-persistent buffers are not in the checkpoint, so not
 in the export.
+A mixture-of-experts save (native DeepSpeed MoE, AutoEP; ZeRO-1/2, BF16_Optimizer) is exported as the
+model at ep 1 (`export_names`): its module lists no expert, so each layer's experts follow the layer's
+gate, under their global index (AutoEP: each weight's experts as one fused tensor).
 
 Shards follow huggingface_hub's `split_torch_state_dict_into_shards`: tensors in order, a new
 file when the next tensor would push the current one past `max_shard_bytes` (a tensor larger
