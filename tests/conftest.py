@@ -83,6 +83,15 @@ def tp_saves(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_sources(tmp_path_factory):
+    """moe_sources(variant, ep, world) -> (save_dir, truth): a native DeepSpeed MoE or AutoEP save
+    (reshard_proof.moe_run), trained once per session, several at one (ep, world) in one launch
+    (`train_many`); shared by tests/test_expert_parallel.py and tests/test_export_dcp.py."""
+    from test_expert_parallel import MoeSources
+    return MoeSources(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="session")
 def hf_trained(tmp_path_factory):
     """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
     from hf_runs import HfRuns

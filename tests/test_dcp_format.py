@@ -132,3 +132,25 @@ def test_a_broken_pipeline_save_is_refused_naming_a_file_and_nothing_is_written(
         run_workers(1, lambda t: export_dcp(str(save), str(out), transport=t))
     assert not out.exists()
     assert np.array_equal(sorted(os.listdir(save / "global_step1")), ["layer_00-model_states.pt"])
+
+
+def test_moe_exports_name_autoep_slices_by_their_fused_tensor_and_refuse_what_no_test_covers():
+    # the model at ep 1: a native expert keeps its (global) name, an AutoEP expert slice is its fused tensor's
+    from reshard.export.hf_layout import export_names, refuse_unnamed_experts
+    from reshard.layouts.experts import ExpertParams
+    from reshard.layouts.zero import ParamSpec
+    params = [ParamSpec("dense.weight", (3, 2))] + [ParamSpec(f"l.0.mlp.experts.w1.{g}", (4, 2)) for g in range(2)]
+    autoep = ExpertParams.of(params, (False, True), (2,), ("l.0.mlp.experts.",), autoep=True)
+    assert export_names(SimpleNamespace(params=params, experts=autoep)) == ["dense.weight"] + ["l.0.mlp.experts.w1"] * 2
+    native = [ParamSpec("moe.0.deepspeed_moe.experts.deepspeed_experts.1.fc1.weight", (4, 2))]
+    assert export_names(SimpleNamespace(params=native, experts=None)) == [native[0].name]
+
+    def source(stage, tensor=None):
+        return SimpleNamespace(spec=SimpleNamespace(experts=autoep, tensor=tensor, stage=stage),
+                               model_path=lambda rank=0: "/ckpt/global_step3/mp_rank_00_model_states.pt")
+    refuse_unnamed_experts(source(2), "DCP")  # ZeRO-1/2 and BF16_Optimizer: served
+    with pytest.raises(UnsupportedCheckpoint, match="mp_rank_00_model_states.pt: is a ZeRO-3 mixture-of-experts "
+                                                    "checkpoint; exporting it to DCP is not supported yet"):
+        refuse_unnamed_experts(source(3), "DCP")
+    with pytest.raises(UnsupportedCheckpoint, match="folded with AutoTP; exporting it to safetensors"):
+        refuse_unnamed_experts(source(2, tensor=object()), "safetensors")

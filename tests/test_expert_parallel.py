@@ -403,11 +403,11 @@ MOE_NEEDS = {
 
 
 @pytest.fixture(scope="module")
-def moe_trained(request, tmp_path_factory):
-    """MoeSources, with the sources of this session's tests in this module trained first, in one
-    launch per (ep, world)."""
+def moe_trained(request, moe_sources):
+    """The session's MoeSources (conftest `moe_sources`), with the sources of this session's tests in this
+    module trained first, in one launch per (ep, world)."""
     from trained import selected_tests
-    sources = MoeSources(tmp_path_factory.mktemp("moe"))
+    sources = moe_sources
     keys = []
     for test, source_key in selected_tests(request, MOE_NEEDS):
         keys += [source_key] if source_key is not None else list(MOE_NEEDS[test])
@@ -655,10 +655,6 @@ def test_moe_refusals_name_the_file(moe_trained, tmp_path):
     assert model in str(error.value) and "num_experts % ep_size" in str(error.value)
     with pytest.raises(OptionError, match="ep=2 does not divide dp=3"):  # D not divisible by E
         reshard_checkpoint(str(source), str(tmp_path / "b"), 3, quiet=True)
-    from trained import reshard_in_process
-    refused = reshard_in_process("export", str(source), str(tmp_path / "dcp"), "--format", "dcp")
-    assert refused.returncode == 2 and f"{model}: is a mixture-of-experts checkpoint; exporting to DCP" in \
-        refused.stderr and not (tmp_path / "dcp").exists(), refused.stderr
     dry = reshard_checkpoint(str(source), str(tmp_path / "c"), 4, target_ep=4, dry_run=True, quiet=True)
     text = dry.summary()
     assert "dp=2 tp=1 ep=2 -> target dp=4 tp=1 ep=4" in text and "EP rank 3: experts 3-3" in text
@@ -1416,10 +1412,10 @@ def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     refused = reshard_in_process(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2",
                                  "--target-ep", "1")  # the refusal, not the launcher
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
-    # the DCP export serves AutoTP but not experts: a folded save is refused by name, nothing written
+    # the DCP export serves AutoTP and AutoEP, not the two folded: refused by name, nothing written
     refused = reshard_in_process("export", str(save), str(tmp_path / "dcp"), "--format", "dcp")
-    assert refused.returncode == 2 and "model_states.pt: is a mixture-of-experts checkpoint; exporting to DCP" in \
-        refused.stderr and not (tmp_path / "dcp").exists(), refused.stderr
+    assert refused.returncode == 2 and "model_states.pt: is an AutoEP mixture-of-experts checkpoint folded with AutoTP; " \
+        "exporting it to DCP" in refused.stderr and not (tmp_path / "dcp").exists(), refused.stderr
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
     case.loads += [FoldedLoad(2, 2, 2, 2, "native", tmp_path / "w2", truth, tmp_path / "v_w2.json"),
                    FoldedLoad(2, 1, 2, 2, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),

@@ -66,6 +66,13 @@ AUTOTP_FUSED = "fused_z2_fp16_tp2_dp1"
 """Fused sub-parameters (gate_up cut half by half) and a vocabulary-parallel head tied to the embedding, ZeRO-2
 fp16 at (2, 1): its truth records no Adam step or loss scaler (fp16 skips steps), so it is compared in this
 process, element by element, not judged in FSDP2."""
+MOE_CASES = {"moe_z2_fp32": ("moe_z2_fp32", 2, 2), "moe_bf16_optimizer": ("moe_bf16_optimizer", 2, 2),
+             "autoep_z2_fp32": ("autoep_z2_fp32", 2, 2), "autoep_bf16_optimizer": ("autoep_bf16_optimizer", 2, 2)}
+"""Mixture-of-experts saves at (ep, world) (2, 2) (reshard_proof.moe_run: 2 MoE layers of 4 experts), ZeRO-2 fp32
+and BF16_Optimizer each: native DeepSpeed MoE (four param groups), judged in `MoEProofModel(ep=1)`, and AutoEP
+(three), judged in the AutoEP model built at autoep_size 1 (`moe_model.autoep_model_at_ep_1`). conftest
+`moe_sources`: the sources tests/test_expert_parallel.py reshards, trained in its launch at (2, 2) when both run."""
+SWAPPED_EXPERTS = tuple(f"moe.0.deepspeed_moe.experts.deepspeed_experts.{i}." for i in (1, 2))
 WORLD_SIZES = (1, 2, 3)
 CHUNK_BYTES = 64
 """fp32 bytes per chunk: 2 rows of embed.weight (11 x 7), so every parameter is cut in several chunks."""
@@ -114,12 +121,48 @@ def autotp_results(autotp_trained, tmp_path_factory):
     return results
 
 
+def _swap_experts(metadata_path, a: str, b: str) -> None:
+    """Rewrite a DCP `.metadata` so that every key naming prefix `a` names `b` and the other way round: two
+    experts trade their values, as a load that mixed up global expert indices would give."""
+    import dataclasses
+
+    def swapped(text):
+        return text.replace(a, "\0").replace(b, a).replace("\0", b) if isinstance(text, str) else text
+    with open(metadata_path, "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata = {swapped(k): v for k, v in metadata.state_dict_metadata.items()}
+    metadata.storage_data = {dataclasses.replace(i, fqn=swapped(i.fqn)): v for i, v in metadata.storage_data.items()}
+    metadata.planner_data = {swapped(k): tuple(swapped(x) for x in v) for k, v in metadata.planner_data.items()}
+    with open(metadata_path, "wb") as f:
+        pickle.dump(metadata, f)
+
+
 @pytest.fixture(scope="module")
-def dcp_exports(trained, pipeline_runs, tp_saves, autotp_results, tmp_path_factory):
+def moe_exports(moe_sources, tmp_path_factory):
+    """{case: (export dir, truth path, save dir)}: each native MoE save exported by 2 workers in threads, chunks
+    of 2 rows, 4 kB rounds; plus "moe_swapped": the ZeRO-2 export with two experts' keys swapped in its
+    `.metadata` (the negative control a global-index mix-up would fail)."""
+    moe_sources.train_many(list(MOE_CASES.values()))
+    root = tmp_path_factory.mktemp("dcp-moe")
+    exports = {}
+    for case, key in MOE_CASES.items():
+        source, truth = moe_sources(*key)
+        _export_threads(source, root / case, 2)
+        exports[case] = (root / case, truth, source)
+    swapped = root / "moe_swapped"
+    shutil.copytree(exports["moe_z2_fp32"][0], swapped)
+    _swap_experts(swapped / ".metadata", *SWAPPED_EXPERTS)
+    exports["moe_swapped"] = (swapped, exports["moe_z2_fp32"][1], exports["moe_z2_fp32"][2])
+    return exports
+
+
+@pytest.fixture(scope="module")
+def dcp_exports(trained, pipeline_runs, tp_saves, autotp_results, moe_exports, tmp_path_factory):
     """{case: (export dir, truth path)}, plus "negative": the z2 export with the z3 truth; a pipeline case's
     truth is its truth directory (reshard_proof.pipeline_truth)."""
     root = tmp_path_factory.mktemp("dcp")
     exports = {case: (autotp_results[case][0], autotp_results[case][1]) for case in AUTOTP_CASES}
+    exports.update({case: (out, truth) for case, (out, truth, _) in moe_exports.items()})
     exports["autotp_negative"] = (autotp_results["autotp_z2_fp32_tp2_dp2"][0], autotp_results["autotp_z3_bf16_tp2_dp1"][1])
     for name, save in PIPELINE_CASES.items():  # 2 workers in threads, chunks of 2 rows, 4 kB rounds
         source, truth = pipeline_runs(*save[1:]) if save[0] == "runs" else tp_saves[save[1]]
@@ -183,6 +226,64 @@ def test_fsdp2_loads_a_pipeline_export_under_the_module_names_and_steps_as_deeps
     assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])
     # 9 trainable tensors' value, 2 moments and step, hyperparameters, counters, client_state, the step after
     assert verdict["checks"] >= 63
+
+
+@pytest.mark.parametrize("m", WORLD_SIZES)
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_fsdp2_loads_an_moe_export_as_the_model_at_ep_1_and_steps_as_deepspeed(verdicts, case, m):
+    # issue 38: an MoE save at ep 2 (its experts in two EP ranks' expert groups) exported through the plan as the
+    # same model at ep 1: native MoE's experts under their global index, as MoEProofModel(ep=1).state_dict() names
+    # them; AutoEP's expert slices as one fused experts.w1/w2/w3 [4, ...] each, as the AutoEPMoELayer DeepSpeed
+    # builds at autoep_size 1 holds them. FSDP2 at m ranks loads every master, moment, step and the param groups'
+    # hyperparameters (the expert groups' own, `moe` and DeepSpeed's `ep_size_2` name included) equal to the
+    # engine's, the .metadata's keys, sizes and paths those of torch's own dcp.save, one more AdamW step bit for
+    # bit. On main: refused, exit 2 ("is a mixture-of-experts checkpoint").
+    verdict = verdicts[(case, m)]
+    assert verdict["world_size"] == m
+    assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])
+    # native: 39 trainable tensors' value, 2 moments and step (156); 4 groups' 5 hyperparameters; a buffer;
+    # counters, scheduler, client_state, the loss scaler (none), .metadata; the step after (value and exp_avg_sq)
+    # AutoEP: 17 (68), 3 groups, the same, the step after (34)
+    assert verdict["checks"] >= (156 + 20 + 1 + 3 + 2 + 1 + 1 + 78 if case.startswith("moe_") else
+                                 68 + 15 + 1 + 3 + 2 + 1 + 1 + 34)
+
+
+@pytest.mark.parametrize("m", WORLD_SIZES)
+def test_the_judge_fails_a_moe_export_whose_experts_trade_places(verdicts, m):
+    # two experts of layer 0 swapped in the .metadata: each loads the other's values and moments
+    mismatches = verdicts[("moe_swapped", m)]["mismatches"]
+    assert mismatches and all(any(e in line for e in SWAPPED_EXPERTS) for line in mismatches), mismatches[:3]
+
+
+def test_a_moe_export_names_every_global_expert_once_in_four_param_groups(moe_exports):
+    metadata = _metadata(moe_exports["moe_z2_fp32"][0])
+    experts = sorted({k.split(".")[6] for k in metadata.state_dict_metadata
+                      if k.startswith("model.moe.0.deepspeed_moe.experts.deepspeed_experts.")})
+    assert experts == ["0", "1", "2", "3"]
+    groups = [metadata.state_dict_metadata[f"optim.param_groups.{g}.params"] for g in range(4)]
+    assert all(type(g).__name__ == "BytesStorageMetadata" for g in groups)
+    assert "optim.param_groups.4.params" not in metadata.state_dict_metadata
+
+
+def test_an_autoep_export_fuses_every_experts_slices_and_keeps_the_routers_gate_as_an_alias(moe_exports):
+    # the AutoEPMoELayer at autoep_size 1 holds experts.w1 [4, 16, 8] (each EP rank's [2, 16, 8] joined) and its
+    # router keeps the gate it replaced: mlp.gate.gate.weight is mlp.router.gate.weight, one parameter, two names
+    from trained import reshard_in_process
+    metadata = _metadata(moe_exports["autoep_z2_fp32"][0])
+    entries = metadata.state_dict_metadata
+    for layer in (0, 1):
+        prefix = f"model.model.layers.{layer}.mlp."
+        assert [tuple(entries[f"{prefix}experts.w{w}"].size) for w in (1, 2, 3)] == [(4, 16, 8), (4, 8, 16),
+                                                                                   (4, 16, 8)]
+        assert not any(k.startswith(f"{prefix}experts.w1.") for k in entries)
+        gate = [i for i in metadata.storage_data if i.fqn == f"{prefix}gate.gate.weight"]
+        router = [i for i in metadata.storage_data if i.fqn == f"{prefix}router.gate.weight"]
+        assert gate and sorted(metadata.storage_data[i].offset for i in gate) == sorted(
+            metadata.storage_data[i].offset for i in router)
+    for case, (_, _, source) in moe_exports.items():
+        report = reshard_in_process("inspect", source, "--json")
+        assert report.returncode == 0 and json.loads(report.stdout)["targets"]["export_formats"] == [
+            "safetensors", "dcp"], case
 
 
 def test_a_pipeline_exports_tied_embedding_is_one_key_read_once(dcp_exports):

@@ -152,3 +152,60 @@ def test_export_under_torchrun_and_help(trained, tmp_path):
                                            ("1KB", 1000), ("4096", 4096)])
 def test_shard_sizes_read_like_huggingface(text, expected):
     assert parse_shard_size(text) == expected
+
+
+@pytest.mark.parametrize("key,dtype", [(("moe_z2_fp32", 2, 2), "fp32"), (("moe_bf16_optimizer", 2, 2), "bf16")])
+def test_a_native_moe_export_loads_strictly_into_the_model_at_ep_1(moe_sources, tmp_path, key, dtype):
+    # issue 38: a native DeepSpeed MoE save at ep 2 exported as the same model at ep 1: every global expert once,
+    # under the name MoEProofModel(ep=1).state_dict() gives it, each layer's experts after its gate; the shards
+    # load with load_state_dict(strict=True) into that module and every tensor equals the engine's truth;
+    # 1, 2 and 3 workers write the same bytes. On main: refused, exit 2 ("is a mixture-of-experts checkpoint").
+    from reshard_proof.moe_model import MoEProofModel
+    source, truth = moe_sources(*key)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    outputs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        run_workers(workers, lambda t: export_safetensors(str(source), str(out), dtype=dtype, max_shard_size="1KB",
+                                                          memory_budget=4 << 10, transport=t))
+        outputs.append(out)
+    index = _assert_index_valid(outputs[0], 1000)
+    got = _read_dir(outputs[0])
+    expected = _expected(truth, torch_dtype)
+    assert sorted(got) == sorted(expected) and len(got) == 40  # 39 parameters and the buffer
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+    torch.manual_seed(5)
+    model = MoEProofModel(ep=1).to(torch_dtype)
+    model.load_state_dict(got, strict=True)
+    order = list(index["weight_map"])
+    assert {n.split(".")[5] for n in order if ".deepspeed_experts." in n} == {"0", "1", "2", "3"}
+    names = sorted(p.name for p in outputs[0].iterdir())
+    for other in outputs[1:]:
+        assert sorted(p.name for p in other.iterdir()) == names
+        for name in names:
+            assert (other / name).read_bytes() == (outputs[0] / name).read_bytes(), (other, name)
+
+
+def test_an_autoep_export_loads_into_the_autoep_model_at_ep_1(moe_sources, tmp_path):
+    # each weight's expert slices joined as the AutoEPMoELayer built at autoep_size 1 holds them, experts.w1
+    # [4, 16, 8]; the router's gate is stored once, under the trainable name (mlp.gate.gate.weight is the same
+    # parameter)
+    from reshard_proof.moe_model import autoep_model_at_ep_1, fused_autoep_truth
+    source, truth = moe_sources("autoep_z2_fp32", 2, 2)
+    out = tmp_path / "autoep"
+    run_workers(2, lambda t: export_safetensors(str(source), str(out), max_shard_size="2KB", memory_budget=4 << 10,
+                                                transport=t))
+    _assert_index_valid(out, 2000)
+    got = _read_dir(out)
+    engine = fused_autoep_truth(torch.load(truth, weights_only=True)["engine"])
+    assert tuple(got["model.layers.0.mlp.experts.w1"].shape) == (4, 16, 8)
+    torch.manual_seed(5)
+    model = autoep_model_at_ep_1()
+    missing, unexpected = model.load_state_dict(got, strict=False)
+    # the alias is not stored (as save_pretrained keeps one name of a tied weight); its parameter is loaded
+    assert sorted(missing) == [f"model.layers.{i}.mlp.gate.gate.weight" for i in (0, 1)] and unexpected == []
+    assert model.model.layers[0].mlp.gate.gate.weight is model.model.layers[0].mlp.router.gate.weight
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), engine["master"][name]["fp32"]), name
+    assert sorted(dict(model.named_parameters())) == sorted(engine["master"])

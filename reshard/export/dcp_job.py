@@ -13,9 +13,10 @@
 
 Steps, and which workers run them (the skeleton of every export, `reshard.export.runner`):
 1. worker 0 inspects the source, refuses what does not map to torch AdamW (`dcp_optimizer`) or is not
-   served yet (expert parallelism), and works out the param groups and steps; every worker receives
-   them (a PipelineModule save and an AutoTP save export each parameter once and whole, joined over
-   its model axis or TP ranks by the plan);
+   served yet (ZeRO-3 MoE, AutoEP folded with AutoTP), and works out the param groups and steps; every
+   worker receives them (a PipelineModule save and an AutoTP save export each parameter once and whole,
+   joined over its model axis or TP ranks by the plan; an MoE save, as the model at ep 1:
+   `hf_layout.export_names`);
 2. every worker derives the same layout (`dcp_layout`: row-block chunks dealt to one file per
    worker) and plan: each file is a target "rank", each chunk in it a target buffer, so the
    exchange moves fp32 masters, exp_avg and exp_avg_sq (and ZeRO-3 frozen fragments) from the
@@ -72,7 +73,7 @@ from reshard.export.dcp_optimizer import (
 )
 from reshard.export.dcp_output_layout import OUTPUT_LAYOUTS, DcpOutputLayout, check_carried_files
 from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
-from reshard.export.hf_layout import hf_layout
+from reshard.export.hf_layout import hf_layout, refuse_unnamed_experts
 
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_job import DTYPES
@@ -81,7 +82,7 @@ from reshard.files.paths import confined, open_new_file
 from reshard.formats import deepspeed_classes as classes
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts
+from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import dtype_of, load_checked
 from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
@@ -295,7 +296,7 @@ def inspect_for_dcp(source_dir: str, destination: str, tag: str | None, trust_pi
     layout, unless its save directory's files can be carried), the mapping, and the files to carry."""
     check_paths(source_dir, destination)
     source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
-    refuse_experts(source, "exporting to DCP")  # AutoEP with AutoTP (folded) too
+    refuse_unnamed_experts(source, "DCP")
     check_adam_states(source)
     ds_config = _load_mapped(source.model_path(0), trust_pickle).get("ds_config") or {}
     optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]

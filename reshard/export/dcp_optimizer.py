@@ -25,6 +25,7 @@ what is missing.
 from __future__ import annotations
 
 from reshard.errors import UnsupportedCheckpoint
+from reshard.export.hf_layout import export_names
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_client_state import DEEPSPEED_MODEL_KEYS
 from reshard.formats.deepspeed_spec import SourceCheckpoint
@@ -109,8 +110,9 @@ def adamw_groups(source: SourceCheckpoint, optimizer_state: dict, ds_config: dic
         raise UnsupportedCheckpoint(where, f"{len(groups)} optimizer param groups, but the model states name "
                                            f"{len(spec.groups)}")
     out, steps = [], {}
+    exported = export_names(spec)  # an AutoEP expert's slices: one fused tensor, listed once
     for g, (group, ids) in enumerate(zip(groups, spec.groups)):
-        names = [spec.params[p].name for p in ids]
+        names = list(dict.fromkeys(exported[p] for p in ids))
         out.append(adamw_group(group, names, ds_config, where))
         values = {_step_value(s, where) for s in step_of[g] if s is not None}
         if len(values) > 1:

@@ -14,6 +14,9 @@ owner's name, which is the name `named_parameters()` yields and the one HF's `sa
 keeps for an embedding tied to its output head (safetensors refuses two names for one storage).
 Frozen parameters excluded at save and non-persistent buffers are not in the checkpoint, so not
 in the export.
+A mixture-of-experts save (native DeepSpeed MoE, AutoEP; ZeRO-1/2, BF16_Optimizer) is exported as the
+model at ep 1 (`export_names`): its module lists no expert, so each layer's experts follow the layer's
+gate, under their global index (AutoEP: each weight's experts as one fused tensor).
 
 Shards follow huggingface_hub's `split_torch_state_dict_into_shards`: tensors in order, a new
 file when the next tensor would push the current one past `max_shard_bytes` (a tensor larger
@@ -38,6 +41,7 @@ import numpy as np
 from reshard.errors import UnsupportedCheckpoint
 from reshard.formats.deepspeed_spec import SourceCheckpoint
 from reshard.formats.torch_archive import TensorRef, dtype_of
+from reshard.layouts.expert_placement import autoep_fused_name
 from reshard.layouts.zero import PieceTable, logical_bases
 
 # safetensors dtype codes (safetensors/src/tensor.rs `Dtype`), by torch dtype name.
@@ -134,6 +138,58 @@ class ExportLayout:
         return [max((f.tensors[k].numel for f in self.files if k < len(f.tensors)), default=0) for k in range(width)]
 
 
+def refuse_unnamed_experts(source: SourceCheckpoint, export: str) -> None:
+    """A mixture-of-experts save is exported as the model at ep 1 (`export_names`). Refused by name: AutoEP folded
+    with AutoTP, and ZeRO-3 MoE (AutoEP's `zero3_partitioned` experts), which no export test covers yet."""
+    experts = source.spec.experts
+    if experts is None:
+        return
+    if source.spec.tensor is not None:
+        raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP mixture-of-experts checkpoint folded with "
+                                                          f"AutoTP; exporting it to {export} is not supported yet")
+    if source.spec.stage == 3:
+        raise UnsupportedCheckpoint(source.model_path(0), f"is a ZeRO-3 mixture-of-experts checkpoint; exporting it to "
+                                                          f"{export} is not supported yet (ZeRO-1/2 and BF16_Optimizer "
+                                                          "MoE checkpoints are)")
+
+
+def export_names(spec) -> list[str]:
+    """Per trainable parameter of `spec`, the name the model at ep 1 gives it (what every export writes).
+
+    Native DeepSpeed MoE (deepspeed.moe.layer.MoE): its own name, which holds the GLOBAL expert index, as the
+    expert files name it (runtime/engine.py `_save_moe_checkpoint`: local expert j of EP rank e is
+    `deepspeed_experts.{e * num_local_experts + j}`) and as `state_dict()` of the module built with ep_size=1
+    does. AutoEP: the per-expert slice `...experts.w1.{G}` belongs to the fused `...experts.w1` of shape
+    [num_experts, ...] that the AutoEPMoELayer built at autoep_size 1 holds (module_inject/auto_ep_layer.py:
+    EP rank e holds experts e * E/ep ..., stacked on dim 0). Everything else: its own name."""
+    experts = spec.experts
+    if experts is None or not experts.autoep:
+        return [p.name for p in spec.params]
+    return [p.name if e is None else autoep_fused_name(p.name) for p, e in zip(spec.params, experts.expert_of)]
+
+
+def _fused_experts(spec, pids: list[int], path: str) -> list[tuple[str, tuple, int]]:
+    """(fused name, shape [num_experts, ...], first parameter id) of each AutoEP fused tensor among `pids`: its
+    experts' slices must lie end to end in the optimizer space, expert 0 first (`layouts/experts.py` lists them
+    weight by weight, expert by expert), so the fused tensor is one run of it."""
+    names = export_names(spec)
+    fused: dict[str, list[int]] = {}
+    for pid in pids:
+        fused.setdefault(names[pid], []).append(pid)
+    out = []
+    for name, members in fused.items():
+        members.sort()
+        layer = spec.experts.expert_of[members[0]][0]
+        shapes = {tuple(spec.params[p].shape) for p in members}
+        if (members != list(range(members[0], members[0] + len(members))) or len(shapes) != 1
+                or [spec.experts.expert_of[p] for p in members] != [(layer, g) for g in range(len(members))]
+                or len(members) != spec.experts.num_experts[layer]):
+            raise UnsupportedCheckpoint(path, f"the AutoEP experts of {name} do not lie expert by expert in one run of "
+                                              "the optimizer's space; they cannot be exported as one fused tensor")
+        out.append((name, (len(members), *shapes.pop()), members[0]))
+    return out
+
+
 def out_dtype_for(source_dtype: str, out_dtype: str) -> str:
     """Floating tensors are written as `out_dtype`; integer and bool buffers keep their dtype."""
     return out_dtype if dtype_of(source_dtype).is_floating_point else source_dtype
@@ -148,6 +204,7 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     path = source.model_path(0)
     tensors = []
     seen = set()
+    shared.update(_router_aliases(spec, module, trainable))
     for name, ref in module.items():
         if name in shared:
             continue
@@ -164,10 +221,20 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
         else:
             continue
         seen.add(name)
-    # A parameter the module dict does not list (it should not happen) is still exported, at the end.
-    for name, i in trainable.items():
-        if name not in seen:
-            tensors.append(ExportTensor(name, spec.params[i].shape, out_dtype, "optim", i))
+    # An MoE save's module lists no expert (engine.py `_get_non_moe_state_dict`): each layer's experts (AutoEP's
+    # fused, `_fused_experts`) go right after that layer's last module entry (its gate), global expert by global
+    # expert, as the ep-1 module's state_dict() orders them (within one native expert, the optimizer's order:
+    # weights before biases). Any other parameter the module dict does not list (it should not happen) is still
+    # exported, at the end.
+    refuse_unnamed_experts(source, "safetensors or DCP")  # the exports call it first, by name
+    left = sorted((i for n, i in trainable.items() if n not in seen), key=_expert_order(spec))
+    autoep = [i for i in left if spec.experts is not None and spec.experts.autoep and spec.experts.expert_of[i]]
+    placed = [(spec.params[i].name, tuple(spec.params[i].shape), i) for i in left if i not in set(autoep)]
+    placed += _fused_experts(spec, autoep, path) if autoep else []
+    for name, shape, i in sorted(placed, key=lambda item: _expert_order(spec)(item[2])):
+        layer = _moe_layer_of(spec, i)
+        after = [k for k, t in enumerate(tensors) if layer is not None and t.name.startswith(layer)]
+        tensors.insert(after[-1] + 1 if after else len(tensors), ExportTensor(name, shape, out_dtype, "optim", i))
     for name, i in frozen.items():
         if name not in seen:
             tensors.append(ExportTensor(name, spec.frozen[i].shape, out_dtype_for(spec.frozen_dtype, out_dtype), "frozen", i))
@@ -178,6 +245,41 @@ def hf_layout(source: SourceCheckpoint, out_dtype: str = "float32", max_shard_by
     files = shard_files(tensors, max_shard_bytes)
     kept = {alias: owner for alias, owner in shared.items()}
     return ExportLayout(tuple(files), kept, spec.total_elements, sum(p.numel for p in spec.frozen))
+
+
+def _router_aliases(spec, module: dict, trainable: dict) -> dict:
+    """alias -> owner of every AutoEP router parameter the module also lists under the router's alias: an
+    AutoEPMoELayer registers its router a second time under the name the replaced block gave its gate
+    (module_inject/auto_ep_layer.py `AutoEPMoELayer.__init__`, `setattr(self, alias_target, self.router)`), so
+    `mlp.gate.gate.weight` is the parameter `mlp.router.gate.weight`. The save holds the two as separate copies;
+    the export stores the trainable one (its fp32 master) and the alias as a tied name, read from its chunks."""
+    if spec.experts is None or not spec.experts.autoep:
+        return {}
+    aliases = {}
+    for prefix in spec.experts.layer_prefixes:  # "model.layers.0.mlp.experts."
+        layer = prefix[:prefix.index("experts.")]
+        for name in module:
+            head, _, rest = name[len(layer):].partition(".") if name.startswith(layer) else ("", "", "")
+            owner = f"{layer}router.{rest}"
+            if head and head not in ("router", "experts") and name not in trainable and owner in trainable:
+                aliases[name] = owner
+    return aliases
+
+
+def _moe_layer_of(spec, pid: int) -> str | None:
+    """The name prefix of the MoE module holding expert parameter `pid` ("moe.0.deepspeed_moe."), or None."""
+    if spec.experts is None or spec.experts.expert_of[pid] is None:
+        return None
+    prefix = spec.experts.layer_prefixes[spec.experts.expert_of[pid][0]]
+    return prefix[:prefix.index("experts.")]
+
+
+def _expert_order(spec):
+    """Sort key of a parameter id: experts by (MoE layer, global expert), the spec's order within one expert."""
+    def key(pid):
+        expert = None if spec.experts is None else spec.experts.expert_of[pid]
+        return (0, 0, pid) if expert is None else (1, expert, pid)
+    return key
 
 
 def shard_files(tensors: list, max_shard_bytes: int) -> tuple[ExportFile, ...]:

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from reshard.transport.collective import on_rank0
 from reshard.jobs.destination import Staging, check_paths
 from reshard.errors import OptionError, UnsupportedCheckpoint
-from reshard.export.hf_layout import INDEX_NAME, SAFETENSORS_DTYPES, ExportLayout, hf_layout, shard_files, write_index
+from reshard.export.hf_layout import (INDEX_NAME, SAFETENSORS_DTYPES, ExportLayout, hf_layout, refuse_unnamed_experts,
+                                       shard_files, write_index)
 from reshard.export.model_files import copy_model_files, missing_notes, model_files_in
 from reshard.export.pipeline_layout import inspect_pipeline_export
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
 from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
+from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import ExportResult, counted
@@ -93,7 +94,6 @@ def plan_export(source: SourceCheckpoint, layout: ExportLayout, workers: int, bu
     """Move the fp32 masters (and ZeRO-3 frozen fragments) to the writers of the output files (pure); of a
     pipeline save, each trainable parameter once, joined over its model axis by `rules` (`trainable_pieces`)."""
     spec = source.spec
-    refuse_experts(source, "exporting")
     ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
     fp32 = tuple(s for s in spec.streams if s.name == "fp32")
@@ -145,6 +145,7 @@ def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust
             return found.source, layout, found.tied_files, found.model.rules, found.identity()
         source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
         refuse_tensor_parallel(source, "the safetensors export")
+        refuse_unnamed_experts(source, "safetensors")
         return source, hf_layout(source, out_dtype, max_shard_bytes), {}, None, {}
 
     source, layout, tied_files, rules, identity = on_rank0(transport, inspect)

@@ -7,7 +7,13 @@ For each case, on every rank: ProofModel from another seed, `fully_shard` (gloo,
 DTensor Shard(0)), AdamW with torch's default hyperparameters (so a lost one shows), then
 `get_state_dict` -> `dcp.load` -> `set_state_dict`, as a training script resuming from DCP does. Then,
 comparing full tensors (`full_tensor()`) with the truth the DeepSpeed engine recorded when it saved:
-(A truth directory is a PipelineModule save's, tests/pipeline_run.py's: reshard_proof.pipeline_truth gives
+(A native DeepSpeed MoE save's truth, reshard_proof.moe_run's, names every expert globally: judged in
+`MoEProofModel` built at ep 1, whose state_dict() names them so, with the param groups DeepSpeed's
+`split_params_into_different_moe_groups_for_optimizer` makes, built by name after `fully_shard`. An AutoEP
+save's truth is judged in `AutoEPProofModel` with DeepSpeed's AutoEP layers built at autoep_size 1
+(`moe_model.autoep_model_at_ep_1`: `experts.w1/w2/w3` fused over every expert), the truth's expert slices
+stacked likewise (`moe_model.fused_autoep_truth`).
+A truth directory is a PipelineModule save's, tests/pipeline_run.py's: reshard_proof.pipeline_truth gives
 it this shape and the model, its layers under PipelineModule.state_dict()'s names. An AutoTP save's truth,
 reshard_proof.tensor_parallel's, holds every parameter joined whole: `tensor_parallel.judge_truth`, its model
 built whole.)
@@ -44,6 +50,13 @@ from torch.distributed.tensor import distribute_tensor
 from reshard_proof import pipeline_truth, tensor_parallel
 from reshard_proof.bitwise import compare_trees
 from reshard_proof.model import ProofModel, build_param_groups
+from reshard_proof.moe_model import (
+    MoEProofModel,
+    autoep_model_at_ep_1,
+    build_autoep_param_groups_by_name,
+    build_moe_param_groups_by_name,
+    fused_autoep_truth,
+)
 from reshard_proof.truth_file import read_truth
 from reshard_proof.variants import decaying_lr_factor
 
@@ -88,18 +101,30 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, devic
     pipeline = os.path.isdir(truth_path)
     truth = pipeline_truth.judge_truth(truth_path) if pipeline else read_truth(truth_path)
     autotp = not pipeline and tensor_parallel.is_truth(truth)
+    variant = "" if pipeline else str(truth.get("meta", {}).get("variant", ""))
+    moe, autoep = variant.startswith("moe_"), variant.startswith("autoep_")
+    if autoep:
+        truth = dict(truth, engine=fused_autoep_truth(truth["engine"]))
     if autotp:
         truth = tensor_parallel.judge_truth(truth)
     engine = truth["engine"]
     torch.manual_seed(seed)
     if pipeline:
         model = pipeline_truth.proof_model(truth["model"])
+    elif moe:  # every global expert in one module: the same model at ep 1
+        model = MoEProofModel(ep=1)
+    elif autoep:  # DeepSpeed's AutoEP layers built at autoep_size 1: every expert in one fused tensor per weight
+        model = autoep_model_at_ep_1()
     else:
         model = tensor_parallel.MODELS[truth["model"]]() if autotp else ProofModel()
     model = model.to(device)
     fully_shard(model)
     if pipeline:
         groups = pipeline_truth.proof_param_groups(model, truth["model"])
+    elif moe:
+        groups = build_moe_param_groups_by_name(model)
+    elif autoep:
+        groups = build_autoep_param_groups_by_name(model)
     else:
         groups = tensor_parallel.param_groups(model) if autotp else build_param_groups(model)
     optimizer = torch.optim.AdamW(groups)

@@ -101,6 +101,27 @@ def build_moe_param_groups(model: nn.Module) -> list[dict]:
         [dict(DECAY_GROUP, params=decay), dict(NO_DECAY_GROUP, params=no_decay)])
 
 
+EXPERT_NAME_PART = ".deepspeed_moe.experts."
+"""Where an expert's parameters sit in an MoE layer's names (moe/layer.py `MoE.deepspeed_moe`, sharded_moe.py
+`MOELayer.experts`): what tells an expert parameter from a dense one once FSDP2 has replaced the parameters,
+whose `allreduce` attribute (moe/experts.py) `split_params_into_different_moe_groups_for_optimizer` reads."""
+
+
+def build_moe_param_groups_by_name(model: nn.Module) -> list[dict]:
+    """The param groups `build_moe_param_groups` makes, by parameter name: for a model whose parameters
+    `fully_shard` replaced (FSDP2 keeps no `allreduce` attribute). decay, no_decay, then each one's experts in
+    a group of its own, in that order, as moe/utils.py `split_params_into_different_moe_groups_for_optimizer`
+    orders them; the expert groups named here `<group>_experts` (a loaded checkpoint brings its own names)."""
+    named = list(model.named_parameters())
+    groups, experts = [], []
+    for base, wanted in ((DECAY_GROUP, lambda p: p.ndim >= 2), (NO_DECAY_GROUP, lambda p: p.ndim < 2)):
+        params = [(n, p) for n, p in named if wanted(p)]
+        groups.append(dict(base, params=[p for n, p in params if EXPERT_NAME_PART not in n]))
+        experts.append(dict(base, name=f"{base['name']}_experts", moe=True,
+                            params=[p for n, p in params if EXPERT_NAME_PART in n]))
+    return groups + experts
+
+
 AUTOEP_HIDDEN = 8
 """AutoEP computes experts with torch._grouped_mm, which needs 16-byte strides: H and F are
 multiples of 8 so that bf16 works too."""
@@ -177,3 +198,52 @@ def build_autoep_param_groups(model: nn.Module) -> list[dict]:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return [dict(DECAY_GROUP, params=decay), dict(NO_DECAY_GROUP, params=no_decay)]
+
+
+AUTOEP_EXPERT_PART = ".mlp.experts.w"
+"""An AutoEP fused expert parameter's name holds it (auto_ep_layer.py: `experts.w1/w2/w3`)."""
+
+
+def autoep_model_at_ep_1() -> nn.Module:
+    """`AutoEPProofModel` with its MoE blocks replaced as DeepSpeed's engine replaces them at autoep_size 1
+    (module_inject/auto_ep.py `AutoEP.replace_moe_layers`, engine.py `_configure_autoep`), with no engine and no
+    process group: the module an AutoEP run at ep 1 trains, `experts.w1/w2/w3` [num_experts, ...] each, its
+    router holding the gate it replaced (`mlp.router.gate.weight` is `mlp.gate.gate.weight`)."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
+    model = AutoEPProofModel()
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}))
+    auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
+    return model
+
+
+def build_autoep_param_groups_by_name(model: nn.Module) -> list[dict]:
+    """decay and no_decay for the dense parameters, then the experts in a group of their own, by name (after
+    `fully_shard`), as DeepSpeed's engine groups an AutoEP model's parameters (decay, no_decay, `ep_size_{ep}`)."""
+    named = list(model.named_parameters())
+    dense = [(n, p) for n, p in named if AUTOEP_EXPERT_PART not in n]
+    return [dict(DECAY_GROUP, params=[p for _, p in dense if p.ndim >= 2]),
+            dict(NO_DECAY_GROUP, params=[p for _, p in dense if p.ndim < 2]),
+            dict(DECAY_GROUP, name="experts", moe=True, params=[p for n, p in named if AUTOEP_EXPERT_PART in n])]
+
+
+def fused_autoep_truth(engine: dict) -> dict:
+    """An AutoEP truth (reshard_proof.moe_run: every expert slice `...experts.w1.{G}` on its own) with each
+    weight's slices stacked on dim 0 under the fused name, as the ep-1 module holds them."""
+    import re
+
+    slices: dict[str, dict[int, dict]] = {}
+    master = {}
+    for name, entry in engine["master"].items():
+        match = re.fullmatch(r"(.*\.experts\.w\d)\.(\d+)", name)
+        if match:
+            slices.setdefault(match[1], {})[int(match[2])] = entry
+        else:
+            master[name] = entry
+    for name, experts in slices.items():
+        ordered = [experts[g] for g in range(len(experts))]
+        master[name] = {"fp32": torch.stack([e["fp32"] for e in ordered]),
+                        "state": {k: torch.stack([e["state"][k] for e in ordered]) for k in ordered[0]["state"]},
+                        "scalars": ordered[0]["scalars"]}
+    return dict(engine, master=master)
