@@ -112,8 +112,9 @@ RUNS = {
 }
 
 
-def truth_digest(path) -> str:
-    """SHA-256 over every value of a truth file, in key order (the file's own bytes name its path)."""
+def truth_digest(path, leave_out: tuple = ()) -> str:
+    """SHA-256 over every value of a truth file, in key order (the file's own bytes name its path);
+    `leave_out`: top-level keys not digested."""
     h = hashlib.sha256()
 
     def walk(x):
@@ -132,7 +133,8 @@ def truth_digest(path) -> str:
         else:
             h.update(repr(x).encode())
 
-    walk(torch.load(path, map_location="cpu", weights_only=False))
+    truth = torch.load(path, map_location="cpu", weights_only=False)
+    walk({key: value for key, value in truth.items() if key not in leave_out} if leave_out else truth)
     return h.hexdigest()
 
 

@@ -114,10 +114,16 @@ def tree_hashes(root: Path) -> dict:
     return dict(sorted(found.items()))
 
 
+RUN_STATE_KEYS = ("lr_scheduler", "adam_steps")
+"""What tests/pipeline_run.py records for the DCP judge since the pins were recorded (pipeline_run.run_state):
+a record of the run, not a trained value the pinned outputs depend on, so not digested."""
+
+
 def truth_dir_digest(truth: Path) -> str:
-    """SHA-256 over every rank's truth file's values (test_output_pinned.truth_digest), in rank order."""
+    """SHA-256 over every rank's truth file's values (test_output_pinned.truth_digest), in rank order, less
+    RUN_STATE_KEYS."""
     from test_output_pinned import truth_digest
-    digests = "".join(truth_digest(truth / name) for name in sorted(os.listdir(truth)))
+    digests = "".join(truth_digest(truth / name, leave_out=RUN_STATE_KEYS) for name in sorted(os.listdir(truth)))
     return hashlib.sha256(digests.encode()).hexdigest()
 
 
