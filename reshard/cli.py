@@ -296,7 +296,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
     parser.add_argument("--array-task", type=int, metavar="I",
                         help="dcp: SLURM array task I of --array-tasks K: write worker I's files of a K-worker "
-                             "export, no collectives; then `reshard publish OUT` (reshard.export.dcp_array)")
+                             "export, no collectives; then `reshard publish OUT`")
     parser.add_argument("--array-tasks", type=int, metavar="K", help="dcp: the number of array tasks")
     return parser
 
@@ -334,6 +334,10 @@ def export_main(argv: list[str]) -> int:
     if args.array_tasks is not None and (args.format != "dcp" or args.workers > 1):
         _print_once("reshard export: error: --array-task runs one process per task, for --format dcp only "
                     f"(not with --workers or --format {args.format})")
+        return 2
+    if args.array_tasks is not None and not 0 <= args.array_task < args.array_tasks:
+        _print_once(f"reshard export: error: --array-task must be in [0, --array-tasks), got {args.array_task} of "
+                    f"{args.array_tasks}")
         return 2
     if args.workers > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "
