@@ -347,10 +347,12 @@ def _array_task_cli(source, out, task: int, tasks: int, env=None) -> subprocess.
                           capture_output=True, text=True, timeout=300)
 
 
-def test_array_tasks_killed_refused_and_resumed_publish_the_collective_exports_bytes(trained, dcp_exports, tmp_path):
+def test_array_tasks_killed_refused_and_resumed_publish_the_collective_exports_bytes(trained, dcp_exports, tmp_path,
+                                                                                     capsys):
     """SLURM array mode (reshard.export.dcp_array): 3 tasks write the files 3 workers write. Task 1 is
     SIGKILLed in its first round; tasks 2 and 0 finish; `reshard publish` refuses by name while task 1 is
-    unfinished, a task started with 2 tasks is refused by name; task 1 run again writes its file and
+    unfinished, a task started with 2 tasks is refused by name, and so is publishing a record edited to 2
+    tasks (task 1's file faked done); task 1 run again writes its file and
     publishes: every file byte for byte the `--workers 3` export of `dcp_exports` (which FSDP2 judges at 1,
     2 and 3 ranks), and the tasks together read each source byte the plan moves once."""
     from reshard.export.dcp_array import export_dcp_array_task
@@ -380,6 +382,18 @@ def test_array_tasks_killed_refused_and_resumed_publish_the_collective_exports_b
     assert wrong.returncode == 2 and "record.json: the staging there belongs to another array job (tasks differs: " \
                                      "3 tasks" in wrong.stderr, wrong.stdout + wrong.stderr
     assert tree_files(staging.parent) == before and os.listdir(out) == [".reshard-staging"]
+    # a record edited by hand (2 tasks), task 1's file faked done: publishing refuses by name, places nothing
+    array = staging.parent / "global_step3.array"
+    kept = (array / "record.json").read_text()
+    (array / "record.json").write_text(json.dumps({**json.loads(kept), "tasks": 2}))
+    shutil.copy(array / "done" / "__0_0.distcp.json", array / "done" / "__1_0.distcp.json")
+    from reshard.cli import main
+    assert main(["publish", str(out)]) == 2
+    assert "record.json: its files and their tasks are not those a 2-task export of this source writes" in \
+        capsys.readouterr().err
+    assert os.listdir(out) == [".reshard-staging"] and not (staging / ".metadata").exists()
+    (array / "record.json").write_text(kept)
+    (array / "done" / "__1_0.distcp.json").unlink()
 
     done[1] = task(1)
     assert done[1].files == ["__1_0.distcp"]

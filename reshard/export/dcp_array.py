@@ -59,7 +59,7 @@ from reshard.jobs.array_job import (
     publish_ready,
     write_record_once,
 )
-from reshard.jobs.destination import RESHARD_NAMES, Staging
+from reshard.jobs.destination import ARRAY_SUFFIX, RESHARD_NAMES, Staging
 from reshard.jobs.execute import execute
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, ResumeByFile, publish_files
 from reshard.jobs.progress import Progress, progress_enabled
@@ -83,6 +83,11 @@ def file_paths(export: DcpExport, f: int) -> dict[str, int]:
     return {os.path.join(directory, export.names[f]) if directory else export.names[f]: size
             for directory, (placed, _, size) in file_blobs(export.layout, export.streams, f, export.out).items()
             if placed}
+
+
+def chunk_files(export: DcpExport) -> dict[int, dict[str, int]]:
+    """Every output file holding chunks: its index -> `file_paths` (its task is `export.plan.ownership.writer`)."""
+    return {f: file_paths(export, f) for f in range(len(export.layout.files)) if export.layout.files[f]}
 
 
 @dataclass
@@ -126,8 +131,8 @@ def export_dcp_array_task(source: str, destination: str, *, task: int, tasks: in
                            DTYPES[dtype], chunk_bytes, memory_budget, out)
     checkpoint = export.source
     ownership = export.plan.ownership
-    owned = [f for f in range(len(export.layout.files)) if export.layout.files[f]]
-    paths = {f: file_paths(export, f) for f in owned}
+    paths = chunk_files(export)
+    owned = list(paths)
     mine = [f for f in owned if ownership.writer(f) == task]
     array_dir = array_set_dir(destination, checkpoint.tag)
     record = {"kind": KIND, "fingerprint": export.fingerprint, "tasks": tasks, "tag": checkpoint.tag,
@@ -193,15 +198,28 @@ def place_dcp_set(destination: str, record: dict, array_dir: str) -> None:
                            out)
     if export.fingerprint != record["fingerprint"]:
         raise ReshardError(f"{export.source.tag_dir}: changed since the array tasks exported it (its files' sizes or "
-                           f"times differ); remove {os.path.dirname(array_dir)} and run every task again")
+                           f"times differ); remove {array_dir} and {staging_of(array_dir)} and run every task again")
+    paths = chunk_files(export)
+    expected = {path: size for f in paths for path, size in paths[f].items()}
+    owners = {path: export.plan.ownership.writer(f) for f in paths for path in paths[f]}
+    if owners != record["owners"]:  # a record edited by hand: publishing it would describe other files
+        raise ReshardError(f"{os.path.join(array_dir, RECORD_NAME)}: its files and their tasks are not those a "
+                           f"{record['tasks']}-task export of this source writes; remove {array_dir} and "
+                           f"{staging_of(array_dir)} and run every task again")
     staging = Staging(destination, record["tag"])
-    for path, owner in record["owners"].items():
+    for path, owner in owners.items():
         staged = os.path.join(staging.tag_dir, path)
-        if not os.path.isfile(staged):
-            raise ReshardError(f"{staged}: marked done but missing; remove {done_path(array_dir, path)} and re-run "
-                               f"export task {owner}")
+        if not os.path.isfile(staged) or os.path.getsize(staged) != expected[path]:
+            problem = "missing" if not os.path.isfile(staged) else f"not the {expected[path]} bytes it must hold"
+            raise ReshardError(f"{staged}: marked done but {problem}; remove {done_path(array_dir, path)} and "
+                               f"re-run export task {owner}")
     complete_staging(export, staging.tag_dir, options["memory_budget"], options["trust_pickle"])
     publish_files(staging, last=out.complete_marker)
+
+
+def staging_of(array_dir: str) -> str:
+    """OUT/.reshard-staging/TAG of the set whose bookkeeping is OUT/.reshard-staging/TAG.array."""
+    return array_dir[:-len(ARRAY_SUFFIX)]
 
 
 PLACERS = {KIND: place_dcp_set}
