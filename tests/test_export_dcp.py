@@ -405,3 +405,21 @@ def test_array_tasks_killed_refused_and_resumed_publish_the_collective_exports_b
                            OUTPUT_LAYOUTS["torch"])
     once = sum(int(space.traffic(export.plan.ownership)[0, 0]) for space in export.plan.spaces)
     assert sum(r.bytes_read for r in done.values()) == once > 0
+
+
+@pytest.mark.parametrize("case", ["pipeline_fp32_mp2u", "autotp_z2_fp32_tp2_dp2"])
+def test_array_tasks_of_a_pipeline_and_an_autotp_save_publish_the_two_worker_exports_bytes(
+        dcp_exports, autotp_results, pipeline_runs, tp_saves, tmp_path, case):
+    """A PipelineModule save with a model axis (joined whole by the plan) and an AutoTP save (TP slices joined):
+    2 array tasks in this process, task 1 first, publish byte for byte the 2-worker export FSDP2 judges."""
+    from reshard.export.dcp_array import export_dcp_array_task
+    if case in AUTOTP_CASES:
+        source, budget = autotp_results[case][3], AUTOTP_BUDGET
+    else:
+        source, budget = tp_saves[PIPELINE_CASES[case][1]][0], BUDGET
+    out = tmp_path / case
+    tasks = [export_dcp_array_task(str(source), str(out), task=i, tasks=2, chunk_bytes=CHUNK_BYTES,
+                                   memory_budget=budget, quiet=True) for i in (1, 0)]
+    assert [t.files for t in tasks] == [["__1_0.distcp"], ["__0_0.distcp"]]
+    assert any(note.startswith("published ") for note in tasks[1].notes), tasks[1].notes
+    assert tree_files(out) == tree_files(dcp_exports[case][0])
