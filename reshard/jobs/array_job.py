@@ -529,13 +529,15 @@ def publish_ready(destination: str, *, tags: list[str] | None = None, latest: st
         if record.get("kind") not in placers:
             continue
         missing = _missing(record, array_dir)
+        output = destination if record.get("kind") else None  # an export's set is DST's files, not DST/TAG
         if missing:
             waiting = sorted({record["owners"][name] for name in missing})
-            notes.append(f"{os.path.join(destination, record['tag'])}: {len(missing)} of {len(record['owners'])} "
-                         f"file(s) still to write, by array task(s) {', '.join(map(str, waiting))}; not published yet")
+            notes.append(f"{output or os.path.join(destination, record['tag'])}: {len(missing)} of "
+                         f"{len(record['owners'])} file(s) still to write, by array task(s) "
+                         f"{', '.join(map(str, waiting))}; not published yet")
         else:
-            ready.append(ReadySet(record["tag"], record["fingerprint"], array_dir,
-                                  functools.partial(placers[record.get("kind")], destination, record, array_dir)))
+            place = functools.partial(placers[record.get("kind")], destination, record, array_dir)
+            ready.append(ReadySet(record["tag"], record["fingerprint"], array_dir, place, output))
         if tags is None:
             tags, latest = record.get("destination_tags"), record.get("latest")
     return notes + publish_sets(destination, ready, tags=tags or [], latest=latest, lock_wait=lock_wait)
