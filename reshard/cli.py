@@ -294,6 +294,10 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1,
                         help="W worker processes on this host without torchrun (forked, as for reshard; default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
+    parser.add_argument("--array-task", type=int, metavar="I",
+                        help="dcp: SLURM array task I of --array-tasks K: write worker I's files of a K-worker "
+                             "export, no collectives; then `reshard publish OUT`")
+    parser.add_argument("--array-tasks", type=int, metavar="K", help="dcp: the number of array tasks")
     return parser
 
 
@@ -324,12 +328,31 @@ def export_main(argv: list[str]) -> int:
     if args.layout is not None and args.format != "dcp":
         _print_once(f"reshard export: error: --layout applies to --format dcp only, not {args.format}")
         return 2
+    if (args.array_task is None) != (args.array_tasks is None):
+        _print_once("reshard export: error: --array-task and --array-tasks go together")
+        return 2
+    if args.array_tasks is not None and (args.format != "dcp" or args.workers > 1):
+        _print_once("reshard export: error: --array-task runs one process per task, for --format dcp only "
+                    f"(not with --workers or --format {args.format})")
+        return 2
+    if args.array_tasks is not None and not 0 <= args.array_task < args.array_tasks:
+        _print_once(f"reshard export: error: --array-task must be in [0, --array-tasks), got {args.array_task} of "
+                    f"{args.array_tasks}")
+        return 2
     if args.workers > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _print_once("reshard export: error: --workers starts its own worker processes: run it without torchrun, "
                     "or drop it")
         return 2
     try:
         source, tag = _checkpoint_to_read(args.source, args.tag, "export")
+        if args.array_tasks is not None:
+            from reshard.export.dcp_array import export_dcp_array_task
+            result = export_dcp_array_task(
+                source, args.destination, task=args.array_task, tasks=args.array_tasks, dtype=args.dtype, tag=tag,
+                memory_budget=args.memory_budget, chunk_bytes=args.chunk_size, trust_pickle=args.trust_pickle,
+                overwrite=args.overwrite, layout=args.layout or "torch", quiet=args.quiet)
+            print_summary(result.summary())
+            return 0
         if args.workers > 1:  # worker 0 prints the summary or the refusal itself
             from reshard.local_workers import run_forked
             return run_forked(args.workers, args.timeout, lambda transport: export(source, tag, transport),
@@ -344,8 +367,9 @@ def export_main(argv: list[str]) -> int:
 
 
 def publish_main(argv: list[str]) -> int:
+    from reshard.export.dcp_array import PLACERS
     from reshard.jobs.array_job import publish_main as publish
-    return publish(argv)
+    return publish(argv, PLACERS)  # reshards' array sets, and the DCP export's
 
 
 #: `reshard NAME ...` runs SUBCOMMANDS[NAME] (DESCRIPTION gives each one line in --help)

@@ -152,6 +152,21 @@ def test_the_export_is_laid_out_as_accelerate_saves_fsdp2(fsdp2_resume):
     assert "2 workers" in fsdp2_resume["stdout"] and "files of the save directory carried" in fsdp2_resume["stdout"]
 
 
+def test_two_array_tasks_publish_the_two_worker_exports_bytes(fsdp2_resume, tmp_path):
+    """`--array-task I --array-tasks 2` (reshard.export.dcp_array, in this process, task 1 first): each task
+    writes worker I's files in both directories, the last one carries the Trainer's files and publishes:
+    every file byte for byte the `--workers 2` export the FSDP2 Trainer resumed from."""
+    from reshard.export.dcp_array import export_dcp_array_task
+    out = tmp_path / "array"
+    tasks = [export_dcp_array_task(str(fsdp2_resume["source"]), str(out), task=i, tasks=2, layout="accelerate",
+                                   chunk_bytes=CHUNK_BYTES, memory_budget=BUDGET, quiet=True) for i in (1, 0)]
+    assert [t.files for t in tasks] == [[f"{d}/__1_0.distcp" for d in DIRECTORIES],
+                                        [f"{d}/__0_0.distcp" for d in DIRECTORIES]]
+    assert any(note.startswith("published ") for note in tasks[1].notes), tasks[1].notes
+    assert tree_files(out) == tree_files(fsdp2_resume["export"])
+    assert tree_files(fsdp2_resume["source"]) == fsdp2_resume["source_files"]
+
+
 def _copy(hf_trained, tmp_path):
     copy = tmp_path / "checkpoint-3"
     shutil.copytree(hf_trained("z2") / "checkpoint-3", copy)

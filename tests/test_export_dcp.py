@@ -438,3 +438,89 @@ def test_an_mpiexec_export_writes_the_same_bytes_as_forked_workers(trained, dcp_
                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert tree_files(out) == tree_files(dcp_exports["z3_bf16"][0])
+
+
+def _array_task_cli(source, out, task: int, tasks: int, env=None) -> subprocess.CompletedProcess:
+    """`python -m reshard export SRC OUT --format dcp --array-task I --array-tasks K` (one SLURM array task)."""
+    return subprocess.run([sys.executable, "-m", "reshard", "export", str(source), str(out), "--format", "dcp",
+                           "--chunk-size", str(CHUNK_BYTES), "--memory-budget", str(BUDGET), "--array-task", str(task),
+                           "--array-tasks", str(tasks)], env={**child_env(), **(env or {})}, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_array_tasks_killed_refused_and_resumed_publish_the_collective_exports_bytes(trained, dcp_exports, tmp_path,
+                                                                                     capsys):
+    """SLURM array mode (reshard.export.dcp_array): 3 tasks write the files 3 workers write. Task 1 is
+    SIGKILLed in its first round; tasks 2 and 0 finish; `reshard publish` refuses by name while task 1 is
+    unfinished, a task started with 2 tasks is refused by name, and so is publishing a record edited to 2
+    tasks (task 1's file faked done); task 1 run again writes its file and
+    publishes: every file byte for byte the `--workers 3` export of `dcp_exports` (which FSDP2 judges at 1,
+    2 and 3 ranks), and the tasks together read each source byte the plan moves once."""
+    from reshard.export.dcp_array import export_dcp_array_task
+    from reshard.export.dcp_job import derive_export, inspect_dcp
+    from reshard.export.dcp_output_layout import OUTPUT_LAYOUTS
+
+    source, _ = trained(*CASES["z3_bf16"])
+    out = tmp_path / "array"
+    staging = out / ".reshard-staging" / "global_step3"
+    killed = _array_task_cli(source, out, 1, 3, env={"RESHARD_FAILPOINTS": "kill@round=1"})
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert (staging / "__1_0.distcp").is_file() and not list((staging.parent / "global_step3.array" / "done").iterdir())
+
+    def task(i: int):
+        return export_dcp_array_task(str(source), str(out), task=i, tasks=3, chunk_bytes=CHUNK_BYTES,
+                                     memory_budget=BUDGET, quiet=True)
+    done = {i: task(i) for i in (2, 0)}
+    assert [r.files for r in done.values()] == [["__2_0.distcp"], ["__0_0.distcp"]]
+    assert any("1 of 3 file(s) still to write, by array task(s) 1; not published yet" in n for n in done[0].notes)
+
+    publish = subprocess.run([sys.executable, "-m", "reshard", "publish", str(out)], env=child_env(), cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert publish.returncode == 1 and "by array task(s) 1; not published yet" in publish.stdout, publish.stdout
+    assert os.listdir(out) == [".reshard-staging"]
+    before = tree_files(staging.parent)
+    wrong = _array_task_cli(source, out, 1, 2)
+    assert wrong.returncode == 2 and "record.json: the staging there belongs to another array job (tasks differs: " \
+                                     "3 tasks" in wrong.stderr, wrong.stdout + wrong.stderr
+    assert tree_files(staging.parent) == before and os.listdir(out) == [".reshard-staging"]
+    # a record edited by hand (2 tasks), task 1's file faked done: publishing refuses by name, places nothing
+    array = staging.parent / "global_step3.array"
+    kept = (array / "record.json").read_text()
+    (array / "record.json").write_text(json.dumps({**json.loads(kept), "tasks": 2}))
+    shutil.copy(array / "done" / "__0_0.distcp.json", array / "done" / "__1_0.distcp.json")
+    from reshard.cli import main
+    assert main(["publish", str(out)]) == 2
+    assert "record.json: its files and their tasks are not those a 2-task export of this source writes" in \
+        capsys.readouterr().err
+    assert os.listdir(out) == [".reshard-staging"] and not (staging / ".metadata").exists()
+    (array / "record.json").write_text(kept)
+    (array / "done" / "__1_0.distcp.json").unlink()
+
+    done[1] = task(1)
+    assert done[1].files == ["__1_0.distcp"]
+    assert any(n.startswith("published ") for n in done[1].notes), done[1].notes
+    assert tree_files(out) == tree_files(dcp_exports["z3_bf16"][0])
+    # disjoint shares: the tasks' reads add up to one worker's plan, which reads every needed source byte once
+    export = derive_export(inspect_dcp(str(source), str(tmp_path / "x"), None, "float32", False,
+                                       OUTPUT_LAYOUTS["torch"]), 1, "float32", CHUNK_BYTES, BUDGET,
+                           OUTPUT_LAYOUTS["torch"])
+    once = sum(int(space.traffic(export.plan.ownership)[0, 0]) for space in export.plan.spaces)
+    assert sum(r.bytes_read for r in done.values()) == once > 0
+
+
+@pytest.mark.parametrize("case", ["pipeline_fp32_mp2u", "autotp_z2_fp32_tp2_dp2"])
+def test_array_tasks_of_a_pipeline_and_an_autotp_save_publish_the_two_worker_exports_bytes(
+        dcp_exports, autotp_results, pipeline_runs, tp_saves, tmp_path, case):
+    """A PipelineModule save with a model axis (joined whole by the plan) and an AutoTP save (TP slices joined):
+    2 array tasks in this process, task 1 first, publish byte for byte the 2-worker export FSDP2 judges."""
+    from reshard.export.dcp_array import export_dcp_array_task
+    if case in AUTOTP_CASES:
+        source, budget = autotp_results[case][3], AUTOTP_BUDGET
+    else:
+        source, budget = tp_saves[PIPELINE_CASES[case][1]][0], BUDGET
+    out = tmp_path / case
+    tasks = [export_dcp_array_task(str(source), str(out), task=i, tasks=2, chunk_bytes=CHUNK_BYTES,
+                                   memory_budget=budget, quiet=True) for i in (1, 0)]
+    assert [t.files for t in tasks] == [["__1_0.distcp"], ["__0_0.distcp"]]
+    assert any(note.startswith("published ") for note in tasks[1].notes), tasks[1].notes
+    assert tree_files(out) == tree_files(dcp_exports[case][0])

@@ -473,63 +473,98 @@ def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str |
             transport.close()
 
 
-def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pickle, overwrite, durable_every,
-         transport, out: DcpOutputLayout) -> DcpResult:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class DcpExport:
+    """What every worker of a collective export, and every SLURM array task, derives the same from the one
+    inspection (`inspect_dcp`): the chunk layout over `files` files, the plan for that many workers (whose
+    ownership names the files), the file names and the output's fingerprint."""
 
-    def inspect():
-        pipeline_tag = pipeline_tag_of(source_dir, tag)
-        if pipeline_tag is not None:  # a PipelineModule save: its module's names, each parameter once and whole
-            if out.carries_save_dir:
-                raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
-                                            f"is a PipelineModule save: the {out.name} layout is for Hugging Face "
-                                            "Trainer saves; export it with the torch layout (the default)")
-            return (*inspect_pipeline_for_dcp(source_dir, destination, pipeline_tag, out_dtype, trust_pickle), [])
-        source, mapping, carried = inspect_for_dcp(source_dir, destination, tag, trust_pickle, out)
-        return source, mapping, None, carried
+    source: SourceCheckpoint
+    mapping: OptimizerMapping
+    pipeline: PipelineExport | None
+    carried: list
+    layout: DcpLayout
+    plan: ReshardPlan
+    streams: dict
+    names: list
+    fingerprint: str
+    out: DcpOutputLayout
 
-    source, mapping, pipeline, carried = on_rank0(transport, inspect)
+
+def inspect_dcp(source_dir: str, destination: str, tag: str | None, out_dtype: str, trust_pickle: bool,
+                out: DcpOutputLayout) -> tuple:
+    """Worker 0: (source, OptimizerMapping, PipelineExport or None, files to carry) of any save reshard
+    exports to DCP, or a refusal by name."""
+    pipeline_tag = pipeline_tag_of(source_dir, tag)
+    if pipeline_tag is not None:  # a PipelineModule save: its module's names, each parameter once and whole
+        if out.carries_save_dir:
+            raise UnsupportedCheckpoint(os.path.join(source_dir, pipeline_tag),
+                                        f"is a PipelineModule save: the {out.name} layout is for Hugging Face "
+                                        "Trainer saves; export it with the torch layout (the default)")
+        return (*inspect_pipeline_for_dcp(source_dir, destination, pipeline_tag, out_dtype, trust_pickle), [])
+    source, mapping, carried = inspect_for_dcp(source_dir, destination, tag, trust_pickle, out)
+    return source, mapping, None, carried
+
+
+def derive_export(inspected: tuple, files: int, out_dtype: str, chunk_bytes: int, budget: int,
+                  out: DcpOutputLayout) -> DcpExport:
+    """`inspected` (`inspect_dcp`'s result) laid out in chunks dealt to `files` files, one per worker (pure)."""
+    source, mapping, pipeline, carried = inspected
     if pipeline is None:
         model = hf_layout(source, out_dtype, 1 << 62)
         tensors, aliases = [t for f in model.files for t in f.tensors], model.kept_for_tied
     else:
         tensors, aliases = list(pipeline.tensors), {}
-    layout = dcp_layout(tensors, aliases, transport.size, chunk_bytes)
-    plan = plan_dcp(source, layout, transport.size, budget, pipeline)
-    streams = streams_of(source)
-    names = file_names(plan.ownership, len(layout.files))
-    output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes, "layout": out.name,
-                 "carried": carried, **(pipeline.identity() if pipeline is not None else {})}),
-        overwrite, durable_every)
+    layout = dcp_layout(tensors, aliases, files, chunk_bytes)
+    plan = plan_dcp(source, layout, files, budget, pipeline)
+    fingerprint = export_fingerprint(source, {
+        "format": "dcp", "dtype": out_dtype, "chunk_bytes": chunk_bytes, "layout": out.name, "carried": carried,
+        **(pipeline.identity() if pipeline is not None else {})})
+    return DcpExport(source, mapping, pipeline, list(carried), layout, plan, streams_of(source),
+                     file_names(plan.ownership, len(layout.files)), fingerprint, out)
+
+
+def complete_staging(export: DcpExport, tag_dir: str, budget: int, trust_pickle: bool) -> None:
+    """Once every chunk file is in `tag_dir`: worker 0's own file, the run state, the carried files and
+    `.metadata` (which makes the directory a checkpoint) written there too; publishing moves them."""
+    out, layout, source = export.out, export.layout, export.source
+    metadata = {directory: MetadataBuilder.empty() for directory in out.directories}
+    own = sum(1 for f in range(len(layout.files)) if export.plan.ownership.writer(f) == 0)
+    write_replicated(tag_dir, f"__0_{own}{DISTCP_SUFFIX}", source, layout, export.mapping, metadata, budget,
+                     out)  # replaces a resumed run's attempt
+    add_chunk_metadata(metadata, layout, export.streams, export.names, out)
+    add_aliases(metadata[out.model_dir], layout)
+    model_states = _load_mapped(source.model_path(0), trust_pickle)  # only the values touched are read
+    optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
+    torch.save(run_state(model_states, optimizer_state), os.path.join(tag_dir, RUN_STATE_NAME),
+               pickle_module=classes)
+    if export.carried:
+        staged = save_dir_files.staging_dir(tag_dir)
+        save_dir_files.stage(source.save_dir, export.carried, staged, tag_dir)
+        save_dir_files.publish(staged, export.carried, tag_dir)
+    for directory, builder in metadata.items():
+        write_metadata(os.path.join(tag_dir, directory, METADATA_NAME),
+                       builder.build(export.fingerprint + directory))
+
+
+def _run(source_dir, destination, out_dtype, tag, budget, chunk_bytes, trust_pickle, overwrite, durable_every,
+         transport, out: DcpOutputLayout) -> DcpResult:
+    started = time.perf_counter()
+    inspected = on_rank0(transport, lambda: inspect_dcp(source_dir, destination, tag, out_dtype, trust_pickle, out))
+    export = derive_export(inspected, transport.size, out_dtype, chunk_bytes, budget, out)
+    source, layout, plan, names = export.source, export.layout, export.plan, export.names
+    output = ExportOutput(destination, source.tag, export.fingerprint, overwrite, durable_every)
 
     def open_writer(owned, staged, reuse_existing):
-        return DcpWriter.create(layout, streams, names, staged, owned, reuse_existing, out)
+        return DcpWriter.create(layout, export.streams, names, staged, owned, reuse_existing, out)
 
     def publish(staging: Staging):
-        # the chunk files are in staging; worker 0's own file, the run state and .metadata (which makes
-        # the directory a checkpoint) are written there too, then every file moves into OUT, .metadata last
-        # (the accelerate layout: one checkpoint per directory, the model's .metadata last)
-        metadata = {directory: MetadataBuilder.empty() for directory in out.directories}
-        own = sum(1 for f in range(len(layout.files)) if plan.ownership.writer(f) == 0)
-        write_replicated(staging.tag_dir, f"__0_{own}{DISTCP_SUFFIX}", source, layout, mapping, metadata, budget,
-                         out)  # replaces a resumed run's attempt
-        add_chunk_metadata(metadata, layout, streams, names, out)
-        add_aliases(metadata[out.model_dir], layout)
-        model_states = _load_mapped(source.model_path(0), trust_pickle)  # only the values touched are read
-        optimizer_state = _load_mapped(source.optim_path(0), trust_pickle)[schema.OPTIM]
-        torch.save(run_state(model_states, optimizer_state), os.path.join(staging.tag_dir, RUN_STATE_NAME),
-                   pickle_module=classes)
-        if carried:
-            staged = save_dir_files.staging_dir(staging.tag_dir)
-            save_dir_files.stage(source.save_dir, carried, staged, staging.tag_dir)
-            save_dir_files.publish(staged, carried, staging.tag_dir)
-        for directory, builder in metadata.items():
-            write_metadata(os.path.join(staging.tag_dir, directory, METADATA_NAME),
-                           builder.build(output.fingerprint + directory))
+        # the chunk files are in staging; the rest is written there too, then every file moves into OUT,
+        # .metadata last (the accelerate layout: one checkpoint per directory, the model's .metadata last)
+        complete_staging(export, staging.tag_dir, budget, trust_pickle)
         publish_files(staging, last=out.complete_marker)
 
     done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
                       started=started)
     return DcpResult.of(done, files=[n for f, n in enumerate(names) if layout.files[f]], layout=out.name,
-                        carried=list(carried))
+                        carried=list(export.carried))

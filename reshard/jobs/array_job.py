@@ -201,18 +201,18 @@ def restrict_to_files(plan: ReshardPlan, locations) -> ReshardPlan:
     return ReshardPlan(plan.ownership, tuple(spaces), plan.budget_bytes)
 
 
-def _array_dir(destination: str, tag: str) -> str:
+def array_set_dir(destination: str, tag: str) -> str:
     return os.path.join(destination, STAGING, tag + ARRAY_SUFFIX)
 
 
-def _done_path(array_dir: str, name: str) -> str:
+def done_path(array_dir: str, name: str) -> str:
     """The marker of file `name` (a relative path for files in sub-directories of the tag directory)."""
     return os.path.join(array_dir, DONE_DIR, urllib.parse.quote(name, safe="") + ".json")
 
 
-def _is_done(array_dir: str, name: str) -> bool:
+def is_done(array_dir: str, name: str) -> bool:
     """File `name` of the set is complete and fsynced: its marker exists (the per-file resume)."""
-    return os.path.isfile(_done_path(array_dir, name))
+    return os.path.isfile(done_path(array_dir, name))
 
 
 def _read_json(path: str):
@@ -225,7 +225,7 @@ def _read_json(path: str):
         raise ReshardError(f"{path}: unreadable (not JSON); remove it and re-run") from None
 
 
-def _write_record_once(path: str, record: dict) -> None:
+def write_record_once(path: str, record: dict) -> None:
     """Write `record` unless a task got there first; then it must describe the same set."""
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as fd:
@@ -446,16 +446,16 @@ def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: di
     item. `place`: every tag going to the unit's destination, and `latest`. `write_targets(staging
     tag directory, array_dir, items)` writes the items that are target files, marks each done once
     it is durable, and returns the number of rounds that moved data."""
-    array_dir = _array_dir(unit.destination, output.tag)
+    array_dir = array_set_dir(unit.destination, output.tag)
     record = {
         "fingerprint": output.fingerprint, "tasks": opts.array_tasks, "tag": output.tag, "owners": owners,
         "source": output.source, "target": output.target, "other_dirs": list(output.other_dirs),
         "save_dir_files": output.carried,
         **place}
     resume = ResumeByFile(
-        {f.name: f.nbytes for f in mine}, functools.partial(_is_done, array_dir),
+        {f.name: f.nbytes for f in mine}, functools.partial(is_done, array_dir),
         (array_dir, os.path.join(array_dir, DONE_DIR)),
-        lambda staging: _write_record_once(os.path.join(array_dir, RECORD_NAME), record),
+        lambda staging: write_record_once(os.path.join(array_dir, RECORD_NAME), record),
         os.path.join(array_dir, f"task-{opts.array_task}"),
         f"The files this task finished stay marked done in {array_dir}; fix the cause and re-run array task "
         f"{opts.array_task} to write the rest")
@@ -475,12 +475,12 @@ def _run_share(opts: ReshardOptions, unit: Unit, output: ArrayOutput, owners: di
                 entries = save_dir_files.stage(output.save_dir, output.carried,
                                                save_dir_files.staging_dir(staging.tag_dir), unit.destination)
                 report.bytes_carried += sum(entry["bytes"] for entry in entries.values())
-                write_json_atomically(_done_path(array_dir, f.name), {"save_dir_files": entries})
+                write_json_atomically(done_path(array_dir, f.name), {"save_dir_files": entries})
             elif f.rank is None:
                 staging.copy_in(output.tag_dir, [f.name])
                 path = os.path.join(staging.tag_dir, f.name)
                 report.bytes_carried += os.path.getsize(path)
-                _mark_done(array_dir, f.name, path)
+                mark_done(array_dir, f.name, path)
         targets = [f for f in todo if f.rank is not None]
         result.rounds = write_targets(staging.tag_dir, array_dir, targets) if targets else 0
 
@@ -536,7 +536,7 @@ def _write_targets(opts, source: SourceCheckpoint, target: CheckpointTarget, tar
     report.bytes_written += writer.bytes_written
     report.bytes_carried += writer.bytes_carried
     for name, entry in hashes.items():
-        write_json_atomically(_done_path(array_dir, name), entry)
+        write_json_atomically(done_path(array_dir, name), entry)
     return rounds
 
 
@@ -547,37 +547,44 @@ def _durable_entry(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "blake3": hash_file(path)}
 
 
-def _mark_done(array_dir: str, name: str, path: str) -> None:
-    write_json_atomically(_done_path(array_dir, name), _durable_entry(path))
+def mark_done(array_dir: str, name: str, path: str) -> None:
+    write_json_atomically(done_path(array_dir, name), _durable_entry(path))
 
 
 def _missing(record: dict, array_dir: str) -> list[str]:
-    return [name for name in sorted(record["owners"]) if not _is_done(array_dir, name)]
+    return [name for name in sorted(record["owners"]) if not is_done(array_dir, name)]
 
 
 def publish_ready(destination: str, *, tags: list[str] | None = None, latest: str | None = None,
-                  lock_wait: float = 60.0) -> list[str]:
+                  lock_wait: float = 60.0, placers: dict | None = None) -> list[str]:
     """Publish every array set under `destination` whose files are all done; write `latest` last
     (reshard.jobs.lifecycle.publish_sets: under DST's lock, exactly once).
 
     `tags`/`latest`: every tag this destination receives and the one `latest` names (a task
     knows them from the source; `reshard publish DST` takes them from the records). `latest`
-    is written once all those tags are in place. Returns notes for the summary.
+    is written once all those tags are in place. `placers`: record kind -> `place(destination, record,
+    array_dir)` for the sets other jobs write (an export's array tasks, reshard.export.dcp_array, whose
+    record names its "kind"); a set of a kind not given is left alone. Returns notes for the summary.
     """
     notes, ready = [], []
+    placers = {None: _publish_record, **(placers or {})}
     for path in sorted(glob.glob(os.path.join(glob.escape(destination), STAGING, "*" + ARRAY_SUFFIX, RECORD_NAME))):
         record = _read_json(path)
         if record is None:
             continue
         array_dir = os.path.dirname(path)
+        if record.get("kind") not in placers:
+            continue
         missing = _missing(record, array_dir)
+        output = destination if record.get("kind") else None  # an export's set is DST's files, not DST/TAG
         if missing:
             waiting = sorted({record["owners"][name] for name in missing})
-            notes.append(f"{os.path.join(destination, record['tag'])}: {len(missing)} of {len(record['owners'])} "
-                         f"file(s) still to write, by array task(s) {', '.join(map(str, waiting))}; not published yet")
+            notes.append(f"{output or os.path.join(destination, record['tag'])}: {len(missing)} of "
+                         f"{len(record['owners'])} file(s) still to write, by array task(s) "
+                         f"{', '.join(map(str, waiting))}; not published yet")
         else:
-            ready.append(ReadySet(record["tag"], record["fingerprint"], array_dir,
-                                  functools.partial(_publish_record, destination, record, array_dir)))
+            place = functools.partial(placers[record.get("kind")], destination, record, array_dir)
+            ready.append(ReadySet(record["tag"], record["fingerprint"], array_dir, place, output))
         if tags is None:
             tags, latest = record.get("destination_tags"), record.get("latest")
     return notes + publish_sets(destination, ready, tags=tags or [], latest=latest, lock_wait=lock_wait)
@@ -588,7 +595,7 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
     staging = Staging(destination, record["tag"])
     files = {}
     for item in record["owners"]:
-        marker = _read_json(_done_path(array_dir, item))
+        marker = _read_json(done_path(array_dir, item))
         if item == SAVE_DIR_FILES:
             files.update(marker["save_dir_files"])
             continue
@@ -598,7 +605,7 @@ def _publish_record(destination: str, record: dict, array_dir: str) -> None:
             if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
                 raise ReshardError(f"{path}: marked done with {entry['bytes']} bytes but "
                                    f"{'missing' if not os.path.isfile(path) else f'{os.path.getsize(path)} bytes'}; "
-                                   f"remove {_done_path(array_dir, item)} and re-run array task "
+                                   f"remove {done_path(array_dir, item)} and re-run array task "
                                    f"{record['owners'][item]}")
             files[name] = entry
     staging.copy_in("", [], record.get("other_dirs", ()))  # empty sub-directories of the source tag directory
@@ -616,8 +623,9 @@ def build_publish_parser():
     return parser
 
 
-def publish_main(argv: list[str]) -> int:
-    """`python -m reshard publish DST`: publish DST (and its run sub-directories) where every task is done."""
+def publish_main(argv: list[str], placers: dict | None = None) -> int:
+    """`python -m reshard publish DST`: publish DST (and its run sub-directories) where every task is done.
+    `placers`: as `publish_ready` takes them (the exports' array sets)."""
     args = build_publish_parser().parse_args(argv)
     if not os.path.isdir(args.destination):
         print(f"reshard publish: error: {args.destination}: no such directory", file=sys.stderr)
@@ -628,7 +636,7 @@ def publish_main(argv: list[str]) -> int:
     pending = False
     try:
         for place in places:
-            for note in publish_ready(place):
+            for note in publish_ready(place, placers=placers):
                 pending |= "not published" in note
                 print(note)
     except ReshardError as error:

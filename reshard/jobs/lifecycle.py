@@ -345,6 +345,8 @@ class ReadySet:
     """The directory of its completion markers (inside DST's staging): removed once the set is in place."""
     place: Callable[[], None]
     """Assemble it and put it in place: its manifest from the markers, then `publish_tag_dir`."""
+    output: str | None = None
+    """What the notes name: DST/TAG (None), or DST itself for an output of files (an export's array set)."""
 
 
 def publish_sets(destination: str, ready: list[ReadySet], *, tags: list[str], latest: str | None,
@@ -374,7 +376,8 @@ def publish_sets(destination: str, ready: list[ReadySet], *, tags: list[str], la
         for output in ready:
             if os.path.isdir(output.bookkeeping) and not is_published(destination, output.tag, output.fingerprint):
                 output.place()
-                notes.append(f"published {os.path.join(destination, output.tag)} (this task completed the set)")
+                notes.append(f"published {output.output or os.path.join(destination, output.tag)} (this task "
+                             "completed the set)")
             shutil.rmtree(confined(destination, output.bookkeeping), ignore_errors=True)
         root = os.path.join(destination, STAGING)
         if os.path.isdir(root) and not os.listdir(root):
