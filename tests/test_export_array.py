@@ -8,7 +8,8 @@ engine's truth (tests/test_export_safetensors.py, and at pp 1 for a pipeline sav
 tests/test_pipeline_export.py), the universal export by DeepSpeed's own load_universal against
 ds_to_universal (tests/test_export_universal.py, tests/test_pipeline_export.py). Here the array tasks
 (reshard.export.array_formats) must write exactly those bytes, for a ZeRO-1/2 save, a ZeRO-3 save and a
-PipelineModule save (pp 2, dp 2, a tied embedding and a frozen layer); one task SIGKILLed and run again
+PipelineModule save (pp 2, dp 2, a tied embedding and a frozen layer), and the DCP export's (the same road)
+beside them; one task SIGKILLed and run again
 resumes by file; publishing is refused by name while a task is unfinished, and a record edited by hand is
 refused.
 """
@@ -24,8 +25,9 @@ import pytest
 from threaded_transport import run_workers
 from trained import tree_files
 
-from reshard.export import export_safetensors, export_universal
+from reshard.export import export_dcp, export_safetensors, export_universal
 from reshard.export.array_formats import export_safetensors_array_task, export_universal_array_task
+from reshard.export.dcp_array import export_dcp_array_task
 from reshard.jobs.array_job import done_path
 from reshard_proof.launch import REPO_ROOT, child_env
 
@@ -33,10 +35,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.trains(("z2_fp32", 2), ("z3_bf16", 2)
 
 BUDGET = 4 << 10
 """Small enough that every export takes several rounds (the kill lands in the first)."""
-OPTIONS = {"safetensors": {"max_shard_size": "300B"}, "universal": {}}
-PIPELINE_OPTIONS = {"safetensors": {"max_shard_size": "4KB"}, "universal": {}}
-COLLECTIVE = {"safetensors": export_safetensors, "universal": export_universal}
-ARRAY_TASK = {"safetensors": export_safetensors_array_task, "universal": export_universal_array_task}
+OPTIONS = {"safetensors": {"max_shard_size": "300B"}, "universal": {}, "dcp": {"chunk_bytes": 256}}
+PIPELINE_OPTIONS = {"safetensors": {"max_shard_size": "4KB"}, "universal": {}, "dcp": {"chunk_bytes": 256}}
+COLLECTIVE = {"safetensors": export_safetensors, "universal": export_universal, "dcp": export_dcp}
+ARRAY_TASK = {"safetensors": export_safetensors_array_task, "universal": export_universal_array_task,
+              "dcp": export_dcp_array_task}
 
 
 def _source(save: str, trained, pipeline_runs):
@@ -50,11 +53,12 @@ def _collective(fmt: str, source, out, workers: int, options: dict) -> None:
                                                    **options))
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "universal"])
+@pytest.mark.parametrize("fmt", ["safetensors", "universal", "dcp"])
 @pytest.mark.parametrize("save", ["z2_fp32", "z3_bf16", "pipeline_frozen"])
 def test_array_tasks_publish_the_collective_exports_bytes(trained, pipeline_runs, tmp_path, fmt, save):
     """3 array tasks in this process, in the order 2, 0, 1: only the last one publishes, and OUT is byte for
-    byte the `--workers 3` export (files, index or latest_universal, model-states copies)."""
+    byte the `--workers 3` export (files, index or latest_universal, model-states copies). The DCP export
+    takes the same road (reshard.export.array_export), judged here beside the two others."""
     source, options = _source(save, trained, pipeline_runs)
     _collective(fmt, source, tmp_path / "collective", 3, options[fmt])
     out = tmp_path / "array"
