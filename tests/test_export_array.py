@@ -26,8 +26,10 @@ from threaded_transport import run_workers
 from trained import tree_files
 
 from reshard.export import export_dcp, export_safetensors, export_universal
-from reshard.export.array_formats import export_safetensors_array_task, export_universal_array_task
-from reshard.export.dcp_array import export_dcp_array_task
+from reshard.export.array_formats import (SAFETENSORS, UNIVERSAL, export_safetensors_array_task,
+                                          export_universal_array_task)
+from reshard.export.dcp_array import DCP, export_dcp_array_task
+from reshard.export.safetensors_job import parse_shard_size
 from reshard.jobs.array_job import done_path
 from reshard_proof.launch import REPO_ROOT, child_env
 
@@ -40,12 +42,22 @@ PIPELINE_OPTIONS = {"safetensors": {"max_shard_size": "4KB"}, "universal": {}, "
 COLLECTIVE = {"safetensors": export_safetensors, "universal": export_universal, "dcp": export_dcp}
 ARRAY_TASK = {"safetensors": export_safetensors_array_task, "universal": export_universal_array_task,
               "dcp": export_dcp_array_task}
+FORMATS = {"safetensors": SAFETENSORS, "universal": UNIVERSAL, "dcp": DCP}
 
 
 def _source(save: str, trained, pipeline_runs):
     if save == "pipeline_frozen":
         return pipeline_runs("fp32-frozen", 2, 2)[0], PIPELINE_OPTIONS
     return trained(save, 2)[0], OPTIONS
+
+
+def _record_options(fmt: str, options: dict) -> dict:
+    """The format's own options as its record holds them."""
+    if fmt == "safetensors":
+        return {"dtype": "fp32", "max_shard_bytes": parse_shard_size(options[fmt]["max_shard_size"])}
+    if fmt == "dcp":
+        return {"dtype": "fp32", "layout": "torch", **options[fmt]}
+    return {}
 
 
 def _collective(fmt: str, source, out, workers: int, options: dict) -> None:
@@ -67,6 +79,12 @@ def test_array_tasks_publish_the_collective_exports_bytes(trained, pipeline_runs
     assert [any(n.startswith("published ") for n in r.notes) for r in results] == [False, False, True]
     assert sum(len(r.files) for r in results) > 0
     assert tree_files(out) == tree_files(tmp_path / "collective")
+    # each task reads only its share: together, what one worker writing every file reads, each byte once
+    export = FORMATS[fmt].derive({"source": str(source), "destination": str(tmp_path / "x"), "tag": None,
+                                  "memory_budget": BUDGET, "trust_pickle": False, **_record_options(fmt, options)}, 3)
+    plan = export.one_worker_plan(BUDGET)
+    once = sum(int(space.traffic(plan.ownership)[0, 0]) for space in plan.spaces)
+    assert sum(r.bytes_read for r in results) == once > 0
 
 
 def _task_cli(fmt: str, source, out, task: int, tasks: int, env=None) -> subprocess.CompletedProcess:
