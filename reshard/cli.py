@@ -295,9 +295,9 @@ def build_export_parser() -> argparse.ArgumentParser:
                         help="W worker processes on this host without torchrun (forked, as for reshard; default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (as for reshard)")
     parser.add_argument("--array-task", type=int, metavar="I",
-                        help="dcp: SLURM array task I of --array-tasks K: write worker I's files of a K-worker "
+                        help="SLURM array task I of --array-tasks K: write worker I's files of a K-worker "
                              "export, no collectives; then `reshard publish OUT`")
-    parser.add_argument("--array-tasks", type=int, metavar="K", help="dcp: the number of array tasks")
+    parser.add_argument("--array-tasks", type=int, metavar="K", help="the number of array tasks")
     return parser
 
 
@@ -331,9 +331,8 @@ def export_main(argv: list[str]) -> int:
     if (args.array_task is None) != (args.array_tasks is None):
         _print_once("reshard export: error: --array-task and --array-tasks go together")
         return 2
-    if args.array_tasks is not None and (args.format != "dcp" or args.workers > 1):
-        _print_once("reshard export: error: --array-task runs one process per task, for --format dcp only "
-                    f"(not with --workers or --format {args.format})")
+    if args.array_tasks is not None and args.workers > 1:
+        _print_once("reshard export: error: --array-task runs one process per task (not with --workers)")
         return 2
     if args.array_tasks is not None and not 0 <= args.array_task < args.array_tasks:
         _print_once(f"reshard export: error: --array-task must be in [0, --array-tasks), got {args.array_task} of "
@@ -346,11 +345,7 @@ def export_main(argv: list[str]) -> int:
     try:
         source, tag = _checkpoint_to_read(args.source, args.tag, "export")
         if args.array_tasks is not None:
-            from reshard.export.dcp_array import export_dcp_array_task
-            result = export_dcp_array_task(
-                source, args.destination, task=args.array_task, tasks=args.array_tasks, dtype=args.dtype, tag=tag,
-                memory_budget=args.memory_budget, chunk_bytes=args.chunk_size, trust_pickle=args.trust_pickle,
-                overwrite=args.overwrite, layout=args.layout or "torch", quiet=args.quiet)
+            result = _export_array_task(args, source, tag)
             print_summary(result.summary())
             return 0
         if args.workers > 1:  # worker 0 prints the summary or the refusal itself
@@ -366,10 +361,25 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
+def _export_array_task(args, source: str, tag: str | None):
+    """`reshard export ... --array-task I --array-tasks K`: one task of the export in array mode."""
+    from reshard.export.array_formats import export_safetensors_array_task, export_universal_array_task
+    from reshard.export.dcp_array import export_dcp_array_task
+    common = dict(task=args.array_task, tasks=args.array_tasks, tag=tag, memory_budget=args.memory_budget,
+                  trust_pickle=args.trust_pickle, overwrite=args.overwrite, quiet=args.quiet)
+    if args.format == "dcp":
+        return export_dcp_array_task(source, args.destination, dtype=args.dtype, chunk_bytes=args.chunk_size,
+                                     layout=args.layout or "torch", **common)
+    if args.format == "universal":
+        return export_universal_array_task(source, args.destination, **common)
+    return export_safetensors_array_task(source, args.destination, dtype=args.dtype,
+                                         max_shard_size=args.max_shard_size, **common)
+
+
 def publish_main(argv: list[str]) -> int:
-    from reshard.export.dcp_array import PLACERS
+    from reshard.export.array_formats import PLACERS
     from reshard.jobs.array_job import publish_main as publish
-    return publish(argv, PLACERS)  # reshards' array sets, and the DCP export's
+    return publish(argv, PLACERS)  # reshards' array sets, and every export's
 
 
 #: `reshard NAME ...` runs SUBCOMMANDS[NAME] (DESCRIPTION gives each one line in --help)

@@ -15,7 +15,6 @@ from reshard.cli import main
 @pytest.mark.parametrize("flags, message", [
     (["--format", "dcp", "--array-task", "0"], "--array-task and --array-tasks go together"),
     (["--format", "dcp", "--array-tasks", "2"], "--array-task and --array-tasks go together"),
-    (["--format", "safetensors", "--array-task", "0", "--array-tasks", "2"], "for --format dcp only"),
     (["--format", "dcp", "--array-task", "0", "--array-tasks", "2", "--workers", "2"], "not with --workers"),
     (["--format", "dcp", "--array-task", "2", "--array-tasks", "2"], "--array-task must be in [0, --array-tasks), "
                                                                      "got 2 of 2"),

@@ -127,51 +127,88 @@ def export_safetensors(source: str, destination: str, *, dtype: str = "fp32", ma
             transport.close()
 
 
+@dataclass(frozen=True)
+class SafetensorsExport:
+    """What every worker of a collective export, and every SLURM array task (reshard.export.array_export),
+    derives the same from the one inspection (`inspect_safetensors`): the shards, the plan for `workers`
+    workers (whose ownership names each shard's writer) and the output's fingerprint."""
+
+    source: SourceCheckpoint
+    layout: ExportLayout
+    tied_files: dict
+    rules: object
+    plan: ReshardPlan
+    stream_dtypes: dict
+    fingerprint: str
+
+
+def inspect_safetensors(source_dir: str, destination: str, tag: str | None, out_dtype: str, max_shard_bytes: int,
+                        trust_pickle: bool) -> tuple:
+    """Worker 0: (source, layout, tied layer files, model-axis rules, identity) of any save reshard exports to
+    safetensors, or a refusal by name."""
+    pipeline_tag = pipeline_tag_of(source_dir, tag)
+    check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
+    if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
+        found = inspect_pipeline_export(source_dir, pipeline_tag, out_dtype, trust_pickle)
+        for tensor in found.tensors:
+            if tensor.dtype not in SAFETENSORS_DTYPES:
+                raise UnsupportedCheckpoint(tensor.path, f"{tensor.name} is {tensor.dtype}, which safetensors "
+                                                         "cannot store")
+        layout = ExportLayout(shard_files(list(found.tensors), max_shard_bytes), {},
+                              sum(p.numel for p in found.params), 0, found.params)
+        return found.source, layout, found.tied_files, found.model.rules, found.identity()
+    source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+    refuse_tensor_parallel(source, "the safetensors export")
+    refuse_unnamed_experts(source, "safetensors")
+    return source, hf_layout(source, out_dtype, max_shard_bytes), {}, None, {}
+
+
+def derive_export(inspected: tuple, workers: int, out_dtype: str, max_shard_bytes: int, budget: int
+                  ) -> SafetensorsExport:
+    """`inspected` (`inspect_safetensors`'s result) planned for `workers` workers (pure)."""
+    source, layout, tied_files, rules, identity = inspected
+    stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
+                     "frozen": source.spec.frozen_dtype}
+    fingerprint = export_fingerprint(source, {"format": "safetensors", "dtype": out_dtype,
+                                              "max_shard_bytes": max_shard_bytes, **identity})
+    return SafetensorsExport(source, layout, tied_files, rules, plan_export(source, layout, workers, budget, rules),
+                             stream_dtypes, fingerprint)
+
+
+def open_safetensors_writer(export: SafetensorsExport, files, staged: str, budget: int, reuse_existing: bool
+                            ) -> SafetensorsWriter:
+    """The writer of shards `files` in `staged` (the whole tensors of the model-states file copied at its finish)."""
+    return SafetensorsWriter.create(export.layout, staged, files, export.stream_dtypes, export.source.model_path(0),
+                                    budget, reuse_existing)
+
+
+def complete_staging(export: SafetensorsExport, staging: Staging, model_files: list) -> None:
+    """Once every shard is in staging: the model's other files (config, tokenizer) and the index (which makes
+    the directory a model) written there too, then every file moved into OUT, the index last (an earlier
+    export's model files and index in OUT removed first)."""
+    source = export.source
+    copy_model_files(source.save_dir, staging.tag_dir, model_files)
+    copy_model_files(source.save_dir, staging.destination, ())  # removes an earlier export's model files from OUT
+    write_index(staging.tag_dir, export.layout.total_size, export.layout.weight_map())
+    publish_files(staging, last=INDEX_NAME)
+
+
 def _run(source_dir, destination, out_dtype, max_shard_bytes, tag, budget, trust_pickle, overwrite, durable_every,
          transport):
     started = time.perf_counter()
-    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-
-    def inspect():
-        check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
-        if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
-            found = inspect_pipeline_export(source_dir, pipeline_tag, out_dtype, trust_pickle)
-            for tensor in found.tensors:
-                if tensor.dtype not in SAFETENSORS_DTYPES:
-                    raise UnsupportedCheckpoint(tensor.path, f"{tensor.name} is {tensor.dtype}, which safetensors "
-                                                             "cannot store")
-            layout = ExportLayout(shard_files(list(found.tensors), max_shard_bytes), {},
-                                  sum(p.numel for p in found.params), 0, found.params)
-            return found.source, layout, found.tied_files, found.model.rules, found.identity()
-        source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
-        refuse_tensor_parallel(source, "the safetensors export")
-        refuse_unnamed_experts(source, "safetensors")
-        return source, hf_layout(source, out_dtype, max_shard_bytes), {}, None, {}
-
-    source, layout, tied_files, rules, identity = on_rank0(transport, inspect)
-    plan = plan_export(source, layout, transport.size, budget, rules)
-    stream_dtypes = {"optim": next(s.dtype for s in source.spec.streams if s.name == "fp32"),
-                     "frozen": source.spec.frozen_dtype}
-    model_path = source.model_path(0)
-    output = ExportOutput(destination, source.tag, export_fingerprint(
-        source, {"format": "safetensors", "dtype": out_dtype, "max_shard_bytes": max_shard_bytes, **identity}), overwrite,
-        durable_every)
+    inspected = on_rank0(transport, lambda: inspect_safetensors(source_dir, destination, tag, out_dtype,
+                                                                max_shard_bytes, trust_pickle))
+    export = derive_export(inspected, transport.size, out_dtype, max_shard_bytes, budget)
+    source, layout = export.source, export.layout
+    output = ExportOutput(destination, source.tag, export.fingerprint, overwrite, durable_every)
 
     def open_writer(files, staged, reuse_existing):
-        return SafetensorsWriter.create(layout, staged, files, stream_dtypes, model_path, budget, reuse_existing)
+        return open_safetensors_writer(export, files, staged, budget, reuse_existing)
 
     model_files = model_files_in(source.save_dir)
-
-    def publish(staging: Staging):
-        # the shards are in staging; the model's other files (config, tokenizer) and the index
-        # (which makes the directory a model) are written there too, then every file moves into
-        # OUT, the index last (an old index in OUT removed first)
-        copy_model_files(source.save_dir, staging.tag_dir, model_files)
-        copy_model_files(source.save_dir, destination, ())  # removes an earlier export's model files from OUT
-        write_index(staging.tag_dir, layout.total_size, layout.weight_map())
-        publish_files(staging, last=INDEX_NAME)
-
-    done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
+    done = run_export(transport, source, export.plan, output, open_writer,
+                      lambda staging: complete_staging(export, staging, model_files), trust_pickle=trust_pickle,
                       started=started)
     return SafetensorsResult.of(done, files=[f.name for f in layout.files], total_size=layout.total_size,
-                                kept_for_tied=layout.kept_for_tied, tied_files=tied_files, model_files=model_files)
+                                kept_for_tied=layout.kept_for_tied, tied_files=export.tied_files,
+                                model_files=model_files)

@@ -327,44 +327,77 @@ def export_universal(source: str, destination: str, *, tag: str | None = None, m
             transport.close()
 
 
+@dataclass(frozen=True)
+class UniversalExport:
+    """What every worker of a collective export, and every SLURM array task (reshard.export.array_export),
+    derives the same from the one inspection (`inspect_universal`): the bundles for `workers` workers, the
+    plan (whose ownership names each bundle's writer) and the output's fingerprint."""
+
+    source: SourceCheckpoint
+    found: PipelineExport | None
+    bundles: ExportLayout
+    plan: ReshardPlan
+    fingerprint: str
+
+    def bundle_files(self, b: int) -> dict[str, int]:
+        """Bundle `b`'s files, relative to the tag directory -> about their bytes (the values; the archive's
+        own records besides)."""
+        return {os.path.join("zero", tensor.name, f"{stream.name}.pt"): tensor.numel * dtype_of(stream.dtype).itemsize
+                for tensor in self.bundles.files[b].tensors for stream in self.source.spec.streams}
+
+
+def inspect_universal(source_dir: str, destination: str, tag: str | None, trust_pickle: bool) -> tuple:
+    """Worker 0: (source, PipelineExport or None) of any save reshard exports as a universal checkpoint, or a
+    refusal by name."""
+    pipeline_tag = pipeline_tag_of(source_dir, tag)
+    check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
+    if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
+        found = inspect_pipeline_export(source_dir, pipeline_tag, "float32", trust_pickle)
+        check_pipeline_universal_names(found)
+        return found.source, found
+    source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
+    refuse_tensor_parallel(source, "the universal export")
+    check_universal_names(source)
+    return source, None
+
+
+def derive_export(inspected: tuple, workers: int, budget: int) -> UniversalExport:
+    """`inspected` (`inspect_universal`'s result) cut into bundles for `workers` workers and planned (pure)."""
+    source, found = inspected
+    bundles = universal_bundles(source, workers, found.params if found else ())
+    plan = plan_universal(source, bundles, workers, budget, found.model.rules if found else None)
+    fingerprint = export_fingerprint(source, {"format": "universal", **(found.identity() if found else {})})
+    return UniversalExport(source, found, bundles, plan, fingerprint)
+
+
+def open_universal_writer(export: UniversalExport, owned, staged: str, reuse_existing: bool) -> UniversalWriter:
+    """The writer of bundles `owned`: their per-parameter files reserved under `staged`/zero."""
+    zero_dir = os.path.join(staged, "zero")
+    os.makedirs(zero_dir, exist_ok=True)
+    found = export.found
+    return UniversalWriter.create(export.source, export.bundles, zero_dir, owned, reuse_existing,
+                                  found.model.rules if found else None,
+                                  ("fp32",) if found and found.masters_require_grad else ())
+
+
+def complete_staging(export: UniversalExport, staging: Staging, trust_pickle: bool) -> None:
+    """Once every bundle's files are in staging/zero: the rest written there (worker 0's part), then the
+    lifecycle's publish: the tag directory into place by one rename, then latest_universal (replaced
+    atomically) names it."""
+    if export.found is None:
+        write_universal_metadata(export.source, staging.tag_dir, trust_pickle)
+    else:
+        write_pipeline_universal_metadata(export.found, staging.tag_dir, trust_pickle)
+    publish_tag_dir(staging, None, export.source.tag, scripts_from=None, latest_name=LATEST_UNIVERSAL)
+
+
 def _run(source_dir, destination, tag, budget, trust_pickle, overwrite, durable_every, transport) -> UniversalResult:
     started = time.perf_counter()
-    pipeline_tag = on_rank0(transport, lambda: pipeline_tag_of(source_dir, tag))
-
-    def inspect():
-        check_paths(source_dir, destination)  # OUT's contents: the lifecycle checks them (reshard.export.runner)
-        if pipeline_tag is not None:  # a PipelineModule save: the module's own names, each parameter once
-            found = inspect_pipeline_export(source_dir, pipeline_tag, "float32", trust_pickle)
-            check_pipeline_universal_names(found)
-            return found.source, found
-        source = inspect_checkpoint(source_dir, tag, trust_pickle=trust_pickle, carry_model_bytes=False)
-        refuse_tensor_parallel(source, "the universal export")
-        check_universal_names(source)
-        return source, None
-
-    source, found = on_rank0(transport, inspect)
-    bundles = universal_bundles(source, transport.size, found.params if found else ())
-    plan = plan_universal(source, bundles, transport.size, budget, found.model.rules if found else None)
-    output = ExportOutput(destination, source.tag, export_fingerprint(source, {"format": "universal",
-                                                                        **(found.identity() if found else {})}), overwrite,
-                          durable_every)
-
-    def publish(staging: Staging):
-        # the parameters' files are in staging/zero; the rest, then the lifecycle's publish: the
-        # tag directory into place by one rename, then latest_universal (replaced atomically) names it
-        if found is None:
-            write_universal_metadata(source, staging.tag_dir, trust_pickle)
-        else:
-            write_pipeline_universal_metadata(found, staging.tag_dir, trust_pickle)
-        publish_tag_dir(staging, None, source.tag, scripts_from=None, latest_name=LATEST_UNIVERSAL)
-
-    def open_writer(owned, staged, reuse_existing):
-        zero_dir = os.path.join(staged, "zero")
-        os.makedirs(zero_dir, exist_ok=True)
-        return UniversalWriter.create(source, bundles, zero_dir, owned, reuse_existing,
-                                      found.model.rules if found else None,
-                                      ("fp32",) if found and found.masters_require_grad else ())
-
-    done = run_export(transport, source, plan, output, open_writer, publish, trust_pickle=trust_pickle,
+    export = derive_export(on_rank0(transport, lambda: inspect_universal(source_dir, destination, tag, trust_pickle)),
+                           transport.size, budget)
+    output = ExportOutput(destination, export.source.tag, export.fingerprint, overwrite, durable_every)
+    done = run_export(transport, export.source, export.plan, output,
+                      lambda owned, staged, reuse: open_universal_writer(export, owned, staged, reuse),
+                      lambda staging: complete_staging(export, staging, trust_pickle), trust_pickle=trust_pickle,
                       started=started)
-    return UniversalResult.of(done, params=len(bundles.params or source.spec.params))
+    return UniversalResult.of(done, params=len(export.bundles.params or export.source.spec.params))
