@@ -398,7 +398,7 @@ MOE_NEEDS = {
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
     "test_moe_array_tasks_publish_the_collective_output": (),
-    "test_zero0_moe_node_local_is_refused_by_name": (("moe_z0_fp32", 2, 2),),
+    "test_zero0_moe_node_local_writes_each_node_what_its_ranks_load": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1175,23 +1175,45 @@ def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, so
 
 
 @pytest.mark.e2e
-def test_zero0_moe_node_local_is_refused_by_name(moe_trained, tmp_path, monkeypatch):
-    """What stays refused: a node-local reshard of a ZeRO-0 MoE save (one simulated node holding every
-    file, the job in this process) is refused naming the tag directory and the layout, before anything
-    is written; the source is left as it was. (Before, it failed saying no worker saw source rank 0's
-    optim-states file, as if files were missing.)"""
-    from test_pipeline_pinned import tree_hashes
+def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, tmp_path):
+    """A ZeRO-0 MoE save (dp 2, ep 2) made on node 0's 2 ranks, where DeepSpeed puts every file of it
+    (engine.py `_save_moe_checkpoint`: the expp_rank and expert files by global ranks 0 .. ep-1, the
+    model-states file by global rank 0; reshard.jobs.node_local_zero0), resharded node-local to ep 1,
+    dp 2 on 2 nodes x 2 workers, one target rank per node, under a 4 KiB budget (several rounds): each
+    node's output is byte for byte the collective job's pinned output (whose loads
+    test_zero0_moe_reshard_loads_exactly judges element for element) for the files its rank loads,
+    `latest` on both; what crossed between the nodes is the plan's bytes plus the expert files node 1
+    lacked, sent whole; the source is left as it was. (Before, the job was refused by name.)"""
+    import json
+    import shutil
 
-    from reshard.jobs.collective_job import reshard_checkpoint
+    from reshard_proof.launch import run_torchrun_nodes
+    from test_pipeline_pinned import tree_hashes
+    _, pinned = _zero0_pins()
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
-    before = tree_hashes(source)
-    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
-    with pytest.raises(UnsupportedCheckpoint, match="is a ZeRO-0 MoE checkpoint .*node-local resharding of it is "
-                                                    "not supported yet") as error:
-        reshard_checkpoint(str(source), str(tmp_path / "out"), 2, target_ep=1, node_local=True,
-                           target_ranks_per_node=2, quiet=True)
-    assert str(source / "global_step3") in str(error.value)
-    assert not (tmp_path / "out").exists() and tree_hashes(source) == before
+    root = tmp_path
+    shutil.copytree(source, root / "node0" / "src")
+    (root / "node1" / "src" / "global_step3").mkdir(parents=True)  # node 1 ran no rank of the save
+    before = [tree_hashes(root / f"node{k}" / "src") for k in range(2)]
+    result_path = root / "result.json"
+    run_torchrun_nodes("reshard", 2, 2, lambda k: [
+        root / f"node{k}" / "src", root / f"node{k}" / "dst", "--target-dp", 2, "--target-ep", 1, "--node-local",
+        "--target-ranks-per-node", 1, "--memory-budget", "4K", "--quiet", "--result-json", result_path],
+        expect_files=[root / f"node{k}" / "dst" / "latest" for k in range(2)], timeout=300)
+    want = pinned["moe_z0_fp32-ep2w2-to-ep1-dp2"]  # ep 1: each rank loads expp_rank_0 and every expert
+    for k in range(2):
+        got = tree_hashes(root / f"node{k}" / "dst")
+        assert {name for name in got if name.startswith("global_step3/")} == \
+            {name for name in want if name.startswith("global_step3/")}, (k, sorted(got))
+        assert {name: got[name] for name in want if name in got} == \
+            {name: digest for name, digest in want.items() if name in got}, k
+        assert (root / f"node{k}" / "dst" / "latest").read_text() == "global_step3"
+    (result,) = json.loads(result_path.read_text())["checkpoints"]
+    assert result["rounds"] > 2 and result["nodes"] == 2, result
+    experts = sum(p.stat().st_size for p in (source / "global_step3").glob("layer_*_expert_*"))
+    assert result["plan_bytes_between_nodes"] > 0, result  # node 1's expp_rank_0 and model-states optimizer
+    assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + experts, (result, experts)
+    assert [tree_hashes(root / f"node{k}" / "src") for k in range(2)] == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
