@@ -1174,16 +1174,35 @@ def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, so
         assert 0 < read <= output, (read, output)
 
 
+def _zero0_files_loaded_on(names, node: int, dp: int, ep: int, per_node: int, experts: int = 4) -> set[str]:
+    """Of an output's `names`, those the target ranks of `node` load (engine.py `_load_checkpoint`,
+    `load_moe_state_dict`: rank r reads the model-states file, expp_rank_{r % ep} and EP rank r % ep's
+    experts), and `latest`."""
+    import re
+    eps = {rank % ep for rank in range(node * per_node, min(dp, (node + 1) * per_node))}
+    local = experts // ep
+
+    def loaded(name: str) -> bool:
+        if name in ("latest", "global_step3/mp_rank_00_model_states.pt"):
+            return True
+        if m := re.fullmatch(r"global_step3/expp_rank_(\d+)_mp_rank_00_optim_states\.pt", name):
+            return int(m[1]) in eps
+        m = re.fullmatch(r"global_step3/layer_\d+_expert_(\d+)_mp_rank_00_model_states\.pt", name)
+        return m is not None and int(m[1]) // local in eps
+    return {name for name in names if loaded(name)}
+
+
 @pytest.mark.e2e
 def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, tmp_path):
     """A ZeRO-0 MoE save (dp 2, ep 2) made on node 0's 2 ranks, where DeepSpeed puts every file of it
     (engine.py `_save_moe_checkpoint`: the expp_rank and expert files by global ranks 0 .. ep-1, the
-    model-states file by global rank 0; reshard.jobs.node_local_zero0), resharded node-local to ep 1,
-    dp 2 on 2 nodes x 2 workers, one target rank per node, under a 4 KiB budget (several rounds): each
-    node's output is byte for byte the collective job's pinned output (whose loads
-    test_zero0_moe_reshard_loads_exactly judges element for element) for the files its rank loads,
-    `latest` on both; what crossed between the nodes is the plan's bytes plus the expert files node 1
-    lacked, sent whole; the source is left as it was. (Before, the job was refused by name.)"""
+    model-states file by global rank 0; reshard.jobs.node_local_zero0), resharded node-local on 2 nodes x
+    2 workers under a 4 KiB budget (several rounds), to ep 1 / dp 2 (one target rank per node) and to
+    ep 4 / dp 4 (two per node): each node's output is exactly the files its ranks load, each byte for
+    byte the collective job's pinned output (whose loads test_zero0_moe_reshard_loads_exactly judges
+    element for element), `latest` on both; what crossed between the nodes is the plan's bytes plus the
+    expert files node 1 lacked, sent whole; the source is left as it was. (Before, main refused the job
+    by name: UnsupportedCheckpoint "node-local resharding of it is not supported yet".)"""
     import json
     import shutil
 
@@ -1195,24 +1214,26 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
     shutil.copytree(source, root / "node0" / "src")
     (root / "node1" / "src" / "global_step3").mkdir(parents=True)  # node 1 ran no rank of the save
     before = [tree_hashes(root / f"node{k}" / "src") for k in range(2)]
-    result_path = root / "result.json"
-    run_torchrun_nodes("reshard", 2, 2, lambda k: [
-        root / f"node{k}" / "src", root / f"node{k}" / "dst", "--target-dp", 2, "--target-ep", 1, "--node-local",
-        "--target-ranks-per-node", 1, "--memory-budget", "4K", "--quiet", "--result-json", result_path],
-        expect_files=[root / f"node{k}" / "dst" / "latest" for k in range(2)], timeout=300)
-    want = pinned["moe_z0_fp32-ep2w2-to-ep1-dp2"]  # ep 1: each rank loads expp_rank_0 and every expert
-    for k in range(2):
-        got = tree_hashes(root / f"node{k}" / "dst")
-        assert {name for name in got if name.startswith("global_step3/")} == \
-            {name for name in want if name.startswith("global_step3/")}, (k, sorted(got))
-        assert {name: got[name] for name in want if name in got} == \
-            {name: digest for name, digest in want.items() if name in got}, k
-        assert (root / f"node{k}" / "dst" / "latest").read_text() == "global_step3"
-    (result,) = json.loads(result_path.read_text())["checkpoints"]
-    assert result["rounds"] > 2 and result["nodes"] == 2, result
-    experts = sum(p.stat().st_size for p in (source / "global_step3").glob("layer_*_expert_*"))
-    assert result["plan_bytes_between_nodes"] > 0, result  # node 1's expp_rank_0 and model-states optimizer
-    assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + experts, (result, experts)
+    sizes = {p.name: p.stat().st_size for p in (source / "global_step3").iterdir()}
+    for dp, ep, per_node, pin in ((2, 1, 1, "moe_z0_fp32-ep2w2-to-ep1-dp2"), (4, 4, 2, "moe_z0_fp32-ep2w2-to-ep4-dp4")):
+        result_path, dst = root / f"result-{dp}-{ep}.json", f"dst-{dp}-{ep}"
+        run_torchrun_nodes("reshard", 2, 2, lambda k: [
+            root / f"node{k}" / "src", root / f"node{k}" / dst, "--target-dp", dp, "--target-ep", ep, "--node-local",
+            "--target-ranks-per-node", per_node, "--memory-budget", "4K", "--quiet", "--result-json", result_path],
+            expect_files=[root / f"node{k}" / dst / "latest" for k in range(2)], timeout=300)
+        want = pinned[pin]
+        for k in range(2):
+            got = tree_hashes(root / f"node{k}" / dst)
+            assert got == {name: want[name] for name in _zero0_files_loaded_on(want, k, dp, ep, per_node)}, (pin, k)
+            assert (root / f"node{k}" / dst / "latest").read_text() == "global_step3"
+        (result,) = json.loads(result_path.read_text())["checkpoints"]
+        assert result["rounds"] > 2 and result["nodes"] == 2, result
+        shipped = sum(sizes[name.removeprefix("global_step3/")]
+                      for name in _zero0_files_loaded_on(want, 1, dp, ep, per_node) if "_expert_" in name)
+        assert result["plan_bytes_between_nodes"] > 0, result  # node 1's optimizer files, from node 0's sources
+        assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + shipped, (result, shipped)
+        print(f"\n[node-local ZeRO-0 MoE {pin}] bytes between nodes {result['bytes_between_nodes']} = plan "
+              f"{result['plan_bytes_between_nodes']} + expert files {shipped}; {result['rounds']} rounds")
     assert [tree_hashes(root / f"node{k}" / "src") for k in range(2)] == before
 
 

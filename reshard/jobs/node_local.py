@@ -501,7 +501,8 @@ def inspect_zero0_on_nodes(opts, unit: Unit, transport, views: Sequence[WorkerVi
     needs = {node: z0.expert_files_of_node(source.num_experts, target.topology, node, ranks_per_node)
              for node in hosting}
     expert_files = [name for name in source.other_files if schema.expert_file_index(name) is not None]
-    ships = z0.zero0_ships(expert_files, seen, nodes, leaders, needs)
+    ships = z0.zero0_ships(expert_files, seen, nodes, leaders, needs, tag_dir)
+    names = {expp_file_name(e) for e in range(source_ep)} | {MODEL} | set(source.other_files)
     me, node = transport.rank, nodes[transport.rank]
     own_tag_dir = os.path.join(unit.source, unit.tag)
     kept = tuple(f for f in source.other_files if os.path.isfile(os.path.join(own_tag_dir, f))
@@ -509,7 +510,6 @@ def inspect_zero0_on_nodes(opts, unit: Unit, transport, views: Sequence[WorkerVi
     source = dataclasses.replace(
         source, save_dir=unit.source, other_files=kept,
         other_dirs=tuple(d for d in source.other_dirs if os.path.isdir(os.path.join(own_tag_dir, d))))
-    names = {expp_file_name(e) for e in range(source_ep)} | {MODEL} | set(expert_files) | set(source.other_files)
     identity = merged_identity(views, names)
     site = NodeSite(node=node, leader=leaders.get(node) == me, peers=tuple(w for w, n in enumerate(nodes) if n == node),
                     hosts_targets=node in hosting, ownership=ownership, identity=identity, model_states_ranks=None,

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from reshard.errors import UnsupportedCheckpoint
+from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.byte_io import hash_file, pread_exact, pwrite_exact
 from reshard.formats import deepspeed_schema as schema
 from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name
@@ -85,7 +85,7 @@ def expert_files_of_node(num_experts: Sequence[int], target: Topology, node: int
 
 
 def zero0_ships(expert_files: Sequence[str], seen: Sequence[frozenset[str]], worker_nodes: Sequence[int],
-                leaders: dict[int, int], needs: dict[int, set[str]]) -> tuple[tuple[str, int, int], ...]:
+                leaders: dict[int, int], needs: dict[int, set[str]], tag_dir: str) -> tuple[tuple[str, int, int], ...]:
     """(file, sending worker, receiving worker) for each expert file a node needs and none of its workers
     sees: sent by a worker that sees it (the one with the fewest sends so far), to the node's leader. Pure."""
     ships, load = [], [0] * len(seen)
@@ -94,7 +94,11 @@ def zero0_ships(expert_files: Sequence[str], seen: Sequence[frozenset[str]], wor
         for name in sorted(needs.get(node, set()) & set(expert_files)):
             if name in here:
                 continue
-            sender = min((w for w, s in enumerate(seen) if name in s), key=lambda w: (load[w], w))
+            able = [w for w, s in enumerate(seen) if name in s]
+            if not able:
+                raise CheckpointError(os.path.join(tag_dir, name), f"is on no node: no worker sees it, and the "
+                                                                   f"target ranks of node {node} load it")
+            sender = min(able, key=lambda w: (load[w], w))
             load[sender] += 1
             ships.append((name, sender, leader))
     return tuple(ships)
@@ -125,7 +129,7 @@ def ship_files(transport, ships, sizes: dict[str, int], source_tag_dir: str, sta
                     recv_counts[sender] = n
                 got = transport.all_to_all(send, send_counts, recv_counts)
                 if me == receiver and n:
-                    pwrite_exact(dst, memoryview(got[:n] if sender != receiver else send), offset)
+                    pwrite_exact(dst, memoryview(got[:n]), offset)
             if dst is not None:
                 os.fsync(dst)
         finally:
