@@ -32,7 +32,9 @@ shared destination: lock, staging, journal, manifest, publish, for its own DST.
 
 A PipelineModule save (some worker sees its layer files) takes the plan too, inspected column by
 column where its files are, its layer files tensors of the plan, a tp change included
-(reshard.jobs.node_local_columns, handed in by the caller as `pipeline_columns`).
+(reshard.jobs.node_local_columns, handed in by the caller as `pipeline_columns`). A ZeRO-0 MoE save
+takes the plan with each node's copies of the files its ranks load (`inspect_zero0_on_nodes`,
+reshard.jobs.node_local_zero0, which says where DeepSpeed puts those files).
 """
 from __future__ import annotations
 
