@@ -1199,8 +1199,9 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
     model-states file by global rank 0; reshard.jobs.node_local_zero0), resharded node-local on 2 nodes x
     2 workers under a 4 KiB budget (several rounds), to ep 1 / dp 2 (one target rank per node) and to
     ep 4 / dp 4 (two per node): each node's output is exactly the files its ranks load, each byte for
-    byte the collective job's pinned output (whose loads test_zero0_moe_reshard_loads_exactly judges
-    element for element), `latest` on both; what crossed between the nodes is the plan's bytes plus the
+    byte the collective job's pinned output (at ep 1 / dp 2 test_zero0_moe_reshard_loads_exactly judges
+    DeepSpeed's load of it element for element; the ep 4 pin round-trips to DeepSpeed's own bytes,
+    test_zero0_moe_output_bytes_are_pinned), `latest` on both; what crossed between the nodes is the plan's bytes plus the
     expert files node 1 lacked, sent whole; the source is left as it was. (Before, main refused the job
     by name: UnsupportedCheckpoint "node-local resharding of it is not supported yet".)"""
     import json
