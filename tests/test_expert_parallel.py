@@ -1201,14 +1201,18 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
     ep 4 / dp 4 (two per node): each node's output is exactly the files its ranks load, each byte for
     byte the collective job's pinned output (at ep 1 / dp 2 test_zero0_moe_reshard_loads_exactly judges
     DeepSpeed's load of it element for element; the ep 4 pin round-trips to DeepSpeed's own bytes,
-    test_zero0_moe_output_bytes_are_pinned), `latest` on both; what crossed between the nodes is the plan's bytes plus the
-    expert files node 1 lacked, sent whole; the source is left as it was. (Before, main refused the job
+    test_zero0_moe_output_bytes_are_pinned), `latest` on both; what crossed between the nodes is the plan's
+    bytes plus the expert files node 1 lacked, sent whole. The ep 4 job is first killed in round 5 (node
+    1's leader) and resumed by the same command, to the same bytes, the rounds done not sent again. The
+    source is left as it was. (Before, main refused the job
     by name: UnsupportedCheckpoint "node-local resharding of it is not supported yet".)"""
     import json
     import shutil
 
-    from reshard_proof.launch import run_torchrun_nodes
+    from reshard_proof.launch import launch_torchrun_nodes, run_torchrun_nodes
     from test_pipeline_pinned import tree_hashes
+
+    from reshard.jobs.manifest import JOURNAL_NAME
     _, pinned = _zero0_pins()
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
     root = tmp_path
@@ -1218,10 +1222,21 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
     sizes = {p.name: p.stat().st_size for p in (source / "global_step3").iterdir()}
     for dp, ep, per_node, pin in ((2, 1, 1, "moe_z0_fp32-ep2w2-to-ep1-dp2"), (4, 4, 2, "moe_z0_fp32-ep2w2-to-ep4-dp4")):
         result_path, dst = root / f"result-{dp}-{ep}.json", f"dst-{dp}-{ep}"
-        run_torchrun_nodes("reshard", 2, 2, lambda k: [
-            root / f"node{k}" / "src", root / f"node{k}" / dst, "--target-dp", dp, "--target-ep", ep, "--node-local",
-            "--target-ranks-per-node", per_node, "--memory-budget", "4K", "--quiet", "--result-json", result_path],
-            expect_files=[root / f"node{k}" / dst / "latest" for k in range(2)], timeout=300)
+        resumed = ep == 4
+
+        def args(k):
+            return [root / f"node{k}" / "src", root / f"node{k}" / dst, "--target-dp", dp, "--target-ep", ep,
+                    "--node-local", "--target-ranks-per-node", per_node, "--memory-budget", "4K", "--durable-every",
+                    "1K", "--timeout", "30", "--quiet", "--result-json", result_path]
+        if resumed:
+            codes, _ = launch_torchrun_nodes("reshard", 2, 2, args, env={"RESHARD_FAILPOINTS": "kill@round=5,worker=2"},
+                                             timeout=240)
+            assert all(code not in (0, None) for code in codes), codes
+            for k in range(2):
+                assert not (root / f"node{k}" / dst / "latest").exists()
+                assert list((root / f"node{k}" / dst).glob(f".reshard-staging/*/{JOURNAL_NAME}")), k
+        run_torchrun_nodes("reshard", 2, 2, args, expect_files=[root / f"node{k}" / dst / "latest" for k in range(2)],
+                           timeout=300)
         want = pinned[pin]
         for k in range(2):
             got = tree_hashes(root / f"node{k}" / dst)
@@ -1232,9 +1247,13 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
         shipped = sum(sizes[name.removeprefix("global_step3/")]
                       for name in _zero0_files_loaded_on(want, 1, dp, ep, per_node) if "_expert_" in name)
         assert result["plan_bytes_between_nodes"] > 0, result  # node 1's optimizer files, from node 0's sources
-        assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + shipped, (result, shipped)
-        print(f"\n[node-local ZeRO-0 MoE {pin}] bytes between nodes {result['bytes_between_nodes']} = plan "
-              f"{result['plan_bytes_between_nodes']} + expert files {shipped}; {result['rounds']} rounds")
+        if resumed:  # the rounds done before the kill are not sent again; the expert files are, whole
+            assert shipped <= result["bytes_between_nodes"] < result["plan_bytes_between_nodes"] + shipped, result
+        else:
+            assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + shipped, (result, shipped)
+        print(f"\n[node-local ZeRO-0 MoE {pin}] bytes between nodes {result['bytes_between_nodes']}"
+              f"{' (resumed)' if resumed else ''}; plan {result['plan_bytes_between_nodes']} + expert files {shipped}; "
+              f"{result['rounds']} rounds")
     assert [tree_hashes(root / f"node{k}" / "src") for k in range(2)] == before
 
 
