@@ -398,7 +398,7 @@ MOE_NEEDS = {
     "test_zero0_moe_killed_mid_rounds_under_torchrun_resumes_to_the_pinned_bytes": (("moe_z0_fp32", 2, 2),),
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
     "test_moe_array_tasks_publish_the_collective_output": (),
-    "test_zero0_moe_node_local_is_refused_by_name": (("moe_z0_fp32", 2, 2),),
+    "test_zero0_moe_node_local_writes_each_node_what_its_ranks_load": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1174,24 +1174,87 @@ def test_moe_array_tasks_publish_the_collective_output(moe_trained, tmp_path, so
         assert 0 < read <= output, (read, output)
 
 
+def _zero0_files_loaded_on(names, node: int, dp: int, ep: int, per_node: int, experts: int = 4) -> set[str]:
+    """Of an output's `names`, those the target ranks of `node` load (engine.py `_load_checkpoint`,
+    `load_moe_state_dict`: rank r reads the model-states file, expp_rank_{r % ep} and EP rank r % ep's
+    experts), and `latest`."""
+    import re
+    eps = {rank % ep for rank in range(node * per_node, min(dp, (node + 1) * per_node))}
+    local = experts // ep
+
+    def loaded(name: str) -> bool:
+        if name in ("latest", "global_step3/mp_rank_00_model_states.pt"):
+            return True
+        if m := re.fullmatch(r"global_step3/expp_rank_(\d+)_mp_rank_00_optim_states\.pt", name):
+            return int(m[1]) in eps
+        m = re.fullmatch(r"global_step3/layer_\d+_expert_(\d+)_mp_rank_00_model_states\.pt", name)
+        return m is not None and int(m[1]) // local in eps
+    return {name for name in names if loaded(name)}
+
+
 @pytest.mark.e2e
-def test_zero0_moe_node_local_is_refused_by_name(moe_trained, tmp_path, monkeypatch):
-    """What stays refused: a node-local reshard of a ZeRO-0 MoE save (one simulated node holding every
-    file, the job in this process) is refused naming the tag directory and the layout, before anything
-    is written; the source is left as it was. (Before, it failed saying no worker saw source rank 0's
-    optim-states file, as if files were missing.)"""
+def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, tmp_path):
+    """A ZeRO-0 MoE save (dp 2, ep 2) made on node 0's 2 ranks, where DeepSpeed puts every file of it
+    (engine.py `_save_moe_checkpoint`: the expp_rank and expert files by global ranks 0 .. ep-1, the
+    model-states file by global rank 0; reshard.jobs.node_local_zero0), resharded node-local on 2 nodes x
+    2 workers under a 4 KiB budget (several rounds), to ep 1 / dp 2 (one target rank per node) and to
+    ep 4 / dp 4 (two per node): each node's output is exactly the files its ranks load, each byte for
+    byte the collective job's pinned output (at ep 1 / dp 2 test_zero0_moe_reshard_loads_exactly judges
+    DeepSpeed's load of it element for element; the ep 4 pin round-trips to DeepSpeed's own bytes,
+    test_zero0_moe_output_bytes_are_pinned), `latest` on both; what crossed between the nodes is the plan's
+    bytes plus the expert files node 1 lacked, sent whole. The ep 4 job is first killed in round 5 (node
+    1's leader) and resumed by the same command, to the same bytes, the rounds done not sent again. The
+    source is left as it was. (Before, main refused the job
+    by name: UnsupportedCheckpoint "node-local resharding of it is not supported yet".)"""
+    import json
+    import shutil
+
+    from reshard_proof.launch import launch_torchrun_nodes, run_torchrun_nodes
     from test_pipeline_pinned import tree_hashes
 
-    from reshard.jobs.collective_job import reshard_checkpoint
+    from reshard.jobs.manifest import JOURNAL_NAME
+    _, pinned = _zero0_pins()
     source, _ = moe_trained("moe_z0_fp32", 2, 2)
-    before = tree_hashes(source)
-    monkeypatch.setenv("RESHARD_NODE_RANK", "0")
-    with pytest.raises(UnsupportedCheckpoint, match="is a ZeRO-0 MoE checkpoint .*node-local resharding of it is "
-                                                    "not supported yet") as error:
-        reshard_checkpoint(str(source), str(tmp_path / "out"), 2, target_ep=1, node_local=True,
-                           target_ranks_per_node=2, quiet=True)
-    assert str(source / "global_step3") in str(error.value)
-    assert not (tmp_path / "out").exists() and tree_hashes(source) == before
+    root = tmp_path
+    shutil.copytree(source, root / "node0" / "src")
+    (root / "node1" / "src" / "global_step3").mkdir(parents=True)  # node 1 ran no rank of the save
+    before = [tree_hashes(root / f"node{k}" / "src") for k in range(2)]
+    sizes = {p.name: p.stat().st_size for p in (source / "global_step3").iterdir()}
+    for dp, ep, per_node, pin in ((2, 1, 1, "moe_z0_fp32-ep2w2-to-ep1-dp2"), (4, 4, 2, "moe_z0_fp32-ep2w2-to-ep4-dp4")):
+        result_path, dst = root / f"result-{dp}-{ep}.json", f"dst-{dp}-{ep}"
+        resumed = ep == 4
+
+        def args(k):
+            return [root / f"node{k}" / "src", root / f"node{k}" / dst, "--target-dp", dp, "--target-ep", ep,
+                    "--node-local", "--target-ranks-per-node", per_node, "--memory-budget", "4K", "--durable-every",
+                    "1K", "--timeout", "30", "--quiet", "--result-json", result_path]
+        if resumed:
+            codes, _ = launch_torchrun_nodes("reshard", 2, 2, args, env={"RESHARD_FAILPOINTS": "kill@round=5,worker=2"},
+                                             timeout=240)
+            assert all(code not in (0, None) for code in codes), codes
+            for k in range(2):
+                assert not (root / f"node{k}" / dst / "latest").exists()
+                assert list((root / f"node{k}" / dst).glob(f".reshard-staging/*/{JOURNAL_NAME}")), k
+        run_torchrun_nodes("reshard", 2, 2, args, expect_files=[root / f"node{k}" / dst / "latest" for k in range(2)],
+                           timeout=300)
+        want = pinned[pin]
+        for k in range(2):
+            got = tree_hashes(root / f"node{k}" / dst)
+            assert got == {name: want[name] for name in _zero0_files_loaded_on(want, k, dp, ep, per_node)}, (pin, k)
+            assert (root / f"node{k}" / dst / "latest").read_text() == "global_step3"
+        (result,) = json.loads(result_path.read_text())["checkpoints"]
+        assert result["rounds"] > 2 and result["nodes"] == 2, result
+        shipped = sum(sizes[name.removeprefix("global_step3/")]
+                      for name in _zero0_files_loaded_on(want, 1, dp, ep, per_node) if "_expert_" in name)
+        assert result["plan_bytes_between_nodes"] > 0, result  # node 1's optimizer files, from node 0's sources
+        if resumed:  # the rounds done before the kill are not sent again; the expert files are, whole
+            assert shipped <= result["bytes_between_nodes"] < result["plan_bytes_between_nodes"] + shipped, result
+        else:
+            assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] + shipped, (result, shipped)
+        print(f"\n[node-local ZeRO-0 MoE {pin}] bytes between nodes {result['bytes_between_nodes']}"
+              f"{' (resumed)' if resumed else ''}; plan {result['plan_bytes_between_nodes']} + expert files {shipped}; "
+              f"{result['rounds']} rounds")
+    assert [tree_hashes(root / f"node{k}" / "src") for k in range(2)] == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:

@@ -87,6 +87,59 @@ def test_the_model_states_file_goes_where_the_placement_says(tmp_path):
     assert [f.name for f in with_model_states_on(target_files, {1})(source, target, 0)] == [optim(0)]
 
 
+def zero0_save_files(ep: int, experts: int = 4, layers: int = 2) -> dict[int, set[str]]:
+    """Global rank -> the files DeepSpeed 0.19.8 writes there for a ZeRO-0 MoE save (engine.py
+    `_save_moe_checkpoint`: expert-data-parallel rank 0 of each EP rank, i.e. global rank e, writes
+    expp_rank_e and its experts' files; dp rank 0 the model-states file), whatever the node-local flag."""
+    local = experts // ep
+    files = {e: {f"expp_rank_{e}_mp_rank_00_optim_states.pt"}
+             | {f"layer_{L}_expert_{g}_mp_rank_00_model_states.pt" for L in range(layers)
+                for g in range(e * local, (e + 1) * local)} for e in range(ep)}
+    files[0].add("mp_rank_00_model_states.pt")
+    return files
+
+
+def test_a_zero0_moe_save_is_inspected_where_all_its_files_are_or_refused_by_name():
+    """Saved on one node of 2 ranks (ep 2), every file is on node 0, and node 0's first worker
+    inspects; saved on 2 nodes of 1 rank, EP rank 1's files are on node 1 only: refused, naming the tag
+    directory and a file, before anything is read (no worker sees all of them together)."""
+    from reshard.errors import UnsupportedCheckpoint
+    from reshard.jobs.node_local_zero0 import zero0_inspector
+    files = zero0_save_files(2)
+    on_one_node = files[0] | files[1]
+    assert zero0_inspector([frozenset(), on_one_node, on_one_node, frozenset()], "/ckpt/tag") == 1
+    with pytest.raises(UnsupportedCheckpoint, match=r"^/ckpt/tag: is a ZeRO-0 MoE checkpoint whose files lie on "
+                                                    r"several nodes \(expp_rank_1_mp_rank_00_optim_states\.pt"):
+        zero0_inspector([frozenset(files[0]), frozenset(files[0]), frozenset(files[1]), frozenset(files[1])],
+                        "/ckpt/tag")
+
+
+def test_each_node_gets_the_zero0_moe_files_its_ranks_load():
+    """Target rank r loads expp_rank_{r % ep}, the model-states file and its EP rank's experts
+    (engine.py `_load_checkpoint`, `load_moe_state_dict`): the plan's target ranks are those files once
+    per node, written by that node's workers; the expert files a node lacks are sent from a worker
+    that sees them to the node's leader."""
+    from reshard.jobs.node_local_zero0 import expert_files_of_node, zero0_copies, zero0_ships
+    from reshard.topology import Topology
+    target = Topology(dp=4, ep=4)
+    copies, nodes = zero0_copies(target, 2)  # node 0: ranks 0, 1 (EP 0, 1); node 1: ranks 2, 3 (EP 2, 3)
+    assert (copies, nodes) == ((0, 1, 4, 2, 3, 4), (0, 0, 0, 1, 1, 1))
+    assert zero0_copies(Topology(dp=2, ep=1), 1) == ((0, 1, 0, 1), (0, 0, 1, 1))
+    needs = {node: expert_files_of_node((4, 4), target, node, 2) for node in (0, 1)}
+    assert needs[1] == {f"layer_{L}_expert_{g}_mp_rank_00_model_states.pt" for L in (0, 1) for g in (2, 3)}
+    saved = zero0_save_files(2)
+    seen = [frozenset(saved[0] | saved[1])] * 2 + [frozenset()] * 2  # saved on node 0's 2 ranks
+    own = node_local_ownership([[f"expp_rank_{e}_mp_rank_00_optim_states.pt"] for e in range(2)], seen,
+                               [0, 0, 1, 1], len(copies), 2, "/ckpt/tag", target_nodes=nodes)
+    assert own.reader_table == (0, 1) and own.writer_table == (0, 0, 1, 2, 2, 3)
+    experts = sorted(n for n in seen[0] if n.startswith("layer_"))
+    ships = zero0_ships(experts, seen, [0, 0, 1, 1], {0: 0, 1: 2}, needs, "/ckpt/tag")
+    assert sorted(name for name, _, _ in ships) == sorted(needs[1]) and {r for _, _, r in ships} == {2}
+    assert {s for _, s, _ in ships} == {0, 1}  # spread over the workers that see them
+    with pytest.raises(CheckpointError, match="layer_0_expert_2_mp_rank_00_model_states.pt: is on no node"):
+        zero0_ships(experts, [frozenset(saved[0])] * 4, [0, 0, 1, 1], {0: 0, 1: 2}, needs, "/ckpt/tag")
+
+
 def test_tag_model_writers_and_leaders():
     views = [WorkerView(0, "global_step3"), WorkerView(1, None)]
     assert agreed_tag(views, None, "/ckpt") == "global_step3"

@@ -566,9 +566,14 @@ def zero0_output_slots(output: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
 class Zero0Moe:
     """The target form of a ZeRO-0 MoE save (a reshard.formats.stage_change.ZeroStageTarget): stage 0
     kept, planned by planning/checkpoint_plan.plan_zero0_moe, its files `zero0_target_files`, its source
-    slots `zero0_source_slots` (the ZeRO partition checks find none at stage 0)."""
+    slots `zero0_source_slots` (the ZeRO partition checks find none at stage 0).
+
+    `copies`: which target file each target rank writes (rank t: file `copies[t]`, t < ep an `expp_rank_{t}`,
+    t == ep the model-states file), where a job writes a file more than once (a node-local job: once per
+    node that loads it, reshard.jobs.node_local); None: rank t writes file t, each once."""
 
     trust_pickle: bool = False
+    copies: tuple[int, ...] | None = None
     stage = 0
     changed_to = None
 
@@ -577,14 +582,14 @@ class Zero0Moe:
         """Every space from its piece tables (plan_zero0_moe), whatever `tabulated` asks: an array task
         restricts it to its files by them."""
         from reshard.planning.checkpoint_plan import plan_zero0_moe
-        return plan_zero0_moe(source.spec, target, workers, budget_bytes, ownership)
+        return plan_zero0_moe(source.spec, target, workers, budget_bytes, ownership, self.copies)
 
     def notes(self, spec) -> list[str]:
         return ["whole tensors per parameter (no ZeRO partitions), each parameter's states a buffer of their own; "
                 "the model-states file holds EP rank 0's optimizer again"]
 
     def files(self, source: Zero0MoeCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
-        return zero0_target_files(source, target, rank)
+        return zero0_target_files(source, target, rank if self.copies is None else self.copies[rank])
 
     def source_slots(self, source: Zero0MoeCheckpoint, rank: int, found: dict) -> dict:
         return zero0_source_slots(source, rank, self.trust_pickle)

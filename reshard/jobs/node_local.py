@@ -32,7 +32,9 @@ shared destination: lock, staging, journal, manifest, publish, for its own DST.
 
 A PipelineModule save (some worker sees its layer files) takes the plan too, inspected column by
 column where its files are, its layer files tensors of the plan, a tp change included
-(reshard.jobs.node_local_columns, handed in by the caller as `pipeline_columns`).
+(reshard.jobs.node_local_columns, handed in by the caller as `pipeline_columns`). A ZeRO-0 MoE save
+takes the plan with each node's copies of the files its ranks load (`inspect_zero0_on_nodes`,
+reshard.jobs.node_local_zero0, which says where DeepSpeed puts those files).
 """
 from __future__ import annotations
 
@@ -197,14 +199,17 @@ def node_leaders(worker_nodes: Sequence[int], target_ranks: int, ranks_per_node:
 
 
 def node_local_ownership(needed: Sequence[Sequence[str]], seen: Sequence[frozenset[str]], worker_nodes: Sequence[int],
-                         target_ranks: int, ranks_per_node: int, tag_dir: str) -> Ownership:
+                         target_ranks: int, ranks_per_node: int, tag_dir: str,
+                         target_nodes: Sequence[int] | None = None) -> Ownership:
     """Readers from what each worker sees, writers from the node of each target rank. Pure.
 
     `needed[r]`: the file names source rank r is read from; `seen[w]`: the names worker w sees.
     Each source rank goes to a worker that sees all of its files (the one with the fewest ranks so
     far, then the lowest), so a file seen on several nodes is read once. Target rank r goes to the
-    workers of node r // G in contiguous blocks. Raises CheckpointError naming a file no worker sees,
-    OptionError when a node that hosts target ranks has no worker.
+    workers of node r // G in contiguous blocks (`target_nodes[r]` instead, where the plan's target
+    ranks are not DeepSpeed's: a ZeRO-0 MoE save's files, reshard.jobs.node_local_zero0). Raises
+    CheckpointError naming a file no worker sees, OptionError when a node that hosts target ranks has
+    no worker.
     """
     workers = len(seen)
     readers, load = [], [0] * workers
@@ -225,18 +230,20 @@ def node_local_ownership(needed: Sequence[Sequence[str]], seen: Sequence[frozens
     on_node: dict[int, list[int]] = {}
     for worker, node in enumerate(worker_nodes):
         on_node.setdefault(node, []).append(worker)
-    writers = []
-    for rank in range(target_ranks):
-        node = target_node(rank, ranks_per_node)
+    nodes_of = [target_node(rank, ranks_per_node) for rank in range(target_ranks)] if target_nodes is None \
+        else list(target_nodes)
+    count, placed, writers = {}, {}, []
+    for node in nodes_of:
+        count[node] = count.get(node, 0) + 1
+    for rank, node in enumerate(nodes_of):
         local = on_node.get(node)
         if not local:
-            nodes = target_node(target_ranks - 1, ranks_per_node) + 1
+            nodes = max(nodes_of) + 1
             raise OptionError(f"--node-local: target rank {rank} runs on node {node} (--target-ranks-per-node "
                               f"{ranks_per_node}), but no worker runs there (workers run on nodes "
                               f"{sorted(on_node)}); start the job on nodes 0..{nodes - 1}")
-        first = node * ranks_per_node
-        count = min(ranks_per_node, target_ranks - first)
-        writers.append(local[(rank - first) * len(local) // count])
+        index = placed[node] = placed.get(node, -1) + 1  # this rank's place among its node's
+        writers.append(local[index * len(local) // count[node]])
     return Ownership.from_tables(readers, writers, workers)
 
 
@@ -260,6 +267,10 @@ class NodeSite:
     needed_bytes: int
     """About how many bytes this node's output takes (the free-space check)."""
     ranks_per_node: int
+    ships: tuple = ()
+    """(file, sending worker, receiving worker): whole files a node needs and does not hold, sent in
+    chunks of `chunk_bytes` (a ZeRO-0 MoE save's expert files, reshard.jobs.node_local_zero0)."""
+    chunk_bytes: int = 1 << 20
 
     @property
     def placement(self) -> dict:
@@ -281,7 +292,12 @@ class NodeSite:
         return with_model_states_on(zero.files, self.model_states_ranks)
 
     def copy_share(self, source, start, staging, transport) -> dict:
-        return {}  # the leader copies its node's whole files (`leader_copies`): other nodes' workers cannot
+        # the leader copies its node's whole files (`leader_copies`); those it needs from another node come here
+        if not self.ships:
+            return {}
+        from reshard.jobs.node_local_zero0 import ship_files
+        sizes = {name: self.identity[name]["bytes"] for name, _, _ in self.ships}
+        return ship_files(transport, self.ships, sizes, source.tag_dir, staging.tag_dir, self.chunk_bytes)
 
     def leader_copies(self, source) -> tuple[str, ...]:
         return source.other_files  # those this node holds (`prepare_unit`)
@@ -421,9 +437,7 @@ class NodeLocal:
         """(source, target, carried, notes, NodeSite): inspected, and the target worked out, by a worker
         that sees rank 0's files; no save-directory files are carried (each node's DST keeps its own)."""
         if any(is_expp_file(name) for view in self.views for name in view.files):  # every worker alike
-            raise UnsupportedCheckpoint(os.path.join(unit.source, unit.tag), "is a ZeRO-0 MoE checkpoint (expp_rank_* "
-                                        "optimizer files); node-local resharding of it is not supported yet: run "
-                                        "the job on a file system every worker sees")
+            return inspect_zero0_on_nodes(opts, unit, transport, self.views)
         if self.is_pipeline():  # the same views on every worker: the same choice
             return self.pipeline_columns.inspect(opts, unit, transport, self.views)
         roles = [schema.classify(name) for name in self.views[transport.rank].files]
@@ -449,3 +463,60 @@ class NodeLocal:
             failure = error
         check_peers(transport, failure, "reading this node's model-states file")
         return source, target, [], notes, site
+
+
+def inspect_zero0_on_nodes(opts, unit: Unit, transport, views: Sequence[WorkerView]) -> tuple:
+    """(source, target, carried, notes, NodeSite) of a ZeRO-0 MoE save (reshard.jobs.node_local_zero0):
+    inspected on a worker that sees every file of it, the plan's target ranks each node's copies of the
+    files its ranks load, each source EP rank read where its file is, the expert files a node lacks
+    sent to it whole, the model-states file's module weights carried where a node lacks that file."""
+    import dataclasses
+
+    from reshard.formats.deepspeed_inspect import read_carried
+    from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name, inspect_zero0_moe_checkpoint
+    from reshard.formats.torch_archive import TensorRef, refs_in
+    from reshard.jobs import node_local_zero0 as z0
+    from reshard.transport.collective import on_worker
+    tag_dir = os.path.join(unit.source, unit.tag)
+    seen, nodes = [v.files for v in views], [v.node for v in views]
+    ranks_per_node = opts.target_ranks_per_node
+    first = z0.zero0_inspector(seen, tag_dir)
+    hosting = range(target_node(opts.target_dp - 1, ranks_per_node) + 1)
+    lacking = any(not any(MODEL in v.files for v in views if v.node == node) for node in hosting)
+
+    def inspect():
+        source = inspect_zero0_moe_checkpoint(unit.source, unit.tag, trust_pickle=opts.trust_pickle)
+        if lacking and not opts.dry_run:  # a node without the model-states file writes it from these bytes
+            optimizer = [ref for ref in refs_in(source.model_template.get("optimizer")) if isinstance(ref, TensorRef)]
+            source = dataclasses.replace(source, carried={MODEL: read_carried(source.model_path(), source.model_template,
+                                                                              optimizer)})
+        target = checkpoint_target(opts, source)
+        return source, (target, preflight(opts, source, target.topology, []))
+
+    source, (target, notes) = on_worker(transport, first, inspect)
+    copies, copy_nodes = z0.zero0_copies(target.topology, ranks_per_node)
+    target = dataclasses.replace(target, zero=dataclasses.replace(target.zero, copies=copies))
+    source_ep = source.spec.topology.ep
+    ownership = node_local_ownership([[expp_file_name(e)] for e in range(source_ep)], seen, nodes, len(copies),
+                                     ranks_per_node, tag_dir, target_nodes=copy_nodes)
+    leaders = node_leaders(nodes, target.topology.dp, ranks_per_node)
+    needs = {node: z0.expert_files_of_node(source.num_experts, target.topology, node, ranks_per_node)
+             for node in hosting}
+    expert_files = [name for name in source.other_files if schema.expert_file_index(name) is not None]
+    ships = z0.zero0_ships(expert_files, seen, nodes, leaders, needs, tag_dir)
+    names = {expp_file_name(e) for e in range(source_ep)} | {MODEL} | set(source.other_files)
+    me, node = transport.rank, nodes[transport.rank]
+    own_tag_dir = os.path.join(unit.source, unit.tag)
+    kept = tuple(f for f in source.other_files if os.path.isfile(os.path.join(own_tag_dir, f))
+                 and (f not in expert_files or f in needs.get(node, set())))  # a node keeps what its ranks load
+    source = dataclasses.replace(
+        source, save_dir=unit.source, other_files=kept,
+        other_dirs=tuple(d for d in source.other_dirs if os.path.isdir(os.path.join(own_tag_dir, d))))
+    identity = merged_identity(views, names)
+    site = NodeSite(node=node, leader=leaders.get(node) == me, peers=tuple(w for w, n in enumerate(nodes) if n == node),
+                    hosts_targets=node in hosting, ownership=ownership, identity=identity, model_states_ranks=None,
+                    needed_bytes=z0.zero0_output_bytes(identity, copies, copy_nodes, node, source_ep,
+                                                       target.topology.ep, needs.get(node, set())),
+                    ranks_per_node=ranks_per_node, ships=ships,
+                    chunk_bytes=max(4096, opts.memory_budget // 4))
+    return source, target, [], notes, site

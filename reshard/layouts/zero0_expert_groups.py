@@ -166,8 +166,8 @@ def target_places(orders: Sequence[GroupOrder | None], group_lengths: Sequence[i
 
 
 def zero0_pieces(numels: Sequence[Sequence[Sequence[int]]], orders: Sequence[GroupOrder | None],
-                 group_lengths: Sequence[int], source_ep: int, target_ep: int
-                 ) -> tuple[PieceTable, PieceTable, tuple[int, ...]]:
+                 group_lengths: Sequence[int], source_ep: int, target_ep: int,
+                 copies: Sequence[int] | None = None) -> tuple[PieceTable, PieceTable, tuple[int, ...]]:
     """(source pieces, target pieces, per target buffer its most elements) of one space of a ZeRO-0
     MoE save resharded from `source_ep` to `target_ep` EP ranks (docs/architecture.md, "One road").
 
@@ -182,13 +182,18 @@ def zero0_pieces(numels: Sequence[Sequence[Sequence[int]]], orders: Sequence[Gro
     optimizer (engine.py `_common_checkpoint_state`), so each of its pieces is a replicated piece of
     rank 0's. The space is every target buffer in order, each followed by its copies on the other
     target ranks, so that a dense parameter's copies (one per target rank, all read from source EP
-    rank 0) fall at one buffer position and are read once per round (transport/read_once.py)."""
+    rank 0) fall at one buffer position and are read once per round (transport/read_once.py).
+
+    `copies`: which of those target files each target rank writes (default: rank t file t), for a job
+    that writes a file more than once, as a node-local job writes the files of every node that loads
+    them (reshard.jobs.node_local): a copy is one more replicated piece at the same buffer position."""
     group_base = [0]
     for length in group_lengths:
         group_base.append(group_base[-1] + length)
-    ranks = target_ep + 1
-    places = [target_places(orders, group_lengths, source_ep, target_ep, t if t < target_ep else 0)
-              for t in range(ranks)]
+    files = list(range(target_ep + 1)) if copies is None else list(copies)
+    ranks = len(files)
+    places = [target_places(orders, group_lengths, source_ep, target_ep, f if f < target_ep else 0)
+              for f in files]
     count = len(places[0])
     sizes = [0] * count
     start, src_rank, src_buffer, dst_rank, dst_buffer = [], [], [], [], []

@@ -119,27 +119,32 @@ class PipelineSave:
 class Zero0ExpertSave:
     """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec, stage 0): whole parameters, one
     buffer each, in its `spaces` (`plan_zero0_moe`). Source ranks are its EP ranks, target ranks the
-    target's plus the model-states file's copy of EP rank 0's optimizer."""
+    target's plus the model-states file's copy of EP rank 0's optimizer; or, with `copies`, target rank t
+    writes file `copies[t]` of those (a node-local job: every node's copy of the files its ranks load)."""
 
     spec: object
+    copies: tuple[int, ...] | None = None
 
     @staticmethod
     def holds(spec) -> bool:
         return getattr(spec, "stage", None) == 0
 
+    def target_ranks(self, target: Topology) -> int:
+        return target.ep + 1 if self.copies is None else len(self.copies)
+
     def ownership(self, target: Topology, workers: int) -> Ownership:
-        return Ownership(self.spec.topology.ep, target.ep + 1, workers)
+        return Ownership(self.spec.topology.ep, self.target_ranks(target), workers)
 
     def spaces(self, target: Topology, ownership: Ownership, budget_bytes: int, tabulated: bool = False
                ) -> tuple:
         spec, spaces, offset = self.spec, [], 0
         for space in spec.spaces:
             old, new, sizes = zero0_pieces(space.numels, spec.orders, spec.group_lengths, spec.topology.ep,
-                                           target.ep)
+                                           target.ep, self.copies)
             # a dense parameter's states go from one reader to every target rank at one buffer position:
             # windows sized for that reader's sends keep its copies in one round, so they are read once
             spaces.append(plan_space(space.name, old, new, space.streams, sizes, ownership, budget_bytes,
-                                     round_offset=offset, receiving_ranks=target.ep + 1))
+                                     round_offset=offset, receiving_ranks=self.target_ranks(target)))
             offset += spaces[-1].rounds
         return tuple(spaces)
 
@@ -622,11 +627,11 @@ def pipeline_stage_change_pieces(source_columns, target_columns, source: Topolog
 
 
 def plan_zero0_moe(spec, target: Topology, workers: int, budget_bytes: int,
-                   ownership: Ownership | None = None) -> ReshardPlan:
+                   ownership: Ownership | None = None, copies: tuple[int, ...] | None = None) -> ReshardPlan:
     """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec) at `target`'s ep: one space per
     kind of per-parameter tensor (`spec.spaces`: states, 0-d states, fp32 masters), each parameter a
     whole buffer (layouts/zero0_expert_groups.zero0_pieces); the plan its layout gives
     (`Zero0ExpertSave`). Source ranks are the source's EP ranks (their `expp_rank_{e}` files), target
     ranks the target's plus one for the model-states file's copy of EP rank 0's optimizer; dp does not
-    place anything at stage 0."""
-    return plan_layout(Zero0ExpertSave(spec), target, workers, budget_bytes, ownership=ownership)
+    place anything at stage 0. `copies`: `Zero0ExpertSave.copies`."""
+    return plan_layout(Zero0ExpertSave(spec, copies), target, workers, budget_bytes, ownership=ownership)
