@@ -67,11 +67,14 @@ AUTOTP_FUSED = "fused_z2_fp16_tp2_dp1"
 fp16 at (2, 1): its truth records no Adam step or loss scaler (fp16 skips steps), so it is compared in this
 process, element by element, not judged in FSDP2."""
 MOE_CASES = {"moe_z2_fp32": ("moe_z2_fp32", 2, 2), "moe_bf16_optimizer": ("moe_bf16_optimizer", 2, 2),
-             "autoep_z2_fp32": ("autoep_z2_fp32", 2, 2), "autoep_bf16_optimizer": ("autoep_bf16_optimizer", 2, 2)}
+             "autoep_z2_fp32": ("autoep_z2_fp32", 2, 2), "autoep_bf16_optimizer": ("autoep_bf16_optimizer", 2, 2),
+             "autoep_z3_fp32": ("autoep_z3_fp32", 2, 4)}
 """Mixture-of-experts saves at (ep, world) (2, 2) (reshard_proof.moe_run: 2 MoE layers of 4 experts), ZeRO-2 fp32
 and BF16_Optimizer each: native DeepSpeed MoE (four param groups), judged in `MoEProofModel(ep=1)`, and AutoEP
-(three), judged in the AutoEP model built at autoep_size 1 (`moe_model.autoep_model_at_ep_1`). conftest
-`moe_sources`: the sources tests/test_expert_parallel.py reshards, trained in its launch at (2, 2) when both run."""
+(three), judged in the AutoEP model built at autoep_size 1 (`moe_model.autoep_model_at_ep_1`); and AutoEP at
+ZeRO-3, (2, 4), its experts in the ZeRO-3 partitions of their expert-DP groups (no expert files). conftest
+`moe_sources`: the sources tests/test_expert_parallel.py reshards, trained in its launches at (2, 2) and (2, 4)
+when both run."""
 SWAPPED_EXPERTS = tuple(f"moe.0.deepspeed_moe.experts.deepspeed_experts.{i}." for i in (1, 2))
 WORLD_SIZES = (1, 2, 3)
 CHUNK_BYTES = 64
@@ -237,7 +240,9 @@ def test_fsdp2_loads_an_moe_export_as_the_model_at_ep_1_and_steps_as_deepspeed(v
     # builds at autoep_size 1 holds them. FSDP2 at m ranks loads every master, moment, step and the param groups'
     # hyperparameters (the expert groups' own, `moe` and DeepSpeed's `ep_size_2` name included) equal to the
     # engine's, the .metadata's keys, sizes and paths those of torch's own dcp.save, one more AdamW step bit for
-    # bit. On main: refused, exit 2 ("is a mixture-of-experts checkpoint").
+    # bit. On main: refused, exit 2 ("is a mixture-of-experts checkpoint"); AutoEP at ZeRO-3 (autoep_z3_fp32, ep 2
+    # at world 4, experts in the ZeRO-3 partitions) refused until moedcp3 ("is a ZeRO-3 mixture-of-experts
+    # checkpoint").
     verdict = verdicts[(case, m)]
     assert verdict["world_size"] == m
     assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])

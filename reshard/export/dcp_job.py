@@ -13,7 +13,7 @@
 
 Steps, and which workers run them (the skeleton of every export, `reshard.export.runner`):
 1. worker 0 inspects the source, refuses what does not map to torch AdamW (`dcp_optimizer`) or is not
-   served yet (ZeRO-3 MoE, AutoEP folded with AutoTP), and works out the param groups and steps; every
+   served yet (AutoEP folded with AutoTP, ZeRO-0 MoE), and works out the param groups and steps; every
    worker receives them (a PipelineModule save and an AutoTP save export each parameter once and whole,
    joined over its model axis or TP ranks by the plan; an MoE save, as the model at ep 1:
    `hf_layout.export_names`);
