@@ -399,6 +399,7 @@ MOE_NEEDS = {
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
     "test_moe_array_tasks_publish_the_collective_output": (),
     "test_zero0_moe_node_local_is_refused_by_name": (("moe_z0_fp32", 2, 2),),
+    "test_zero0_moe_exports_are_refused_by_name": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1192,6 +1193,24 @@ def test_zero0_moe_node_local_is_refused_by_name(moe_trained, tmp_path, monkeypa
                            target_ranks_per_node=2, quiet=True)
     assert str(source / "global_step3") in str(error.value)
     assert not (tmp_path / "out").exists() and tree_hashes(source) == before
+
+
+
+@pytest.mark.e2e
+def test_zero0_moe_exports_are_refused_by_name(moe_trained, tmp_path):
+    """What stays refused: the DCP and safetensors exports of a ZeRO-0 MoE save (its optimizer files carry no
+    param_shapes, so no state is tied to a parameter's name), exit 2, naming EP rank 0's optimizer file, nothing
+    written, the source as it was. In-process (reshard_in_process), on the save the ZeRO-0 tests train."""
+    from test_pipeline_pinned import tree_hashes
+    from trained import reshard_in_process
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    before = tree_hashes(source)
+    for export in ("dcp", "safetensors"):
+        refused = reshard_in_process("export", str(source), str(tmp_path / export), "--format", export)
+        assert refused.returncode == 2 and not (tmp_path / export).exists(), refused.stderr
+        assert f"{source / 'global_step3' / 'expp_rank_0_mp_rank_00_optim_states.pt'}: is the expert optimizer " \
+            "file of a ZeRO-0 MoE checkpoint" in refused.stderr and "exports" in refused.stderr, refused.stderr
+    assert tree_hashes(source) == before
 
 
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
