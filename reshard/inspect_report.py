@@ -312,8 +312,8 @@ def _targets(source: SourceCheckpoint, config: dict) -> dict:
                      f"experts at ep={source.spec.topology.ep}: reshard writes any --target-ep that divides both the "
                      "target dp (dp x tp with AutoTP) and the experts of every layer")
         # the DCP and safetensors exports read MoE saves as the model at ep 1 (export/hf_layout.refuse_unnamed_experts:
-        # not folded with AutoTP, not ZeRO-3); the universal export does not read MoE saves yet
-        served = source.spec.tensor is None and source.spec.stage != 3
+        # folded with AutoTP: DCP only, not at ZeRO-3); the universal export does not read MoE saves yet
+        served = source.spec.tensor is None or source.spec.stage != 3
         formats = [f for f in formats if f != "universal"] if served else []
     return {"reshard_dp": sizes, "batch_config": why, "export_formats": formats, "notes": notes}
 

@@ -92,6 +92,15 @@ def moe_sources(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def folded_sources(tmp_path_factory):
+    """folded_sources(name) -> (save_dir, truth): an AutoEP save folded with AutoTP (reshard_proof.folded_tp_ep,
+    tests/test_expert_parallel.py FOLDED_SOURCES), trained once per session, one launch per (nproc, tp, ep);
+    shared by tests/test_expert_parallel.py and tests/test_export_dcp.py."""
+    from test_expert_parallel import FoldedSources
+    return FoldedSources(tmp_path_factory.mktemp("folded"))
+
+
+@pytest.fixture(scope="session")
 def hf_trained(tmp_path_factory):
     """hf_trained(name) -> directory of a Hugging Face Trainer / Accelerate run at 2 ranks (tests/hf_runs.py)."""
     from hf_runs import HfRuns

@@ -149,8 +149,8 @@ def test_moe_exports_name_autoep_slices_by_their_fused_tensor_and_refuse_what_no
         return SimpleNamespace(spec=SimpleNamespace(experts=autoep, tensor=tensor, stage=stage),
                                model_path=lambda rank=0: "/ckpt/global_step3/mp_rank_00_model_states.pt")
     refuse_unnamed_experts(source(2), "DCP")  # ZeRO-1/2 and BF16_Optimizer: served
-    with pytest.raises(UnsupportedCheckpoint, match="mp_rank_00_model_states.pt: is a ZeRO-3 mixture-of-experts "
-                                                    "checkpoint; exporting it to DCP is not supported yet"):
-        refuse_unnamed_experts(source(3), "DCP")
-    with pytest.raises(UnsupportedCheckpoint, match="folded with AutoTP; exporting it to safetensors"):
-        refuse_unnamed_experts(source(2, tensor=object()), "safetensors")
+    refuse_unnamed_experts(source(3), "DCP")  # AutoEP at ZeRO-3: served (tests/test_export_dcp.py autoep_z3_fp32)
+    refuse_unnamed_experts(source(2, tensor=object()), "DCP")  # folded TP+EP at ZeRO-1/2: served (DCP)
+    with pytest.raises(UnsupportedCheckpoint, match="mp_rank_00_model_states.pt: is a ZeRO-3 AutoEP mixture-of-experts "
+                                                    "checkpoint folded with AutoTP; exporting it to DCP"):
+        refuse_unnamed_experts(source(3, tensor=object()), "DCP")

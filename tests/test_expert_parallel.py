@@ -399,6 +399,7 @@ MOE_NEEDS = {
     "test_zero0_moe_parameters_with_other_states_are_refused_naming_the_file": (("moe_z0_fp32", 2, 2),),
     "test_moe_array_tasks_publish_the_collective_output": (),
     "test_zero0_moe_node_local_writes_each_node_what_its_ranks_load": (("moe_z0_fp32", 2, 2),),
+    "test_zero0_moe_exports_are_refused_by_name": (("moe_z0_fp32", 2, 2),),
 }
 
 
@@ -1257,6 +1258,24 @@ def test_zero0_moe_node_local_writes_each_node_what_its_ranks_load(moe_trained, 
     assert [tree_hashes(root / f"node{k}" / "src") for k in range(2)] == before
 
 
+
+@pytest.mark.e2e
+def test_zero0_moe_exports_are_refused_by_name(moe_trained, tmp_path):
+    """What stays refused: the DCP and safetensors exports of a ZeRO-0 MoE save (its optimizer files carry no
+    param_shapes, so no state is tied to a parameter's name), exit 2, naming EP rank 0's optimizer file, nothing
+    written, the source as it was. In-process (reshard_in_process), on the save the ZeRO-0 tests train."""
+    from test_pipeline_pinned import tree_hashes
+    from trained import reshard_in_process
+    source, _ = moe_trained("moe_z0_fp32", 2, 2)
+    before = tree_hashes(source)
+    for export in ("dcp", "safetensors"):
+        refused = reshard_in_process("export", str(source), str(tmp_path / export), "--format", export)
+        assert refused.returncode == 2 and not (tmp_path / export).exists(), refused.stderr
+        assert f"{source / 'global_step3' / 'expp_rank_0_mp_rank_00_optim_states.pt'}: is the expert optimizer " \
+            "file of a ZeRO-0 MoE checkpoint" in refused.stderr and "exports" in refused.stderr, refused.stderr
+    assert tree_hashes(source) == before
+
+
 def _prepare_universal_oracle(moe_trained, case: MoeCase, _=None) -> None:
     source, truth = moe_trained("moe_z1_fp32", 1, 2)
     ours, theirs = case.root / "ours", case.root / "theirs"
@@ -1386,36 +1405,53 @@ FOLDED_NEEDS = {"test_folded_tp_ep_reshards_to_folded_and_unfolded_targets": ("z
                 "test_folded_tp_ep_zero3_reshards": ("z3",)}
 
 
+class FoldedSources:
+    """name (FOLDED_SOURCES) -> (save_dir, truth), trained once per session (conftest `folded_sources`);
+    `train_many` trains several in one launch per (nproc, tp, ep), whatever their stage. Beside each truth,
+    `folded_tp_ep.judge_truth_path(truth)`: the truth an FSDP2 judge of an export reads (tests/test_export_dcp.py)."""
+
+    def __init__(self, root):
+        self.root, self.trained_with = root, {}
+
+    def train_many(self, names) -> None:
+        from reshard_proof.folded_tp_ep import train_folded
+        by_launch: dict[tuple, list[str]] = {}
+        for name in dict.fromkeys(names):
+            if name not in self.trained_with:
+                by_launch.setdefault(FOLDED_SOURCES[name][:3], []).append(name)
+        for (nproc, tp, ep), group in by_launch.items():
+            try:
+                train_folded(nproc, tp, ep, [(FOLDED_SOURCES[n][3], *self._paths(n)) for n in group])
+                error = None
+            except Exception as failure:  # noqa: BLE001 (raised by each test that needs these saves)
+                error = failure
+            self.trained_with.update({n: error for n in group})
+
+    def _paths(self, name):
+        return self.root / name, self.root / f"{name}.truth.pt"
+
+    def __call__(self, name: str):
+        self.train_many([name])
+        if self.trained_with[name] is not None:
+            raise self.trained_with[name]
+        return self._paths(name)
+
+
 @pytest.fixture(scope="module")
-def folded_cases(request, tmp_path_factory):
+def folded_cases(request, folded_sources, tmp_path_factory):
     """{test name: JudgedCase} of the selected folded TP+EP tests: their saves trained with one launch
-    per (nproc, tp, ep) (ZeRO-2 and ZeRO-3 at tp2 ep2 world 4 together), each test's reshards made
-    and checked by its `prepare` function, then every load at one (nproc, tp, ep) judged in ONE
-    launch, whatever its stage (reshard_proof.folded_tp_ep `judge_folded_together`)."""
-    from reshard_proof.folded_tp_ep import judge_folded_together, train_folded
-    root = tmp_path_factory.mktemp("folded")
+    per (nproc, tp, ep) (ZeRO-2 and ZeRO-3 at tp2 ep2 world 4 together; conftest `folded_sources`), each
+    test's reshards made and checked by its `prepare` function, then every load at one (nproc, tp, ep)
+    judged in ONE launch, whatever its stage (reshard_proof.folded_tp_ep `judge_folded_together`)."""
+    from reshard_proof.folded_tp_ep import judge_folded_together
     from trained import selected_tests
     wanted = [name for name, _ in selected_tests(request, FOLDED_NEEDS)]
-    saves = {name: (root / name, root / f"{name}.truth.pt") for test in wanted for name in FOLDED_NEEDS[test]}
-    trained_with: dict[str, BaseException | None] = {}
-    by_launch: dict[tuple, list[str]] = {}
-    for name in saves:
-        by_launch.setdefault(FOLDED_SOURCES[name][:3], []).append(name)
-    for (nproc, tp, ep), names in by_launch.items():
-        try:
-            train_folded(nproc, tp, ep, [(FOLDED_SOURCES[n][3], *saves[n]) for n in names])
-            error = None
-        except Exception as failure:  # noqa: BLE001 (raised by each test that needs these saves)
-            error = failure
-        trained_with.update({n: error for n in names})
+    folded_sources.train_many([name for test in wanted for name in FOLDED_NEEDS[test]])
     cases: dict[str, JudgedCase] = {}
     for test in wanted:
         case = cases[test] = JudgedCase(tmp_path_factory.mktemp("folded-case"))
         try:
-            for name in FOLDED_NEEDS[test]:
-                if trained_with[name] is not None:
-                    raise trained_with[name]
-            FOLDED_PREPARE[test](case, *(saves[name] for name in FOLDED_NEEDS[test]))
+            FOLDED_PREPARE[test](case, *(folded_sources(name) for name in FOLDED_NEEDS[test]))
         except Exception as error:  # noqa: BLE001 (raised by the test that owns the case)
             case.error = error
     judge_cases(cases, judge_folded_together)
@@ -1475,10 +1511,11 @@ def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     refused = reshard_in_process(str(save), str(tmp_path / "ep1"), "--target-dp", "2", "--target-tp", "2",
                                  "--target-ep", "1")  # the refusal, not the launcher
     assert refused.returncode == 2 and "autoep_size > 1" in refused.stderr and not (tmp_path / "ep1").exists()
-    # the DCP export serves AutoTP and AutoEP, not the two folded: refused by name, nothing written
-    refused = reshard_in_process("export", str(save), str(tmp_path / "dcp"), "--format", "dcp")
-    assert refused.returncode == 2 and "model_states.pt: is an AutoEP mixture-of-experts checkpoint folded with AutoTP; " \
-        "exporting it to DCP" in refused.stderr and not (tmp_path / "dcp").exists(), refused.stderr
+    # the DCP export serves it (tests/test_export_dcp.py); the safetensors export refuses its TP slices by name,
+    # nothing written
+    refused = reshard_in_process("export", str(save), str(tmp_path / "st"), "--format", "safetensors")
+    assert refused.returncode == 2 and not (tmp_path / "st").exists(), refused.stderr
+    assert "global_step2: is a tensor-parallel (AutoTP, tp=2) checkpoint; the safetensors export" in refused.stderr
     assert {name: (save / "global_step2" / name).read_bytes() for name in names} == before
     case.loads += [FoldedLoad(2, 2, 2, 2, "native", tmp_path / "w2", truth, tmp_path / "v_w2.json"),
                    FoldedLoad(2, 1, 2, 2, "native", tmp_path / "tp1", truth, tmp_path / "v_tp1.json"),

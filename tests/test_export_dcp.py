@@ -67,11 +67,20 @@ AUTOTP_FUSED = "fused_z2_fp16_tp2_dp1"
 fp16 at (2, 1): its truth records no Adam step or loss scaler (fp16 skips steps), so it is compared in this
 process, element by element, not judged in FSDP2."""
 MOE_CASES = {"moe_z2_fp32": ("moe_z2_fp32", 2, 2), "moe_bf16_optimizer": ("moe_bf16_optimizer", 2, 2),
-             "autoep_z2_fp32": ("autoep_z2_fp32", 2, 2), "autoep_bf16_optimizer": ("autoep_bf16_optimizer", 2, 2)}
+             "autoep_z2_fp32": ("autoep_z2_fp32", 2, 2), "autoep_bf16_optimizer": ("autoep_bf16_optimizer", 2, 2),
+             "autoep_z3_fp32": ("autoep_z3_fp32", 2, 4)}
 """Mixture-of-experts saves at (ep, world) (2, 2) (reshard_proof.moe_run: 2 MoE layers of 4 experts), ZeRO-2 fp32
 and BF16_Optimizer each: native DeepSpeed MoE (four param groups), judged in `MoEProofModel(ep=1)`, and AutoEP
-(three), judged in the AutoEP model built at autoep_size 1 (`moe_model.autoep_model_at_ep_1`). conftest
-`moe_sources`: the sources tests/test_expert_parallel.py reshards, trained in its launch at (2, 2) when both run."""
+(three), judged in the AutoEP model built at autoep_size 1 (`moe_model.autoep_model_at_ep_1`); and AutoEP at
+ZeRO-3, (2, 4), its experts in the ZeRO-3 partitions of their expert-DP groups (no expert files). conftest
+`moe_sources`: the sources tests/test_expert_parallel.py reshards, trained in its launches at (2, 2) and (2, 4)
+when both run."""
+FOLDED_CASES = {"autoep_folded_z2_fp32": "z2"}
+"""AutoEP folded with AutoTP (reshard_proof.folded_tp_ep: tp 2, ep 2, world 4, ZeRO-2 fp32, a column- and a
+row-parallel weight besides two AutoEP layers of 4 experts; conftest `folded_sources`, trained in the launch
+tests/test_expert_parallel.py makes for its folded tests): exported with each TP slice joined whole and the experts
+fused at ep 1, judged in the same model at tp 1 and ep 1 (`folded_tp_ep.folded_model_at_tp_1_ep_1`) against the
+truth `folded_tp_ep.judge_truth` writes beside the save's."""
 SWAPPED_EXPERTS = tuple(f"moe.0.deepspeed_moe.experts.deepspeed_experts.{i}." for i in (1, 2))
 WORLD_SIZES = (1, 2, 3)
 CHUNK_BYTES = 64
@@ -138,8 +147,9 @@ def _swap_experts(metadata_path, a: str, b: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def moe_exports(moe_sources, tmp_path_factory):
-    """{case: (export dir, truth path, save dir)}: each native MoE save exported by 2 workers in threads, chunks
+def moe_exports(moe_sources, folded_sources, tmp_path_factory):
+    """{case: (export dir, truth path, save dir)}: each MoE save (MOE_CASES, FOLDED_CASES) exported by 2 workers in
+    threads, chunks
     of 2 rows, 4 kB rounds; plus "moe_swapped": the ZeRO-2 export with two experts' keys swapped in its
     `.metadata` (the negative control a global-index mix-up would fail)."""
     moe_sources.train_many(list(MOE_CASES.values()))
@@ -149,6 +159,11 @@ def moe_exports(moe_sources, tmp_path_factory):
         source, truth = moe_sources(*key)
         _export_threads(source, root / case, 2)
         exports[case] = (root / case, truth, source)
+    for case, name in FOLDED_CASES.items():
+        from reshard_proof.folded_tp_ep import judge_truth_path
+        source, truth = folded_sources(name)
+        _export_threads(source, root / case, 2)
+        exports[case] = (root / case, judge_truth_path(truth), source)
     swapped = root / "moe_swapped"
     shutil.copytree(exports["moe_z2_fp32"][0], swapped)
     _swap_experts(swapped / ".metadata", *SWAPPED_EXPERTS)
@@ -237,7 +252,9 @@ def test_fsdp2_loads_an_moe_export_as_the_model_at_ep_1_and_steps_as_deepspeed(v
     # builds at autoep_size 1 holds them. FSDP2 at m ranks loads every master, moment, step and the param groups'
     # hyperparameters (the expert groups' own, `moe` and DeepSpeed's `ep_size_2` name included) equal to the
     # engine's, the .metadata's keys, sizes and paths those of torch's own dcp.save, one more AdamW step bit for
-    # bit. On main: refused, exit 2 ("is a mixture-of-experts checkpoint").
+    # bit. On main: refused, exit 2 ("is a mixture-of-experts checkpoint"); AutoEP at ZeRO-3 (autoep_z3_fp32, ep 2
+    # at world 4, experts in the ZeRO-3 partitions) refused until moedcp3 ("is a ZeRO-3 mixture-of-experts
+    # checkpoint").
     verdict = verdicts[(case, m)]
     assert verdict["world_size"] == m
     assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])
@@ -246,6 +263,23 @@ def test_fsdp2_loads_an_moe_export_as_the_model_at_ep_1_and_steps_as_deepspeed(v
     # AutoEP: 17 (68), 3 groups, the same, the step after (34)
     assert verdict["checks"] >= (156 + 20 + 1 + 3 + 2 + 1 + 1 + 78 if case.startswith("moe_") else
                                  68 + 15 + 1 + 3 + 2 + 1 + 1 + 34)
+
+
+@pytest.mark.parametrize("m", WORLD_SIZES)
+@pytest.mark.parametrize("case", FOLDED_CASES)
+def test_fsdp2_loads_a_folded_tp_ep_export_as_the_model_at_tp_1_ep_1_and_steps_as_deepspeed(verdicts, case, m):
+    # issue 38: an AutoEP save folded with AutoTP (tp 2, ep 2, world 4) exported with every TP slice joined whole
+    # (checkpoint_plan.folded_export_pieces: the dense parameters as tensor_parallel_export_pieces joins them, the
+    # expert slices after them) and each AutoEP weight's experts fused as at ep 1. FSDP2 at m ranks loads every
+    # master, moment, step and hyperparameter of the three groups equal to the engine's, the .metadata is torch's
+    # own dcp.save's, one more AdamW step bit for bit; the run state carries no `folding` metadata as client_state.
+    # Before moedcp3: refused, exit 2 ("is an AutoEP mixture-of-experts checkpoint folded with AutoTP").
+    verdict = verdicts[(case, m)]
+    assert verdict["world_size"] == m
+    assert verdict["mismatches"] == [], "\n".join(m[:300] for m in verdict["mismatches"])
+    # 21 trainable tensors' value, 2 moments and step (84); 3 groups' 5 hyperparameters; counters, scheduler,
+    # client_state, the loss scaler (none), .metadata; the step after (value and exp_avg_sq, 42)
+    assert verdict["checks"] >= 84 + 15 + 3 + 2 + 1 + 1 + 42
 
 
 @pytest.mark.parametrize("m", WORLD_SIZES)
@@ -282,8 +316,9 @@ def test_an_autoep_export_fuses_every_experts_slices_and_keeps_the_routers_gate_
             metadata.storage_data[i].offset for i in router)
     for case, (_, _, source) in moe_exports.items():
         report = reshard_in_process("inspect", source, "--json")
-        assert report.returncode == 0 and json.loads(report.stdout)["targets"]["export_formats"] == [
-            "safetensors", "dcp"], case
+        # a folded save: DCP only (the safetensors export refuses TP slices)
+        assert report.returncode == 0 and json.loads(report.stdout)["targets"]["export_formats"] == (
+            ["dcp"] if case in FOLDED_CASES else ["safetensors", "dcp"]), case
 
 
 def test_a_pipeline_exports_tied_embedding_is_one_key_read_once(dcp_exports):

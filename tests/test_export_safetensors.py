@@ -187,12 +187,14 @@ def test_a_native_moe_export_loads_strictly_into_the_model_at_ep_1(moe_sources, 
             assert (other / name).read_bytes() == (outputs[0] / name).read_bytes(), (other, name)
 
 
-def test_an_autoep_export_loads_into_the_autoep_model_at_ep_1(moe_sources, tmp_path):
+@pytest.mark.parametrize("key", [("autoep_z2_fp32", 2, 2), ("autoep_z3_fp32", 2, 4)], ids=["z2", "z3"])
+def test_an_autoep_export_loads_into_the_autoep_model_at_ep_1(moe_sources, tmp_path, key):
     # each weight's expert slices joined as the AutoEPMoELayer built at autoep_size 1 holds them, experts.w1
     # [4, 16, 8]; the router's gate is stored once, under the trainable name (mlp.gate.gate.weight is the same
-    # parameter)
+    # parameter). At ZeRO-3 (ep 2 at world 4) the experts lie in the ZeRO-3 partitions of their expert-DP groups;
+    # refused until moedcp3 ("is a ZeRO-3 mixture-of-experts checkpoint").
     from reshard_proof.moe_model import autoep_model_at_ep_1, fused_autoep_truth
-    source, truth = moe_sources("autoep_z2_fp32", 2, 2)
+    source, truth = moe_sources(*key)
     out = tmp_path / "autoep"
     run_workers(2, lambda t: export_safetensors(str(source), str(out), max_shard_size="2KB", memory_budget=4 << 10,
                                                 transport=t))

@@ -13,7 +13,7 @@
 
 Steps, and which workers run them (the skeleton of every export, `reshard.export.runner`):
 1. worker 0 inspects the source, refuses what does not map to torch AdamW (`dcp_optimizer`) or is not
-   served yet (ZeRO-3 MoE, AutoEP folded with AutoTP), and works out the param groups and steps; every
+   served yet (folded TP+EP at ZeRO-3, ZeRO-0 MoE), and works out the param groups and steps; every
    worker receives them (a PipelineModule save and an AutoTP save export each parameter once and whole,
    joined over its model axis or TP ranks by the plan; an MoE save, as the model at ep 1:
    `hf_layout.export_names`);
@@ -89,7 +89,8 @@ from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import ExportResult, counted
-from reshard.planning.checkpoint_plan import source_rank_count, tensor_parallel_export_pieces, trainable_pieces
+from reshard.planning.checkpoint_plan import (folded_export_pieces, source_rank_count, tensor_parallel_export_pieces,
+                                              trainable_pieces)
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
 from reshard.transport import Transport, transport_from_environment
 from reshard.transport.collective import on_rank0
@@ -147,13 +148,14 @@ def plan_dcp(source: SourceCheckpoint, layout: DcpLayout, workers: int, budget_b
              pipeline: PipelineExport | None = None) -> ReshardPlan:
     """Move every stream of every parameter (and ZeRO-3 frozen fragments) to the writer of its chunk (pure);
     of a pipeline save, each parameter once and whole (`trainable_pieces`, joined over a model axis); of an
-    AutoTP save, likewise over its global parameters (`tensor_parallel_export_pieces`)."""
+    AutoTP save, likewise over its global parameters (`tensor_parallel_export_pieces`; AutoEP folded with AutoTP:
+    `folded_export_pieces`, its expert slices after the joined dense parameters)."""
     spec = source.spec
     ownership = Ownership(source_rank_count(spec), len(layout.files), workers)
     numels = layout.buffer_numels()
     if spec.tensor is not None:  # AutoTP: every TP slice joined whole, a replicated parameter read once
-        old, new = tensor_parallel_export_pieces(spec, layout.pieces("optim", [p.numel for p in spec.params]),
-                                                 len(layout.files))
+        pieces_of = folded_export_pieces if spec.experts is not None else tensor_parallel_export_pieces
+        old, new = pieces_of(spec, layout.pieces("optim", [p.numel for p in spec.params]), len(layout.files))
         spaces = [plan_space("optim", old, new, spec.streams, numels, ownership, budget_bytes)]
         if spec.frozen:  # ZeRO-3's partitioned frozen parameters
             old, new = tensor_parallel_export_pieces(spec, layout.pieces("frozen", [p.numel for p in spec.frozen]),

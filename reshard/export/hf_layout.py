@@ -14,7 +14,8 @@ owner's name, which is the name `named_parameters()` yields and the one HF's `sa
 keeps for an embedding tied to its output head (safetensors refuses two names for one storage).
 Frozen parameters excluded at save and non-persistent buffers are not in the checkpoint, so not
 in the export.
-A mixture-of-experts save (native DeepSpeed MoE, AutoEP; ZeRO-1/2, BF16_Optimizer) is exported as the
+A mixture-of-experts save (native DeepSpeed MoE, AutoEP; ZeRO-1/2, BF16_Optimizer; AutoEP at ZeRO-3; AutoEP folded
+with AutoTP at ZeRO-1/2, DCP only) is exported as the
 model at ep 1 (`export_names`): its module lists no expert, so each layer's experts follow the layer's
 gate, under their global index (AutoEP: each weight's experts as one fused tensor).
 
@@ -139,18 +140,18 @@ class ExportLayout:
 
 
 def refuse_unnamed_experts(source: SourceCheckpoint, export: str) -> None:
-    """A mixture-of-experts save is exported as the model at ep 1 (`export_names`). Refused by name: AutoEP folded
-    with AutoTP, and ZeRO-3 MoE (AutoEP's `zero3_partitioned` experts), which no export test covers yet."""
+    """A mixture-of-experts save is exported as the model at ep 1 (`export_names`): native MoE and AutoEP at
+    ZeRO-1/2 and BF16_Optimizer, and AutoEP at ZeRO-3 (its `zero3_partitioned` experts are parameters of the
+    ZeRO-3 partitions like any other, `layouts/experts.expert_zero3_layout`, so the same lowering), and AutoEP
+    folded with AutoTP at ZeRO-1/2 (the DCP export only, which joins TP slices: `folded_export_pieces`).
+    Refused by name: folded TP+EP at ZeRO-3, which no export test covers yet."""
     experts = source.spec.experts
     if experts is None:
         return
-    if source.spec.tensor is not None:
-        raise UnsupportedCheckpoint(source.model_path(0), "is an AutoEP mixture-of-experts checkpoint folded with "
-                                                          f"AutoTP; exporting it to {export} is not supported yet")
-    if source.spec.stage == 3:
-        raise UnsupportedCheckpoint(source.model_path(0), f"is a ZeRO-3 mixture-of-experts checkpoint; exporting it to "
-                                                          f"{export} is not supported yet (ZeRO-1/2 and BF16_Optimizer "
-                                                          "MoE checkpoints are)")
+    if source.spec.tensor is not None and source.spec.stage == 3:
+        raise UnsupportedCheckpoint(source.model_path(0), "is a ZeRO-3 AutoEP mixture-of-experts checkpoint folded "
+                                                          f"with AutoTP; exporting it to {export} is not supported yet "
+                                                          "(ZeRO-1/2 folded checkpoints are, to DCP)")
 
 
 def export_names(spec) -> list[str]:

@@ -25,6 +25,9 @@ DEEPSPEED_MODEL_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
     "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
     "ds_version", "universal_checkpoint_info", "ds_autoep_layers", "num_experts",
+    # `_save_checkpoint`'s reserved_keys (client_state may not use them): a folded TP+EP save's `folding`
+    # metadata (checkpoint/constants.py FOLDING_METADATA_KEY) and `autoep_layers`
+    "folding", "autoep_layers",
 })
 
 

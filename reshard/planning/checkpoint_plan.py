@@ -491,6 +491,35 @@ def tensor_parallel_export_pieces(spec, export_pieces: PieceTable, writers: int,
     return old, zero12_pieces(params, space, Topology(writers), lambda t: view, "target")
 
 
+def folded_export_pieces(spec, export_pieces: PieceTable, writers: int) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of an AutoEP save with AutoTP layers (folded TP+EP, spec.tensor and
+    spec.experts) for an export of one global tensor per parameter: the dense parameters joined whole over the
+    TP ranks as `tensor_parallel_export_pieces` joins them, every expert slice read once (experts are whole on
+    every TP rank). Pure.
+
+        old, new = folded_export_pieces(spec, layout.pieces("optim", [p.numel for p in spec.params]), files)
+
+    Both sides are laid over the space a reshard of the save plans over (`_folded_pieces`): the dense family
+    lowered into the `GlobalSpace` at target tp 1, then the expert slices in spec.params' order. spec.params
+    lists the dense parameters (spec.tensor.params, at their global shapes) first, so the export's row-major
+    pieces of element D onwards (D: the dense elements) are already the expert family's, offset by D."""
+    source, dense = spec.topology, spec.tensor.params
+    space = GlobalSpace.of(dense, source_tp=source.tp, target_tp=1)
+    count = len(dense.names)
+    whole = tuple(spec.params[:count])
+    if tuple(p.name for p in whole) != tuple(dense.names) or sum(p.numel for p in whole) != space.total:
+        raise ValueError("a folded save's parameters do not list its dense parameters first, at their global shapes")
+    in_dense = export_pieces.start < space.total
+    view = _WholeTensors(whole, dataclasses.replace(export_pieces.select(in_dense), total=space.total))
+    joined = zero12_pieces(dense, space, Topology(writers), lambda t: view, "target")
+    experts = export_pieces.select(~in_dense)
+    columns = [(joined.start, joined.rank, joined.buffer, joined.offset, *joined.stride_columns()),
+               (experts.start, experts.rank, experts.buffer, experts.offset, *experts.stride_columns())]
+    if not joined.strided:
+        columns = [c[:4] for c in columns]
+    return _folded_pieces(spec, source, space, "source"), table_from_columns(columns, export_pieces.total)
+
+
 def pipeline_export_pieces(columns, params, topology: Topology, rule_of=None) -> PieceTable:
     """A PipelineModule save's pieces over `params` (its parameters, each once and whole, end to end in
     row-major order): what an export to one global tensor per parameter reads (docs/architecture.md,

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard_proof.moe_model import AUTOEP_HIDDEN, AutoEPProofModel, build_autoep_param_groups
+from reshard_proof.moe_model import AUTOEP_HIDDEN, AutoEPProofModel, autoep_model_at_ep_1, build_autoep_param_groups
+from reshard_proof.truth_file import write_truth
 
 TP_FFN = 12
 LAYER_SPECS = [
@@ -60,6 +61,13 @@ class FoldedProofModel(AutoEPProofModel):
             out = layer.mlp(layer.norm(hidden))
             hidden = hidden + (out[0] if isinstance(out, tuple) else out)
         return F.cross_entropy(self.head(hidden).float().flatten(0, -2), targets.flatten())
+
+
+def folded_model_at_tp_1_ep_1() -> nn.Module:
+    """`FoldedProofModel` as a run without AutoTP at autoep_size 1 holds it (`moe_model.autoep_model_at_ep_1`):
+    `up` and `down` whole, each AutoEP weight's experts fused over every expert. What an export of a folded save
+    is loaded into (reshard_proof.fsdp2_judge)."""
+    return autoep_model_at_ep_1(FoldedProofModel())
 
 
 def ds_config(stage: int, tp: int, ep: int, precision: str = "fp32") -> dict:
@@ -216,7 +224,40 @@ def train_one(args, stage: int, save_dir: str, truth_path: str | None) -> None:
         view = full_view(engine, args.tp)
         if rank == 0:
             torch.save({"params": view, "global_steps": engine.global_steps, "steps": args.steps}, truth_path)
+            if stage in (1, 2):  # what the DCP export serves of a folded save
+                write_truth(judge_truth_path(truth_path), judge_truth(engine, view, stage, args))
     torch.distributed.barrier()
+
+
+def judge_truth_path(truth_path) -> str:
+    """Where `train_one` writes the truth reshard_proof.fsdp2_judge reads, beside `truth_path`."""
+    return f"{truth_path}.fsdp2.pt"
+
+
+def judge_truth(engine, view: dict, stage: int, args) -> dict:
+    """The truth an export of this save is judged by in FSDP2 (reshard_proof.fsdp2_judge), in moe_run's form:
+    every parameter of the model at tp 1 and ep 1, whole (`full_view`: TP shards joined, experts by global id),
+    with its master, moments and step, and the engine's param groups, counters and scheduler. Rank 0."""
+    optimizer = engine.optimizer.optimizer  # the client torch AdamW under ZeRO-1/2
+    steps = {float(state["step"]) for state in optimizer.state.values() if "step" in state}
+    if len(steps) != 1:
+        raise RuntimeError(f"the optimizer's partitions hold different steps {sorted(steps)}")
+    step = steps.pop()
+    master = {name: {"fp32": entry["fp32"], "state": dict(entry["state"]), "scalars": {"step": step}}
+              for name, entry in view.items()}
+    engine_state = {
+        "master": master, "frozen": {},
+        "buffers": {name: buffer.detach().clone() for name, buffer in engine.module.named_buffers()
+                    if not name.endswith(".tokens_per_expert")},  # AutoEP's per-rank routing counts: never saved
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "skipped_steps": engine.skipped_steps},
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": None,
+    }
+    return {"meta": {"variant": f"autoep_folded_z{stage}_{args.precision}", "world_size":
+                     torch.distributed.get_world_size(), "tp": args.tp, "ep": args.ep, "steps": args.steps},
+            "engine": engine_state, "client_state": {}}
 
 
 def check_one(args, stage: int, how: str, load_dir: str, truth_path: str, verdict_path: str) -> None:

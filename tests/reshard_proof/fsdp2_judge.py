@@ -49,6 +49,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from reshard_proof import pipeline_truth, tensor_parallel
 from reshard_proof.bitwise import compare_trees
+from reshard_proof.folded_tp_ep import folded_model_at_tp_1_ep_1
 from reshard_proof.model import ProofModel, build_param_groups
 from reshard_proof.moe_model import (
     MoEProofModel,
@@ -114,7 +115,8 @@ def judge_case(directory: str, truth_path: str, seed: int, resave_to: str, devic
     elif moe:  # every global expert in one module: the same model at ep 1
         model = MoEProofModel(ep=1)
     elif autoep:  # DeepSpeed's AutoEP layers built at autoep_size 1: every expert in one fused tensor per weight
-        model = autoep_model_at_ep_1()
+        # (a folded TP+EP save's: its model at tp 1 too, reshard_proof.folded_tp_ep)
+        model = folded_model_at_tp_1_ep_1() if variant.startswith("autoep_folded_") else autoep_model_at_ep_1()
     else:
         model = tensor_parallel.MODELS[truth["model"]]() if autotp else ProofModel()
     model = model.to(device)

@@ -204,7 +204,7 @@ AUTOEP_EXPERT_PART = ".mlp.experts.w"
 """An AutoEP fused expert parameter's name holds it (auto_ep_layer.py: `experts.w1/w2/w3`)."""
 
 
-def autoep_model_at_ep_1() -> nn.Module:
+def autoep_model_at_ep_1(model: nn.Module | None = None) -> nn.Module:
     """`AutoEPProofModel` with its MoE blocks replaced as DeepSpeed's engine replaces them at autoep_size 1
     (module_inject/auto_ep.py `AutoEP.replace_moe_layers`, engine.py `_configure_autoep`), with no engine and no
     process group: the module an AutoEP run at ep 1 trains, `experts.w1/w2/w3` [num_experts, ...] each, its
@@ -212,7 +212,7 @@ def autoep_model_at_ep_1() -> nn.Module:
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
-    model = AutoEPProofModel()
+    model = AutoEPProofModel() if model is None else model  # or a subclass (reshard_proof.folded_tp_ep)
     auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}))
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)
     return model
