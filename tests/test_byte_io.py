@@ -111,3 +111,51 @@ def test_hashing_a_large_file_keeps_resident_memory_to_a_window(tmp_path):
     grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                                env=dict(os.environ, PYTHONPATH=str(REPO))).stdout)
     assert grown < 64 << 20, f"VmHWM grew by {grown >> 20} MiB hashing a 256 MiB file"
+
+
+def _pieces(seed: int, count: int) -> list[bytes]:
+    """`count` byte strings of 0-40 bytes (some empty), different each."""
+    import random
+    rng = random.Random(seed)
+    return [bytes(rng.randrange(256) for _ in range(rng.randrange(41))) for _ in range(count)]
+
+
+def test_a_gathered_write_puts_every_view_back_to_back(tmp_path):
+    """More views than one pwritev takes (IOV_MAX): every one lands after the one before, from the offset."""
+    pieces = _pieces(1, 3 * byte_io.IOV_MAX + 7)
+    path = tmp_path / "gathered"
+    path.write_bytes(b"\xee" * 100)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        written = byte_io.pwritev_exact(fd, [memoryview(p) for p in pieces], 100)
+    finally:
+        os.close(fd)
+    assert written == sum(map(len, pieces))
+    assert path.read_bytes() == b"\xee" * 100 + b"".join(pieces)
+
+
+def test_a_short_gathered_write_is_finished(tmp_path, monkeypatch):
+    """pwritev may write fewer bytes than asked (POSIX): the rest still lands where it belongs."""
+    real = os.pwritev
+    calls = []
+
+    def at_most_13_bytes(fd, buffers, offset):
+        calls.append(len(buffers))
+        cut, left = [], 13
+        for b in buffers:
+            if left == 0:
+                break
+            cut.append(memoryview(b)[:left])
+            left -= len(cut[-1])
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr(os, "pwritev", at_most_13_bytes)
+    pieces = _pieces(2, 200)
+    path = tmp_path / "short"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        byte_io.pwritev_exact(fd, [memoryview(p) for p in pieces], 5)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\0" * 5 + b"".join(pieces)
+    assert max(calls) > 1  # the gathered call was made, and cut short

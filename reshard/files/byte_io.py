@@ -3,6 +3,7 @@
     from reshard.files.byte_io import pread_exact, pwrite_exact, copy_bytes, hash_file
     pread_exact(fd, memoryview(buffer), offset, path)     # fill buffer from the file at offset
     pwrite_exact(fd, memoryview(data), offset)            # write all of data at offset
+    pwritev_exact(fd, [view_a, view_b], offset)           # the views back to back from offset, few syscalls
     copy_bytes(src_fd, 0, dst_fd, 4096, n, path)          # file to file, in the kernel where it can
     hash_file(path)                                       # BLAKE3 hex digest of the whole file
 
@@ -56,6 +57,33 @@ def pwrite_exact(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
+"""The most buffers one pwritev takes (1024 on Linux; POSIX guarantees 16)."""
+
+
+def pwritev_exact(fd: int, views: list[memoryview], offset: int) -> int:
+    """Write `views` (of bytes: format "B") back to back from `offset`, up to IOV_MAX of them per pwritev; return the bytes.
+
+    Why: a tp change puts each row of a row-parallel piece in its own place in the target file,
+    tens of thousands of small pieces per job; one syscall per piece cost more than the bytes
+    (docs/benchmarks.md, "pipeline pp and tp change: where the time went")."""
+    total = 0
+    start = 0
+    while start < len(views):
+        batch = views[start:start + IOV_MAX]
+        want = sum(map(len, batch))
+        done = os.pwritev(fd, batch, offset + total)
+        if done < want:  # a short write: finish the rest of this batch piece by piece
+            skipped = 0
+            for v in batch:
+                if skipped + len(v) > done:
+                    pwrite_exact(fd, v[max(done - skipped, 0):], offset + total + max(done, skipped))
+                skipped += len(v)
+        total += want
+        start += IOV_MAX
+    return total
 
 
 def copy_bytes(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, path: str = "") -> None:

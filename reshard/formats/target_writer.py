@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reshard.files.byte_io import copy_bytes, hash_file, pwrite_exact
+from reshard.files.byte_io import copy_bytes, hash_file, pwrite_exact, pwritev_exact
 from reshard.errors import ReshardError
 from reshard.formats.float_casts import ITEMSIZE, cast_bytes
 from reshard.formats import deepspeed_classes as classes
@@ -215,6 +215,19 @@ class TargetWriter:
         except OSError as error:
             raise WriteFailed(path, error) from None
         self.bytes_written += len(data)
+
+    def write_gather(self, rank: int, slot: tuple, element: int, itemsize: int, pieces: list[memoryview]) -> None:
+        """`write` of the pieces back to back (elements from `element` on), in as few syscalls as
+        IOV_MAX allows: the exchange hands a round's pieces that continue each other here."""
+        fd, base, path = self.locations[(rank, slot)]
+        cast = self.casts.get((rank, slot))
+        if cast is not None:
+            pieces = [memoryview(cast_bytes(piece, cast[0], cast[1])) for piece in pieces]
+            itemsize = ITEMSIZE[cast[1]]
+        try:
+            self.bytes_written += pwritev_exact(fd, pieces, base + element * itemsize)
+        except OSError as error:
+            raise WriteFailed(path, error) from None
 
     def seal(self, path: str) -> None:
         """Write the real CRC-32 of every record of a file whose bytes are all in (torch_zip.seal_crcs)."""

@@ -66,12 +66,41 @@ def _walk(blocks: list[RoundBlock], space, side: str):
     for block in blocks:
         rank, buffer, offset, length = _side(block.segments, side)
         runs = _runs(rank, buffer, offset, length)
+        if not runs:
+            continue
+        starts = np.array([start for start, _ in runs])
+        # one vectorised pass instead of a numpy sum per run (a tp change has tens of thousands)
+        counts, firsts = np.add.reduceat(length, starts).tolist(), offset[starts].tolist()
+        ranks, buffers = rank[starts].tolist(), buffer[starts].tolist()
         for stream in space.streams:
-            for start, stop in runs:
-                count = int(length[start:stop].sum())
-                slot = (space.name, int(buffer[start]), stream.name)
-                yield position, int(rank[start]), slot, int(offset[start]), count, stream.itemsize
+            for i in range(len(runs)):
+                count = counts[i]
+                yield position, ranks[i], (space.name, buffers[i], stream.name), firsts[i], count, stream.itemsize
                 position += count * stream.itemsize
+
+
+def _write_received(writer, receives: list[RoundBlock], space, incoming: memoryview) -> None:
+    """Write a round's received runs. Where the sink takes gathered writes (`write_gather`), the
+    runs are sorted by place and those that continue each other, from any peer, go in one call:
+    a tp change cuts a row-parallel weight into one run per row and block, and the rows of the
+    blocks interleave in the target. The bytes and where they land are the same either way."""
+    runs = _walk(receives, space, "dst")
+    gather = getattr(writer, "write_gather", None)
+    if gather is None:
+        for position, rank, slot, element, count, itemsize in runs:
+            writer.write(rank, slot, element, itemsize, incoming[position:position + count * itemsize])
+        return
+    ordered = sorted(runs, key=lambda run: (run[1], run[2], run[3]))
+    i = 0
+    while i < len(ordered):
+        _, rank, slot, element, _, itemsize = ordered[i]
+        end, pieces = element, []
+        while i < len(ordered) and ordered[i][1] == rank and ordered[i][2] == slot and ordered[i][3] == end:
+            position, count = ordered[i][0], ordered[i][4]
+            pieces.append(incoming[position:position + count * itemsize])
+            end += count
+            i += 1
+        gather(rank, slot, element, itemsize, pieces)
 
 
 def _counts(blocks: list[RoundBlock], workers: int, bytes_per_element: int) -> list[int]:
@@ -181,8 +210,7 @@ def run_rounds(plan: ReshardPlan, transport, reader, writer, *, start_round: int
             if failure is None:
                 try:
                     incoming = memoryview(received)
-                    for position, rank, slot, element, count, itemsize in _walk(receives, space, "dst"):
-                        writer.write(rank, slot, element, itemsize, incoming[position:position + count * itemsize])
+                    _write_received(writer, receives, space, incoming)
                     del incoming
                     if durable:
                         writer.sync()
