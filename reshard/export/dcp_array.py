@@ -63,7 +63,7 @@ from reshard.jobs.destination import ARRAY_SUFFIX, RESHARD_NAMES, Staging
 from reshard.jobs.execute import execute
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle, ResumeByFile, publish_files
 from reshard.jobs.progress import Progress, progress_enabled
-from reshard.jobs.results import counted
+from reshard.jobs.results import ExportResult, counted
 from reshard.planning.plan import ReshardPlan
 from reshard.transport.local import LocalTransport
 
@@ -91,22 +91,21 @@ def chunk_files(export: DcpExport) -> dict[int, dict[str, int]]:
 
 
 @dataclass
-class DcpArrayTaskResult:
-    source: str
-    destination: str
-    tag: str
-    task: int
-    tasks: int
-    files: list
+class DcpArrayTaskResult(ExportResult):
+    """What one DCP export array task did: the figures every export has (reshard.jobs.results.ExportResult; a
+    task is one worker) and its own; `summary()` names the task."""
+
+    task: int = 0
+    tasks: int = 1
+    files: list = field(default_factory=list)
     """The files this task wrote in this run (those an earlier run finished are not written again)."""
-    rounds: int = 0
     bytes_read: int = 0
-    seconds: float = 0.0
-    notes: list = field(default_factory=list)
+
+    format_name = " (PyTorch DCP)"
 
     def summary(self) -> str:
-        return (f"export task {self.task} of {self.tasks}: {self.source} (tag {self.tag}) -> {self.destination} "
-                f"(PyTorch DCP)\n  {counted(len(self.files), '.distcp file')} written, "
+        return (f"export task {self.task} of {self.tasks}: {self.source} (tag {self.tag}) -> {self.destination}"
+                f"{self.format_name}\n  {counted(len(self.files), '.distcp file')} written, "
                 f"{counted(self.rounds, 'round')}, {self.bytes_read} source bytes read, {self.seconds:.1f} s"
                 + "".join(f"\n  note: {note}" for note in self.notes))
 
@@ -147,7 +146,8 @@ def export_dcp_array_task(source: str, destination: str, *, task: int, tasks: in
         os.path.join(array_dir, f"task-{task}"),
         f"The files this task finished stay marked done in {array_dir}; fix the cause and re-run export task "
         f"{task} to write the rest")
-    result = DcpArrayTaskResult(checkpoint.save_dir, destination, checkpoint.tag, task, tasks, [])
+    result = DcpArrayTaskResult(checkpoint.save_dir, destination, checkpoint.tag, workers=1, rounds=0, task=task,
+                                tasks=tasks)
     life = Lifecycle(destination, checkpoint.tag, leader=True, overwrite=overwrite, words=EXPORT, resume=resume)
     start = life.begin(LocalTransport(), lambda: JobOutput(export.fingerprint, set(RESHARD_NAMES)))
     result.notes += start.notes
