@@ -166,6 +166,80 @@ def test_each_copy_of_the_layer_files_takes_its_stages_tensors_as_pieces():
         == 24 + 6 + 16
 
 
+def _layer_copies_through_the_exchange(spaces, layer, source: Topology, target: Topology, copies, ownership,
+                                       budget: int):
+    """(bytes the source reader read, bytes of distinct source elements) of `spaces` (a layer dtype's plan
+    spaces) run through the real exchange (transport/exchange.run_rounds) on worker threads, every written
+    target buffer checked against the source tensor it copies (tp kept: model rank t's tensor j, whole)."""
+    import numpy as np
+
+    from reshard.planning.plan import ReshardPlan
+    from reshard.transport.exchange import run_rounds
+    from test_strided import _Arrays
+    from threaded_transport import run_workers
+    numels = [int(np.prod(shape)) for shape in layer.tensors.shapes]
+    held = {(source.rank_of(0, t, s), j): np.arange(n, dtype=np.int64) + 1000 * (10 * t + j)
+            for t in range(source.tp) for j, (n, s) in enumerate(zip(numels, layer.source_stages)) if n}
+    writers = {}
+    for t in range(target.tp):
+        for j, (n, s) in enumerate(zip(numels, layer.target_stages)):
+            column = s * target.tp + t
+            for rank in [target.rank_of(0, t, s), *(copy[column] for copy in copies if copy[column] >= 0)]:
+                if n:
+                    writers[(rank, j)] = (10 * t + j, n)
+    reader = _Arrays(held, (layer.stream,))
+    writer = _Arrays({key: np.full(n, -1, np.int64) for key, (_, n) in writers.items()}, (layer.stream,))
+    plan = ReshardPlan(ownership, tuple(spaces), budget)
+    run_workers(ownership.workers, lambda transport: run_rounds(plan, transport, reader, writer))
+    for (rank, j), (tag, n) in writers.items():
+        assert np.array_equal(writer.buffers[(rank, "layer", j)], np.arange(n) + 1000 * tag), (rank, j)
+    return reader.bytes_read, sum(len(v) for v in held.values()) * layer.stream.itemsize
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 256])
+def test_every_copy_of_a_layer_file_is_one_space_whose_source_bytes_are_read_once(budget):
+    """checkpoint_plan.plan_kept_layer_files: the layer files a node-local job writes on each node whose ranks
+    load them (dp rank 0's copy and spec.layer_copies) are one plan space per dtype whose targets are every copy,
+    so each layer file's bytes are read once (transport/read_once.py), however many nodes get them; before,
+    each copy was its own space and read the files again. In one round, and in many small ones."""
+    import types
+
+    import numpy as np
+
+    from reshard.layouts.model_axis import LayerFileSpace
+    from reshard.layouts.tensor_parallel import TensorParallelParams, TensorSplit
+    from reshard.layouts.zero import Stream
+    from reshard.planning.checkpoint_plan import kept_layer_pieces, plan_kept_layer_files
+    from reshard.planning.plan import Ownership, plan_space
+    whole = TensorSplit("replicated", None)
+    tensors = TensorParallelParams(("0.w", "1.w", "1.b", "2.w"), ((4, 6), (6, 4), (6,), (4, 4)), (whole,) * 4)
+    layer = LayerFileSpace("layer_int64", Stream("layer", "int64", 8), tensors,
+                           ((0, "w"), (1, "w"), (1, "b"), (2, "w")), (0, 0, 0, 1), (0, 0, 0, 0))
+    # (pp 2, tp 2, dp 1) -> (pp 1, tp 2, dp 3) at 2 ranks per node: dp rank 0 on node 0, copies on nodes 1, 2
+    source, target = Topology(dp=1, tp=2, pp=2), Topology(dp=3, tp=2, pp=1)
+    copies = ((target.rank_of(1, 0, 0), target.rank_of(1, 1, 0)), (target.rank_of(2, 0, 0), target.rank_of(2, 1, 0)))
+    ownership = Ownership.between(source, target, 3)
+    spec = types.SimpleNamespace(kept_layer_files=types.SimpleNamespace(layer_spaces=(layer,)), layer_copies=copies,
+                                 topology=source)
+    after = types.SimpleNamespace(round_offset=0, rounds=0)
+    spaces = plan_kept_layer_files(spec, target, ownership, budget, after)
+    assert len(spaces) == 1  # one space for the dtype, every copy in it
+    read, distinct = _layer_copies_through_the_exchange(spaces, layer, source, target, copies, ownership, budget)
+    sizes = tuple(int(np.prod(shape)) for shape in tensors.shapes)
+    offset, apart = 0, []  # each copy its own space, as before
+    for copy in (None, *copies):
+        old, new = kept_layer_pieces(layer, source, target, copy)
+        apart.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget, round_offset=offset))
+        offset += apart[-1].rounds
+    read_apart, _ = _layer_copies_through_the_exchange(apart, layer, source, target, copies, ownership, budget)
+    print(f"\n[layer copies, budget {budget}] bytes read: {read} in one space, {read_apart} a space per copy; "
+          f"distinct source bytes {distinct}; rounds {spaces[0].rounds} (apart {offset})")
+    assert read == distinct
+    # apart, each copy's space re-read the files, unless it was one round served from the round before it
+    assert read_apart == (distinct if offset == 3 else 3 * distinct)
+    assert (offset == 3) == (budget == 1 << 20)
+
+
 def test_a_stage_model_states_file_on_no_node_is_named_from_the_names_alone():
     from reshard.formats.deepspeed_pipeline import check_stage_model_files
     with pytest.raises(CheckpointError, match=r"/ckpt/step3/mp_rank_01_model_states\.pt: is missing"):
@@ -390,6 +464,7 @@ def test_a_tp_change_is_served_through_the_plan_and_loads_on_each_node(tp_saves,
     from reshard_proof.launch import TorchrunError, run_torchrun_nodes
     from test_pipeline import HARNESS as PIPELINE_HARNESS
     from test_pipeline_pinned import PINNED, TRUTH_DIGESTS, truth_dir_digest
+    from test_pipeline_tp_change_road import expected_reads
     from trained import reshard_in_threads, tree_state
     save, truth = tp_saves[TP_VARIANT]
     assert truth_dir_digest(truth) == TRUTH_DIGESTS[f"tp/{TP_VARIANT}"], "trained to other values than the pins'"
@@ -417,8 +492,8 @@ def test_a_tp_change_is_served_through_the_plan_and_loads_on_each_node(tp_saves,
                 "--target-ranks-per-node", 2, "--target-dp", dp, "--target-pp", 1, "--target-tp", tp, *LAYERS,
                 "--ignore-batch-config", "--memory-budget", "2K", "--durable-every", "1K", "--timeout", "30",
                 "--result-json", result_path], **kwargs)
-        if tp == 2:  # node 1's leader SIGKILLed in round 65 of 68, among the layer files' rounds (their second
-            # copy, node 1's, comes last): no node publishes, and the same command resumes on both by round
+        if tp == 2:  # node 1's leader SIGKILLed in round 65 of 68, among the layer files' rounds (both nodes'
+            # copies in one space, come last): no node publishes, and the same command resumes on both by round
             with pytest.raises(TorchrunError):
                 reshard(env={"RESHARD_FAILPOINTS": "kill@round=65,worker=2"}, timeout=240)
             for k in range(NODES):
@@ -432,6 +507,9 @@ def test_a_tp_change_is_served_through_the_plan_and_loads_on_each_node(tp_saves,
         # partitions of their ranks and their layer files), far from every file to every node
         if tp == 1:
             assert result["bytes_between_nodes"] == result["plan_bytes_between_nodes"] > 0, result
+            # each source byte read once, as the collective job reads it, though both nodes get the layer files
+            # (one plan space for every copy, checkpoint_plan.every_copy_pieces; each copy read them again before)
+            assert result["bytes_read"] == expected_reads(save / "step3"), result
         else:  # resumed: the rounds done before the kill are not sent again
             assert result["bytes_between_nodes"] < result["plan_bytes_between_nodes"], result
         assert 0 < result["plan_bytes_between_nodes"] < every_file_everywhere // 2, (result, every_file_everywhere)

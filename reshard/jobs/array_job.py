@@ -88,9 +88,7 @@ from reshard.jobs.lifecycle import (
     publish_sets,
 )
 from reshard.jobs.manifest import (
-    manifest_source_entry,
-    output_fingerprint,
-    pipeline_stage_placement,
+    output_entries,
     source_identity,
     write_json_atomically,
 )
@@ -336,8 +334,8 @@ class ArrayOutput:
 class _ZeroUnit:
     """A ZeRO-1/2/3 checkpoint (native MoE and AutoEP included) or a ZeRO-0 MoE one: target files dealt
     one by one, each written through the one-worker plan restricted to it (`restrict_to_files`). Its
-    target, files, fingerprint and manifest are the collective job's (collective_job.WholeWorld.inspect,
-    _describe_output, _publish), so the set publishes the same bytes."""
+    target and files are the collective job's (collective_job.WholeWorld.inspect), its fingerprint and manifest
+    entries the one rule every job kind uses (manifest.output_entries), so the set publishes the same bytes."""
 
     source: SourceCheckpoint
     checkpoint: CheckpointTarget
@@ -362,23 +360,22 @@ class _ZeroUnit:
         pass  # the rounds keep every task within --memory-budget
 
     def output(self, opts: ReshardOptions, unit: Unit) -> ArrayOutput:
-        """What the set is: its fingerprint, manifest entries and where its copied files come from."""
-        source, carried, zero = self.source, self.carried, self.zero
+        """What the set is: its fingerprint, manifest entries (manifest.output_entries, as the collective job's)
+        and where its copied files come from."""
+        zero = self.zero
+        target_ep = self.target.ep if self.source.spec.experts is not None else None
+        return self._output(opts, outputs_of(unit.destination, self.source.save_dir, self.target.dp, 1, zero.stage,
+                                             target_ep))
+
+    def _output(self, opts: ReshardOptions, outputs: dict) -> ArrayOutput:
+        source, carried = self.source, self.carried
         names = [n for r in range(source.spec.topology.world_size)
                  for n in map(os.path.basename, source.source_files(r))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(carried)))
-        # an MoE output records its target ep, in fingerprint and manifest, as the collective job's does
-        target_ep = self.target.ep if source.spec.experts is not None else None
-        return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
-                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp,
-                                              target_stage=zero.changed_to, target_ep=target_ep),
-                           manifest_source_entry(source, identity),
-                           {"dp_world_size": opts.target_dp, "stage": zero.stage,
-                            **({"ep": target_ep} if target_ep is not None else {})},
-                           outputs_of(unit.destination, source.save_dir, opts.target_dp, 1, zero.stage, target_ep),
-                           carried,
-                           list(source.other_dirs))
+        entries = output_entries(opts, source, self.checkpoint, identity)
+        return ArrayOutput(source.tag, source.tag_dir, source.save_dir, entries.fingerprint, entries.source,
+                           entries.target, outputs, carried, list(source.other_dirs))
 
     def run_share(self, opts: ReshardOptions, unit: Unit, owners: dict, mine: list, place: dict) -> CheckpointResult:
         source, target, plan = self.source, self.target, self.plan
@@ -412,23 +409,11 @@ class _PipelineColumnsUnit(_ZeroUnit):
     (collective_job.inspect_pipeline_target): its target files dealt one by one over every target rank
     (stage, dp rank, model rank) and each written through the one-worker plan restricted to it, as a ZeRO
     save's; the layer files copied with tp kept, re-cut target files with tp changed.
-    Fingerprint and manifest are the collective job's (collective_job._describe_output, _publish), so the
-    set publishes the same bytes."""
+    Fingerprint and manifest entries are every job kind's (manifest.output_entries), so the set publishes
+    the same bytes."""
 
     def output(self, opts: ReshardOptions, unit: Unit) -> ArrayOutput:
-        source, target = self.source, self.target
-        names = [n for r in range(source.spec.topology.world_size) for n in map(os.path.basename,
-                                                                                 source.source_files(r))]
-        identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
-                                   | set(save_dir_files.manifest_names(self.carried)))
-        placement = pipeline_stage_placement(opts, source.spec, target.pp, target.tp)  # as the collective job's
-        return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
-                           output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, None,
-                                              placement=placement),
-                           {**source.manifest_source, "files": identity},
-                           {"dp_world_size": opts.target_dp, "pp": target.pp, "tp": target.tp, "stage": 1},
-                           outputs_of(unit.destination, source.save_dir, opts.target_dp, 1, 1), self.carried,
-                           list(source.other_dirs))
+        return self._output(opts, outputs_of(unit.destination, self.source.save_dir, self.target.dp, 1, 1))
 
 
 def _no_collectives(opts: ReshardOptions) -> str:

@@ -56,13 +56,7 @@ from reshard.jobs.lifecycle import (
 )
 from reshard.jobs.node_local import NodeLocal
 from reshard.jobs.node_local_columns import ColumnsOnNodes
-from reshard.jobs.manifest import (
-    manifest_source_entry,
-    output_fingerprint,
-    pipeline_stage_placement,
-    plan_fingerprint,
-    source_identity,
-)
+from reshard.jobs.manifest import output_entries, plan_fingerprint, source_identity
 from reshard.jobs.options import ReshardOptions
 from reshard.planning.plan import Ownership, ReshardPlan
 from reshard.jobs.preflight import (
@@ -360,26 +354,15 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
                      plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
     """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader."""
     topology, zero = target.topology, target.zero
-    target_tp = topology.tp if source.spec.tensor is not None else None
-    target_ep = _moe_target_ep(source, topology)
     identity = site.source_identity(source, carried)
-    placement = site.placement
-    stages = pipeline_stage_placement(opts, source.spec, topology.pp, topology.tp)
-    if stages is not None:  # what decides the new stages (node-local: beside the node's part)
-        placement = {**(placement or {}), **stages}
-    out_fp = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
-                                placement=placement, target_stage=zero.changed_to, target_ep=target_ep)
+    out_fp = output_entries(opts, source, target, identity, site.placement).fingerprint
+    target_ep = topology.ep if source.spec.experts is not None else None
     outputs = outputs_of(unit.destination, source.save_dir, topology.dp, 1 if source.spec.tensor is None else
                          topology.tp, zero.stage, target_ep)  # a pipeline's manifest names no tp_world_size
     return JobOutput(out_fp, destination_names(outputs, carried),
                      plan_fingerprint(out_fp, plan.ownership.workers, plan.budget_bytes), plan.rounds, identity,
                      needed_bytes=site.output_bytes(source, topology.dp, topology),
                      earlier=outputs.get(source.tag), latest=unit.latest)
-
-
-def _moe_target_ep(source: SourceCheckpoint, target: Topology) -> int | None:
-    """The target ep of an MoE checkpoint (recorded in its fingerprint and manifest), else None."""
-    return target.ep if source.spec.experts is not None else None
 
 
 def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: PhaseClock,
@@ -497,17 +480,6 @@ def _publish(opts, unit: Unit, source: SourceCheckpoint, target: CheckpointTarge
     for hashes in worker_hashes:
         files.update(hashes)
     files.update(save_dir_files.stage(source.save_dir, carried, staged, unit.destination) if carried else {})
-    spec = source.spec
-    target_entry = {"dp_world_size": target.topology.dp, "stage": target.zero.stage, **(site.placement or {})}
-    source_entry = manifest_source_entry(source, start.identity)
-    if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (pinned bytes)
-        source_entry = {**source.manifest_source, "files": start.identity}
-        target_entry = {"dp_world_size": target.topology.dp, "pp": target.topology.pp, "tp": target.topology.tp,
-                        "stage": 1, **(site.placement or {})}
-    elif spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
-        source_entry["tp_world_size"] = spec.topology.tp
-        target_entry["tp_world_size"] = target.topology.tp
-    if spec.experts is not None:  # likewise: only MoE manifests carry the target ep
-        target_entry["ep"] = _moe_target_ep(source, target.topology)
-    publish_checkpoint(staging, start.output_fingerprint, source_entry, target_entry, files, unit.latest,
+    entries = output_entries(opts, source, target, start.identity, site.placement)
+    publish_checkpoint(staging, start.output_fingerprint, entries.source, entries.target, files, unit.latest,
                        site.scripts_from(source), carried)

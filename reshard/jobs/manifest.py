@@ -93,6 +93,53 @@ def manifest_source_entry(source: "SourceCheckpoint", identity: dict) -> dict:
             "stage": spec.stage, "optimizer": spec.optimizer, "description": spec.describe(), "files": identity}
 
 
+@dataclass(frozen=True)
+class OutputEntries:
+    """What identifies a resharded output and what its manifest says of it (`output_entries`)."""
+
+    fingerprint: str
+    """`output_fingerprint`."""
+    source: dict
+    """The manifest's "source" entry, "files" (the source identity) included."""
+    target: dict
+    """The manifest's "target" entry."""
+
+
+def output_entries(opts, source: "SourceCheckpoint", target, identity: dict, placement: dict | None = None
+                   ) -> OutputEntries:
+    """The fingerprint and manifest entries of `source` resharded to `target` (a reshard.jobs.preflight.
+    CheckpointTarget: dp, tp, pp, ep and the ZeRO stage from it, never from the options), one rule for every
+    job kind that writes one (collective_job._describe_output and _publish, array_job's units), so their
+    outputs agree byte for byte.
+
+        entries = output_entries(opts, source, checkpoint_target(opts, source), identity)
+
+    `identity`: the source files' `source_identity`. `placement`: a node-local output's node and ranks per
+    node (which files it holds), in fingerprint and target entry. Keys only some saves have stay theirs:
+    a tensor-parallel save's tp in its fingerprint and tp_world_size entries, an MoE save's target ep, a
+    pipeline's layer list when its stages change (`pipeline_stage_placement`) and its own manifest source."""
+    spec, topology, zero = source.spec, target.topology, target.zero
+    target_tp = topology.tp if spec.tensor is not None else None
+    target_ep = topology.ep if spec.experts is not None else None
+    stages = pipeline_stage_placement(opts, spec, topology.pp, topology.tp)
+    fingerprint = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
+                                     placement=placement if stages is None else {**(placement or {}), **stages},
+                                     target_stage=zero.changed_to, target_ep=target_ep)
+    if source.manifest_source is not None:  # a pipeline's, as every job kind writes it (pinned bytes)
+        source_entry = {**source.manifest_source, "files": identity}
+        target_entry = {"dp_world_size": topology.dp, "pp": topology.pp, "tp": topology.tp, "stage": 1,
+                        **(placement or {})}
+    else:
+        source_entry = manifest_source_entry(source, identity)
+        target_entry = {"dp_world_size": topology.dp, "stage": zero.stage, **(placement or {})}
+        if spec.tensor is not None:  # data-parallel manifests keep their keys (and bytes) as before
+            source_entry["tp_world_size"] = spec.topology.tp
+            target_entry["tp_world_size"] = topology.tp
+    if target_ep is not None:  # likewise: only MoE manifests carry the target ep
+        target_entry["ep"] = target_ep
+    return OutputEntries(fingerprint, source_entry, target_entry)
+
+
 def plan_fingerprint(output: str, workers: int, budget_bytes: int) -> str:
     return _digest({"output": output, "workers": workers, "budget": budget_bytes})
 

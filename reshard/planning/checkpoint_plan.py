@@ -333,29 +333,51 @@ def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budge
     for layer in axis.layer_spaces:
         sizes = module_buffer_numels(layer.tensors, GlobalSpace.of(layer.tensors, source_tp=spec.topology.tp,
                                                                    target_tp=target.tp), target.tp)
-        for copy in (None, *spec.layer_copies):
-            old, new = layer_copy_pieces(layer, spec.topology, target, copy)
-            holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
-            spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
-                                     round_offset=spaces[-1].round_offset + spaces[-1].rounds,
-                                     receiving_ranks=int(holders.max())))
+        old, new = every_copy_pieces(layer_copy_pieces, layer, spec.topology, target, spec.layer_copies)
+        holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
+        spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
+                                 round_offset=spaces[-1].round_offset + spaces[-1].rounds,
+                                 receiving_ranks=int(holders.max())))
     return tuple(spaces)
 
 
 def plan_kept_layer_files(spec, target: Topology, ownership: Ownership, budget_bytes: int, after) -> list:
     """A PipelineModule save with tp kept whose layer files are tensors of the plan (spec.kept_layer_files: a
     node-local job): each dtype's layer-file tensors, each model rank's whole, moved after the space `after`,
-    once for dp rank 0 of each column and once per extra copy (spec.layer_copies, `kept_layer_pieces`)."""
+    for dp rank 0 of each column and every extra copy (spec.layer_copies) in one space (`every_copy_pieces`)."""
     spaces = [after]
     for layer in spec.kept_layer_files.layer_spaces if spec.kept_layer_files is not None else ():
         sizes = tuple(int(np.prod(shape, dtype=np.int64)) for shape in layer.tensors.shapes)
-        for copy in (None, *spec.layer_copies):
-            old, new = kept_layer_pieces(layer, spec.topology, target, copy)
-            holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
-            spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
-                                     round_offset=spaces[-1].round_offset + spaces[-1].rounds,
-                                     receiving_ranks=int(holders.max()) if len(new.rank) else 1))
+        old, new = every_copy_pieces(kept_layer_pieces, layer, spec.topology, target, spec.layer_copies)
+        holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
+        spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
+                                 round_offset=spaces[-1].round_offset + spaces[-1].rounds,
+                                 receiving_ranks=int(holders.max()) if len(new.rank) else 1))
     return spaces[1:]
+
+
+def every_copy_pieces(copy_pieces, layer, source: Topology, target: Topology,
+                      copies: Sequence[Sequence[int]]) -> tuple[PieceTable, PieceTable]:
+    """(source pieces, target pieces) of every copy of a pipeline's layer files of one dtype in one space:
+    `copy_pieces(layer, source, target, copy)` (`layer_copy_pieces` or `kept_layer_pieces`) of dp rank 0's
+    copy, then of each of `copies` (CheckpointSpec.layer_copies), their logical spaces laid end to end. Every
+    copy of a tensor maps to the same source elements and fills the same buffer (tensor j is buffer j) on its
+    ranks, so it falls in the same round window: the reader packs those elements once and copies them for
+    the other copies (transport/read_once.py), as GlobalSpace's replicated parameters are served to every
+    target TP rank, and each source byte is read once however many nodes get the files. Pure."""
+    pairs = [copy_pieces(layer, source, target, copy) for copy in (None, *copies)]
+    return joined_pieces([old for old, _ in pairs]), joined_pieces([new for _, new in pairs])
+
+
+def joined_pieces(tables: Sequence[PieceTable]) -> PieceTable:
+    """The piece tables laid end to end in one logical space (table k's pieces after those of the tables
+    before it), strided columns kept where any table has them. Pure."""
+    strided, base, columns = any(t.strided for t in tables), 0, []
+    for table in tables:
+        columns.append((table.start + base, table.rank, table.buffer, table.offset,
+                        *(table.stride_columns() if strided else ())))
+        base += table.total
+    return table_from_columns(columns, base)
 
 
 def kept_layer_pieces(layer, source: Topology, target: Topology, copy: Sequence[int] | None = None
