@@ -421,7 +421,7 @@ class _PipelineColumnsUnit(_ZeroUnit):
                                                                                  source.source_files(r))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(self.carried)))
-        placement = pipeline_stage_placement(opts, source.spec, target.pp, target.tp)  # as the collective job's
+        placement = pipeline_stage_placement(opts, source.spec, target)  # as the collective job's
         return ArrayOutput(source.tag, source.tag_dir, source.save_dir,
                            output_fingerprint(source.save_dir, source.tag, identity, opts.target_dp, None,
                                               placement=placement),
