@@ -20,7 +20,7 @@ one worker of the job derives, the way a real job derives it: the source spec as
 ZeRO-1 save; `spec.params` every column's end to end), the layer list checked against the source's
 stages and the target stages assigned (`layouts.pipeline.assign_stages`, "parameters" method, as
 `collective_job.pipeline_stage_change` gets them through `formats/pipeline_target.pipeline_target`), the target
-columns set on the spec (`target_columns`); then `plan_reshard` (the plan every worker derives:
+columns set on the target topology (`Topology.stages`); then `plan_reshard` (the plan every worker derives:
 `plan_pipeline_stage_change`, or `plan_pipeline_columns` when pp is kept), that worker's view
 (`worker_view`, buffer sizes), and every one of its rounds (`WorkerPlan.round`), as the exchange asks
 for them; apart, `plan.round_bytes()`, which worker 0 adds for its progress bar on a terminal.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import dataclasses
 import json
 import math
 import os
@@ -109,7 +108,7 @@ def run_case(source: tuple[int, int, int], target: tuple[int, int, int], workers
     from reshard.layouts.pipeline import PipelineLayers, assign_stages
     from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, Stream
     from reshard.planning.checkpoint_plan import plan_reshard
-    from reshard.topology import Topology
+    from reshard.topology import PipelineStages, Topology
     (spp, stp, sdp), (tpp, ttp, tdp) = source, target
     if stp != ttp:
         raise SystemExit("a tp change is not on the planner on this branch (pptp's part): keep tp")
@@ -126,10 +125,9 @@ def run_case(source: tuple[int, int, int], target: tuple[int, int, int], workers
                           tuple(p for params, _ in columns for p in params), columns[0][1], False, 1, DEFAULT_SUB_GROUP_SIZE, "bfloat16",
                           streams, columns=columns)
     target_stages = assign_stages("parameters", layers, numels, tpp) if tpp != spp else None
-    if target_stages is not None:
-        spec = dataclasses.replace(spec, target_columns=columns_of(target_stages, shapes, ttp, saved=False))
+    stages = None if target_stages is None else PipelineStages(columns_of(target_stages, shapes, ttp, saved=False))
     t1 = time.perf_counter()
-    plan = plan_reshard(spec, Topology(dp=tdp, tp=ttp, pp=tpp), workers, budget)
+    plan = plan_reshard(spec, Topology(dp=tdp, tp=ttp, pp=tpp, stages=stages), workers, budget)
     t2 = time.perf_counter()
     view = plan.worker_view(worker)
     send_buffer, receive_buffer = view.buffer_bytes()

@@ -42,6 +42,7 @@ there the checkpoint is resharded into a temporary staging directory, loaded, an
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -307,9 +308,10 @@ def _engine_stage(engine) -> tuple:
 
 
 def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pickle: bool, layers=None,
-                                bounds=None) -> SourceCheckpoint:
-    """The save as the main road takes it (inspect_pipeline_columns), its target columns the engine's own
-    stages when pp or tp changes (collective_job.with_target_stages; at another tp at the engine's local
+                                bounds=None) -> tuple[SourceCheckpoint, Topology]:
+    """(source, target) of the save as the main road takes it (inspect_pipeline_columns), `target` with the
+    engine's own stages when pp or tp changes (`Topology.stages`, collective_job.target_stages; at another tp at
+    the engine's local
     shapes, with the model axis the offline job plans, collective_job.with_model_axis, by the save's rules,
     formats/pipeline_target.model_axis_plan, for the engine's `layers` (`_engine_layers`) and stage `bounds`
     (module.py `parts`)), each checked against what the engine's ranks train (`stages`: every rank's
@@ -317,7 +319,7 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
     from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
     from reshard.formats.deepspeed_pipeline import source_groups
     from reshard.formats.pipeline_target import model_axis_plan
-    from reshard.jobs.collective_job import with_model_axis, with_target_stages
+    from reshard.jobs.collective_job import target_stages, with_model_axis
     source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle, pipe=pipe)
     by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
                 if model == 0 and dp == 0}
@@ -344,12 +346,12 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
     rules, shapes = model_axis_plan(pipe, layers, target.tp, f"this engine's tp {target.tp}") if tp_changed \
         else (None, None)
     if target.pp != pipe.pp or tp_changed:
-        source = with_target_stages(source, pipe, [[n for group in by_stage[s][0] for n in group]
-                                                   for s in range(target.pp)],
-                                    [by_stage[s][2] for s in range(target.pp)], shapes=shapes, tp=target.tp)
+        target = dataclasses.replace(target, stages=target_stages(
+            pipe, [[n for group in by_stage[s][0] for n in group] for s in range(target.pp)],
+            [by_stage[s][2] for s in range(target.pp)], shapes=shapes, tp=target.tp))
     if tp_changed:  # the layer files re-cut in the plan, as the offline job's (collective_job.pipeline_stage_change)
         source = with_model_axis(source, pipe, rules, layers, bounds, target.tp, trust_pickle)
-    columns = source.spec.target_columns if source.spec.target_columns is not None else source.spec.columns
+    columns = target.stages.columns if target.stages is not None else source.spec.columns
     for stage, model, _, names, shapes_here, _ in stages:
         params, groups = columns[stage * target.tp + model]
         saved = [[params[i].name for i in group] for group in groups]
@@ -363,7 +365,7 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
                                                         f"{f' at tp {target.tp}' if tp_changed else ''}, this "
                                                         f"engine of shape {list(shapes_here[param.name])}: the "
                                                         "engine's model differs from the saved one")
-    return source
+    return source, target
 
 
 def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: bool, kwargs: dict):
@@ -394,8 +396,8 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     started = time.perf_counter()
     layers, bounds = (_engine_layers(engine), tuple(int(b) for b in engine.module.parts)) if tp != pipe.tp \
         else (None, None)
-    source = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle, layers,
-                                                                     bounds))
+    source, target = on_rank0(transport, lambda: pipeline_columns_for_engine(pipe, target, stages, trust_pickle,
+                                                                             layers, bounds))
     plan = plan_reshard(source.spec, target, transport.size, budget)
     objects = _reshard_in_memory(source, target, plan, transport, trust_pickle)
     column = target.rank_of(0, model_rank, stage)

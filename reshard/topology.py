@@ -13,7 +13,11 @@ Sizes, as DeepSpeed defines them (runtime/engine.py, utils/groups.py):
   ranks (utils/groups.py `_create_expert_and_data_parallel`), so `ep` divides `dp` and expert
   parameters are ZeRO-partitioned over `dp // ep` expert-data-parallel ranks. With tp > 1
   (AutoEP folded with AutoTP, the only way DeepSpeed 0.19.8 combines them) see below;
-- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.layouts.pipeline);
+- `pp`: pipeline stages (DeepSpeed PipelineModule saves; reshard.layouts.pipeline). A target at
+  another pp or tp of a pipeline save also says which parameters each of its stages holds
+  (`Topology.stages`, a `PipelineStages`): the stage assignment is the target's, worked out once where the
+  source is inspected (reshard.jobs.collective_job.pipeline_stage_change), and travels with the target's
+  axes to the planner and the writers; a source's stages are its spec's (`CheckpointSpec.columns`);
 - room for `sp` (not a field yet): DeepSpeed Ulysses partitions ZeRO over the sequence-data-parallel
   group of sp x dp ranks and saves that product as `dp_world_size`, so a save's and a target's `dp`
   here count sp x dp ranks, and the target sp is checked against it where the batch config is
@@ -44,7 +48,7 @@ are exactly the plain AutoEP groups above; DeepSpeed refuses ep = 1 with tp > 1 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard.errors import TopologyError
 
@@ -55,6 +59,21 @@ class RankCoordinates:
     dp: int
     tp: int = 0
     pp: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """Which parameters each stage of a pipeline target holds, where its stages or model ranks differ
+    from the source's (another pp or tp): DeepSpeed's layer partition at the target (reshard.layouts.pipeline
+    .StageAssignment), lowered to what the planner and the writers lay out."""
+
+    columns: tuple
+    """Per target column (stage * tp + model rank): its (params, groups), the `ParamSpec`s at the target's
+    local shapes and the param groups as indices into them: a ZeRO-1 save over that stage's parameters
+    (reshard.formats.deepspeed_spec.CheckpointSpec.layout lays a target of these out)."""
+    buffer_names: tuple = ()
+    """Per target stage, its persistent buffers' names as its model-states file lists them (empty when the
+    save lists none)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,10 @@ class Topology:
     """Expert-parallel ranks, taken from the ranks of a stage (divides dp * tp; dp when tp = 1)."""
     pp: int = 1
     """Pipeline stages."""
+    stages: PipelineStages | None = field(default=None, compare=False, repr=False)
+    """A pipeline target at another pp or tp: its stages (`PipelineStages`); None for a source, for every
+    other save, and for a pipeline target whose stages are the source's. Not part of equality: two
+    topologies with the same axes have the same ranks."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "ep", "pp"):

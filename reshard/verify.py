@@ -382,9 +382,10 @@ def _inspect_pipelines(source_dir: str, destination: str, tag: str, trust_pickle
 def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pickle: bool
                            ) -> tuple[SourceCheckpoint, SourceCheckpoint]:
     """A pipeline source and output as the main road takes them (inspect_pipeline_columns); at another pp
-    the source's target columns are the output's own stages (collective_job.with_target_stages), which
-    `_pipeline_file_problems` checks against the source's parameters and layers."""
-    from reshard.jobs.collective_job import with_target_stages
+    the output's topology, which the plan takes as the target, carries its own stages (`Topology.stages`,
+    collective_job.target_stages), which `_pipeline_file_problems` checks against the source's parameters and
+    layers."""
+    from reshard.jobs.collective_job import target_stages
     source_pipe, target_pipe = _inspect_pipelines(source_dir, destination, tag, trust_pickle)
     if target_pipe.bf16 != source_pipe.bf16:
         raise CheckpointError(target_pipe.tag_dir, f"is not a reshard of {source_pipe.tag_dir}: bf16 prefix differs")
@@ -400,9 +401,9 @@ def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pi
                 raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}:"
                                                                           f" it holds {unknown}, which no source stage"
                                                                           " holds")
-        source = with_target_stages(source, source_pipe, [[n for group in spec.names for n in group]
-                                                          for spec in target_pipe.stages],
-                                    [spec.buffer_names for spec in target_pipe.stages])
+        target = _with_stages(target, target_stages(source_pipe, [[n for group in spec.names for n in group]
+                                                                 for spec in target_pipe.stages],
+                                                    [spec.buffer_names for spec in target_pipe.stages]))
     elif target.spec.columns != source.spec.columns:
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its stages hold other "
                                               "parameters or param groups at the same number of stages")
@@ -417,14 +418,14 @@ def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pi
 def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, source_pipe, target_pipe,
                             trust_pickle: bool) -> tuple[SourceCheckpoint, SourceCheckpoint]:
     """A pipeline output at another tp, as the plan replays it: the source's target columns the output's
-    stages at the output's local shapes and its model axis (collective_job.with_target_stages and
+    stages at the output's local shapes, on the output's topology, and its model axis (collective_job.target_stages and
     with_model_axis, by the save's rules, formats/pipeline_target.model_axis_plan, the layer list as far as
     naming a layer file's tensors needs it, `_layers_from_names`); the output given the same model axis, its
     layer files read as the target stage's (SourceCheckpoint.layer_file_names), so that each target rank's
     re-cut layer tensors are compared like its flat buffers. CheckpointError naming the file where the
     output cannot be such a reshard (no model axis on either side, no rules)."""
     from reshard.formats.pipeline_target import model_axis_plan
-    from reshard.jobs.collective_job import with_model_axis, with_target_stages
+    from reshard.jobs.collective_job import target_stages, with_model_axis
     if not (source_pipe.has_model_axis and target_pipe.has_model_axis):
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
                                               f"{target_pipe.tp}, the source's {source_pipe.tp}, and "
@@ -438,11 +439,11 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
                                                                       f"holds {unknown}, which no source stage holds")
     layers = _layers_from_names(source_pipe, trust_pickle)
     rules, shapes = model_axis_plan(source_pipe, layers, target_pipe.tp, f"an output at tp {target_pipe.tp}")
-    source = with_target_stages(source, source_pipe, [[n for group in spec.names for n in group]
-                                                      for spec in target_pipe.stages],
-                                [spec.buffer_names for spec in target_pipe.stages], shapes=shapes, tp=target_pipe.tp)
+    stages = target_stages(source_pipe, [[n for group in spec.names for n in group] for spec in target_pipe.stages],
+                           [spec.buffer_names for spec in target_pipe.stages], shapes=shapes, tp=target_pipe.tp)
     source = with_model_axis(source, source_pipe, rules, layers, _stage_bounds(target_pipe, layers.count),
                              target_pipe.tp, trust_pickle)
+    target = _with_stages(target, stages)
     target = dataclasses.replace(target, spec=dataclasses.replace(target.spec, model_axis=source.spec.model_axis),
                                  layer_templates=tuple((index, stage, stage, tree)
                                                        for index, _, stage, tree in source.layer_templates))
@@ -452,6 +453,14 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
                                                   f"({_clip(getattr(source.spec, name))} vs "
                                                   f"{_clip(getattr(target.spec, name))})")
     return source, target
+
+
+def _with_stages(output: SourceCheckpoint, stages) -> SourceCheckpoint:
+    """`output` whose topology, the target the plan replays the reshard to, carries the stages it was written
+    with (`Topology.stages`): they are its own, so reading it lays out its own columns as before."""
+    spec = output.spec
+    return dataclasses.replace(output, spec=dataclasses.replace(spec, topology=dataclasses.replace(
+        spec.topology, stages=stages)))
 
 
 def _stage_bounds(pipe, count: int) -> tuple[int, ...]:

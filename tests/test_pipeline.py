@@ -680,8 +680,8 @@ def test_in_job_target_stages_are_the_engines_and_a_differing_engine_is_refused_
     def engine(names_per_group, shapes=shapes):
         return [(0, 0, d, names_per_group, {n: tuple(shapes.get(n, (1,))) for g in names_per_group for n in g}, ())
                 for d in range(2)]
-    source = pipeline_columns_for_engine(pipe, target, engine([names]), False)
-    [(params, groups)] = source.spec.target_columns
+    _, target_of_engine = pipeline_columns_for_engine(pipe, target, engine([names]), False)
+    [(params, groups)] = target_of_engine.stages.columns
     assert [p.name for p in params] == names and groups == (tuple(range(len(names))),)
     model = f"{save_dir}/step3/mp_rank_00_model_states.pt"
     with pytest.raises(UnsupportedCheckpoint, match=re.escape(model) + ".*holds no parameter 9.weight, which stage 0"):

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from trained import reshard_cli
 
@@ -74,3 +76,23 @@ def test_dry_run_summary_prints_each_note_once():
                               2, "gloo", 0, 0.0, True, None, notes=[note])
     summary = result.summary()
     assert summary.count(note) == 1 and "source dp=2 tp=1 ep=1 -> target dp=4 tp=1 ep=2" in summary
+
+
+def test_a_pipeline_targets_stages_travel_on_its_topology_and_stay_out_of_its_equality():
+    # issue 37: the spec describes the source; a target at another pp carries its own stages
+    # (Topology.stages), which CheckpointSpec.layout lays out for that target and for no other topology
+    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, ParamSpec, Stream
+    from reshard.planning.checkpoint_plan import plan_reshard
+    from reshard.topology import PipelineStages
+    a, b, c = ParamSpec("0.w", (4,)), ParamSpec("1.w", (6,)), ParamSpec("2.w", (2,))
+    columns = (((a, b), ((0, 1),)), ((c,), ((0,),)))  # the source: two stages
+    spec = CheckpointSpec(1, "adam", False, Topology(dp=1, pp=2), (a, b, c), columns[0][1], False, 1,
+                          DEFAULT_SUB_GROUP_SIZE, "float32", (Stream("fp32", "float32", 4),), columns=columns)
+    target = Topology(dp=2, pp=1, stages=PipelineStages((((a, b, c), ((0, 1, 2),)),), (("0.b",),)))
+    assert target == Topology(dp=2, pp=1) and hash(target) == hash(Topology(dp=2, pp=1))
+    assert [p.name for p in spec.layout(target, 1, 0, 0).params] == ["0.w", "1.w", "2.w"]
+    assert [p.name for p in spec.layout(spec.topology, 1, 0, 1).params] == ["2.w"]  # the source's own
+    plan = plan_reshard(spec, target, 1, 1 << 20)
+    assert [s.name for s in plan.spaces] == ["optim"]
+    assert not any(f.name.startswith("target") for f in dataclasses.fields(CheckpointSpec))

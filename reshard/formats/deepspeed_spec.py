@@ -81,16 +81,10 @@ class CheckpointSpec:
     """A PipelineModule save (tp and pp kept): per column, mp index stage * tp + model rank, its own
     (params, groups), a ZeRO-1 save over that stage's parameters; `params` then holds every column's
     end to end (the space) and `groups` column 0's. None for every other save."""
-    target_columns: tuple | None = None
-    """A pipeline save resharded to another number of stages (tp kept): per target column, its
-    (params, groups) from the target layer partition (layouts/pipeline.StageAssignment), which
-    `layout` gives for a Topology of another pp; None otherwise."""
-    target_buffer_names: tuple = ()
-    """With `target_columns`: per target stage, its `buffer_names` (empty when the save has none)."""
     model_axis: PipelineModelAxis | None = None
     """A pipeline save resharded to another tp (its model axis): each parameter's split and whole shape
-    and the layer files' tensors (reshard.layouts.model_axis); `target_columns` then hold the target's
-    local shapes. None otherwise."""
+    and the layer files' tensors (reshard.layouts.model_axis); the target's stages (`Topology.stages`) then hold
+    the target's local shapes. None otherwise."""
     kept_layer_files: PipelineModelAxis | None = None
     """A pipeline save with tp kept whose layer files are tensors of the plan (a node-local job: they are written
     on every node whose ranks load them, deepspeed_pipeline.kept_layer_files): each model rank's tensors whole.
@@ -134,11 +128,12 @@ class CheckpointSpec:
                ) -> Zero12Layout | Zero3Layout | ExpertZero12Layout | ExpertZero3Layout:
         """ZeRO layout over `world` (a Topology, or a dp size) of the TP-local parameters of TP rank
         `tp_rank` of `tp` (default: the source's TP size); of a pipeline save, that of column
-        (stage `pp_rank`, model rank `tp_rank`). An MoE checkpoint's layout depends on ep, so it takes
-        a Topology."""
+        (stage `pp_rank`, model rank `tp_rank`), at a target Topology of another pp or tp that target's own
+        stages (`Topology.stages`). An MoE checkpoint's layout depends on ep, so it takes a Topology."""
         if self.columns is not None:
-            columns = self.columns if self.target_columns is None or not isinstance(world, Topology) or \
-                (world.pp, world.tp) == (self.topology.pp, self.topology.tp) else self.target_columns  # the target
+            stages = world.stages if isinstance(world, Topology) else None
+            columns = self.columns if stages is None or \
+                (world.pp, world.tp) == (self.topology.pp, self.topology.tp) else stages.columns  # the target's
             params, groups = columns[pp_rank * (self.topology.tp if tp is None else tp) + tp_rank]
             return zero12_layout(params, groups, world.dp if isinstance(world, Topology) else world,
                                  round_robin=self.round_robin, param_alignment=self.param_alignment)
@@ -230,9 +225,10 @@ class SourceCheckpoint:
     out (collective_job.source_target, which needs it for another pp or tp and then drops it), so the stage
     pickles are read once and never shipped to the workers."""
 
-    def templates(self, at) -> tuple[Any, Any, str, str]:
+    def templates(self, at, target: Topology | None = None) -> tuple[Any, Any, str, str]:
         """(optim tree, model tree, optim file name, model file name) the target files of the rank at
-        coordinates `at` are built from: rank 0's, or its pipeline column's dp rank 0's."""
+        coordinates `at` of `target` are built from: rank 0's, or its pipeline column's dp rank 0's (at a
+        target with stages of its own, `Topology.stages`, stage 0's)."""
         if not self.column_templates:
             return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
         tp = self.spec.topology.tp
@@ -241,7 +237,8 @@ class SourceCheckpoint:
             # of model rank 0 where the source has none
             optim_column, model_column = 0, at.tp if at.tp < tp else 0
         else:  # a stage change: stage 0's, as the pipeline job's (deepspeed_pipeline.named_states)
-            optim_column = model_column = at.tp if self.spec.target_columns is not None else at.pp * tp + at.tp
+            optim_column = model_column = at.tp if target is not None and target.stages is not None \
+                else at.pp * tp + at.tp
         optim_rank, model_rank = (self.spec.topology.rank_of(0, c % tp, c // tp) for c in (optim_column, model_column))
         return (self.column_templates[optim_column][0], self.column_templates[model_column][1],
                 self.optim_name(optim_rank), self.model_name(model_rank))

@@ -58,7 +58,7 @@ def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[
     spec = source.spec
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp, at.pp)
-    optim_template, _, optim_name, _ = source.templates(at)  # a pipeline column's own
+    optim_template, _, optim_name, _ = source.templates(at, target)  # a pipeline column's own
     optim_tree = _optim_tree(source, layout, at.dp, optim_template)
     if spec.experts is not None and spec.tensor is not None:
         _set_optim_folding(optim_tree, spec, layout, target, rank)
@@ -92,9 +92,9 @@ def zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int) -> 
 def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, layout) -> TargetFile:
     spec = source.spec
     at = target.coordinates(rank)
-    _, model_template, _, model_name = source.templates(at)  # a pipeline column's own
+    _, model_template, _, model_name = source.templates(at, target)  # a pipeline column's own
     tree = zero12_model_tree(source, layout, model_template)
-    if spec.target_columns is not None and (target.pp, target.tp) != (spec.topology.pp, spec.topology.tp):
+    if target.stages is not None and (target.pp, target.tp) != (spec.topology.pp, spec.topology.tp):
         _retarget_pipeline_stages(tree, spec, target, at.pp)
     if spec.tensor is not None:
         _reslice_tensor_parallel_model(tree, spec, target, at.tp)
@@ -104,11 +104,11 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
 
 
 def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) -> None:
-    """A stage file at another number of stages: its buffers, and the model-parallel size (pp * tp) and
-    pp degree as engine.py saves them, set as the deleted pipeline job set them
-    (the pinned bytes of tests/test_pipeline_pinned.py), key order kept."""
-    if spec.target_buffer_names:
-        tree["buffer_names"] = list(spec.target_buffer_names[stage])
+    """A stage file at another number of stages: its buffers (the target's, `Topology.stages`), and the
+    model-parallel size (pp * tp) and pp degree as engine.py saves them, set as the deleted pipeline job set
+    them (the pinned bytes of tests/test_pipeline_pinned.py), key order kept."""
+    if target.stages.buffer_names:
+        tree["buffer_names"] = list(target.stages.buffer_names[stage])
     tree["mp_world_size"] = target.pp * target.tp
     tree["checkpoint_parallel_dimensions"] = {**(tree.get("checkpoint_parallel_dimensions") or {}),
                                               "pp_degree": target.pp,

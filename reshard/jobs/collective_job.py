@@ -73,7 +73,7 @@ from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.source_reader import SourceReader
 from reshard.formats.stage_change import ZeroStageTarget
 from reshard.formats.target_writer import TargetWriter
-from reshard.topology import Topology
+from reshard.topology import PipelineStages, Topology
 from reshard.transport import Transport, transport_from_environment
 
 
@@ -280,21 +280,23 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
     """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
     options checked) from the layer list (reshard.formats.pipeline_target.pipeline_target, which every job
     kind shares; with tp changed, weighed at the target's local shapes; the batch config is preflight's),
-    each target column's (params at its local shapes, groups) and each stage's buffers set on the spec
-    (`with_target_stages`), with tp changed each parameter's split and the layer files' tensors too
-    (`model_axis`, deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not
-    carried), the target topology at the new pp and tp, and a note saying how the layers were re-assigned."""
+    the target topology at the new pp and tp with each target column's (params at its local shapes, groups)
+    and each stage's buffers as its stages (`target_stages`, `Topology.stages`), with tp changed each
+    parameter's split and the layer files' tensors set on the source (`model_axis`,
+    deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not carried), and a
+    note saying how the layers were re-assigned."""
     from reshard.formats.deepspeed_pipeline import inspect_pipeline
     from reshard.formats.pipeline_target import pipeline_target
     pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     planned = pipeline_target(opts, pipe)
     stages, tp = planned.stages, planned.topology.tp
-    source = with_target_stages(source, pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)
     if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
         source = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
                                  opts.trust_pickle)
     kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)  # the stage form
-    target = dataclasses.replace(kept, topology=planned.topology)  # pipeline_target's, worked out there once
+    # pipeline_target's topology, worked out there once, with its stages
+    target = dataclasses.replace(kept, topology=dataclasses.replace(planned.topology, stages=target_stages(
+        pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
     if planned.tp_changed:
@@ -305,7 +307,7 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
 
 def with_model_axis(source: SourceCheckpoint, pipe, rules, layers, bounds, tp: int, trust_pickle: bool = False
                     ) -> SourceCheckpoint:
-    """`source` (with its target stages set, `with_target_stages` at `tp`) with a tp change's model axis
+    """`source` (whose target's stages, `target_stages`, are at `tp`) with a tp change's model axis
     (deepspeed_pipeline.pipeline_model_axis: each parameter's split by `rules`, the save's patterns, and the
     layer files' tensors, the target stages holding layers `bounds[s]..bounds[s + 1] - 1`): the layer files
     then move through the plan, re-cut, no longer carried. The offline job takes `layers` and `bounds` from
@@ -317,10 +319,10 @@ def with_model_axis(source: SourceCheckpoint, pipe, rules, layers, bounds, tp: i
                                other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
 
 
-def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names, *, shapes: dict | None = None,
-                       tp: int | None = None) -> SourceCheckpoint:
-    """`source` (inspect_pipeline_columns) with the target stages set on its spec (`target_columns`):
-    per target stage its parameter `names` and persistent `buffer_names`, each stage's column repeated
+def target_stages(pipe, names, buffer_names, *, shapes: dict | None = None, tp: int | None = None
+                  ) -> PipelineStages:
+    """The stages of a pipeline target at another pp or tp (`Topology.stages`, which the planner and the writers
+    lay out): per target stage its parameter `names` and persistent `buffer_names`, each stage's column repeated
     for the target's `tp` model ranks (default the save's), the `shapes` (default the save's: local shapes
     at the target tp when it changes) and param groups the save's (`pipe`: inspect_pipeline). The
     offline job takes the stages from the layer list (pipeline_stage_change), the in-job load from the
@@ -336,8 +338,7 @@ def with_target_stages(source: SourceCheckpoint, pipe, names, buffer_names, *, s
                   tuple(tuple(index[name] for name in group)
                         for group in split_by_group(stage_names, group_of, count)))
         columns += [column] * (tp or pipe.tp)
-    spec = dataclasses.replace(source.spec, target_columns=tuple(columns), target_buffer_names=tuple(buffer_names))
-    return dataclasses.replace(source, spec=spec)
+    return PipelineStages(tuple(columns), tuple(buffer_names))
 
 
 def tensor_parallel_notes(spec) -> list[str]:

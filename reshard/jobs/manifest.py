@@ -65,15 +65,16 @@ def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, 
     return _digest(fields)
 
 
-def pipeline_stage_placement(opts, spec, pp: int, tp: int) -> dict | None:
+def pipeline_stage_placement(opts, spec, target) -> dict | None:
     """What decides a pipeline output's new stages (and, with a model axis re-cut, its model ranks), for
     its fingerprint: the layer list and partition options, None where the stages are kept. One rule for
     every job kind that writes one (the collective job, array tasks), so their manifests agree byte for
-    byte. `opts`: ReshardOptions; `spec`: the source's CheckpointSpec."""
-    if spec.target_columns is None:
+    byte. `opts`: ReshardOptions; `spec`: the source's CheckpointSpec; `target`: the target Topology (its
+    `stages` set where they are re-assigned)."""
+    if target.stages is None:
         return None
-    return {"pp": pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-            "partition": opts.pipeline_partition, **({"tp": tp} if spec.model_axis else {})}
+    return {"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
+            "partition": opts.pipeline_partition, **({"tp": target.tp} if spec.model_axis else {})}
 
 
 def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
@@ -121,7 +122,7 @@ def output_entries(opts, source: "SourceCheckpoint", target, identity: dict, pla
     spec, topology, zero = source.spec, target.topology, target.zero
     target_tp = topology.tp if spec.tensor is not None else None
     target_ep = topology.ep if spec.experts is not None else None
-    stages = pipeline_stage_placement(opts, spec, topology.pp, topology.tp)
+    stages = pipeline_stage_placement(opts, spec, topology)
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
                                      placement=placement if stages is None else {**(placement or {}), **stages},
                                      target_stage=zero.changed_to, target_ep=target_ep)

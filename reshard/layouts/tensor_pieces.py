@@ -247,11 +247,11 @@ def pipeline_model_axis_pieces(source_columns, target_columns, splits: Mapping[s
     """(source pieces, target pieces) of a PipelineModule save whose model axis (tp) changes, its stages
     kept or re-assigned (docs/architecture.md, "One road").
 
-        old, new = pipeline_model_axis_pieces(spec.columns, spec.target_columns, axis.splits, axis.shapes,
+        old, new = pipeline_model_axis_pieces(spec.columns, target.stages.columns, axis.splits, axis.shapes,
                                               spec.topology, target)
 
     `*_columns`: per column (mp index stage * tp + model rank) its (params at that side's local shapes,
-    groups), a ZeRO-1 save over its stage's parameters (CheckpointSpec.columns / target_columns); every
+    groups), a ZeRO-1 save over its stage's parameters (CheckpointSpec.columns / the target's Topology.stages); every
     model rank of a stage holds the same names. `splits`, `shapes`: each parameter's split over the model
     axis and whole shape, by name (reshard.layouts.model_axis.PipelineModelAxis). The space is the target
     stages end to end, each the `GlobalSpace` of its parameters (whole, a replicated one once per target

@@ -312,21 +312,21 @@ def plan_pipeline_columns(spec, target: Topology, ownership: Ownership, budget_b
 
 
 def plan_pipeline_stage_change(spec, target: Topology, ownership: Ownership, budget_bytes: int):
-    """A PipelineModule save resharded to another number of stages, tp kept (spec.target_columns: the
-    target stages' columns): one optimizer space over the target columns (pipeline_stage_change_pieces)."""
-    old, new = pipeline_stage_change_pieces(spec.columns, spec.target_columns, spec.topology, target)
+    """A PipelineModule save resharded to another number of stages, tp kept (target.stages: the target
+    stages' columns): one optimizer space over the target columns (pipeline_stage_change_pieces)."""
+    old, new = pipeline_stage_change_pieces(spec.columns, target.stages.columns, spec.topology, target)
     return plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership, budget_bytes)
 
 
 def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
-    """A PipelineModule save resharded to another tp, its stages kept or re-assigned (spec.target_columns at
-    the target's local shapes, spec.model_axis: each parameter's split, the layer files' tensors): one
+    """A PipelineModule save resharded to another tp, its stages kept or re-assigned (target.stages: its columns
+    at the target's local shapes; spec.model_axis: each parameter's split, the layer files' tensors): one
     optimizer space over the target stages' global parameters (tensor_pieces.pipeline_model_axis_pieces),
     then each dtype's layer-file tensors as module tensors, re-cut for the target's model ranks
     (`module_pieces` of each tensor's stage: dp rank 0 of each (stage, model rank) holds them)."""
     axis = spec.model_axis
-    old, new = pipeline_model_axis_pieces(spec.columns, spec.target_columns, axis.splits, axis.shapes, spec.topology,
-                                          target)
+    old, new = pipeline_model_axis_pieces(spec.columns, target.stages.columns, axis.splits, axis.shapes,
+                                          spec.topology, target)
     spaces = [plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership,
                          budget_bytes)]
     del old, new
