@@ -3,7 +3,7 @@
     python bench/crc_cost.py                       # ~0.4 GB synthetic ZeRO-2 save, 2 -> 3, one worker
     python bench/crc_cost.py --dim 1024 --layers 8 --repeat 5 --out-dir /dev/shm/crc
 
-A skeleton's storage records carry CRC 0 until reshard.formats.torch_zip.seal_crcs computes each
+A skeleton's storage records carry CRC 0 until reshard.formats.torch_bytes.torch_zip.seal_crcs computes each
 from the written bytes (TargetWriter.seal, before the BLAKE3 hash reads the file back). This
 script writes a synthetic ZeRO-2 save (bench/synthetic_checkpoint.py, known values, no training),
 then reshards it in this process with one worker, alternating (which goes first swaps every
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default=None, help="where to put SRC and the outputs (default: a temp dir)")
     args = parser.parse_args()
 
-    from reshard.formats import target_writer
+    from reshard.formats.deepspeed_files import target_writer
     from reshard.jobs.collective_job import reshard_checkpoint
 
     work = Path(args.out_dir or tempfile.mkdtemp(prefix="crc-cost-"))

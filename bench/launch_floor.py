@@ -7,7 +7,7 @@ reshard's pickle allowlist pulls in), joins a gloo process group, meets the othe
 and exits. run.py times the whole command: the part of reshard's wall time no resharding
 design can remove short of keeping workers alive inside a training job.
 """
-import deepspeed  # noqa: F401  (reshard.formats.deepspeed_schema imports it for the allowlist)
+import deepspeed  # noqa: F401  (reshard.formats.deepspeed_files.deepspeed_schema imports it for the allowlist)
 import torch.distributed as dist
 
 import reshard.jobs.collective_job  # noqa: F401

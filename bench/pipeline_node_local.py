@@ -79,7 +79,7 @@ def main_road_plan_bytes(root: str, model: Model, target_pp: int, target_dp: int
     from reshard.jobs.collective_job import pipeline_stage_change
     from reshard.jobs.node_local import node_local_ownership
     from reshard.jobs.options import ReshardOptions
-    from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_columns
     from reshard.planning.checkpoint_plan import plan_reshard
     gathered = os.path.join(root, "gathered")
     shutil.rmtree(gathered, ignore_errors=True)

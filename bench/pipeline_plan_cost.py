@@ -19,7 +19,7 @@ one worker of the job derives, the way a real job derives it: the source spec as
 `inspect_pipeline_columns` builds it (per column (stage, model rank) its own (params, groups), a
 ZeRO-1 save; `spec.params` every column's end to end), the layer list checked against the source's
 stages and the target stages assigned (`layouts.pipeline.assign_stages`, "parameters" method, as
-`collective_job.pipeline_stage_change` gets them through `formats/pipeline_target.pipeline_target`), the target
+`collective_job.pipeline_stage_change` gets them through `formats/deepspeed_files/pipeline_target.pipeline_target`), the target
 columns set on the target topology (`Topology.stages`); then `plan_reshard` (the plan every worker derives:
 `plan_pipeline_stage_change`, or `plan_pipeline_columns` when pp is kept), that worker's view
 (`worker_view`, buffer sizes), and every one of its rounds (`WorkerPlan.round`), as the exchange asks
@@ -104,7 +104,7 @@ def columns_of(stages, shapes: dict, tp: int, saved: bool) -> tuple:
 def run_case(source: tuple[int, int, int], target: tuple[int, int, int], workers: int, budget: int,
              worker: int) -> dict:
     """One worker's planning, timed step by step (the module docstring)."""
-    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
     from reshard.layouts.pipeline import PipelineLayers, assign_stages
     from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, Stream
     from reshard.planning.checkpoint_plan import plan_reshard

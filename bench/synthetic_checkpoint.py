@@ -150,7 +150,7 @@ def model_params(cfg: ModelConfig) -> ModelParams:
 
 def checkpoint_spec(params: ModelParams, stage: int, ranks: int):
     """The CheckpointSpec reshard's inspection finds in such a checkpoint (fp32 AdamW, no reorder)."""
-    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
     from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, ParamSpec
     from reshard.planning.plan import Stream
     from reshard.topology import Topology
@@ -170,7 +170,7 @@ class Storages:
         self.meaning: dict[int, tuple] = {}
 
     def ref(self, what: tuple, nbytes: int, shape=(), offset: int = 0, requires_grad: bool = False, key=None):
-        from reshard.formats.torch_archive import TensorRef
+        from reshard.formats.torch_bytes.torch_archive import TensorRef
         if key is None:
             key = len(self.meaning) + 1
             self.meaning[key] = what
@@ -181,7 +181,7 @@ class Storages:
 def source_templates(cfg: ModelConfig, params: ModelParams, spec, storages: Storages) -> tuple[dict, dict]:
     """Rank 0's optim-states and model-states trees at the spec's world size, tensors as TensorRefs."""
     import torch
-    from reshard.formats import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
     stage, ranks = spec.stage, spec.dp_world_size
     layout = spec.layout(ranks)
     config = ds_config(stage, cfg.micro_batch)
@@ -332,12 +332,12 @@ def _keep_tail_padding_storage(osd: dict, roles: dict, meta) -> None:
 def write_checkpoint(save_dir: str, cfg: ModelConfig, stage: int, ranks: int, seed: int = 0,
                      ranks_to_write=None, log=None) -> dict:
     """Write the checkpoint (all ranks, or `ranks_to_write`); returns what the truth needs (meta.json)."""
-    from reshard.formats import deepspeed_classes as classes
-    from reshard.formats.deepspeed_metadata import rank_metadata
-    from reshard.formats.deepspeed_spec import SourceCheckpoint
-    from reshard.formats.deepspeed_target import target_files
-    from reshard.formats.torch_archive import materialize, write_skeleton
-    from reshard.formats.torch_zip import seal_crcs
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+    from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
+    from reshard.formats.torch_bytes.torch_archive import materialize, write_skeleton
+    from reshard.formats.torch_bytes.torch_zip import seal_crcs
     from reshard.topology import Topology
     started = time.perf_counter()
     params = model_params(cfg)

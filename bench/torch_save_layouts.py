@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_target import target_files
-from reshard.formats.torch_archive import leaves_in_order, materialize
-from reshard.formats.torch_classes import stand_in_pickle_module
-from reshard.formats.torch_tree import NewTensor
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_files.deepspeed_target import target_files
+from reshard.formats.torch_bytes.torch_archive import leaves_in_order, materialize
+from reshard.formats.torch_bytes.torch_classes import stand_in_pickle_module
+from reshard.formats.torch_bytes.torch_tree import NewTensor
 from reshard.topology import Topology
 
 SAFE = classes.safe_globals()

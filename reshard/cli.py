@@ -202,7 +202,7 @@ def inspect_main(argv: list[str]) -> int:
     except ReshardError as error:
         print(f"reshard inspect: error: {error}", file=sys.stderr)
         return 2
-    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
     try:
         pipeline = pipeline_summary(source, tag, args.trust_pickle)
     except ReshardError as error:  # a pipeline save inspect_pipeline refuses: by name, exit 2

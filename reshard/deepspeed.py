@@ -56,16 +56,16 @@ from reshard.planning.plan import Ownership
 from reshard.transport.collective import on_rank0
 from reshard.deepspeed_version import check_installed_deepspeed
 from reshard.errors import ReshardError, UnsupportedCheckpoint
-from reshard.formats.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
+from reshard.formats.deepspeed_files.folded_expert_files import expert_file_state, rewrites_expert_files, target_expert_files
 from reshard.jobs.execute import execute
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_client_state import differing_client_state
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, read_storages
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
-from reshard.formats.torch_archive import TensorRef, leaves_in_order, load_checked, materialize, refs_in
-from reshard.formats.source_reader import SourceReader
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_client_state import differing_client_state
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, read_storages
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_target import carried_bytes, is_copy_role, target_files
+from reshard.formats.torch_bytes.torch_archive import TensorRef, leaves_in_order, load_checked, materialize, refs_in
+from reshard.formats.deepspeed_files.source_reader import SourceReader
 from reshard.topology import Topology
 from reshard.transport import TorchDistributedTransport
 
@@ -263,8 +263,8 @@ def pipeline_to_load(load_dir: str, tag: str | None, engine_pipeline: tuple[int,
     (another tp at the same (pp, dp) too: DeepSpeed's own load would hand each model rank a file of
     the save's slicing). A pipeline save offered to an engine that is not a pipeline engine is
     refused by name."""
-    from reshard.formats.deepspeed_inspect import resolve_tag
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
+    from reshard.formats.deepspeed_files.deepspeed_inspect import resolve_tag
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, is_pipeline, saved_pipeline_topology
     load_dir = os.path.abspath(load_dir)  # the PipelineSource's paths, as inspect_pipeline_columns makes them
     tag = resolve_tag(load_dir, tag)
     tag_dir = os.path.join(load_dir, tag)
@@ -313,12 +313,12 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
     engine's own stages when pp or tp changes (`Topology.stages`, collective_job.target_stages; at another tp at
     the engine's local
     shapes, with the model axis the offline job plans, collective_job.with_model_axis, by the save's rules,
-    formats/pipeline_target.model_axis_plan, for the engine's `layers` (`_engine_layers`) and stage `bounds`
+    formats/deepspeed_files/pipeline_target.model_axis_plan, for the engine's `layers` (`_engine_layers`) and stage `bounds`
     (module.py `parts`)), each checked against what the engine's ranks train (`stages`: every rank's
     `_engine_stage`): the same parameters in the same param groups, of the same shapes. On worker 0."""
-    from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
-    from reshard.formats.deepspeed_pipeline import source_groups
-    from reshard.formats.pipeline_target import model_axis_plan
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_columns
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import source_groups
+    from reshard.formats.deepspeed_files.pipeline_target import model_axis_plan
     from reshard.jobs.collective_job import target_stages, with_model_axis
     source = inspect_pipeline_columns(pipe.save_dir, pipe.tag, trust_pickle=trust_pickle, pipe=pipe)
     by_stage = {stage: (names, shapes, buffers) for stage, model, dp, names, shapes, buffers in stages
@@ -381,7 +381,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     are per global layer index: at the save's tp the same at any pp and dp, so DeepSpeed reads them from
     the source; at another tp re-cut in the same plan (spec.model_axis), filled on dp rank 0 of each
     (stage, model rank) and sent to its other dp ranks (`_share_layer_files`)."""
-    from reshard.formats.deepspeed_target import zero12_model_file
+    from reshard.formats.deepspeed_files.deepspeed_target import zero12_model_file
     pp, dp, tp = _engine_pipeline(engine)
     target = Topology(dp=dp, tp=tp, pp=pp)
     here = _engine_stage(engine)
@@ -456,9 +456,9 @@ def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict
 
 def _zero0_moe_source(load_dir: str, tag: str | None, trust_pickle: bool):
     """The ZeRO-0 MoE checkpoint in `load_dir` as the planner takes it
-    (reshard.formats.deepspeed_zero0_moe.inspect_zero0_moe_checkpoint: pickles only), else None."""
-    from reshard.formats.deepspeed_inspect import resolve_tag
-    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
+    (reshard.formats.deepspeed_files.deepspeed_zero0_moe.inspect_zero0_moe_checkpoint: pickles only), else None."""
+    from reshard.formats.deepspeed_files.deepspeed_inspect import resolve_tag
+    from reshard.formats.deepspeed_files.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
     tag = resolve_tag(os.path.abspath(load_dir), tag)
     if not is_zero0_moe(os.path.join(load_dir, tag)):
         return None
@@ -478,11 +478,11 @@ def zero0_in_job_ownership(source_ep: int, target: Topology, workers: int) -> Ow
 
 def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, kwargs: dict):
     """A ZeRO-0 MoE checkpoint: DeepSpeed loads it at any dp as it is; at another ep through the plan and
-    `execute()` as the collective job reshards it (formats/deepspeed_zero0_moe.Zero0Moe): each file the
+    `execute()` as the collective job reshards it (formats/deepspeed_files/deepspeed_zero0_moe.Zero0Moe): each file the
     engine reads at the target ep (every EP rank's `expp_rank_{e}`, the model states holding EP rank 0's
     optimizer) is filled in memory under `memory_budget` by rounds on one rank (`zero0_in_job_ownership`)
     and sent to the ranks that load it alone (`share_file`); DeepSpeed's load reads them from there."""
-    from reshard.formats.deepspeed_zero0_moe import MODEL, Zero0Moe, expp_file_name
+    from reshard.formats.deepspeed_files.deepspeed_zero0_moe import MODEL, Zero0Moe, expp_file_name
     target = _engine_topology(engine)
     problem = source.expert_problem(target)
     if target.tp != 1 or problem:
@@ -606,7 +606,7 @@ def _as_source_path(source: SourceCheckpoint, load_path: str | None) -> str | No
 
 def _zero12_model_states(source: SourceCheckpoint, target: Topology) -> dict:
     """The ZeRO-1/2 model-states file at the target size: the source file, metadata recomputed."""
-    from reshard.formats.deepspeed_target import zero12_model_tree
+    from reshard.formats.deepspeed_files.deepspeed_target import zero12_model_tree
     # the training process's allowlist stays as it was (load_checked scopes it)
     states = classes.to_deepspeed(load_checked(source.model_path(0), schema.safe_globals()))
     recomputed = zero12_model_tree(source, source.spec.layout(target))

@@ -45,4 +45,4 @@ class TopologyError(OptionError):
 
 
 class UnsupportedTorch(ReshardError):
-    """The installed torch lacks what this step needs (reshard.formats.torch_release names it)."""
+    """The installed torch lacks what this step needs (reshard.formats.torch_bytes.torch_release names it)."""

@@ -37,12 +37,12 @@ from typing import Any
 
 from reshard.jobs.batch_config import working_data_parallel_sizes
 from reshard.errors import ReshardError
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_client_state import client_state_keys
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag, source_rank_tensors
-from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import TensorRef
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_client_state import client_state_keys
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, resolve_tag, source_rank_tensors
+from reshard.formats.deepspeed_files.deepspeed_sequence_parallel import saved_sequence_parallel_size
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import TensorRef
 
 SCHEMA = "reshard.inspect/1"
 

@@ -7,7 +7,7 @@ The command's process imports reshard once, then forks W-1 workers, which start 
 everything imported (torchrun starts an agent that imports torch, then W workers that each
 import it again). The workers talk through shared memory and socket pairs the parent made
 before forking (reshard.transport.forked), so no worker imports torch unless the job's files
-need it (reshard.formats.torch_archive decides that at inspection). `--transport torch` keeps
+need it (reshard.formats.torch_bytes.torch_archive decides that at inspection). `--transport torch` keeps
 the earlier way: the W processes join a gloo group through a FileStore in a private temporary
 directory. Either way they run the same job as under torchrun, and the parent (worker 0) waits
 for the others. A worker that fails makes its peers fail at the next agreement point (see

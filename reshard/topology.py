@@ -70,7 +70,7 @@ class PipelineStages:
     columns: tuple
     """Per target column (stage * tp + model rank): its (params, groups), the `ParamSpec`s at the target's
     local shapes and the param groups as indices into them: a ZeRO-1 save over that stage's parameters
-    (reshard.formats.deepspeed_spec.CheckpointSpec.layout lays a target of these out)."""
+    (reshard.formats.deepspeed_files.deepspeed_spec.CheckpointSpec.layout lays a target of these out)."""
     buffer_names: tuple = ()
     """Per target stage, its persistent buffers' names as its model-states file lists them (empty when the
     save lists none)."""

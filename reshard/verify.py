@@ -7,7 +7,7 @@ A pipeline output is checked the same way (the plan a pipeline reshard runs, the
 the target's); its layer files by their bytes, at another tp as the plan re-cuts them, element by element
 like the flat buffers, and its stages' cover of the parameters besides.
 
-A ZeRO-0 MoE output is checked through its own plan (reshard.formats.deepspeed_zero0_moe.Zero0Moe, as the
+A ZeRO-0 MoE output is checked through its own plan (reshard.formats.deepspeed_files.deepspeed_zero0_moe.Zero0Moe, as the
 reshard ran it): every element of each `expp_rank` file and of the model-states file's copy of EP rank
 0's optimizer, and its expert files by their bytes.
 
@@ -31,23 +31,23 @@ from reshard.files.byte_io import hash_range, pread_exact
 from reshard.transport.collective import on_rank0
 from reshard.errors import CheckpointError
 from reshard.jobs.execute import execute
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import (
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import (
     inspect_checkpoint,
     inspect_pipeline_columns,
     resolve_tag,
     source_rank_tensors,
 )
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
-from reshard.formats.deepspeed_zero0_moe import (
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import (
     Zero0Moe,
     Zero0MoeCheckpoint,
     inspect_zero0_moe_checkpoint,
     is_zero0_moe,
     zero0_output_slots,
 )
-from reshard.formats.stage_change import SameStage
-from reshard.formats.torch_archive import (
+from reshard.formats.deepspeed_files.stage_change import SameStage
+from reshard.formats.torch_bytes.torch_archive import (
     NewTensor,
     TensorRef,
     is_ref,
@@ -55,10 +55,10 @@ from reshard.formats.torch_archive import (
     load_portable,
     map_leaves,
 )
-from reshard.formats.torch_classes import as_stand_in
+from reshard.formats.torch_bytes.torch_classes import as_stand_in
 from reshard.jobs.manifest import Manifest
 from reshard.jobs.progress import Progress, progress_enabled
-from reshard.formats.source_reader import SourceReader
+from reshard.formats.deepspeed_files.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
 
 MAX_REPORTED = 50
@@ -293,7 +293,7 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             return src, dst
         source, target = on_rank0(transport, inspect_both)
         # the stage form plans, names the files and the source slots, as the reshard did (a ZeRO-0 MoE
-        # save's: reshard.formats.deepspeed_zero0_moe.Zero0Moe)
+        # save's: reshard.formats.deepspeed_files.deepspeed_zero0_moe.Zero0Moe)
         zero0 = isinstance(source, Zero0MoeCheckpoint)
         zero = Zero0Moe(trust_pickle=trust_pickle) if zero0 else SameStage(source.spec.stage)
         plan = zero.plan(source, target.spec.topology, transport.size, memory_budget)
@@ -374,7 +374,7 @@ def _column_parameter_at(spec, topology, rank: int, buffer: int, element: int) -
 def _inspect_pipelines(source_dir: str, destination: str, tag: str, trust_pickle: bool):
     """(source, output) as deepspeed_pipeline.inspect_pipeline reads them, the output's layer files
     unread (they are compared with the source's by their bytes)."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     return (inspect_pipeline(source_dir, tag, trust_pickle),
             inspect_pipeline(destination, tag, trust_pickle, layer_shapes=False))
 
@@ -419,12 +419,12 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
                             trust_pickle: bool) -> tuple[SourceCheckpoint, SourceCheckpoint]:
     """A pipeline output at another tp, as the plan replays it: the source's target columns the output's
     stages at the output's local shapes, on the output's topology, and its model axis (collective_job.target_stages and
-    with_model_axis, by the save's rules, formats/pipeline_target.model_axis_plan, the layer list as far as
+    with_model_axis, by the save's rules, formats/deepspeed_files/pipeline_target.model_axis_plan, the layer list as far as
     naming a layer file's tensors needs it, `_layers_from_names`); the output given the same model axis, its
     layer files read as the target stage's (SourceCheckpoint.layer_file_names), so that each target rank's
     re-cut layer tensors are compared like its flat buffers. CheckpointError naming the file where the
     output cannot be such a reshard (no model axis on either side, no rules)."""
-    from reshard.formats.pipeline_target import model_axis_plan
+    from reshard.formats.deepspeed_files.pipeline_target import model_axis_plan
     from reshard.jobs.collective_job import target_stages, with_model_axis
     if not (source_pipe.has_model_axis and target_pipe.has_model_axis):
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its model axis has tp "
@@ -477,8 +477,8 @@ def _stage_bounds(pipe, count: int) -> tuple[int, ...]:
 
 
 def _pipeline_tag(source_dir: str, tag: str | None) -> str | None:
-    """The source's tag when it is a pipeline save (reshard.formats.deepspeed_pipeline), else None."""
-    from reshard.formats.deepspeed_pipeline import is_pipeline
+    """The source's tag when it is a pipeline save (reshard.formats.deepspeed_files.deepspeed_pipeline), else None."""
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import is_pipeline
     tag = resolve_tag(source_dir, tag)
     return tag if is_pipeline(os.path.join(source_dir, tag)) else None
 
@@ -531,7 +531,7 @@ def _layers_from_names(source, trust_pickle: bool = False):
     file's tensors include every trainable `tied_modules.<key>.*` of exactly one tied key, holds
     that tied module (runtime/pipe/module.py saves a TiedLayerSpec module once, under its first
     index). CheckpointError naming the layer file where that is not one key."""
-    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices, load_whole, source_shapes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import layer_file_name, layer_indices, load_whole, source_shapes
     from reshard.layouts.pipeline import PipelineLayers
     names = set(source_shapes(source))
     tied_params: dict[str, set] = {}
@@ -559,7 +559,7 @@ def _pipeline_file_problems(source, target) -> tuple[list[str], int]:
     layer and target model rank, their tensors compared by the plan, the rest by `_compare_unpartitioned`),
     every parameter in some stage, an untied one in exactly one, and stages holding ascending layer ranges."""
     from reshard.files.byte_io import hash_file
-    from reshard.formats.deepspeed_pipeline import layer_file_name, layer_indices
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import layer_file_name, layer_indices
     from reshard.jobs.manifest import MANIFEST_NAME
     problems, checked = [], 0
     tp_changed = target.tp != source.tp

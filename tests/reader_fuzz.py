@@ -16,7 +16,7 @@ overlapping), memo references pointed at other objects, dictionary keys repeated
 A mutant is a real torch.save file with one change: bytes of data.pkl flipped or its integers
 or opcodes changed, fields of the central directory, end records or local headers edited,
 records duplicated, reordered, dropped, compressed (deflate) or given other contents, the file
-truncated or padded. For each, reshard.formats.torch_pickle.read_portable must refuse
+truncated or padded. For each, reshard.formats.torch_bytes.torch_pickle.read_portable must refuse
 (CheckpointError), hand the file to torch (NeedsTorch), or return exactly what torch.load gives:
 every tensor's dtype, shape, stride, storage offset, requires_grad, storage bytes and storage
 sharing, and every scalar, string and container.
@@ -35,10 +35,10 @@ from enum import Enum
 from pathlib import Path
 
 from reshard.errors import CheckpointError
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import torch_archive, torch_pickle
-from reshard.formats.torch_archive import TensorRef
-from reshard.formats.torch_classes import NeedsTorch, TorchGlobal, TorchSize
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.torch_bytes import torch_archive, torch_pickle
+from reshard.formats.torch_bytes.torch_archive import TensorRef
+from reshard.formats.torch_bytes.torch_classes import NeedsTorch, TorchGlobal, TorchSize
 
 SAFE = classes.safe_globals()
 GLOBALS = torch_pickle.globals_by_name(SAFE)
@@ -85,7 +85,7 @@ def base_files(directory: Path) -> list[Path]:
 
 def pipeline_like_files() -> list[tuple[str, object, object]]:
     """(name, tree, pickle module) of the other file kinds the whole-file roads read, as DeepSpeed 0.19.8
-    lays them out (reshard.formats.deepspeed_pipeline, deepspeed_schema): a pipeline layer file (a
+    lays them out (reshard.formats.deepspeed_files.deepspeed_pipeline, deepspeed_schema): a pipeline layer file (a
     module's state_dict), a stage model-states file (no module, param_shapes), a ZeRO-1 stage
     optimizer file (fp32 partition, moments, fragment addresses, the loss scaler), a model-axis layer
     file, and a native MoE expert file. Real ones are fuzzed by test_reader_fuzz's e2e tests."""
@@ -582,7 +582,7 @@ def storage_refs(ops) -> list[_StorageRef]:
 class StructureMutator:
     """Structure-aware mutants of one torch.save file: its data.pkl decoded with pickletools, one
     thing a crafted file could say otherwise changed, re-encoded, and the archive laid out as
-    torch.save lays one out (reshard.formats.torch_zip.ArchiveWriter, every other record as it was)."""
+    torch.save lays one out (reshard.formats.torch_bytes.torch_zip.ArchiveWriter, every other record as it was)."""
 
     def __init__(self, path: Path, seed: int):
         self.path, self.random = Path(path), random.Random(seed)
@@ -614,7 +614,7 @@ class StructureMutator:
 
     def write(self, out: Path, ops: list[list]) -> Path:
         """The file with data.pkl re-encoded from `ops`, every other record as it was."""
-        from reshard.formats.torch_zip import ArchiveWriter
+        from reshard.formats.torch_bytes.torch_zip import ArchiveWriter
         writer = ArchiveWriter(str(out), prefix=self.prefix.rstrip("/"))
         for name, content in self.records:
             if name == "data.pkl":

@@ -198,7 +198,7 @@ def test_disk_full_mid_write_then_resume_is_byte_identical(source, tmp_path, mon
     reshard_in_threads(save_dir, reference, 3, 2, memory_budget=2048)
     before = _hashes(save_dir)
 
-    import reshard.formats.torch_archive as archive
+    import reshard.formats.torch_bytes.torch_archive as archive
     real_pwritev, written = os.pwritev, {"bytes": 0}
 
     def filling_disk(fd, buffers, offset):
@@ -275,7 +275,7 @@ def test_verify_finds_a_changed_element(source, tmp_path):
     reshard_in_threads(save_dir, dst, 3, 2)
     assert reshard_cli("verify", dst).returncode == 0
     assert reshard_cli("verify", dst, "--against", save_dir).returncode == 0
-    from reshard.formats.torch_archive import load_structure, portable
+    from reshard.formats.torch_bytes.torch_archive import load_structure, portable
     target = dst / tag_dir.name / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
     exp_avg = portable(load_structure(target, trust_pickle=True))["optimizer_state_dict"][
         "base_optimizer_state"]["state"][0]["exp_avg"]

@@ -106,7 +106,7 @@ def test_dry_run_prints_the_plan_and_touches_nothing(trained, tmp_path, monkeypa
     assert "reads ranks" in out and "send" in out and "receive" in out
     assert not destination.exists()
     # and in-process, with every tensor read made to fail: a dry run reads no tensor
-    import reshard.formats.torch_archive as archive
+    import reshard.formats.torch_bytes.torch_archive as archive
 
     def no_reads(*args, **kwargs):
         raise AssertionError("a dry run read tensor bytes")

@@ -26,10 +26,10 @@ import torch
 from reader_fuzz import GLOBALS, SAFE, raw_zip, records_of, zip_bytes
 
 from reshard.errors import CheckpointError
-from reshard.formats import torch_archive, torch_pickle
-from reshard.formats.deepspeed_inspect import read_storages
-from reshard.formats.torch_archive import load_portable, load_structure, refs_in
-from reshard.formats.torch_zip import ArchiveWriter
+from reshard.formats.torch_bytes import torch_archive, torch_pickle
+from reshard.formats.deepspeed_files.deepspeed_inspect import read_storages
+from reshard.formats.torch_bytes.torch_archive import load_portable, load_structure, refs_in
+from reshard.formats.torch_bytes.torch_zip import ArchiveWriter
 
 # the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
 pytestmark = pytest.mark.trains(("z2_fp32", 2))
@@ -296,7 +296,7 @@ def test_a_big_endian_file_is_refused_before_torch_sees_it(tmp_path):
                                             ("2.11.1", False), ("2.14.0", False), ("2.15.0", False),
                                             ("2.6.0", False), ("2.5.0", False)])
 def test_the_torch_free_writer_runs_only_for_pinned_torch_versions(tmp_path, monkeypatch, version, pinned):
-    from reshard.formats.torch_archive import NewTensor, write_tree_skeleton
+    from reshard.formats.torch_bytes.torch_archive import NewTensor, write_tree_skeleton
 
     monkeypatch.setattr(torch_archive, "installed_torch_version", lambda: version)
     tree = OrderedDict(w=NewTensor(("w",), 6, "float32"), step=3)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from reshard.formats import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
 
 # the checkpoints its tests ask `trained` for, trained with the session's others (conftest.py)
 pytestmark = pytest.mark.trains(("z1_fp16", 2))
@@ -80,7 +80,7 @@ def test_objects_for_a_live_engine_get_torchs_own_dtype_and_size():
     """Read without torch, a loss scaler's dtype is a stand-in; DeepSpeed must get torch.float16."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from reshard.formats.torch_classes import TorchSize, torch_global
+    from reshard.formats.torch_bytes.torch_classes import TorchSize, torch_global
     scaler = classes.DynamicLossScaler()
     scaler.__dict__.update(cur_scale=65536.0, dtype=torch_global("torch.float16"))
     real = classes.to_deepspeed({"loss_scaler": scaler, "shapes": [TorchSize((2, 3))], "dtype": torch_global("torch.bfloat16")})

@@ -200,8 +200,8 @@ def test_plan_at_scale_64_experts_48_layers_hundreds_of_ranks():
 
 
 def test_slice_mappings_use_local_names_and_expert_partition_counts():
-    from reshard.formats.deepspeed_metadata import rank_metadata
-    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+    from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
     params, groups, experts = synthetic_moe(2, 4, [(3, 5)], [(5, 3), (3,)])
     spec = CheckpointSpec(2, "zero", False, Topology(dp=4, ep=2), tuple(params), tuple(groups), False, 1,
                           10 ** 9, "float32", (), experts=experts)
@@ -500,7 +500,7 @@ def _assert_ok(verdict):
 
 def _load_tree(path):
     """A file's content, DeepSpeed's pickled objects (the loss scaler) as (class name, attributes)."""
-    from reshard.formats import deepspeed_schema as schema
+    from reshard.formats.deepspeed_files import deepspeed_schema as schema
 
     def plain(obj):
         if isinstance(obj, dict):
@@ -630,7 +630,7 @@ def test_moe_identity_and_round_trip_reproduce_the_source(moe_trained, tmp_path)
     expected = {k: v for k, v in tree_files(identity).items() if not k.endswith("reshard_manifest.json")}
     from threaded_transport import run_workers
 
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
     from reshard.verify import verify_against, verify_hashes
     spec = inspect_checkpoint(source, read_tensors=False).spec
     for ep, world in ((1, 2), (4, 4)):
@@ -706,8 +706,8 @@ def test_autoep_metadata_names_fused_local_tensors(dp, ep):
     """Slice mappings and param_shapes use DeepSpeed's fused local names and shapes
     ([E/ep, ...]), one contiguous fragment per fused tensor, and the flat group of every EP rank
     holds exactly its block of experts."""
-    from reshard.formats.deepspeed_metadata import rank_metadata
-    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+    from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
     params, groups, experts = synthetic_autoep(2, 4)
     topology = Topology(dp=dp, ep=ep)
     spec = CheckpointSpec(2, "zero", False, topology, tuple(params), tuple(groups), False, 1, 10 ** 9, "float32", (),
@@ -736,7 +736,7 @@ def test_autoep_placement_and_affine_maps_equal_deepspeeds(ep):
     from deepspeed.checkpoint.autoep_affine import (autoep_placement_to_affine_map,
                                                     legacy_uniform_autoep_placement_descriptor)
 
-    from reshard.formats.deepspeed_autoep import uniform_affine_map, uniform_placement
+    from reshard.formats.deepspeed_files.deepspeed_autoep import uniform_affine_map, uniform_placement
     descriptor = legacy_uniform_autoep_placement_descriptor(8, 8 // ep, ep)
     assert uniform_placement(8, ep) == descriptor
     assert list(uniform_placement(8, ep)) == list(descriptor)  # key order too: pickled bytes
@@ -745,7 +745,7 @@ def test_autoep_placement_and_affine_maps_equal_deepspeeds(ep):
 
 
 def _autoep_entry(layer, ep, fmt="per_expert_files"):
-    from reshard.formats.deepspeed_autoep import uniform_affine_map, uniform_placement
+    from reshard.formats.deepspeed_files.deepspeed_autoep import uniform_affine_map, uniform_placement
     prefix = f"model.layers.{layer}.mlp.experts"
     return {"moe_layer_id": layer, "module_path": f"model.layers.{layer}.mlp", "num_experts": 4,
             "num_local_experts": 4 // ep, "ep_size": ep, "expert_placement": uniform_placement(4, ep),
@@ -756,7 +756,7 @@ def _autoep_entry(layer, ep, fmt="per_expert_files"):
 
 
 def test_autoep_layers_read_retarget_and_refuse():
-    from reshard.formats.deepspeed_autoep import read_autoep_layers, target_autoep_layers
+    from reshard.formats.deepspeed_files.deepspeed_autoep import read_autoep_layers, target_autoep_layers
     entries = [_autoep_entry(0, 2), _autoep_entry(1, 2)]
     layers = read_autoep_layers(entries, "/x/mp_rank_00_model_states.pt")
     assert (layers.num_experts, layers.prefixes, layers.ep) == ((4, 4), ("model.layers.0.mlp.experts.",
@@ -1330,7 +1330,7 @@ def test_folded_topology_and_expert_file_names():
     are exactly the (expert, TP rank) pairs its ranks load."""
     from deepspeed.module_inject.auto_ep_folding import build_folding_spec, expected_folding_group_tables
 
-    from reshard.formats.deepspeed_folding import expert_file_names
+    from reshard.formats.deepspeed_files.deepspeed_folding import expert_file_names
     from reshard.topology import Topology
     for world, tp, ep in [(4, 2, 2), (4, 2, 4), (4, 4, 2), (8, 2, 4), (8, 4, 8), (6, 2, 3)]:
         topology = Topology(dp=world // tp, tp=tp, ep=ep)
@@ -1468,7 +1468,7 @@ def _assert_folded(load: FoldedLoad, verdict: dict) -> None:
 def _prepare_folded_z2(case: JudgedCase, saved) -> None:
     from trained import reshard_cli, reshard_in_process, saved_parallel_sizes
 
-    from reshard.formats.deepspeed_folding import expert_file_names
+    from reshard.formats.deepspeed_files.deepspeed_folding import expert_file_names
     from reshard.jobs.collective_job import reshard_checkpoint
     from reshard.topology import Topology
     save, truth = saved

@@ -2,7 +2,7 @@
 
 Every 16-bit pattern (all float16 and bfloat16 values, NaNs and denormals included), and float32
 values chosen where rounding is decided (ties, the largest finite values, denormals, infinities,
-NaNs of every sign and payload kind) plus random bit patterns, cast by reshard.formats.float_casts and by
+NaNs of every sign and payload kind) plus random bit patterns, cast by reshard.formats.torch_bytes.float_casts and by
 torch's `Tensor.to` on this CPU, compared bit for bit.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.formats.float_casts import ITEMSIZE, cast_bytes
+from reshard.formats.torch_bytes.float_casts import ITEMSIZE, cast_bytes
 
 TORCH = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 UNSIGNED = {8: np.uint64, 4: np.uint32, 2: np.uint16}

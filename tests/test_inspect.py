@@ -93,7 +93,7 @@ def test_inspect_describes_every_kind(trained, variant, n, capsys):
 def test_inspect_reads_no_tensor_bytes(trained, monkeypatch):
     """Only pickles and the step counters of the optimizer files (a few bytes each) are read."""
     source, _ = trained("z3_bf16", 2)
-    import reshard.formats.deepspeed_inspect as inspect_module
+    import reshard.formats.deepspeed_files.deepspeed_inspect as inspect_module
     read = []
     original = inspect_module.pread_exact
 

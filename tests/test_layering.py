@@ -26,8 +26,8 @@ PYPROJECT = ROOT / "pyproject.toml"
 # ZeRO-1/2 MoE rules with deepspeed_inspect, which keeps them private (deepspeed_inspect.py is being
 # rewritten on another branch; make them public there).
 PRIVATE_NAMES_ALLOWED = {
-    ("reshard/formats/deepspeed_zero0_moe.py", "reshard.formats.deepspeed_inspect._expert_layers"),
-    ("reshard/formats/deepspeed_zero0_moe.py", "reshard.formats.deepspeed_inspect._other_contents"),
+    ("reshard/formats/deepspeed_files/deepspeed_zero0_moe.py", "reshard.formats.deepspeed_files.deepspeed_inspect._expert_layers"),
+    ("reshard/formats/deepspeed_files/deepspeed_zero0_moe.py", "reshard.formats.deepspeed_files.deepspeed_inspect._other_contents"),
 }
 
 
@@ -173,7 +173,7 @@ def test_private_name_check_sees_a_crossing(tmp_path):
                                                "from reshard.formats import torch_zip as zip_\n"
                                                "x = zip_._read\n")
     assert set(private_names_crossing(tmp_path / "reshard")) == {
-        ("reshard/a.py", "reshard.jobs.collective_job._preflight"), ("reshard/a.py", "reshard.formats.torch_zip._read")}
+        ("reshard/a.py", "reshard.jobs.collective_job._preflight"), ("reshard/a.py", "reshard.formats.torch_bytes.torch_zip._read")}
 
 
 def private_names_crossing(package: pathlib.Path):
@@ -221,7 +221,7 @@ def test_torch_files_are_loaded_only_through_the_checked_reader():
     add_safe_globals) itself: a mapped load takes a deflated record's raw bytes as tensor data."""
     calls = [(where, name) for where, name in torch_loads(PACKAGE)
              if not pathlib.PurePath(where).name.startswith("torch_") or pathlib.PurePath(where).parent.name != "formats"]
-    assert not calls, f"direct torch loads (use reshard.formats.torch_archive.load_checked): {calls}"
+    assert not calls, f"direct torch loads (use reshard.formats.torch_bytes.torch_archive.load_checked): {calls}"
 
 
 def test_torch_load_check_sees_each_spelling(tmp_path):

@@ -70,8 +70,8 @@ def test_the_model_states_file_goes_where_the_placement_says(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from synthetic_checkpoint import MODELS, write_checkpoint
 
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag
-    from reshard.formats.deepspeed_target import target_files
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, resolve_tag
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
     from reshard.jobs.node_local import with_model_states_on
     from reshard.topology import Topology
 

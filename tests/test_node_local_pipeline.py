@@ -112,7 +112,7 @@ def test_a_tp_change_writes_each_columns_layer_files_on_every_node_that_runs_it(
 def test_a_layer_file_is_read_by_a_stage_whose_ranks_see_it():
     """Under a tp change the collective job reads a tied layer's file through the first stage holding the tied
     weight; node-local, through a stage whose dp rank 0 optimizer files a worker sees with that file."""
-    from reshard.formats.deepspeed_pipeline import PipelineSource
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import PipelineSource
     from reshard.jobs.node_local_columns import layer_reading_stages
 
     def mp_layer(index: int, model: int) -> str:
@@ -241,7 +241,7 @@ def test_every_copy_of_a_layer_file_is_one_space_whose_source_bytes_are_read_onc
 
 
 def test_a_stage_model_states_file_on_no_node_is_named_from_the_names_alone():
-    from reshard.formats.deepspeed_pipeline import check_stage_model_files
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import check_stage_model_files
     with pytest.raises(CheckpointError, match=r"/ckpt/step3/mp_rank_01_model_states\.pt: is missing"):
         check_stage_model_files("/ckpt/step3", {0}, {0}, 2)
 
@@ -250,7 +250,7 @@ def test_each_layer_file_is_read_where_it_is_and_written_for_its_stage_with_tp_k
     """kept_layer_stages: a layer's source stage by the source bounds when the layer list gives them, else by
     the stage naming its parameters or buffers (a layer without any, or tied, takes its predecessor's); its
     target stage by the target bounds when the stages change, else the same."""
-    from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import PipelineSource, PipelineStage
     from reshard.jobs.node_local_columns import kept_layer_stages
 
     def stage(index: int, *names: str) -> PipelineStage:

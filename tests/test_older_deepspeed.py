@@ -20,7 +20,7 @@ import pytest
 from test_torch_free_archive import SAFE, _same_skeleton_as_torch, _same_tree_as_torch
 from trained import reshard_cli
 
-from reshard.formats.torch_archive import load_portable
+from reshard.formats.torch_bytes.torch_archive import load_portable
 from reshard_proof.launch import run_torchrun, train_checkpoints
 
 OLDER = "0.16.9"
@@ -71,9 +71,9 @@ def _metadata(tree: dict) -> dict:
 def test_older_checkpoints_read_without_torch_and_rewrite_like_torch(older_deepspeed, tmp_path):
     """Every 0.16.9 file reads to torch's own tree without torch (the `set` included), and every
     target file reshard writes for it is torch's skeleton, byte for byte."""
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint
-    from reshard.formats.deepspeed_target import target_files
-    from reshard.formats.torch_archive import torch_fallbacks
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
+    from reshard.formats.torch_bytes.torch_archive import torch_fallbacks
     from reshard.topology import Topology
 
     _, trained = older_deepspeed

@@ -252,8 +252,8 @@ def test_a_disk_that_fills_while_skeletons_are_written_says_what_was_kept(world,
     that nothing was kept (the failure came before the rounds)."""
     import torch
 
-    import reshard.formats.torch_pickle as torch_pickle
-    import reshard.formats.torch_zip as torch_zip
+    import reshard.formats.torch_bytes.torch_pickle as torch_pickle
+    import reshard.formats.torch_bytes.torch_zip as torch_zip
     import reshard.files.resources as resources
     saves = {"count": 0}
 
@@ -337,7 +337,7 @@ def test_a_linked_sub_directory_is_refused_by_name(world):
 
 
 def test_a_write_failure_after_the_rounds_began_keeps_staging_and_says_so(world, monkeypatch):
-    import reshard.formats.torch_archive as archive
+    import reshard.formats.torch_bytes.torch_archive as archive
     real_pwritev, written = os.pwritev, {"bytes": 0}
 
     def failing(fd, buffers, offset):

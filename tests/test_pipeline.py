@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import CheckpointError, OptionError, UnsupportedCheckpoint
-from reshard.formats.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
+from reshard.formats.deepspeed_files.deepspeed_pipeline import LAYER_RE, PipelineSource, PipelineStage
 from reshard.jobs.options import ReshardOptions
-from reshard.formats.pipeline_target import pipeline_target
+from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
 
 HARNESS = "tests.pipeline_run"  # run as `-m tests.pipeline_run` from the repository root
 # tests/pipeline_run.py's ds_config fixes train_batch_size for the dp it trains at, and its check engines
@@ -278,7 +278,7 @@ def test_pipeline_reshard_loads_natively_equal_to_the_source(judged, pipeline_ru
     if precision.endswith("-groups"):  # the buffer listed by the stage holding layer 4; verify --against agrees
         from threaded_transport import run_workers
 
-        from reshard.formats.deepspeed_pipeline import load_whole
+        from reshard.formats.deepspeed_files.deepspeed_pipeline import load_whole
         from reshard.verify import verify_against
         assert [load_whole(str(tag_dir / f"mp_rank_{s:02d}_model_states.pt"))["buffer_names"] for s in range(
             target[0])] == {1: [["4.scale"]], 3: [[], ["4.scale"], []]}[target[0]]
@@ -345,7 +345,7 @@ def test_pipeline_layers_that_do_not_reproduce_the_source_are_refused(pipeline_r
 
 @pytest.mark.e2e
 def test_inspect_describes_a_pipeline_save(pipeline_runs):
-    from reshard.formats.deepspeed_pipeline import pipeline_summary
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_summary
     save_dir, _ = pipeline_runs("bf16", 2, 2)
     summary = pipeline_summary(str(save_dir), None)
     assert (summary["pp"], summary["dp"], summary["bf16"]) == (2, 2, True)
@@ -400,7 +400,7 @@ def test_a_bf16_optimizer_pipeline_save_is_refused_naming_deepspeeds_own_failure
     # layer (KeyError: 0 in bf16_optimizer.py _load_legacy_checkpoint). Its optimizer files differ from
     # ZeRO-1's by the keys it does not write (no zero_stage, loss_scaler, param_alignment_paddings): the
     # shared ZeRO-1 save, rewritten so, stands in for one without a training of its own.
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     copy, path = _copy_of_the_shared_save(pipeline_runs, tmp_path)
 
     def drop_zero1_keys(tree):
@@ -419,7 +419,7 @@ def test_a_stage_without_its_model_states_file_is_refused_naming_it(pipeline_run
     # DeepSpeed's node-local storage writes mp_rank_XX_model_states.pt only where a node's local rank 0
     # runs stage XX (seen on 2 nodes x 2 ranks at pp 4: stages 1 and 3 had none): the shared save
     # without stage 1's file stands in for such a save gathered into one directory
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     copy, _ = _copy_of_the_shared_save(pipeline_runs, tmp_path)
     missing = copy / "step3" / "mp_rank_01_model_states.pt"
     missing.unlink()
@@ -485,8 +485,8 @@ def _rewrite(path: Path, change) -> None:
     maps the file, so writing in place would pull pages from under it)."""
     import torch
 
-    from reshard.formats import deepspeed_classes
-    from reshard.formats.deepspeed_pipeline import load_whole
+    from reshard.formats.deepspeed_files import deepspeed_classes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import load_whole
     tree = load_whole(str(path))
     change(tree)
     torch.save(tree, f"{path}.new", pickle_module=deepspeed_classes)
@@ -551,7 +551,7 @@ def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did(
     # tests/pipeline_run.py's model with layer 1's weight (984 elements) frozen: in its constructor,
     # DeepSpeed's `parameters` partition gives [0, 4, 7]; frozen after the build, it had counted the
     # weight and gives [0, 3, 7]. Neither the optimizer files nor param_shapes list the weight.
-    from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source, source_numels
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import check_layers_reproduce_source, source_numels
     from reshard.layouts.pipeline import PipelineLayers, assign_stages
     layers, frozen = PipelineLayers(7, {"embed": (0, 6)}), {"1.weight": 984}
     trainable = {"tied_modules.embed.weight": 888, "1.bias": 41, "3.weight": 984, "3.bias": 24, "4.weight": 24,
@@ -573,7 +573,7 @@ def test_frozen_parameters_weigh_in_the_partition_when_the_source_says_they_did(
     with pytest.raises(CheckpointError, match=r"also with the frozen parameters \['1.weight'\] counted"):
         check_layers_reproduce_source(frozen_later, PipelineLayers(7, {"embed": (0, 5)}), "parameters", frozen)
     # reproduced only by `uniform` (the caller's method fails under both weightings), the weighting is
-    # unknown: the job refuses where the two give other target stages (formats/pipeline_target.pipeline_target)
+    # unknown: the job refuses where the two give other target stages (formats/deepspeed_files/pipeline_target.pipeline_target)
     assert check_layers_reproduce_source(built_frozen, layers, "uniform", frozen) == [{}, frozen]
 
 
@@ -582,8 +582,8 @@ def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
     # layer 4. Each target stage lists each group in its own order; a stage missing a group is refused.
     import dataclasses
 
-    from reshard.formats.deepspeed_pipeline import check_layers_reproduce_source
-    from reshard.formats.pipeline_target import check_no_empty_group
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import check_layers_reproduce_source
+    from reshard.formats.deepspeed_files.pipeline_target import check_no_empty_group
     from reshard.layouts.pipeline import PipelineLayers, assign_stages, split_by_group
     layers = PipelineLayers(7, {"embed": (0, 6)})
     numels = {"tied_modules.embed.weight": 888, "1.weight": 984, "1.bias": 41, "3.weight": 984, "3.bias": 24,
@@ -621,7 +621,7 @@ def test_param_groups_and_buffers_follow_their_layers_to_new_stages():
 def test_stages_disagreeing_on_a_param_groups_hyperparameters_are_refused(pipeline_runs, tmp_path):
     # new stages take each group's hyperparameters from stage 0's file: the shared session save with
     # stage 1's weight_decay changed must be refused, naming stage 1's file
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, named_states
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, named_states
     copy, path = _copy_of_the_shared_save(pipeline_runs, tmp_path)
     _rewrite(path, lambda tree: tree["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].update(
         weight_decay=0.5))
@@ -638,8 +638,8 @@ def test_pipeline_writers_replace_a_symlink_planted_in_staging_and_write_what_to
     import torch
 
     from reshard.files.paths import write_named_file
-    from reshard.formats import deepspeed_classes as classes
-    from reshard.formats.deepspeed_pipeline import _save_stage
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import _save_stage
     tag = tmp_path / "staging" / "step3"
     tag.mkdir(parents=True)
     victim = tmp_path / "victim.pt"
@@ -669,7 +669,7 @@ def test_in_job_target_stages_are_the_engines_and_a_differing_engine_is_refused_
     # engine at (pp, dp) (1, 2) whose one stage holds every parameter once; then an engine with a parameter
     # the save lacks, one with the parameters in another param group, and one with another shape
     from reshard.deepspeed import pipeline_columns_for_engine
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, source_shapes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, source_shapes
     from reshard.topology import Topology
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     pipe = inspect_pipeline(str(save_dir), "step3")

@@ -20,7 +20,7 @@ from test_pipeline import BATCH_SETTINGS_CHANGE
 from trained import reshard_in_threads, tree_files
 
 from reshard.errors import ReshardError
-from reshard.formats.deepspeed_pipeline import LAYER_RE
+from reshard.formats.deepspeed_files.deepspeed_pipeline import LAYER_RE
 from reshard.jobs.array_job import deal_files
 from reshard.jobs.options import ReshardOptions
 
@@ -50,7 +50,7 @@ def test_array_tasks_out_of_order_one_retried_publish_the_collective_output(requ
     re-cut target files of the plan). One task fails mid-share (the disk fills), the others run in reverse order, and the re-run task
     publishes the collective job's output (pinned in tests/test_pipeline_pinned.py) file for file."""
 
-    import reshard.formats.target_writer as target_writer
+    import reshard.formats.deepspeed_files.target_writer as target_writer
     from reshard.jobs.array_job import inspect_unit, publish_main
     from reshard.jobs.collective_job import inspect_pipeline_target, run_job
     from reshard.jobs.runs import Unit

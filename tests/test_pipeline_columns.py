@@ -18,8 +18,8 @@ resumed to the pinned bytes.
 
 One difference was decided, not hidden: DeepSpeed saves each group's `param_slice_mappings` as an
 OrderedDict (runtime/zero/stage_1_and_2.py `_create_param_mapping`) and the main road keeps that type
-for ZeRO saves (formats/deepspeed_target `_optim_tree`), while the pipeline job pickles plain dicts
-(formats/deepspeed_pipeline `build_optimizers`), which the pins of tests/test_pipeline_pinned.py
+for ZeRO saves (formats/deepspeed_files/deepspeed_target `_optim_tree`), while the pipeline job pickles plain dicts
+(formats/deepspeed_files/deepspeed_pipeline `build_optimizers`), which the pins of tests/test_pipeline_pinned.py
 record; the pickles differ by that type alone (3 bytes of data.pkl, its CRC and the serialization
 id). A pipeline column keeps the dicts; the per-column tests here give their standalone columns'
 trees the dicts before writing, check that the source files hold OrderedDicts, and judge the
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec, SourceCheckpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -67,8 +67,8 @@ def column_checkpoint(save_dir: str, tag: str, column: int, dp: int, bf16: bool)
     (one param group per entry, in flat order), streams from its first optimizer file."""
     import os
 
-    from reshard.formats.deepspeed_inspect import read_carried, validate_optim_tree
-    from reshard.formats.torch_archive import TensorRef, load_portable
+    from reshard.formats.deepspeed_files.deepspeed_inspect import read_carried, validate_optim_tree
+    from reshard.formats.torch_bytes.torch_archive import TensorRef, load_portable
     from reshard.layouts.zero import ParamSpec, Stream, buffer_numels
     from reshard.topology import Topology
     tag_dir = os.path.join(save_dir, tag)
@@ -112,9 +112,9 @@ def reshard_column(source: ColumnCheckpoint, target_dp: int, out: Path, *, stop_
     `stop_after`: raise after that many rounds (a crash); `start_round`: resume into the files there;
     `side_road_mappings_too`: write param_slice_mappings as the side road does (plain dicts), else as
     the main road does (DeepSpeed's OrderedDicts)."""
-    from reshard.formats.deepspeed_target import target_files
-    from reshard.formats.source_reader import SourceReader
-    from reshard.formats.target_writer import TargetWriter
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
+    from reshard.formats.deepspeed_files.source_reader import SourceReader
+    from reshard.formats.deepspeed_files.target_writer import TargetWriter
     from reshard.jobs.execute import execute
     from reshard.planning.checkpoint_plan import plan_reshard
     from reshard.topology import Topology
@@ -153,7 +153,7 @@ def _side_and_columns(pipeline_runs, tmp_path, case):
     from reshard.jobs.options import ReshardOptions
     from reshard.jobs.collective_job import run_job
     from reshard.transport.local import LocalTransport
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     from test_pipeline import model_ranks
     variant, (pp, dp), target_dp = case
     save, _ = pipeline_runs(variant, pp, dp)

@@ -27,7 +27,7 @@ import torch
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.export.pipeline_layout import module_tensors
-from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage
+from reshard.formats.deepspeed_files.deepspeed_pipeline import PipelineSource, PipelineStage
 
 HARNESS = "tests.pipeline_run"
 SAVES = {"fp32": ("fp32", 2, 1), "bf16": ("bf16", 2, 2), "fp16": ("fp16", 2, 2), "frozen": ("fp32-frozen", 2, 2)}

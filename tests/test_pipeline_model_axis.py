@@ -23,9 +23,9 @@ import os
 import pytest
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
-from reshard.formats.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
+from reshard.formats.deepspeed_files.deepspeed_pipeline import PipelineSource, PipelineStage, stage_model_name
 from reshard.jobs.options import ReshardOptions
-from reshard.formats.pipeline_target import pipeline_target
+from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
 from reshard.layouts.pipeline import stage_model_rank
 
 VARIANT, SOURCE = "fp32-mp2", (2, 1)  # (pp, dp) of the session's save; tp 2
@@ -76,7 +76,7 @@ def _check_files_against_truth(out, truth_dir) -> int:
     how many tensors were compared."""
     import torch
 
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, read_stage, states_by_name
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, read_stage, states_by_name
     truth = _truth_by_model_rank(truth_dir)
     target = inspect_pipeline(str(out), "step3")
     compared = 0
@@ -159,7 +159,7 @@ def judged(request, pipeline_runs, tmp_path_factory):
 def test_model_axis_reshard_loads_natively_equal_to_each_model_ranks_truth(pipeline_runs, judged, case):
     from test_pipeline import _verdict
 
-    from reshard.formats.deepspeed_pipeline import LAYER_RE
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import LAYER_RE
     variant, source, target, workers = case
     save_dir, truth = pipeline_runs(variant, *source)
     shared = judged(case)
@@ -198,7 +198,7 @@ def test_model_axis_save_is_described_and_what_does_not_serve_it_refuses_by_name
     from trained import reshard_in_process
 
     from reshard.deepspeed import pipeline_to_load
-    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text, saved_pipeline_topology
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_summary, pipeline_summary_text, saved_pipeline_topology
     save_dir, _ = pipeline_runs(VARIANT, *SOURCE)
     tag_dir = save_dir / "step3"
     assert saved_pipeline_topology(str(tag_dir)) == (2, 1, 2)

@@ -170,8 +170,8 @@ def test_the_main_roads_writer_makes_each_pinned_file_but_its_crcs(produced, tmp
     them). So the pins can hold through the lowering if it builds the same trees."""
     from test_torch_save_layouts import NAMES, _without_crcs
 
-    from reshard.formats import torch_pickle, torch_zip
-    from reshard.formats.torch_archive import pinned_writer_layout
+    from reshard.formats.torch_bytes import torch_pickle, torch_zip
+    from reshard.formats.torch_bytes.torch_archive import pinned_writer_layout
     layout, why_not = pinned_writer_layout()  # the installed torch's
     assert why_not is None, why_not
     files = sorted(produced(name).rglob("*.pt"))

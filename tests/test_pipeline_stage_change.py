@@ -27,7 +27,7 @@ def test_a_pp_change_by_rounds_within_a_budget_reads_each_source_byte_once(pipel
     from test_pipeline_tp_change import LAYERS as LAYER_OPTIONS
     from trained import reshard_in_threads
 
-    from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_columns
     save, truth = pipeline_runs("fp32", 2, 1)
     assert truth_dir_digest(truth) == TRUTH_DIGESTS["runs/fp32/2/1"], "trained to other values than the pins'"
     assert min(p.stat().st_size for p in save.glob("*/*optim_states.pt")) > 4 * BUDGET
@@ -53,7 +53,7 @@ def test_a_pp_change_reads_the_stage_pickles_once(pipeline_runs, tmp_path, monke
     same job: the target really is pp 1, and every source rank is planned."""
     from test_pipeline_tp_change import LAYERS as LAYER_OPTIONS
 
-    from reshard.formats import deepspeed_pipeline
+    from reshard.formats.deepspeed_files import deepspeed_pipeline
     from reshard.jobs.collective_job import reshard_checkpoint
     save, _ = pipeline_runs("fp32", 2, 1)
     inspected = []

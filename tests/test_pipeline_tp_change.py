@@ -286,7 +286,7 @@ def _check_optimizer_states_against(target, expected: dict, model: int) -> int:
     equals `expected` (pipeline_run.sliced_truth for that rank). Returns how many were compared."""
     import torch
 
-    from reshard.formats.deepspeed_pipeline import read_stage, states_by_name
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import read_stage, states_by_name
     compared = 0
     for stage, spec in enumerate(target.stages):
         _, masters, moments = read_stage(target, stage, model=model)
@@ -305,7 +305,7 @@ def _check_files_against_sliced_truth(out, truth_dir, tp: int) -> int:
     import torch
     from pipeline_run import sliced_truth
 
-    from reshard.formats.deepspeed_pipeline import LAYER_RE, inspect_pipeline, load_whole
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import LAYER_RE, inspect_pipeline, load_whole
     truths = _truths(truth_dir)
     target = inspect_pipeline(str(out), "step3")
     assert (target.tp, target.has_model_axis) == (tp, True)
@@ -368,7 +368,7 @@ def test_half_precision_tp_change_loads_natively_equal_to_the_slice_of_the_sourc
     import torch
     from pipeline_run import sliced_truth
 
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, load_whole
     precision, (pp, tp, dp) = change
     variant = HALF[change][0]
     entry = tp_changes[change]
@@ -438,7 +438,7 @@ def test_a_frozen_sliced_weight_is_cut_in_its_layer_files_and_loads_natively(tp_
     # the `parameters` partition, which counted the frozen weight, moves layer 3 to stage 1; then loaded
     # with plain load_checkpoint at (2, 1, 2): the frozen weight by its module value, masters, moments,
     # eval loss, counters, client state, one more train_batch
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, load_whole
     entry = tp_changes[FROZEN]
     pp, tp, dp = FROZEN[1]
     out, (save, truth) = entry["out"], tp_saves[FROZEN_VARIANT]
@@ -491,14 +491,14 @@ def test_in_job_load_changes_tp_equal_to_the_slice_of_the_source(request, target
 
 @pytest.mark.e2e
 def test_deepspeed_saves_a_tp_1_model_axis_with_model_00_layer_files_and_it_is_read(tp_saves):
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     save_dir, _ = tp_saves[TP1_VARIANT]
     assert sorted(n for n in os.listdir(save_dir / "step3") if n.startswith("layer_")) == [
         f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)]
     source = inspect_pipeline(str(save_dir), "step3")
     assert (source.pp, source.tp, source.dp, source.model_axis) == (2, 1, 2, True)
     assert "pp=2 dp=2 tp=1 (model axis)" in source.describe()
-    from reshard.formats.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_summary, pipeline_summary_text
     summary = pipeline_summary(str(save_dir), None)
     assert summary["model_axis"] and "--target-tp T (the model axis has tp 1) needs them too" in \
         pipeline_summary_text(summary)
@@ -543,8 +543,8 @@ def test_a_tp_change_is_refused_by_name_where_it_cannot_be_made_and_planned_in_a
 
     import torch
 
-    from reshard.formats import deepspeed_classes as classes
-    from reshard.formats.deepspeed_pipeline import load_whole
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import load_whole
     split = tmp_path / "split"
     shutil.copytree(save_dir, split)
     odd = split / "step3" / "mp_rank_03_model_states.pt"  # stage 1, model rank 1
@@ -574,7 +574,7 @@ def test_verify_against_passes_a_tp_changed_output_and_names_a_tampered_file(tp_
     from threaded_transport import run_workers
     from trained import reshard_in_process, reshard_in_threads
 
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline, load_whole
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline, load_whole
     from reshard.verify import verify_against
     save_dir, _ = tp_saves[VARIANT]
 
@@ -762,8 +762,8 @@ def test_a_model_axis_export_without_patterns_is_refused_saying_what_is_missing(
 
     from trained import reshard_in_process
 
-    from reshard.formats import deepspeed_classes as classes
-    from reshard.formats.deepspeed_pipeline import load_whole
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import load_whole
     save_dir, _ = tp_saves[VARIANT]
     bare = tmp_path / "bare"
     shutil.copytree(save_dir, bare)

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats.torch_allowlist import allowed_globals
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.torch_bytes.torch_allowlist import allowed_globals
 
 OPTIM0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 STAGE0 = "mp_rank_00_model_states.pt"
@@ -201,7 +201,7 @@ def test_a_crafted_pipeline_save_is_refused_by_name_on_every_road(crafted, tmp_p
 def test_a_pipeline_save_read_whole_agrees_with_torch(pipeline_runs):
     """The checked reader changes nothing for a real save: every file the pipeline road loads gives
     torch.load's own values, element for element."""
-    from reshard.formats.deepspeed_pipeline import load_whole
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import load_whole
     save_dir, _ = pipeline_runs("fp32", 2, 1)
     tag = save_dir / (save_dir / "latest").read_text().strip()
     files = sorted(tag.glob("*.pt"))
@@ -225,8 +225,8 @@ def test_the_shared_partition_check_refuses_alike_on_both_readers_tensors():
     """deepspeed_schema's check, which the ZeRO road (TensorRefs) and the pipeline road (torch
     tensors) both call: the same verdict for the same layout, whichever reader gave it."""
     from reshard.errors import CheckpointError
-    from reshard.formats import deepspeed_schema as schema
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.deepspeed_files import deepspeed_schema as schema
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
 
     def ref(shape, stride):
         return TensorRef(0, 4 * 64, "float32", shape, stride, 0, False)
@@ -248,7 +248,7 @@ def test_the_shared_partition_check_refuses_alike_on_both_readers_tensors():
 def test_zero0_moe_states_must_have_their_parameters_shape():
     """The ZeRO-0 MoE road (whole parameters, no partitions) checks each state against its parameter."""
     from reshard.errors import CheckpointError
-    from reshard.formats.deepspeed_zero0_moe import _check_state_sizes as check  # noqa: PLC2701 (its own unit)
+    from reshard.formats.deepspeed_files.deepspeed_zero0_moe import _check_state_sizes as check  # noqa: PLC2701 (its own unit)
     inner = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
              "param_groups": [{"params": [0]}]}
     check({"optimizer_state_dict": inner, "fp32_groups": [[torch.zeros(2, 3)]]}, inner, "f.pt")

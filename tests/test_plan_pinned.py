@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from reshard.planning.checkpoint_plan import plan_reshard
-from reshard.formats.deepspeed_spec import CheckpointSpec
+from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
 from reshard.layouts.zero import ParamSpec
 from reshard.layouts.tensor_parallel import REPLICATED, TensorParallelParams, TensorParallelSpec, TensorSplit
 from reshard.planning.plan import Stream

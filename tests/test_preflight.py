@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import OptionError
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, resolve_tag
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, resolve_tag
 from reshard.jobs.options import ReshardOptions
-from reshard.formats.stage_change import SameStage, StageChange
+from reshard.formats.deepspeed_files.stage_change import SameStage, StageChange
 from reshard.jobs.preflight import CheckpointTarget, checkpoint_target, preflight, target_topology
 from reshard.topology import Topology
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.torch_allowlist import allowed_globals
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.torch_bytes.torch_allowlist import allowed_globals
 
 OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 OPTIM0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -190,7 +190,7 @@ def test_allowlist_scopes_in_threads_keep_it_while_loading_and_restore_it(tmp_pa
 def test_torch_fallback_reader_leaves_the_allowlist_as_it_found_it(tmp_path):
     """torch_archive.load_structure (the reader's torch path) from four threads at once: every load
     reads the DeepSpeed classes, and no stand-in stays registered afterwards."""
-    from reshard.formats.torch_archive import load_structure
+    from reshard.formats.torch_bytes.torch_archive import load_structure
     path = tmp_path / "optim.pt"
     path.write_bytes(_file_with_deepspeed_classes())
     before = set(torch.serialization.get_safe_globals())
@@ -214,7 +214,7 @@ def test_torch_fallback_reader_leaves_the_allowlist_as_it_found_it(tmp_path):
 
 
 def test_compare_finds_the_first_difference_by_key_path():
-    from reshard.formats.deepspeed_rank_values import compare
+    from reshard.formats.deepspeed_files.deepspeed_rank_values import compare
     scaler0, scaler1 = classes.LossScaler(), classes.LossScaler()
     scaler0.__dict__.update(cur_scale=1.0, dynamic=False)
     scaler1.__dict__.update(cur_scale=1.0, dynamic=False)
@@ -234,7 +234,7 @@ def test_compare_finds_the_first_difference_by_key_path():
 
 def test_compare_walks_shared_subtrees_once():
     """A crafted pickle's nested shared tuples (2**200 leaves when expanded) compare at once."""
-    from reshard.formats.deepspeed_rank_values import compare
+    from reshard.formats.deepspeed_files.deepspeed_rank_values import compare
     a, b = (1.0,), (1.0,)
     for _ in range(200):
         a, b = (a, a), (b, b)

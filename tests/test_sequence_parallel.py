@@ -19,7 +19,7 @@ import pytest
 import torch
 from trained import judge_together, reshard_in_process, reshard_in_threads
 
-from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
+from reshard.formats.deepspeed_files.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
 from reshard.inspect_report import inspect_report
 from reshard.jobs.batch_config import batch_config_problem
 

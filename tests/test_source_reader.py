@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from reshard.formats import source_reader
+from reshard.formats.deepspeed_files import source_reader
 from reshard.errors import CheckpointError
-from reshard.formats.source_reader import SourceReader
+from reshard.formats.deepspeed_files.source_reader import SourceReader
 
 
 def _reader(path, slots: dict) -> SourceReader:

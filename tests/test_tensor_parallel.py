@@ -730,7 +730,7 @@ def test_options_carry_target_tp(tmp_path):
 # --- refusals of what AutoTP wrote that reshard does not reslice yet (pure) ------------------
 
 def _model_tree(info_overrides=None, up_shards=None):
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     info = {"parameter_with_row_parallelism_patterns": [], "tp_replicated_parameter_patterns": [],
             "vocabulary_parameter_patterns": [], "parameter_with_sub_params": [],
             "autotp_unsupported_parameter_patterns": {},
@@ -757,7 +757,7 @@ def _model_tree(info_overrides=None, up_shards=None):
 ])
 def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
     from reshard.errors import UnsupportedCheckpoint
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
     tree, local = _model_tree(overrides, shards), (ParamSpec("up.weight", (5, 8)),)
     if message is None:
         tensor, params = tensor_parallel_spec(tree, "m.pt", 2, local)
@@ -770,7 +770,7 @@ def test_autotp_metadata_is_read_or_refused(overrides, shards, message):
 
 def test_tensor_parallel_size_checks_files():
     from reshard.errors import CheckpointError
-    from reshard.formats.deepspeed_inspect import _tensor_parallel_size
+    from reshard.formats.deepspeed_files.deepspeed_inspect import _tensor_parallel_size
     assert _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1}) == 2
     with pytest.raises(CheckpointError, match=r"tensor-parallel ranks \[0, 1, 2\], but mp_world_size is 2"):
         _tensor_parallel_size({"mp_world_size": 2}, "m.pt", "tag", {0, 1, 2})
@@ -779,8 +779,8 @@ def test_tensor_parallel_size_checks_files():
 def test_zero3_tp1_split_comes_from_layer_specs_and_param_shapes():
     """At TP 1 DeepSpeed saves no universal_checkpoint_info, and under ZeRO-3 `module` holds empty
     placeholders: the split follows the saved layer_specs, the shapes param_shapes."""
-    from reshard.formats.deepspeed_tensor import splits_from_layer_specs, tensor_parallel_spec
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.deepspeed_files.deepspeed_tensor import splits_from_layer_specs, tensor_parallel_spec
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     empty = TensorRef(0, 0, "float32", (0,), (1,), 0, False)
     specs = [{"patterns": [r"^up\.weight$"], "partition_type": "column"},
              {"patterns": [r"^down\.weight$"], "partition_type": "row"}]
@@ -801,7 +801,7 @@ def test_zero3_tp1_split_comes_from_layer_specs_and_param_shapes():
 def test_vocabulary_parallel_metadata_is_read_and_carried():
     """A vocabulary-parallel weight splits on dim 0 (uneven, unpadded); the pattern list and
     original_vocab_size do not depend on TP and are written unchanged for the target."""
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
     tree = _model_tree({"vocabulary_parameter_patterns": [r"^up\.weight$"], "original_vocab_size": 9})
     tensor, params = tensor_parallel_spec(tree, "m.pt", 2, (ParamSpec("up.weight", (5, 8)),))
     assert params == (ParamSpec("up.weight", (9, 8)),) and tensor.params.splits == (TensorSplit("vocabulary", 0),)
@@ -813,7 +813,7 @@ def test_vocabulary_parallel_metadata_is_read_and_carried():
 def _tp1_tree(config_tp, alias_view=None):
     """TP 1 model states (no universal_checkpoint_info): embed.weight, its tied alias
     lm_head.weight, up (a column layer spec)."""
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     embed = TensorRef(0, 400, "float32", (11, 8), (8, 1), 0, False)
     alias = alias_view or embed
     up_w = TensorRef(0, 400, "float32", (9, 8), (8, 1), 88, False)
@@ -826,7 +826,7 @@ def _tp1_tree(config_tp, alias_view=None):
 def test_vocabulary_split_at_tp1_comes_from_vocab_parallel_lm_head():
     """At TP 1 DeepSpeed saves no universal_checkpoint_info: with `vocab_parallel_lm_head` the
     tied embedding (the owner of lm_head.weight) is vocabulary-parallel, named once, by its owner."""
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
     local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
     tensor, _ = tensor_parallel_spec(_tp1_tree({"vocab_parallel_lm_head": True}), "m.pt", 1, local)
     assert tensor.params.splits == (TensorSplit("vocabulary", 0), TensorSplit("column", 0))
@@ -842,8 +842,8 @@ def test_vocabulary_split_at_tp1_comes_from_vocab_parallel_lm_head():
 
 def test_tied_alias_must_be_its_owners_view():
     from reshard.errors import CheckpointError
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     local = (ParamSpec("embed.weight", (11, 8)), ParamSpec("up.weight", (9, 8)))
     other = TensorRef(0, 400, "float32", (11, 8), (8, 1), 8, False)
     with pytest.raises(CheckpointError, match="tied to embed.weight"):
@@ -851,7 +851,7 @@ def test_tied_alias_must_be_its_owners_view():
 
 
 def test_materialize_makes_one_tensor_of_a_tied_new_tensor():
-    from reshard.formats.torch_archive import NewTensor, materialize
+    from reshard.formats.torch_bytes.torch_archive import NewTensor, materialize
     owner = NewTensor(("module", 0, "module"), 6, "float32", True, (3, 2))
     obj, roles = materialize({"embed.weight": owner, "lm_head.weight": owner, "up.weight": NewTensor(("m", 1), 4, "float32")})
     assert obj["embed.weight"] is obj["lm_head.weight"] and obj["up.weight"] is not obj["embed.weight"]
@@ -862,8 +862,8 @@ def test_sub_parameter_metadata_is_read_and_recomputed():
     """A fused gate/up weight (two halves of 5 rows, each cut on its own) read from DeepSpeed's
     metadata; for another TP its affine map and sub_param_shard_widths are recomputed."""
     from deepspeed.checkpoint.affine import sub_param_map
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
-    from reshard.formats.torch_archive import TensorRef
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     fused = TensorSplit("sub-parameter", 0, (10, 8), (5, 5))
     tree = _model_tree({"parameter_with_sub_params": [{"patterns": [r"^up\.weight$"], "shape": [(5, 5), -1],
                                                        "partition_dim": 0}],
@@ -886,6 +886,6 @@ def test_layer_spec_shape_resolves_as_deepspeed(weight, spec, dim):
     """At TP 1 the view and sub-parameter sizes come from the saved layer spec's `shape`
     (layers.py `_infer_subparam_logical_shapes`)."""
     from deepspeed.module_inject.layers import _infer_subparam_logical_shapes
-    from reshard.formats.deepspeed_tensor import _shape_spec_view, _tuples
+    from reshard.formats.deepspeed_files.deepspeed_tensor import _shape_spec_view, _tuples
     logical, _, sizes, _ = _infer_subparam_logical_shapes(weight, _tuples(spec), dim)
     assert _shape_spec_view(weight, spec, dim, "m.pt") == (tuple(logical), tuple(sizes or (logical[dim],)))

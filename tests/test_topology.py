@@ -10,7 +10,7 @@ import pytest
 from trained import reshard_cli
 
 from reshard.errors import OptionError, TopologyError
-from reshard.formats.deepspeed_schema import model_file_name_of, optim_file_name_of
+from reshard.formats.deepspeed_files.deepspeed_schema import model_file_name_of, optim_file_name_of
 from reshard.jobs.options import ReshardOptions
 from reshard.topology import Topology
 
@@ -81,7 +81,7 @@ def test_dry_run_summary_prints_each_note_once():
 def test_a_pipeline_targets_stages_travel_on_its_topology_and_stay_out_of_its_equality():
     # issue 37: the spec describes the source; a target at another pp carries its own stages
     # (Topology.stages), which CheckpointSpec.layout lays out for that target and for no other topology
-    from reshard.formats.deepspeed_spec import CheckpointSpec
+    from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec
     from reshard.layouts.zero import DEFAULT_SUB_GROUP_SIZE, ParamSpec, Stream
     from reshard.planning.checkpoint_plan import plan_reshard
     from reshard.topology import PipelineStages

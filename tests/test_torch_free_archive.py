@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_torch_free_archive.py -m "not e2e"   # synthetic, a few seconds
     python -m pytest -q tests/test_torch_free_archive.py                # + real DeepSpeed checkpoints
 
-Every check compares reshard.formats.torch_pickle / torch_zip with torch 2.13 itself: the tree
+Every check compares reshard.formats.torch_bytes.torch_pickle / torch_zip with torch 2.13 itself: the tree
 `read_portable` gives against `portable(load_structure(...))` (a meta load), and the file
 `write_skeleton_tree` writes against `torch.save` under `skip_data()` of `materialize(tree)`,
 byte for byte, storage offsets included.
@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch_trees import comparable_tree
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import torch_pickle, torch_zip
-from reshard.formats.torch_archive import (
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.torch_bytes import torch_pickle, torch_zip
+from reshard.formats.torch_bytes.torch_archive import (
     NewTensor,
     load_portable,
     load_structure,
@@ -31,7 +31,7 @@ from reshard.formats.torch_archive import (
     write_skeleton,
     write_tree_skeleton,
 )
-from reshard.formats.torch_classes import NeedsTorch, TorchSize
+from reshard.formats.torch_bytes.torch_classes import NeedsTorch, TorchSize
 
 SAFE = classes.safe_globals()
 
@@ -191,7 +191,7 @@ def test_stand_ins_are_written_under_the_names_the_caller_allows(tmp_path):
     assert b"deepspeed.runtime.zero.config" in (tmp_path / "f.pt").read_bytes()
     with pytest.raises(NeedsTorch, match="allowlist does not name"):
         torch_pickle.write_skeleton_tree(str(tmp_path / "bare.pt"), tree)
-    with pytest.raises(pickle.PicklingError, match="reshard.formats.deepspeed_classes.ZeroStageEnum"):
+    with pytest.raises(pickle.PicklingError, match="reshard.formats.deepspeed_files.deepspeed_classes.ZeroStageEnum"):
         write_tree_skeleton(str(tmp_path / "bare.pt"), tree)
 
 
@@ -211,7 +211,7 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
     with pytest.raises(CheckpointError, match="allowlist"):
         load_portable(path, SAFE)
     assert load_portable(path, SAFE, trust_pickle=True)["args"].lr == 0.1
-    from reshard.formats import torch_archive
+    from reshard.formats.torch_bytes import torch_archive
     assert (str(path), "NeedsTorch: pickled global argparse.Namespace") in torch_archive.torch_fallbacks
     # a dtype without a legacy storage class: torch writes it
     tree = {"f8": NewTensor(("x",), 4, "float8_e4m3fn")}
@@ -229,7 +229,7 @@ def test_content_outside_the_subset_needs_torch(tmp_path):
 
 @pytest.mark.e2e  # a fresh interpreter: this one has imported torch already
 def test_modules_do_not_import_torch():
-    code = ("import sys; import reshard.formats.torch_pickle, reshard.formats.torch_archive; "
+    code = ("import sys; import reshard.formats.torch_bytes.torch_pickle, reshard.formats.torch_bytes.torch_archive; "
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -244,8 +244,8 @@ VARIANTS = [("z1_fp16", 2), ("z2_fp32", 2), ("z3_bf16", 3), ("bf16_optimizer", 2
 def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, variant, n):
     """Every file of a real save (model and optim states, client_state, MoE expert files) reads
     to torch's tree; every target file reshard writes for it, to 1 and 3 ranks, is torch's skeleton."""
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint
-    from reshard.formats.deepspeed_target import target_files
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
     from reshard.topology import Topology
 
     save_dir, _ = trained(variant, n)
@@ -254,7 +254,7 @@ def test_real_checkpoints_are_read_and_rewritten_like_torch(trained, tmp_path, v
     assert files
     for path in files:
         _same_tree_as_torch(path)
-    from reshard.formats.torch_archive import torch_fallbacks
+    from reshard.formats.torch_bytes.torch_archive import torch_fallbacks
     before = len(torch_fallbacks)
     source = inspect_checkpoint(save_dir)
     assert torch_fallbacks[before:] == []  # inspection read every file without torch
@@ -269,15 +269,15 @@ def test_tensor_parallel_checkpoint_is_read_and_rewritten_like_torch(autotp_trai
     """AutoTP files (universal_checkpoint_info, per-TP-rank model and optim states), to TP 1 and
     to TP 2 at two DP ranks. The source is the session's ZeRO-1 bf16 tp 2 dp 1 checkpoint, the one
     tests/test_tensor_parallel.py reshards too."""
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint
-    from reshard.formats.deepspeed_target import target_files
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
     from reshard.topology import Topology
 
     save_dir, _ = autotp_trained(2, 1, 1, "bf16")
     tag_dir = save_dir / (save_dir / "latest").read_text()
     for path in sorted(tag_dir.glob("*.pt")):
         _same_tree_as_torch(path)
-    from reshard.formats.torch_archive import torch_fallbacks
+    from reshard.formats.torch_bytes.torch_archive import torch_fallbacks
     before = len(torch_fallbacks)
     source = inspect_checkpoint(save_dir)
     assert torch_fallbacks[before:] == []

@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_torch_release.py        # one process, no training
 
-reshard.formats.torch_release says which torch first has each feature its torch path uses; the
+reshard.formats.torch_bytes.torch_release says which torch first has each feature its torch path uses; the
 project's floor (pyproject.toml) is the oldest torch that bench/compat.py proved end to end.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import UnsupportedTorch
-from reshard.formats import torch_allowlist, torch_release
-from reshard.formats.torch_archive import pinned_writer_layout
-from reshard.formats.torch_release import missing, release_of
+from reshard.formats.torch_bytes import torch_allowlist, torch_release
+from reshard.formats.torch_bytes.torch_archive import pinned_writer_layout
+from reshard.formats.torch_bytes.torch_release import missing, release_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from torch_trees import comparable_tree
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import torch_pickle, torch_zip
-from reshard.formats.torch_archive import load_structure, pinned_writer_layout, portable
-from reshard.formats.torch_pickle import TORCH_2_4_LAYOUT, TORCH_2_11_LAYOUT
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.torch_bytes import torch_pickle, torch_zip
+from reshard.formats.torch_bytes.torch_archive import load_structure, pinned_writer_layout, portable
+from reshard.formats.torch_bytes.torch_pickle import TORCH_2_4_LAYOUT, TORCH_2_11_LAYOUT
 
 SAVES = Path(__file__).parent / "data" / "torch_saves"
 RELEASES = ["2.4.1", "2.5.1"]

@@ -27,9 +27,9 @@ from threaded_transport import run_workers
 from trained import reshard_in_threads
 from zip_records import rewritten_by_torch
 
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import torch_zip
-from reshard.formats.torch_archive import NewTensor, write_tree_skeleton
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.torch_bytes import torch_zip
+from reshard.formats.torch_bytes.torch_archive import NewTensor, write_tree_skeleton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from synthetic_checkpoint import MODELS, write_checkpoint  # noqa: E402

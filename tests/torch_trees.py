@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from reshard.formats.torch_classes import TorchGlobal, TorchSize
+from reshard.formats.torch_bytes.torch_classes import TorchGlobal, TorchSize
 
 
 def comparable_tree(value):

@@ -4,7 +4,7 @@
     as_skeleton_recorded(path)   # the file's bytes with every storage CRC as a skeleton records it (0)
 
 reshard fills a skeleton's storage records after writing it and then gives them their real
-CRC-32s (reshard.formats.torch_zip.seal_crcs); bytes recorded before that step carried CRC 0
+CRC-32s (reshard.formats.torch_bytes.torch_zip.seal_crcs); bytes recorded before that step carried CRC 0
 there, and a `.data/serialization_id` computed from those zeros. `as_skeleton_recorded` undoes
 exactly those fields and nothing else, so a hash pinned on the earlier bytes still judges the
 rest of the file, and the fields it rewrites are the only ones sealing may change.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 import zipfile
 
-from reshard.formats.torch_zip import serialization_id
+from reshard.formats.torch_bytes.torch_zip import serialization_id
 
 
 def _data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:

@@ -37,8 +37,8 @@ from typing import Callable
 import numpy as np
 
 from reshard.errors import OptionError, ReshardError
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.source_reader import SourceReader
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.source_reader import SourceReader
 from reshard.jobs.array_job import (
     DONE_DIR,
     RECORD_NAME,

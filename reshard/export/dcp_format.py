@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from reshard.errors import UnsupportedTorch
-from reshard.formats.torch_archive import dtype_of
+from reshard.formats.torch_bytes.torch_archive import dtype_of
 
 METADATA_NAME = ".metadata"
 """torch/distributed/checkpoint/filesystem.py `_metadata_fn`."""

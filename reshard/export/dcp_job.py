@@ -79,11 +79,11 @@ from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_job import DTYPES
 from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.files.paths import confined, open_new_file
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import dtype_of, load_checked
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import dtype_of, load_checked
 from reshard.jobs import save_dir_files
 from reshard.jobs.destination import Staging, check_paths
 from reshard.jobs.lifecycle import publish_files

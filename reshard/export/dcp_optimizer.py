@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from reshard.errors import UnsupportedCheckpoint
 from reshard.export.hf_layout import export_names
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_client_state import DEEPSPEED_MODEL_KEYS
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_client_state import DEEPSPEED_MODEL_KEYS
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.errors import UnsupportedCheckpoint
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import TensorRef, dtype_of
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import TensorRef, dtype_of
 from reshard.layouts.expert_placement import autoep_fused_name
 from reshard.layouts.zero import PieceTable, logical_bases
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.export.hf_layout import ExportTensor, out_dtype_for
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
-from reshard.formats.deepspeed_pipeline import (
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_columns
+from reshard.formats.deepspeed_files.deepspeed_pipeline import (
     LAYER_RE,
     PipelineSource,
     inspect_pipeline,
@@ -49,8 +49,8 @@ from reshard.formats.deepspeed_pipeline import (
     load_whole,
     saved_model_axis_info,
 )
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import TensorRef, load_portable
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import TensorRef, load_portable
 from reshard.jobs.manifest import source_identity
 from reshard.layouts.model_axis import ModelAxisError, ModelAxisRules, model_axis_rules
 from reshard.layouts.zero import ParamSpec

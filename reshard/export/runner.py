@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 
 from reshard.jobs.destination import RESHARD_NAMES
 from reshard.jobs.execute import execute
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
 from reshard.jobs.lifecycle import EXPORT, JobOutput, Lifecycle
 from reshard.jobs.manifest import plan_fingerprint
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.jobs.results import ExportResult
 from reshard.planning.plan import ReshardPlan
 from reshard.files.resources import peak_resident_bytes
-from reshard.formats.source_reader import SourceReader
+from reshard.formats.deepspeed_files.source_reader import SourceReader
 
 
 @dataclass

@@ -37,8 +37,8 @@ from reshard.export.model_files import copy_model_files, missing_notes, model_fi
 from reshard.export.pipeline_layout import inspect_pipeline_export
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.safetensors_writer import SafetensorsWriter
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint, refuse_tensor_parallel
 from reshard.jobs.lifecycle import publish_files
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import ExportResult, counted

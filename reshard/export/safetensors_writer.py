@@ -19,7 +19,7 @@ import torch
 
 from reshard.files.byte_io import pread_exact, pwrite_exact
 from reshard.export.hf_layout import ExportFile, ExportLayout, safetensors_header
-from reshard.formats.torch_archive import dtype_of
+from reshard.formats.torch_bytes.torch_archive import dtype_of
 from reshard.files.paths import confined, open_new_file
 
 

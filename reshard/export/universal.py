@@ -45,12 +45,12 @@ from reshard.export.hf_layout import ExportFile, ExportLayout, ExportTensor, pac
 from reshard.export.runner import ExportOutput, run_export
 from reshard.export.pipeline_layout import PipelineExport, inspect_pipeline_export
 from reshard.export.universal_names import LATEST_UNIVERSAL, check_directory_name, universal_entry
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
-from reshard.formats.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
-from reshard.formats.torch_archive import NewTensor, dtype_of, is_ref, load_checked, locate_storages, materialize, write_skeleton
-from reshard.formats.torch_zip import seal_crcs
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, pipeline_tag_of
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint, refuse_experts, refuse_tensor_parallel
+from reshard.formats.torch_bytes.torch_archive import NewTensor, dtype_of, is_ref, load_checked, locate_storages, materialize, write_skeleton
+from reshard.formats.torch_bytes.torch_zip import seal_crcs
 from reshard.jobs.lifecycle import publish_tag_dir
 from reshard.jobs.manifest import export_fingerprint
 from reshard.jobs.results import ExportResult

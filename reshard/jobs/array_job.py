@@ -67,17 +67,17 @@ from reshard.jobs.destination import (
 from reshard.errors import OptionError, ReshardError
 from reshard.jobs.execute import execute
 from reshard.layouts.experts import expert_placement_lines
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_pipeline import (
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_files.deepspeed_pipeline import (
     is_pipeline,
 )
-from reshard.formats.deepspeed_spec import (
+from reshard.formats.deepspeed_files.deepspeed_spec import (
     SourceCheckpoint,
     refuse_tensor_parallel,
 )
-from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
-from reshard.formats.stage_change import ZeroStageTarget
-from reshard.formats.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
+from reshard.formats.deepspeed_files.stage_change import ZeroStageTarget
+from reshard.formats.torch_bytes.torch_archive import NewTensor, TensorRef, dtype_of, refs_in
 from reshard.jobs.lifecycle import (
     JobOutput,
     Lifecycle,
@@ -109,8 +109,8 @@ from reshard.files.resources import (
 from reshard.jobs.results import CheckpointResult, ReshardResult, WorkerReport
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.jobs.runs import Unit, discover_units
-from reshard.formats.source_reader import SourceReader
-from reshard.formats.target_writer import TargetWriter
+from reshard.formats.deepspeed_files.source_reader import SourceReader
+from reshard.formats.deepspeed_files.target_writer import TargetWriter
 from reshard.topology import Topology
 from reshard.transport.local import LocalTransport
 

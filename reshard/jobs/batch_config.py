@@ -8,7 +8,7 @@ DeepSpeed requires train_batch_size = micro batch per GPU x gradient accumulatio
 data-parallel size (runtime/config.py, `_batch_assertion`); under Ulysses sequence parallelism the
 data-parallel size is the ranks divided by sp (runtime/config.py `DeepSpeedConfig.__init__`:
 `world_size / sequence_parallel_size`), while reshard's --target-dp counts all sp x dp ranks ZeRO
-partitions over (reshard.formats.deepspeed_sequence_parallel), so the rule divides by `sp`:
+partitions over (reshard.formats.deepspeed_files.deepspeed_sequence_parallel), so the rule divides by `sp`:
 
     batch_config_problem({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}, target_dp=2, sp=2)  # None
 
@@ -77,7 +77,7 @@ def _fits(tbs: int, mbs: int | None, gas: int | None, dp: int) -> bool:
 def batch_config_problem(ds_config, target_dp: int, sp: int = 1) -> str | None:
     """Why `ds_config` cannot train on `target_dp` ranks at sequence-parallel size `sp` (target_dp / sp
     data-parallel ranks), or None when it can (or says nothing, or sp does not divide target_dp:
-    reshard.formats.deepspeed_sequence_parallel.sequence_parallel_problem says that)."""
+    reshard.formats.deepspeed_files.deepspeed_sequence_parallel.sequence_parallel_problem says that)."""
     if not isinstance(ds_config, dict) or target_dp % sp:
         return None
     values = {key: ds_config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",

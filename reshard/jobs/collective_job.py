@@ -38,15 +38,15 @@ from reshard.jobs.execute import execute
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.layouts.experts import expert_placement_lines
 from reshard.planning.file_shares import file_shares
-from reshard.formats.folded_expert_files import (
+from reshard.formats.deepspeed_files.folded_expert_files import (
     rewrites_expert_files,
     target_expert_files,
     write_expert_files,
 )
-from reshard.formats.deepspeed_inspect import inspect_pipeline_columns
-from reshard.formats.deepspeed_save_kind import inspect_save
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import torch_fallbacks
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_columns
+from reshard.formats.deepspeed_files.deepspeed_save_kind import inspect_save
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import torch_fallbacks
 from reshard.jobs.lifecycle import (
     JobOutput,
     Lifecycle,
@@ -70,9 +70,9 @@ from reshard.files.resources import PeakAnonymousMemory, ensure_open_files, file
 from reshard.jobs.preflight import output_bytes
 from reshard.jobs.results import CheckpointResult, PhaseClock, ReshardResult, WorkerReport
 from reshard.jobs.runs import Unit, discover_units
-from reshard.formats.source_reader import SourceReader
-from reshard.formats.stage_change import ZeroStageTarget
-from reshard.formats.target_writer import TargetWriter
+from reshard.formats.deepspeed_files.source_reader import SourceReader
+from reshard.formats.deepspeed_files.stage_change import ZeroStageTarget
+from reshard.formats.deepspeed_files.target_writer import TargetWriter
 from reshard.topology import PipelineStages, Topology
 from reshard.transport import Transport, transport_from_environment
 
@@ -85,7 +85,7 @@ def reshard_checkpoint(source: str, destination: str, target_dp: int, *, transpo
     directories (see reshard.jobs.runs). Keyword options are the fields of `ReshardOptions` (tag,
     all_tags, memory_budget, overwrite, dry_run, quiet, trust_pickle, backend, timeout). Uses
     the given transport, else the initialised torch.distributed group, else one worker.
-    `target_stage=S` also changes the ZeRO stage (1, 2 or 3; see reshard.formats.stage_change).
+    `target_stage=S` also changes the ZeRO stage (1, 2 or 3; see reshard.formats.deepspeed_files.stage_change).
     Raises ReshardError on bad input.
     """
     opts = ReshardOptions(source=str(source), destination=str(destination), target_dp=target_dp, target_tp=target_tp,
@@ -143,7 +143,7 @@ class Site(Protocol):
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start: ...
     def files_of(self, zero: ZeroStageTarget) -> Callable[[SourceCheckpoint, Topology, int], list]:
-        """What a target rank this worker owns writes (reshard.formats.target_writer.TargetWriter's
+        """What a target rank this worker owns writes (reshard.formats.deepspeed_files.target_writer.TargetWriter's
         `files_of`): the stage form's files, where this output places them."""
     def copy_share(self, source: SourceCheckpoint, start: Start, staging: Staging, transport: Transport) -> dict:
         """This worker's share of the files that travel whole, copied into staging: {name: manifest entry}."""
@@ -234,7 +234,7 @@ def refuse_pipeline_options(opts: ReshardOptions, source: SourceCheckpoint) -> N
 def inspect_target(opts: ReshardOptions, save_dir: str, tag: str
                    ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """(source, target, notes) of any save: inspected as the kind of save its files say it is
-    (formats/deepspeed_save_kind.inspect_save) and its target worked out once (`source_target`). What every
+    (formats/deepspeed_files/deepspeed_save_kind.inspect_save) and its target worked out once (`source_target`). What every
     job kind calls for one (WholeWorld.inspect; array tasks, reshard.jobs.array_job, which sits below this
     module and is handed `inspect_pipeline_target` by `run_job`)."""
     source = inspect_save(save_dir, tag, trust_pickle=opts.trust_pickle, read_tensors=not opts.dry_run)
@@ -278,15 +278,15 @@ def columns_target(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
 def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=None
                           ) -> tuple[SourceCheckpoint, CheckpointTarget, list[str]]:
     """A pipeline save at another number of stages or model ranks: the target stages worked out (and the
-    options checked) from the layer list (reshard.formats.pipeline_target.pipeline_target, which every job
+    options checked) from the layer list (reshard.formats.deepspeed_files.pipeline_target.pipeline_target, which every job
     kind shares; with tp changed, weighed at the target's local shapes; the batch config is preflight's),
     the target topology at the new pp and tp with each target column's (params at its local shapes, groups)
     and each stage's buffers as its stages (`target_stages`, `Topology.stages`), with tp changed each
     parameter's split and the layer files' tensors set on the source (`model_axis`,
     deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not carried), and a
     note saying how the layers were re-assigned."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
-    from reshard.formats.pipeline_target import pipeline_target
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
     pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     planned = pipeline_target(opts, pipe)
     stages, tp = planned.stages, planned.topology.tp
@@ -312,7 +312,7 @@ def with_model_axis(source: SourceCheckpoint, pipe, rules, layers, bounds, tp: i
     layer files' tensors, the target stages holding layers `bounds[s]..bounds[s + 1] - 1`): the layer files
     then move through the plan, re-cut, no longer carried. The offline job takes `layers` and `bounds` from
     the layer list (pipeline_stage_change), the in-job load from the engine (reshard.deepspeed)."""
-    from reshard.formats.deepspeed_pipeline import pipeline_model_axis
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_model_axis
     axis, layer_templates = pipeline_model_axis(pipe, rules, layers, bounds, tp, trust_pickle)
     return dataclasses.replace(source, spec=dataclasses.replace(source.spec, model_axis=axis),
                                layer_templates=layer_templates,
@@ -327,7 +327,7 @@ def target_stages(pipe, names, buffer_names, *, shapes: dict | None = None, tp: 
     at the target tp when it changes) and param groups the save's (`pipe`: inspect_pipeline). The
     offline job takes the stages from the layer list (pipeline_stage_change), the in-job load from the
     engine's own stages (reshard.deepspeed), verify --against from the output's (reshard.verify)."""
-    from reshard.formats.deepspeed_pipeline import source_groups, source_shapes
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import source_groups, source_shapes
     from reshard.layouts.pipeline import split_by_group
     from reshard.layouts.zero import ParamSpec
     shapes, (count, group_of) = shapes or source_shapes(pipe), source_groups(pipe)

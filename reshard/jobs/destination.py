@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from reshard.files.byte_io import hash_file
 from reshard.errors import OptionError
-from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
 from reshard.jobs.lock import LOCK_NAME, DestinationLock
 from reshard.jobs.manifest import JOURNAL_NAME
 from reshard.files.paths import check_tag, confined, is_inside, open_new_file

@@ -64,12 +64,12 @@ from reshard.jobs.destination import (
     write_latest,
 )
 from reshard.errors import OptionError, PeerFailure, ReshardError
-from reshard.formats.deepspeed_schema import LATEST
+from reshard.formats.deepspeed_files.deepspeed_schema import LATEST
 from reshard.jobs.lock import DestinationLock
 from reshard.jobs.manifest import JOURNAL_NAME, Manifest, read_journal, write_journal
 from reshard.files.paths import confined
 from reshard.files.resources import check_free_space, disk_full_message, is_disk_full
-from reshard.formats.target_writer import WriteFailed
+from reshard.formats.deepspeed_files.target_writer import WriteFailed
 from reshard.version import __version__
 
 

@@ -26,7 +26,7 @@ from reshard.files.byte_io import hash_file
 from reshard.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from reshard.formats.deepspeed_spec import SourceCheckpoint
+    from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
 
 MANIFEST_NAME = "reshard_manifest.json"
 JOURNAL_NAME = ".reshard-journal.json"

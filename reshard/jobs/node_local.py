@@ -43,12 +43,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from reshard.errors import CheckpointError, OptionError, ReshardError, UnsupportedCheckpoint
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_checkpoint
-from reshard.formats.deepspeed_pipeline import LAYER_RE
-from reshard.formats.deepspeed_target import zero12_model_file
-from reshard.formats.deepspeed_zero0_moe import is_expp_file
-from reshard.formats.folded_expert_files import rewrites_expert_files
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
+from reshard.formats.deepspeed_files.deepspeed_pipeline import LAYER_RE
+from reshard.formats.deepspeed_files.deepspeed_target import zero12_model_file
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import is_expp_file
+from reshard.formats.deepspeed_files.folded_expert_files import rewrites_expert_files
 from reshard.files.paths import check_tag
 from reshard.jobs.destination import check_paths
 from reshard.jobs.preflight import checkpoint_target, preflight
@@ -378,13 +378,13 @@ def node_model_template(source, site: NodeSite, target_ranks: list[int], trust_p
     import copy
     import dataclasses
 
-    from reshard.formats.deepspeed_inspect import check_param_shapes_against_module
-    from reshard.formats.deepspeed_rank_values import (
+    from reshard.formats.deepspeed_files.deepspeed_inspect import check_param_shapes_against_module
+    from reshard.formats.deepspeed_files.deepspeed_rank_values import (
         MODEL_VALUES,
         compare,
         model_rank_values,
     )
-    from reshard.formats.torch_archive import load_portable
+    from reshard.formats.torch_bytes.torch_archive import load_portable
     name = source.model_name(0)
     writes = site.model_states_ranks is not None and any(r in site.model_states_ranks for r in target_ranks)
     if not writes:
@@ -472,9 +472,9 @@ def inspect_zero0_on_nodes(opts, unit: Unit, transport, views: Sequence[WorkerVi
     sent to it whole, the model-states file's module weights carried where a node lacks that file."""
     import dataclasses
 
-    from reshard.formats.deepspeed_inspect import read_carried
-    from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name, inspect_zero0_moe_checkpoint
-    from reshard.formats.torch_archive import TensorRef, refs_in
+    from reshard.formats.deepspeed_files.deepspeed_inspect import read_carried
+    from reshard.formats.deepspeed_files.deepspeed_zero0_moe import MODEL, expp_file_name, inspect_zero0_moe_checkpoint
+    from reshard.formats.torch_bytes.torch_archive import TensorRef, refs_in
     from reshard.jobs import node_local_zero0 as z0
     from reshard.transport.collective import on_worker
     tag_dir = os.path.join(unit.source, unit.tag)

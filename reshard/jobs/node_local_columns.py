@@ -43,10 +43,10 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
-from reshard.formats.torch_archive import load_portable
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import inspect_pipeline_column_trees, pipeline_columns_source
-from reshard.formats.deepspeed_pipeline import (
+from reshard.formats.torch_bytes.torch_archive import load_portable
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_pipeline_column_trees, pipeline_columns_source
+from reshard.formats.deepspeed_files.deepspeed_pipeline import (
     LAYER_RE,
     STAGE_MODEL_RE,
     PipelineSource,
@@ -217,9 +217,9 @@ def inspect_columns_on_nodes(transport, views: Sequence[WorkerView], save_dir: s
 def layer_stage_bounds(opts, source: PipelineSource, stages) -> tuple[int, ...] | None:
     """The target's layer-to-stage bounds (DeepSpeed's `parts`): the new assignment's (`stages`) when the
     stages change; with the stages kept, the source's, worked out from --pipeline-layers when given (the
-    assignment that reproduces every source stage's parameters, reshard.formats.deepspeed_pipeline.
+    assignment that reproduces every source stage's parameters, reshard.formats.deepspeed_files.deepspeed_pipeline.
     check_layers_reproduce_source); None when unknown (then every node gets every layer file)."""
-    from reshard.formats.pipeline_target import pipeline_layers
+    from reshard.formats.deepspeed_files.pipeline_target import pipeline_layers
     if stages is not None:
         return stages.bounds
     if not opts.pipeline_layers:
@@ -257,7 +257,7 @@ class PipelineNodeSite(NodeSite):
             kept = [f for f in base(source, target, rank) if schema.classify(f.name).kind != "model"]
             if rank not in ranks:
                 return kept
-            from reshard.formats.deepspeed_target import zero12_model_file
+            from reshard.formats.deepspeed_files.deepspeed_target import zero12_model_file
             return kept + [zero12_model_file(source, target, target.rank_of(0, m, s))
                            for s in range(target.pp) for m in range(target.tp)]
         return files
@@ -270,7 +270,7 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
     """(source, target, carried, notes, PipelineNodeSite) of a node-local pipeline save on the plan, on
     every worker (NodeLocal.inspect's answer). `columns_target(opts, source, pipe)`: the collective
     job's (source, target, notes) of inspected columns. Collective."""
-    from reshard.formats.pipeline_target import pipeline_target
+    from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
     source, pipe = inspect_columns_on_nodes(transport, views, unit.source, unit.tag, opts.trust_pickle,
                                             not opts.dry_run)
     source, target, notes = columns_target(opts, source, pipe)

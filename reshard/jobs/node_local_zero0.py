@@ -35,8 +35,8 @@ import numpy as np
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.byte_io import hash_file, pread_exact, pwrite_exact
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_zero0_moe import MODEL, expp_file_name
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import MODEL, expp_file_name
 from reshard.topology import Topology
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from reshard.jobs import save_dir_files
 from reshard.jobs.batch_config import batch_config_problem, batch_size_warning
 from reshard.errors import OptionError, ReshardError
-from reshard.formats.deepspeed_client_state import differing_client_state
-from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_zero0_moe import Zero0Moe, Zero0MoeCheckpoint
-from reshard.formats.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
+from reshard.formats.deepspeed_files.deepspeed_client_state import differing_client_state
+from reshard.formats.deepspeed_files.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import Zero0Moe, Zero0MoeCheckpoint
+from reshard.formats.deepspeed_files.stage_change import ZeroStageTarget, check_stage_change, is_stage_change, zero_stage_target
 from reshard.jobs.manifest import Manifest
 from reshard.jobs.options import ReshardOptions
 from reshard.topology import Topology
@@ -120,7 +120,7 @@ class CheckpointTarget:
     topology: Topology
     """dp, tp, ep, pp (`target_topology`)."""
     zero: ZeroStageTarget
-    """The ZeRO stage form (reshard.formats.stage_change): it plans, names the target files and the
+    """The ZeRO stage form (reshard.formats.deepspeed_files.stage_change): it plans, names the target files and the
     extra source slots."""
 
 
@@ -185,6 +185,6 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, 
 
 def _recovery_script_sizes(save_dir: str) -> list[int]:
     """Sizes of the source's recovery scripts, which the output carries (destination.copy_recovery_script)."""
-    from reshard.formats.deepspeed_schema import RECOVERY_SCRIPTS
+    from reshard.formats.deepspeed_files.deepspeed_schema import RECOVERY_SCRIPTS
     return [os.path.getsize(os.path.join(save_dir, name)) for name in RECOVERY_SCRIPTS
             if os.path.isfile(os.path.join(save_dir, name))]

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import resolve_tag
-from reshard.formats.deepspeed_zero0_moe import is_zero0_moe
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import resolve_tag
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import is_zero0_moe
 
 
 @dataclass(frozen=True)

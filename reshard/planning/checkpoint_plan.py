@@ -117,7 +117,7 @@ class PipelineSave:
 
 @dataclass(frozen=True)
 class Zero0ExpertSave:
-    """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec, stage 0): whole parameters, one
+    """A ZeRO-0 MoE save (formats/deepspeed_files/deepspeed_zero0_moe.Zero0MoeSpec, stage 0): whole parameters, one
     buffer each, in its `spaces` (`plan_zero0_moe`). Source ranks are its EP ranks, target ranks the
     target's plus the model-states file's copy of EP rank 0's optimizer; or, with `copies`, target rank t
     writes file `copies[t]` of those (a node-local job: every node's copy of the files its ranks load)."""
@@ -679,7 +679,7 @@ def pipeline_stage_change_pieces(source_columns, target_columns, source: Topolog
 
 def plan_zero0_moe(spec, target: Topology, workers: int, budget_bytes: int,
                    ownership: Ownership | None = None, copies: tuple[int, ...] | None = None) -> ReshardPlan:
-    """A ZeRO-0 MoE save (formats/deepspeed_zero0_moe.Zero0MoeSpec) at `target`'s ep: one space per
+    """A ZeRO-0 MoE save (formats/deepspeed_files/deepspeed_zero0_moe.Zero0MoeSpec) at `target`'s ep: one space per
     kind of per-parameter tensor (`spec.spaces`: states, 0-d states, fp32 masters), each parameter a
     whole buffer (layouts/zero0_expert_groups.zero0_pieces); the plan its layout gives
     (`Zero0ExpertSave`). Source ranks are the source's EP ranks (their `expp_rank_{e}` files), target

@@ -9,8 +9,8 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 -m reshard_proof.folded_tp_ep --tp 2 --ep 2 \
         --load 2 native /tmp/out /tmp/z2.truth.pt /tmp/v1.json --load 3 in_job /tmp/z3 /tmp/z3.truth.pt /tmp/v2.json
 
-reshard reads and writes these at ZeRO-1/2 (reshard.formats.deepspeed_folding) and refuses them
-at ZeRO-3 (formats/deepspeed_inspect.py `_refuse_tensor_and_expert_parallel`). DeepSpeed 0.19.8 trains and saves it on
+reshard reads and writes these at ZeRO-1/2 (reshard.formats.deepspeed_files.deepspeed_folding) and refuses them
+at ZeRO-3 (formats/deepspeed_files/deepspeed_inspect.py `_refuse_tensor_and_expert_parallel`). DeepSpeed 0.19.8 trains and saves it on
 CPU ranks at ZeRO-1, 2 and 3 (module_inject/auto_ep_folding.py `build_folding_spec`: TP groups of
 consecutive ranks, dense DP strided over TP lanes, EP groups of consecutive ranks that may cross TP
 lanes, expert DP across EP groups). The model is `AutoEPProofModel` (two AutoEP MoE layers) with a

@@ -1,6 +1,6 @@
 """torch's pickled names, by name, without importing torch: stand-ins for reading and writing.
 
-    from reshard.formats.torch_classes import TORCH_GLOBALS, TorchSize, NeedsTorch
+    from reshard.formats.torch_bytes.torch_classes import TORCH_GLOBALS, TorchSize, NeedsTorch
     TORCH_GLOBALS["torch.float16"]          # the stand-in written as GLOBAL 'torch float16'
     TorchSize((2, 3))                       # written as torch.Size((2, 3)) is
 

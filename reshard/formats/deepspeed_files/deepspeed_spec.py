@@ -1,6 +1,6 @@
 """What a DeepSpeed ZeRO checkpoint is: its spec (layout-relevant facts) and where its files are.
 
-    source = inspect_checkpoint("/ckpt/run1")        # reshard.formats.deepspeed_inspect
+    source = inspect_checkpoint("/ckpt/run1")        # reshard.formats.deepspeed_files.deepspeed_inspect
     source.spec.layout(16)                           # the same model laid out for 16 ranks
     source.optim_path(3)                             # .../zero_pp_rank_3_mp_rank_00_optim_states.pt
 
@@ -22,9 +22,9 @@ from reshard.layouts.experts import (
     expert_zero3_layout,
     expert_zero12_layout,
 )
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.torch_archive import dtype_of
-from reshard.formats.torch_classes import ITEMSIZE
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.torch_bytes.torch_archive import dtype_of
+from reshard.formats.torch_bytes.torch_classes import ITEMSIZE
 from reshard.layouts.zero import (
     ParamSpec,
     PieceTable,
@@ -245,7 +245,7 @@ class SourceCheckpoint:
 
     def layer_file_names(self, rank: int) -> list[str]:
         """The layer files source rank `rank` reads under a tp change (those of its model rank whose layers
-        its stage reads, dp rank 0 only; reshard.formats.deepspeed_pipeline.pipeline_model_axis)."""
+        its stage reads, dp rank 0 only; reshard.formats.deepspeed_files.deepspeed_pipeline.pipeline_model_axis)."""
         at = self.spec.topology.coordinates(rank)
         if self.spec.layer_axis is None or at.dp != 0:
             return []

@@ -1,6 +1,6 @@
 """ZeRO-3 client_state: which keys hold different values on different source ranks.
 
-    from reshard.formats.deepspeed_client_state import differing_client_state
+    from reshard.formats.deepspeed_files.deepspeed_client_state import differing_client_state
     differing_client_state(source)            # ["data_position", "rng"]: per-rank values
 
 `engine.save_checkpoint(dir, client_state=...)` merges client_state into the top level of the
@@ -14,10 +14,10 @@ client_state and are recomputed per target rank anyway.
 """
 from __future__ import annotations
 
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import read_storages
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import TensorRef, load_portable, map_leaves, refs_in
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import read_storages
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import TensorRef, load_portable, map_leaves, refs_in
 
 DEEPSPEED_MODEL_KEYS = frozenset({
     # engine.py `_common_checkpoint_state`, `_checkpoint_parallel_metadata`, `_save_checkpoint`

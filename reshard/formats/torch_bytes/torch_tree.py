@@ -1,7 +1,7 @@
 """The portable tree: a torch.save object with every tensor replaced by where its bytes are
 (TensorRef) or what will fill it (NewTensor), and the walks over such trees in torch.save's order.
 
-    from reshard.formats.torch_tree import TensorRef, NewTensor, map_leaves, refs_in
+    from reshard.formats.torch_bytes.torch_tree import TensorRef, NewTensor, map_leaves, refs_in
     refs = refs_in(tree)                         # every TensorRef/NewTensor, in torch.save's order
     copy = map_leaves(tree, fn, is_ref)          # the tree with each leaf replaced by fn(leaf)
 
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from reshard.formats.torch_classes import ITEMSIZE
+from reshard.formats.torch_bytes.torch_classes import ITEMSIZE
 
 if TYPE_CHECKING:
     import torch

@@ -2,14 +2,14 @@
 
     python -m reshard SRC DST --target-dp 3 --target-stage 3       # ZeRO-2 at 2 ranks -> ZeRO-3 at 3
 
-    from reshard.formats.stage_change import zero_stage_target
+    from reshard.formats.deepspeed_files.stage_change import zero_stage_target
     zero = zero_stage_target(source.spec, 3)           # StageChange(3); SameStage when it stays
     plan = zero.plan(source, Topology(dp=3), workers=2, budget_bytes=1 << 30)
     files = zero.files(source, Topology(dp=3), rank=1)
 
 Whether the stage changes is decided once, by `zero_stage_target`: the job then plans, reads and
-writes through the value it returns, and the reader (reshard.formats.source_reader) and writer
-(reshard.formats.target_writer) take its `source_slots` and `files` without knowing of stages.
+writes through the value it returns, and the reader (reshard.formats.deepspeed_files.source_reader) and writer
+(reshard.formats.deepspeed_files.target_writer) take its `source_slots` and `files` without knowing of stages.
 
 A stage change is a target layout of another stage over the same logical space: trainable
 parameters in optimizer-group order, the same at every stage (`CheckpointSpec.params`). So the
@@ -48,13 +48,13 @@ from typing import Any, Union
 import numpy as np
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_metadata import rank_metadata
-from reshard.formats.deepspeed_schema import OPTIM as OPT
-from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
-from reshard.formats.deepspeed_target import TargetFile, own_storage, shape_type, target_files
-from reshard.formats.torch_archive import NewTensor, TensorRef
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+from reshard.formats.deepspeed_files.deepspeed_schema import OPTIM as OPT
+from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec, SourceCheckpoint, itemsize
+from reshard.formats.deepspeed_files.deepspeed_target import TargetFile, own_storage, shape_type, target_files
+from reshard.formats.torch_bytes.torch_archive import NewTensor, TensorRef
 from reshard.layouts.zero import ParamSpec, PieceTable, Stream, buffer_numels, frozen_pieces, logical_bases, zero3_chunk
 from reshard.planning.checkpoint_plan import plan_reshard
 from reshard.planning.plan import Ownership, ReshardPlan, plan_space
@@ -70,7 +70,7 @@ def is_stage_change(spec: CheckpointSpec, stage: int | None) -> bool:
 @dataclasses.dataclass(frozen=True)
 class SameStage:
     """The target at the source's ZeRO stage: planned by reshard.planning.checkpoint_plan, its files
-    those of reshard.formats.deepspeed_target.target_files, no source slots besides the partitions."""
+    those of reshard.formats.deepspeed_files.deepspeed_target.target_files, no source slots besides the partitions."""
 
     stage: int
     changed_to = None

@@ -1,6 +1,6 @@
 """The per-rank metadata DeepSpeed writes beside the partitions, derived from a layout. Pure, no torch.
 
-    from reshard.formats.deepspeed_metadata import rank_metadata
+    from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
     meta = rank_metadata(spec, spec.layout(4), rank=1)
     meta.partition_count, meta.group_paddings, meta.slice_mappings, meta.fp32_numels
 

@@ -1,11 +1,11 @@
 """torch.save files without reading or holding their tensors: structure, byte offsets, skeletons.
 
-    from reshard.formats.torch_archive import load_portable, write_tree_skeleton
+    from reshard.formats.torch_bytes.torch_archive import load_portable, write_tree_skeleton
     tree = load_portable("zero_pp_rank_0_mp_rank_00_optim_states.pt", safe_globals)  # TensorRefs
     offsets = write_tree_skeleton("out.pt", target_tree)   # structure, no data: {role: byte offset}
 
 Without torch first: `load_portable`, `write_tree_skeleton` and `locate_tree_storages` read and
-write with reshard.formats.torch_pickle / torch_zip (no `import torch`, the same trees and
+write with reshard.formats.torch_bytes.torch_pickle / torch_zip (no `import torch`, the same trees and
 the same bytes as below, see torch_pickle for the subset), and fall back to torch for content
 outside that subset (torch_classes.NeedsTorch) and --trust-pickle, and for writing when the
 installed torch is not one the writer's bytes are pinned for (`pinned_writer_layout`). Files that
@@ -36,17 +36,17 @@ import pickle
 from typing import TYPE_CHECKING, Any, Iterable
 
 from reshard.errors import CheckpointError, UnsupportedTorch
-from reshard.formats import torch_pickle
-from reshard.formats.torch_classes import (
+from reshard.formats.torch_bytes import torch_pickle
+from reshard.formats.torch_bytes.torch_classes import (
     NeedsTorch,
     globals_by_name,
     stand_in_pickle_module,
 )
-from reshard.formats.torch_release import installed_version, require
+from reshard.formats.torch_bytes.torch_release import installed_version, require
 
 # The portable tree's types and walks live in torch_tree (torch_pickle uses them too); they are
 # re-exported here, where the callers above the torch-byte layer have always found them.
-from reshard.formats.torch_tree import (  # noqa: F401
+from reshard.formats.torch_bytes.torch_tree import (  # noqa: F401
     NewTensor,
     TensorRef,
     dtype_name,
@@ -131,7 +131,7 @@ def _torch_load(path, safe_globals: Iterable, trust_pickle: bool, map_location="
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
         # torch's allowlist is process-wide: counted and scoped, so threads loading at once keep
         # it, and the process finds it as it was afterwards (torch_allowlist)
-        from reshard.formats.torch_allowlist import allowed_globals
+        from reshard.formats.torch_bytes.torch_allowlist import allowed_globals
         with allowed_globals(safe_globals):
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except UnsupportedTorch as error:

@@ -1,13 +1,13 @@
 """Write the per-expert model-states files of an AutoEP target when TP is involved (folded or not).
 
-    from reshard.formats.folded_expert_files import target_expert_files, write_expert_files
+    from reshard.formats.deepspeed_files.folded_expert_files import target_expert_files, write_expert_files
     names = target_expert_files(source, target)                 # name -> source file it comes from
     hashes = write_expert_files(source, target, staging.tag_dir, sorted(names)[rank::workers])
 
 A plain AutoEP save names every expert file `..._mp_rank_00_...` and holds only the expert's
 weights, so those files are copied whole. With AutoTP layers the file of expert G is written
 under the TP rank of every rank that loads it, with that writer's `folding` metadata
-(`reshard.formats.deepspeed_folding`): each target file is read from one source file of the
+(`reshard.formats.deepspeed_files.deepspeed_folding`): each target file is read from one source file of the
 same expert (any TP rank: experts are never split by TP, DeepSpeed writes the same weights), its
 weights kept bit for bit and its `folding` recomputed for the target (dropped for an unfolded
 one, whose engine refuses it). The files are a few weights each: loaded whole.
@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 
 from reshard.files.byte_io import hash_file
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_folding import FOLDING_KEY, expert_files, expert_folding
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import load_checked
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_folding import FOLDING_KEY, expert_files, expert_folding
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import load_checked
 from reshard.topology import Topology
 
 

@@ -1,6 +1,6 @@
 """AutoEP folded with AutoTP: the `folding` metadata and the expert file names DeepSpeed 0.19.8 writes. Pure.
 
-    from reshard.formats.deepspeed_folding import expert_file_names, optim_folding
+    from reshard.formats.deepspeed_files.deepspeed_folding import expert_file_names, optim_folding
     expert_file_names((4, 4), Topology(dp=2, tp=2, ep=2))   # layer_0_expert_0_mp_rank_00_..., expert_2 mp_rank_01 ...
     optim_folding(Topology(dp=2, tp=2, ep=2), rank=3, param_shapes=[...], expert_groups=(False, False, True))
 
@@ -38,7 +38,7 @@ from typing import Sequence
 
 from reshard.errors import CheckpointError
 from reshard.layouts.expert_placement import ExpertPlacement
-from reshard.formats import deepspeed_schema as schema
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
 from reshard.topology import Topology
 
 FOLDING_KEY = "folding"

@@ -2,7 +2,7 @@
 
     python -m reshard SRC DST --target-dp 4 --target-ep 1      # the collective job, through the planner
 
-    from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe, inspect_zero0_moe_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_zero0_moe import inspect_zero0_moe, inspect_zero0_moe_checkpoint
     facts = inspect_zero0_moe("/ckpt/run1", "global_step3")   # pickles only: Topology(dp=2, ep=2), orders
     source = inspect_zero0_moe_checkpoint("/ckpt/run1", "global_step3")   # what the collective job plans
     Zero0Moe().files(source, Topology(dp=2, ep=1), rank=0)    # expp_rank_0's tree, NewTensor slots
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.layouts.expert_placement import ExpertPlacement
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
-from reshard.formats.deepspeed_rank_values import compare, describe, refuse
-from reshard.formats.deepspeed_spec import CheckpointSpec, SourceCheckpoint
-from reshard.formats.deepspeed_target import TargetFile
-from reshard.formats.torch_archive import NewTensor, TensorRef, load_portable, refs_in
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_inspect import _expert_layers, _other_contents  # the same rules as ZeRO-1/2 MoE
+from reshard.formats.deepspeed_files.deepspeed_rank_values import compare, describe, refuse
+from reshard.formats.deepspeed_files.deepspeed_spec import CheckpointSpec, SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_target import TargetFile
+from reshard.formats.torch_bytes.torch_archive import NewTensor, TensorRef, load_portable, refs_in
 from reshard.layouts.experts import ExpertParams
 from reshard.layouts.zero import Stream
 from reshard.topology import Topology
@@ -291,7 +291,7 @@ def _rank_values(optimizer: dict) -> dict:
 
 def _check_same_as_ep_rank0(optimizer: dict, path: str, optimizer0: dict, path0: str) -> None:
     """Refuse an EP rank's file whose values every rank saves alike differ from EP rank 0's
-    (reshard.formats.deepspeed_rank_values). Only the files a target draws on are read, so only
+    (reshard.formats.deepspeed_files.deepspeed_rank_values). Only the files a target draws on are read, so only
     those are compared: the ones this job would otherwise silently override with EP rank 0's."""
     difference, _ = compare(_rank_values(optimizer), _rank_values(optimizer0))
     if difference is not None:
@@ -386,7 +386,7 @@ def _numel(shape) -> int:
 def _spaces(entries: tuple, wrapped: bool, paths: list[str]) -> tuple[Zero0Space, ...]:
     """The spaces of a save from its entries (`paths`: each EP rank's file); refused, naming the file,
     where the parameters' states differ in their keys or dtypes, which one stream per key cannot carry."""
-    from reshard.formats.deepspeed_spec import itemsize
+    from reshard.formats.deepspeed_files.deepspeed_spec import itemsize
     kinds: dict[str, dict[str, str]] = {"optim": {}, "scalar": {}}
     for rank, path in zip(entries, paths):
         for row in rank:
@@ -564,7 +564,7 @@ def zero0_output_slots(output: Zero0MoeCheckpoint, rank: int, trust_pickle: bool
 
 @dataclass(frozen=True)
 class Zero0Moe:
-    """The target form of a ZeRO-0 MoE save (a reshard.formats.stage_change.ZeroStageTarget): stage 0
+    """The target form of a ZeRO-0 MoE save (a reshard.formats.deepspeed_files.stage_change.ZeroStageTarget): stage 0
     kept, planned by planning/checkpoint_plan.plan_zero0_moe, its files `zero0_target_files`, its source
     slots `zero0_source_slots` (the ZeRO partition checks find none at stage 0).
 

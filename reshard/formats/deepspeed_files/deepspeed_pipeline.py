@@ -1,11 +1,11 @@
 """DeepSpeed PipelineModule checkpoints (ZeRO-1), with or without a model axis: what a tag holds, checked.
 
-    from reshard.formats.deepspeed_pipeline import is_pipeline, inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import is_pipeline, inspect_pipeline
     if is_pipeline(tag_dir):
         source = inspect_pipeline(save_dir, tag)           # PipelineSource: pp, dp, stages, layer files
 
 The files are resharded on the main road (docs/architecture.md "One road"): each (stage, model rank)
-column lowered to pieces (reshard.formats.deepspeed_inspect.inspect_pipeline_columns,
+column lowered to pieces (reshard.formats.deepspeed_files.deepspeed_inspect.inspect_pipeline_columns,
 reshard.jobs.collective_job.pipeline_stage_change); this module keeps the verified file facts.
 
 Files of a pipeline save (DeepSpeed 0.19.8, runtime/pipe/module.py `ckpt_layer_path`,
@@ -61,7 +61,7 @@ the whole parameter (reshard.layouts.tensor_pieces.pipeline_model_axis_pieces) a
 (stage, model rank) at the target's local shapes (`param_shapes`, mp_world_size pp * tp,
 checkpoint_parallel_dimensions tp_degree; universal_checkpoint_info and the rest of client_state
 carried). Since DeepSpeed's `parameters` partition weighs local (sliced) parameter counts, the stages
-are re-assigned with the target's (reshard.formats.pipeline_target). Every layer file's tensors
+are re-assigned with the target's (reshard.formats.deepspeed_files.pipeline_target). Every layer file's tensors
 (weights in the training dtype, buffers, frozen parameters; by their stage names) are re-cut by the
 same rule in the same plan (`pipeline_model_axis`, reshard.layouts.model_axis.LayerFileSpace) under
 the target's `-model_XX` names; a replicated one is read from model rank 0.
@@ -90,9 +90,9 @@ from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
 from reshard.files.paths import write_named_file
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.torch_archive import load_checked, load_portable
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.torch_bytes.torch_archive import load_checked, load_portable
 from reshard.layouts.pipeline import assign_stages, split_by_group, stage_model_rank
 from reshard.layouts.zero import Zero12Group, zero12_group
 
@@ -1032,10 +1032,10 @@ def pipeline_model_axis(source: PipelineSource, rules, layers, bounds: Sequence[
     buffers and frozen parameters) in one plan space per dtype, each read by the source stage holding the
     layer's first trainable parameter (stage 0 for a layer with none) and written into the target stage
     holding its index; the templates are (index, source stage, target stage, model rank 0's tree) per layer
-    file, which each target model rank's file is built from (`reshard.formats.deepspeed_target`). The rules
-    were checked against every tensor before (formats/pipeline_target.model_axis_plan)."""
-    from reshard.formats.deepspeed_spec import itemsize
-    from reshard.formats.torch_archive import TensorRef
+    file, which each target model rank's file is built from (`reshard.formats.deepspeed_files.deepspeed_target`). The rules
+    were checked against every tensor before (formats/deepspeed_files/pipeline_target.model_axis_plan)."""
+    from reshard.formats.deepspeed_files.deepspeed_spec import itemsize
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis
     from reshard.layouts.tensor_parallel import TensorParallelParams
     from reshard.layouts.zero import Stream
@@ -1083,9 +1083,9 @@ def kept_layer_files(source: PipelineSource, stages: dict[int, tuple[int, int]],
     (the source reader checks every other model rank's file against it), in one plan space per dtype as
     `pipeline_model_axis` lays them out; `stages`: per layer index (source stage whose ranks read its files,
     target stage whose ranks write them). The templates are (index, source stage, target stage, model rank
-    0's tree), which every target model rank's layer file is built from (reshard.formats.deepspeed_target)."""
-    from reshard.formats.deepspeed_spec import itemsize
-    from reshard.formats.torch_archive import TensorRef
+    0's tree), which every target model rank's layer file is built from (reshard.formats.deepspeed_files.deepspeed_target)."""
+    from reshard.formats.deepspeed_files.deepspeed_spec import itemsize
+    from reshard.formats.torch_bytes.torch_archive import TensorRef
     from reshard.layouts.model_axis import LayerFileSpace, PipelineModelAxis
     from reshard.layouts.tensor_parallel import TensorParallelParams, TensorSplit
     from reshard.layouts.zero import Stream

@@ -1,6 +1,6 @@
 """AutoEP's `ds_autoep_layers` metadata: read from a source, recomputed for a target. Pure, no torch.
 
-    from reshard.formats.deepspeed_autoep import read_autoep_layers, target_autoep_layers
+    from reshard.formats.deepspeed_files.deepspeed_autoep import read_autoep_layers, target_autoep_layers
     layers = read_autoep_layers(model_tree["ds_autoep_layers"], model_path)   # refuses what is not supported
     layers.num_experts, layers.prefixes, layers.ep
     tree["ds_autoep_layers"] = target_autoep_layers(model_tree["ds_autoep_layers"], Topology(dp=4, ep=2))

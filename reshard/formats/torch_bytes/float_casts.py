@@ -1,10 +1,10 @@
 """Floating-point casts of raw little-endian bytes, bit-identical to torch's CPU `Tensor.to`, without torch.
 
-    from reshard.formats.float_casts import cast_bytes
+    from reshard.formats.torch_bytes.float_casts import cast_bytes
     out = cast_bytes(memoryview(fp32_bytes), "float32", "bfloat16")   # a uint8 numpy array, 2 bytes per element
 
 The writer casts where a file stores another dtype than the exchange delivers (a ZeRO stage
-change writes module weights from the fp32 masters; see reshard.formats.stage_change), as DeepSpeed
+change writes module weights from the fp32 masters; see reshard.formats.deepspeed_files.stage_change), as DeepSpeed
 does with `copy_` into its low-precision parameters: round to nearest, ties to even. numpy has
 no bfloat16, so bfloat16 is handled on its bit patterns; float16 goes through numpy's own
 conversion (IEEE round to nearest even, denormals included) with NaNs fixed up as torch makes

@@ -1,6 +1,6 @@
 """Read a DeepSpeed save directory into a `SourceCheckpoint`: what it is, where its tensors are.
 
-    from reshard.formats.deepspeed_inspect import inspect_checkpoint
+    from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
     source = inspect_checkpoint("/ckpt/run1")            # tag from /ckpt/run1/latest
     print(source.spec.describe())                        # ZeRO-2 fp32, 4 dp ranks, ...
     refs = source_rank_tensors(source, rank=3)           # where rank 3's partitions sit
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 from reshard.files.byte_io import pread_exact
 from reshard.errors import CheckpointError, ReshardError, UnsupportedCheckpoint
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats import deepspeed_tensor
-from reshard.formats.deepspeed_folding import FOLDING_KEY
-from reshard.formats.deepspeed_metadata import rank_metadata
-from reshard.formats.deepspeed_rank_values import (
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files import deepspeed_tensor
+from reshard.formats.deepspeed_files.deepspeed_folding import FOLDING_KEY
+from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+from reshard.formats.deepspeed_files.deepspeed_rank_values import (
     MODEL_VALUES,
     compare,
     describe,
@@ -31,15 +31,15 @@ from reshard.formats.deepspeed_rank_values import (
     optim_rank_values,
     refuse,
 )
-from reshard.formats.deepspeed_spec import (
+from reshard.formats.deepspeed_files.deepspeed_spec import (
     CheckpointSpec,
     SourceCheckpoint,
     itemsize,
 )
 from reshard.layouts.experts import ExpertParams
 from reshard.layouts.expert_placement import expert_name_parts
-from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
-from reshard.formats.torch_archive import (
+from reshard.formats.deepspeed_files.deepspeed_autoep import AUTOEP_LAYERS_KEY, read_autoep_layers
+from reshard.formats.torch_bytes.torch_archive import (
     TensorRef,
     load_portable,
     refs_in,
@@ -84,7 +84,7 @@ def resolve_tag(save_dir: str, tag: str | None) -> str:
 def pipeline_tag_of(save_dir: str, tag: str | None) -> str | None:
     """The tag (given, or `latest`'s) when it is a PipelineModule save, else None (a source whose tag
     cannot be found is left to the caller's own inspection, which reports it)."""
-    from reshard.formats.deepspeed_pipeline import is_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import is_pipeline
     try:
         tag = resolve_tag(save_dir, tag)
     except ReshardError:
@@ -176,7 +176,7 @@ def inspect_checkpoint(save_dir: str | os.PathLike, tag: str | None = None, *, t
     # Expert model-states files are named and keyed by GLOBAL expert id: the same at any (dp, ep),
     # so they travel whole and unchanged (engine.py `load_moe_state_dict` picks its own).
     # AutoEP with AutoTP: the expert files carry the TP rank and `folding` metadata of their
-    # writer, so they are rewritten for the target (reshard.formats.deepspeed_folding), not copied.
+    # writer, so they are rewritten for the target (reshard.formats.deepspeed_files.deepspeed_folding), not copied.
     if spec.tensor is None:
         others = tuple(sorted(others + tuple(expert_files)))
     return SourceCheckpoint(save_dir, tag, spec, optim_tree, model_tree, carried, others, other_dirs)
@@ -260,7 +260,7 @@ def _with_folded_tensor_parallelism(spec: CheckpointSpec, model_tree: dict, mode
     AutoTP-ready at tp 1 (layer specs in ds_config). The TP spec covers the dense parameters
     (experts are never TP-split); the folding metadata must agree with the file's sizes, and the
     expert files must be the ones DeepSpeed writes and loads (`deepspeed_folding`)."""
-    from reshard.formats.deepspeed_folding import check_folding_metadata, expert_file_names
+    from reshard.formats.deepspeed_files.deepspeed_folding import check_folding_metadata, expert_file_names
     experts = spec.experts
     if not experts.autoep:
         raise UnsupportedCheckpoint(model_path, "combines tensor parallelism with native DeepSpeed MoE experts; "
@@ -924,7 +924,7 @@ def _check_same_model_values(tree, path: str, source: SourceCheckpoint, with_par
 
 def _check_same_as_rank0(found: dict, path: str, wanted: dict, rank0_path: str, rank0_bytes: dict) -> None:
     """Refuse a file whose value of a key DeepSpeed saves alike on every rank differs from rank 0's
-    (reshard.formats.deepspeed_rank_values): every target rank would get rank 0's."""
+    (reshard.formats.deepspeed_files.deepspeed_rank_values): every target rank would get rank 0's."""
     difference, tensors = compare(found, wanted)
     if difference is not None:
         difference = (difference[0], describe(difference[1]), describe(difference[2]))
@@ -1007,7 +1007,7 @@ def inspect_pipeline_columns(save_dir: str | os.PathLike, tag: str | None = None
     (verify --against compares an output's layer files with the source's, and reports a damaged one).
     `pipe`: the save's inspect_pipeline, where the caller has read it already (a pp or tp change needs it
     again for the target's stages, collective_job.inspect_pipeline_target): the stage pickles read once."""
-    from reshard.formats.deepspeed_pipeline import inspect_pipeline
+    from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     if pipe is None:
         save_dir = os.path.abspath(os.fspath(save_dir))
         pipe = inspect_pipeline(save_dir, resolve_tag(save_dir, tag), trust_pickle, layer_shapes=layer_shapes)

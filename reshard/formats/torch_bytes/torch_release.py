@@ -1,6 +1,6 @@
 """What reshard's torch path needs from the installed torch, and the refusal that names what is missing.
 
-    from reshard.formats.torch_release import missing
+    from reshard.formats.torch_bytes.torch_release import missing
     problem = missing("named_allowlist")    # None, or "torch 2.5.1 ... (torch 2.6 and later have it)"
 
 reshard reads and writes DeepSpeed's files without torch where it can (torch_pickle). Its torch path

@@ -1,11 +1,11 @@
 """Values every rank of a DeepSpeed checkpoint saves alike, checked equal to rank 0's.
 
-    from reshard.formats.deepspeed_rank_values import compare, optim_rank_values
+    from reshard.formats.deepspeed_files.deepspeed_rank_values import compare, optim_rank_values
     difference, tensors = compare(optim_rank_values(tree), optim_rank_values(source.optim_template))
     # difference: None, or (key path, value in this file, value in rank 0's file);
     # tensors: (key path, ref here, ref in rank 0's file) pairs whose bytes the caller compares
 
-A target rank's files are built from rank 0's (reshard.formats.deepspeed_target): there is no
+A target rank's files are built from rank 0's (reshard.formats.deepspeed_files.deepspeed_target): there is no
 source rank a target rank of another world size corresponds to, so a value that differs between
 source ranks has no right place to go, and carrying rank 0's would be a silent choice. Each value
 listed here is one DeepSpeed keeps the same on every rank (and, except ds_config, which no load
@@ -35,7 +35,7 @@ against the layout rules by deepspeed_inspect `validate_optim_tree`), `shared_pa
 `_get_shared_params` fills it on global rank 0 only), AutoEP/AutoTP metadata (per rank by design),
 and client_state merged into a ZeRO-3 model-states file (`state.update(client_state)`: the
 user's, possibly per rank, such as RNG states): a target rank gets rank 0's, and the job's summary
-names the keys that differ (reshard.formats.deepspeed_client_state).
+names the keys that differ (reshard.formats.deepspeed_files.deepspeed_client_state).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ import math
 from enum import Enum
 from typing import Any
 
-from reshard.formats.deepspeed_schema import OPTIM as OPT
-from reshard.formats.torch_archive import TensorRef
+from reshard.formats.deepspeed_files.deepspeed_schema import OPTIM as OPT
+from reshard.formats.torch_bytes.torch_archive import TensorRef
 
 MODEL_VALUES = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version",
                 "mp_world_size", "buffer_names", "frozen_param_shapes")

@@ -1,6 +1,6 @@
 """The zip container of torch.save files, written and read without torch (torch 2.13 rules).
 
-    from reshard.formats.torch_zip import ArchiveWriter, ArchiveReader
+    from reshard.formats.torch_bytes.torch_zip import ArchiveWriter, ArchiveReader
     writer = ArchiveWriter("out.pt")                  # archive name "out", as torch derives it
     writer.add("data.pkl", pickled)                   # a record with its bytes
     offset = writer.reserve("data/0", 4096)           # a record whose bytes are left as a hole

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 from reshard.files.byte_io import copy_bytes, hash_file, pwrite_exact, pwritev_exact
 from reshard.errors import ReshardError
-from reshard.formats.float_casts import ITEMSIZE, cast_bytes
-from reshard.formats import deepspeed_classes as classes
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_target import carried_bytes, is_copy_role, target_files
-from reshard.formats.torch_zip import seal_crcs
-from reshard.formats.torch_archive import (
+from reshard.formats.torch_bytes.float_casts import ITEMSIZE, cast_bytes
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_target import carried_bytes, is_copy_role, target_files
+from reshard.formats.torch_bytes.torch_zip import seal_crcs
+from reshard.formats.torch_bytes.torch_archive import (
     NewTensor,
     TensorRef,
     locate_tree_storages,
@@ -93,7 +93,7 @@ class TargetWriter:
                files_of: Callable[..., list] = target_files) -> "TargetWriter":
         """The files of target `ranks` (only those named in `only`, when given: an array task's share).
         `files_of(source, target, rank)` says what they are: DeepSpeed's at the source's ZeRO stage
-        by default; the job's own choice otherwise (another stage, reshard.formats.stage_change;
+        by default; the job's own choice otherwise (another stage, reshard.formats.deepspeed_files.stage_change;
         the model-states file placed elsewhere, reshard.jobs.node_local)."""
         writer = cls()
         try:
@@ -111,7 +111,7 @@ class TargetWriter:
     def _open_file(self, source: SourceCheckpoint, path: str, target, rank: int, reuse_existing: bool) -> None:
         if os.path.islink(path):  # never write through a link left in staging
             os.unlink(path)
-        try:  # without torch where the tree allows (reshard.formats.torch_pickle), else with it
+        try:  # without torch where the tree allows (reshard.formats.torch_bytes.torch_pickle), else with it
             offsets = locate_tree_storages(path, target.tree, classes.safe_globals()) if reuse_existing else \
                 write_tree_skeleton(path, target.tree, classes.safe_globals())
         except OSError as error:

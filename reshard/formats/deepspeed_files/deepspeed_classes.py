@@ -1,6 +1,6 @@
 """DeepSpeed's pickled classes, by name, without importing DeepSpeed (about a second per process).
 
-    from reshard.formats import deepspeed_classes as classes
+    from reshard.formats.deepspeed_files import deepspeed_classes as classes
     torch.serialization.add_safe_globals(classes.safe_globals())   # load: stand-ins under DeepSpeed's names
     torch.save(obj, path, pickle_module=classes)                  # save: written under DeepSpeed's names
     real = classes.to_deepspeed(obj)                              # in a DeepSpeed job: the real classes
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from reshard.formats.torch_classes import StandInPickler, TorchGlobal
+from reshard.formats.torch_bytes.torch_classes import StandInPickler, TorchGlobal
 
 
 class LossScaler:
@@ -85,8 +85,8 @@ def to_deepspeed(obj):
     """
     import torch
 
-    from reshard.formats.torch_archive import map_leaves
-    from reshard.formats.torch_classes import TorchSize, as_torch
+    from reshard.formats.torch_bytes.torch_archive import map_leaves
+    from reshard.formats.torch_bytes.torch_classes import TorchSize, as_torch
     real = _real_classes()
 
     def convert(stand_in):

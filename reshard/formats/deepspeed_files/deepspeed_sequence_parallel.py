@@ -1,6 +1,6 @@
 """DeepSpeed Ulysses sequence parallelism in a save: the sp size it was trained at, and what a target needs.
 
-    from reshard.formats.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
+    from reshard.formats.deepspeed_files.deepspeed_sequence_parallel import saved_sequence_parallel_size, sequence_parallel_problem
     saved_sequence_parallel_size(model_tree)          # 2 for an (sp 2, dp 1) save, 1 without sp
     sequence_parallel_problem(target_dp=3, sp=2)      # "... 3 ranks ... not a multiple of ... 2 ..."
 

@@ -1,6 +1,6 @@
 """The files DeepSpeed expects at the target world size, as trees to write.
 
-    from reshard.formats.deepspeed_target import target_files
+    from reshard.formats.deepspeed_files.deepspeed_target import target_files
     for f in target_files(source, Topology(dp=3), rank=1):
         f.name   # "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         f.tree   # rank 0's file with partitions replaced by NewTensor slots, metadata for 3 ranks
@@ -23,13 +23,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.formats import deepspeed_schema as schema
-from reshard.formats.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
-from reshard.formats.deepspeed_folding import FOLDING_KEY, model_folding, optim_folding
-from reshard.formats.deepspeed_metadata import rank_metadata
-from reshard.formats.deepspeed_schema import OPTIM as OPT
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.torch_archive import NewTensor, TensorRef
+from reshard.formats.deepspeed_files import deepspeed_schema as schema
+from reshard.formats.deepspeed_files.deepspeed_autoep import AUTOEP_LAYERS_KEY, target_autoep_layers
+from reshard.formats.deepspeed_files.deepspeed_folding import FOLDING_KEY, model_folding, optim_folding
+from reshard.formats.deepspeed_files.deepspeed_metadata import rank_metadata
+from reshard.formats.deepspeed_files.deepspeed_schema import OPTIM as OPT
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.torch_bytes.torch_archive import NewTensor, TensorRef
 from reshard.topology import Topology
 
 
@@ -43,18 +43,18 @@ class TargetFile:
     """Source file (name in the tag directory) whose storages the tree's TensorRefs point into."""
     casts: dict = field(default_factory=dict)
     """slot -> dtype the exchange delivers it in, where the file stores another (a ZeRO stage
-    change writes module weights cast from fp32 masters; see reshard.formats.stage_change)."""
+    change writes module weights cast from fp32 masters; see reshard.formats.deepspeed_files.stage_change)."""
 
     @property
     def slots(self) -> list[tuple]:
-        from reshard.formats.torch_archive import refs_in
+        from reshard.formats.torch_bytes.torch_archive import refs_in
         return [ref.slot for ref in refs_in(self.tree) if isinstance(ref, NewTensor)]
 
 
 def target_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
     """The files rank `rank` of the `target` topology owns as DeepSpeed saves them (dp rank 0 of each
     TP rank also owns the ZeRO-1/2 model-states file), at the source's ZeRO stage (another stage:
-    reshard.formats.stage_change.StageChange.files)."""
+    reshard.formats.deepspeed_files.stage_change.StageChange.files)."""
     spec = source.spec
     at = target.coordinates(rank)
     layout = spec.layout(target, target.tp, at.tp, at.pp)
@@ -319,7 +319,7 @@ def _retarget_autoep_layers(tree: dict, target: Topology, rank: int = 0) -> None
 
 def _set_optim_folding(tree: dict, spec, layout, target: Topology, rank: int) -> None:
     """AutoEP with AutoTP layers: the optim file's `folding` for global rank `rank`, or none
-    unfolded (reshard.formats.deepspeed_folding; engine.py `_save_zero_checkpoint`)."""
+    unfolded (reshard.formats.deepspeed_files.deepspeed_folding; engine.py `_save_zero_checkpoint`)."""
     tree.pop(FOLDING_KEY, None)
     if target.folded:
         names = None if spec.stage == 3 else \

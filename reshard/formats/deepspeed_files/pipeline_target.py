@@ -2,7 +2,7 @@
 tensor is sliced. One function for every job kind (reshard.jobs.collective_job.pipeline_stage_change, which
 the collective job, array tasks, node-local and, with the engine's stages, the in-job load call).
 
-    from reshard.formats.pipeline_target import pipeline_target
+    from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
     planned = pipeline_target(opts, inspect_pipeline(save_dir, tag))   # OptionError / UnsupportedCheckpoint by name
     planned.topology, planned.stages.names, planned.tp_changed
 
@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from reshard.errors import OptionError, UnsupportedCheckpoint
-from reshard.formats.deepspeed_pipeline import (
+from reshard.formats.deepspeed_files.deepspeed_pipeline import (
     PipelineSource,
     check_layer_files_cut,
     check_layers_reproduce_source,

@@ -1,6 +1,6 @@
 """What kind of DeepSpeed save a tag directory holds, and the one inspection entry that reads it as such.
 
-    from reshard.formats.deepspeed_save_kind import inspect_save
+    from reshard.formats.deepspeed_files.deepspeed_save_kind import inspect_save
     source = inspect_save("/ckpt/run1", "global_step3")    # a SourceCheckpoint, whatever kind of save it is
 
 A job inspects every save through `inspect_save`, which asks `SAVE_KINDS` in order which one the tag
@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from reshard.formats.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns, resolve_tag
-from reshard.formats.deepspeed_pipeline import is_pipeline
-from reshard.formats.deepspeed_spec import SourceCheckpoint
-from reshard.formats.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
+from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint, inspect_pipeline_columns, resolve_tag
+from reshard.formats.deepspeed_files.deepspeed_pipeline import is_pipeline
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_zero0_moe import inspect_zero0_moe_checkpoint, is_zero0_moe
 
 SAVE_KINDS: tuple[tuple[Callable[[str], bool], Callable[..., SourceCheckpoint]], ...] = (
     (is_pipeline, inspect_pipeline_columns),

@@ -1,6 +1,6 @@
 """Read what a DeepSpeed AutoTP checkpoint says about its tensor parallelism.
 
-    from reshard.formats.deepspeed_tensor import tensor_parallel_spec
+    from reshard.formats.deepspeed_files.deepspeed_tensor import tensor_parallel_spec
     tensor, global_params = tensor_parallel_spec(model_tree, model_path, tp=2, local_params=spec.params)
     tensor.params.splits[0]          # TensorSplit("column", 0)
 
@@ -25,7 +25,7 @@ import math
 import re
 
 from reshard.errors import CheckpointError, UnsupportedCheckpoint
-from reshard.formats.torch_archive import TensorRef, refs_in
+from reshard.formats.torch_bytes.torch_archive import TensorRef, refs_in
 from reshard.layouts.zero import ParamSpec
 from reshard.layouts.tensor_parallel import (
     REPLICATED,

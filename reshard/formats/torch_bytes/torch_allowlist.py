@@ -1,6 +1,6 @@
 """torch's weights_only allowlist, extended only while reshard loads, and left as it was found.
 
-    from reshard.formats.torch_allowlist import allowed_globals
+    from reshard.formats.torch_bytes.torch_allowlist import allowed_globals
     with allowed_globals(schema.safe_globals()):      # DeepSpeed's names -> reshard's stand-ins
         tree = torch.load(path, weights_only=True)
     # afterwards torch.serialization.get_safe_globals() is what it was before
@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from reshard.formats.torch_release import require
+from reshard.formats.torch_bytes.torch_release import require
 
 _lock = threading.Lock()
 _holders: Counter = Counter()

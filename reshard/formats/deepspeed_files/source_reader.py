@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from reshard.files.byte_io import pread_exact
-from reshard.formats.deepspeed_inspect import source_rank_tensors
-from reshard.formats.deepspeed_spec import SourceCheckpoint
+from reshard.formats.deepspeed_files.deepspeed_inspect import source_rank_tensors
+from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
 
 READ_THREADS = 4
 READ_PIECE = 8 << 20
@@ -35,7 +35,7 @@ class SourceReader:
              extra_slots: Callable[[SourceCheckpoint, int, dict], dict] | None = None) -> "SourceReader":
         """Readers of source `ranks`. `extra_slots(source, rank, found)`: the slots the target reads
         besides the checked partitions `found` ({slot: (path, TensorRef)}), such as a ZeRO stage
-        change's (reshard.formats.stage_change.StageChange.source_slots)."""
+        change's (reshard.formats.deepspeed_files.stage_change.StageChange.source_slots)."""
         reader = cls()
         try:
             for rank in ranks:

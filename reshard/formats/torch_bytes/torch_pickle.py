@@ -1,6 +1,6 @@
 """torch.save files read and written without torch: the pickle side (tensors, storages, names).
 
-    from reshard.formats.torch_pickle import read_portable, write_skeleton_tree, NeedsTorch
+    from reshard.formats.torch_bytes.torch_pickle import read_portable, write_skeleton_tree, NeedsTorch
     names = globals_by_name(allowlist)       # {"module.Name": stand-in class}, e.g. DeepSpeed's
     tree = read_portable("zero_pp_rank_0_mp_rank_00_optim_states.pt", names)   # TensorRefs
     offsets = write_skeleton_tree("out.pt", target_tree, names)   # {role: data offset}, as torch_archive's
@@ -76,7 +76,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from reshard.errors import CheckpointError
-from reshard.formats.torch_classes import (
+from reshard.formats.torch_bytes.torch_classes import (
     ITEMSIZE,
     STORAGE_OF_DTYPE,
     STORAGE_TYPES,
@@ -87,8 +87,8 @@ from reshard.formats.torch_classes import (
     TorchSize,
     globals_by_name,
 )
-from reshard.formats.torch_tree import NewTensor, TensorRef, is_ref, map_leaves, refs_in
-from reshard.formats.torch_zip import ArchiveFormatError, ArchiveReader, ArchiveWriter
+from reshard.formats.torch_bytes.torch_tree import NewTensor, TensorRef, is_ref, map_leaves, refs_in
+from reshard.formats.torch_bytes.torch_zip import ArchiveFormatError, ArchiveReader, ArchiveWriter
 
 __all__ = ["NeedsTorch", "SaveLayout", "globals_by_name", "read_portable", "write_skeleton_tree", "storage_offsets_of"]
 

@@ -1,6 +1,6 @@
 """DeepSpeed 0.19.8 checkpoint schema in one place: file names, where partitioned tensors sit.
 
-    from reshard.formats.deepspeed_schema import optim_file_name, classify
+    from reshard.formats.deepspeed_files.deepspeed_schema import optim_file_name, classify
     optim_file_name(dp_rank=3, bf16=True)    # "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"
     classify("mp_rank_00_model_states.pt")   # FileRole("model", dp_rank=None, mp_rank=0, bf16=False)
 
@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
-from reshard.formats import deepspeed_classes as classes
+from reshard.formats.deepspeed_files import deepspeed_classes as classes
 
 from reshard.topology import Topology
 
@@ -96,7 +96,7 @@ def expert_file_mp_rank(name: str) -> int | None:
 
 def expert_file_index_any_mp(name: str) -> tuple[int, int] | None:
     """(MoE layer, global expert) of a per-layer expert file of any TP rank (AutoEP folded with
-    AutoTP writes them under the writer's TP rank, reshard.formats.deepspeed_folding)."""
+    AutoTP writes them under the writer's TP rank, reshard.formats.deepspeed_files.deepspeed_folding)."""
     match = _LAYER_EXPERT_MP_RE.match(name)
     return (int(match[1]), int(match[2])) if match else None
 
