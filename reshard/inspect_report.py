@@ -10,7 +10,7 @@
 Reads the pickles of every rank file (`map_location="meta"`) and the few bytes of the
 optimizer step counters, which the consistency check compares between ranks; no partition,
 weight or buffer bytes. Every rank's files are validated exactly as a reshard job validates
-them before moving a byte (`formats.deepspeed_inspect.source_rank_tensors`), so a report with
+them before moving a byte (`formats.deepspeed_files.deepspeed_inspect.source_rank_tensors`), so a report with
 no problems means the job's pre-flight checks pass.
 
 The `--json` document (`as_dict()`), schema "reshard.inspect/1":

@@ -45,13 +45,17 @@ def test_import_linter_contracts_are_kept(capsys):
     assert "BROKEN" not in report and report.count("KEPT") == len(_contracts()), report
 
 
-def test_torch_byte_contract_names_every_torch_and_deepspeed_module():
-    """A new formats/torch_*.py or formats/deepspeed_*.py is in the torch-bytes contract, or the
-    contract says nothing about it."""
-    contract = _contracts()["torch-bytes-know-no-deepspeed"]
+def test_formats_is_two_packages_in_layers():
+    """formats/ holds only its two layer packages (a module placed beside them is in neither layer),
+    and the contract orders them: DeepSpeed's files over torch's bytes."""
+    contract = _contracts()["formats-layers"]
+    assert contract["containers"] == ["reshard.formats"]
+    assert contract["layers"] == ["deepspeed_files", "torch_bytes"]
     formats = PACKAGE / "formats"
-    assert set(contract["source_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("torch_*.py")}
-    assert set(contract["forbidden_modules"]) == {f"reshard.formats.{p.stem}" for p in formats.glob("deepspeed_*.py")}
+    assert sorted(p.name for p in formats.glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in formats.iterdir() if p.is_dir() and p.name != "__pycache__") == [
+        "deepspeed_files", "torch_bytes"]
+    assert not [p.name for p in (formats / "torch_bytes").glob("deepspeed_*.py")]
 
 
 def test_every_module_is_in_a_layer(graph):
@@ -170,7 +174,7 @@ def test_private_name_check_sees_a_crossing(tmp_path):
     """The check above can fail: a crafted module taking a private name is reported."""
     (tmp_path / "reshard").mkdir()
     (tmp_path / "reshard" / "a.py").write_text("from reshard.jobs.collective_job import _preflight\n"
-                                               "from reshard.formats import torch_zip as zip_\n"
+                                               "from reshard.formats.torch_bytes import torch_zip as zip_\n"
                                                "x = zip_._read\n")
     assert set(private_names_crossing(tmp_path / "reshard")) == {
         ("reshard/a.py", "reshard.jobs.collective_job._preflight"), ("reshard/a.py", "reshard.formats.torch_bytes.torch_zip._read")}
@@ -217,28 +221,28 @@ TORCH_LOADERS = {"torch.load", "torch.serialization.load", "torch.serialization.
 
 
 def test_torch_files_are_loaded_only_through_the_checked_reader():
-    """No module outside `formats/torch_*` calls torch.load (or torch.serialization's load or
+    """No module outside `formats/torch_bytes/` calls torch.load (or torch.serialization's load or
     add_safe_globals) itself: a mapped load takes a deflated record's raw bytes as tensor data."""
     calls = [(where, name) for where, name in torch_loads(PACKAGE)
-             if not pathlib.PurePath(where).name.startswith("torch_") or pathlib.PurePath(where).parent.name != "formats"]
+             if pathlib.PurePath(where).parent.name != "torch_bytes"]
     assert not calls, f"direct torch loads (use reshard.formats.torch_bytes.torch_archive.load_checked): {calls}"
 
 
 def test_torch_load_check_sees_each_spelling(tmp_path):
     """The check above can fail: every way of reaching torch.load in a crafted module is reported,
     and the torch-byte modules' own calls are where the rule allows them."""
-    (tmp_path / "reshard" / "formats").mkdir(parents=True)
+    (tmp_path / "reshard" / "formats" / "torch_bytes").mkdir(parents=True)
     (tmp_path / "reshard" / "a.py").write_text(
         "import torch\nimport torch as t\nimport torch.serialization as ser\nfrom torch import serialization\n"
         "from torch import load as l\nfrom torch.serialization import add_safe_globals\n"
         "def f(p):\n    torch.load(p)\n    t.load(p, mmap=True)\n    ser.load(p)\n    serialization._load\n"
         "    torch.serialization.add_safe_globals([])\n    return torch.save, t.loads\n")
-    (tmp_path / "reshard" / "formats" / "torch_x.py").write_text("import torch\nx = torch.load\n")
+    (tmp_path / "reshard" / "formats" / "torch_bytes" / "torch_x.py").write_text("import torch\nx = torch.load\n")
     found = sorted(torch_loads(tmp_path / "reshard"))
     assert found == sorted([("reshard/a.py", "torch.load")] * 3 + [
         ("reshard/a.py", "torch.serialization.load"), ("reshard/a.py", "torch.serialization._load"),
         ("reshard/a.py", "torch.serialization.add_safe_globals"), ("reshard/a.py", "torch.serialization.add_safe_globals"),
-        ("reshard/formats/torch_x.py", "torch.load")]), found
+        ("reshard/formats/torch_bytes/torch_x.py", "torch.load")]), found
 
 
 def torch_loads(package: pathlib.Path):

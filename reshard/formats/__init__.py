@@ -1,3 +1,3 @@
-"""Checkpoint formats: torch archives at the byte level (`torch_*`, which know no DeepSpeed), and
-DeepSpeed's files on top of them (`deepspeed_*`, `stage_change`, `source_reader`, `target_writer`,
-`folded_expert_files`, `float_casts`)."""
+"""Checkpoint formats, in two layers as packages: `torch_bytes` (torch's file format at the byte level,
+which knows no DeepSpeed) and `deepspeed_files` (DeepSpeed's files on top of it); the import-linter
+contract "formats-layers" in pyproject.toml keeps the direction."""
