@@ -64,7 +64,7 @@ class SliceSink(Protocol):
     file sinks: fsync, hash, close); `close` exactly once at the end, also after a failure,
     idempotent (it may follow `finish`). A sink may also have `write_gather(rank, slot, element,
     itemsize, pieces)`, `write` of a list of views back to back: the exchange then hands it each
-    round's runs that continue each other in one call (formats.target_writer.TargetWriter does).
+    round's runs that continue each other in one call (formats.deepspeed_files.target_writer.TargetWriter does).
     """
 
     def write(self, rank: int, slot: Slot, element: int, itemsize: int, data: memoryview) -> None:
