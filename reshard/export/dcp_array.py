@@ -36,6 +36,7 @@ from reshard.export.array_export import ArrayExport, ArrayFormat, ArrayTaskResul
 from reshard.export.dcp_job import (
     DcpExport,
     DcpWriter,
+    check_dcp_options,
     complete_staging,
     derive_export,
     file_blobs,
@@ -94,12 +95,7 @@ def export_dcp_array_task(source: str, destination: str, *, task: int, tasks: in
     """Task `task` of `tasks`: its files of the DCP export, then the set published if it is complete."""
     if tasks < 1 or not 0 <= task < tasks:
         raise OptionError(f"--array-task must be in [0, --array-tasks), got {task} of {tasks}")
-    if dtype not in DTYPES:
-        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if layout not in OUTPUT_LAYOUTS:
-        raise OptionError(f"--layout must be one of {', '.join(OUTPUT_LAYOUTS)}, got {layout!r}")
-    if chunk_bytes < 1:
-        raise OptionError("--chunk-size must be positive")
+    check_dcp_options(dtype, layout, chunk_bytes)
     return run_array_task(DCP, {"source": str(source), "destination": str(destination), "tag": tag, "dtype": dtype,
                                 "chunk_bytes": chunk_bytes, "layout": layout, "memory_budget": memory_budget,
                                 "trust_pickle": trust_pickle}, task=task, tasks=tasks, overwrite=overwrite,

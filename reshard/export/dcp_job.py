@@ -453,18 +453,24 @@ class DcpResult(ExportResult):
         return [load, f"counters, LR scheduler and client_state (and an fp16 run's loss scaler) in {RUN_STATE_NAME}"]
 
 
-def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str | None = None,
-               memory_budget: int = 1 << 30, chunk_bytes: int = DEFAULT_CHUNK_BYTES, trust_pickle: bool = False,
-               overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
-               timeout: float = 600.0, durable_every: int = 1 << 30, layout: str = "torch") -> DcpResult:
-    """`layout`: "torch" (one DCP directory, get_state_dict's keys) or "accelerate" (a checkpoint directory
-    as Accelerate's FSDP2 resume and the HF Trainer read it: reshard.export.dcp_output_layout)."""
+def check_dcp_options(dtype: str, layout: str, chunk_bytes: int) -> None:
+    """The DCP export's own options, refused by name before anything is read (the collective export's and an
+    array task's alike: reshard.export.dcp_array)."""
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if layout not in OUTPUT_LAYOUTS:
         raise OptionError(f"--layout must be one of {', '.join(OUTPUT_LAYOUTS)}, got {layout!r}")
     if chunk_bytes < 1:
         raise OptionError("--chunk-size must be positive")
+
+
+def export_dcp(source: str, destination: str, *, dtype: str = "fp32", tag: str | None = None,
+               memory_budget: int = 1 << 30, chunk_bytes: int = DEFAULT_CHUNK_BYTES, trust_pickle: bool = False,
+               overwrite: bool = False, transport: Transport | None = None, backend: str = "auto",
+               timeout: float = 600.0, durable_every: int = 1 << 30, layout: str = "torch") -> DcpResult:
+    """`layout`: "torch" (one DCP directory, get_state_dict's keys) or "accelerate" (a checkpoint directory
+    as Accelerate's FSDP2 resume and the HF Trainer read it: reshard.export.dcp_output_layout)."""
+    check_dcp_options(dtype, layout, chunk_bytes)
     own_transport = transport is None
     transport = transport or transport_from_environment(backend, timeout)
     try:
