@@ -350,7 +350,8 @@ def pipeline_columns_for_engine(pipe, target: Topology, stages: list, trust_pick
             pipe, [[n for group in by_stage[s][0] for n in group] for s in range(target.pp)],
             [by_stage[s][2] for s in range(target.pp)], shapes=shapes, tp=target.tp))
     if tp_changed:  # the layer files re-cut in the plan, as the offline job's (collective_job.pipeline_stage_change)
-        source = with_model_axis(source, pipe, rules, layers, bounds, target.tp, trust_pickle)
+        source, layer_files = with_model_axis(source, pipe, rules, layers, bounds, target.tp, trust_pickle)
+        target = dataclasses.replace(target, layer_files=layer_files)
     columns = target.stages.columns if target.stages is not None else source.spec.columns
     for stage, model, _, names, shapes_here, _ in stages:
         params, groups = columns[stage * target.tp + model]
@@ -379,7 +380,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     (MemoryTargetWriter). The stage's model-states file holds no tensors of the exchange (`module` None):
     each rank builds its column's from the source's as the job writes it (zero12_model_file). Layer files
     are per global layer index: at the save's tp the same at any pp and dp, so DeepSpeed reads them from
-    the source; at another tp re-cut in the same plan (spec.model_axis), filled on dp rank 0 of each
+    the source; at another tp re-cut in the same plan (`Topology.layer_files`), filled on dp rank 0 of each
     (stage, model rank) and sent to its other dp ranks (`_share_layer_files`)."""
     from reshard.formats.deepspeed_files.deepspeed_target import zero12_model_file
     pp, dp, tp = _engine_pipeline(engine)
@@ -405,8 +406,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     model = objects.get((column, model_file.name))
     if model is None:  # dp rank > 0: the column's file, built here (it holds no exchanged tensors)
         model = MemoryTargetWriter(source, target, []).build(source, column, model_file)
-    layer_files = _share_layer_files(source, target, objects, transport) if source.spec.model_axis is not None \
-        else {}
+    layer_files = _share_layer_files(target, objects, transport) if target.layer_files is not None else {}
     root = tempfile.mkdtemp(prefix="reshard-injob-")
     try:
         tag_dir = os.path.join(root, source.tag)
@@ -435,7 +435,7 @@ def _load_pipeline_columns(engine, pipe, transport, budget: int, trust_pickle: b
     return _as_source_path(source, load_path), client_state
 
 
-def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict, transport) -> dict:
+def _share_layer_files(target: Topology, objects: dict, transport) -> dict:
     """This rank's stage's layer files at its model rank ({layer index: object}), under a pipeline tp change: the
     plan fills them on dp rank 0 of each (stage, model rank) (deepspeed_target.pipeline_layer_files, as
     DeepSpeed's save writes them there), every dp rank of that column loads them, so its dp rank 0 sends
@@ -446,7 +446,7 @@ def _share_layer_files(source: SourceCheckpoint, target: Topology, objects: dict
         for m in range(target.tp):
             owner = target.rank_of(0, m, s)
             column = [target.rank_of(d, m, s) for d in range(target.dp)]
-            for index, _, stage, _ in source.layer_templates:
+            for index, _, stage, _ in target.layer_files.templates:
                 if stage == s:
                     obj = share_file(transport, objects, (owner, schema.layer_file_name(index, m)), owner, column)
                     if (here.pp, here.tp) == (s, m):
@@ -495,7 +495,7 @@ def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, 
     own = zero0_in_job_ownership(source.spec.topology.ep, target, transport.size)
     plan = zero0.plan(source, target, transport.size, budget, own)
     objects = execute(plan, transport,
-                      open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
+                      open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank), target=target,
                                                             trust_pickle=trust_pickle, extra_slots=zero0.source_slots),
                       open_sink=lambda: MemoryTargetWriter(source, target, own.target_ranks_of(transport.rank),
                                                            files=zero0.files),
@@ -530,7 +530,7 @@ def _load_zero0_moe(engine, source, transport, budget: int, trust_pickle: bool, 
 def _reshard_in_memory(source: SourceCheckpoint, target: Topology, plan, transport, trust_pickle: bool) -> dict:
     own = plan.ownership
     return execute(plan, transport,
-                   open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
+                   open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank), target=target,
                                                          trust_pickle=trust_pickle),
                    open_sink=lambda: MemoryTargetWriter(source, target, own.target_ranks_of(transport.rank)),
                    opening="opening source files", finish=lambda reader, writer: writer.objects)

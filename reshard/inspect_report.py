@@ -165,7 +165,7 @@ def inspect_report(save_dir: str | os.PathLike, tag: str | None = None, *, trust
     _describe(report, source)
     for rank in range(source.spec.dp_world_size):
         try:
-            source_rank_tensors(source, rank, trust_pickle=trust_pickle)
+            source_rank_tensors(source, rank, target=None, trust_pickle=trust_pickle)
         except ReshardError as error:
             report.problems.append(str(error))
     return report

@@ -77,6 +77,30 @@ class PipelineStages:
 
 
 @dataclass(frozen=True)
+class LayerFiles:
+    """A pipeline target's layer files (`layer_XX-model_YY-model_states.pt`) as tensors of the plan, rather
+    than carried whole: re-cut for another tp (`recut`, reshard.formats.deepspeed_files.deepspeed_pipeline
+    .pipeline_model_axis), or whole with tp kept (a node-local job writes them on every node whose ranks load
+    them, deepspeed_pipeline.kept_layer_files). Worked out once where the source is inspected and carried on
+    the target (`Topology.layer_files`), so the source's spec describes the source only."""
+
+    axis: object
+    """The layer files' tensors (reshard.layouts.model_axis.PipelineModelAxis): with `recut`, also each
+    parameter's split and whole shape; without, each model rank's tensors whole."""
+    recut: bool
+    """True: a tp change (the source's model axis re-cut for the target's model ranks); False: tp kept."""
+    templates: tuple
+    """Per layer file index, (index, source stage reading it, target stage, model rank 0's portable tree),
+    which each target model rank's layer file is built from."""
+    copies: tuple[tuple[int, ...], ...] = ()
+    """More copies of the layer files than dp rank 0's of each column (a node-local job: a column's first
+    rank on each node writes them, since its ranks load them there,
+    reshard.jobs.node_local_columns.layer_file_copies): per extra copy, per target column (stage * tp + model
+    rank), the target rank writing it, -1 where that stage has no such copy. Each copy takes the layer
+    tensors as pieces of the plan (reshard.planning.checkpoint_plan.every_copy_pieces)."""
+
+
+@dataclass(frozen=True)
 class Topology:
     """Sizes of each parallel dimension of one checkpoint (source or target)."""
 
@@ -92,6 +116,10 @@ class Topology:
     """A pipeline target at another pp or tp: its stages (`PipelineStages`); None for a source, for every
     other save, and for a pipeline target whose stages are the source's. Not part of equality: two
     topologies with the same axes have the same ranks."""
+    layer_files: LayerFiles | None = field(default=None, compare=False, repr=False)
+    """A pipeline target whose layer files move through the plan (`LayerFiles`: re-cut at another tp, or whole
+    for a node-local job); None for a source, for every other save, and where the layer files are carried
+    whole (`SourceCheckpoint.other_files`). Not part of equality, as `stages`."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "ep", "pp"):

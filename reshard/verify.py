@@ -60,6 +60,7 @@ from reshard.jobs.manifest import Manifest
 from reshard.jobs.progress import Progress, progress_enabled
 from reshard.formats.deepspeed_files.source_reader import SourceReader
 from reshard.transport import Transport, transport_from_environment
+from reshard.topology import Topology
 
 MAX_REPORTED = 50
 
@@ -121,7 +122,7 @@ class _Comparer:
             first = int(np.flatnonzero((a != b).any(axis=1))[0])
             differing = int((a != b).any(axis=1).sum())
             name = self.name_at(rank, slot, element + first) if self.name_at is not None else None
-            if slot[2] == "layer":  # a pipeline layer file's tensor, re-cut by the plan (spec.model_axis)
+            if slot[2] == "layer":  # a pipeline layer file's tensor, re-cut by the plan (Topology.layer_files)
                 self.problems.append(f"{path}: {name}: {differing} of {count} elements from element {element} differ "
                                      f"from the source's re-cut (first at element {element + first})")
                 return
@@ -313,7 +314,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
             locations = {}
             for rank in own.target_ranks_of(transport.rank):
                 found_in = (zero0_output_slots(target, rank, trust_pickle) if zero0
-                            else source_rank_tensors(target, rank, trust_pickle=trust_pickle))
+                            else source_rank_tensors(target, rank, target=_layer_files_as_written(
+                                target.spec.topology), trust_pickle=trust_pickle))
                 for slot, found in found_in.items():
                     locations[(rank, slot)] = found
                 problems, files = _compare_unpartitioned(source, target.tag_dir, target.spec.topology, rank,
@@ -332,7 +334,8 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
 
         execute(plan, transport,
                 open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank),
-                                                      trust_pickle=trust_pickle, extra_slots=zero.source_slots),
+                                                      target=target.spec.topology, trust_pickle=trust_pickle,
+                                                      extra_slots=zero.source_slots),
                 open_sink=open_comparer, opening="opening files", after=gather,
                 progress=Progress("verify", progress_enabled(False, transport.rank == 0)))
         return result
@@ -344,9 +347,10 @@ def verify_against(destination: str, source_dir: str, *, tag: str | None = None,
 def _pipeline_tensor_at(spec, topology, rank: int, slot: tuple, element: int) -> str | None:
     """What a pipeline output's differing element belongs to: a parameter of its column's flat buffer
     (`_column_parameter_at`), or under a tp change the layer file tensor of a layer space's slot
-    (spec.model_axis: slot (space name, tensor, "layer")), by its layer and key."""
-    axis = spec.model_axis
-    space = next((s for s in axis.layer_spaces if s.name == slot[0]), None) if axis is not None else None
+    (`topology.layer_files`: slot (space name, tensor, "layer")), by its layer and key."""
+    layer_files = topology.layer_files
+    space = next((s for s in layer_files.axis.layer_spaces if s.name == slot[0]), None) \
+        if layer_files is not None else None
     if space is not None:
         index, key = space.keys[slot[1]]
         return f"{key} of layer {index} ({space.tensors.names[slot[1]]})"
@@ -420,10 +424,10 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
     """A pipeline output at another tp, as the plan replays it: the source's target columns the output's
     stages at the output's local shapes, on the output's topology, and its model axis (collective_job.target_stages and
     with_model_axis, by the save's rules, formats/deepspeed_files/pipeline_target.model_axis_plan, the layer list as far as
-    naming a layer file's tensors needs it, `_layers_from_names`); the output given the same model axis, its
-    layer files read as the target stage's (SourceCheckpoint.layer_file_names), so that each target rank's
-    re-cut layer tensors are compared like its flat buffers. CheckpointError naming the file where the
-    output cannot be such a reshard (no model axis on either side, no rules)."""
+    naming a layer file's tensors needs it, `_layers_from_names`), as the output's topology's layer files
+    (`Topology.layer_files`, which `_layer_files_as_written` reads the output's own layer files by), so
+    that each target rank's re-cut layer tensors are compared like its flat buffers. CheckpointError naming
+    the file where the output cannot be such a reshard (no model axis on either side, no rules)."""
     from reshard.formats.deepspeed_files.pipeline_target import model_axis_plan
     from reshard.jobs.collective_job import target_stages, with_model_axis
     if not (source_pipe.has_model_axis and target_pipe.has_model_axis):
@@ -441,12 +445,9 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
     rules, shapes = model_axis_plan(source_pipe, layers, target_pipe.tp, f"an output at tp {target_pipe.tp}")
     stages = target_stages(source_pipe, [[n for group in spec.names for n in group] for spec in target_pipe.stages],
                            [spec.buffer_names for spec in target_pipe.stages], shapes=shapes, tp=target_pipe.tp)
-    source = with_model_axis(source, source_pipe, rules, layers, _stage_bounds(target_pipe, layers.count),
-                             target_pipe.tp, trust_pickle)
-    target = _with_stages(target, stages)
-    target = dataclasses.replace(target, spec=dataclasses.replace(target.spec, model_axis=source.spec.model_axis),
-                                 layer_templates=tuple((index, stage, stage, tree)
-                                                       for index, _, stage, tree in source.layer_templates))
+    source, layer_files = with_model_axis(source, source_pipe, rules, layers,
+                                          _stage_bounds(target_pipe, layers.count), target_pipe.tp, trust_pickle)
+    target = _with_stages(target, stages, layer_files)
     for name in ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"):
         if getattr(source.spec, name) != getattr(target.spec, name):
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
@@ -455,12 +456,23 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
     return source, target
 
 
-def _with_stages(output: SourceCheckpoint, stages) -> SourceCheckpoint:
+def _with_stages(output: SourceCheckpoint, stages, layer_files=None) -> SourceCheckpoint:
     """`output` whose topology, the target the plan replays the reshard to, carries the stages it was written
-    with (`Topology.stages`): they are its own, so reading it lays out its own columns as before."""
+    with (`Topology.stages`), and at another tp the layer files the reshard re-cut (`Topology.layer_files`):
+    they are its own, so reading it lays out its own columns as before."""
     spec = output.spec
     return dataclasses.replace(output, spec=dataclasses.replace(spec, topology=dataclasses.replace(
-        spec.topology, stages=stages)))
+        spec.topology, stages=stages, layer_files=layer_files)))
+
+
+def _layer_files_as_written(output: Topology) -> Topology:
+    """`output` (an output's topology, `_with_stages`) whose re-cut layer files, if any, are read where they
+    were written: each by its target stage (SourceCheckpoint.layer_file_names), not by the source stage that
+    the plan reads it from."""
+    if output.layer_files is None:
+        return output
+    return dataclasses.replace(output, layer_files=dataclasses.replace(output.layer_files, templates=tuple(
+        (index, stage, stage, tree) for index, _, stage, tree in output.layer_files.templates)))
 
 
 def _stage_bounds(pipe, count: int) -> tuple[int, ...]:

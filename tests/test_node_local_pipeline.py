@@ -27,6 +27,7 @@ directory loaded by DeepSpeed on that node's ranks and judged against the source
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.jobs.node_local import WorkerView
-from reshard.topology import Topology
+from reshard.topology import LayerFiles, Topology
 
 NODES = 2
 HARNESS = "tests.pipeline_run"
@@ -88,7 +89,7 @@ def test_a_column_is_inspected_where_its_first_optimizer_file_is_its_model_state
 
 
 def test_a_tp_change_writes_each_columns_layer_files_on_every_node_that_runs_it():
-    """The layer files a node-local tp change writes besides dp rank 0's (CheckpointSpec.layer_copies): every rank
+    """The layer files a node-local tp change writes besides dp rank 0's (LayerFiles.copies): every rank
     of a column loads them (runtime/pipe/module.py `load_state_dir`), so each other node running the column
     gets them, from its first rank there; ranks numbered as runtime/pipe/topology.py numbers them."""
     from reshard.jobs.node_local_columns import layer_file_copies
@@ -199,7 +200,7 @@ def _layer_copies_through_the_exchange(spaces, layer, source: Topology, target: 
 @pytest.mark.parametrize("budget", [1 << 20, 256])
 def test_every_copy_of_a_layer_file_is_one_space_whose_source_bytes_are_read_once(budget):
     """checkpoint_plan.plan_kept_layer_files: the layer files a node-local job writes on each node whose ranks
-    load them (dp rank 0's copy and spec.layer_copies) are one plan space per dtype whose targets are every copy,
+    load them (dp rank 0's copy and the target's LayerFiles.copies) are one plan space per dtype whose targets are every copy,
     so each layer file's bytes are read once (transport/read_once.py), however many nodes get them; before,
     each copy was its own space and read the files again. In one round, and in many small ones."""
     import types
@@ -219,10 +220,10 @@ def test_every_copy_of_a_layer_file_is_one_space_whose_source_bytes_are_read_onc
     source, target = Topology(dp=1, tp=2, pp=2), Topology(dp=3, tp=2, pp=1)
     copies = ((target.rank_of(1, 0, 0), target.rank_of(1, 1, 0)), (target.rank_of(2, 0, 0), target.rank_of(2, 1, 0)))
     ownership = Ownership.between(source, target, 3)
-    spec = types.SimpleNamespace(kept_layer_files=types.SimpleNamespace(layer_spaces=(layer,)), layer_copies=copies,
-                                 topology=source)
+    spec = types.SimpleNamespace(topology=source)
+    kept = LayerFiles(types.SimpleNamespace(layer_spaces=(layer,)), recut=False, templates=(), copies=copies)
     after = types.SimpleNamespace(round_offset=0, rounds=0)
-    spaces = plan_kept_layer_files(spec, target, ownership, budget, after)
+    spaces = plan_kept_layer_files(spec, dataclasses.replace(target, layer_files=kept), ownership, budget, after)
     assert len(spaces) == 1  # one space for the dtype, every copy in it
     read, distinct = _layer_copies_through_the_exchange(spaces, layer, source, target, copies, ownership, budget)
     sizes = tuple(int(np.prod(shape)) for shape in tensors.shapes)

@@ -134,7 +134,7 @@ def reshard_column(source: ColumnCheckpoint, target_dp: int, out: Path, *, stop_
     plan = plan_reshard(source.spec, target, 1, BUDGET)
     read = []
     execute(plan, LocalTransport(),
-            open_source=lambda: SourceReader.open(source, range(source.spec.topology.dp)),
+            open_source=lambda: SourceReader.open(source, range(source.spec.topology.dp), target=target),
             open_sink=lambda: TargetWriter.create(source, str(out), target, range(target_dp), files_of=files_of,
                                                   reuse_existing=start_round > 0),
             opening="opening", finish=lambda reader, writer: (read.append(reader.bytes_read), writer.finish()),

@@ -170,7 +170,7 @@ def run_array_task(fmt: ArrayFormat, options: dict, *, task: int, tasks: int, ov
         result.rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
         result.bytes_read = execute(
             share, LocalTransport(),
-            open_source=lambda: SourceReader.open(checkpoint, ranks, trust_pickle=trust_pickle),
+            open_source=lambda: SourceReader.open(checkpoint, ranks, target=None, trust_pickle=trust_pickle),
             open_sink=lambda: export.open_writer(todo, staged), opening="opening source files and creating output files",
             finish=lambda reader, sink: sink.finish(),  # the format's own copies, fsync, close
             after=lambda reader, sink, finished: reader.bytes_read,

@@ -81,7 +81,8 @@ def run_export(transport, source: SourceCheckpoint, plan: ReshardPlan, output: E
 
     life.run(lambda: execute(
         plan, transport,
-        open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank), trust_pickle=trust_pickle),
+        open_source=lambda: SourceReader.open(source, own.source_ranks_of(transport.rank), target=None,
+                                              trust_pickle=trust_pickle),
         open_sink=lambda: open_writer(own.target_ranks_of(transport.rank), staging.tag_dir, start.skeletons),
         opening="opening source files and creating output files", opened=lambda reader, writer: life.opened(),
         finish=lambda reader, writer: writer.finish(), finishing="writing output files",

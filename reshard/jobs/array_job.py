@@ -370,7 +370,7 @@ class _ZeroUnit:
     def _output(self, opts: ReshardOptions, outputs: dict) -> ArrayOutput:
         source, carried = self.source, self.carried
         names = [n for r in range(source.spec.topology.world_size)
-                 for n in map(os.path.basename, source.source_files(r))]
+                 for n in map(os.path.basename, source.source_files(r, self.target))]
         identity = source_identity(source.tag_dir, set(names) | set(source.other_files)
                                    | set(save_dir_files.manifest_names(carried)))
         entries = output_entries(opts, source, self.checkpoint, identity)
@@ -509,8 +509,8 @@ def _write_targets(opts, source: SourceCheckpoint, target: CheckpointTarget, tar
     rounds = sum(int(np.count_nonzero(space.windows.round_elements(space.table))) for space in share.spaces)
     hashes, report_read = execute(
         share, LocalTransport(),
-        open_source=lambda: SourceReader.open(source, source_ranks, trust_pickle=opts.trust_pickle,
-                                              extra_slots=target.zero.source_slots),
+        open_source=lambda: SourceReader.open(source, source_ranks, target=target.topology,
+                                              trust_pickle=opts.trust_pickle, extra_slots=target.zero.source_slots),
         open_sink=lambda: writer, opening="opening source files",
         opened=lambda reader, sink: sink.copy_in_background(),
         finish=lambda reader, sink: sink.finish(),  # fsync, hash and close

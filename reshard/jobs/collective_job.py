@@ -73,7 +73,7 @@ from reshard.jobs.runs import Unit, discover_units
 from reshard.formats.deepspeed_files.source_reader import SourceReader
 from reshard.formats.deepspeed_files.stage_change import ZeroStageTarget
 from reshard.formats.deepspeed_files.target_writer import TargetWriter
-from reshard.topology import PipelineStages, Topology
+from reshard.topology import LayerFiles, PipelineStages, Topology
 from reshard.transport import Transport, transport_from_environment
 
 
@@ -139,7 +139,7 @@ class Site(Protocol):
     placement: dict | None
     """Which part of the target this output is, for its fingerprint and manifest (None: all of it)."""
 
-    def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict: ...
+    def source_identity(self, source: SourceCheckpoint, carried: list[str], target: Topology) -> dict: ...
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int: ...
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start: ...
     def files_of(self, zero: ZeroStageTarget) -> Callable[[SourceCheckpoint, Topology, int], list]:
@@ -193,14 +193,14 @@ class WholeWorld:
         source, target, carried, notes = on_rank0(transport, inspect)
         return source, target, carried, notes, self
 
-    def source_identity(self, source: SourceCheckpoint, carried: list[str]) -> dict:
+    def source_identity(self, source: SourceCheckpoint, carried: list[str], target: Topology) -> dict:
         names = [n for r in range(source.spec.topology.world_size)
-                 for n in map(os.path.basename, source.source_files(r))]
+                 for n in map(os.path.basename, source.source_files(r, target))]
         return source_identity(source.tag_dir, set(names) | set(source.other_files)
                                | set(save_dir_files.manifest_names(carried)))
 
     def output_bytes(self, source: SourceCheckpoint, target_dp: int, target: Topology) -> int:
-        return output_bytes(source, target_dp, target_tp=target.tp, target_ep=target.ep)
+        return output_bytes(source, target_dp, target_tp=target.tp, target_ep=target.ep, target=target)
 
     def begin(self, life: Lifecycle, transport: Transport, describe: Callable[[], JobOutput]) -> Start:
         return life.begin(transport, describe)
@@ -282,21 +282,21 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
     kind shares; with tp changed, weighed at the target's local shapes; the batch config is preflight's),
     the target topology at the new pp and tp with each target column's (params at its local shapes, groups)
     and each stage's buffers as its stages (`target_stages`, `Topology.stages`), with tp changed each
-    parameter's split and the layer files' tensors set on the source (`model_axis`,
-    deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, not carried), and a
-    note saying how the layers were re-assigned."""
+    parameter's split and the layer files' tensors as its layer files (`Topology.layer_files`, re-cut,
+    deepspeed_pipeline.pipeline_model_axis: the layer files are then re-cut in the plan, no longer carried
+    by the source), and a note saying how the layers were re-assigned."""
     from reshard.formats.deepspeed_files.deepspeed_pipeline import inspect_pipeline
     from reshard.formats.deepspeed_files.pipeline_target import pipeline_target
     pipe = pipe or inspect_pipeline(source.save_dir, source.tag, opts.trust_pickle)
     planned = pipeline_target(opts, pipe)
-    stages, tp = planned.stages, planned.topology.tp
+    stages, tp, layer_files = planned.stages, planned.topology.tp, None
     if planned.tp_changed:  # the layer files move through the plan, re-cut; no longer carried whole
-        source = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
-                                 opts.trust_pickle)
+        source, layer_files = with_model_axis(source, pipe, planned.model_axis, planned.layers, stages.bounds, tp,
+                                              opts.trust_pickle)
     kept = checkpoint_target(dataclasses.replace(opts, target_pp=None, target_tp=None), source)  # the stage form
-    # pipeline_target's topology, worked out there once, with its stages
+    # pipeline_target's topology, worked out there once, with its stages (and re-cut layer files)
     target = dataclasses.replace(kept, topology=dataclasses.replace(planned.topology, stages=target_stages(
-        pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp)))
+        pipe, stages.names, stages.buffer_names, shapes=planned.shapes, tp=tp), layer_files=layer_files))
     note = (f"layers re-assigned to {len(stages.names)} stages by {opts.pipeline_partition!r} (bounds "
             f"{list(stages.bounds)}), each stage's parameters a ZeRO-1 partition over dp {opts.target_dp}")
     if planned.tp_changed:
@@ -306,17 +306,17 @@ def pipeline_stage_change(opts: ReshardOptions, source: SourceCheckpoint, pipe=N
 
 
 def with_model_axis(source: SourceCheckpoint, pipe, rules, layers, bounds, tp: int, trust_pickle: bool = False
-                    ) -> SourceCheckpoint:
-    """`source` (whose target's stages, `target_stages`, are at `tp`) with a tp change's model axis
-    (deepspeed_pipeline.pipeline_model_axis: each parameter's split by `rules`, the save's patterns, and the
-    layer files' tensors, the target stages holding layers `bounds[s]..bounds[s + 1] - 1`): the layer files
-    then move through the plan, re-cut, no longer carried. The offline job takes `layers` and `bounds` from
-    the layer list (pipeline_stage_change), the in-job load from the engine (reshard.deepspeed)."""
+                    ) -> tuple[SourceCheckpoint, LayerFiles]:
+    """A tp change's model axis, for a target whose stages (`target_stages`) are at `tp`: (`source` no longer
+    carrying its layer files, the target's `Topology.layer_files`, re-cut: each parameter's split by `rules`,
+    the save's patterns, and the layer files' tensors, the target stages holding layers
+    `bounds[s]..bounds[s + 1] - 1`, deepspeed_pipeline.pipeline_model_axis). The layer files then move through
+    the plan, re-cut. The offline job takes `layers` and `bounds` from the layer list (pipeline_stage_change),
+    the in-job load from the engine (reshard.deepspeed)."""
     from reshard.formats.deepspeed_files.deepspeed_pipeline import pipeline_model_axis
     axis, layer_templates = pipeline_model_axis(pipe, rules, layers, bounds, tp, trust_pickle)
-    return dataclasses.replace(source, spec=dataclasses.replace(source.spec, model_axis=axis),
-                               layer_templates=layer_templates,
-                               other_files=tuple(n for n in source.other_files if n not in pipe.layer_files))
+    return (dataclasses.replace(source, other_files=tuple(n for n in source.other_files if n not in pipe.layer_files)),
+            LayerFiles(axis, recut=True, templates=layer_templates))
 
 
 def target_stages(pipe, names, buffer_names, *, shapes: dict | None = None, tp: int | None = None
@@ -355,7 +355,7 @@ def _describe_output(opts: ReshardOptions, unit: Unit, source: SourceCheckpoint,
                      plan: ReshardPlan, carried: list[str], site: Site) -> JobOutput:
     """What the lifecycle needs of this checkpoint's output (reshard.jobs.lifecycle), on its leader."""
     topology, zero = target.topology, target.zero
-    identity = site.source_identity(source, carried)
+    identity = site.source_identity(source, carried, topology)
     out_fp = output_entries(opts, source, target, identity, site.placement).fingerprint
     target_ep = topology.ep if source.spec.experts is not None else None
     outputs = outputs_of(unit.destination, source.save_dir, topology.dp, 1 if source.spec.tensor is None else
@@ -444,7 +444,7 @@ def _run_unit(opts: ReshardOptions, unit: Unit, transport: Transport, clock: Pha
 
     def work():
         return execute(plan, transport,
-                       open_source=lambda: SourceReader.open(source, report.source_ranks,
+                       open_source=lambda: SourceReader.open(source, report.source_ranks, target=target,
                                                              trust_pickle=opts.trust_pickle,
                                                              extra_slots=zero.source_slots),
                        open_sink=lambda: TargetWriter.create(

@@ -2,7 +2,7 @@
 
     from reshard.jobs.execute import execute
     execute(plan, transport,
-            open_source=lambda: SourceReader.open(source, plan.ownership.source_ranks_of(transport.rank)),
+            open_source=lambda: SourceReader.open(source, plan.ownership.source_ranks_of(transport.rank), target=target),
             open_sink=lambda: TargetWriter.create(...),
             opening="opening source files and creating target files",
             finish=lambda reader, writer: writer.finish())

@@ -65,16 +65,17 @@ def output_fingerprint(save_dir: str, tag: str, identity: dict, target_dp: int, 
     return _digest(fields)
 
 
-def pipeline_stage_placement(opts, spec, target) -> dict | None:
+def pipeline_stage_placement(opts, target) -> dict | None:
     """What decides a pipeline output's new stages (and, with a model axis re-cut, its model ranks), for
     its fingerprint: the layer list and partition options, None where the stages are kept. One rule for
     every job kind that writes one (the collective job, array tasks), so their manifests agree byte for
-    byte. `opts`: ReshardOptions; `spec`: the source's CheckpointSpec; `target`: the target Topology (its
-    `stages` set where they are re-assigned)."""
+    byte. `opts`: ReshardOptions; `target`: the target Topology (its `stages` set where they are re-assigned,
+    its `layer_files` re-cut where the model axis is)."""
     if target.stages is None:
         return None
+    recut = target.layer_files is not None and target.layer_files.recut
     return {"pp": target.pp, "layers": opts.pipeline_layers, "tied": opts.pipeline_tied,
-            "partition": opts.pipeline_partition, **({"tp": target.tp} if spec.model_axis else {})}
+            "partition": opts.pipeline_partition, **({"tp": target.tp} if recut else {})}
 
 
 def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
@@ -82,7 +83,7 @@ def export_fingerprint(source: "SourceCheckpoint", export: dict) -> str:
     (`export`: format, dtype, shard size...; a pipeline save's exports name its layer files' identity
     there). Worker count and budget join in `plan_fingerprint`."""
     names = {os.path.basename(path) for rank in range(source.spec.topology.world_size)
-             for path in source.source_files(rank)}
+             for path in source.source_files(rank, None)}
     return _digest({"format": FORMAT_VERSION, "source": os.path.realpath(source.save_dir), "tag": source.tag,
                     "files": source_identity(source.tag_dir, names), "export": export})
 
@@ -122,7 +123,7 @@ def output_entries(opts, source: "SourceCheckpoint", target, identity: dict, pla
     spec, topology, zero = source.spec, target.topology, target.zero
     target_tp = topology.tp if spec.tensor is not None else None
     target_ep = topology.ep if spec.experts is not None else None
-    stages = pipeline_stage_placement(opts, spec, topology)
+    stages = pipeline_stage_placement(opts, topology)
     fingerprint = output_fingerprint(source.save_dir, source.tag, identity, topology.dp, target_tp,
                                      placement=placement if stages is None else {**(placement or {}), **stages},
                                      target_stage=zero.changed_to, target_ep=target_ep)

@@ -277,7 +277,7 @@ class NodeSite:
         """Which part of the target this node's output is (its fingerprint and manifest say so)."""
         return {"node": self.node, "ranks_per_node": self.ranks_per_node}
 
-    def source_identity(self, source, carried) -> dict:
+    def source_identity(self, source, carried, target) -> dict:
         return self.identity  # from every node's survey: no one worker sees every file
 
     def output_bytes(self, source, target_dp: int, target) -> int:

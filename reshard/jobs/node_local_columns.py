@@ -76,7 +76,7 @@ from reshard.jobs.node_local import (
 )
 from reshard.jobs.preflight import preflight
 from reshard.layouts.pipeline import assign_stages, split_by_group
-from reshard.topology import Topology
+from reshard.topology import LayerFiles, Topology
 from reshard.errors import CheckpointError, PeerFailure, ReshardError
 
 
@@ -276,24 +276,25 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
     source, target, notes = columns_target(opts, source, pipe)
     notes = notes + preflight(opts, source, target.topology, [])
     topology, ranks_per_node = target.topology, opts.target_ranks_per_node
-    if source.spec.model_axis is not None:  # a tp change: the layer files re-cut in the plan, read where they are
-        source = with_layer_readers(source, pipe, views)
+    if topology.layer_files is not None:  # a tp change: the layer files re-cut in the plan, read where they are
+        layer_files = with_layer_readers(topology.layer_files, pipe, views)
     else:  # tp kept: the layer files whole, in the plan
         planned = pipeline_target(opts, pipe) if topology.pp != pipe.pp else None
         stages = kept_layer_stages(pipe, views, layer_stage_bounds(opts, pipe, None),
                                    planned.stages.bounds if planned is not None else None)
         axis, templates = kept_layer_files(pipe, stages, opts.trust_pickle)
-        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, kept_layer_files=axis),
-                                     layer_templates=templates)
-    source = dataclasses.replace(source, spec=dataclasses.replace(
-        source.spec, layer_copies=layer_file_copies(topology, ranks_per_node)))
+        layer_files = LayerFiles(axis, recut=False, templates=templates)
+    topology = dataclasses.replace(topology, layer_files=dataclasses.replace(
+        layer_files, copies=layer_file_copies(topology, ranks_per_node)))
+    target = dataclasses.replace(target, topology=topology)
     target_ranks = topology.world_size
     nodes = [view.node for view in views]
     tag_dir = os.path.join(unit.source, unit.tag)
     # a source rank is read from its optimizer file and the layer files it reads (SourceCheckpoint.source_files):
     # its stage's model-states tree was read where that file is (inspect_columns_on_nodes), and a pipeline's
     # source reader opens no model-states file
-    needed = [[name for name in map(os.path.basename, source.source_files(r)) if not STAGE_MODEL_RE.match(name)]
+    needed = [[name for name in map(os.path.basename, source.source_files(r, topology))
+               if not STAGE_MODEL_RE.match(name)]
               for r in range(source.spec.topology.world_size)]
     ownership = node_local_ownership(needed, [v.files for v in views], nodes, target_ranks, ranks_per_node, tag_dir)
     identity = merged_identity(views, seen_names(views))
@@ -315,7 +316,7 @@ def node_local_pipeline_unit(opts, unit, transport, views: Sequence[WorkerView],
         stages_here = sorted({topology.coordinates(r).pp for r in ranks})
         notes.append(f"node {n}: target ranks {min(ranks)}..{max(ranks)}; the layer files of stage(s) "
                      f"{', '.join(map(str, stages_here))} written there through the plan's rounds"
-                     + (" (re-cut)" if source.spec.model_axis is not None else ""))
+                     + (" (re-cut)" if topology.layer_files.recut else ""))
     site = PipelineNodeSite(node=node, leader=node_leaders(nodes, target_ranks, ranks_per_node).get(node) == me,
                             peers=peers, hosts_targets=bool(ranks_here), ownership=ownership, identity=identity,
                             model_states_ranks=model_states_ranks(target_ranks, ranks_per_node),
@@ -386,20 +387,19 @@ def layer_reading_stages(pipe: PipelineSource, views: Sequence[WorkerView], chos
     return found
 
 
-def with_layer_readers(source, pipe: PipelineSource, views: Sequence[WorkerView]):
-    """`source` (a tp change: spec.model_axis, layer_templates) with each layer file read by the source stage
-    whose ranks see it (`layer_reading_stages`). Pure."""
-    stages = layer_reading_stages(pipe, views, {index: stage for index, stage, _, _ in source.layer_templates})
-    axis = source.spec.model_axis
+def with_layer_readers(layer_files: LayerFiles, pipe: PipelineSource, views: Sequence[WorkerView]) -> LayerFiles:
+    """A tp change's re-cut `layer_files` (the target's, `Topology.layer_files`) with each layer file read by
+    the source stage whose ranks see it (`layer_reading_stages`). Pure."""
+    stages = layer_reading_stages(pipe, views, {index: stage for index, stage, _, _ in layer_files.templates})
+    axis = layer_files.axis
     spaces = tuple(dataclasses.replace(space, source_stages=tuple(stages[index] for index, _ in space.keys))
                    for space in axis.layer_spaces)
-    spec = dataclasses.replace(source.spec, model_axis=dataclasses.replace(axis, layer_spaces=spaces))
-    return dataclasses.replace(source, spec=spec, layer_templates=tuple(
-        (index, stages[index], target_stage, tree) for index, _, target_stage, tree in source.layer_templates))
+    return dataclasses.replace(layer_files, axis=dataclasses.replace(axis, layer_spaces=spaces), templates=tuple(
+        (index, stages[index], target_stage, tree) for index, _, target_stage, tree in layer_files.templates))
 
 
 def layer_file_copies(target: Topology, ranks_per_node: int) -> tuple[tuple[int, ...], ...]:
-    """The extra copies of the layer files a node-local tp change writes (CheckpointSpec.layer_copies): every
+    """The extra copies of the layer files a node-local tp change writes (`LayerFiles.copies`): every
     rank of a (stage, model rank) column loads that column's layer files (runtime/pipe/module.py
     `load_state_dir`), so besides dp rank 0's node each other node running the column gets them, written by
     the column's first rank there. Per extra copy, per column (stage * tp + model rank), that rank, or -1.

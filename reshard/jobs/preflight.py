@@ -71,7 +71,7 @@ def target_sequence_parallel(opts: ReshardOptions, source: SourceCheckpoint) -> 
 def check_tensor_parallel_target(source: SourceCheckpoint, target: Topology) -> None:
     """Refuse a target TP size the checkpoint cannot be resharded to."""
     spec = source.spec
-    if spec.tensor is None and spec.model_axis is None and target.tp != spec.topology.tp:  # a pipeline's: checked
+    if spec.tensor is None and target.layer_files is None and target.tp != spec.topology.tp:  # a pipeline's: checked
         raise OptionError(f"{source.model_path(0)}: --target-tp {target.tp}: this checkpoint has no AutoTP "
                           "tensor-parallel metadata (universal_checkpoint_info), so how its parameters split "
                           "across TP ranks is unknown; only DeepSpeed AutoTP checkpoints change TP size")
@@ -145,9 +145,11 @@ def zero0_target_topology(opts: ReshardOptions, source: Zero0MoeCheckpoint) -> T
     return target_topology(opts, source)
 
 
-def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, target_ep: int = 1) -> int:
+def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, target_ep: int = 1,
+                 target: Topology | None = None) -> int:
     """About how many bytes the target files of `source` resharded for `target_dp` (x `target_tp`)
-    ranks take on disk: partitioned bytes are conserved (replicated TP parameters aside), each
+    ranks take on disk (`target`: the job's target, whose layer files a pipeline tp change re-cuts,
+    `Topology.layer_files`): partitioned bytes are conserved (replicated TP parameters aside), each
     target file adds one pickle structure, every file occupies whole blocks, and DeepSpeed's
     recovery scripts and the manifest come along."""
     spec, tag_dir = source.spec, source.tag_dir
@@ -175,7 +177,7 @@ def output_bytes(source, target_dp: int, block: int = 4096, target_tp: int = 1, 
     total += sum(blocks(os.path.getsize(os.path.join(tag_dir, name))) for name in source.other_files)
     # a pipeline tp change re-cuts its layer files (no longer carried): about their bytes again, a replicated
     # tensor once per target model rank
-    layers = sum(os.path.getsize(os.path.join(tag_dir, name)) for r in range(n) for name in source.layer_file_names(r))
+    layers = sum(os.path.getsize(os.path.join(tag_dir, name)) for r in range(n) for name in source.layer_file_names(r, target))
     total += blocks(-(-layers * max(target_tp, spec.topology.tp) // spec.topology.tp)) if layers else 0
     total += sum(blocks(size) for size in _recovery_script_sizes(source.save_dir))
     files = target_dp * (2 if spec.stage == 3 else 1) + len(source.other_files)

@@ -320,11 +320,11 @@ def plan_pipeline_stage_change(spec, target: Topology, ownership: Ownership, bud
 
 def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budget_bytes: int) -> tuple:
     """A PipelineModule save resharded to another tp, its stages kept or re-assigned (target.stages: its columns
-    at the target's local shapes; spec.model_axis: each parameter's split, the layer files' tensors): one
+    at the target's local shapes; target.layer_files, re-cut: each parameter's split, the layer files' tensors): one
     optimizer space over the target stages' global parameters (tensor_pieces.pipeline_model_axis_pieces),
     then each dtype's layer-file tensors as module tensors, re-cut for the target's model ranks
     (`module_pieces` of each tensor's stage: dp rank 0 of each (stage, model rank) holds them)."""
-    axis = spec.model_axis
+    axis, copies = target.layer_files.axis, target.layer_files.copies
     old, new = pipeline_model_axis_pieces(spec.columns, target.stages.columns, axis.splits, axis.shapes,
                                           spec.topology, target)
     spaces = [plan_space("optim", old, new, spec.streams, _widest_column_buffers(spec, target), ownership,
@@ -333,7 +333,7 @@ def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budge
     for layer in axis.layer_spaces:
         sizes = module_buffer_numels(layer.tensors, GlobalSpace.of(layer.tensors, source_tp=spec.topology.tp,
                                                                    target_tp=target.tp), target.tp)
-        old, new = every_copy_pieces(layer_copy_pieces, layer, spec.topology, target, spec.layer_copies)
+        old, new = every_copy_pieces(layer_copy_pieces, layer, spec.topology, target, copies)
         holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
         spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
                                  round_offset=spaces[-1].round_offset + spaces[-1].rounds,
@@ -342,13 +342,13 @@ def plan_pipeline_model_axis(spec, target: Topology, ownership: Ownership, budge
 
 
 def plan_kept_layer_files(spec, target: Topology, ownership: Ownership, budget_bytes: int, after) -> list:
-    """A PipelineModule save with tp kept whose layer files are tensors of the plan (spec.kept_layer_files: a
-    node-local job): each dtype's layer-file tensors, each model rank's whole, moved after the space `after`,
-    for dp rank 0 of each column and every extra copy (spec.layer_copies) in one space (`every_copy_pieces`)."""
-    spaces = [after]
-    for layer in spec.kept_layer_files.layer_spaces if spec.kept_layer_files is not None else ():
+    """A PipelineModule save with tp kept whose layer files are tensors of the plan (target.layer_files, whole:
+    a node-local job): each dtype's layer-file tensors, each model rank's whole, moved after the space `after`,
+    for dp rank 0 of each column and every extra copy (`LayerFiles.copies`) in one space (`every_copy_pieces`)."""
+    spaces, layer_files = [after], target.layer_files
+    for layer in layer_files.axis.layer_spaces if layer_files is not None else ():
         sizes = tuple(int(np.prod(shape, dtype=np.int64)) for shape in layer.tensors.shapes)
-        old, new = every_copy_pieces(kept_layer_pieces, layer, spec.topology, target, spec.layer_copies)
+        old, new = every_copy_pieces(kept_layer_pieces, layer, spec.topology, target, layer_files.copies)
         holders = np.bincount(ownership.writers(sorted_distinct(new.rank)), minlength=ownership.workers)
         spaces.append(plan_space(layer.name, old, new, (layer.stream,), sizes, ownership, budget_bytes,
                                  round_offset=spaces[-1].round_offset + spaces[-1].rounds,
@@ -360,7 +360,7 @@ def every_copy_pieces(copy_pieces, layer, source: Topology, target: Topology,
                       copies: Sequence[Sequence[int]]) -> tuple[PieceTable, PieceTable]:
     """(source pieces, target pieces) of every copy of a pipeline's layer files of one dtype in one space:
     `copy_pieces(layer, source, target, copy)` (`layer_copy_pieces` or `kept_layer_pieces`) of dp rank 0's
-    copy, then of each of `copies` (CheckpointSpec.layer_copies), their logical spaces laid end to end. Every
+    copy, then of each of `copies` (topology.LayerFiles.copies), their logical spaces laid end to end. Every
     copy of a tensor maps to the same source elements and fills the same buffer (tensor j is buffer j) on its
     ranks, so it falls in the same round window: the reader packs those elements once and copies them for
     the other copies (transport/read_once.py), as GlobalSpace's replicated parameters are served to every
@@ -415,7 +415,7 @@ def layer_copy_pieces(layer, source: Topology, target: Topology, copy: Sequence[
     """(source pieces, target pieces) of one copy of a pipeline's layer files of one dtype
     (reshard.layouts.model_axis.LayerFileSpace) re-cut for `target`'s model ranks: `copy` None, the files
     of dp rank 0 of each (stage, model rank) (`module_pieces`); else per target column (stage * tp + model
-    rank) the rank writing another copy of its files, -1 where its stage has none (CheckpointSpec.layer_copies:
+    rank) the rank writing another copy of its files, -1 where its stage has none (topology.LayerFiles.copies:
     a node-local job writes a column's layer files on each node whose ranks load them). A copy covers the
     tensors of the stages it writes, each tensor keeping its buffer number (tensor j is buffer j), so that
     the same file slots are filled on every rank that writes them. Pure."""

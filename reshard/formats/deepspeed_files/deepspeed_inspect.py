@@ -3,7 +3,7 @@
     from reshard.formats.deepspeed_files.deepspeed_inspect import inspect_checkpoint
     source = inspect_checkpoint("/ckpt/run1")            # tag from /ckpt/run1/latest
     print(source.spec.describe())                        # ZeRO-2 fp32, 4 dp ranks, ...
-    refs = source_rank_tensors(source, rank=3)           # where rank 3's partitions sit
+    refs = source_rank_tensors(source, rank=3, target=None)   # where rank 3's partitions sit
 
 Only pickles are read here (map_location="meta"); tensor bytes stay on disk. The spec is
 derived from the rank-0 files and checked against DeepSpeed's own metadata (paddings,
@@ -818,8 +818,11 @@ def read_carried(path: str, tree, partitioned_refs) -> dict[int, bytes]:
     return read_storages(path, [ref for ref in refs_in(tree) if isinstance(ref, TensorRef) and ref.storage_key not in skip])
 
 
-def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bool = False) -> dict:
-    """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files."""
+def source_rank_tensors(source: SourceCheckpoint, rank: int, *, target: Topology | None,
+                        trust_pickle: bool = False) -> dict:
+    """{slot: (path, TensorRef)} for every partition of one source rank, after checking its files; with the
+    tensors of the layer files it reads where `target`'s layer files move through the plan
+    (`Topology.layer_files`; None: no target, as an export or `inspect`)."""
     spec = source.spec
     if spec.stage == 0:  # ZeRO-0 MoE: no partitions; its stage form's source_slots (deepspeed_zero0_moe) has them
         return {}
@@ -843,8 +846,8 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
         _check_same_model_values(mtree, mpath, source)
         found.update({slot: (mpath, ref) for slot, ref in deepspeed_tensor.check_module_tree(
             mtree, mpath, spec.tensor.module, spec.topology.tp, at.tp, spec.tensor.aliases).items()})
-    if spec.layer_axis is not None:  # a pipeline's layer files as tensors of the plan: those this rank reads
-        found.update(_layer_file_tensors(source, rank, trust_pickle))
+    if target is not None and target.layer_files is not None:  # a pipeline's layer files in the plan: this rank's
+        found.update(_layer_file_tensors(source, target, rank, trust_pickle))
     if spec.stage == 3:
         mpath = source.model_path(rank)
         mtree = load_portable(mpath, schema.safe_globals(), trust_pickle)
@@ -855,17 +858,17 @@ def source_rank_tensors(source: SourceCheckpoint, rank: int, *, trust_pickle: bo
     return found
 
 
-def _layer_file_tensors(source: SourceCheckpoint, rank: int, trust_pickle: bool) -> dict:
+def _layer_file_tensors(source: SourceCheckpoint, target: Topology, rank: int, trust_pickle: bool) -> dict:
     """{(layer space, tensor, "layer"): (path, TensorRef)} of the layer files source rank `rank` reads under a
     pipeline tp change (SourceCheckpoint.layer_file_names), each tensor checked to be the one the plan reads:
     its entry present, its model rank's slice of the shape and the dtype model rank 0's file gave, contiguous."""
-    axis, at = source.spec.layer_axis, source.spec.topology.coordinates(rank)
+    axis, at = target.layer_files.axis, source.spec.topology.coordinates(rank)
     found = {}
-    for name in source.layer_file_names(rank):
+    for name in source.layer_file_names(rank, target):
         path = os.path.join(source.tag_dir, name)
         index = int(name[len("layer_"):].partition("-")[0])
         tree = load_portable(path, schema.safe_globals(), trust_pickle)
-        template = next(t for i, _, _, t in source.layer_templates if i == index)
+        template = next(t for i, _, _, t in target.layer_files.templates if i == index)
         if not isinstance(tree, dict) or list(tree) != list(template):
             raise CheckpointError(path, f"holds the entries {list(tree) if isinstance(tree, dict) else type(tree)}, "
                                         f"{schema.layer_file_name(index, axis.layer_file_model(0))} {list(template)}")

@@ -36,7 +36,6 @@ from reshard.layouts.zero import (
     zero3_layout,
     zero12_layout,
 )
-from reshard.layouts.model_axis import PipelineModelAxis
 from reshard.layouts.tensor_parallel import TensorParallelSpec
 from reshard.topology import Topology
 
@@ -81,26 +80,6 @@ class CheckpointSpec:
     """A PipelineModule save (tp and pp kept): per column, mp index stage * tp + model rank, its own
     (params, groups), a ZeRO-1 save over that stage's parameters; `params` then holds every column's
     end to end (the space) and `groups` column 0's. None for every other save."""
-    model_axis: PipelineModelAxis | None = None
-    """A pipeline save resharded to another tp (its model axis): each parameter's split and whole shape
-    and the layer files' tensors (reshard.layouts.model_axis); the target's stages (`Topology.stages`) then hold
-    the target's local shapes. None otherwise."""
-    kept_layer_files: PipelineModelAxis | None = None
-    """A pipeline save with tp kept whose layer files are tensors of the plan (a node-local job: they are written
-    on every node whose ranks load them, deepspeed_pipeline.kept_layer_files): each model rank's tensors whole.
-    None: the layer files are carried whole (`SourceCheckpoint.other_files`), or re-cut (`model_axis`)."""
-    layer_copies: tuple[tuple[int, ...], ...] = ()
-    """With `model_axis`: more copies of the layer files than dp rank 0's of each column (a node-local job: a
-    column's first rank on each node writes them, since its ranks load them there,
-    reshard.jobs.node_local_columns.layer_file_copies): per extra copy, per target column (stage * tp + model
-    rank), the target rank writing it, -1 where that stage has no such copy. Each copy takes the layer
-    tensors as pieces of the plan (checkpoint_plan.plan_pipeline_model_axis)."""
-
-    @property
-    def layer_axis(self) -> PipelineModelAxis | None:
-        """The layer files' tensors as the plan moves them: re-cut (`model_axis`), whole (`kept_layer_files`), or
-        None (carried as files)."""
-        return self.model_axis if self.model_axis is not None else self.kept_layer_files
 
     @property
     def dp_world_size(self) -> int:
@@ -217,40 +196,40 @@ class SourceCheckpoint:
     manifest_source: dict | None = None
     """A pipeline save: the manifest's "source" entry (less "files") as the pipeline job writes it, so that
     every job kind's output of it is the same, manifest included (SLURM array tasks still take that job)."""
-    layer_templates: tuple = ()
-    """A pipeline save at another tp (spec.model_axis): per layer file index, (index, source stage, target
-    stage, model rank 0's portable tree), which each target model rank's layer file is built from."""
     pipeline: Any = None
     """A pipeline save as inspected (deepspeed_pipeline.PipelineSource), kept only until its target is worked
     out (collective_job.source_target, which needs it for another pp or tp and then drops it), so the stage
     pickles are read once and never shipped to the workers."""
 
-    def templates(self, at, target: Topology | None = None) -> tuple[Any, Any, str, str]:
+    def templates(self, at, target: Topology) -> tuple[Any, Any, str, str]:
         """(optim tree, model tree, optim file name, model file name) the target files of the rank at
         coordinates `at` of `target` are built from: rank 0's, or its pipeline column's dp rank 0's (at a
         target with stages of its own, `Topology.stages`, stage 0's)."""
         if not self.column_templates:
             return self.optim_template, self.model_template, self.optim_name(0), self.model_name(0)
         tp = self.spec.topology.tp
-        if self.spec.model_axis is not None:  # another tp: model rank 0's stage 0 optimizer file, as the pipeline
-            # job's were (pinned bytes), and the stage 0 model file of the same model rank, or
-            # of model rank 0 where the source has none
+        if target.layer_files is not None and target.layer_files.recut:  # another tp: model rank 0's stage 0
+            # optimizer file, as the pipeline job's were (pinned bytes), and the stage 0 model file of the
+            # same model rank, or of model rank 0 where the source has none
             optim_column, model_column = 0, at.tp if at.tp < tp else 0
         else:  # a stage change: stage 0's, as the pipeline job's (deepspeed_pipeline.named_states)
-            optim_column = model_column = at.tp if target is not None and target.stages is not None \
+            optim_column = model_column = at.tp if target.stages is not None \
                 else at.pp * tp + at.tp
         optim_rank, model_rank = (self.spec.topology.rank_of(0, c % tp, c // tp) for c in (optim_column, model_column))
         return (self.column_templates[optim_column][0], self.column_templates[model_column][1],
                 self.optim_name(optim_rank), self.model_name(model_rank))
 
-    def layer_file_names(self, rank: int) -> list[str]:
-        """The layer files source rank `rank` reads under a tp change (those of its model rank whose layers
-        its stage reads, dp rank 0 only; reshard.formats.deepspeed_files.deepspeed_pipeline.pipeline_model_axis)."""
+    def layer_file_names(self, rank: int, target: Topology | None) -> list[str]:
+        """The layer files source rank `rank` reads where `target`'s layer files move through the plan
+        (`Topology.layer_files`: those of its model rank whose layers its stage reads, dp rank 0 only;
+        reshard.formats.deepspeed_files.deepspeed_pipeline.pipeline_model_axis); none without a target."""
         at = self.spec.topology.coordinates(rank)
-        if self.spec.layer_axis is None or at.dp != 0:
+        layer_files = target.layer_files if target is not None else None
+        if layer_files is None or at.dp != 0:
             return []
-        model = self.spec.layer_axis.layer_file_model(at.tp)
-        return [schema.layer_file_name(index, model) for index, stage, _, _ in self.layer_templates if stage == at.pp]
+        model = layer_files.axis.layer_file_model(at.tp)
+        return [schema.layer_file_name(index, model) for index, stage, _, _ in layer_files.templates
+                if stage == at.pp]
 
     @property
     def tag_dir(self) -> str:
@@ -275,13 +254,13 @@ class SourceCheckpoint:
             return None if target.ep == 1 else f"has no experts, so the target ep must be 1 (got ep={target.ep})"
         return experts.ep_problem(target.ep)
 
-    def source_files(self, rank: int) -> list[str]:
+    def source_files(self, rank: int, target: Topology | None) -> list[str]:
         """The files of one source rank (the model-states file of a TP rank belongs to its dp
-        rank 0 under ZeRO-1/2)."""
+        rank 0 under ZeRO-1/2), with the layer files it reads for `target` (`layer_file_names`)."""
         files = [self.optim_path(rank)]
         if self.spec.stage == 3 or self.spec.topology.coordinates(rank).dp == 0:
             files.append(self.model_path(rank))
-        return files + [os.path.join(self.tag_dir, name) for name in self.layer_file_names(rank)]
+        return files + [os.path.join(self.tag_dir, name) for name in self.layer_file_names(rank, target)]
 
 
 def refuse_experts(source: SourceCheckpoint, doing: str) -> None:

@@ -95,7 +95,7 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
     _, model_template, _, model_name = source.templates(at, target)  # a pipeline column's own
     tree = zero12_model_tree(source, layout, model_template)
     if target.stages is not None and (target.pp, target.tp) != (spec.topology.pp, spec.topology.tp):
-        _retarget_pipeline_stages(tree, spec, target, at.pp)
+        _retarget_pipeline_stages(tree, target, at.pp)
     if spec.tensor is not None:
         _reslice_tensor_parallel_model(tree, spec, target, at.tp)
     if spec.tensor is not None and spec.experts is not None:
@@ -103,7 +103,7 @@ def _zero12_model_file(source: SourceCheckpoint, target: Topology, rank: int, la
     return TargetFile(schema.model_file_name_of(target, rank, spec.stage), tree, model_name)
 
 
-def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) -> None:
+def _retarget_pipeline_stages(tree: dict, target: Topology, stage: int) -> None:
     """A stage file at another number of stages: its buffers (the target's, `Topology.stages`), and the
     model-parallel size (pp * tp) and pp degree as engine.py saves them, set as the deleted pipeline job set
     them (the pinned bytes of tests/test_pipeline_pinned.py), key order kept."""
@@ -112,23 +112,28 @@ def _retarget_pipeline_stages(tree: dict, spec, target: Topology, stage: int) ->
     tree["mp_world_size"] = target.pp * target.tp
     tree["checkpoint_parallel_dimensions"] = {**(tree.get("checkpoint_parallel_dimensions") or {}),
                                               "pp_degree": target.pp,
-                                              **({"tp_degree": target.tp} if spec.model_axis is not None else {})}
+                                              **({"tp_degree": target.tp} if _recut(target) else {})}
+
+
+def _recut(target: Topology) -> bool:
+    """Whether `target` re-cuts a pipeline save's layer files for another tp (`Topology.layer_files`)."""
+    return target.layer_files is not None and target.layer_files.recut
 
 
 def pipeline_layer_files(source: SourceCheckpoint, target: Topology, rank: int) -> list[TargetFile]:
-    """Under a pipeline tp change (spec.model_axis), the layer files target rank `rank` writes (dp rank 0 of
+    """Under a pipeline tp change (`Topology.layer_files`, re-cut), the layer files target rank `rank` writes (dp rank 0 of
     each (stage, model rank), module.py `save_state_dict` without checkpoint_parallel_write_pipeline): each
     layer of its stage as model rank 0's source file holds it (key order, non-tensor entries), every tensor a
     new one of its model rank's slice, filled from its layer space (reshard.layouts.model_axis.LayerFileSpace)
     in the layer file's dtype, its own storage, as torch.save of the cut clones the pipeline job saved
-    (deepspeed_pipeline.model_axis_layer_states). With tp kept, the same from spec.kept_layer_files (a node-local
+    (deepspeed_pipeline.model_axis_layer_states). With tp kept, the same from the kept layer files (a node-local
     job: each model rank's tensors whole), else none (the layer files are carried whole). A node-local job
-    names more writers (spec.layer_copies: a column's first rank on each node)."""
-    axis, at = source.spec.layer_axis, target.coordinates(rank)
-    if axis is None or (at.dp != 0 and not any(rank in copy for copy in source.spec.layer_copies)):
+    names more writers (`LayerFiles.copies`: a column's first rank on each node)."""
+    layer_files, at = target.layer_files, target.coordinates(rank)
+    if layer_files is None or (at.dp != 0 and not any(rank in copy for copy in layer_files.copies)):
         return []
-    files = []
-    for index, _, stage, template in source.layer_templates:
+    axis, files = layer_files.axis, []
+    for index, _, stage, template in layer_files.templates:
         if stage != at.pp:
             continue
         tree = copy.deepcopy(template)

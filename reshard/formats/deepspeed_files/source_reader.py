@@ -1,6 +1,6 @@
 """Reads partition slices from the source files one worker owns, at offsets, with pread.
 
-    reader = SourceReader.open(source, ranks=[0, 1])
+    reader = SourceReader.open(source, ranks=[0, 1], target=target)
     reader.read_batch([(1, ("optim", 0, "exp_avg"), 128, 4, view), ...])  # one round's reads
     reader.close()
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from reshard.files.byte_io import pread_exact
 from reshard.formats.deepspeed_files.deepspeed_inspect import source_rank_tensors
 from reshard.formats.deepspeed_files.deepspeed_spec import SourceCheckpoint
+from reshard.topology import Topology
 
 READ_THREADS = 4
 READ_PIECE = 8 << 20
@@ -31,15 +32,16 @@ class SourceReader:
     _pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def open(cls, source: SourceCheckpoint, ranks, *, trust_pickle: bool = False,
+    def open(cls, source: SourceCheckpoint, ranks, *, target: Topology | None, trust_pickle: bool = False,
              extra_slots: Callable[[SourceCheckpoint, int, dict], dict] | None = None) -> "SourceReader":
-        """Readers of source `ranks`. `extra_slots(source, rank, found)`: the slots the target reads
-        besides the checked partitions `found` ({slot: (path, TensorRef)}), such as a ZeRO stage
-        change's (reshard.formats.deepspeed_files.stage_change.StageChange.source_slots)."""
+        """Readers of source `ranks` for `target` (whose layer files may move through the plan,
+        `Topology.layer_files`; None: an export, which has none). `extra_slots(source, rank, found)`: the
+        slots the target reads besides the checked partitions `found` ({slot: (path, TensorRef)}), such as
+        a ZeRO stage change's (reshard.formats.deepspeed_files.stage_change.StageChange.source_slots)."""
         reader = cls()
         try:
             for rank in ranks:
-                found = source_rank_tensors(source, rank, trust_pickle=trust_pickle)
+                found = source_rank_tensors(source, rank, target=target, trust_pickle=trust_pickle)
                 if extra_slots is not None:
                     found.update(extra_slots(source, rank, found))
                 for slot, (path, ref) in found.items():
