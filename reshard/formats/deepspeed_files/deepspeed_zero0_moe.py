@@ -345,7 +345,9 @@ class Zero0MoeCheckpoint(SourceCheckpoint):
     def model_name(self, rank: int = 0) -> str:
         return MODEL
 
-    def source_files(self, rank: int) -> list[str]:
+    def source_files(self, rank: int, target: Topology | None = None) -> list[str]:
+        """Source rank `rank`'s files; `target` is SourceCheckpoint.source_files' (a pipeline's layer files
+        ride on it) and names nothing here."""
         if rank >= self.spec.topology.ep:  # dp ranks beyond the EP ranks save no file at stage 0
             return []
         return [self.optim_path(rank)] + ([self.model_path()] if rank == 0 else [])
