@@ -398,24 +398,14 @@ def _inspect_pipeline_pair(source_dir: str, destination: str, tag: str, trust_pi
     if target_pipe.tp != source_pipe.tp:
         return _with_model_axis_change(source, target, source_pipe, target_pipe, trust_pickle)
     if target_pipe.pp != source_pipe.pp:
-        known = {n for spec in source_pipe.stages for group in spec.names for n in group}
-        for spec in target_pipe.stages:
-            unknown = sorted({n for group in spec.names for n in group} - known)
-            if unknown:
-                raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}:"
-                                                                          f" it holds {unknown}, which no source stage"
-                                                                          " holds")
+        _refuse_unknown_parameters(source_pipe, target_pipe)
         target = _with_stages(target, target_stages(source_pipe, [[n for group in spec.names for n in group]
                                                                  for spec in target_pipe.stages],
                                                     [spec.buffer_names for spec in target_pipe.stages]))
     elif target.spec.columns != source.spec.columns:
         raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: its stages hold other "
                                               "parameters or param groups at the same number of stages")
-    for name in ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"):
-        if getattr(source.spec, name) != getattr(target.spec, name):
-            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
-                                                  f"({_clip(getattr(source.spec, name))} vs "
-                                                  f"{_clip(getattr(target.spec, name))})")
+    _refuse_differing_specs(source, target, ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"))
     return source, target
 
 
@@ -435,12 +425,7 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
                                               f"{target_pipe.tp}, the source's {source_pipe.tp}, and "
                                               f"{'the source' if not source_pipe.has_model_axis else 'it'} has no "
                                               "model axis (layer files without -model_XX)")
-    known = {n for spec in source_pipe.stages for group in spec.names for n in group}
-    for spec in target_pipe.stages:
-        unknown = sorted({n for group in spec.names for n in group} - known)
-        if unknown:
-            raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}: it "
-                                                                      f"holds {unknown}, which no source stage holds")
+    _refuse_unknown_parameters(source_pipe, target_pipe)
     layers = _layers_from_names(source_pipe, trust_pickle)
     rules, shapes = model_axis_plan(source_pipe, layers, target_pipe.tp, f"an output at tp {target_pipe.tp}")
     stages = target_stages(source_pipe, [[n for group in spec.names for n in group] for spec in target_pipe.stages],
@@ -448,11 +433,7 @@ def _with_model_axis_change(source: SourceCheckpoint, target: SourceCheckpoint, 
     source, layer_files = with_model_axis(source, source_pipe, rules, layers,
                                           _stage_bounds(target_pipe, layers.count), target_pipe.tp, trust_pickle)
     target = _with_stages(target, stages, layer_files)
-    for name in ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"):
-        if getattr(source.spec, name) != getattr(target.spec, name):
-            raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
-                                                  f"({_clip(getattr(source.spec, name))} vs "
-                                                  f"{_clip(getattr(target.spec, name))})")
+    _refuse_differing_specs(source, target, ("stage", "optimizer", "bf16_prefix", "lp_dtype", "streams"))
     return source, target
 
 
@@ -502,10 +483,7 @@ def _inspect_zero0_moe_pair(source_dir: str, destination: str, tag: str, trust_p
     experts per layer or param groups."""
     src = inspect_zero0_moe_checkpoint(source_dir, tag, trust_pickle=trust_pickle)
     dst = inspect_zero0_moe_checkpoint(destination, tag, trust_pickle=trust_pickle)
-    for name in ("optimizer", "lp_dtype", "wrapped", "orders"):
-        if getattr(src.spec, name) != getattr(dst.spec, name):
-            raise CheckpointError(dst.tag_dir, f"is not a reshard of {src.tag_dir}: {name} differs "
-                                               f"({_clip(getattr(src.spec, name))} vs {_clip(getattr(dst.spec, name))})")
+    _refuse_differing_specs(src, dst, ("optimizer", "lp_dtype", "wrapped", "orders"))
     if src.num_experts != dst.num_experts:
         raise CheckpointError(dst.tag_dir, f"is not a reshard of {src.tag_dir}: experts per MoE layer differ "
                                            f"({list(src.num_experts)} vs {list(dst.num_experts)})")
@@ -529,12 +507,27 @@ def _whole_file_problems(source: SourceCheckpoint, target: SourceCheckpoint) -> 
 
 
 def _check_same_model(source: SourceCheckpoint, target: SourceCheckpoint) -> None:
-    a, b = source.spec, target.spec
-    for name in ("stage", "optimizer", "bf16_prefix", "params", "groups", "round_robin", "param_alignment",
-                 "lp_dtype", "streams", "frozen"):
-        if getattr(a, name) != getattr(b, name):
+    _refuse_differing_specs(source, target, ("stage", "optimizer", "bf16_prefix", "params", "groups", "round_robin",
+                                             "param_alignment", "lp_dtype", "streams", "frozen"))
+
+
+def _refuse_differing_specs(source: SourceCheckpoint, target: SourceCheckpoint, names) -> None:
+    """CheckpointError naming the output where its spec's field `name` (of `names`) is not the source's."""
+    for name in names:
+        if getattr(source.spec, name) != getattr(target.spec, name):
             raise CheckpointError(target.tag_dir, f"is not a reshard of {source.tag_dir}: {name} differs "
-                                                  f"({_clip(getattr(a, name))} vs {_clip(getattr(b, name))})")
+                                                  f"({_clip(getattr(source.spec, name))} vs "
+                                                  f"{_clip(getattr(target.spec, name))})")
+
+
+def _refuse_unknown_parameters(source_pipe, target_pipe) -> None:
+    """CheckpointError naming the output stage's model-states file that holds a parameter no source stage holds."""
+    known = {n for spec in source_pipe.stages for group in spec.names for n in group}
+    for spec in target_pipe.stages:
+        unknown = sorted({n for group in spec.names for n in group} - known)
+        if unknown:
+            raise CheckpointError(target_pipe.model_path(spec.index), f"is not a reshard of {source_pipe.tag_dir}: it "
+                                                                      f"holds {unknown}, which no source stage holds")
 
 
 def _layers_from_names(source, trust_pickle: bool = False):
